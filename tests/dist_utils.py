@@ -1,0 +1,85 @@
+"""Spawn CPU ranks with gloo (the DeepSpeed CPU accelerator) and collect what each returns.
+
+Usage in a test::
+
+    results = run_ranks(2, my_fn, arg1, arg2)   # my_fn(rank, world_size, *args) -> picklable
+
+`my_fn` must be a module-level function (it is pickled into the spawned process). Each rank gets
+MASTER_ADDR/PORT, RANK, LOCAL_RANK and WORLD_SIZE, and `deepspeed.init_distributed("gloo")` is
+called before `my_fn`, so `torch.distributed` and DeepSpeed engines work inside it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        out = fn(rank, world_size, *args)
+        # plain bytes: torch tensors put on an mp queue would live in this process's shared memory
+        queue.put((rank, "ok", pickle.dumps(out)))
+    except BaseException:  # report any failure to the parent instead of hanging it
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 600.0) -> list[Any]:
+    """Run fn(rank, world_size, *args) on `world_size` spawned gloo ranks; return results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "error":
+                errors.append(f"rank {rank}:\n{payload}")
+                break  # the other ranks may be stuck in a collective
+            results[rank] = pickle.loads(payload)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

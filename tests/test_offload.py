@@ -1,0 +1,352 @@
+"""Checkpointing with offload of layer inputs: policy, host pool, and exactness against no checkpointing."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from ulysses_trainer.errors import ConfigError
+from ulysses_trainer.levers.offload import (
+    GIB,
+    HostPool,
+    LayerCheckpointer,
+    detect_host_memory_gb,
+    host_bytes_needed,
+    plan_offload,
+)
+
+# --------------------------------------------------------------------------------------------
+# Policy and arithmetic
+
+
+def test_plan_offload_fixed_policies():
+    assert plan_offload(False, 5, 10, 0, 0) == []
+    assert plan_offload(True, 5, 10, 0, 0) == [0, 1, 2, 3, 4]
+    assert plan_offload(0, 5, 10, 0, 0) == []
+    assert plan_offload(3, 5, 10, 0, 0) == [0, 1, 2]  # the earliest layers: their backward comes last
+    assert plan_offload(5, 5, 10, 0, 0) == [0, 1, 2, 3, 4]
+
+
+def test_plan_offload_auto():
+    # budget = free - reserve; keep floor(budget / bytes_per_layer) of the last layers on the device.
+    assert plan_offload("auto", 5, 10, 100, 60) == [0]  # budget 40: 4 stay, layer 0 goes
+    assert plan_offload("auto", 5, 10, 100, 75) == [0, 1, 2]  # budget 25: 2 stay
+    assert plan_offload("auto", 5, 10, 110, 60) == []  # budget 50: all 5 fit exactly
+    assert plan_offload("AUTO", 5, 10, 10**12, 0) == []  # loose
+    assert plan_offload("auto", 5, 10, 100, 95) == [0, 1, 2, 3, 4]  # budget 5: none fits
+    assert plan_offload("auto", 5, 10, 100, 200) == [0, 1, 2, 3, 4]  # negative budget
+
+
+@pytest.mark.parametrize("bad", [-1, 6, "sometimes", 2.5])
+def test_plan_offload_rejects_bad_policy(bad):
+    with pytest.raises(ConfigError, match="0 to 5"):
+        plan_offload(bad, 5, 10, 100, 0)
+
+
+def test_host_bytes_needed():
+    assert host_bytes_needed(3, 2, 100, 64, 2) == 3 * 2 * 100 * 64 * 2
+    assert host_bytes_needed(0, 2, 100, 64, 2) == 0
+    with pytest.raises(ConfigError, match="local_seq"):
+        host_bytes_needed(3, 2, -1, 64, 2)
+
+
+def test_detect_host_memory_gb():
+    gb = detect_host_memory_gb()
+    with open("/proc/meminfo") as f:
+        total_kib = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
+    assert 0 < gb <= total_kib / 1024**2 + 1e-9
+
+
+# --------------------------------------------------------------------------------------------
+# Host pool
+
+
+def test_host_pool_slots_are_disjoint_views_of_one_buffer():
+    pool = HostPool(host_memory_gb=1.0)
+    pool.allocate(slot_bytes=5000, num_slots=3, pin=False)
+    assert pool.allocations == 1
+    assert pool.slot_stride == 8192 and pool.nbytes == 3 * 8192  # 5000 rounded up to whole pages
+    base = pool.buffer.data_ptr()
+    assert base % 4096 == 0
+    spans = []
+    for k in range(3):
+        s = pool.slot(k)
+        assert s.numel() == 5000 and s.dtype == torch.uint8
+        assert s.untyped_storage().data_ptr() == pool.buffer.untyped_storage().data_ptr()  # a view
+        spans.append((s.data_ptr() - base, s.data_ptr() - base + s.numel()))
+    for prev, nxt in zip(spans, spans[1:]):
+        assert prev[1] <= nxt[0]
+    assert spans[-1][1] <= pool.nbytes
+    # Writing one slot leaves the others untouched.
+    for k in range(3):
+        pool.slot(k).fill_(k + 1)
+    assert [int(pool.slot(k).float().mean()) for k in range(3)] == [1, 2, 3]
+    # A request that fits is a no-op; a larger one raises (shapes are fixed per run).
+    pool.allocate(4000, 2, pin=False)
+    assert pool.allocations == 1
+    with pytest.raises(RuntimeError, match="3 slots of 5000 bytes"):
+        pool.allocate(6000, 3, pin=False)
+    with pytest.raises(IndexError):
+        pool.slot(3)
+
+
+def test_host_pool_refuses_more_than_the_host_has():
+    pool = HostPool(host_memory_gb=0.001)  # 1073741 bytes
+    with pytest.raises(ConfigError) as e:
+        pool.allocate(slot_bytes=1 << 20, num_slots=4, pin=False)
+    msg = str(e.value)
+    assert str(4 * (1 << 20)) in msg and str(int(0.001 * GIB)) in msg
+    assert "fewer layers" in msg and "sp" in msg and "host_memory_gb" in msg
+    assert pool.buffer is None and pool.allocations == 0
+    # Split among the ranks of one host.
+    assert HostPool(host_memory_gb=8.0, ranks_per_host=4).budget_bytes == 2 * GIB
+    with pytest.raises(ConfigError):
+        HostPool(host_memory_gb=-1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpointing a tiny Qwen3
+
+
+def _tiny_qwen3(num_layers: int = 4) -> nn.Module:
+    cfg = transformers.Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(cfg)
+
+
+def _wire(model: nn.Module, ckpt: LayerCheckpointer | None) -> None:
+    for i, layer in enumerate(model.model.layers):
+        layer.gradient_checkpointing = ckpt is not None
+        if ckpt is not None:
+            layer._gradient_checkpointing_func = ckpt.for_layer(i)
+
+
+def _loss_and_grads(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_close(loss, grads, ref_loss, ref_grads, tol=1e-5):
+    assert abs(loss.item() - ref_loss.item()) <= tol * abs(ref_loss.item())
+    assert grads.keys() == ref_grads.keys()
+    for n, g in grads.items():
+        rel = (g.float() - ref_grads[n].float()).norm() / ref_grads[n].float().norm().clamp_min(1e-30)
+        assert rel <= tol, f"{n}: rel err {rel:.3e}"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = _tiny_qwen3().train()
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    _wire(model, None)
+    return model, ids, _loss_and_grads(model, ids)
+
+
+@pytest.mark.parametrize("offload, sync_fetches, prefetches", [
+    ([], 0, 0),
+    ([0, 1], 0, 2),  # layer 2 (on device) prefetches 1, layer 1 prefetches 0
+    ([1, 3], 1, 1),  # 3 is fetched when needed; layer 2 prefetches 1
+    ([0, 1, 2, 3], 1, 3),  # only the first backward (layer 3) waits for its fetch
+])
+def test_checkpointed_qwen3_matches_plain(tiny, offload, sync_fetches, prefetches):
+    model, ids, (ref_loss, ref_grads) = tiny
+    ckpt = LayerCheckpointer(4, offload, HostPool(host_memory_gb=1.0))
+    _wire(model, ckpt)
+    try:
+        loss, grads = _loss_and_grads(model, ids)
+    finally:
+        _wire(model, None)
+    # The layers really went through the checkpointer: one no-grad forward and one recompute each.
+    assert ckpt.forward_calls == [1] * 4 and ckpt.recompute_calls == [1] * 4
+    assert (ckpt.sync_fetches, ckpt.prefetches) == (sync_fetches, prefetches)
+    assert ckpt.pool.allocations == (1 if offload else 0)
+    if offload:
+        assert ckpt.pool.slot_bytes == 2 * 24 * 64 * 4  # [b, s, h] fp32
+    _assert_close(loss, grads, ref_loss, ref_grads)
+
+
+def test_backward_reads_the_host_copy(tiny):
+    """Corrupting the host slot between forward and backward must change the gradients."""
+    model, ids, (ref_loss, ref_grads) = tiny
+    ckpt = LayerCheckpointer(4, [2], HostPool(host_memory_gb=1.0))
+    _wire(model, ckpt)
+    try:
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        host = ckpt.state(2).host
+        assert host.shape == (2, 24, 64)
+        assert host.untyped_storage().data_ptr() == ckpt.pool.buffer.untyped_storage().data_ptr()
+        host.mul_(1.5)
+        loss.backward()
+    finally:
+        _wire(model, None)
+    g = model.model.layers[2].mlp.down_proj.weight.grad
+    ref = ref_grads["model.layers.2.mlp.down_proj.weight"]
+    assert (g - ref).norm() / ref.norm() > 1e-3
+
+
+def test_second_forward_before_backward_raises_but_skipped_backward_is_fine(tiny):
+    model, ids, (ref_loss, ref_grads) = tiny
+    ckpt = LayerCheckpointer(4, [0, 1, 2, 3], HostPool(host_memory_gb=1.0))
+    _wire(model, ckpt)
+    try:
+        first = model(input_ids=ids, labels=ids).loss
+        second = model(input_ids=ids, labels=ids).loss
+        with pytest.raises(RuntimeError, match="overwritten by a later forward"):
+            first.backward()
+        del first, second
+        # A forward whose backward never ran (e.g. a skipped step) leaves nothing behind.
+        model(input_ids=ids, labels=ids)
+        loss, grads = _loss_and_grads(model, ids)
+    finally:
+        _wire(model, None)
+    assert ckpt.pool.allocations == 1
+    _assert_close(loss, grads, ref_loss, ref_grads)
+
+
+class _TupleLayer(nn.Module):
+    """Returns (hidden, extra) and takes a second positional tensor that needs grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, scale: torch.Tensor, *, shift: torch.Tensor):
+        out = torch.tanh(self.lin(h) * scale + shift)
+        return out, "not a tensor"
+
+
+@pytest.mark.parametrize("offload", [[], [0]])
+@pytest.mark.parametrize("input_needs_grad", [True, False])
+def test_tuple_outputs_extra_args_and_frozen_input(offload, input_needs_grad):
+    torch.manual_seed(0)
+    layer = _TupleLayer()
+    x = torch.randn(3, 5, 8, requires_grad=input_needs_grad)
+    scale = torch.randn(8, requires_grad=True)
+    shift = torch.randn(8)  # bound in kwargs, like HF's position embeddings
+
+    def run(fn):
+        layer.zero_grad(set_to_none=True)
+        for t in (x, scale):
+            t.grad = None
+        out, extra = fn(lambda h, s: layer(h, s, shift=shift), x, scale)
+        assert extra == "not a tensor"
+        (out**2).sum().backward()
+        return [t.grad for t in (layer.lin.weight, layer.lin.bias, scale, x)]
+
+    ref = run(lambda f, *a: f(*a))
+    ckpt = LayerCheckpointer(1, offload, HostPool(host_memory_gb=1.0))
+    got = run(ckpt.for_layer(0))
+    assert ckpt.recompute_calls == [1]
+    for g, r in zip(got, ref):
+        if r is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
+
+
+def test_invalid_offload_layers():
+    with pytest.raises(ConfigError, match="outside 0..3"):
+        LayerCheckpointer(4, [0, 4])
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (the H200): the same exactness with real streams, pinned memory and the memory saving
+
+needs_cuda = pytest.mark.gpu
+
+
+def _cuda_model(hidden: int, layers: int, dtype: torch.dtype) -> nn.Module:
+    cfg = transformers.Qwen3Config(
+        vocab_size=1024, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=hidden // 8, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(cfg).to(device="cuda", dtype=dtype).train()
+
+
+@needs_cuda
+def test_gpu_offload_matches_plain_fp32():
+    model = _cuda_model(256, 4, torch.float32)
+    ids = torch.randint(0, 1024, (2, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    _wire(model, None)
+    ref = _loss_and_grads(model, ids)
+    for offload in ([], [0, 1, 2, 3]):
+        ckpt = LayerCheckpointer(4, offload, HostPool(host_memory_gb=4.0))
+        _wire(model, ckpt)
+        got = _loss_and_grads(model, ids)
+        _wire(model, None)
+        assert ckpt.recompute_calls == [1] * 4
+        _assert_close(*got, *ref)
+
+
+@needs_cuda
+def test_gpu_copies_are_pinned_and_off_the_compute_stream(tmp_path):
+    layers, seq, hidden = 4, 2048, 256
+    model = _cuda_model(hidden, layers, torch.bfloat16)
+    ids = torch.randint(0, 1024, (1, seq), device="cuda")
+    ckpt = LayerCheckpointer(layers, range(layers), HostPool(host_memory_gb=4.0))
+    _wire(model, ckpt)
+    _loss_and_grads(model, ids)  # warm up: allocates the pool
+    assert ckpt.pool.pinned and ckpt.pool.buffer.is_pinned()
+    assert ckpt.side_stream is not None and ckpt.side_stream != torch.cuda.current_stream()
+    assert all(isinstance(ckpt.state(i).copy_event, torch.cuda.Event) for i in range(layers))
+    torch.cuda.synchronize()
+    assert all(ckpt.state(i).copy_event.query() for i in range(layers))
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _loss_and_grads(model, ids)
+        torch.cuda.synchronize()
+    _wire(model, None)
+    trace = os.path.join(tmp_path, "trace.json")
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    slot = seq * hidden * 2
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and e.get("args", {}).get("bytes") == slot]
+    kernel_streams = {e["args"]["stream"] for e in events
+                      if e.get("cat") == "kernel" and "stream" in e.get("args", {})}
+    d2h = [e for e in copies if "DtoH" in e["name"]]
+    h2d = [e for e in copies if "HtoD" in e["name"]]
+    assert len(d2h) == layers and len(h2d) == layers, [e["name"] for e in copies]
+    assert all("Pinned" in e["name"] for e in copies), [e["name"] for e in copies]
+    copy_streams = {e["args"]["stream"] for e in copies}
+    assert len(copy_streams) == 1 and not copy_streams & kernel_streams
+
+
+@needs_cuda
+def test_gpu_offload_lowers_peak_memory():
+    layers, seq, hidden = 8, 8192, 1024
+    model = _cuda_model(hidden, layers, torch.bfloat16)
+    ids = torch.randint(0, 1024, (1, seq), device="cuda")
+    ckpt_bytes = seq * hidden * 2
+
+    def peak(ckpt: LayerCheckpointer) -> int:
+        _wire(model, ckpt)
+        for _ in range(2):  # the first step allocates the grads and the pool
+            model.zero_grad(set_to_none=False)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            model(input_ids=ids, labels=ids).loss.backward()
+            torch.cuda.synchronize()
+        _wire(model, None)
+        return torch.cuda.max_memory_allocated() - base
+
+    on_device = peak(LayerCheckpointer(layers, []))
+    offloaded = peak(LayerCheckpointer(layers, range(layers), HostPool(host_memory_gb=8.0)))
+    # At most two layer inputs are on the device at once with offload (the current and the prefetch).
+    expected = (layers - 2) * ckpt_bytes
+    print(f"peak extra memory: on device {on_device / 2**20:.0f} MiB, offloaded {offloaded / 2**20:.0f} MiB, "
+          f"expected saving about {expected / 2**20:.0f} MiB")
+    assert on_device - offloaded >= expected / 2

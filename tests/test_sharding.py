@@ -1,0 +1,38 @@
+"""Sharding is pure: shift before slicing, pad to a multiple of sp, global positions, doc layout."""
+
+import pytest
+import torch
+
+from ulysses_trainer.parallel.sharding import IGNORE_INDEX, padded_length, shard_batch
+
+
+def test_shift_then_shard_loses_no_token():
+    ids = torch.arange(100, 110)[None]  # 10 tokens, sp=4 -> padded to 12
+    shards = [shard_batch(ids, sp_size=4, sp_rank=r) for r in range(4)]
+    labels = torch.cat([s.labels for s in shards], dim=1)[0]
+    assert labels.tolist() == list(range(101, 110)) + [IGNORE_INDEX] * 3
+    pos = torch.cat([s.position_ids for s in shards], dim=1)[0]
+    assert pos.tolist() == list(range(12))  # global, pads continue the last document
+    assert sum(s.num_valid for s in shards) == 9
+    assert all(s.input_ids.shape == (1, 3) for s in shards)
+
+
+def test_packed_documents_do_not_predict_across_boundaries():
+    ids = torch.arange(7)[None]
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1]])
+    s = shard_batch(ids, position_ids=pos, sp_size=1, sp_rank=0)
+    assert s.labels[0].tolist() == [1, 2, IGNORE_INDEX, 4, IGNORE_INDEX, 6, IGNORE_INDEX]
+    assert s.cu_seqlens.tolist() == [0, 3, 5, 7] and s.max_seqlen == 3 and s.packed
+
+
+def test_batch_rows_are_documents():
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    s = shard_batch(ids, sp_size=2, sp_rank=1, pad_to_multiple_of=4)
+    assert s.input_ids.shape == (2, 4)  # 6 -> 8, half each
+    assert s.cu_seqlens.tolist() == [0, 8, 16] and not s.packed
+
+
+def test_padded_length_and_bad_rank():
+    assert padded_length(37, 4, 16) == 48 and padded_length(40, 8) == 40 and padded_length(1, 3, 2) == 6
+    with pytest.raises(ValueError, match="sp_rank"):
+        shard_batch(torch.zeros(1, 4, dtype=torch.long), sp_size=2, sp_rank=2)

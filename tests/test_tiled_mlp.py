@@ -1,0 +1,130 @@
+"""Tiled MLP against the untiled HF MLP: alone (CPU, fp32) and inside a DeepSpeed ZeRO-3 engine."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
+
+from tests.dist_utils import run_ranks
+from ulysses_trainer.errors import ConfigError
+from ulysses_trainer.levers.tiled_mlp import TiledMLP, auto_num_tiles
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def tiny_config(vocab_size: int = 1000) -> Qwen3Config:
+    return Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+
+
+def run_mlp(mlp: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor):
+    mlp.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    y = mlp(x)
+    y.backward(grad_out)
+    grads = {n: p.grad.clone() for n, p in mlp.named_parameters()}
+    return y.detach(), x.grad, grads
+
+
+@pytest.mark.parametrize("num_tiles,shape", [(1, (2, 50)), (3, (2, 50)), (7, (2, 50)), (7, (1, 5))])
+def test_tiled_matches_untiled(num_tiles, shape):
+    torch.manual_seed(0)
+    ref_mlp = Qwen3MLP(tiny_config())
+    tiled = TiledMLP(copy.deepcopy(ref_mlp), num_tiles)  # (1, 5) with 7 tiles: two tiles are empty
+    x = torch.randn(*shape, 64)
+    grad_out = torch.randn(*shape, 64)
+    y_ref, gx_ref, gw_ref = run_mlp(ref_mlp, x, grad_out)
+    y, gx, gw = run_mlp(tiled, x, grad_out)
+    assert y.shape == y_ref.shape and gx.shape == x.shape
+    assert rel(y, y_ref) <= 1e-6
+    assert rel(gx, gx_ref) <= 1e-6
+    assert gw.keys() == gw_ref.keys() == {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+    for name in gw_ref:
+        assert rel(gw[name], gw_ref[name]) <= 1e-6, name
+
+
+def test_weight_grads_when_input_needs_none():
+    torch.manual_seed(1)
+    ref_mlp = Qwen3MLP(tiny_config())
+    tiled = TiledMLP(copy.deepcopy(ref_mlp), 4)
+    x = torch.randn(1, 30, 64)  # no requires_grad: the weights still need theirs
+    ref_mlp(x).square().sum().backward()
+    tiled(x).square().sum().backward()
+    for (name, p), q in zip(ref_mlp.named_parameters(), tiled.parameters()):
+        assert rel(q.grad, p.grad) <= 1e-6, name
+
+
+def test_state_dict_keys_unchanged_and_bad_input():
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(tiny_config())
+    keys = list(model.state_dict().keys())
+    for layer in model.model.layers:
+        layer.mlp = TiledMLP(layer.mlp, 3)
+    assert list(model.state_dict().keys()) == keys
+    assert "model.layers.0.mlp.gate_proj.weight" in keys
+    with pytest.raises(ConfigError, match="tiled_mlp: false"):
+        TiledMLP(torch.nn.Linear(4, 4), 2)
+    with pytest.raises(ConfigError, match="int >= 1"):
+        TiledMLP(Qwen3MLP(tiny_config()), 0)
+
+
+def test_auto_num_tiles():
+    assert auto_num_tiles(131_072, 2560, 9728) == 16  # Qwen3-4B: ceil(4 * 9728 / 2560)
+    assert auto_num_tiles(131_072, 5120, 25600) == 20  # Qwen3-32B
+    assert auto_num_tiles(5, 2560, 9728) == 5  # never more tiles than rows
+    assert auto_num_tiles(1, 64, 8) == 1
+
+
+def _engine_grads(rank, world, tiled):
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(0)  # the same initial weights on every rank and in both runs
+    model = Qwen3ForCausalLM(tiny_config())
+    if tiled:
+        for layer in model.model.layers:
+            layer.mlp = TiledMLP(layer.mlp, 3)
+    config = {
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
+        "zero_allow_untested_optimizer": True,
+        # Partition even tiny parameters (so each tile really all-gathers) and use small buckets
+        # (so reductions happen between tiles).
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "reduce_bucket_size": 20_000, "stage3_prefetch_bucket_size": 20_000},
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                      config=config)
+    g = torch.Generator().manual_seed(100 + rank)  # different data per rank
+    ids = torch.randint(0, 1000, (1, 37), generator=g)
+    out = engine(input_ids=ids, labels=ids)
+    engine.backward(out.loss)
+    # numpy, not tensors: tensors cross the result queue as shared memory that dies with this process
+    grads = {n: safe_get_full_grad(p).numpy().copy() for n, p in engine.module.named_parameters()}
+    engine.step()
+    return out.loss.item(), grads
+
+
+def _tiled_vs_untiled(rank, world):
+    return _engine_grads(rank, world, tiled=False), _engine_grads(rank, world, tiled=True)
+
+
+def test_tiled_matches_untiled_under_zero3():
+    results = [[(loss, {n: torch.from_numpy(g) for n, g in grads.items()}) for loss, grads in rank_out]
+               for rank_out in run_ranks(2, _tiled_vs_untiled)]
+    for (loss_ref, grads_ref), (loss, grads) in results:
+        assert abs(loss - loss_ref) <= 1e-5 * abs(loss_ref)
+        assert grads.keys() == grads_ref.keys()
+        mlp_names = [n for n in grads if ".mlp." in n]
+        assert len(mlp_names) == 6  # 2 layers x (gate, up, down)
+        for name in grads:  # the MLP weights, and everything upstream of them
+            assert rel(grads[name], grads_ref[name]) <= 1e-5, name
+    assert rel(results[0][1][1]["model.layers.0.mlp.up_proj.weight"],
+               results[1][1][1]["model.layers.0.mlp.up_proj.weight"]) <= 1e-6  # reduced: same on both ranks

@@ -1,0 +1,1 @@
+"""Attention kernels behind the Ulysses all-to-all: SDPA, flash-attn 2, flash-attn 4."""

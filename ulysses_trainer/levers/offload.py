@@ -1,0 +1,476 @@
+"""Activation checkpointing of decoder layers, with each layer's saved input optionally on the host.
+
+Checkpointed, a decoder layer keeps only its input hidden states [b, s, h] for backward and
+recomputes the rest. At long sequence lengths those inputs, one per layer, are what is left of the
+activation memory; offloading them to pinned host memory frees the device for longer sequences.
+
+- `plan_offload` picks which layers offload: the earliest ones, whose backward runs last, so the
+  host->device prefetch has the most time, and the later layers stay on the device.
+- `HostPool` is one page-locked host buffer carved into per-layer slots.
+- `LayerCheckpointer.for_layer(i)` is the function that a Hugging Face decoder layer
+  (transformers' GradientCheckpointingLayer) calls as `_gradient_checkpointing_func(run_fn, hidden)`.
+
+Copies run on a side CUDA stream, never on the compute stream: device->host in forward, overlapped
+with the next layers; host->device in backward, one layer ahead of the layer being recomputed.
+On CPU there are no streams and the "host" copy is a plain copy, so CPU tests exercise the logic.
+
+Recompute is reentrant style, like torch.utils.checkpoint(use_reentrant=True): backward calls the
+layer's forward again, so DeepSpeed ZeRO-3 re-gathers the sub-modules' parameters through its
+module hooks, exactly as it does for reentrant checkpointing. No RNG state is replayed: Qwen3's
+decoder layers have no dropout, so the recompute is deterministic without it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+
+GIB = 1024**3
+# Slots start on page boundaries: each slot is whole pages, and any dtype view of it is aligned.
+_SLOT_ALIGN = 4096
+# Kept free when the host memory is detected rather than given: the OS, the dataloader, DeepSpeed.
+_MARGIN_FRACTION = 0.10
+_MARGIN_MIN_BYTES = 4 * GIB
+
+CheckpointFn = Callable[..., Any]
+
+
+# --------------------------------------------------------------------------------------------
+# Policy and arithmetic
+
+
+def host_bytes_needed(offload_layers: int, batch: int, local_seq: int, hidden: int, dtype_bytes: int) -> int:
+    """Host bytes that `offload_layers` offloaded layer inputs of [batch, local_seq, hidden] take."""
+    for name, v in (("offload_layers", offload_layers), ("batch", batch), ("local_seq", local_seq),
+                    ("hidden", hidden), ("dtype_bytes", dtype_bytes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"host_bytes_needed: {name} must be an int >= 0, got {v!r}")
+    return offload_layers * batch * local_seq * hidden * dtype_bytes
+
+
+def plan_offload(policy: bool | int | str, num_layers: int, bytes_per_layer: int, free_device_bytes: int,
+                 reserve_bytes: int) -> list[int]:
+    """Layer indices whose checkpointed input goes to the host (the `activation_offload` field).
+
+    False: none. True: all. int n: the first n layers (their backward comes last, which gives the
+    prefetch the most time; later layers keep their input on the device). "auto": as few of the
+    first layers as needed so that the device-resident inputs fit in free_device_bytes - reserve_bytes
+    (all of them if even none fit).
+    """
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
+        raise ConfigError(f"num_layers must be an int >= 0, got {num_layers!r}")
+    if policy is False:
+        return []
+    if policy is True:
+        return list(range(num_layers))
+    if isinstance(policy, int):
+        if not 0 <= policy <= num_layers:
+            raise ConfigError(
+                f"activation_offload={policy} is out of range: give an int from 0 to {num_layers} "
+                f"(the model's layer count), or true, false or auto")
+        return list(range(policy))
+    if isinstance(policy, str) and policy.strip().lower() == "auto":
+        if bytes_per_layer < 0:
+            raise ConfigError(f"bytes_per_layer must be >= 0, got {bytes_per_layer}")
+        budget = free_device_bytes - reserve_bytes
+        if bytes_per_layer == 0:
+            return []
+        if budget < 0:
+            return list(range(num_layers))
+        keep = min(num_layers, budget // bytes_per_layer)  # layers whose input fits on the device
+        return list(range(num_layers - keep))
+    raise ConfigError(
+        f"activation_offload must be true, false, auto or an int from 0 to {num_layers}, got {policy!r}")
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+
+
+def _cgroup_available_bytes() -> int | None:
+    # A container's memory limit is not visible in /proc/meminfo, which reports the whole machine.
+    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, usage = _read_int(limit_path), _read_int(usage_path)
+        if limit is not None and usage is not None and limit < 1 << 60:  # v1 writes a huge number
+            return max(0, limit - usage)
+    return None
+
+
+def detect_host_memory_gb() -> float:
+    """Host memory available now, in GiB: MemAvailable (or psutil), capped by a cgroup limit if any.
+
+    Some VMs start with a small MemTotal that grows as memory is used; there the figure is too low
+    and the user sets host_memory_gb instead.
+    """
+    avail: int | None = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024  # the kernel's "kB" is KiB
+                    break
+    except OSError:
+        pass
+    if avail is None:
+        import psutil
+
+        avail = int(psutil.virtual_memory().available)
+    cgroup = _cgroup_available_bytes()
+    if cgroup is not None:
+        avail = min(avail, cgroup)
+    return avail / GIB
+
+
+# --------------------------------------------------------------------------------------------
+# Host pool
+
+
+def _unpin(buffer: Tensor) -> None:
+    # No copy may still be reading or writing the pages when they are unpinned.
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+class HostPool:
+    """One page-locked host buffer, sized once for num_slots x slot_bytes, carved into slots by view.
+
+    Why not torch.empty(..., pin_memory=True), per tensor or even once: PyTorch's pinned caching
+    allocator rounds every allocation up to a power of two, so a 2.3 GB checkpoint takes a 4 GB
+    block and an 83 GB pool takes 128 GB, up to twice the host memory. Instead the pool allocates
+    ordinary memory of exactly the size needed and page-locks it with cudaHostRegister, which pins
+    exactly those pages; copies to and from it are then asynchronous DMA like any pinned memory.
+    Without CUDA (or pin=False) the buffer is plain memory.
+
+    The budget: host_memory_gb when given (the host RAM the offload may use on this host), else
+    the available memory detected when the pool is made, less a safety margin. Either is shared
+    evenly by the ranks_per_host ranks of one host, each of which makes its own pool. So make the
+    pool after the big host allocations (the DeepSpeed engine) and before the first forward.
+
+    Shapes are fixed per run, so the pool never grows: a later request for larger slots raises.
+    Smaller inputs use a prefix of their slot. Pre-allocate with the largest shape when lengths vary.
+    """
+
+    def __init__(self, host_memory_gb: float | None = None, ranks_per_host: int = 1) -> None:
+        if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or ranks_per_host < 1:
+            raise ConfigError(f"ranks_per_host must be an int >= 1, got {ranks_per_host!r}")
+        if host_memory_gb is not None:
+            if host_memory_gb <= 0:
+                raise ConfigError(f"host_memory_gb must be > 0, got {host_memory_gb}")
+            host_bytes = int(host_memory_gb * GIB)
+            self.budget_source = f"host_memory_gb={host_memory_gb}"
+        else:
+            avail = int(detect_host_memory_gb() * GIB)
+            host_bytes = max(0, avail - max(_MARGIN_MIN_BYTES, int(_MARGIN_FRACTION * avail)))
+            self.budget_source = (f"detected {avail / GIB:.1f} GiB available, less a "
+                                  f"{(avail - host_bytes) / GIB:.1f} GiB safety margin")
+        if ranks_per_host > 1:
+            self.budget_source += f", shared by {ranks_per_host} ranks on this host"
+        self.budget_bytes = host_bytes // ranks_per_host  # this rank's share
+        self.buffer: Tensor | None = None
+        self.pinned = False
+        self.slot_bytes = 0  # the largest input a slot holds
+        self.slot_stride = 0  # slot_bytes rounded up to _SLOT_ALIGN
+        self.num_slots = 0
+        self.allocations = 0  # host allocations made (at most one)
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def allocate(self, slot_bytes: int, num_slots: int, pin: bool | None = None) -> None:
+        """Allocate the buffer once; pin defaults to whether CUDA is available.
+
+        Calling again with slots that fit in the allocated ones is a no-op; larger ones raise.
+        """
+        if slot_bytes < 0 or num_slots < 0:
+            raise ValueError(f"slot_bytes and num_slots must be >= 0, got {slot_bytes}, {num_slots}")
+        if self.buffer is not None:
+            if slot_bytes > self.slot_bytes or num_slots > self.num_slots:
+                raise RuntimeError(
+                    f"activation offload host pool holds {self.num_slots} slots of {self.slot_bytes} bytes, "
+                    f"but {num_slots} slots of {slot_bytes} bytes are needed now. Shapes are fixed per run: "
+                    f"pad every batch to the same length (max_length), or allocate the pool up front for "
+                    f"the largest shape with HostPool.allocate(slot_bytes, num_slots)")
+            return
+        stride = -(-slot_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
+        need = stride * num_slots
+        if need > self.budget_bytes:
+            raise ConfigError(
+                f"activation offload needs {need} bytes ({need / GIB:.2f} GiB) of pinned host memory "
+                f"({num_slots} layers x {slot_bytes} bytes) but only {self.budget_bytes} bytes "
+                f"({self.budget_bytes / GIB:.2f} GiB) are available to this rank ({self.budget_source}). "
+                f"Fix: offload fewer layers (activation_offload: auto or a smaller int), use more sp "
+                f"ranks (each rank then holds a shorter slice of the sequence), or set host_memory_gb if "
+                f"this VM under-reports its memory")
+        pin = torch.cuda.is_available() if pin is None else pin
+        raw = torch.empty(need + _SLOT_ALIGN, dtype=torch.uint8)  # pageable; pinned in place below
+        start = -raw.data_ptr() % _SLOT_ALIGN
+        buffer = raw[start:start + need]  # page-aligned view, keeps raw alive
+        if pin and need > 0:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), need, 0))
+            self._finalizer = weakref.finalize(self, _unpin, buffer)
+            self._finalizer.atexit = False  # at exit the process's pages go back anyway
+        self.buffer = buffer
+        self.pinned = pin
+        self.slot_bytes, self.slot_stride, self.num_slots = slot_bytes, stride, num_slots
+        self.allocations += 1
+
+    def slot(self, k: int) -> Tensor:
+        """Slot k as a uint8 view of slot_bytes; no two slots overlap."""
+        if self.buffer is None:
+            raise RuntimeError("HostPool.slot called before allocate")
+        if not 0 <= k < self.num_slots:
+            raise IndexError(f"slot {k} out of range 0..{self.num_slots - 1}")
+        start = k * self.slot_stride
+        return self.buffer[start:start + self.slot_bytes]
+
+    def close(self) -> None:
+        """Unpin and drop the buffer; no copy may be in flight (it synchronizes the device first)."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self.buffer = None
+        self.pinned = False
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpointing
+
+
+def _first(out: Any) -> tuple[Tensor, tuple | None]:
+    # HF 5.x decoder layers return the hidden states; older ones a tuple led by them.
+    if isinstance(out, Tensor):
+        return out, None
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+        return out[0], tuple(out[1:])
+    raise TypeError(f"checkpointed layer must return a tensor or a tuple led by one, got {type(out)}")
+
+
+def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
+    # Recompute under the same autocast as forward, on the input's device and on the CPU.
+    types = [device_type] if device_type == "cpu" else [device_type, "cpu"]
+    return [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types]
+
+
+class _AutocastAll:
+    """Enter several torch.autocast contexts as one."""
+
+    def __init__(self, state: list[tuple[str, bool, torch.dtype]]) -> None:
+        self.contexts = [torch.autocast(t, dtype=d, enabled=e) for t, e, d in state]
+
+    def __enter__(self) -> None:
+        for c in self.contexts:
+            c.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for c in reversed(self.contexts):
+            c.__exit__(*exc)
+
+
+@dataclass
+class _OffloadState:
+    """One offloaded layer: its host slot as the input's shape, and the copies in flight."""
+
+    generation: int = 0  # forwards so far; ties the slot's contents to one autograd node
+    host: Tensor | None = None  # slot view, input dtype and shape
+    device: torch.device | None = None
+    copy_event: Any = None  # device->host copy done (CUDA event), for tests and inspection
+    prefetch: tuple[int, Tensor, Any] | None = None  # (generation, device tensor, copy-done event)
+
+
+class _Holder:
+    """Carries the non-hidden outputs of a tuple-returning layer out of the Function."""
+
+    rest: tuple | None = None
+
+
+class _CheckpointFunction(torch.autograd.Function):
+    """Forward without a graph, saving only the layer input (device or host); backward recomputes."""
+
+    @staticmethod
+    def forward(ctx, ckpt: LayerCheckpointer, layer: int, run_fn: Callable, holder: _Holder,
+                _anchor: Tensor, hidden: Tensor, *args: Any) -> Tensor:
+        ctx.ckpt, ctx.layer, ctx.run_fn, ctx.args = ckpt, layer, run_fn, args
+        ctx.autocast = _autocast_state(hidden.device.type)
+        with torch.no_grad():
+            out, holder.rest = _first(run_fn(hidden, *args))
+        if layer in ckpt._states:
+            ctx.generation = ckpt._offload(layer, hidden)
+        else:
+            ctx.save_for_backward(hidden)
+        ckpt.forward_calls[layer] += 1
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        ckpt: LayerCheckpointer = ctx.ckpt
+        if ctx.layer in ckpt._states:
+            x = ckpt._take_input(ctx.layer, ctx.generation)
+        else:
+            (x,) = ctx.saved_tensors
+            ckpt._prefetch(ctx.layer - 1)
+        x = x.detach().requires_grad_(ctx.needs_input_grad[5])
+        args = [a.detach().requires_grad_(True) if isinstance(a, Tensor) and a.requires_grad else a
+                for a in ctx.args]
+        with torch.enable_grad():
+            with _AutocastAll(ctx.autocast):
+                out, _ = _first(ctx.run_fn(x, *args))
+            if out.requires_grad:
+                # Accumulates the layer's parameter gradients and fills x.grad (and ZeRO-3's hooks run).
+                torch.autograd.backward(out, grad_out)
+        ckpt.recompute_calls[ctx.layer] += 1
+        arg_grads = tuple(a.grad if isinstance(a, Tensor) and a.requires_grad else None for a in args)
+        return (None, None, None, None, None, x.grad if x.requires_grad else None, *arg_grads)
+
+
+class LayerCheckpointer:
+    """Checkpoint functions for the decoder layers; the offload_layers keep their input on the host.
+
+    Wiring, per decoder layer i::
+
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = checkpointer.for_layer(i)
+
+    One forward may be in flight per layer: a layer's host slot holds the input of its latest
+    forward, so backward must run before that layer's next forward (a skipped backward is fine;
+    two forwards followed by two backwards raise).
+    """
+
+    def __init__(self, num_layers: int, offload_layers: Iterable[int] = (), pool: HostPool | None = None):
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
+            raise ConfigError(f"num_layers must be an int >= 0, got {num_layers!r}")
+        layers = sorted(set(offload_layers))
+        bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
+        if bad:
+            raise ConfigError(f"offload layer indices {bad} are outside 0..{num_layers - 1}")
+        self.num_layers = num_layers
+        self.offload_layers = layers
+        self.pool = pool if pool is not None or not layers else HostPool()
+        self._slot = {layer: k for k, layer in enumerate(layers)}
+        self._states = {layer: _OffloadState() for layer in layers}
+        self.forward_calls = [0] * num_layers
+        self.recompute_calls = [0] * num_layers
+        self.sync_fetches = 0  # host->device copies started when the layer's backward needed them
+        self.prefetches = 0  # host->device copies started one layer ahead
+        self._side_stream: Any = None
+        # A leaf that needs grad, passed to every call: backward then runs (and parameter gradients
+        # accumulate) even when the hidden states themselves need no grad, e.g. frozen embeddings.
+        self._anchor = torch.empty(0, requires_grad=True)
+
+    def for_layer(self, i: int) -> CheckpointFn:
+        """The `_gradient_checkpointing_func` for decoder layer i: fn(run_fn, hidden, *args)."""
+        if not 0 <= i < self.num_layers:
+            raise IndexError(f"layer {i} out of range 0..{self.num_layers - 1}")
+
+        def checkpoint(run_fn: Callable, hidden: Tensor, *args: Any) -> Any:
+            if not torch.is_grad_enabled():  # no backward will come: nothing to save
+                return run_fn(hidden, *args)
+            holder = _Holder()
+            out = _CheckpointFunction.apply(self, i, run_fn, holder, self._anchor, hidden, *args)
+            return out if holder.rest is None else (out, *holder.rest)
+
+        return checkpoint
+
+    def state(self, layer: int) -> _OffloadState:
+        """The offload state of an offloaded layer (its slot view and copy events), for inspection."""
+        return self._states[layer]
+
+    @property
+    def side_stream(self) -> Any:
+        """The CUDA stream that carries the offload copies (None before the first CUDA copy)."""
+        return self._side_stream
+
+    # -- copies ---------------------------------------------------------------------------
+
+    def _side(self, device: torch.device) -> Any:
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=device)
+        return self._side_stream
+
+    def _offload(self, layer: int, hidden: Tensor) -> int:
+        """Start the copy of layer's input into its host slot; return the slot's new generation."""
+        st = self._states[layer]
+        st.generation += 1
+        st.prefetch = None  # left over from a backward that never ran
+        nbytes = hidden.numel() * hidden.element_size()
+        pool = self.pool
+        if pool.buffer is None:
+            pool.allocate(nbytes, len(self.offload_layers), pin=hidden.is_cuda)
+        elif nbytes > pool.slot_bytes or len(self.offload_layers) > pool.num_slots:
+            pool.allocate(nbytes, len(self.offload_layers))  # raises with the sizes
+        st.host = pool.slot(self._slot[layer])[:nbytes].view(hidden.dtype).view(hidden.shape)
+        st.device = hidden.device
+        src = hidden.contiguous()
+        if hidden.is_cuda:
+            side = self._side(hidden.device)
+            side.wait_stream(torch.cuda.current_stream(hidden.device))  # src is written on the compute stream
+            with torch.cuda.stream(side):
+                st.host.copy_(src, non_blocking=True)
+                st.copy_event = side.record_event()
+            # The compute stream may free src as soon as this returns; the allocator must not reuse
+            # its memory until the side stream's copy is done.
+            src.record_stream(side)
+        else:
+            st.host.copy_(src)
+        return st.generation
+
+    def _fetch(self, layer: int) -> tuple[Tensor, Any]:
+        """Start the host->device copy of layer's input; return the tensor and its copy-done event."""
+        st = self._states[layer]
+        assert st.host is not None and st.device is not None
+        if st.device.type != "cuda":
+            return st.host.to(st.device, copy=True), None
+        compute = torch.cuda.current_stream(st.device)
+        side = self._side(st.device)
+        # Allocated from the compute stream's pool, where it is used and freed.
+        x = torch.empty(st.host.shape, dtype=st.host.dtype, device=st.device)
+        # The block may have just been freed by compute work still queued: copy only after it.
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            x.copy_(st.host, non_blocking=True)
+            event = side.record_event()
+        x.record_stream(side)  # x may be dropped before the copy ends (backward abandoned)
+        return x, event
+
+    def _prefetch(self, layer: int) -> None:
+        """Start fetching layer's input ahead of its backward, if it is offloaded and not yet fetched."""
+        st = self._states.get(layer)
+        if st is None or st.host is None or (st.prefetch is not None and st.prefetch[0] == st.generation):
+            return
+        x, event = self._fetch(layer)
+        st.prefetch = (st.generation, x, event)
+        self.prefetches += 1
+
+    def _take_input(self, layer: int, generation: int) -> Tensor:
+        """Layer's input on the device for its backward, ordered on the compute stream; prefetch the next."""
+        st = self._states[layer]
+        if st.generation != generation:
+            raise RuntimeError(
+                f"layer {layer}'s offloaded input was overwritten by a later forward before this backward "
+                f"ran; with activation offload, run each backward before the next forward")
+        pf, st.prefetch = st.prefetch, None
+        if pf is not None and pf[0] == generation:
+            _, x, event = pf
+        else:
+            x, event = self._fetch(layer)
+            self.sync_fetches += 1
+        if event is not None:
+            torch.cuda.current_stream(x.device).wait_event(event)
+        self._prefetch(layer - 1)  # the next layer that backward will need, while this one recomputes
+        return x
+

@@ -1,0 +1,133 @@
+"""Sequence-tiled gated MLP: down(act(gate(x)) * up(x)) one tile of rows at a time.
+
+Untiled, a gated MLP holds four [rows, intermediate] tensors (gate, up, act, product), 3.8x as
+wide as the hidden size for Qwen3 and four of them: at long sequence lengths they dominate a
+layer's memory. Tiled, forward runs the tiles under no_grad and keeps only x; backward recomputes
+one tile at a time and backpropagates through it, so those tensors exist for one tile at a time.
+Each row is computed by the same ops as untiled, so results match the untiled MLP.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ConfigError
+
+# A gated MLP keeps about this many [rows, intermediate] tensors alive per tile (gate, up, act, product).
+_INTERMEDIATES_PER_ROW = 4
+
+
+def auto_num_tiles(seq_len: int, hidden_size: int, intermediate_size: int) -> int:
+    """Tiles such that one tile's intermediates are about the size of the MLP input.
+
+    One tile of r rows keeps ~4 * r * intermediate values; the input holds seq_len * hidden. Setting
+    them equal gives tiles = 4 * intermediate / hidden (16 for Qwen3-4B): the MLP then no longer
+    dominates the layer, and more tiles would only shrink it further below the other [seq, hidden]
+    tensors while making each matmul smaller. Capped at seq_len so that no tile is empty. A pure
+    function of the shapes, so every rank gets the same count for the same shapes.
+    """
+    if seq_len < 1 or hidden_size < 1 or intermediate_size < 1:
+        raise ValueError(f"shapes must be >= 1, got seq_len={seq_len}, hidden_size={hidden_size}, "
+                         f"intermediate_size={intermediate_size}")
+    tiles = math.ceil(_INTERMEDIATES_PER_ROW * intermediate_size / hidden_size)
+    return max(1, min(tiles, seq_len))
+
+
+def _set_grad_ready(params: list[nn.Parameter], ready: bool) -> None:
+    # DeepSpeed ZeRO reads this attribute in its gradient hook: while False it leaves the partial
+    # gradient on param.grad (to accumulate over tiles) instead of reducing it. Harmless elsewhere.
+    for p in params:
+        p.ds_grad_is_ready = ready
+
+
+class _TiledMLPFunction(torch.autograd.Function):
+    """Saves only x; backward recomputes and backpropagates one tile at a time."""
+
+    @staticmethod
+    def forward(ctx, x2d: Tensor, mlp: TiledMLP) -> Tensor:
+        ctx.mlp = mlp
+        ctx.save_for_backward(x2d)
+        out, s = None, 0
+        # Collective invariant: every rank runs exactly num_tiles tiles, empty ones included
+        # (tensor_split always returns num_tiles pieces; torch.chunk may return fewer). Under ZeRO-3
+        # each child forward all-gathers its parameters, so a rank that skipped a tile would leave
+        # the other ranks waiting in that all-gather forever.
+        for x_tile in torch.tensor_split(x2d, mlp.num_tiles):  # num_tiles x [rows_i, H]
+            y = mlp.tile_forward(x_tile)  # grad mode is off inside an autograd.Function forward
+            if out is None:
+                out = y.new_empty((x2d.shape[0], y.shape[-1]))  # [N, H]
+            out[s:s + y.shape[0]] = y
+            s += y.shape[0]
+            del y
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (x2d,) = ctx.saved_tensors
+        mlp: TiledMLP = ctx.mlp
+        x_needs_grad = ctx.needs_input_grad[0]
+        grad_out = grad_out.reshape(x2d.shape[0], -1)  # [N, H]
+        grad_x = torch.zeros_like(x2d) if x_needs_grad else None
+        params = [p for p in mlp.parameters() if p.requires_grad]
+        n = mlp.num_tiles
+        try:
+            # Same collective invariant as forward: num_tiles recomputes on every rank, empty or not.
+            s = 0
+            for i, x_piece in enumerate(torch.tensor_split(x2d, n)):  # n x [rows_i, H]
+                e = s + x_piece.shape[0]
+                # Report the parameters' gradients ready to ZeRO only once the last tile has added to them.
+                _set_grad_ready(params, i == n - 1)
+                x_tile = x_piece.detach().requires_grad_(x_needs_grad)
+                with torch.enable_grad():
+                    y = mlp.tile_forward(x_tile)
+                torch.autograd.backward(y, grad_out[s:e])
+                if grad_x is not None and x_tile.grad is not None:  # an empty tile may have no grad
+                    grad_x[s:e] = x_tile.grad
+                del y, x_tile
+                s = e
+        finally:
+            _set_grad_ready(params, True)
+        return grad_x, None
+
+
+class TiledMLP(nn.Module):
+    """Drop-in for an HF gated MLP (Qwen3MLP, LlamaMLP) that tiles along the rows.
+
+    It adopts the MLP's gate_proj, up_proj, down_proj and act_fn as its own children under the same
+    names, so `layer.mlp = TiledMLP(layer.mlp, n)` leaves state_dict keys unchanged.
+    """
+
+    def __init__(self, mlp: nn.Module, num_tiles: int):
+        super().__init__()
+        missing = [a for a in ("gate_proj", "up_proj", "down_proj", "act_fn") if not hasattr(mlp, a)]
+        if missing:
+            raise ConfigError(f"tiled_mlp needs a gated MLP with gate_proj, up_proj, down_proj and act_fn; "
+                              f"{type(mlp).__name__} lacks {missing}. Set tiled_mlp: false for this model")
+        if isinstance(num_tiles, bool) or not isinstance(num_tiles, int) or num_tiles < 1:
+            raise ConfigError(f"tiled_mlp tiles must be an int >= 1, got {num_tiles!r}; "
+                              "use tiled_mlp: true, false, auto or a positive int")
+        self.gate_proj = mlp.gate_proj
+        self.up_proj = mlp.up_proj
+        self.down_proj = mlp.down_proj
+        self.act_fn = mlp.act_fn
+        self.num_tiles = num_tiles
+
+    def extra_repr(self) -> str:
+        return f"num_tiles={self.num_tiles}"
+
+    def tile_forward(self, x: Tensor) -> Tensor:
+        """The untiled gated MLP on some rows."""
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2d = x.reshape(-1, shape[-1])  # [b, s, H] -> [b*s, H]: an MLP is row-wise, tiles may span rows of b
+        if torch.is_grad_enabled() and not x2d.requires_grad and any(p.requires_grad for p in self.parameters()):
+            # The Function's backward is what produces the weight gradients; it runs only if the
+            # output requires grad, so give x a (discarded) gradient when only the weights need one.
+            x2d = x2d.detach().requires_grad_(True)
+        out = _TiledMLPFunction.apply(x2d, self)
+        return out.view(*shape[:-1], out.shape[-1])  # [b*s, H] -> [b, s, H]

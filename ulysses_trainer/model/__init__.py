@@ -1,0 +1,1 @@
+"""Model building, presets and the one `parallelize` entry point. Never calls collectives."""

@@ -1,0 +1,214 @@
+"""Model config and weights: a preset (random init) or an HF checkpoint, with YaRN resolved.
+
+YaRN as transformers computes it (`_compute_yarn_parameters`): the inverse frequencies depend on
+rope_theta, head_dim, `factor` and `original_max_position_embeddings` (which sets the ramp between
+interpolated and extrapolated dimensions); attention_scaling = 0.1·ln(factor) + 1. The config's
+`max_position_embeddings` only enters when `factor` is missing (factor = max_pos / original) and in a
+consistency warning, so we write it as original × factor: the saved config then reloads to the
+same rope, warning-free. Training may use max_length > original × factor (the reference run does).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from ..config import TrainConfig
+from ..errors import ConfigError
+from .presets import PRESETS, is_preset, preset_config
+
+SUPPORTED_MODEL_TYPES = ("qwen3",)
+_YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
+_ROPE_KEYS = ("rope_parameters", "rope_scaling")  # rope_scaling: the pre-5.0 name
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def checkpoint_source(name_or_path: str) -> str | None:
+    """None for a preset, else the local directory or Hub id to load weights from."""
+    if is_preset(name_or_path) and not Path(name_or_path).exists():
+        return None
+    return name_or_path
+
+
+def _missing(name_or_path: str, why: str) -> ConfigError:
+    return ConfigError(f"model_name_or_path {name_or_path!r}: {why}; use a preset ({', '.join(PRESETS)}) or a "
+                       f"local HF checkpoint directory holding config.json")
+
+
+def _load_checkpoint_config(name_or_path: str) -> PretrainedConfig:
+    p = Path(name_or_path)
+    if p.exists():
+        if not p.is_dir():
+            raise _missing(name_or_path, "is a file, not a checkpoint directory")
+        if not (p / "config.json").is_file():
+            raise _missing(name_or_path, "the directory has no config.json")
+        try:
+            return AutoConfig.from_pretrained(str(p), local_files_only=True)
+        except Exception as exc:  # malformed or unreadable config.json
+            raise ConfigError(f"cannot read {p / 'config.json'}: {exc}") from None
+    if not _HUB_ID.match(name_or_path):
+        raise _missing(name_or_path, "no such path")
+    try:  # a Hub id: the local cache first, then the network where HF_HUB_OFFLINE allows it
+        return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    except Exception:
+        pass
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except Exception as exc:
+        raise _missing(name_or_path, f"no such path, and not loadable as a Hub id ({type(exc).__name__})") from None
+
+
+def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) -> PretrainedConfig:
+    """The model config of a preset or checkpoint, with `model_init_kwargs` overrides applied.
+
+    rope_parameters / rope_scaling in model_init_kwargs are left for resolve_rope_parameters.
+    """
+    config = preset_config(name_or_path) if checkpoint_source(name_or_path) is None \
+        else _load_checkpoint_config(name_or_path)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"model {name_or_path!r} has model_type {config.model_type!r}; this trainer supports "
+                          f"{', '.join(SUPPORTED_MODEL_TYPES)} (Qwen3 checkpoints or the presets)")
+    overrides = {k: v for k, v in (model_init_kwargs or {}).items() if k not in _ROPE_KEYS}
+    if overrides:
+        config = _override(config, overrides)
+    config.use_cache = False  # training: no KV cache
+    return config
+
+
+def _override(config: PretrainedConfig, overrides: dict[str, Any]) -> PretrainedConfig:
+    data = config.to_dict()
+    for key in overrides:
+        if key in ("torch_dtype", "dtype", "attn_implementation"):
+            raise ConfigError(f"model_init_kwargs may not set {key}: use the bf16 / attn_implementation fields")
+        if key not in data:
+            close = difflib.get_close_matches(key, list(data), 1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"model_init_kwargs: {key!r} is not a field of the {config.model_type} config{hint}")
+    data.update(overrides)
+    if "num_hidden_layers" in overrides:  # derived per-layer lists must follow the new depth
+        if "layer_types" not in overrides:
+            data.pop("layer_types", None)
+        if "max_window_layers" in data and "max_window_layers" not in overrides:
+            data["max_window_layers"] = min(data["max_window_layers"], overrides["num_hidden_layers"])
+    try:
+        return type(config).from_dict(data)
+    except Exception as exc:  # the config class's own type/range validation
+        raise ConfigError(f"model_init_kwargs {overrides} rejected by the {config.model_type} config: "
+                          f"{str(exc).strip()}") from None
+
+
+def _rope_dict(config: PretrainedConfig) -> dict[str, Any]:
+    rp = getattr(config, "rope_parameters", None)
+    rp = dict(rp) if isinstance(rp, dict) else {}
+    if "rope_theta" not in rp and getattr(config, "rope_theta", None) is not None:
+        rp["rope_theta"] = config.rope_theta
+    rp.setdefault("rope_type", "default")
+    return rp
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"rope_parameters.{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def resolve_rope_parameters(config: PretrainedConfig, rope_params: dict | None,
+                            max_length: int) -> dict | None:
+    """Apply the requested rope (YaRN or default) to `config` in place; return the resolved dict.
+
+    YaRN keys: factor (number or "auto" = max_length / original), original_max_position_embeddings
+    (default: the checkpoint's pretraining length), rope_theta (must equal the checkpoint's), and
+    transformers' optional beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate.
+    None leaves the checkpoint's own rope untouched.
+    """
+    if rope_params is None:
+        return None
+    if not isinstance(rope_params, dict):
+        raise ConfigError(f"rope_parameters must be a mapping like {{rope_type: yarn, factor: auto}}, "
+                          f"got {rope_params!r}")
+    params = dict(rope_params)
+    ckpt = _rope_dict(config)
+    rope_type = params.pop("rope_type", params.pop("type", None))
+    theta = ckpt.get("rope_theta")
+    if "rope_theta" in params:
+        want = _number("rope_theta", params.pop("rope_theta"))
+        if theta is None or not math.isclose(want, float(theta), rel_tol=1e-9):
+            raise ConfigError(
+                f"rope_parameters.rope_theta {want:g} differs from the checkpoint's rope_theta {theta}: the weights "
+                f"were trained with {theta}; drop rope_theta from rope_parameters (YaRN keeps the base)")
+    if rope_type == "default":
+        if params:
+            raise ConfigError(f"rope_parameters with rope_type default takes only rope_theta; got {sorted(params)}")
+        resolved = {"rope_type": "default", "rope_theta": theta}
+        config.rope_parameters = resolved
+        return resolved
+    if rope_type != "yarn":
+        raise ConfigError(f"rope_parameters.rope_type {rope_type!r} is not supported; use yarn "
+                          f"(e.g. {{rope_type: yarn, factor: auto}}) or default")
+
+    if ckpt.get("rope_type") == "yarn" and ckpt.get("original_max_position_embeddings"):
+        default_original = ckpt["original_max_position_embeddings"]  # already YaRN: its pretraining length
+    else:
+        default_original = config.max_position_embeddings
+    original = params.pop("original_max_position_embeddings", default_original)
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ConfigError(f"rope_parameters.original_max_position_embeddings must be a positive integer, "
+                          f"got {original!r}")
+    if original > max_length:
+        raise ConfigError(
+            f"YaRN original_max_position_embeddings {original} exceeds the target length max_length "
+            f"{max_length}: YaRN only stretches positions beyond what the model was trained on; drop "
+            f"rope_parameters (the model already covers {max_length}) or raise max_length")
+    factor = params.pop("factor", "auto")
+    factor = max_length / original if factor == "auto" else _number("factor", factor)
+    if factor <= 1:
+        raise ConfigError(f"YaRN factor must be > 1, got {factor:g}; use factor auto "
+                          f"(= max_length / original_max_position_embeddings) or a larger factor")
+    unknown = sorted(set(params) - set(_YARN_OPTIONAL))
+    if unknown:
+        raise ConfigError(f"rope_parameters: unknown YaRN keys {unknown}; allowed: rope_type, factor, "
+                          f"original_max_position_embeddings, rope_theta, {', '.join(_YARN_OPTIONAL)}")
+    resolved = {"rope_type": "yarn", "rope_theta": theta, "factor": float(factor),
+                "original_max_position_embeddings": int(original), **params}
+    config.rope_parameters = resolved
+    config.max_position_embeddings = int(round(original * factor))
+    return resolved
+
+
+def model_config_for(cfg: TrainConfig) -> PretrainedConfig:
+    """load_model_config + resolve_rope_parameters for a training config (the one call the trainer needs)."""
+    kwargs = cfg.model_init_kwargs or {}
+    both = [k for k in _ROPE_KEYS if k in kwargs]
+    if len(both) > 1:
+        raise ConfigError("model_init_kwargs sets both rope_parameters and rope_scaling; keep rope_parameters")
+    config = load_model_config(cfg.model_name_or_path, kwargs)
+    resolve_rope_parameters(config, kwargs.get(both[0]) if both else None, cfg.max_length)
+    return config
+
+
+def build_model(config: PretrainedConfig, dtype: torch.dtype, from_pretrained_path: str | None = None,
+                seed: int = 0) -> torch.nn.Module:
+    """Qwen3ForCausalLM: random init (seeded, global RNG untouched) for presets, else the checkpoint.
+
+    Built with SDPA; the trainer switches attention afterwards. Under ZeRO-3 call it inside
+    deepspeed.zero.Init (presets) or with an HfDeepSpeedConfig alive (checkpoints).
+    """
+    if from_pretrained_path is None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    else:
+        local = Path(from_pretrained_path).exists()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(from_pretrained_path, config=config, dtype=dtype,
+                                                         attn_implementation="sdpa", local_files_only=local)
+        except OSError as exc:
+            raise ConfigError(f"cannot load weights from {from_pretrained_path!r}: {exc}") from None
+    model.config.use_cache = False
+    return model

@@ -1,0 +1,35 @@
+"""The lm_head that can also return the loss: it owns the same weight, so ZeRO-3 gathers it.
+
+ZeRO-3 gathers a module's own parameters when that module's forward runs; computing the chunked
+loss inside the lm_head's forward is what lets it use the full weight without building logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..levers.chunked_loss import chunked_nll_sum, nll_sum
+
+LOSS_TYPES = ("chunked_nll", "nll")
+
+
+class LossHead(nn.Module):
+    """Replaces `lm_head` (same `weight` Parameter, same state_dict key). forward(hidden) gives
+    logits as before; forward(hidden, labels) gives the fp32 sum of token NLLs over valid labels."""
+
+    def __init__(self, lm_head: nn.Linear, loss_type: str = "chunked_nll", chunk_size: int = 256):
+        super().__init__()
+        assert getattr(lm_head, "bias", None) is None, "lm_head with a bias is not supported"
+        assert loss_type in LOSS_TYPES, f"loss_type {loss_type!r}: use one of {LOSS_TYPES}"
+        self.weight = lm_head.weight  # shared Parameter: tied embeddings stay tied
+        self.in_features, self.out_features = lm_head.in_features, lm_head.out_features
+        self.loss_type, self.chunk_size = loss_type, chunk_size
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return F.linear(hidden, self.weight)
+        if self.loss_type == "chunked_nll":
+            return chunked_nll_sum(hidden, self.weight, labels, self.chunk_size)
+        return nll_sum(hidden, self.weight, labels)

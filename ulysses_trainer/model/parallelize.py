@@ -1,0 +1,123 @@
+"""`parallelize(model, state, cfg)`: the one place the levers are applied to an HF causal LM.
+
+Order (each step relies on the ones before it):
+  1. Ulysses attention: register the SP attention function and switch the model to it.
+  2. Loss head: lm_head also returns the chunked (or plain) loss sum, never the L x V logits.
+  3. Tiled MLP: each decoder layer's MLP runs by sequence tiles.
+  4. Checkpointing (+ offload): each decoder layer keeps only its input, on device or in pinned host
+     memory, and recomputes in backward (its tiled MLP recomputes inside that recompute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..levers.offload import HostPool, LayerCheckpointer, plan_offload
+from ..levers.tiled_mlp import TiledMLP, auto_num_tiles
+from ..parallel.state import ParallelState
+from ..parallel.ulysses import UlyssesAttention
+from .loss_head import LossHead
+
+
+@dataclass
+class ParallelizeConfig:
+    """The levers, as switches (CONTRACT.md names)."""
+
+    attn_implementation: str = "auto"
+    loss_type: str = "chunked_nll"
+    loss_chunk_size: int = 256
+    tiled_mlp: bool | int | str = "auto"  # False | True (auto tile count) | tiles | "auto" (when it pays)
+    gradient_checkpointing: bool = True
+    activation_offload: bool | int | str = False  # False | True (all) | n first layers | "auto"
+    host_memory_gb: float | None = None  # None: detected
+    local_seq_len: int | None = None  # tokens per rank per row; needed for tiling decisions
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    assert isinstance(layers, nn.ModuleList), "expected an HF causal LM with .model.layers (Qwen3, Llama...)"
+    return layers
+
+
+def mlp_tiles(setting: bool | int | str, local_seq_len: int | None, hidden: int, intermediate: int) -> int:
+    """Tile count for the MLP (1 = untiled). Same on every rank: it depends on shapes only."""
+    if setting is False or setting == 0:
+        return 1
+    if isinstance(setting, bool) or setting == "auto":
+        if local_seq_len is None:
+            return 1
+        n = auto_num_tiles(local_seq_len, hidden, intermediate)
+        return n if setting is True or n > 1 else 1
+    return int(setting)
+
+
+class SequenceParallelCausalLM(nn.Module):
+    """An HF causal LM under Ulysses SP. forward(shard inputs) -> fp32 sum of token NLLs on this rank.
+
+    The caller divides by the number of valid tokens in the whole optimizer step (all ranks, all
+    micro-steps) — see `ulysses_trainer.loss.step_token_count`.
+    """
+
+    def __init__(self, causal_lm: nn.Module, state: ParallelState, attention: UlyssesAttention,
+                 checkpointer: LayerCheckpointer | None, offload_policy, host_memory_gb: float | None):
+        super().__init__()
+        self.causal_lm = causal_lm
+        self.state = state
+        self.attention = attention
+        self.checkpointer = checkpointer
+        self.offload_policy = offload_policy
+        self.host_memory_gb = host_memory_gb
+
+    @property
+    def config(self):
+        return self.causal_lm.config
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
+                cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+        out = self.causal_lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                   sp_cu_seqlens=cu_seqlens, sp_max_seqlen=max_seqlen)
+        return self.causal_lm.lm_head(out.last_hidden_state, labels=labels)
+
+    def configure_offload(self, bytes_per_layer: int, free_device_bytes: int, reserve_bytes: int) -> list[int]:
+        """Decide which layers offload (policy `auto` needs free device memory, known only once the
+        engine holds its states). Returns the offloaded layer indices."""
+        if self.checkpointer is None:
+            return []
+        layers = plan_offload(self.offload_policy, len(_decoder_layers(self.causal_lm)), bytes_per_layer,
+                              free_device_bytes, reserve_bytes)
+        self.checkpointer.set_offload_layers(layers)
+        return layers
+
+
+def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) -> SequenceParallelCausalLM:
+    """Apply SP attention, the loss head, tiled MLP and checkpointing/offload, in that order."""
+    c = model.config
+    layers = _decoder_layers(model)
+    # 1. attention
+    attention = UlyssesAttention(state, cfg.attn_implementation, c.num_attention_heads, c.num_key_value_heads)
+    model.set_attn_implementation(attention.register())
+    # 2. loss head
+    model.lm_head = LossHead(model.lm_head, cfg.loss_type, cfg.loss_chunk_size)
+    # 3. tiled MLP
+    tiles = mlp_tiles(cfg.tiled_mlp, cfg.local_seq_len, c.hidden_size, c.intermediate_size)
+    if tiles > 1:
+        for layer in layers:
+            layer.mlp = TiledMLP(layer.mlp, tiles)
+    # 4. checkpointing + offload (offload layers are decided now unless the policy is "auto")
+    checkpointer = None
+    if cfg.gradient_checkpointing:
+        initial = [] if cfg.activation_offload == "auto" else plan_offload(
+            cfg.activation_offload, len(layers), 0, 0, 0)
+        pool = HostPool(host_memory_gb=cfg.host_memory_gb)
+        checkpointer = LayerCheckpointer(len(layers), initial, pool)
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = True  # HF decoder layers call _gradient_checkpointing_func
+            layer._gradient_checkpointing_func = checkpointer.for_layer(i)
+    elif cfg.activation_offload not in (False, 0, "auto"):
+        raise ValueError("activation_offload needs gradient_checkpointing=True (it offloads the checkpoints)")
+    model.train()
+    return SequenceParallelCausalLM(model, state, attention, checkpointer, cfg.activation_offload,
+                                    cfg.host_memory_gb)

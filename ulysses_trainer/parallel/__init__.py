@@ -1,0 +1,1 @@
+"""Everything that talks to torch.distributed lives here (apart from the DeepSpeed engine)."""

@@ -1,0 +1,71 @@
+"""The Ulysses all-to-all, as an autograd function (its backward is the reverse all-to-all).
+
+Collective invariant: every rank of the SP group calls these in the same order with tensors of the
+same shape; the sequence is padded to a multiple of sp before sharding so local lengths agree.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _seq_to_heads(x: torch.Tensor, sp: int, group) -> torch.Tensor:
+    b, s_local, h, d = x.shape
+    assert h % sp == 0, f"{h} heads do not split over sp={sp}; pick sp dividing the head count"
+    # [b, s/sp, h, d] -> [sp, b, s/sp, h/sp, d]: chunk r of dim 0 goes to rank r
+    send = x.reshape(b, s_local, sp, h // sp, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # recv[r] = rank r's sequence chunk of my heads: [sp, b, s/sp, h/sp, d] -> [b, s, h/sp, d]
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, sp * s_local, h // sp, d)
+
+
+def _heads_to_seq(x: torch.Tensor, sp: int, group) -> torch.Tensor:
+    b, s, h_local, d = x.shape
+    assert s % sp == 0, f"sequence {s} does not split over sp={sp}; pad to a multiple of sp"
+    # [b, s, h/sp, d] -> [sp, b, s/sp, h/sp, d]: sequence chunk r goes back to rank r
+    send = x.reshape(b, sp, s // sp, h_local, d).permute(1, 0, 2, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # recv[r] = my sequence chunk of rank r's heads: [sp, b, s/sp, h/sp, d] -> [b, s/sp, h, d]
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // sp, sp * h_local, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sp, group):
+        ctx.sp, ctx.group = sp, group
+        return _seq_to_heads(x, sp, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad, ctx.sp, ctx.group), None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sp, group):
+        ctx.sp, ctx.group = sp, group
+        return _heads_to_seq(x, sp, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad, ctx.sp, ctx.group), None, None
+
+
+def seq_to_heads(x: torch.Tensor, sp: int, group) -> torch.Tensor:
+    """All-to-all: [b, s/sp, h, d] (my tokens, all heads) -> [b, s, h/sp, d] (all tokens, my heads)."""
+    return x if sp == 1 else _SeqToHeads.apply(x, sp, group)
+
+
+def heads_to_seq(x: torch.Tensor, sp: int, group) -> torch.Tensor:
+    """All-to-all: [b, s, h/sp, d] (all tokens, my heads) -> [b, s/sp, h, d] (my tokens, all heads)."""
+    return x if sp == 1 else _HeadsToSeq.apply(x, sp, group)
+
+
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum over a group (world when None), in place; a no-op without a process group."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t

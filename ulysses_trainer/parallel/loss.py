@@ -1,0 +1,37 @@
+"""Loss normalisation over the whole optimizer step (CONTRACT.md).
+
+The step minimises sum(token losses) / (valid tokens in the step), over every dp rank, sp shard and
+accumulation micro-step. Each rank knows only its own sums, so the count is all-reduced first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .comm import all_reduce_sum
+from .state import ParallelState
+
+
+def step_token_count(local_valid_tokens: int, state: ParallelState) -> int:
+    """Valid tokens in the optimizer step over all ranks: pass this rank's count summed over its
+    micro-steps. A collective: every rank calls it once per step."""
+    t = torch.tensor([local_valid_tokens], dtype=torch.float64)
+    return int(all_reduce_sum(t).item()) if state.world_size > 1 else local_valid_tokens
+
+
+def loss_for_backward(loss_sum: torch.Tensor, step_tokens: int, state: ParallelState) -> torch.Tensor:
+    """What to hand to `engine.backward(..., scale_wrt_gas=False)` for one micro-step.
+
+    DeepSpeed (given no mpu) averages gradients over all world ranks; multiplying by the world size
+    turns that average into the sum the true loss needs. A step with no valid token gives 0, not NaN.
+    """
+    return loss_sum * (state.world_size / max(step_tokens, 1))
+
+
+def global_loss(local_loss_sum: float, step_tokens: int, state: ParallelState) -> float:
+    """The logged loss: token-weighted mean over the step on all ranks (collective)."""
+    t = torch.tensor([local_loss_sum], dtype=torch.float64)
+    if state.world_size > 1 and dist.is_initialized():
+        all_reduce_sum(t)
+    return float(t.item()) / max(step_tokens, 1)

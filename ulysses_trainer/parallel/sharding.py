@@ -1,0 +1,100 @@
+"""Batch -> this rank's shard: shift labels on the full sequence, pad to a multiple of sp, slice.
+
+Pure tensor code (no process group), so it is tested without ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Shard:
+    """One SP rank's slice of a batch. Tensors are [b, L_pad/sp]; cu_seqlens spans the full batch."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor  # already shifted: labels[t] is the target of input_ids[t]
+    position_ids: torch.Tensor  # global positions (restart at each packed document)
+    cu_seqlens: torch.Tensor  # int32 document starts over the flattened full [b * L_pad] batch, + end
+    max_seqlen: int
+    packed: bool  # more than one document in some row: kernels need the varlen / per-document path
+
+    @property
+    def num_valid(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments for SequenceParallelCausalLM.forward."""
+        return {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids,
+                "cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen}
+
+    def to(self, device) -> Shard:
+        return Shard(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device),
+                     self.cu_seqlens.to(device), self.max_seqlen, self.packed)
+
+
+def padded_length(length: int, sp_size: int, pad_to_multiple_of: int | None = None) -> int:
+    """Smallest length >= `length` that both sp and pad_to_multiple_of divide."""
+    m = math.lcm(sp_size, pad_to_multiple_of or 1)
+    return math.ceil(length / m) * m
+
+
+def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """labels[t] <- labels[t+1] over the FULL sequence (shifting after sharding would lose a token at
+    every shard boundary); no target across a packed-document boundary or past the end."""
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:, :-1] = labels[:, 1:]
+    shifted[:, :-1][position_ids[:, 1:] == 0] = IGNORE_INDEX  # next token starts a new document
+    return shifted
+
+
+def document_layout(position_ids: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """cu_seqlens (int32, over the flattened [b*L] batch), max document length, and whether packed."""
+    b, length = position_ids.shape
+    starts = position_ids == 0
+    starts[:, 0] = True  # every row starts a document, whatever its first position
+    flat = torch.nonzero(starts.reshape(-1), as_tuple=False).flatten()  # [n_docs]
+    cu = torch.cat([flat, torch.tensor([b * length])]).to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    return cu, max_len, len(cu) - 1 > b
+
+
+def shard_batch(input_ids: torch.Tensor, *, sp_size: int, sp_rank: int,
+                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                pad_to_multiple_of: int | None = None, pad_token_id: int = 0) -> Shard:
+    """Shift, pad and slice a batch [b, L] for SP rank `sp_rank` of `sp_size`.
+
+    position_ids restart at 0 at each packed document; default: 0..L-1 per row. labels default to
+    input_ids (causal LM); IGNORE_INDEX (-100) entries are not trained on.
+    """
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)  # [L] -> [1, L]
+    b, length = input_ids.shape
+    if position_ids is None:
+        position_ids = torch.arange(length).expand(b, length)
+    position_ids = position_ids.reshape(b, length)
+    labels = input_ids if labels is None else labels.reshape(b, length)
+    if not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank {sp_rank} is outside [0, {sp_size})")
+    shifted = shift_labels(labels, position_ids)
+
+    total = padded_length(length, sp_size, pad_to_multiple_of)
+    n_pad = total - length
+    if n_pad:
+        # pads continue the last document's positions: causal attention keeps real tokens blind to them
+        last = position_ids[:, -1:]
+        pad_pos = last + torch.arange(1, n_pad + 1)
+        input_ids = torch.cat([input_ids, input_ids.new_full((b, n_pad), pad_token_id)], dim=1)
+        shifted = torch.cat([shifted, shifted.new_full((b, n_pad), IGNORE_INDEX)], dim=1)
+        position_ids = torch.cat([position_ids, pad_pos], dim=1)
+    cu, max_len, packed = document_layout(position_ids)
+
+    local = total // sp_size
+    sl = slice(sp_rank * local, (sp_rank + 1) * local)  # [b, L_pad] -> [b, L_pad/sp]
+    return Shard(input_ids[:, sl].contiguous(), shifted[:, sl].contiguous(),
+                 position_ids[:, sl].contiguous(), cu, max_len, packed)

@@ -1,0 +1,90 @@
+"""dp × sp process groups, built once and passed explicitly.
+
+Layout: ranks [i*sp, (i+1)*sp) form one SP group (consecutive ranks share a node and its fast
+links); ranks with the same sp_rank form one DP group. world = dp * sp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import ConfigError
+
+
+def check_sp_shape(sp_size: int, world_size: int, num_heads: int | None = None,
+                   num_kv_heads: int | None = None) -> None:
+    """Raise ConfigError (naming sizes that would work) if sp cannot run this world/model."""
+    if sp_size < 1:
+        raise ConfigError(f"sp_size must be >= 1, got {sp_size}")
+    if world_size % sp_size != 0:
+        ok = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(
+            f"sp_size={sp_size} does not divide the world size {world_size}; use one of {ok} "
+            f"(world = dp x sp) or launch {sp_size * max(1, world_size // sp_size)} ranks")
+    if num_heads is None:
+        return
+    ok = [d for d in range(1, num_heads + 1) if num_heads % d == 0
+          and (num_kv_heads is None or num_kv_heads % d == 0 or d % num_kv_heads == 0)]
+    if num_heads % sp_size != 0:
+        raise ConfigError(
+            f"sp_size={sp_size} does not divide the model's {num_heads} query heads; "
+            f"sp_size values that work for this model: {ok}")
+    if num_kv_heads is not None and num_kv_heads % sp_size != 0 and sp_size % num_kv_heads != 0:
+        raise ConfigError(
+            f"sp_size={sp_size} neither divides nor is a multiple of the model's {num_kv_heads} KV heads; "
+            f"sp_size values that work for this model: {ok}")
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """Who I am in the dp × sp grid, and the groups to talk to. Groups are None when size is 1."""
+
+    world_size: int
+    rank: int
+    sp_size: int
+    sp_rank: int
+    dp_size: int
+    dp_rank: int
+    sp_group: Any = None
+    dp_group: Any = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def single_process_state() -> ParallelState:
+    """The state of an unsharded run (no process group needed)."""
+    return ParallelState(world_size=1, rank=0, sp_size=1, sp_rank=0, dp_size=1, dp_rank=0)
+
+
+def make_parallel_state(sp_size: int | None = None) -> ParallelState:
+    """Build the dp × sp groups. Every rank must call this, in the same order (new_group is collective).
+
+    sp_size defaults to the world size (all ranks shard one sequence).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        if sp_size not in (None, 1):
+            raise ConfigError(f"sp_size={sp_size} needs torch.distributed; launch with `deepspeed --num_gpus "
+                              f"{sp_size} ...` or set sp_size 1")
+        return single_process_state()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sp = world if sp_size is None else sp_size
+    check_sp_shape(sp, world)
+    dp = world // sp
+    sp_group = dp_group = None
+    for i in range(dp):  # SP groups: consecutive ranks
+        ranks = list(range(i * sp, (i + 1) * sp))
+        g = dist.new_group(ranks) if sp > 1 else None
+        if rank in ranks:
+            sp_group = g
+    for j in range(sp):  # DP groups: same position inside each SP group
+        ranks = list(range(j, world, sp))
+        g = dist.new_group(ranks) if dp > 1 else None
+        if rank in ranks:
+            dp_group = g
+    return ParallelState(world_size=world, rank=rank, sp_size=sp, sp_rank=rank % sp, dp_size=dp,
+                         dp_rank=rank // sp, sp_group=sp_group, dp_group=dp_group)

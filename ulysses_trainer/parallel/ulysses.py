@@ -1,0 +1,64 @@
+"""Ulysses attention, plugged into transformers' attention registry so HF models run unchanged.
+
+Inside each attention layer: q, k, v arrive for my s/sp tokens and all heads; an all-to-all gives
+me all s tokens for h/sp heads; the kernel runs; a second all-to-all brings my tokens back.
+sp <= KV heads: KV heads are sharded like query heads. sp > KV heads: each KV head is replicated
+sp/kv times first, so rank r still holds the KV head its query heads read (r * kv // sp).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from ..attention.kernels import KERNEL_FUNCTIONS, resolve_kernel
+from .comm import heads_to_seq, seq_to_heads
+from .state import ParallelState, check_sp_shape
+
+
+def _no_mask(*args, **kwargs) -> None:
+    # the kernels build causality themselves from cu_seqlens; HF must not build an s/sp x s/sp mask
+    return None
+
+
+class UlyssesAttention:
+    """The attention function registered under `self.name` (one per SP setup)."""
+
+    def __init__(self, state: ParallelState, kernel: str, num_heads: int, num_kv_heads: int):
+        check_sp_shape(state.sp_size, state.world_size, num_heads, num_kv_heads)
+        self.state = state
+        self.kernel = resolve_kernel(kernel)
+        self.attend = KERNEL_FUNCTIONS[self.kernel]
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.kv_repeat = max(1, state.sp_size // num_kv_heads)
+        self.name = f"ulysses_sp{state.sp_size}_{self.kernel}_{id(self):x}"
+
+    def register(self) -> str:
+        AttentionInterface.register(self.name, self)
+        AttentionMaskInterface.register(self.name, _no_mask)
+        return self.name
+
+    def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                 scaling: float | None = None, sliding_window: int | None = None,
+                 sp_cu_seqlens: torch.Tensor | None = None, sp_max_seqlen: int | None = None,
+                 **kwargs) -> tuple[torch.Tensor, None]:
+        assert attention_mask is None, "Ulysses attention builds causality from position_ids; pass no mask"
+        assert not dropout, "attention dropout is not supported under Ulysses SP; set attention_dropout=0"
+        assert sliding_window is None, "sliding-window layers are not supported; disable use_sliding_window"
+        sp, group = self.state.sp_size, self.state.sp_group
+        # HF layout [b, h, s/sp, d] -> [b, s/sp, h, d]
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        if self.kv_repeat > 1:
+            # [b, s/sp, kv, d] -> [b, s/sp, sp, d]: head i copied to i*rep .. i*rep+rep-1
+            k = k.repeat_interleave(self.kv_repeat, dim=2)
+            v = v.repeat_interleave(self.kv_repeat, dim=2)
+        # [b, s/sp, h, d] -> [b, s, h/sp, d]
+        q, k, v = (seq_to_heads(t, sp, group) for t in (q, k, v))
+        if sp_cu_seqlens is not None and sp_cu_seqlens.device != q.device:
+            sp_cu_seqlens = sp_cu_seqlens.to(q.device)
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        out = self.attend(q, k, v, scale=scale, cu_seqlens=sp_cu_seqlens, max_seqlen=sp_max_seqlen)
+        # [b, s, h/sp, d] -> [b, s/sp, h, d]: what HF attention functions return
+        return heads_to_seq(out, sp, group), None

@@ -1,0 +1,1 @@
+"""Memory planner: predict peaks before launch, choose the cheapest settings that fit."""

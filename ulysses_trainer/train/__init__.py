@@ -1,0 +1,1 @@
+"""The training loop on the DeepSpeed engine, logging and checkpoints."""

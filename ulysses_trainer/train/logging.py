@@ -1,0 +1,36 @@
+"""The reference-style log line on stdout and metrics.jsonl (CONTRACT.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def log_line(row: dict) -> str:
+    """`{'loss': 4.311, 'grad_norm': 29.25, 'learning_rate': 1e-05, 'num_tokens': 1049000.0, 'epoch': 0.25}`"""
+    shown = {"loss": round(row["loss"], 4), "grad_norm": round(row["grad_norm"], 4),
+             "learning_rate": row["learning_rate"], "num_tokens": float(row["num_tokens"]),
+             "epoch": round(row["epoch"], 4)}
+    return str(shown)
+
+
+class MetricsFile:
+    """Appends one JSON object per logged step; on resume drops rows past the checkpoint's step."""
+
+    def __init__(self, output_dir: str):
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+
+    def truncate_after(self, step: int) -> None:
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(rows)
+        os.replace(tmp, self.path)
+
+    def append(self, row: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()

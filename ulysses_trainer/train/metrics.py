@@ -1,0 +1,38 @@
+"""Model FLOPs and memory readings for the log (CONTRACT.md metrics.jsonl)."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+
+def matmul_params(config) -> int:
+    """Parameters that take part in a matmul per token: every layer's linear weights plus lm_head
+    (embedding lookups and norms do no matmul)."""
+    h, i, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
+    return n * per_layer + config.vocab_size * h
+
+
+def train_flops_per_sequence(config, seq_len: int) -> float:
+    """Forward+backward model FLOPs for one sequence (3x forward), causal attention as half of full
+    attention, recompute not counted."""
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dense = 6.0 * matmul_params(config) * seq_len
+    # QK^T and PV: 2 matmuls x 2 FLOPs x L^2 x heads x d, halved for causal, x3 for fwd+bwd
+    attn = 3 * 2 * 2 * seq_len**2 * config.num_attention_heads * d / 2 * config.num_hidden_layers
+    return dense + attn
+
+
+def peak_gpu_mem_gb() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def peak_host_mem_gb() -> float:
+    """Peak resident set size of this process."""
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 2**20 if sys.platform != "darwin" else kb / 2**30
