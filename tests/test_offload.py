@@ -296,7 +296,17 @@ def test_gpu_copies_are_pinned_and_off_the_compute_stream(tmp_path):
     ckpt = LayerCheckpointer(layers, range(layers), HostPool(host_memory_gb=4.0))
     _wire(model, ckpt)
     _loss_and_grads(model, ids)  # warm up: allocates the pool
-    assert ckpt.pool.pinned and ckpt.pool.buffer.is_pinned()
+    assert ckpt.pool.pinned
+    # Page-locked, the device->host copy is asynchronous: it returns while the stream is still busy.
+    # (Tensor.is_pinned() does not recognise memory page-locked by cudaHostRegister on torch 2.11.)
+    src = torch.empty(ckpt.pool.slot_bytes, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000_000)  # about a second of spinning on this stream
+        ckpt.pool.slot(0).copy_(src, non_blocking=True)
+        done = stream.record_event()
+    assert not done.query()
+    torch.cuda.synchronize()
     assert ckpt.side_stream is not None and ckpt.side_stream != torch.cuda.current_stream()
     assert all(isinstance(ckpt.state(i).copy_event, torch.cuda.Event) for i in range(layers))
     torch.cuda.synchronize()

@@ -180,7 +180,7 @@ def _check_value(name: str, value: Any, where: str) -> Any:
     out = _coerce(value, tp)
     if out is _NO:
         msg = f"{name} must be {_describe(tp)}, got {value!r} ({where})"
-        if isinstance(value, str) and (close := difflib.get_close_matches(value, _literal_choices(tp), 1)):
+        if isinstance(value, str) and (close := difflib.get_close_matches(value, _literal_choices(tp), 1, 0.4)):
             msg += f"; did you mean {close[0]!r}?"
         raise ConfigError(msg)
     return out

@@ -64,8 +64,22 @@ def heads_to_seq(x: torch.Tensor, sp: int, group) -> torch.Tensor:
     return x if sp == 1 else _HeadsToSeq.apply(x, sp, group)
 
 
-def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum over a group (world when None), in place; a no-op without a process group."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+def _on_comm_device(t: torch.Tensor) -> torch.Tensor:
+    # NCCL reduces CUDA tensors only; gloo reduces CPU tensors
+    if dist.get_backend() == "nccl":
+        return t.to(torch.device("cuda", torch.cuda.current_device()))
     return t
+
+
+def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """Reduce a small CPU tensor over a group (world when None); returns a CPU tensor. No-op without
+    a process group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return t
+    x = _on_comm_device(t)
+    dist.all_reduce(x, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
+    return x.cpu()
+
+
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    return all_reduce(t, "sum", group)

@@ -7,7 +7,6 @@ accumulation micro-step. Each rank knows only its own sums, so the count is all-
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .comm import all_reduce_sum
 from .state import ParallelState
@@ -17,7 +16,7 @@ def step_token_count(local_valid_tokens: int, state: ParallelState) -> int:
     """Valid tokens in the optimizer step over all ranks: pass this rank's count summed over its
     micro-steps. A collective: every rank calls it once per step."""
     t = torch.tensor([local_valid_tokens], dtype=torch.float64)
-    return int(all_reduce_sum(t).item()) if state.world_size > 1 else local_valid_tokens
+    return int(all_reduce_sum(t).item())
 
 
 def loss_for_backward(loss_sum: torch.Tensor, step_tokens: int, state: ParallelState) -> torch.Tensor:
@@ -31,7 +30,5 @@ def loss_for_backward(loss_sum: torch.Tensor, step_tokens: int, state: ParallelS
 
 def global_loss(local_loss_sum: float, step_tokens: int, state: ParallelState) -> float:
     """The logged loss: token-weighted mean over the step on all ranks (collective)."""
-    t = torch.tensor([local_loss_sum], dtype=torch.float64)
-    if state.world_size > 1 and dist.is_initialized():
-        all_reduce_sum(t)
+    t = all_reduce_sum(torch.tensor([local_loss_sum], dtype=torch.float64))
     return float(t.item()) / max(step_tokens, 1)

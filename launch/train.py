@@ -1,0 +1,13 @@
+"""Training entry point: `deepspeed --num_gpus N launch/train.py [--config RECIPE.yaml] [--name value ...]`."""
+
+import os
+import sys
+
+# Before torch touches CUDA: long sequences fragment the caching allocator without this.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from ulysses_trainer.train.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

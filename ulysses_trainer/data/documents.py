@@ -1,0 +1,219 @@
+"""The long-document builder: documents -> tokens + eos, joined end to end, cut into max_length rows.
+
+Sources: an HF dataset name (`datasets.load_dataset`), local files (parquet, jsonl/json, txt, arrow,
+csv) or a directory of them (or one written by `save_to_disk`), or, with dataset_name null, the
+synthetic generator. Every rank builds the same sequences deterministically; the trainer picks rows.
+
+position_ids: without packing, 0..max_length-1 in every row (attention spans the joined documents,
+as the reference PG-19 run does). With packing they restart at 0 at every document start and at
+every row start (a document cut by a row boundary continues as a fresh segment), which is where
+sharding puts its document boundaries (cu_seqlens) and masks the cross-document target.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import TrainConfig
+from ..errors import ConfigError
+from .synthetic import synthetic_documents
+from .tokenizer import Tokenizer
+
+_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text",
+             ".arrow": "arrow", ".csv": "csv"}
+_TOKENS_PER_WORD = 1.26  # of the synthetic prose under the Qwen BPE (measured)
+_EVAL_SEED_OFFSET = 1_000_003  # synthetic eval documents differ from the training ones
+_BATCH_DOCS = 64
+
+
+@dataclass
+class SequenceDataset:
+    """Rows of exactly max_length tokens. Indexing gives {"input_ids", "position_ids"}: LongTensor[L]."""
+
+    tokens: np.ndarray  # int32 [n_rows * L]
+    positions: np.ndarray | None  # int32 [n_rows * L] with packing, else None (0..L-1 per row)
+    max_length: int
+    source: str
+    documents_used: int
+    documents_total: int | None  # None when the source's size is unknown (synthetic: endless)
+
+    def __len__(self) -> int:
+        return len(self.tokens) // self.max_length
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        sl = slice(i * self.max_length, (i + 1) * self.max_length)
+        ids = torch.from_numpy(self.tokens[sl].astype(np.int64))
+        pos = torch.arange(self.max_length) if self.positions is None \
+            else torch.from_numpy(self.positions[sl].astype(np.int64))
+        return {"input_ids": ids, "position_ids": pos}
+
+    @property
+    def epoch_sequences(self) -> float:
+        """Rows in one full pass over the source (estimated from the documents read when stopped early)."""
+        if self.documents_total and self.documents_used < self.documents_total:
+            return len(self) * self.documents_total / self.documents_used
+        return float(len(self))
+
+
+# ---------------------------------------------------------------- sources
+def _local_files(path: Path) -> tuple[str, list[str]]:
+    """(datasets builder, files) for a file or a directory of same-format files."""
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in _BUILDERS
+                       and not any(part.startswith(".") for part in f.relative_to(path).parts))
+        if not files:
+            raise ConfigError(f"dataset directory {path} holds no data files ({', '.join(sorted(_BUILDERS))})")
+    kinds = {_BUILDERS.get(f.suffix.lower()) for f in files}
+    if None in kinds:
+        raise ConfigError(f"dataset file {files[0]} has an unsupported extension; use one of "
+                          f"{', '.join(sorted(_BUILDERS))}")
+    if len(kinds) > 1:
+        raise ConfigError(f"dataset directory {path} mixes formats ({', '.join(sorted(kinds))}); "
+                          f"keep one format per directory")
+    return kinds.pop(), [str(f) for f in files]
+
+
+def load_text_dataset(source: str, split: str) -> Any:
+    """A `datasets.Dataset` for a local path or an HF dataset name (`split` applies to HF names)."""
+    import datasets
+
+    path = Path(source)
+    if path.exists():
+        if path.is_dir() and any((path / f).is_file() for f in ("state.json", "dataset_dict.json")):
+            try:
+                ds = datasets.load_from_disk(str(path))
+            except Exception as exc:
+                raise ConfigError(f"cannot read the saved dataset {path}: {exc}") from None
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise ConfigError(f"saved dataset {path} has splits {list(ds)}, not {split!r}; "
+                                      f"set dataset_train_split / dataset_test_split")
+                ds = ds[split]
+            return ds
+        builder, files = _local_files(path)
+        try:
+            return datasets.load_dataset(builder, data_files=files, split="train")
+        except Exception as exc:
+            raise ConfigError(f"cannot read dataset {source} as {builder}: {str(exc).strip()}") from None
+    if source.startswith((".", "/", "~")) or Path(source).suffix.lower() in _BUILDERS:
+        raise ConfigError(f"dataset {source!r} not found; give an existing file or directory "
+                          f"({', '.join(sorted(_BUILDERS))}) or an HF dataset name")
+    try:
+        return datasets.load_dataset(source, split=split)
+    except ValueError as exc:
+        if "split" in str(exc).lower():
+            raise ConfigError(f"HF dataset {source!r} has no split {split!r} ({exc}); set "
+                              f"dataset_train_split / dataset_test_split") from None
+        raise ConfigError(f"cannot load HF dataset {source!r}: {exc}") from None
+    except Exception as exc:
+        raise ConfigError(f"dataset {source!r} is neither a local path nor a loadable HF dataset "
+                          f"({type(exc).__name__}: {str(exc).strip()[:300]})") from None
+
+
+def _texts(ds: Any, field: str, source: str) -> Iterator[str]:
+    if len(ds) == 0:
+        raise ConfigError(f"dataset {source} is empty; point dataset_name at data with documents")
+    if field not in ds.column_names:
+        raise ConfigError(f"dataset {source} has no field {field!r}; its fields are {ds.column_names}; "
+                          f"set dataset_text_field to one of them")
+    for batch in ds.select_columns([field]).iter(batch_size=256):
+        for text in batch[field]:
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise ConfigError(f"dataset {source}: field {field!r} holds {type(text).__name__} values, "
+                                  f"not text; set dataset_text_field to a text column")
+            yield text
+
+
+# ---------------------------------------------------------------- building
+def _pack(docs: Iterable[str], tokenizer: Tokenizer, max_length: int, packing: bool,
+          max_rows: int | None) -> tuple[np.ndarray, np.ndarray | None, int, int]:
+    """(tokens, positions or None, documents used, tokens seen) of whole rows, stopping at max_rows."""
+    chunks: list[np.ndarray] = []
+    pos_chunks: list[np.ndarray] = []
+    seen = used = 0
+    need = None if max_rows is None else max_rows * max_length
+    it = iter(docs)
+    while need is None or seen < need:
+        raw = list(islice(it, _BATCH_DOCS))
+        if not raw:
+            break
+        batch = [d for d in raw if d]  # an empty document adds nothing, not even an eos
+        for ids in tokenizer.encode_batch(batch):
+            row = np.asarray(ids + [tokenizer.eos_token_id], dtype=np.int32)
+            chunks.append(row)
+            if packing:
+                pos_chunks.append(np.arange(len(row), dtype=np.int32))
+            seen += len(row)
+            used += 1
+            if need is not None and seen >= need:
+                break
+    rows = seen // max_length if max_rows is None else min(seen // max_length, max_rows)
+    n = rows * max_length
+    tokens = np.concatenate(chunks)[:n] if chunks else np.zeros(0, np.int32)
+    positions = None
+    if packing:
+        doc_pos = np.concatenate(pos_chunks)[:n] if pos_chunks else np.zeros(0, np.int32)
+        j = np.arange(n, dtype=np.int64)
+        starts = (doc_pos == 0) | (j % max_length == 0)  # a new segment: document start or row start
+        seg_start = np.maximum.accumulate(np.where(starts, j, 0))
+        positions = (j - seg_start).astype(np.int32)
+    return tokens, positions, used, seen
+
+
+def default_num_sequences(cfg: TrainConfig, split: str, dp_size: int = 1) -> int:
+    """Rows the synthetic source makes: the run's need (max_steps), else 8 optimizer steps' worth per epoch."""
+    if split == "train":
+        per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp_size
+        return per_step * (cfg.max_steps if cfg.max_steps else 8)
+    return 2 * cfg.per_device_eval_batch_size * dp_size
+
+
+def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train", dp_size: int = 1,
+                    num_sequences: int | None = None) -> SequenceDataset:
+    """Tokenize, join and cut the configured data into rows of cfg.max_length tokens.
+
+    split: "train" (dataset_name) or "eval" (eval_dataset_name, else dataset_test_split of
+    dataset_name). num_sequences caps the rows read from a dataset (tokenizing stops there) and
+    sets how many the synthetic source makes (default: default_num_sequences).
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    L = cfg.max_length
+    if split == "train":
+        source, hf_split = cfg.dataset_name, cfg.dataset_train_split
+    else:
+        source, hf_split = cfg.eval_dataset_name or cfg.dataset_name, cfg.dataset_test_split
+        if cfg.eval_dataset_name is None and source is not None and Path(source).exists():
+            raise ConfigError(f"evaluation needs eval_dataset_name: dataset_name {source} is a local path "
+                              f"with no test split")
+
+    if source is None:
+        rows = num_sequences or default_num_sequences(cfg, split, dp_size)
+        seed = cfg.seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
+        docs = synthetic_documents(seed, mean_words=max(64, math.ceil(L / _TOKENS_PER_WORD)))
+        tokens, positions, used, _ = _pack(docs, tokenizer, L, cfg.packing, rows)
+        return SequenceDataset(tokens, positions, L, "synthetic", used, None)
+
+    ds = load_text_dataset(source, hf_split)
+    tokens, positions, used, seen = _pack(_texts(ds, cfg.dataset_text_field, source), tokenizer, L,
+                                          cfg.packing, num_sequences)
+    if len(tokens) == 0:
+        raise ConfigError(
+            f"dataset {source} gives {seen} tokens ({used} documents + eos) but one sequence needs "
+            f"max_length = {L} tokens; lower max_length to at most {seen} or add documents")
+    return SequenceDataset(tokens, positions, L, source, used, len(ds))

@@ -1,0 +1,85 @@
+"""Everything checked before any heavy work: config, ZeRO JSON, model shape, tokenizer, data.
+
+Every rank runs this identically; any ConfigError ends the run with exit code 2 and nothing
+written to output_dir.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..attention.kernels import resolve_kernel
+from ..config import TrainConfig, resolve_bf16, validate_config
+from ..data.documents import build_sequences
+from ..data.tokenizer import check_tokenizer_fits, load_tokenizer
+from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
+from ..errors import ConfigError
+from ..model.load import checkpoint_source, model_config_for
+from ..parallel.sharding import padded_length
+from ..parallel.state import check_sp_shape
+
+
+@dataclass
+class RunPlan:
+    cfg: TrainConfig
+    world_size: int
+    sp_size: int
+    dp_size: int
+    device: str
+    bf16: bool
+    kernel: str
+    model_config: Any
+    tokenizer: Any
+    train_data: list
+    eval_data: list | None
+    ds_config: dict
+    optimizer: OptimizerSpec | None
+    steps_per_epoch: int
+    total_steps: int
+    sequences_per_step: int
+    padded_length: int
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
+    validate_config(cfg, world_size)
+    sp = world_size if cfg.sp_size is None else cfg.sp_size
+    dp = world_size // sp
+    device = _device()
+    bf16 = resolve_bf16(cfg, device == "cuda")
+    ds_raw = load_ds_config(cfg.deepspeed)
+    model_config = model_config_for(cfg)
+    check_sp_shape(sp, world_size, model_config.num_attention_heads, model_config.num_key_value_heads)
+    kernel = resolve_kernel(cfg.attn_implementation)
+    tokenizer = load_tokenizer(checkpoint_source(cfg.model_name_or_path))
+    check_tokenizer_fits(tokenizer, model_config)
+    per_step = dp * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    train = build_sequences(cfg, tokenizer, split="train", dp_size=dp)
+    if len(train) < per_step:
+        raise ConfigError(f"the data makes {len(train)} sequences of {cfg.max_length} tokens but one optimizer "
+                          f"step needs {per_step} (dp {dp} x batch {cfg.per_device_train_batch_size} x "
+                          f"accumulation {cfg.gradient_accumulation_steps}); add data or lower those")
+    eval_data = None
+    if cfg.eval_steps:
+        eval_data = build_sequences(cfg, tokenizer, split="eval", dp_size=dp)
+    steps_per_epoch = len(train) // per_step
+    total = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(cfg.num_train_epochs * steps_per_epoch))
+    ds, opt = fill_ds_config(ds_raw, cfg, world_size, dp, device == "cuda", total_steps=total,
+                             hidden_size=model_config.hidden_size, source=str(cfg.deepspeed))
+    return RunPlan(cfg=cfg, world_size=world_size, sp_size=sp, dp_size=dp, device=device, bf16=bf16,
+                   kernel=kernel, model_config=model_config, tokenizer=tokenizer, train_data=train,
+                   eval_data=eval_data, ds_config=ds, optimizer=opt, steps_per_epoch=steps_per_epoch,
+                   total_steps=total, sequences_per_step=per_step,
+                   padded_length=padded_length(cfg.max_length, sp, cfg.pad_to_multiple_of))
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,0 +1,237 @@
+"""The training loop on the DeepSpeed engine: sharded steps, exact accounting, logs, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+
+import deepspeed
+import torch
+from tqdm import tqdm
+from transformers import get_scheduler
+
+from ..config import config_to_dict
+from ..model.load import build_model, checkpoint_source
+from ..model.parallelize import ParallelizeConfig, SequenceParallelCausalLM, parallelize
+from ..parallel.comm import all_reduce
+from ..parallel.loss import global_loss, loss_for_backward, step_token_count
+from ..parallel.sharding import Shard, shard_batch
+from ..parallel.state import ParallelState, make_parallel_state
+from . import checkpoint as ckpt
+from .logging import MetricsFile, log_line
+from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, train_flops_per_sequence
+from .prepare import RunPlan
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient norm under nan_policy=stop."""
+
+
+class StopSignal:
+    """SIGTERM/SIGINT: stop at the next step boundary and save; a second signal stops at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt(f"second signal {signum}: stopping now")
+        self.requested = True
+
+
+class Trainer:
+    def __init__(self, plan: RunPlan):
+        self.plan, self.cfg = plan, plan.cfg
+        self.state: ParallelState = make_parallel_state(plan.sp_size)
+        self.device = torch.device(plan.device, int(os.environ.get("LOCAL_RANK", 0))) \
+            if plan.device == "cuda" else torch.device("cpu")
+        if plan.device == "cuda":
+            torch.cuda.set_device(self.device)
+        self.stop = StopSignal()
+        self.step = 0
+        self.num_tokens = 0
+        self.model = self._build_model()
+        self.engine = self._build_engine()
+        self.metrics = MetricsFile(self.cfg.output_dir)
+
+    # ------------------------------------------------------------------ setup
+    def _build_model(self) -> SequenceParallelCausalLM:
+        plan, cfg = self.plan, self.cfg
+        dtype = torch.bfloat16 if plan.bf16 else torch.float32
+        with torch.device(self.device):
+            model = build_model(plan.model_config, dtype, checkpoint_source(cfg.model_name_or_path), seed=cfg.seed)
+        pcfg = ParallelizeConfig(attn_implementation=plan.kernel, loss_type=cfg.loss_type,
+                                 loss_chunk_size=cfg.loss_chunk_size, tiled_mlp=cfg.tiled_mlp,
+                                 gradient_checkpointing=cfg.gradient_checkpointing,
+                                 activation_offload=cfg.activation_offload, host_memory_gb=cfg.host_memory_gb,
+                                 local_seq_len=plan.padded_length // plan.sp_size)
+        return parallelize(model, self.state, pcfg)
+
+    def _build_engine(self):
+        plan, cfg = self.plan, self.cfg
+        optimizer = plan.optimizer.build(self.model.parameters()) if plan.optimizer is not None else None
+        def schedule(opt):  # DeepSpeed hands over its base optimizer; it steps and saves the schedule
+            return get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps,
+                                 num_training_steps=plan.total_steps)
+
+        engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=plan.ds_config,
+                                               lr_scheduler=schedule)
+        if self.model.checkpointer is not None and plan.device == "cuda":
+            self._plan_offload()
+        return engine
+
+    def _plan_offload(self) -> None:
+        plan = self.plan
+        bpe = 2 if plan.bf16 else 4
+        local = plan.padded_length // plan.sp_size * self.cfg.per_device_train_batch_size
+        per_layer = local * plan.model_config.hidden_size * bpe
+        free, _ = torch.cuda.mem_get_info(self.device)
+        reserve = self._working_set_bytes(local, bpe)
+        layers = self.model.configure_offload(per_layer, free, reserve)
+        if self.state.is_main:
+            print(f"[ulysses_trainer] offloading {len(layers)}/{plan.model_config.num_hidden_layers} layer "
+                  f"checkpoints to pinned host memory ({per_layer * len(layers) / 2**30:.1f} GiB)", flush=True)
+
+    def _working_set_bytes(self, local_tokens: int, bpe: int) -> int:
+        """Device memory one layer's recompute + backward needs beyond the checkpoints (rough, generous)."""
+        c = self.plan.model_config
+        d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        qkv = local_tokens * (c.num_attention_heads + 2 * c.num_key_value_heads) * d * bpe
+        return int(8 * local_tokens * c.hidden_size * bpe + 6 * qkv + 4 * 2**30)
+
+    # ------------------------------------------------------------------ data
+    def _order(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.cfg.seed + epoch)
+        return torch.randperm(len(self.plan.train_data), generator=g)
+
+    def _micro_batches(self, step: int, data: list | None = None, per_device: int | None = None) -> list[Shard]:
+        """This rank's shards for optimizer step `step` (deterministic: resume lands on the same data)."""
+        plan, cfg = self.plan, self.cfg
+        micro = cfg.per_device_train_batch_size
+        epoch, j = divmod(step, plan.steps_per_epoch)
+        order = self._order(epoch)[j * plan.sequences_per_step:(j + 1) * plan.sequences_per_step]
+        shards = []
+        for m in range(cfg.gradient_accumulation_steps):
+            start = (m * plan.dp_size + self.state.dp_rank) * micro
+            shards.append(self._shard([plan.train_data[int(i)] for i in order[start:start + micro]]))
+        return shards
+
+    def _shard(self, rows: list[dict]) -> Shard:
+        ids = torch.stack([r["input_ids"] for r in rows])  # [micro, L]
+        pos = torch.stack([r["position_ids"] for r in rows])
+        pad = getattr(self.plan.tokenizer, "pad_token_id", None) or 0
+        return shard_batch(ids, position_ids=pos, sp_size=self.state.sp_size, sp_rank=self.state.sp_rank,
+                           pad_to_multiple_of=self.cfg.pad_to_multiple_of, pad_token_id=pad).to(self.device)
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, shards: list[Shard]) -> tuple[float, float, int]:
+        tokens = step_token_count(sum(s.num_valid for s in shards), self.state)
+        local_sum = 0.0
+        for shard in shards:
+            loss_sum = self.engine(**shard.model_inputs())
+            local_sum += float(loss_sum.detach())
+            self.engine.backward(loss_for_backward(loss_sum, tokens, self.state), scale_wrt_gas=False)
+            self.engine.step()  # DeepSpeed applies the optimizer only at the accumulation boundary
+        loss = global_loss(local_sum, tokens, self.state)
+        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        return loss, grad_norm, tokens
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Token-weighted eval loss, sharded exactly like training."""
+        data, b = self.plan.eval_data, self.cfg.per_device_eval_batch_size
+        self.engine.eval()
+        total, count = 0.0, 0
+        per_round = b * self.plan.dp_size
+        for start in range(0, len(data) - per_round + 1, per_round):  # every rank runs the same rounds
+            lo = start + self.state.dp_rank * b
+            shard = self._shard(data[lo:lo + b])
+            total += float(self.engine(**shard.model_inputs()))
+            count += shard.num_valid
+        self.engine.train()
+        tokens = step_token_count(count, self.state)
+        return global_loss(total, tokens, self.state)
+
+    # ------------------------------------------------------------------ loop
+    def _client_state(self) -> dict:
+        return {"step": self.step, "num_tokens": self.num_tokens, "rng_cpu": torch.get_rng_state(),
+                "config": config_to_dict(self.cfg)}
+
+    def _save(self) -> None:
+        ckpt.save_checkpoint(self.engine, self.cfg.output_dir, self.step, self._client_state(), self.state.is_main)
+
+    def resume(self, path: str) -> None:
+        client = ckpt.load_checkpoint(self.engine, path)
+        self.step, self.num_tokens = int(client["step"]), int(client["num_tokens"])
+        torch.set_rng_state(client["rng_cpu"])
+        if self.state.is_main:
+            self.metrics.truncate_after(self.step)
+            print(f"[ulysses_trainer] resumed from {path} at step {self.step}", flush=True)
+
+    def train(self) -> int:
+        cfg, plan = self.cfg, self.plan
+        if self.state.is_main:
+            os.makedirs(cfg.output_dir, exist_ok=True)
+            with open(os.path.join(cfg.output_dir, "config.json"), "w") as f:
+                json.dump(config_to_dict(cfg), f, indent=1)
+        resume = ckpt.find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
+        if resume:
+            self.resume(resume)
+        self.stop.install()
+        flops_per_step = train_flops_per_sequence(plan.model_config, cfg.max_length) * plan.sequences_per_step
+        bar = tqdm(total=plan.total_steps, initial=self.step, disable=not self.state.is_main, unit="it",
+                   dynamic_ncols=True)
+        while self.step < plan.total_steps:
+            t0 = time.perf_counter()
+            loss, grad_norm, tokens = self.train_step(self._micro_batches(self.step))
+            finite = math.isfinite(loss) and math.isfinite(grad_norm)
+            if not finite and cfg.nan_policy == "stop":
+                raise NonFiniteError(f"step {self.step + 1}: loss {loss}, grad_norm {grad_norm}; stopping without "
+                                     f"saving (nan_policy=stop). Lower learning_rate or check the data.")
+            self.step += 1
+            self.num_tokens += plan.sequences_per_step * cfg.max_length  # real input tokens, all ranks
+            dt = time.perf_counter() - t0
+            bar.update(1)
+            if self.step % cfg.logging_steps == 0 or self.step == plan.total_steps:
+                self._log(loss, grad_norm, dt, tokens, flops_per_step, bar)
+            if cfg.eval_steps and self.step % cfg.eval_steps == 0:
+                self._log_eval(self.evaluate(), bar)
+            stop_now = self._stop_agreed()
+            if (cfg.save_steps and self.step % cfg.save_steps == 0) or stop_now:
+                self._save()
+            if stop_now:
+                bar.write(f"[ulysses_trainer] stop signal: saved step {self.step}, exiting") if bar else None
+                bar.close()
+                return 0
+        bar.close()
+        if not (cfg.save_steps and self.step % cfg.save_steps == 0):
+            self._save()
+        ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, plan.tokenizer, self.state.is_main)
+        return 0
+
+    def _stop_agreed(self) -> bool:
+        """Every rank must agree to stop at the same step (the save is collective)."""
+        return bool(all_reduce(torch.tensor([float(self.stop.requested)]), "max").item() > 0)
+
+    def _log(self, loss, grad_norm, dt, tokens, flops_per_step, bar) -> None:
+        lr = self.engine.lr_scheduler.get_last_lr()[0]
+        row = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "learning_rate": lr,
+               "num_tokens": self.num_tokens, "epoch": self.step / self.plan.steps_per_epoch,
+               "tokens_per_s": tokens / dt, "tflops_per_gpu": flops_per_step / dt / self.state.world_size / 1e12,
+               "peak_gpu_mem_gb": peak_gpu_mem_gb(), "peak_host_mem_gb": peak_host_mem_gb()}
+        if self.state.is_main:
+            bar.write(log_line(row))
+            self.metrics.append(row)
+
+    def _log_eval(self, eval_loss: float, bar) -> None:
+        if self.state.is_main:
+            bar.write(str({"eval_loss": round(eval_loss, 4), "step": self.step}))
+            self.metrics.append({"step": self.step, "eval_loss": eval_loss})
