@@ -120,7 +120,8 @@ def measure_cuda(method, rows, vocab, hidden, dtype, chunk_size) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    ap.add_argument("--rows", type=int, default=None, help="rows (tokens); default 16384 on CUDA, 8192 on CPU")
+    ap.add_argument("--rows", type=int, default=None,
+                    help="rows (tokens); default 16384 on CUDA, 8192 on CPU")
     ap.add_argument("--vocab", type=int, default=151_936)
     ap.add_argument("--hidden", type=int, default=2560)
     ap.add_argument("--chunk-size", type=int, default=256)

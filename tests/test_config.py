@@ -145,6 +145,16 @@ def test_validation_messages(overrides, world, pattern):
         validate_config(cfg, world)
 
 
+def test_eval_on_local_data_needs_an_eval_dataset(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    cfg = TrainConfig(dataset_name=str(tmp_path / "d.jsonl"), eval_steps=2)
+    with pytest.raises(ConfigError, match="set eval_dataset_name"):
+        validate_config(cfg, 1)
+    validate_config(TrainConfig(dataset_name=str(tmp_path / "d.jsonl"), eval_steps=2,
+                                eval_dataset_name=str(tmp_path / "d.jsonl")), 1)
+    validate_config(TrainConfig(eval_steps=2), 1)  # synthetic data makes its own eval documents
+
+
 def test_validation_accepts_good_shapes():
     validate_config(TrainConfig(max_length=4096, pad_to_multiple_of=64, sp_size=4), 8)
     validate_config(TrainConfig(max_length=1200, pad_to_multiple_of=8, sp_size=3), 3)  # 1200 = 50 x lcm 24

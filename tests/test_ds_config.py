@@ -43,8 +43,8 @@ def test_fill_on_cpu_uses_torch_adamw():
     assert "optimizer" not in ds and "scheduler" not in ds
     assert spec == OptimizerSpec(lr=2e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     z = ds["zero_optimization"]
-    assert (z["reduce_bucket_size"], z["stage3_prefetch_bucket_size"], z["stage3_param_persistence_threshold"]) \
-        == (64 * 64, int(0.9 * 64 * 64), 640)
+    buckets = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+    assert tuple(z[k] for k in buckets) == (64 * 64, int(0.9 * 64 * 64), 640)
     assert "auto" not in json.dumps(ds)
     opt = spec.build([torch.nn.Parameter(torch.zeros(2))])
     assert opt.defaults["lr"] == 2e-5 and opt.defaults["betas"] == (0.9, 0.95)
@@ -76,16 +76,19 @@ def test_user_train_batch_size_is_in_sequences_per_step():
     cfg = _cfg(per_device_train_batch_size=1, gradient_accumulation_steps=2)
     base = load_ds_config(ZERO3)
     # world 4 = dp 2 x sp 2: 1 x 2 x 2 = 4 sequences per optimizer step
-    ds, _ = fill_ds_config({**base, "train_batch_size": 4}, cfg, world_size=4, dp_size=2, device_is_cuda=False)
+    ds, _ = fill_ds_config({**base, "train_batch_size": 4}, cfg, world_size=4, dp_size=2,
+                           device_is_cuda=False)
     assert ds["train_batch_size"] == 8  # converted to DeepSpeed's all-ranks-are-dp unit
-    with pytest.raises(ConfigError, match=r"train_batch_size is 8 in .* gives 4 sequences per optimizer step "
-                                          r"\(per_device_train_batch_size 1 x gradient_accumulation_steps 2 x dp 2"):
+    with pytest.raises(ConfigError, match=r"train_batch_size is 8 in .* gives 4 sequences per optimizer "
+                                          r"step \(per_device_train_batch_size 1 x "
+                                          r"gradient_accumulation_steps 2 x dp 2"):
         fill_ds_config({**base, "train_batch_size": 8}, cfg, world_size=4, dp_size=2, device_is_cuda=False)
 
 
 @pytest.mark.parametrize("edit, cfg_kw, pattern", [
     ({"gradient_accumulation_steps": 4}, {"gradient_accumulation_steps": 2},
-     r"gradient_accumulation_steps is 4 in my.json but the training config gives gradient_accumulation_steps = 2"),
+     r"gradient_accumulation_steps is 4 in my.json but the training config gives "
+     r"gradient_accumulation_steps = 2"),
     ({"train_micro_batch_size_per_gpu": 2}, {},
      r"train_micro_batch_size_per_gpu is 2 .* per_device_train_batch_size = 1"),
     ({"gradient_clipping": 0.3}, {"max_grad_norm": 1.0}, r"gradient_clipping is 0.3 .* max_grad_norm = 1.0"),

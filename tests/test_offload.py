@@ -10,6 +10,7 @@ import torch
 import transformers
 from torch import nn
 
+from tests.dist_utils import run_ranks
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.offload import (
     GIB,
@@ -252,6 +253,45 @@ def test_tuple_outputs_extra_args_and_frozen_input(offload, input_needs_grad):
             assert g is None
         else:
             torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
+
+
+def _zero3_loss_and_grads(rank: int, world: int, offload: list[int] | None):
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    model = _tiny_qwen3(3)  # the same initial weights on every rank and in every run
+    config = {
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
+        "zero_allow_untested_optimizer": True,
+        # Partition even tiny parameters, so that the recompute in backward really re-gathers them.
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "reduce_bucket_size": 20_000, "stage3_prefetch_bucket_size": 20_000},
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                      config=config)
+    ckpt = None if offload is None else LayerCheckpointer(3, offload, HostPool(host_memory_gb=1.0))
+    _wire(engine.module, ckpt)
+    engine.train()
+    ids = torch.randint(0, 128, (1, 19), generator=torch.Generator().manual_seed(100 + rank))
+    out = engine(input_ids=ids, labels=ids)
+    engine.backward(out.loss)
+    # numpy, not tensors: tensors cross the result queue as shared memory that dies with this process
+    grads = {n: safe_get_full_grad(p).numpy().copy() for n, p in engine.module.named_parameters()}
+    calls = None if ckpt is None else (ckpt.forward_calls, ckpt.recompute_calls)
+    return out.loss.item(), grads, calls
+
+
+def _zero3_runs(rank: int, world: int):
+    return [_zero3_loss_and_grads(rank, world, offload) for offload in (None, [0, 2])]
+
+
+@pytest.mark.slow
+def test_checkpoint_offload_under_zero3():
+    pytest.importorskip("deepspeed")
+    for (ref_loss, ref_grads, _), (loss, grads, calls) in run_ranks(2, _zero3_runs, timeout=300):
+        assert calls == ([1, 1, 1], [1, 1, 1])
+        _assert_close(torch.tensor(loss), {n: torch.from_numpy(g) for n, g in grads.items()},
+                      torch.tensor(ref_loss), {n: torch.from_numpy(g) for n, g in ref_grads.items()})
 
 
 def test_invalid_offload_layers():

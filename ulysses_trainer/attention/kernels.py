@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from .standin import standin_attention
 
 KERNELS = ("sdpa", "flash_attention_2", "flash_attention_4")
+STANDIN = "standin_memory_only"  # benchmarks only: see attention/standin.py
 
 
 def _has(module: str) -> bool:
@@ -43,6 +45,8 @@ def resolve_kernel(name: str) -> str:
     have = available_kernels()
     if name == "auto":
         return have[0]
+    if name == STANDIN:
+        return name
     if name not in KERNELS:
         raise ConfigError(f"attn_implementation={name!r} is unknown; use one of auto, {', '.join(KERNELS)}")
     if name not in have:
@@ -110,4 +114,5 @@ KERNEL_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "sdpa": sdpa_attention,
     "flash_attention_2": flash2_attention,
     "flash_attention_4": flash4_attention,
+    STANDIN: standin_attention,
 }

@@ -75,7 +75,8 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
         files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in _BUILDERS
                        and not any(part.startswith(".") for part in f.relative_to(path).parts))
         if not files:
-            raise ConfigError(f"dataset directory {path} holds no data files ({', '.join(sorted(_BUILDERS))})")
+            raise ConfigError(f"dataset directory {path} holds no data files "
+                              f"({', '.join(sorted(_BUILDERS))})")
     kinds = {_BUILDERS.get(f.suffix.lower()) for f in files}
     if None in kinds:
         raise ConfigError(f"dataset file {files[0]} has an unsupported extension; use one of "
@@ -104,9 +105,14 @@ def load_text_dataset(source: str, split: str) -> Any:
                 ds = ds[split]
             return ds
         builder, files = _local_files(path)
+        empty = ConfigError(f"dataset {source} is empty; point dataset_name at data with documents")
+        if all(Path(f).stat().st_size == 0 for f in files):
+            raise empty
         try:
             return datasets.load_dataset(builder, data_files=files, split="train")
         except Exception as exc:
+            if "corresponds to no data" in str(exc):  # datasets' wording for zero rows
+                raise empty from None
             raise ConfigError(f"cannot read dataset {source} as {builder}: {str(exc).strip()}") from None
     if source.startswith((".", "/", "~")) or Path(source).suffix.lower() in _BUILDERS:
         raise ConfigError(f"dataset {source!r} not found; give an existing file or directory "
@@ -176,7 +182,7 @@ def _pack(docs: Iterable[str], tokenizer: Tokenizer, max_length: int, packing: b
 
 
 def default_num_sequences(cfg: TrainConfig, split: str, dp_size: int = 1) -> int:
-    """Rows the synthetic source makes: the run's need (max_steps), else 8 optimizer steps' worth per epoch."""
+    """Rows the synthetic source makes: the run's need (max_steps), else 8 optimizer steps per epoch."""
     if split == "train":
         per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp_size
         return per_step * (cfg.max_steps if cfg.max_steps else 8)

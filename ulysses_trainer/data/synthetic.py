@@ -16,12 +16,14 @@ _SYLLABLES = ("ka", "lo", "mi", "ver", "dan", "sul", "tor", "bre", "nix", "qua",
               "gar", "oth", "wen", "lu", "sab", "dre", "cor", "jin", "hal", "mev")
 _ADJECTIVES = ("quiet", "narrow", "bright", "heavy", "distant", "early", "patient", "hollow", "gentle",
                "crooked", "steady", "pale", "restless", "warm", "plain", "silver", "careful", "broad")
-_NOUNS = ("river", "lantern", "market", "engine", "garden", "harbor", "ladder", "window", "tower", "valley",
-          "letter", "bridge", "kettle", "meadow", "signal", "orchard", "cabinet", "island", "compass", "wagon")
+_NOUNS = ("river", "lantern", "market", "engine", "garden", "harbor", "ladder", "window", "tower",
+          "valley", "letter", "bridge", "kettle", "meadow", "signal", "orchard", "cabinet", "island",
+          "compass", "wagon")
 _VERBS = ("follows", "crosses", "watches", "repairs", "carries", "finds", "measures", "passes", "guards",
           "circles", "reaches", "paints", "counts", "opens", "leaves", "builds")
 _PREPOSITIONS = ("near", "beyond", "under", "behind", "beside", "above", "toward", "around")
-_ADVERBS = ("slowly", "again", "at dawn", "without a sound", "every winter", "by noon", "once more", "in turn")
+_ADVERBS = ("slowly", "again", "at dawn", "without a sound", "every winter", "by noon", "once more",
+            "in turn")
 _ATTRIBUTES = ("code", "number", "room", "gate", "badge")
 
 

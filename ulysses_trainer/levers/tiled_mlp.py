@@ -125,7 +125,8 @@ class TiledMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2d = x.reshape(-1, shape[-1])  # [b, s, H] -> [b*s, H]: an MLP is row-wise, tiles may span rows of b
-        if torch.is_grad_enabled() and not x2d.requires_grad and any(p.requires_grad for p in self.parameters()):
+        weights_need_grad = any(p.requires_grad for p in self.parameters())
+        if torch.is_grad_enabled() and not x2d.requires_grad and weights_need_grad:
             # The Function's backward is what produces the weight gradients; it runs only if the
             # output requires grad, so give x a (discarded) gradient when only the weights need one.
             x2d = x2d.detach().requires_grad_(True)

@@ -11,6 +11,7 @@ same rope, warning-free. Training may use max_length > original × factor (the r
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import re
 from pathlib import Path
@@ -37,8 +38,8 @@ def checkpoint_source(name_or_path: str) -> str | None:
 
 
 def _missing(name_or_path: str, why: str) -> ConfigError:
-    return ConfigError(f"model_name_or_path {name_or_path!r}: {why}; use a preset ({', '.join(PRESETS)}) or a "
-                       f"local HF checkpoint directory holding config.json")
+    return ConfigError(f"model_name_or_path {name_or_path!r}: {why}; use a preset ({', '.join(PRESETS)}) "
+                       f"or a local HF checkpoint directory holding config.json")
 
 
 def _load_checkpoint_config(name_or_path: str) -> PretrainedConfig:
@@ -61,7 +62,51 @@ def _load_checkpoint_config(name_or_path: str) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(name_or_path)
     except Exception as exc:
-        raise _missing(name_or_path, f"no such path, and not loadable as a Hub id ({type(exc).__name__})") from None
+        why = f"no such path, and not loadable as a Hub id ({type(exc).__name__})"
+        raise _missing(name_or_path, why) from None
+
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+
+
+def check_local_weights(name_or_path: str) -> None:
+    """A local checkpoint directory must hold readable weights: checked before any model is built.
+
+    Reads only the safetensors headers (a truncated or foreign file fails there); presets and Hub ids
+    pass untouched.
+    """
+    source = checkpoint_source(name_or_path)
+    p = Path(source) if source is not None else None
+    if p is None or not p.is_dir():
+        return
+    found = [f for f in _WEIGHT_FILES if (p / f).is_file()]
+    if not found:
+        raise ConfigError(f"model_name_or_path {name_or_path!r} holds no weights (none of "
+                          f"{', '.join(_WEIGHT_FILES)}); copy the checkpoint's weight files there")
+    files = [p / found[0]]
+    if found[0].endswith(".index.json"):
+        try:
+            weight_map = json.loads((p / found[0]).read_text())["weight_map"]
+            files = [p / f for f in sorted(set(weight_map.values()))]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"cannot read the weight index {p / found[0]}: {exc}; re-save the checkpoint") \
+                from None
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ConfigError(f"{p / found[0]} lists weight files missing from {p}: {absent[:3]}; "
+                              f"copy the whole checkpoint")
+    for f in files:
+        if f.suffix != ".safetensors":
+            continue
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(f), framework="pt") as handle:
+                handle.keys()
+        except Exception as exc:  # truncated, not safetensors, unreadable
+            raise ConfigError(f"cannot read the weights {f}: {exc}; re-download or re-save the checkpoint") \
+                from None
 
 
 def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) -> PretrainedConfig:
@@ -72,8 +117,8 @@ def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) 
     config = preset_config(name_or_path) if checkpoint_source(name_or_path) is None \
         else _load_checkpoint_config(name_or_path)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"model {name_or_path!r} has model_type {config.model_type!r}; this trainer supports "
-                          f"{', '.join(SUPPORTED_MODEL_TYPES)} (Qwen3 checkpoints or the presets)")
+        raise ConfigError(f"model {name_or_path!r} has model_type {config.model_type!r}; this trainer "
+                          f"supports {', '.join(SUPPORTED_MODEL_TYPES)} (Qwen3 checkpoints or the presets)")
     overrides = {k: v for k, v in (model_init_kwargs or {}).items() if k not in _ROPE_KEYS}
     if overrides:
         config = _override(config, overrides)
@@ -85,11 +130,13 @@ def _override(config: PretrainedConfig, overrides: dict[str, Any]) -> Pretrained
     data = config.to_dict()
     for key in overrides:
         if key in ("torch_dtype", "dtype", "attn_implementation"):
-            raise ConfigError(f"model_init_kwargs may not set {key}: use the bf16 / attn_implementation fields")
+            raise ConfigError(f"model_init_kwargs may not set {key}: use the bf16 / attn_implementation "
+                              f"fields")
         if key not in data:
             close = difflib.get_close_matches(key, list(data), 1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"model_init_kwargs: {key!r} is not a field of the {config.model_type} config{hint}")
+            raise ConfigError(f"model_init_kwargs: {key!r} is not a field of the {config.model_type} "
+                              f"config{hint}")
     data.update(overrides)
     if "num_hidden_layers" in overrides:  # derived per-layer lists must follow the new depth
         if "layer_types" not in overrides:
@@ -140,11 +187,13 @@ def resolve_rope_parameters(config: PretrainedConfig, rope_params: dict | None,
         want = _number("rope_theta", params.pop("rope_theta"))
         if theta is None or not math.isclose(want, float(theta), rel_tol=1e-9):
             raise ConfigError(
-                f"rope_parameters.rope_theta {want:g} differs from the checkpoint's rope_theta {theta}: the weights "
-                f"were trained with {theta}; drop rope_theta from rope_parameters (YaRN keeps the base)")
+                f"rope_parameters.rope_theta {want:g} differs from the checkpoint's rope_theta {theta}: the "
+                f"weights were trained with {theta}; drop rope_theta from rope_parameters "
+                f"(YaRN keeps the base)")
     if rope_type == "default":
         if params:
-            raise ConfigError(f"rope_parameters with rope_type default takes only rope_theta; got {sorted(params)}")
+            raise ConfigError(f"rope_parameters with rope_type default takes only rope_theta; "
+                              f"got {sorted(params)}")
         resolved = {"rope_type": "default", "rope_theta": theta}
         config.rope_parameters = resolved
         return resolved
@@ -186,7 +235,8 @@ def model_config_for(cfg: TrainConfig) -> PretrainedConfig:
     kwargs = cfg.model_init_kwargs or {}
     both = [k for k in _ROPE_KEYS if k in kwargs]
     if len(both) > 1:
-        raise ConfigError("model_init_kwargs sets both rope_parameters and rope_scaling; keep rope_parameters")
+        raise ConfigError("model_init_kwargs sets both rope_parameters and rope_scaling; "
+                          "keep rope_parameters")
     config = load_model_config(cfg.model_name_or_path, kwargs)
     resolve_rope_parameters(config, kwargs.get(both[0]) if both else None, cfg.max_length)
     return config

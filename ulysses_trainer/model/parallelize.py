@@ -10,6 +10,7 @@ Order (each step relies on the ones before it):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ class ParallelizeConfig:
     activation_offload: bool | int | str = False  # False | True (all) | n first layers | "auto"
     host_memory_gb: float | None = None  # None: detected
     local_seq_len: int | None = None  # tokens per rank per row; needed for tiling decisions
+    ranks_per_host: int = 1  # ranks sharing this host's RAM (splits the offload budget)
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -43,14 +45,20 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def mlp_tiles(setting: bool | int | str, local_seq_len: int | None, hidden: int, intermediate: int) -> int:
-    """Tile count for the MLP (1 = untiled). Same on every rank: it depends on shapes only."""
+    """Tile count for the MLP (1 = untiled). Same on every rank: it depends on shapes only.
+
+    auto: tile once the MLP's four intermediate-width bf16 tensors would pass 1 GiB, and then keep
+    each tile's near 1 GiB (bigger tiles run faster matmuls; smaller ones save nothing that matters).
+    True: the lever's own count (levers.tiled_mlp.auto_num_tiles).
+    """
     if setting is False or setting == 0:
         return 1
-    if isinstance(setting, bool) or setting == "auto":
-        if local_seq_len is None:
-            return 1
-        n = auto_num_tiles(local_seq_len, hidden, intermediate)
-        return n if setting is True or n > 1 else 1
+    if local_seq_len is None:
+        return 1 if not isinstance(setting, int) or isinstance(setting, bool) else int(setting)
+    if setting == "auto":
+        return max(1, math.ceil(local_seq_len * intermediate * 4 * 2 / 2**30))
+    if setting is True:
+        return auto_num_tiles(local_seq_len, hidden, intermediate)
     return int(setting)
 
 
@@ -89,6 +97,8 @@ class SequenceParallelCausalLM(nn.Module):
         layers = plan_offload(self.offload_policy, len(_decoder_layers(self.causal_lm)), bytes_per_layer,
                               free_device_bytes, reserve_bytes)
         self.checkpointer.set_offload_layers(layers)
+        if layers:  # pin the whole pool now: a shortage is an error before step 1, not mid-run
+            self.checkpointer.pool.allocate(bytes_per_layer, len(layers))
         return layers
 
 
@@ -111,7 +121,7 @@ def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) 
     if cfg.gradient_checkpointing:
         initial = [] if cfg.activation_offload == "auto" else plan_offload(
             cfg.activation_offload, len(layers), 0, 0, 0)
-        pool = HostPool(host_memory_gb=cfg.host_memory_gb)
+        pool = HostPool(host_memory_gb=cfg.host_memory_gb, ranks_per_host=cfg.ranks_per_host)
         checkpointer = LayerCheckpointer(len(layers), initial, pool)
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = True  # HF decoder layers call _gradient_checkpointing_func

@@ -59,7 +59,7 @@ def document_layout(position_ids: torch.Tensor) -> tuple[torch.Tensor, int, bool
     starts = position_ids == 0
     starts[:, 0] = True  # every row starts a document, whatever its first position
     flat = torch.nonzero(starts.reshape(-1), as_tuple=False).flatten()  # [n_docs]
-    cu = torch.cat([flat, torch.tensor([b * length])]).to(torch.int32)
+    cu = torch.cat([flat, flat.new_tensor([b * length])]).to(torch.int32)
     max_len = int((cu[1:] - cu[:-1]).max())
     return cu, max_len, len(cu) - 1 > b
 
@@ -76,7 +76,7 @@ def shard_batch(input_ids: torch.Tensor, *, sp_size: int, sp_rank: int,
         input_ids = input_ids.unsqueeze(0)  # [L] -> [1, L]
     b, length = input_ids.shape
     if position_ids is None:
-        position_ids = torch.arange(length).expand(b, length)
+        position_ids = torch.arange(length, device=input_ids.device).expand(b, length)
     position_ids = position_ids.reshape(b, length)
     labels = input_ids if labels is None else labels.reshape(b, length)
     if not 0 <= sp_rank < sp_size:
@@ -88,7 +88,7 @@ def shard_batch(input_ids: torch.Tensor, *, sp_size: int, sp_rank: int,
     if n_pad:
         # pads continue the last document's positions: causal attention keeps real tokens blind to them
         last = position_ids[:, -1:]
-        pad_pos = last + torch.arange(1, n_pad + 1)
+        pad_pos = last + torch.arange(1, n_pad + 1, device=last.device)
         input_ids = torch.cat([input_ids, input_ids.new_full((b, n_pad), pad_token_id)], dim=1)
         shifted = torch.cat([shifted, shifted.new_full((b, n_pad), IGNORE_INDEX)], dim=1)
         position_ids = torch.cat([position_ids, pad_pos], dim=1)

@@ -7,21 +7,47 @@ heavy work with nothing written; 1 any other failure.
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import sys
+import time
 import traceback
 
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
 
+# A non-main rank waits this long before reporting its error itself: the launcher ends it as soon as
+# rank 0 (which fails the same way and prints) exits, so the message appears once, not per rank.
+_PEER_REPORT_DELAY_S = 5.0
 
-def _is_main_rank() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _report(message: str) -> None:
+    """One line on stderr from rank 0; other ranks print only if rank 0 has not ended them first."""
+    if _rank() != 0:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # the launcher's SIGTERM must end this wait
+            signal.signal(sig, signal.SIG_DFL)
+        time.sleep(_PEER_REPORT_DELAY_S)
+        message = f"(rank {_rank()}) {message}"
+    print(message, file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _init_distributed(device: str) -> None:
     import deepspeed
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or "RANK" in os.environ:
-        deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False)
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        # `python launch/train.py` without a launcher: a one-rank group (DeepSpeed would try MPI)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,17 +59,19 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)
         plan = prepare(cfg, world_size_from_env())
     except ConfigError as exc:
-        if _is_main_rank():
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+        _report(f"error: {exc}")
         return EXIT_INVALID
-    try:
-        from .trainer import Trainer
+    from .trainer import NonFiniteError, Trainer
 
+    try:
         _init_distributed(plan.device)
         return Trainer(plan).train() or EXIT_OK
     except ConfigError as exc:  # found only once the engine exists (e.g. host RAM for offload)
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        _report(f"error: {exc}")
         return EXIT_INVALID
+    except NonFiniteError as exc:  # every rank sees the same global loss and norm
+        _report(f"error: {exc}")
+        return EXIT_FAILURE
     except KeyboardInterrupt as exc:
         print(f"[ulysses_trainer] interrupted: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILURE

@@ -19,9 +19,10 @@ from ..data.documents import build_sequences
 from ..data.tokenizer import check_tokenizer_fits, load_tokenizer
 from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
 from ..errors import ConfigError
-from ..model.load import checkpoint_source, model_config_for
+from ..model.load import check_local_weights, checkpoint_source, model_config_for
 from ..parallel.sharding import padded_length
 from ..parallel.state import check_sp_shape
+from .checkpoint import find_checkpoint
 
 
 @dataclass
@@ -43,6 +44,7 @@ class RunPlan:
     total_steps: int
     sequences_per_step: int
     padded_length: int
+    resume_path: str | None = None  # the checkpoint-<step> directory to resume from
 
 
 def _device() -> str:
@@ -56,13 +58,17 @@ def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
     device = _device()
     bf16 = resolve_bf16(cfg, device == "cuda")
     ds_raw = load_ds_config(cfg.deepspeed)
+    resume_path = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
     model_config = model_config_for(cfg)
+    check_local_weights(cfg.model_name_or_path)
     check_sp_shape(sp, world_size, model_config.num_attention_heads, model_config.num_key_value_heads)
     kernel = resolve_kernel(cfg.attn_implementation)
     tokenizer = load_tokenizer(checkpoint_source(cfg.model_name_or_path))
     check_tokenizer_fits(tokenizer, model_config)
     per_step = dp * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-    train = build_sequences(cfg, tokenizer, split="train", dp_size=dp)
+    # with max_steps set, tokenizing stops once the run's sequences exist (a PG-19-sized set is not read whole)
+    wanted = cfg.max_steps * per_step if cfg.max_steps is not None else None
+    train = build_sequences(cfg, tokenizer, split="train", dp_size=dp, num_sequences=wanted)
     if len(train) < per_step:
         raise ConfigError(f"the data makes {len(train)} sequences of {cfg.max_length} tokens but one optimizer "
                           f"step needs {per_step} (dp {dp} x batch {cfg.per_device_train_batch_size} x "
@@ -78,7 +84,8 @@ def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
                    kernel=kernel, model_config=model_config, tokenizer=tokenizer, train_data=train,
                    eval_data=eval_data, ds_config=ds, optimizer=opt, steps_per_epoch=steps_per_epoch,
                    total_steps=total, sequences_per_step=per_step,
-                   padded_length=padded_length(cfg.max_length, sp, cfg.pad_to_multiple_of))
+                   padded_length=padded_length(cfg.max_length, sp, cfg.pad_to_multiple_of),
+                   resume_path=resume_path)
 
 
 def world_size_from_env() -> int:

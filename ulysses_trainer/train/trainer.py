@@ -27,7 +27,8 @@ from .prepare import RunPlan
 
 
 class NonFiniteError(RuntimeError):
-    """A non-finite loss or gradient norm under nan_policy=stop."""
+    """A non-finite loss or gradient norm that the run cannot skip (nan_policy=stop), or a non-finite
+    state about to be saved. The run ends with exit code 1 and the last checkpoint untouched."""
 
 
 class StopSignal:
@@ -71,7 +72,8 @@ class Trainer:
                                  loss_chunk_size=cfg.loss_chunk_size, tiled_mlp=cfg.tiled_mlp,
                                  gradient_checkpointing=cfg.gradient_checkpointing,
                                  activation_offload=cfg.activation_offload, host_memory_gb=cfg.host_memory_gb,
-                                 local_seq_len=plan.padded_length // plan.sp_size)
+                                 local_seq_len=plan.padded_length // plan.sp_size,
+                                 ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         return parallelize(model, self.state, pcfg)
 
     def _build_engine(self):
@@ -153,7 +155,7 @@ class Trainer:
         per_round = b * self.plan.dp_size
         for start in range(0, len(data) - per_round + 1, per_round):  # every rank runs the same rounds
             lo = start + self.state.dp_rank * b
-            shard = self._shard(data[lo:lo + b])
+            shard = self._shard([data[i] for i in range(lo, lo + b)])  # SequenceDataset takes int indices
             total += float(self.engine(**shard.model_inputs()))
             count += shard.num_valid
         self.engine.train()
@@ -166,7 +168,17 @@ class Trainer:
                 "config": config_to_dict(self.cfg)}
 
     def _save(self) -> None:
-        ckpt.save_checkpoint(self.engine, self.cfg.output_dir, self.step, self._client_state(), self.state.is_main)
+        if not self._params_finite():  # never write a non-finite state over a good checkpoint
+            raise NonFiniteError(f"the parameters are not finite at step {self.step}; not saving (the last "
+                                 f"checkpoint stays intact). Check the model weights or lower learning_rate")
+        ckpt.save_checkpoint(self.engine, self.cfg.output_dir, self.step, self._client_state(),
+                             self.state.is_main)
+
+    def _params_finite(self) -> bool:
+        """Every rank's parameter partitions (ZeRO-3 keeps them in ds_tensor) are finite (collective)."""
+        bad = any(not bool(torch.isfinite(getattr(p, "ds_tensor", p)).all())
+                  for p in self.engine.module.parameters())
+        return all_reduce(torch.tensor([float(bad)]), "max").item() == 0
 
     def resume(self, path: str) -> None:
         client = ckpt.load_checkpoint(self.engine, path)
@@ -182,20 +194,18 @@ class Trainer:
             os.makedirs(cfg.output_dir, exist_ok=True)
             with open(os.path.join(cfg.output_dir, "config.json"), "w") as f:
                 json.dump(config_to_dict(cfg), f, indent=1)
-        resume = ckpt.find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
-        if resume:
-            self.resume(resume)
+        if plan.resume_path:  # found and checked by prepare()
+            self.resume(plan.resume_path)
         self.stop.install()
         flops_per_step = train_flops_per_sequence(plan.model_config, cfg.max_length) * plan.sequences_per_step
         bar = tqdm(total=plan.total_steps, initial=self.step, disable=not self.state.is_main, unit="it",
                    dynamic_ncols=True)
         while self.step < plan.total_steps:
             t0 = time.perf_counter()
+            skipped_before = self.engine.skipped_steps
             loss, grad_norm, tokens = self.train_step(self._micro_batches(self.step))
-            finite = math.isfinite(loss) and math.isfinite(grad_norm)
-            if not finite and cfg.nan_policy == "stop":
-                raise NonFiniteError(f"step {self.step + 1}: loss {loss}, grad_norm {grad_norm}; stopping without "
-                                     f"saving (nan_policy=stop). Lower learning_rate or check the data.")
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                self._non_finite_step(loss, grad_norm, self.engine.skipped_steps > skipped_before, bar)
             self.step += 1
             self.num_tokens += plan.sequences_per_step * cfg.max_length  # real input tokens, all ranks
             dt = time.perf_counter() - t0
@@ -216,6 +226,27 @@ class Trainer:
             self._save()
         ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, plan.tokenizer, self.state.is_main)
         return 0
+
+    def _non_finite_step(self, loss: float, grad_norm: float, update_discarded: bool, bar) -> None:
+        """nan_policy for a step whose global loss or gradient norm is not finite (same on every rank).
+
+        DeepSpeed's ZeRO optimizer discards an update whose gradient norm is not finite (it clears the
+        reduced gradients and leaves parameters, optimizer moments and its step count alone; engine
+        .skipped_steps counts it). `skip` relies on that and only checks it happened; the schedule then
+        moves on with the step counter and the data position.
+        """
+        what = f"step {self.step + 1}: loss {loss}, grad_norm {grad_norm}"
+        if self.cfg.nan_policy == "stop":
+            raise NonFiniteError(f"{what}; stopping without saving (nan_policy=stop; the last checkpoint is "
+                                 f"intact). Lower learning_rate, check the data, or set nan_policy skip")
+        if not update_discarded:
+            raise NonFiniteError(f"{what}, but DeepSpeed applied the update (it discards only updates whose "
+                                 f"gradient norm is not finite), so it cannot be skipped; stopping without "
+                                 f"saving")
+        self.engine.lr_scheduler.step()
+        if self.state.is_main:
+            bar.write(f"[ulysses_trainer] warning: {what}; update skipped (nan_policy=skip): parameters and "
+                      f"optimizer state kept as they were")
 
     def _stop_agreed(self) -> bool:
         """Every rank must agree to stop at the same step (the save is collective)."""

@@ -1,0 +1,210 @@
+"""Long-context step benchmark: peak GPU/host memory, step time, tokens/s and model TFLOP/s per
+system and sequence length, one GPU, DeepSpeed ZeRO-3, bf16, torch AdamW (states fp32 on the GPU).
+
+    python benchmarks/long_context.py --system ours --model qwen3-4b --lengths 32768,65536 --out r.json
+
+Lengths run in increasing order in one process; the first OOM ends the sweep (recorded as such).
+`--standin-from N` swaps the attention kernel for the memory-only stand-in at lengths >= N
+(labelled `attention: standin_memory_only` in the results): memory is real, time is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import threading
+import time
+
+import psutil
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+from benchmarks.systems import SYSTEMS  # noqa: E402
+from ulysses_trainer.attention.kernels import STANDIN  # noqa: E402
+from ulysses_trainer.model.load import build_model  # noqa: E402
+from ulysses_trainer.model.presets import preset_config  # noqa: E402
+from ulysses_trainer.train.metrics import train_flops_per_sequence  # noqa: E402
+
+
+class HostPeak:
+    """Samples this process's RSS every 20 ms; pinned host buffers count once touched."""
+
+    def __init__(self):
+        self.proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.02)
+
+    def __enter__(self):
+        self.peak = self.proc.memory_info().rss
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def _init_dist():
+    import deepspeed
+
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511").items():
+        os.environ.setdefault(k, v)
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+
+
+def _ds_config(bf16: bool) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 1,
+            "gradient_clipping": 1.0, "bf16": {"enabled": bf16}, "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                                  "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9},
+            "steps_per_print": 2**31 - 1}
+
+
+def run(args) -> dict:
+    import deepspeed
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    config = preset_config(args.model)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    _init_dist()
+    results = {"system": args.system, "model": args.model, "kernel": args.kernel, "points": [],
+               "machine": {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "host": platform.node(),
+                           "host_ram_gb": psutil.virtual_memory().total / 2**30},
+               "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                            "transformers": __import__("transformers").__version__, "python": platform.python_version()},
+               "settings": {"zero_stage": 3, "dtype": str(dtype), "optimizer": "torch.optim.AdamW (fp32 states on GPU)",
+                            "batch": 1, "offload": args.offload, "steps_per_length": args.steps, "mode": args.mode}}
+    for L in lengths:
+        standin = args.standin_from is not None and L >= args.standin_from
+        kernel = STANDIN if standin else args.kernel
+        if args.system != "ours" and standin:
+            kernel = _register_hf_standin()
+        point = {"seq_len": L, "attention": kernel}
+        engine = None
+        try:
+            with torch.device(device):
+                model = build_model(config, dtype, seed=0)
+            net = SYSTEMS[args.system](model, kernel, L, args.offload, under_zero3=args.mode == "train")
+            fwdbwd = args.mode == "fwdbwd"
+            if getattr(net, "untied_lm_head", False):
+                point["note"] = "lm_head untied (+vocab x hidden params): ALST's fused loss fails on a tied one under ZeRO-3"
+            if fwdbwd:  # no engine, no optimizer: bf16 weights + grads, as the earlier baselines measured
+                engine = None
+            else:
+                opt = torch.optim.AdamW(net.parameters(), lr=1e-5, fused=cuda)
+                engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=_ds_config(cuda))
+            if args.system == "ours" and cuda:
+                grads = sum(p.numel() for p in net.parameters()) * 2 if fwdbwd else 0
+                _plan_ours_offload(net, config, L, dtype, extra_reserve=grads)
+                point["offloaded_layers"] = len(net.sp.checkpointer.offload_layers)
+            ids = torch.randint(0, config.vocab_size, (1, L), generator=torch.Generator().manual_seed(L)).to(device)
+            pos = torch.arange(L, device=device)[None]
+            times = []
+            with HostPeak() as host:
+                for _ in range(args.steps):
+                    if cuda:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()  # static weights/states stay counted
+                    t0 = time.perf_counter()
+                    if fwdbwd:
+                        loss = net(ids, pos)
+                        loss.backward()
+                        net.zero_grad(set_to_none=True)
+                    else:
+                        loss = engine(ids, pos)
+                        engine.backward(loss)
+                        engine.step()
+                    if cuda:
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+            dt = times[-1]
+            flops = train_flops_per_sequence(config, L)
+            point.update(status="ok", loss=float(loss), step_s=dt, all_step_s=times,
+                         peak_gpu_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                         peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+                         peak_host_rss_gb=host.peak / 2**30)
+            if not standin:
+                point.update(tokens_per_s=L / dt, model_tflops=flops / dt / 1e12)
+        except torch.cuda.OutOfMemoryError as exc:
+            point.update(status="oom", error=str(exc).splitlines()[0][:300])
+        except Exception as exc:  # noqa: BLE001 - a benchmark records the failure and moves on
+            point.update(status="error", error=f"{type(exc).__name__}: {exc}"[:500])
+        print(json.dumps(point), flush=True)
+        results["points"].append(point)
+        _save(args.out, results)  # after every point: a sweep cut short by a timeout keeps what it measured
+        del engine
+        _free(device)
+        if point["status"] != "ok":
+            break
+    return results
+
+
+def _plan_ours_offload(net, config, L, dtype, extra_reserve=0):
+    bpe = torch.finfo(dtype).bits // 8
+    free, _ = torch.cuda.mem_get_info()
+    per_layer = L * config.hidden_size * bpe
+    d = config.head_dim
+    qkv = L * (config.num_attention_heads + 2 * config.num_key_value_heads) * d * bpe
+    reserve = int(8 * L * config.hidden_size * bpe + 6 * qkv + 4 * 2**30) + extra_reserve
+    net.sp.configure_offload(per_layer, free, reserve)
+
+
+def _register_hf_standin() -> str:
+    from transformers import AttentionInterface
+
+    from ulysses_trainer.attention.standin import standin_attention
+
+    def fn(module, q, k, v, mask, scaling=None, **kw):  # HF layout [b, h, s, d] in, [b, s, h, d] out
+        return standin_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scaling), None
+
+    AttentionInterface.register("standin_hf", fn)
+    return "standin_hf"
+
+
+def _free(device):
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--system", choices=sorted(SYSTEMS), required=True)
+    ap.add_argument("--model", default="qwen3-4b")
+    ap.add_argument("--lengths", default="32768,65536,131072,262144")
+    ap.add_argument("--kernel", default="sdpa", help="attention kernel (ours: auto/sdpa/flash_attention_4)")
+    ap.add_argument("--offload", default="auto", help="ours: activation_offload policy; alst: true")
+    ap.add_argument("--standin-from", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--mode", choices=["train", "fwdbwd"], default="train",
+                    help="train: ZeRO-3 engine + AdamW step; fwdbwd: forward+backward only (no optimizer)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    args.offload = {"true": True, "false": False}.get(str(args.offload).lower(), args.offload)
+    if args.offload not in (True, False, "auto"):
+        args.offload = int(args.offload)
+    _save(args.out, run(args))
+
+
+def _save(path, results):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Every recipe in launch/recipes/ parses and validates for the world size it is written for."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ulysses_trainer.config import TrainConfig, load_config, validate_config
+from ulysses_trainer.ds_config import fill_ds_config, load_ds_config, resolve_ds_path
+from ulysses_trainer.model.load import model_config_for
+from ulysses_trainer.parallel.state import check_sp_shape
+
+RECIPES = Path(__file__).resolve().parent.parent / "launch" / "recipes"
+WORLD = {"reference_8gpu_1m.yaml": 8, "one_gpu_4b_long.yaml": 1, "cpu_default.yaml": 2}
+
+
+def _load(name: str) -> TrainConfig:
+    return load_config(["--config", str(RECIPES / name)])
+
+
+def test_every_recipe_is_covered():
+    assert sorted(p.name for p in RECIPES.glob("*.yaml")) == sorted(WORLD)
+
+
+@pytest.mark.parametrize("name", sorted(WORLD))
+def test_recipe_validates_for_its_world_size(name):
+    cfg, world = _load(name), WORLD[name]
+    validate_config(cfg, world)
+    sp = world if cfg.sp_size is None else cfg.sp_size
+    model = model_config_for(cfg)  # presets and YaRN resolve without weights
+    check_sp_shape(sp, world, model.num_attention_heads, model.num_key_value_heads)
+    gpu = name != "cpu_default.yaml"
+    ds, _ = fill_ds_config(load_ds_config(cfg.deepspeed), cfg, world, world // sp, gpu,
+                           total_steps=cfg.max_steps, hidden_size=model.hidden_size,
+                           use_deepspeed_optimizer=False, source=name)
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["train_batch_size"] == cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world
+
+
+def test_reference_recipe_is_the_reference_run():
+    cfg = _load("reference_8gpu_1m.yaml")
+    model = model_config_for(cfg)
+    assert (cfg.model_name_or_path, cfg.max_length, cfg.sp_size) == ("qwen3-8b", 1048576, 8)
+    assert (model.hidden_size, model.num_hidden_layers, model.tie_word_embeddings) == (4096, 36, False)
+    rope = model.rope_parameters
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 4.0 and rope["rope_theta"] == 1e6
+    assert rope["original_max_position_embeddings"] == 40960 and model.max_position_embeddings == 163840
+    assert cfg.bf16 is True and cfg.loss_type == "chunked_nll" and cfg.learning_rate == 1e-5
+    assert cfg.activation_offload == "auto" and cfg.tiled_mlp == "auto" and cfg.logging_steps == 1
+
+
+def test_one_gpu_recipe_stretches_qwen3_4b():
+    cfg = _load("one_gpu_4b_long.yaml")
+    model = model_config_for(cfg)
+    assert cfg.model_name_or_path == "qwen3-4b" and cfg.sp_size == 1 and cfg.max_length >= 131072
+    assert model.rope_parameters["factor"] == pytest.approx(cfg.max_length / 40960)
+    assert model.max_position_embeddings == cfg.max_length
+
+
+def test_cpu_default_recipe_is_the_no_argument_run():
+    from ulysses_trainer.train.prepare import prepare
+
+    cfg = _load("cpu_default.yaml")
+    default = load_config([])
+    # the JSON path is written repo-relative in the recipe; both name the same file
+    assert resolve_ds_path(cfg.deepspeed).resolve() == resolve_ds_path(default.deepspeed).resolve()
+    assert dataclasses.replace(cfg, deepspeed=default.deepspeed) == default
+    plan = prepare(cfg, 2)
+    assert (plan.sp_size, plan.dp_size, plan.device, plan.bf16) == (2, 1, "cpu", False)
+    assert len(plan.train_data) >= plan.sequences_per_step * plan.total_steps

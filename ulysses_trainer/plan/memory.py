@@ -1,0 +1,614 @@
+"""Per-GPU and host memory of one training step, term by term, for a Qwen3-style model.
+
+Every formula lives here, one named function per term, each saying what it counts. Sizes are bytes;
+"GB" in user-facing names means GiB (2**30 bytes), as torch.cuda.max_memory_allocated is read.
+
+Notation used in the docstrings: t = tokens per rank per micro-step (batch x padded length / sp),
+H hidden, I intermediate, V vocabulary, nq / nkv query / KV heads, d head_dim, Q = nq*d, K = nkv*d,
+K' = K x kv_repeat (KV heads are replicated when sp > nkv), e = bytes per activation element (2 bf16,
+4 fp32), N parameters, W = world size (ZeRO-3 shards the model states over every rank).
+
+The step's GPU peak is: the static model states, plus what stays alive across the step (checkpointed
+layer inputs kept on the GPU, rope cos/sin), plus the largest of the transient phases:
+  - layer backward: one decoder layer recomputed and backpropagated (its working set), with the
+    checkpoints still held on the GPU and the layer's gathered parameters;
+  - loss: the end of forward, the final norm's saved tensors and the loss's own buffers, with the
+    lm_head weight gathered;
+  - optimizer step: the fp32 gradient copy of one ZeRO sub-group.
+That sum is what torch.cuda.max_memory_allocated reports; allocator slack and the CUDA context come
+on top when deciding what fits on a device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from ..errors import ConfigError
+
+GIB = 1024**3
+PAGE = 4096  # HostPool slots are page-aligned (levers/offload.py)
+FP32 = 4
+
+Phase = Literal["static", "resident", "layer_backward", "loss", "optimizer_step", "overhead"]
+TRANSIENT_PHASES: tuple[str, ...] = ("layer_backward", "loss", "optimizer_step")
+KERNELS = ("sdpa", "flash_attention_2", "flash_attention_4", "standin_memory_only")
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions the memory model needs (a Qwen3 / Llama-style decoder with q/k RMSNorm)."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied_embeddings: bool
+    qk_norm: bool = True
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """From a transformers config (Qwen3Config or alike)."""
+        d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(vocab=config.vocab_size, hidden=config.hidden_size, intermediate=config.intermediate_size,
+                   layers=config.num_hidden_layers, heads=config.num_attention_heads,
+                   kv_heads=config.num_key_value_heads, head_dim=d,
+                   tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                   qk_norm=getattr(config, "model_type", "qwen3") == "qwen3")
+
+    @classmethod
+    def preset(cls, name: str) -> ModelShape:
+        from ..model.presets import preset_config
+
+        return cls.from_config(preset_config(name))
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class Zero3Knobs:
+    """The DeepSpeed ZeRO-3 settings that set buffer sizes (ds_configs/zero3.json; "auto" = per hidden)."""
+
+    reduce_bucket_size: int | None = None  # elements; None: hidden**2 (what "auto" is filled with)
+    prefetch_bucket_size: int | None = None  # elements; None: 0.9 * hidden**2
+    param_persistence_threshold: int | None = None  # elements; None: 10 * hidden
+    sub_group_size: int = 1_000_000_000  # elements of one optimizer sub-group
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One run's layout and levers. Field names follow the training config where it has them."""
+
+    max_length: int
+    sp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    bf16: bool = True
+    zero_stage: Literal[0, 3] = 3  # 0: plain torch (no sharding; used for the HF / ALST baselines)
+    optimizer: Literal["adamw", "none"] = "adamw"  # none: forward+backward only (baseline runs)
+    optimizer_fused: bool = True  # DeepSpeed FusedAdam / torch fused AdamW: no full-size temporaries
+    offload_optimizer: bool = False  # ZeRO-Offload: fp32 master, Adam m, v and fp32 grads on the host
+    gradient_checkpointing: bool = True
+    activation_offload: int = 0  # layers whose checkpointed input lives in pinned host memory
+    tiled_mlp: int = 1  # MLP tiles; 1 = untiled
+    loss_type: Literal["chunked_nll", "nll"] = "chunked_nll"
+    loss_chunk_size: int = 256
+    attention: str = "sdpa"
+    pad_to_multiple_of: int | None = None
+    pinned_rounding: Literal["exact", "pow2"] = "exact"  # our HostPool vs per-tensor pin_memory()
+    prefetch_offloaded: bool = True  # ours fetches the next offloaded layer one layer ahead
+    zero3: Zero3Knobs = field(default_factory=Zero3Knobs)
+    gpus_per_host: int | None = None  # ranks sharing one host's RAM; None: all ranks on one host
+    allocator_slack: float = 0.05  # caching-allocator fragmentation on top of the allocated peak
+    cuda_context_gb: float = 1.0  # CUDA context, cuBLAS workspace, NCCL buffers (outside torch's count)
+    host_baseline_gb: float = 6.0  # resident memory of one training process (torch, CUDA, libraries)
+
+    @property
+    def world(self) -> int:
+        return self.sp * self.dp
+
+    @property
+    def act_bytes(self) -> int:
+        return 2 if self.bf16 else 4
+
+    @property
+    def ranks_per_host(self) -> int:
+        return self.gpus_per_host or self.world
+
+
+def check_settings(shape: ModelShape, s: Settings) -> None:
+    """ConfigError naming the fix for settings the model cannot run."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    need(s.max_length >= 2, f"max_length must be >= 2 tokens, got {s.max_length}")
+    need(s.sp >= 1 and s.dp >= 1, f"sp and dp must be >= 1, got sp={s.sp}, dp={s.dp}")
+    need(shape.heads % s.sp == 0, f"sp={s.sp} does not divide the model's {shape.heads} query heads; "
+                                  f"pick sp among {[d for d in range(1, shape.heads + 1) if shape.heads % d == 0]}")
+    need(shape.kv_heads % s.sp == 0 or s.sp % shape.kv_heads == 0,
+         f"sp={s.sp} neither divides nor is a multiple of the model's {shape.kv_heads} KV heads")
+    need(s.micro_batch >= 1, f"per_device_train_batch_size must be >= 1, got {s.micro_batch}")
+    need(0 <= s.activation_offload <= shape.layers,
+         f"activation_offload={s.activation_offload} must be between 0 and {shape.layers} layers")
+    need(s.activation_offload == 0 or s.gradient_checkpointing,
+         "activation_offload needs gradient_checkpointing: true (it offloads the checkpoints)")
+    need(s.tiled_mlp >= 1, f"tiled_mlp must be >= 1 tiles, got {s.tiled_mlp}")
+    need(s.loss_chunk_size >= 1, f"loss_chunk_size must be >= 1, got {s.loss_chunk_size}")
+    need(s.attention in KERNELS, f"attention kernel {s.attention!r} is unknown; use one of {KERNELS}")
+    need(s.zero_stage in (0, 3), f"zero_stage {s.zero_stage} is not modelled; use 3 (or 0 for plain torch)")
+    need(not (s.offload_optimizer and s.zero_stage != 3), "optimizer offload needs ZeRO stage 3")
+    need(0 <= s.allocator_slack < 1, f"allocator_slack must be in [0, 1), got {s.allocator_slack}")
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes
+
+
+def padded_length(s: Settings) -> int:
+    """Sequence length after padding to a multiple of lcm(sp, pad_to_multiple_of) (parallel/sharding.py)."""
+    m = math.lcm(s.sp, s.pad_to_multiple_of or 1)
+    return -(-s.max_length // m) * m
+
+
+def local_tokens(s: Settings) -> int:
+    """t: tokens one rank holds per micro-step (batch x padded length / sp)."""
+    return s.micro_batch * padded_length(s) // s.sp
+
+
+def kv_repeat(shape: ModelShape, sp: int) -> int:
+    """How many times each KV head is copied before the all-to-all (parallel/ulysses.py)."""
+    return max(1, sp // shape.kv_heads)
+
+
+def layer_param_numels(shape: ModelShape) -> list[int]:
+    """Parameters of one decoder layer, in module order: q, k, v, o, q_norm, k_norm, gate, up, down,
+    input_layernorm, post_attention_layernorm."""
+    h, i, q, k, d = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width, shape.head_dim
+    norms = [d, d] if shape.qk_norm else []
+    return [h * q, h * k, h * k, q * h, *norms, h * i, h * i, i * h, h, h]
+
+
+def param_numels(shape: ModelShape) -> list[int]:
+    """Every parameter tensor of the causal LM: embedding, the layers, final norm, untied lm_head."""
+    out = [shape.vocab * shape.hidden]
+    for _ in range(shape.layers):
+        out += layer_param_numels(shape)
+    out.append(shape.hidden)
+    if not shape.tied_embeddings:
+        out.append(shape.vocab * shape.hidden)
+    return out
+
+
+def num_params(shape: ModelShape) -> int:
+    """N: parameters, tied embeddings counted once."""
+    return sum(param_numels(shape))
+
+
+def _shard_numel(shape: ModelShape, s: Settings) -> int:
+    """Elements of this rank's ZeRO-3 partition: each tensor is padded to a multiple of W and split."""
+    if s.zero_stage == 0:
+        return num_params(shape)
+    return sum(-(-n // s.world) for n in param_numels(shape))
+
+
+def _persistence_threshold(shape: ModelShape, s: Settings) -> int:
+    t = s.zero3.param_persistence_threshold
+    return 10 * shape.hidden if t is None else t
+
+
+def _sub_group_numels(shape: ModelShape, s: Settings) -> list[int]:
+    """ZeRO-3 optimizer sub-groups: parameter partitions packed in order until sub_group_size is reached."""
+    groups, acc = [], 0
+    for n in param_numels(shape):
+        acc += -(-n // s.world)
+        if acc >= s.zero3.sub_group_size:
+            groups.append(acc)
+            acc = 0
+    if acc:
+        groups.append(acc)
+    return groups
+
+
+def pinned_bytes(nbytes: int, rounding: str) -> int:
+    """Host bytes that a pinned buffer of nbytes occupies: exact, or PyTorch's pinned caching allocator,
+    which rounds every allocation up to a power of two."""
+    if nbytes <= 0:
+        return 0
+    return nbytes if rounding == "exact" else 1 << (nbytes - 1).bit_length()
+
+
+# --------------------------------------------------------------------------------------------
+# Static model states (per GPU)
+
+
+def weights_bytes(shape: ModelShape, s: Settings) -> int:
+    """Model weights in the training dtype: this rank's ZeRO-3 shard (N/W elements), or all N unsharded."""
+    return _shard_numel(shape, s) * s.act_bytes
+
+
+def gradients_bytes(shape: ModelShape, s: Settings) -> int:
+    """Reduced gradients in the training dtype: ZeRO-3's flat gradient partition (N/W), or full .grad
+    tensors unsharded. Under optimizer offload the partition is on the host (see host terms)."""
+    if s.offload_optimizer:
+        return 0
+    return _shard_numel(shape, s) * s.act_bytes
+
+
+def master_weights_bytes(shape: ModelShape, s: Settings) -> int:
+    """fp32 master copy of this rank's partition (4 N/W). None when the weights are fp32 already
+    (DeepSpeed reuses them), when there is no optimizer, or when it is offloaded."""
+    if s.optimizer == "none" or s.offload_optimizer or not s.bf16:
+        return 0
+    return _shard_numel(shape, s) * FP32
+
+
+def adam_states_bytes(shape: ModelShape, s: Settings) -> int:
+    """Adam m and v, fp32, for this rank's partition (8 N/W); on the host when offloaded."""
+    if s.optimizer == "none" or s.offload_optimizer:
+        return 0
+    return _shard_numel(shape, s) * 2 * FP32
+
+
+def persistent_params_bytes(shape: ModelShape, s: Settings) -> int:
+    """ZeRO-3 keeps parameters below param_persistence_threshold (norm weights) gathered on every rank."""
+    if s.zero_stage == 0:
+        return 0
+    thr = _persistence_threshold(shape, s)
+    return sum(n for n in param_numels(shape) if n <= thr) * s.act_bytes
+
+
+def reduce_bucket_bytes(shape: ModelShape, s: Settings) -> int:
+    """ZeRO-3's contiguous gradient bucket (reduce_bucket_size elements, training dtype)."""
+    if s.zero_stage == 0 or s.optimizer == "none":
+        return 0
+    n = s.zero3.reduce_bucket_size
+    return (shape.hidden**2 if n is None else n) * s.act_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# What stays alive across the step
+
+
+def checkpoint_bytes_per_layer(shape: ModelShape, s: Settings) -> int:
+    """One checkpointed layer input: [b, L/sp, H] in the training dtype (t x H x e)."""
+    return local_tokens(s) * shape.hidden * s.act_bytes
+
+
+def gpu_checkpoints_held(shape: ModelShape, s: Settings) -> int:
+    """Most layer inputs on the GPU at once: the N - k resident ones at the start of backward; when
+    every layer is offloaded, the one being recomputed plus the one prefetched (or only the one)."""
+    if not s.gradient_checkpointing:
+        return 0
+    resident = shape.layers - s.activation_offload
+    fetched = (2 if s.prefetch_offloaded else 1) if s.activation_offload else 0
+    return max(resident, fetched)
+
+
+def checkpoints_gpu_bytes(shape: ModelShape, s: Settings) -> int:
+    """Checkpointed layer inputs held on the GPU at the peak (see gpu_checkpoints_held)."""
+    return gpu_checkpoints_held(shape, s) * checkpoint_bytes_per_layer(shape, s)
+
+
+def activations_no_checkpointing_bytes(shape: ModelShape, s: Settings) -> int:
+    """Without checkpointing every layer keeps its forward-saved tensors (the layer's saved set x N)."""
+    if s.gradient_checkpointing:
+        return 0
+    saved = layer_forward_saved(shape, s)
+    return shape.layers * sum(saved.values())
+
+
+def rope_bytes(shape: ModelShape, s: Settings) -> int:
+    """Rotary cos and sin for the local positions, [b, t, d] each in the training dtype, passed to
+    every layer (and kept by each checkpoint for its recompute)."""
+    return 2 * local_tokens(s) * shape.head_dim * s.act_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# One decoder layer, recomputed in backward
+
+
+def rmsnorm_saved_bytes(tokens: int, width: int, e: int) -> int:
+    """What autograd keeps for an HF RMSNorm on [tokens, width]: the fp32 upcast of its input (shared
+    by pow and the rsqrt multiply; no copy when the input is fp32 already) and the normalized tensor
+    cast back to the input dtype (kept by the weight multiply). Not its output (the consumer keeps it)."""
+    upcast = tokens * width * FP32 if e < FP32 else 0
+    return upcast + tokens * width * e
+
+
+def layer_forward_saved(shape: ModelShape, s: Settings) -> dict[str, int]:
+    """Tensors autograd keeps after a Qwen3 decoder layer's (re)computed forward, by what keeps them."""
+    t, e, h = local_tokens(s), s.act_bytes, shape.hidden
+    q, kp = shape.q_width, shape.kv_width * kv_repeat(shape, s.sp)
+    saved = {
+        # input_layernorm: fp32 upcast + normalized; its output is kept once by q/k/v_proj
+        "input norm (fp32 upcast, normalized, output)": rmsnorm_saved_bytes(t, h, e) + t * h * e,
+        # q_norm / k_norm on the projections: fp32 upcast + normalized (their outputs feed rope, which
+        # keeps only cos/sin)
+        "q_norm, k_norm (fp32 upcast, normalized)":
+            (rmsnorm_saved_bytes(t, q, e) + rmsnorm_saved_bytes(t, shape.kv_width, e)) if shape.qk_norm else 0,
+        # the kernel keeps q, k, v (rope applied; after the all-to-all: all tokens, heads/sp), its
+        # output and an fp32 log-sum-exp per query head and token
+        "attention q, k, v (after rope / all-to-all)": t * (q + 2 * kp) * e,
+        "attention output + LSE (fp32)": t * q * e + t * shape.heads * FP32,
+        # o_proj keeps its input: the output back in [t, Q] layout (a copy after the all-to-all)
+        "o_proj input": t * q * e,
+        # post_attention_layernorm: fp32 upcast + normalized + its output (the MLP input)
+        "post-attention norm (fp32 upcast, normalized, output)": rmsnorm_saved_bytes(t, h, e) + t * h * e,
+        # untiled MLP: act_fn keeps gate(x), the product keeps act(gate(x)) and up(x), down_proj keeps
+        # the product: 4 [t, I] tensors; tiled: only the input, counted with the norm output above
+        "MLP intermediates (gate, act, up, product)": 4 * t * shape.intermediate * e if s.tiled_mlp == 1 else 0,
+    }
+    return saved
+
+
+def mlp_backward_extra(shape: ModelShape, s: Settings) -> dict[str, int]:
+    """Beyond the saved tensors, during the MLP's backward. Untiled: the grads of the product and of
+    act/up coexist with the saved four (2 more [t, I]), and the gate/up input grads ([t, H] each).
+    Tiled: the full input grad plus one tile's forward + backward (6 [r, I] and 2 [r, H], r = t/tiles)."""
+    t, e, h, i = local_tokens(s), s.act_bytes, shape.hidden, shape.intermediate
+    if s.tiled_mlp == 1:
+        return {"MLP backward: grads of product, act, up": 2 * t * i * e,
+                "MLP backward: input grads (gate, up)": 2 * t * h * e}
+    r = -(-t // s.tiled_mlp)
+    return {"tiled MLP: input grad [t, H]": t * h * e,
+            f"tiled MLP: one tile of {r} rows (intermediates + grads)": 6 * r * i * e + 2 * r * h * e}
+
+
+def attention_backward_extra(shape: ModelShape, s: Settings) -> dict[str, int]:
+    """Beyond the saved tensors, during attention's backward: the output grad, the all-to-all send and
+    receive buffers (sp > 1), dq, dk, dv, the fp32 dq accumulator and the fp32 softmax row sums of a
+    flash-style kernel, and the residual-stream grad."""
+    t, e, h = local_tokens(s), s.act_bytes, shape.hidden
+    q, kp = shape.q_width, shape.kv_width * kv_repeat(shape, s.sp)
+    return {
+        "attention backward: d(out) + all-to-all buffers": t * q * e * (3 if s.sp > 1 else 1),
+        "attention backward: dq, dk, dv": t * (q + 2 * kp) * e,
+        "attention backward: fp32 dq accumulator + row sums": t * q * FP32 + t * shape.heads * FP32,
+        "residual-stream grad": t * h * e,
+    }
+
+
+def layer_flow_bytes(shape: ModelShape, s: Settings) -> dict[str, int]:
+    """Alive through the whole layer backward: the incoming output grad, the recomputed layer output
+    (held by the checkpoint function until its backward returns) and the input grad being filled."""
+    t, e, h = local_tokens(s), s.act_bytes, shape.hidden
+    return {"layer output grad (incoming)": t * h * e, "recomputed layer output": t * h * e,
+            "layer input grad": t * h * e}
+
+
+def layer_working_set(shape: ModelShape, s: Settings) -> tuple[int, str, dict[str, int]]:
+    """The one-layer working set during backward recompute: (bytes, sub-phase, breakdown).
+
+    Two sub-phases compete: during the MLP backward everything saved by the layer is alive; during the
+    attention backward the MLP's and post-norm's saved tensors are gone but attention's grads appear.
+    """
+    saved = layer_forward_saved(shape, s)
+    flow = layer_flow_bytes(shape, s)
+    mlp = {**flow, **saved, **mlp_backward_extra(shape, s)}
+    attn_saved = {k: v for k, v in saved.items() if not k.startswith(("post-attention", "MLP"))}
+    attn = {**flow, **attn_saved, **attention_backward_extra(shape, s)}
+    if not s.gradient_checkpointing:  # the saved tensors are counted under activations already
+        mlp = {k: v for k, v in mlp.items() if k not in saved}
+        attn = {k: v for k, v in attn.items() if k not in saved}
+    best = max((("MLP backward", mlp), ("attention backward", attn)), key=lambda kv: sum(kv[1].values()))
+    return sum(best[1].values()), best[0], best[1]
+
+
+def layer_gathered_params_bytes(shape: ModelShape, s: Settings) -> int:
+    """ZeRO-3 during a layer's backward: the layer's parameters gathered in full, the prefetch bucket
+    for the next, and full-size weight grads before reduce-scatter (tiled MLP accumulates its three
+    weight grads over the tiles; otherwise one weight grad at a time)."""
+    if s.zero_stage == 0:
+        return 0
+    e = s.act_bytes
+    layer = sum(layer_param_numels(shape))
+    pre = s.zero3.prefetch_bucket_size
+    prefetch = int(0.9 * shape.hidden**2) if pre is None else pre
+    hi = shape.hidden * shape.intermediate
+    grads = 3 * hi if s.tiled_mlp > 1 else hi
+    return (layer + min(prefetch, layer) + grads) * e
+
+
+# --------------------------------------------------------------------------------------------
+# The loss
+
+
+def final_norm_bytes(shape: ModelShape, s: Settings) -> int:
+    """The final RMSNorm's saved tensors plus its output (the loss input, alive during the loss)."""
+    t, e = local_tokens(s), s.act_bytes
+    return rmsnorm_saved_bytes(t, shape.hidden, e) + t * shape.hidden * e
+
+
+def chunked_loss_bytes(shape: ModelShape, s: Settings) -> int:
+    """levers/chunked_loss.py: the hidden grad [t, H] and the fp32 lm_head grad [V, H], both built in
+    forward; one chunk's logits (training dtype, then fp32, turned into probabilities in place) and
+    its dlogits; in bf16 the [V, H] product added to the fp32 grad and the final bf16 weight grad."""
+    t, e, v, h, c = local_tokens(s), s.act_bytes, shape.vocab, shape.hidden, s.loss_chunk_size
+    c = min(c, t)
+    vh_lowp = v * h * e if e < FP32 else 0
+    chunk = c * v * FP32 + c * v * e + vh_lowp
+    return t * h * e + v * h * FP32 + max(chunk, vh_lowp)
+
+
+def plain_loss_bytes(shape: ModelShape, s: Settings) -> int:
+    """Full logits (levers' nll_sum / HF's loss): in backward the fp32 log-softmax output it saved, the
+    NLL grad and the log-softmax grad coexist: 3 fp32 [t, V]; plus the lm_head weight grad."""
+    t, e, v, h = local_tokens(s), s.act_bytes, shape.vocab, shape.hidden
+    return 3 * t * v * FP32 + v * h * e
+
+
+def loss_bytes(shape: ModelShape, s: Settings) -> int:
+    """The loss's own buffers for the configured loss type."""
+    return chunked_loss_bytes(shape, s) if s.loss_type == "chunked_nll" else plain_loss_bytes(shape, s)
+
+
+def lm_head_gathered_bytes(shape: ModelShape, s: Settings) -> int:
+    """ZeRO-3 gathers the full lm_head weight [V, H] for the loss."""
+    return 0 if s.zero_stage == 0 else shape.vocab * shape.hidden * s.act_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# The optimizer step
+
+
+def optimizer_step_bytes(shape: ModelShape, s: Settings) -> int:
+    """During the step, per sub-group: its fp32 gradient copy (4 x sub-group elements), plus, for a
+    non-fused torch AdamW, a full-size fp32 temporary. Nothing on the GPU when offloaded."""
+    if s.optimizer == "none" or s.offload_optimizer:
+        return 0
+    largest = max(_sub_group_numels(shape, s)) if s.zero_stage == 3 else num_params(shape)
+    grad = largest * FP32 if (s.bf16 or s.zero_stage == 0) else 0
+    return grad + (0 if s.optimizer_fused else largest * FP32)
+
+
+# --------------------------------------------------------------------------------------------
+# Host terms (per rank)
+
+
+def host_pool_bytes(shape: ModelShape, s: Settings) -> int:
+    """Pinned host memory for the offloaded checkpoints: one pool of k page-aligned slots, exactly the
+    sum (ours), or each checkpoint rounded up to a power of two (per-tensor pin_memory)."""
+    k = s.activation_offload
+    if k == 0:
+        return 0
+    per = checkpoint_bytes_per_layer(shape, s)
+    if s.pinned_rounding == "pow2":
+        return k * pinned_bytes(per, "pow2")
+    return k * (-(-per // PAGE) * PAGE) + PAGE
+
+
+def host_optimizer_bytes(shape: ModelShape, s: Settings) -> int:
+    """ZeRO-Offload on the host: fp32 master (4 N/W) and Adam m, v (8 N/W), pageable; the fp32 gradient
+    buffer of each sub-group and the flat gradient partition in the training dtype, both pinned through
+    PyTorch's allocator (power-of-two rounded)."""
+    if not s.offload_optimizer or s.optimizer == "none":
+        return 0
+    n = _shard_numel(shape, s)
+    grads32 = sum(pinned_bytes(g * FP32, "pow2") for g in _sub_group_numels(shape, s))
+    return n * 3 * FP32 + grads32 + pinned_bytes(n * s.act_bytes, "pow2")
+
+
+# --------------------------------------------------------------------------------------------
+# The estimate
+
+
+@dataclass(frozen=True)
+class Term:
+    """One line of the estimate. phase: static / resident (alive across the step) / a transient phase /
+    overhead; only the peak phase's transient terms count towards the GPU peak."""
+
+    name: str
+    gpu: int
+    host: int
+    phase: str
+    detail: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-GPU peak and per-host memory of one training step, term by term (bytes)."""
+
+    shape: ModelShape
+    settings: Settings
+    terms: tuple[Term, ...]
+    phases: dict[str, int]  # transient bytes of each phase
+    peak_phase: str
+    gpu_peak: int  # what torch.cuda.max_memory_allocated should read
+    gpu_required: int  # peak + allocator slack + CUDA context: what must fit on the device
+    host_per_rank: int
+    host_per_host: int
+
+    def term(self, name: str) -> Term:
+        for t in self.terms:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def counts(self, t: Term) -> bool:
+        """Whether a term is part of the GPU peak."""
+        return t.phase in ("static", "resident", "overhead") or t.phase == self.peak_phase
+
+    def fits(self, gpu_memory_gb: float, host_memory_gb: float | None) -> bool:
+        ok = self.gpu_required <= gpu_memory_gb * GIB
+        return ok and (host_memory_gb is None or self.host_per_host <= host_memory_gb * GIB)
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "settings": {k: v for k, v in s.__dict__.items() if k != "zero3"} | {"zero3": s.zero3.__dict__},
+            "local_tokens": local_tokens(s), "padded_length": padded_length(s),
+            "parameters": num_params(self.shape),
+            "terms": [{"name": t.name, "phase": t.phase, "gpu_gb": t.gpu / GIB, "host_gb": t.host / GIB,
+                       "in_peak": self.counts(t), "detail_gb": {k: v / GIB for k, v in t.detail.items()}}
+                      for t in self.terms],
+            "phases_gb": {k: v / GIB for k, v in self.phases.items()},
+            "peak_phase": self.peak_phase,
+            "gpu_peak_gb": self.gpu_peak / GIB, "gpu_required_gb": self.gpu_required / GIB,
+            "host_per_rank_gb": self.host_per_rank / GIB, "host_per_host_gb": self.host_per_host / GIB,
+        }
+
+
+def estimate(shape: ModelShape, s: Settings) -> MemoryEstimate:
+    """All terms for one rank, the phase that sets the peak, and the per-host total."""
+    check_settings(shape, s)
+    ck = checkpoint_bytes_per_layer(shape, s)
+    ws, ws_phase, ws_detail = layer_working_set(shape, s)
+    held = gpu_checkpoints_held(shape, s)
+    terms = [
+        Term("weights", weights_bytes(shape, s), 0, "static"),
+        Term("gradients", gradients_bytes(shape, s), 0, "static"),
+        Term("fp32 master weights", master_weights_bytes(shape, s), 0, "static"),
+        Term("Adam m, v", adam_states_bytes(shape, s), 0, "static"),
+        Term("persistent small params", persistent_params_bytes(shape, s), 0, "static"),
+        Term("gradient reduce bucket", reduce_bucket_bytes(shape, s), 0, "static"),
+        Term(f"layer checkpoints ({held} on GPU, {s.activation_offload} on host)",
+             checkpoints_gpu_bytes(shape, s), host_pool_bytes(shape, s), "resident",
+             {"per layer": ck}),
+        Term("activations without checkpointing", activations_no_checkpointing_bytes(shape, s), 0, "resident"),
+        Term("rope cos/sin", rope_bytes(shape, s), 0, "resident"),
+        Term(f"layer working set ({ws_phase})", ws, 0, "layer_backward", ws_detail),
+        Term("ZeRO-3 gathered layer params + grads", layer_gathered_params_bytes(shape, s), 0, "layer_backward"),
+        Term("final norm", final_norm_bytes(shape, s), 0, "loss"),
+        Term(f"loss ({'chunked, ' + str(s.loss_chunk_size) + ' rows' if s.loss_type == 'chunked_nll' else 'plain'})",
+             loss_bytes(shape, s), 0, "loss"),
+        Term("ZeRO-3 gathered lm_head", lm_head_gathered_bytes(shape, s), 0, "loss"),
+        Term("optimizer step fp32 grads", optimizer_step_bytes(shape, s), 0, "optimizer_step"),
+    ]
+    static = sum(t.gpu for t in terms if t.phase == "static")
+    resident = sum(t.gpu for t in terms if t.phase == "resident")
+    phases = {p: sum(t.gpu for t in terms if t.phase == p) for p in TRANSIENT_PHASES}
+    # checkpoints and activations are freed before the optimizer step
+    at = {"layer_backward": static + resident + phases["layer_backward"],
+          "loss": static + resident + phases["loss"],
+          "optimizer_step": static + phases["optimizer_step"]}
+    peak_phase = max(at, key=at.get)
+    peak = at[peak_phase]
+    if peak_phase == "optimizer_step":  # resident activations are gone by then: show them as not counted
+        terms = [replace(t, phase="resident (freed before step)") if t.phase == "resident" else t for t in terms]
+    slack = int(peak * s.allocator_slack)
+    context = int(s.cuda_context_gb * GIB)
+    terms.append(Term(f"allocator slack ({s.allocator_slack:.0%})", slack, 0, "overhead"))
+    terms.append(Term("CUDA context, NCCL", context, 0, "overhead"))
+    opt_host = host_optimizer_bytes(shape, s)
+    terms.append(Term("optimizer states offloaded", 0, opt_host, "static"))
+    base = int(s.host_baseline_gb * GIB)
+    terms.append(Term("process baseline", 0, base, "overhead"))
+    host_rank = sum(t.host for t in terms)
+    return MemoryEstimate(shape=shape, settings=s, terms=tuple(terms), phases=phases, peak_phase=peak_phase,
+                          gpu_peak=peak, gpu_required=peak + slack + context, host_per_rank=host_rank,
+                          host_per_host=host_rank * s.ranks_per_host)
