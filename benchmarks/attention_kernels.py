@@ -35,6 +35,14 @@ def _time(fn, iters):
     return statistics.median(ts[1:])  # the first call compiles / autotunes
 
 
+def _measure(fn, q, k, v, iters):
+    t_f = _time(lambda: fn(q, k, v), iters)
+    out = fn(q, k, v)
+    dout = torch.randn_like(out)
+    t_b = _time(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), iters)
+    return t_f, t_b
+
+
 def _sdpa(backend, expand):
     def run(q, k, v):
         if expand:
@@ -90,10 +98,7 @@ def main():
             q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
             point = {"kernel": name, "seq_len": L}
             try:
-                t_f = _time(lambda: fn(q, k, v), a.iters)
-                out = fn(q, k, v)
-                dout = torch.randn_like(out)
-                t_b = _time(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), a.iters)
+                t_f, t_b = _measure(fn, q, k, v, a.iters)
                 point.update(fwd_s=t_f, bwd_s=t_b, fwd_tflops=fwd_flops / t_f / 1e12,
                              fwd_bwd_tflops=3.5 * fwd_flops / (t_f + t_b) / 1e12)
             except Exception as exc:  # noqa: BLE001 - record which backends have no kernel here

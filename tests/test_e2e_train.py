@@ -6,8 +6,9 @@ module-scoped cache starts each one the first time a test asks for it, and sever
   sp1   1 rank,  sp 1, accumulation 2 x 1 sequence, eval every 2 steps
   sp2   2 ranks, sp 2, the same (also: log line, metrics keys, checkpoints every 2 steps, export)
   sp4   4 ranks, sp 4, the same
+  dp2   2 ranks, sp 1, dp 2: one sequence per rank (the same 2 sequences per step)
   ga1   1 rank,  sp 1, one micro-step of 2 sequences (compared with sp1)
-  resume  2 ranks: sp2's output_dir copied, resumed from checkpoint-2, trained to step 4
+  resume  2 ranks: sp2's output_dir cut back to checkpoint-2, resumed (`true` = latest) to step 4
   jsonl 1 rank,  a local jsonl file (text in a non-default field) for one epoch, jsonl eval data
 """
 
@@ -38,8 +39,9 @@ LOG_KEYS = ["loss", "grad_norm", "learning_rate", "num_tokens", "epoch"]
 # The sp runs: dp = 1 everywhere, 2 sequences per optimizer step as 2 micro-steps of 1.
 COMMON = ["--max_length", str(MAX_LENGTH), "--max_steps", str(MAX_STEPS), "--learning_rate", str(LR),
           "--bf16", "false", "--seed", "3", "--logging_steps", "1"]
+# Eval: 4 synthetic sequences (the default makes 2 x batch x dp), in rounds of 2 on dp 1 and dp 2.
 SP_ARGS = COMMON + ["--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "1",
-                    "--eval_steps", "2"]
+                    "--eval_steps", "2", "--per_device_eval_batch_size", "2"]
 
 
 def _free_port() -> int:
@@ -108,15 +110,25 @@ class Runs:
     def _sp4(self, out):
         return run_train(4, SP_ARGS + ["--sp_size", "4"], out)
 
+    def _dp2(self, out):
+        return run_train(2, COMMON + ["--sp_size", "1", "--gradient_accumulation_steps", "1",
+                                      "--per_device_train_batch_size", "1", "--eval_steps", "2",
+                                      "--per_device_eval_batch_size", "1"], out)
+
     def _ga1(self, out):
         return run_train(1, COMMON + ["--sp_size", "1", "--gradient_accumulation_steps", "1",
                                       "--per_device_train_batch_size", "2"], out)
 
     def _resume(self, out):
+        # What a run killed during step 4's save leaves: checkpoint-2 is the latest, and metrics.jsonl
+        # already holds rows for steps 3 and 4, which the resume must drop before writing them again.
         straight, _ = self.get("sp2")
-        shutil.copytree(straight, out)  # the state a run stopped after step 2 would leave, plus later rows
+        shutil.copytree(straight, out)
+        shutil.rmtree(out / "checkpoint-4")
+        shutil.rmtree(out / "final")
+        (out / "latest").write_text("checkpoint-2\n")
         return run_train(2, SP_ARGS + ["--sp_size", "2", "--save_steps", "2",
-                                       "--resume_from_checkpoint", str(out / "checkpoint-2")], out)
+                                       "--resume_from_checkpoint", "true"], out)
 
     def _jsonl(self, out):
         data = self.root / "data"
@@ -198,6 +210,12 @@ def test_export_reloads_with_transformers_and_matches_checkpoint(runs):
     assert a.shape == (2, 96, config.vocab_size)
     assert torch.allclose(a, b, rtol=0, atol=1e-6), (a - b).abs().max()
 
+    from transformers import AutoTokenizer  # the tokenizer travels with the export
+
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    ids = tok("The code of Velmora is 4821.")["input_ids"]
+    assert ids and max(ids) < config.vocab_size and tok.decode(ids) == "The code of Velmora is 4821."
+
 
 # ---------------------------------------------------------------- sp=1 == sp=2 == sp=4
 @pytest.mark.slow
@@ -232,6 +250,22 @@ def test_two_accumulation_steps_equal_one_step_of_both_sequences(runs):
             assert a[key] == b[key], (key, a[key], b[key])
 
 
+@pytest.mark.slow
+def test_dp2_equals_one_rank_with_the_same_sequences(runs):
+    """dp 2 x 1 sequence == 1 rank x 2 accumulated sequences: loss, gradient norm, eval over dp ranks."""
+    ref_train, ref_eval = read_metrics(runs.get("sp1")[0])
+    train, evals = read_metrics(runs.get("dp2")[0])
+    assert [r["step"] for r in train] == [r["step"] for r in ref_train] == list(range(1, MAX_STEPS + 1))
+    for r, ref in zip(train, ref_train):
+        assert rel(r["loss"], ref["loss"]) <= 1e-5, (r["step"], r["loss"], ref["loss"])
+        assert rel(r["grad_norm"], ref["grad_norm"]) <= 1e-5, (r["step"], r["grad_norm"], ref["grad_norm"])
+        for key in ("learning_rate", "num_tokens", "epoch"):
+            assert r[key] == ref[key], (key, r[key], ref[key])
+    assert [r["step"] for r in evals] == [r["step"] for r in ref_eval] == [2, 4]
+    for r, ref in zip(evals, ref_eval):
+        assert rel(r["eval_loss"], ref["eval_loss"]) <= 1e-5, (r, ref)
+
+
 # ---------------------------------------------------------------- exact resume
 @pytest.mark.slow
 def test_resume_from_step_2_is_bitwise_the_straight_run(runs):
@@ -248,7 +282,7 @@ def test_resume_from_step_2_is_bitwise_the_straight_run(runs):
         for key in ("loss", "grad_norm", "learning_rate", "num_tokens", "epoch"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])  # bitwise: fp32 on CPU
     assert resumed_eval[-1]["eval_loss"] == straight_eval[-1]["eval_loss"]
-    assert (out / "latest").read_text().strip() == "checkpoint-4"
+    assert (out / "latest").read_text().strip() == "checkpoint-4" and (out / "final").is_dir()
 
 
 # ---------------------------------------------------------------- a local jsonl dataset

@@ -27,6 +27,7 @@ DEFAULT_DS_CONFIG = str(REPO_ROOT / "ds_configs" / "zero3.json")
 AttnImpl = Literal["auto", "sdpa", "flash_attention_2", "flash_attention_4"]
 LossType = Literal["chunked_nll", "nll"]
 NanPolicy = Literal["skip", "stop"]
+SaveStrategy = Literal["steps", "no"]
 SchedulerType = Literal["linear", "cosine", "constant", "constant_with_warmup"]
 Auto = Literal["auto"]
 
@@ -89,6 +90,7 @@ class TrainConfig:
     output_dir: str = _f("out/default", "checkpoints, metrics.jsonl and the final export")
     logging_steps: int = _f(1, "log every N optimizer steps")
     save_steps: Union[int, None] = _f(None, "checkpoint every N steps (always at the end); null = end only")
+    save_strategy: SaveStrategy = _f("steps", "no = write no checkpoint and no final export (benchmarks, dry runs)")
     save_total_limit: Union[int, None] = _f(None, "keep at most N checkpoints; null = all")
     eval_steps: Union[int, None] = _f(None, "evaluate every N steps; null = never")
     resume_from_checkpoint: Union[str, bool, None] = _f(

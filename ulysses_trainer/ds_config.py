@@ -38,8 +38,10 @@ class OptimizerSpec:
     weight_decay: float
 
     def build(self, params: Any) -> torch.optim.AdamW:
+        params = list(params)
+        fused = bool(params) and all(p.is_cuda for p in params)  # one CUDA kernel, no JIT build
         return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps,
-                                 weight_decay=self.weight_decay)
+                                 weight_decay=self.weight_decay, fused=fused)
 
 
 def resolve_ds_path(path: str) -> Path:

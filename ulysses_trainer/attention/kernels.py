@@ -8,7 +8,7 @@ says where documents begin; with one document per row the dense causal kernel ru
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

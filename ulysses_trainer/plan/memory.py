@@ -14,7 +14,8 @@ layer inputs kept on the GPU, rope cos/sin), plus the largest of the transient p
     checkpoints still held on the GPU and the layer's gathered parameters;
   - loss: the end of forward, the final norm's saved tensors and the loss's own buffers, with the
     lm_head weight gathered;
-  - optimizer step: the fp32 gradient copy of one ZeRO sub-group.
+  - end of backward (first step without ZeRO only): every .grad created;
+  - optimizer step: the fp32 gradient copy of one ZeRO sub-group (and, on the first step, Adam's m, v).
 That sum is what torch.cuda.max_memory_allocated reports; allocator slack and the CUDA context come
 on top when deciding what fits on a device.
 """
@@ -32,7 +33,7 @@ PAGE = 4096  # HostPool slots are page-aligned (levers/offload.py)
 FP32 = 4
 
 Phase = Literal["static", "resident", "layer_backward", "loss", "optimizer_step", "overhead"]
-TRANSIENT_PHASES: tuple[str, ...] = ("layer_backward", "loss", "optimizer_step")
+TRANSIENT_PHASES: tuple[str, ...] = ("layer_backward", "loss", "backward_end", "optimizer_step")
 KERNELS = ("sdpa", "flash_attention_2", "flash_attention_4", "standin_memory_only")
 
 
@@ -101,6 +102,10 @@ class Settings:
     zero_stage: Literal[0, 3] = 3  # 0: plain torch (no sharding; used for the HF / ALST baselines)
     optimizer: Literal["adamw", "none"] = "adamw"  # none: forward+backward only (baseline runs)
     optimizer_fused: bool = True  # DeepSpeed FusedAdam / torch fused AdamW: no full-size temporaries
+    # The first step: Adam's m, v are created inside the optimizer step (torch and DeepSpeed), so they
+    # are absent during forward/backward (also true of a run whose steps are all skipped); without
+    # ZeRO the .grad tensors are created during backward, so the top layers' backward runs without them
+    first_step: bool = False
     offload_optimizer: bool = False  # ZeRO-Offload: fp32 master, Adam m, v and fp32 grads on the host
     gradient_checkpointing: bool = True
     activation_offload: int = 0  # layers whose checkpointed input lives in pinned host memory
@@ -115,7 +120,7 @@ class Settings:
     gpus_per_host: int | None = None  # ranks sharing one host's RAM; None: all ranks on one host
     allocator_slack: float = 0.05  # caching-allocator fragmentation on top of the allocated peak
     cuda_context_gb: float = 1.0  # CUDA context, cuBLAS workspace, NCCL buffers (outside torch's count)
-    host_baseline_gb: float = 6.0  # resident memory of one training process (torch, CUDA, libraries)
+    host_baseline_gb: float = 2.5  # resident memory of one process apart from pinned buffers (H200: 2.1-2.3)
 
     @property
     def world(self) -> int:
@@ -244,9 +249,17 @@ def weights_bytes(shape: ModelShape, s: Settings) -> int:
 def gradients_bytes(shape: ModelShape, s: Settings) -> int:
     """Reduced gradients in the training dtype: ZeRO-3's flat gradient partition (N/W), or full .grad
     tensors unsharded. Under optimizer offload the partition is on the host (see host terms)."""
-    if s.offload_optimizer:
+    if s.offload_optimizer or (s.zero_stage == 0 and s.first_step):
         return 0
     return _shard_numel(shape, s) * s.act_bytes
+
+
+def gradients_created_in_backward_bytes(shape: ModelShape, s: Settings) -> int:
+    """Unsharded, first step: every .grad appears during backward; at its end all N of them exist,
+    plus the embedding's dense [V, H] grad being added to the tied / embedding weight's."""
+    if s.zero_stage != 0 or not s.first_step:
+        return 0
+    return (num_params(shape) + shape.vocab * shape.hidden) * s.act_bytes
 
 
 def master_weights_bytes(shape: ModelShape, s: Settings) -> int:
@@ -258,8 +271,9 @@ def master_weights_bytes(shape: ModelShape, s: Settings) -> int:
 
 
 def adam_states_bytes(shape: ModelShape, s: Settings) -> int:
-    """Adam m and v, fp32, for this rank's partition (8 N/W); on the host when offloaded."""
-    if s.optimizer == "none" or s.offload_optimizer:
+    """Adam m and v, fp32, for this rank's partition (8 N/W); on the host when offloaded. Before the
+    first optimizer step they do not exist yet (counted in the optimizer-step phase instead)."""
+    if s.optimizer == "none" or s.offload_optimizer or s.first_step:
         return 0
     return _shard_numel(shape, s) * 2 * FP32
 
@@ -345,8 +359,9 @@ def layer_forward_saved(shape: ModelShape, s: Settings) -> dict[str, int]:
         # output and an fp32 log-sum-exp per query head and token
         "attention q, k, v (after rope / all-to-all)": t * (q + 2 * kp) * e,
         "attention output + LSE (fp32)": t * q * e + t * shape.heads * FP32,
-        # o_proj keeps its input: the output back in [t, Q] layout (a copy after the all-to-all)
-        "o_proj input": t * q * e,
+        # o_proj keeps its input: under sp > 1 the all-to-all's [t, Q] result (a new tensor); with sp = 1
+        # it is the kernel's output itself (measured on the H200: no copy)
+        "o_proj input": t * q * e if s.sp > 1 else 0,
         # post_attention_layernorm: fp32 upcast + normalized + its output (the MLP input)
         "post-attention norm (fp32 upcast, normalized, output)": rmsnorm_saved_bytes(t, h, e) + t * h * e,
         # untiled MLP: act_fn keeps gate(x), the product keeps act(gate(x)) and up(x), down_proj keeps
@@ -409,6 +424,23 @@ def layer_working_set(shape: ModelShape, s: Settings) -> tuple[int, str, dict[st
     return sum(best[1].values()), best[0], best[1]
 
 
+def unattributed_bytes(shape: ModelShape, s: Settings) -> int:
+    """Measured but not attributed to a tensor above: at the peak of a Qwen3 layer's attention backward
+    the H200 allocator history shows one more fp32 [t, H] (allocated by an RMSNorm upcast) and one more
+    [t, H] in the training dtype than the saved-tensor accounting gives. The same 6 bytes x t x H close
+    the gap for both the plain-HF-based ALST baseline and ours (see plan/calibration.json)."""
+    t, h = local_tokens(s), shape.hidden
+    return t * h * FP32 + t * h * s.act_bytes
+
+
+def tied_embedding_grad_bytes(shape: ModelShape, s: Settings) -> int:
+    """With tied embeddings the lm_head / embedding weight is used twice, so autograd holds the loss's
+    full [V, H] weight grad until the embedding's backward, at the very end of the backward pass."""
+    if not shape.tied_embeddings:
+        return 0
+    return shape.vocab * shape.hidden * s.act_bytes
+
+
 def layer_gathered_params_bytes(shape: ModelShape, s: Settings) -> int:
     """ZeRO-3 during a layer's backward: the layer's parameters gathered in full, the prefetch bucket
     for the next, and full-size weight grads before reduce-scatter (tiled MLP accumulates its three
@@ -468,12 +500,14 @@ def lm_head_gathered_bytes(shape: ModelShape, s: Settings) -> int:
 
 def optimizer_step_bytes(shape: ModelShape, s: Settings) -> int:
     """During the step, per sub-group: its fp32 gradient copy (4 x sub-group elements), plus, for a
-    non-fused torch AdamW, a full-size fp32 temporary. Nothing on the GPU when offloaded."""
+    non-fused torch AdamW, a full-size fp32 temporary; on the first step also Adam's m, v, created
+    there. Nothing on the GPU when offloaded."""
     if s.optimizer == "none" or s.offload_optimizer:
         return 0
     largest = max(_sub_group_numels(shape, s)) if s.zero_stage == 3 else num_params(shape)
     grad = largest * FP32 if (s.bf16 or s.zero_stage == 0) else 0
-    return grad + (0 if s.optimizer_fused else largest * FP32)
+    new_states = _shard_numel(shape, s) * 2 * FP32 if s.first_step else 0
+    return grad + (0 if s.optimizer_fused else largest * FP32) + new_states
 
 
 # --------------------------------------------------------------------------------------------
@@ -582,12 +616,17 @@ def estimate(shape: ModelShape, s: Settings) -> MemoryEstimate:
         Term("activations without checkpointing", activations_no_checkpointing_bytes(shape, s), 0, "resident"),
         Term("rope cos/sin", rope_bytes(shape, s), 0, "resident"),
         Term(f"layer working set ({ws_phase})", ws, 0, "layer_backward", ws_detail),
+        Term("unattributed (measured, 6 bytes x t x H)", unattributed_bytes(shape, s), 0, "layer_backward"),
+        Term("tied embedding grad held to the end", tied_embedding_grad_bytes(shape, s), 0, "layer_backward"),
         Term("ZeRO-3 gathered layer params + grads", layer_gathered_params_bytes(shape, s), 0, "layer_backward"),
         Term("final norm", final_norm_bytes(shape, s), 0, "loss"),
         Term(f"loss ({'chunked, ' + str(s.loss_chunk_size) + ' rows' if s.loss_type == 'chunked_nll' else 'plain'})",
              loss_bytes(shape, s), 0, "loss"),
         Term("ZeRO-3 gathered lm_head", lm_head_gathered_bytes(shape, s), 0, "loss"),
-        Term("optimizer step fp32 grads", optimizer_step_bytes(shape, s), 0, "optimizer_step"),
+        Term("grads created in backward (first step, no ZeRO)", gradients_created_in_backward_bytes(shape, s), 0,
+             "backward_end"),
+        Term("optimizer step fp32 grads" + (" + new Adam m, v" if s.first_step and s.optimizer != "none" else ""),
+             optimizer_step_bytes(shape, s), 0, "optimizer_step"),
     ]
     static = sum(t.gpu for t in terms if t.phase == "static")
     resident = sum(t.gpu for t in terms if t.phase == "resident")
@@ -595,10 +634,11 @@ def estimate(shape: ModelShape, s: Settings) -> MemoryEstimate:
     # checkpoints and activations are freed before the optimizer step
     at = {"layer_backward": static + resident + phases["layer_backward"],
           "loss": static + resident + phases["loss"],
+          "backward_end": static + phases["backward_end"],
           "optimizer_step": static + phases["optimizer_step"]}
     peak_phase = max(at, key=at.get)
     peak = at[peak_phase]
-    if peak_phase == "optimizer_step":  # resident activations are gone by then: show them as not counted
+    if peak_phase in ("optimizer_step", "backward_end"):  # activations are gone by then: not counted
         terms = [replace(t, phase="resident (freed before step)") if t.phase == "resident" else t for t in terms]
     slack = int(peak * s.allocator_slack)
     context = int(s.cuda_context_gb * GIB)

@@ -40,11 +40,12 @@ class RunPlan:
     eval_data: list | None
     ds_config: dict
     optimizer: OptimizerSpec | None
-    steps_per_epoch: int
+    steps_per_epoch: int  # steps until the data order repeats (the rows held)
     total_steps: int
     sequences_per_step: int
     padded_length: int
     resume_path: str | None = None  # the checkpoint-<step> directory to resume from
+    epoch_steps: int | None = None  # optimizer steps in one pass over the data (None: steps_per_epoch)
 
 
 def _device() -> str:
@@ -76,13 +77,25 @@ def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
     eval_data = None
     if cfg.eval_steps:
         eval_data = build_sequences(cfg, tokenizer, split="eval", dp_size=dp)
+        per_round = dp * cfg.per_device_eval_batch_size
+        if len(eval_data) < per_round:  # else evaluate() runs no round and would log eval_loss 0
+            raise ConfigError(f"the eval data makes {len(eval_data)} sequences of {cfg.max_length} tokens "
+                              f"but one eval round needs {per_round} (dp {dp} x per_device_eval_batch_size "
+                              f"{cfg.per_device_eval_batch_size}); add eval data or lower those")
     steps_per_epoch = len(train) // per_step
+    # the log's epoch is a fraction of one pass over the data; a read capped at max_steps' need holds only
+    # part of that pass, and the dataset estimates the rest from the documents it read
+    epoch_steps = max(steps_per_epoch, int(getattr(train, "epoch_sequences", len(train)) // per_step))
     total = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(cfg.num_train_epochs * steps_per_epoch))
+    # torch's fused AdamW on the GPU (no JIT build); DeepSpeed's CPU Adam only where states live on the host
+    offloaded = (ds_raw.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
     ds, opt = fill_ds_config(ds_raw, cfg, world_size, dp, device == "cuda", total_steps=total,
-                             hidden_size=model_config.hidden_size, source=str(cfg.deepspeed))
+                             hidden_size=model_config.hidden_size, source=str(cfg.deepspeed),
+                             use_deepspeed_optimizer=None if offloaded else False)
     return RunPlan(cfg=cfg, world_size=world_size, sp_size=sp, dp_size=dp, device=device, bf16=bf16,
                    kernel=kernel, model_config=model_config, tokenizer=tokenizer, train_data=train,
                    eval_data=eval_data, ds_config=ds, optimizer=opt, steps_per_epoch=steps_per_epoch,
+                   epoch_steps=epoch_steps,
                    total_steps=total, sequences_per_step=per_step,
                    padded_length=padded_length(cfg.max_length, sp, cfg.pad_to_multiple_of),
                    resume_path=resume_path)

@@ -32,19 +32,29 @@ class NonFiniteError(RuntimeError):
 
 
 class StopSignal:
-    """SIGTERM/SIGINT: stop at the next step boundary and save; a second signal stops at once."""
+    """SIGTERM/SIGINT: stop at the next step boundary and save; a second signal stops at once.
+
+    A second signal within RELAY_WINDOW_S of the first is the same request: on Ctrl-C (or a signal
+    sent to the whole job) each rank gets the signal itself and, milliseconds later, the SIGTERM that
+    the deepspeed launcher relays to its ranks.
+    """
+
+    RELAY_WINDOW_S = 2.0
 
     def __init__(self) -> None:
         self.requested = False
+        self._first = 0.0
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        if self.requested:
+        now = time.monotonic()
+        if self.requested and now - self._first > self.RELAY_WINDOW_S:
             raise KeyboardInterrupt(f"second signal {signum}: stopping now")
-        self.requested = True
+        if not self.requested:
+            self.requested, self._first = True, now
 
 
 class Trainer:
@@ -197,6 +207,7 @@ class Trainer:
         if plan.resume_path:  # found and checked by prepare()
             self.resume(plan.resume_path)
         self.stop.install()
+        saving = cfg.save_strategy != "no"
         flops_per_step = train_flops_per_sequence(plan.model_config, cfg.max_length) * plan.sequences_per_step
         bar = tqdm(total=plan.total_steps, initial=self.step, disable=not self.state.is_main, unit="it",
                    dynamic_ncols=True)
@@ -215,13 +226,16 @@ class Trainer:
             if cfg.eval_steps and self.step % cfg.eval_steps == 0:
                 self._log_eval(self.evaluate(), bar)
             stop_now = self._stop_agreed()
-            if (cfg.save_steps and self.step % cfg.save_steps == 0) or stop_now:
+            if saving and ((cfg.save_steps and self.step % cfg.save_steps == 0) or stop_now):
                 self._save()
             if stop_now:
-                bar.write(f"[ulysses_trainer] stop signal: saved step {self.step}, exiting") if bar else None
+                if self.state.is_main:
+                    bar.write(f"[ulysses_trainer] stop signal: saved step {self.step}, exiting")
                 bar.close()
                 return 0
         bar.close()
+        if not saving:
+            return 0
         if not (cfg.save_steps and self.step % cfg.save_steps == 0):
             self._save()
         ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, plan.tokenizer, self.state.is_main)
@@ -254,8 +268,9 @@ class Trainer:
 
     def _log(self, loss, grad_norm, dt, tokens, flops_per_step, bar) -> None:
         lr = self.engine.lr_scheduler.get_last_lr()[0]
+        epoch = self.step / (self.plan.epoch_steps or self.plan.steps_per_epoch)  # fraction of one data pass
         row = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "learning_rate": lr,
-               "num_tokens": self.num_tokens, "epoch": self.step / self.plan.steps_per_epoch,
+               "num_tokens": self.num_tokens, "epoch": epoch,
                "tokens_per_s": tokens / dt, "tflops_per_gpu": flops_per_step / dt / self.state.world_size / 1e12,
                "peak_gpu_mem_gb": peak_gpu_mem_gb(), "peak_host_mem_gb": peak_host_mem_gb()}
         if self.state.is_main:

@@ -1,0 +1,251 @@
+"""Every bad input ends the run before any heavy work: exit code 2, one `error:` line naming the fix,
+and nothing written to output_dir (it is not even created).
+
+Most cases call the command's own entry point, `ulysses_trainer.train.cli.main(argv)`, in-process
+(the function `launch/train.py` runs on every rank; WORLD_SIZE/RANK set as the launcher sets them).
+A few run the real command as a subprocess: `python launch/train.py`, and `deepspeed --num_gpus 2
+launch/train.py`, which must also exit 2 with the message printed once, not once per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_checkpoint import write_checkpoint, write_documents
+from ulysses_trainer.attention.kernels import available_kernels
+from ulysses_trainer.train.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """The bad (and a few good) inputs the cases point at."""
+    d = tmp_path_factory.mktemp("inputs")
+    f = {}
+    f["bad_json"] = d / "bad.json"
+    f["bad_json"].write_text('{\n  "train_batch_size": "auto",\n  "zero_optimization": {"stage": 3,}\n}\n')
+    f["clip_json"] = d / "clip.json"
+    f["clip_json"].write_text(json.dumps({"gradient_clipping": 0.5, "zero_optimization": {"stage": 3}}))
+    f["empty"] = d / "empty.jsonl"
+    f["empty"].write_text("")
+    f["content"] = d / "content.jsonl"
+    f["content"].write_text("".join(json.dumps({"content": "some words " * 50}) + "\n" for _ in range(4)))
+    f["short"] = d / "short.jsonl"
+    f["short"].write_text(json.dumps({"text": "hello world"}) + "\n")
+    f["bad_parquet"] = d / "bad.parquet"
+    f["bad_parquet"].write_bytes(b"this is not a parquet file\n" * 4)
+    f["words"] = write_checkpoint(d / "words")  # a good small checkpoint with its own tokenizer
+    f["words_docs"] = write_documents(d / "words.jsonl", num_docs=8, words_per_doc=31)
+    f["kv3"] = write_checkpoint(d / "kv3", num_attention_heads=6, num_key_value_heads=3)
+    f["no_weights"] = d / "no_weights"
+    shutil.copytree(f["words"], f["no_weights"])
+    (f["no_weights"] / "model.safetensors").unlink()
+    f["cut_weights"] = d / "cut_weights"
+    shutil.copytree(f["words"], f["cut_weights"])
+    w = f["cut_weights"] / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])  # an interrupted download
+    f["bad_config"] = d / "bad_config"
+    shutil.copytree(f["words"], f["bad_config"])
+    (f["bad_config"] / "config.json").write_text('{"model_type": "qwen3", ')
+    f["bad_tokenizer"] = d / "bad_tokenizer"
+    shutil.copytree(f["words"], f["bad_tokenizer"])
+    (f["bad_tokenizer"] / "tokenizer.json").write_text("{not json")
+    f["not_a_checkpoint"] = d / "not_a_checkpoint"
+    f["not_a_checkpoint"].mkdir()
+    return f
+
+
+def _yarn(**kw) -> list[str]:
+    return ["--model_init_kwargs", json.dumps({"rope_parameters": {"rope_type": "yarn", **kw}})]
+
+
+# name: (argv from the files, world size, pattern the one error line must match)
+CASES = {
+    "malformed_zero_json": (lambda f: ["--deepspeed", str(f["bad_json"])], 1,
+                            r"ZeRO config .*bad\.json is not valid JSON at line 3, column 36: .*fix the syntax"),
+    "unknown_name": (lambda f: ["--learning_rat", "1e-4"], 1,
+                     r"unknown config name 'learning_rat' \(command line\); did you mean 'learning_rate'\?"),
+    "unknown_name_in_recipe": (lambda f: ["--config", str(_recipe(f, "gradient_acumulation_steps: 2\n"))], 1,
+                               r"unknown config name 'gradient_acumulation_steps' \(in recipe .*\); "
+                               r"did you mean 'gradient_accumulation_steps'\?"),
+    "zero_json_conflicts_with_config": (
+        lambda f: ["--deepspeed", str(f["clip_json"])], 1,
+        r"gradient_clipping is 0\.5 in .*clip\.json but the training config gives max_grad_norm = 1\.0; "
+        r"set it to \"auto\" in the JSON or set max_grad_norm 0\.5"),
+    "sp_size_vs_world_size": (lambda f: ["--sp_size", "3"], 2,
+                              r"sp_size=3 does not divide the world size 2; use one of \[1, 2\]"),
+    "sp_vs_query_heads": (lambda f: ["--model_init_kwargs", '{"num_attention_heads": 3, "num_key_value_heads": 1}',
+                                     "--sp_size", "2"], 2,
+                          r"sp_size=2 does not divide the model's 3 query heads; sp_size values that work "
+                          r"for this model: \[1, 3\]"),
+    "sp_vs_kv_heads": (lambda f: ["--model_name_or_path", str(f["kv3"]), "--sp_size", "2"], 2,
+                       r"sp_size=2 neither divides nor is a multiple of the model's 3 KV heads; sp_size values "
+                       r"that work for this model: \[1, 3, 6\]"),
+    "max_length_vs_pad_to_multiple_of": (
+        lambda f: ["--max_length", "1000", "--pad_to_multiple_of", "64"], 1,
+        r"max_length 1000 is not reachable with pad_to_multiple_of 64 and sp_size 1 .*use max_length 960 or "
+        r"1024, or set pad_to_multiple_of null"),
+    "model_path_missing": (lambda f: ["--model_name_or_path", str(f["words"]) + "_nope"], 1,
+                           r"model_name_or_path '.*words_nope': no such path; use a preset \(tiny, "),
+    "model_dir_without_config": (lambda f: ["--model_name_or_path", str(f["not_a_checkpoint"])], 1,
+                                 r"model_name_or_path '.*not_a_checkpoint': the directory has no config\.json"),
+    "model_config_unreadable": (lambda f: ["--model_name_or_path", str(f["bad_config"])], 1,
+                                r"cannot read .*bad_config/config\.json"),
+    "model_weights_missing": (lambda f: ["--model_name_or_path", str(f["no_weights"])], 1,
+                              r"model_name_or_path '.*no_weights' holds no weights \(none of model\.safetensors, "
+                              r".*\); copy the checkpoint's weight files there"),
+    "model_weights_unreadable": (lambda f: ["--model_name_or_path", str(f["cut_weights"])], 1,
+                                 r"cannot read the weights .*cut_weights/model\.safetensors: .*; re-download"),
+    "tokenizer_unreadable": (lambda f: ["--model_name_or_path", str(f["bad_tokenizer"])], 1,
+                             r"cannot load the tokenizer in .*bad_tokenizer: .*fix or remove its tokenizer files"),
+    "data_path_missing": (lambda f: ["--dataset_name", str(f["empty"].with_name("nope.jsonl"))], 1,
+                          r"dataset '.*nope\.jsonl' not found; give an existing file or directory"),
+    "data_unreadable": (lambda f: ["--dataset_name", str(f["bad_parquet"])], 1,
+                        r"cannot read dataset .*bad\.parquet as parquet"),
+    "tokenizer_vocab_exceeds_model": (lambda f: ["--model_init_kwargs", '{"vocab_size": 1000}'], 1,
+                                      r"tokenizer qwen-bpe .* has 151851 ids but the model's vocab_size is 1000; "
+                                      r"use the model's own tokenizer or a model with a larger vocabulary"),
+    "rope_theta_mismatch": (lambda f: _yarn(factor=4, rope_theta=10000), 1,
+                            r"rope_parameters\.rope_theta 10000 differs from the checkpoint's rope_theta "
+                            r"1000000\.0.*drop rope_theta from rope_parameters"),
+    "yarn_factor_one": (lambda f: _yarn(factor=1.0) + ["--max_length", "81920"], 1,
+                        r"YaRN factor must be > 1, got 1; use factor auto"),
+    "yarn_factor_below_one": (lambda f: _yarn(factor=0.5) + ["--max_length", "81920"], 1,
+                              r"YaRN factor must be > 1, got 0\.5"),
+    "yarn_original_longer_than_target": (
+        lambda f: _yarn(original_max_position_embeddings=8192) + ["--max_length", "4096"], 1,
+        r"YaRN original_max_position_embeddings 8192 exceeds the target length max_length 4096.*drop "
+        r"rope_parameters .* or raise max_length"),
+    "dataset_empty": (lambda f: ["--dataset_name", str(f["empty"])], 1,
+                      r"dataset .*empty\.jsonl is empty; point dataset_name at data with documents"),
+    "text_field_missing": (lambda f: ["--dataset_name", str(f["content"])], 1,
+                           r"dataset .*content\.jsonl has no field 'text'; its fields are \['content'\]; "
+                           r"set dataset_text_field to one of them"),
+    "documents_too_short": (lambda f: ["--dataset_name", str(f["short"]), "--max_length", "256"], 1,
+                            r"dataset .*short\.jsonl gives 3 tokens \(1 documents \+ eos\) but one sequence "
+                            r"needs max_length = 256 tokens"),
+    "documents_too_few_for_one_step": (
+        lambda f: ["--model_name_or_path", str(f["words"]), "--dataset_name", str(f["words_docs"]),
+                   "--max_length", "32", "--gradient_accumulation_steps", "16"], 1,
+        r"the data makes 8 sequences of 32 tokens but one optimizer step needs 16"),
+    "max_steps_zero": (lambda f: ["--max_steps", "0"], 1, r"max_steps must be > 0, got 0"),
+    "max_steps_negative": (lambda f: ["--max_steps", "-3"], 1, r"max_steps must be > 0, got -3"),
+    "epochs_zero": (lambda f: ["--max_steps", "null", "--num_train_epochs", "0"], 1,
+                    r"num_train_epochs must be > 0 when max_steps is null, got 0"),
+    "resume_path_without_checkpoint": (
+        lambda f: ["--resume_from_checkpoint", str(f["not_a_checkpoint"])], 1,
+        r"resume_from_checkpoint: .*not_a_checkpoint holds no checkpoint \(expected .*/ds/\); pass an "
+        r"output_dir/checkpoint-<step> directory or `latest`"),
+    "resume_latest_without_checkpoint": (lambda f: ["--resume_from_checkpoint", "true"], 1,
+                                         r"resume_from_checkpoint=True: no checkpoint in .* \(no `latest` file\)"),
+}
+for _kernel in ("flash_attention_2", "flash_attention_4"):
+    CASES[f"{_kernel}_not_installed"] = (
+        lambda f, k=_kernel: ["--attn_implementation", k], 1,
+        rf"attn_implementation='{_kernel}' is not installed here \(.*\); installed: sdpa")
+
+
+def _recipe(f: dict[str, Path], text: str) -> Path:
+    p = f["empty"].with_name("recipe.yaml")
+    p.write_text(text)
+    return p
+
+
+def _tree(path: Path) -> dict[str, bytes] | None:
+    """Every file under path with its bytes (None when path does not exist)."""
+    if not path.exists():
+        return None
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def _run_main(argv: list[str], world_size: int, monkeypatch, capsys) -> tuple[int, list[str]]:
+    if world_size > 1:  # as rank 0 of a launcher's world
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        monkeypatch.setenv("RANK", "0")
+    else:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+        monkeypatch.delenv("RANK", raising=False)
+    rc = main(argv)
+    err = capsys.readouterr().err
+    return rc, [line for line in err.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_exits_2_with_one_message_and_no_output_dir(name, files, tmp_path, monkeypatch, capsys):
+    argv_of, world, pattern = CASES[name]
+    if name.startswith("flash_attention") and name.removesuffix("_not_installed") in available_kernels():
+        pytest.skip("installed here")
+    out = tmp_path / "out"
+    rc, errors = _run_main(argv_of(files) + ["--output_dir", str(out)], world, monkeypatch, capsys)
+    assert rc == 2
+    assert len(errors) == 1, errors
+    assert re.search(pattern, errors[0]), errors[0]
+    assert not out.exists()
+
+
+def test_bad_input_leaves_an_existing_output_dir_untouched(files, tmp_path, monkeypatch, capsys):
+    """A previous run's output_dir (checkpoints, metrics) is not touched by a rejected command."""
+    out = tmp_path / "out"
+    (out / "checkpoint-2" / "ds").mkdir(parents=True)
+    (out / "checkpoint-2" / "ds" / "shard.pt").write_bytes(b"\x00" * 64)
+    (out / "latest").write_text("checkpoint-2\n")
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.5}\n')
+    before = _tree(out)
+    for argv in (["--max_steps", "0"], ["--dataset_name", str(files["empty"])],
+                 ["--resume_from_checkpoint", str(files["not_a_checkpoint"])]):
+        rc, errors = _run_main(argv + ["--output_dir", str(out)], 1, monkeypatch, capsys)
+        assert rc == 2 and len(errors) == 1
+        assert _tree(out) == before
+
+
+# ---------------------------------------------------------------- the real command
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _command(args: list[str], launcher: bool) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               PYTHONUNBUFFERED="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    if launcher:
+        deepspeed = Path(sys.executable).with_name("deepspeed")
+        cmd = [str(deepspeed) if deepspeed.exists() else "deepspeed", "--master_port", str(_free_port()),
+               "--num_gpus", "2", "launch/train.py", *args]
+    else:
+        cmd = [sys.executable, "launch/train.py", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("launcher,args_of,pattern", [
+    (False, lambda f: ["--max_steps", "0"], r"^error: max_steps must be > 0, got 0;"),
+    (False, lambda f: ["--dataset_name", str(f["content"])], r"^error: dataset .* has no field 'text'"),
+    (True, lambda f: ["--sp_size", "3"], r"^error: sp_size=3 does not divide the world size 2; use one of \[1, 2\]"),
+    (True, lambda f: ["--deepspeed", str(f["bad_json"])],
+     r"^error: ZeRO config .*bad\.json is not valid JSON at line 3, column 36"),
+    (True, lambda f: ["--model_init_kwargs", '{"num_attention_heads": 3, "num_key_value_heads": 1}'],
+     r"^error: sp_size=2 does not divide the model's 3 query heads"),
+], ids=["python-max_steps", "python-text_field", "deepspeed-sp_size", "deepspeed-zero_json",
+        "deepspeed-heads"])
+def test_real_command_exits_2_and_prints_once(launcher, args_of, pattern, files, tmp_path):
+    out = tmp_path / "out"
+    proc = _command(args_of(files) + ["--output_dir", str(out)], launcher)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    errors = [line for line in lines if "error:" in line and "[ERROR]" not in line]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1, errors  # once, not once per rank
+    assert re.search(pattern, errors[0]), errors[0]
+    assert not any("Traceback" in line for line in lines), proc.stderr[-3000:]
+    assert not out.exists()

@@ -1,0 +1,250 @@
+"""The memory planner: each term against hand arithmetic, the settings search, calibration, the CLI."""
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from ulysses_trainer.__main__ import main as cli_main
+from ulysses_trainer.plan import memory as M
+from ulysses_trainer.plan.calibration import compare, load_calibration, load_measurements
+from ulysses_trainer.plan.memory import GIB, ModelShape, Settings, estimate
+from ulysses_trainer.plan.search import Hardware, choose_settings, largest_max_length
+
+ROOT = Path(__file__).resolve().parent.parent
+Q8 = ModelShape.preset("qwen3-8b")
+Q4 = ModelShape.preset("qwen3-4b")
+V = 151936
+
+# Qwen3-8B by hand: q, k, v, o projections, q/k norms, gate/up/down, two layer norms; 36 layers,
+# untied embedding and lm_head, final norm.
+PER_LAYER_8B = 4096 * 4096 + 2 * 4096 * 1024 + 1024 * 4 * 4096 + 2 * 128 + 3 * 4096 * 12288 + 2 * 4096
+N_8B = 36 * PER_LAYER_8B + 2 * V * 4096 + 4096
+
+
+def test_parameter_count_qwen3_8b():
+    assert PER_LAYER_8B == 192_946_432
+    assert M.num_params(Q8) == N_8B == 8_190_735_360
+
+
+def test_model_states_qwen3_8b_zero3_8_ranks():
+    s = Settings(max_length=8192, sp=8)
+    # every 8B tensor divides by 8, so each rank holds exactly N/8 elements
+    assert M.weights_bytes(Q8, s) == 2 * N_8B // 8 == 2_047_683_840
+    assert M.gradients_bytes(Q8, s) == 2 * N_8B // 8
+    assert M.master_weights_bytes(Q8, s) == 4 * N_8B // 8
+    assert M.adam_states_bytes(Q8, s) == 8 * N_8B // 8
+    # optimizer offload: nothing of the optimizer left on the GPU, 12 bytes/param + pinned grads on the host
+    off = replace(s, offload_optimizer=True)
+    assert M.gradients_bytes(Q8, off) == M.master_weights_bytes(Q8, off) == M.adam_states_bytes(Q8, off) == 0
+    assert M.host_optimizer_bytes(Q8, off) >= 12 * N_8B // 8 + 4 * N_8B // 8 + 2 * N_8B // 8
+
+
+def test_zero3_partition_pads_each_tensor():
+    tiny = ModelShape.preset("tiny")
+    s = Settings(max_length=64, sp=1, dp=3)  # world 3: tensors that 3 does not divide are padded
+    want = sum(-(-n // 3) for n in M.param_numels(tiny))
+    assert want > M.num_params(tiny) / 3
+    assert M.weights_bytes(tiny, s) == 2 * want
+
+
+def test_checkpoints_1m_tokens_sp8():
+    s = Settings(max_length=1_048_576, sp=8)
+    assert M.local_tokens(s) == 131_072
+    assert M.checkpoint_bytes_per_layer(Q8, s) == 131_072 * 4096 * 2 == GIB
+    assert M.checkpoints_gpu_bytes(Q8, s) == 36 * GIB
+    off = replace(s, activation_offload=6)
+    assert M.checkpoints_gpu_bytes(Q8, off) == 30 * GIB
+    assert M.host_pool_bytes(Q8, off) == 6 * GIB + 4096  # exact sum (page-aligned slots) + alignment
+    every = replace(s, activation_offload=36)
+    assert M.checkpoints_gpu_bytes(Q8, every) == 2 * GIB  # the one recomputed + the one prefetched
+
+
+def test_pinned_power_of_two_rounding_reproduces_the_448k_host_story():
+    # README: at 448K a Qwen3-4B checkpoint is ~2.3 GB and per-tensor pinning takes a 4 GiB block each
+    s = Settings(max_length=448 * 1024, activation_offload=36)
+    per = M.checkpoint_bytes_per_layer(Q4, s)
+    assert per == 458_752 * 2560 * 2
+    assert M.host_pool_bytes(Q4, replace(s, pinned_rounding="pow2")) == 36 * 4 * GIB
+    assert M.host_pool_bytes(Q4, s) == 36 * (-(-per // 4096) * 4096) + 4096  # ~78.8 GiB, not 144
+    assert M.pinned_bytes(3 * GIB // 2, "pow2") == 2 * GIB and M.pinned_bytes(GIB, "pow2") == GIB
+
+
+def test_loss_terms_by_hand():
+    t, h, c = 131_072, 4096, 256
+    s = Settings(max_length=1_048_576, sp=8)
+    # hidden grad (bf16) + fp32 lm_head grad + one chunk: fp32 and bf16 logits, plus the bf16 [V, H] product
+    assert M.chunked_loss_bytes(Q8, s) == t * h * 2 + V * h * 4 + (c * V * 4 + c * V * 2 + V * h * 2)
+    assert M.chunked_loss_bytes(Q8, replace(s, loss_chunk_size=1024)) - M.chunked_loss_bytes(Q8, s) == 768 * V * 6
+    plain = replace(s, loss_type="nll")
+    assert M.plain_loss_bytes(Q8, plain) == 3 * t * V * 4 + V * h * 2  # 3 fp32 [t, V] in backward
+    assert M.loss_bytes(Q8, plain) > 40 * M.loss_bytes(Q8, s)  # 224 GiB vs 4.7 GiB: why chunked is the default
+
+
+def test_layer_terms_by_hand():
+    s = Settings(max_length=65_536)  # sp 1: t = 65,536
+    t, h, i, q, k = 65_536, 2560, 9728, 4096, 1024
+    assert M.rmsnorm_saved_bytes(t, h, 2) == t * h * (4 + 2)  # fp32 upcast + bf16 normalized
+    assert M.rmsnorm_saved_bytes(t, h, 4) == t * h * 4  # fp32 input: no upcast copy
+    saved = M.layer_forward_saved(Q4, s)
+    assert saved["MLP intermediates (gate, act, up, product)"] == 4 * t * i * 2
+    assert saved["q_norm, k_norm (fp32 upcast, normalized)"] == 6 * t * q + 6 * t * k
+    assert saved["attention output + LSE (fp32)"] == t * q * 2 + t * 32 * 4
+    assert saved["o_proj input"] == 0  # sp 1: the kernel's output itself
+    tiled = replace(s, tiled_mlp=16)
+    assert M.layer_forward_saved(Q4, tiled)["MLP intermediates (gate, act, up, product)"] == 0
+    r = t // 16
+    extra = M.mlp_backward_extra(Q4, tiled)
+    assert sum(extra.values()) == t * h * 2 + 6 * r * i * 2 + 2 * r * h * 2
+    # sp 8 > 8 KV heads? no: 8 divides 8, no replication; sp 16 on a 32q/8kv model replicates KV twice
+    assert M.kv_repeat(Q4, 8) == 1 and M.kv_repeat(Q4, 16) == 2
+    sp16 = Settings(max_length=16 * 4096, sp=16)
+    assert M.layer_forward_saved(Q4, sp16)["attention q, k, v (after rope / all-to-all)"] == 4096 * (q + 2 * 2 * k) * 2
+
+
+def test_tiling_lowers_the_layer_working_set_and_offload_lowers_the_peak():
+    s = Settings(max_length=262_144)
+    untiled = estimate(Q4, s)
+    tiled = estimate(Q4, replace(s, tiled_mlp=16))
+    assert tiled.phases["layer_backward"] < untiled.phases["layer_backward"]
+    off = estimate(Q4, replace(s, tiled_mlp=16, activation_offload=20))
+    assert off.gpu_peak == tiled.gpu_peak - 20 * M.checkpoint_bytes_per_layer(Q4, s)
+    assert off.host_per_rank - tiled.host_per_rank == M.host_pool_bytes(Q4, replace(s, activation_offload=20))
+
+
+def test_estimate_adds_up():
+    e = estimate(Q8, Settings(max_length=1_048_576, sp=8, tiled_mlp=8, activation_offload=3))
+    counted = sum(t.gpu for t in e.terms if e.counts(t) and t.phase != "overhead")
+    assert counted == e.gpu_peak
+    assert e.peak_phase == max(("layer_backward", "loss"), key=lambda p: e.phases[p])
+    assert e.gpu_required == e.gpu_peak + int(e.gpu_peak * 0.05) + GIB
+    assert e.host_per_host == 8 * e.host_per_rank
+
+
+def test_first_step_has_no_adam_states_until_the_step():
+    s = Settings(max_length=32_768, tiled_mlp=16)
+    first = estimate(Q4, replace(s, first_step=True))
+    steady = estimate(Q4, s)
+    assert first.term("Adam m, v").gpu == 0 and steady.term("Adam m, v").gpu == 8 * M.num_params(Q4)
+    assert first.phases["optimizer_step"] == steady.phases["optimizer_step"] + 8 * M.num_params(Q4)
+
+
+def test_bad_settings_are_config_errors():
+    from ulysses_trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="query heads"):
+        estimate(Q8, Settings(max_length=4096, sp=3))
+    with pytest.raises(ConfigError, match="activation_offload"):
+        estimate(Q8, Settings(max_length=4096, activation_offload=37))
+
+
+# ------------------------------------------------------------------ search
+
+
+def test_search_no_levers_when_memory_is_ample():
+    c = choose_settings(Q8, Settings(max_length=32_768, sp=8), Hardware(8, 141, 2000))
+    assert c.fits
+    assert (c.settings.activation_offload, c.settings.tiled_mlp, c.settings.offload_optimizer) == (0, 1, False)
+
+
+def test_search_offloads_when_tight_and_picks_the_fewest():
+    hw = Hardware(8, 80, 1000)
+    c = choose_settings(Q8, Settings(max_length=1_048_576, sp=8), hw)
+    s = c.settings
+    assert c.fits and s.activation_offload > 0 and not s.offload_optimizer
+    fits = lambda **kw: estimate(Q8, replace(s, **kw)).fits(hw.gpu_memory_gb, hw.host_memory_gb)  # noqa: E731
+    assert not fits(activation_offload=s.activation_offload - 1, tiled_mlp=64)  # one fewer never fits
+    assert s.tiled_mlp == 1 or not fits(tiled_mlp=s.tiled_mlp - 1)  # one tile fewer does not fit
+
+
+def test_search_uses_optimizer_offload_only_when_needed_and_reports_no_fit():
+    tight = choose_settings(Q8, Settings(max_length=65_536, sp=1), Hardware(1, 80, 500))
+    assert tight.fits and tight.settings.offload_optimizer  # 16 bytes x 8.2B params alone exceed 80 GiB
+    fixed = choose_settings(Q8, Settings(max_length=65_536, sp=1), Hardware(1, 80, 500), offload_optimizer=False)
+    assert not fixed.fits
+
+
+def test_largest_max_length_monotone_in_gpu_memory():
+    base = Settings(max_length=1024, sp=8)
+    found = [largest_max_length(Q8, base, Hardware(8, gb, 1000))[0] for gb in (40, 60, 80, 100, 141)]
+    assert all(a <= b for a, b in zip(found, found[1:])) and found[0] < found[-1]
+    assert all(n % 8192 == 0 for n in found)
+    n, choice = largest_max_length(Q8, base, Hardware(8, 80, 1000))
+    assert choice.fits and choice.settings.max_length == n
+    assert not choose_settings(Q8, replace(base, max_length=n + 8192), Hardware(8, 80, 1000)).fits
+
+
+# ------------------------------------------------------------------ calibration
+
+
+def test_calibrated_points_within_ten_percent():
+    rows = compare(load_calibration() + load_measurements(ROOT / "benchmarks" / "results"))
+    ours = [c for c in rows if c.measurement.system == "ours"]
+    assert ours, "no ulysses_trainer points to compare against"
+    bad = [(c.measurement.settings.max_length, round(c.gpu_error, 3)) for c in rows if abs(c.gpu_error) > 0.10]
+    assert not bad, bad
+
+
+def test_load_measurements_reads_benchmark_results(tmp_path):
+    from ulysses_trainer.levers.tiled_mlp import auto_num_tiles
+
+    doc = {"system": "ours", "model": "qwen3-4b", "settings": {"steps_per_length": 1},
+           "points": [{"seq_len": 131072, "status": "ok", "peak_gpu_gb": 70.0, "peak_host_rss_gb": 3.0,
+                       "attention": "sdpa", "offloaded_layers": 4},
+                      {"seq_len": 262144, "status": "oom", "error": "CUDA out of memory"}]}
+    (tmp_path / "long_context_ours_qwen3-4b.json").write_text(json.dumps(doc))
+    (tmp_path / "other.json").write_text("{}")  # not a long_context_*.json: ignored
+    [m] = load_measurements(tmp_path)
+    s = m.settings
+    assert (m.system, s.max_length, s.activation_offload, m.peak_gpu_gb, m.peak_host_gb) == ("ours", 131072, 4, 70.0, 3.0)
+    assert s.tiled_mlp == auto_num_tiles(131072, 2560, 9728) == 16
+    assert s.first_step is True  # one step: Adam's m, v appear only inside it
+
+
+# ------------------------------------------------------------------ command line
+
+
+def test_cli_table_and_json(capsys):
+    args = ["plan", "--model", "qwen3-8b", "--max_length", "1048576", "--gpus", "8", "--gpu_memory_gb", "80",
+            "--host_memory_gb", "1000"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "layer checkpoints" in out and "largest max_length that fits" in out and "fits:" in out
+    assert cli_main(args + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] and data["chosen"]["sp_size"] == 8 and data["largest_max_length"] > 1_048_576
+    assert math.isclose(sum(t["gpu_gb"] for t in data["estimate"]["terms"] if t["in_peak"]),
+                        data["estimate"]["gpu_required_gb"], rel_tol=1e-9)
+
+
+def test_cli_recipe(capsys):
+    recipe = str(ROOT / "launch" / "recipes" / "reference_8gpu_1m.yaml")
+    assert cli_main(["plan", "--config", recipe, "--gpu_memory_gb", "80", "--host_memory_gb", "1000", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["hardware"]["gpus"] == 8 and data["chosen"]["max_length"] == 1_048_576 and data["fits"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["plan", "--model", "qwen3-9b", "--max_length", "4096", "--gpus", "1", "--gpu_memory_gb", "80"], "qwen3-9b"),
+    (["plan", "--model", "qwen3-8b", "--max_length", "4096", "--gpus", "8", "--sp", "3", "--gpu_memory_gb", "80",
+      "--host_memory_gb", "100"], "sp_size=3"),
+    (["plan", "--model", "qwen3-8b", "--gpus", "8", "--gpu_memory_gb", "80"], "--max_length"),
+    (["plan", "--model", "qwen3-8b", "--max_length", "4096", "--gpus", "8", "--gpu_memory_gb", "-1",
+      "--host_memory_gb", "100"], "must be > 0"),
+    (["plann"], "unknown subcommand"),
+])
+def test_cli_bad_input_exit_2(args, needle, capsys):
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and err.startswith("error:")
+
+
+def test_cli_calibrate_and_python_m(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "ulysses_trainer", "plan", "calibrate", "--results_dir",
+                          str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "GPU pred" in out.stdout and "ours" in out.stdout and "worst GPU error" in out.stdout

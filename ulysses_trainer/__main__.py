@@ -1,0 +1,40 @@
+"""`ulysses-trainer SUBCOMMAND ...` (also `python -m ulysses_trainer SUBCOMMAND ...`).
+
+Subcommands register in SUBCOMMANDS as "name": ("module", "one-line help"); each module has
+main(argv) -> exit code. Training itself is launched with `deepspeed launch/train.py` (CONTRACT.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from .errors import EXIT_INVALID, EXIT_OK
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("ulysses_trainer.plan.cli", "predict per-GPU and host memory; choose settings that fit "
+                                         "(`plan calibrate`: predicted vs measured)"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: ulysses-trainer SUBCOMMAND [options]   (SUBCOMMAND --help for its options)", ""]
+    lines += [f"  {name:<10} {helptext}" for name, (_, helptext) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return EXIT_OK if argv else EXIT_INVALID
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"error: unknown subcommand {name!r}; use one of: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+        return EXIT_INVALID
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
