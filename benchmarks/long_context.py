@@ -4,6 +4,9 @@ system and sequence length, one GPU, DeepSpeed ZeRO-3, bf16, torch AdamW (states
     python benchmarks/long_context.py --system ours --model qwen3-4b --lengths 32768,65536 --out r.json
 
 Lengths run in increasing order in one process; the first OOM ends the sweep (recorded as such).
+In `train` mode run one length per process: DeepSpeed keeps parts of an engine alive after it is
+dropped, so a second length in the same process starts with the first one's memory still held.
+Use `--steps 2` in train mode: Adam's m and v appear only in the first optimizer step.
 `--standin-from N` swaps the attention kernel for the memory-only stand-in at lengths >= N
 (labelled `attention: standin_memory_only` in the results): memory is real, time is not.
 """
@@ -143,7 +146,7 @@ def run(args) -> dict:
         print(json.dumps(point), flush=True)
         results["points"].append(point)
         _save(args.out, results)  # after every point: a sweep cut short by a timeout keeps what it measured
-        del engine
+        engine = net = model = opt = loss = None  # noqa: F841 - drop every reference before the next build
         _free(device)
         if point["status"] != "ok":
             break

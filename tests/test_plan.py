@@ -200,7 +200,8 @@ def test_load_measurements_reads_benchmark_results(tmp_path):
     (tmp_path / "other.json").write_text("{}")  # not a long_context_*.json: ignored
     [m] = load_measurements(tmp_path)
     s = m.settings
-    assert (m.system, s.max_length, s.activation_offload, m.peak_gpu_gb, m.peak_host_gb) == ("ours", 131072, 4, 70.0, 3.0)
+    got = (m.system, s.max_length, s.activation_offload, m.peak_gpu_gb, m.peak_host_gb)
+    assert got == ("ours", 131072, 4, 70.0, 3.0)
     assert s.tiled_mlp == auto_num_tiles(131072, 2560, 9728) == 16
     assert s.first_step is True  # one step: Adam's m, v appear only inside it
 

@@ -61,10 +61,8 @@ def _sp_rank(rank, world, sp, ids, pos, kv_heads, pad_to):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    from ulysses_trainer.model.parallelize import ParallelizeConfig, parallelize
-    from ulysses_trainer.parallel.loss import global_loss, loss_for_backward, step_token_count
-    from ulysses_trainer.parallel.sharding import shard_batch
-    from ulysses_trainer.parallel.state import make_parallel_state
+    from ulysses_trainer import (ParallelizeConfig, global_loss, loss_for_backward, make_parallel_state,
+                                 parallelize, shard_batch, step_token_count)  # the public API, as users call it
 
     state = make_parallel_state(sp)
     model = parallelize(build_model(kv_heads), state,

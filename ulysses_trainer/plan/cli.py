@@ -1,7 +1,8 @@
 """`ulysses-trainer plan`: predict a run's memory and choose the cheapest settings that fit.
 
     ulysses-trainer plan --config RECIPE.yaml --gpus 8 --gpu_memory_gb 80 [--host_memory_gb 1000] [--json]
-    ulysses-trainer plan --model qwen3-8b --max_length 1048576 --gpus 8 --gpu_memory_gb 80 --host_memory_gb 1000 [--sp 8]
+    ulysses-trainer plan --model qwen3-8b --max_length 1048576 --gpus 8 --gpu_memory_gb 80 \
+        --host_memory_gb 1000 [--sp 8]
     ulysses-trainer plan calibrate [--results_dir benchmarks/results] [--json]
 
 Any other `--name value` is a training-config override (as for launch/train.py), e.g.

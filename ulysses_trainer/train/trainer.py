@@ -105,7 +105,9 @@ class Trainer:
         local = plan.padded_length // plan.sp_size * self.cfg.per_device_train_batch_size
         per_layer = local * plan.model_config.hidden_size * bpe
         free, _ = torch.cuda.mem_get_info(self.device)
-        reserve = self._working_set_bytes(local, bpe)
+        # Adam's m and v (fp32, ZeRO-3 sharded) appear only in the first optimizer step: keep room for them
+        n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.model.parameters())
+        reserve = self._working_set_bytes(local, bpe) + 8 * n_params // self.state.world_size
         layers = self.model.configure_offload(per_layer, free, reserve)
         if self.state.is_main:
             print(f"[ulysses_trainer] offloading {len(layers)}/{plan.model_config.num_hidden_layers} layer "

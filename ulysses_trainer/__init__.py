@@ -1,0 +1,23 @@
+"""ulysses_trainer: exact Ulysses sequence-parallel training of Hugging Face Qwen3 under DeepSpeed ZeRO-3.
+
+The library API, for users who bring their own loop::
+
+    state = make_parallel_state(sp_size)                  # dp x sp groups (after init_distributed)
+    model = parallelize(hf_model, state, ParallelizeConfig(local_seq_len=L // sp))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=..., config=...)
+    shard = shard_batch(input_ids, sp_size=state.sp_size, sp_rank=state.sp_rank)
+    tokens = step_token_count(shard.num_valid, state)      # over every rank and micro-step of the step
+    loss_sum = engine(**shard.model_inputs())
+    engine.backward(loss_for_backward(loss_sum, tokens, state), scale_wrt_gas=False)
+    engine.step()
+"""
+
+from .model.parallelize import ParallelizeConfig, SequenceParallelCausalLM, parallelize
+from .parallel.loss import global_loss, loss_for_backward, step_token_count
+from .parallel.sharding import Shard, shard_batch
+from .parallel.state import ParallelState, make_parallel_state
+
+__all__ = [
+    "ParallelState", "ParallelizeConfig", "SequenceParallelCausalLM", "Shard", "global_loss",
+    "loss_for_backward", "make_parallel_state", "parallelize", "shard_batch", "step_token_count",
+]
