@@ -184,3 +184,11 @@ def test_help_lists_every_field(capsys):
         load_config(["--help"])
     assert e.value.code == 0
     assert "--max_length" in capsys.readouterr().out
+
+
+def test_save_strategy_no_survives_yaml():
+    # YAML 1.1 reads a bare `no` as false; the Literal field must still get "no"
+    from ulysses_trainer.config import load_config
+
+    assert load_config(["--save_strategy", "no"]).save_strategy == "no"
+    assert load_config(["--save_strategy", "steps"]).save_strategy == "steps"

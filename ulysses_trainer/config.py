@@ -90,6 +90,8 @@ class TrainConfig:
     output_dir: str = _f("out/default", "checkpoints, metrics.jsonl and the final export")
     logging_steps: int = _f(1, "log every N optimizer steps")
     save_steps: Union[int, None] = _f(None, "checkpoint every N steps (always at the end); null = end only")
+    plot_per_position_loss: bool = _f(False, "at the end, write output_dir/per_position_loss.png (one more "
+                                             "forward of the last sequence)")
     save_strategy: SaveStrategy = _f("steps", "no = write no checkpoint and no final export (benchmarks, dry runs)")
     save_total_limit: Union[int, None] = _f(None, "keep at most N checkpoints; null = all")
     eval_steps: Union[int, None] = _f(None, "evaluate every N steps; null = never")
@@ -132,6 +134,8 @@ def _coerce(value: Any, tp: Any) -> Any:
                 return out
         return _NO
     if origin is Literal:
+        if value is False and "no" in typing.get_args(tp):  # YAML 1.1 reads a bare `no` as false
+            return "no"
         return value if value in typing.get_args(tp) and not isinstance(value, bool) else _NO
     if tp is type(None):
         return None if value is None else _NO

@@ -52,7 +52,8 @@ def _load_checkpoint_config(name_or_path: str) -> PretrainedConfig:
         try:
             return AutoConfig.from_pretrained(str(p), local_files_only=True)
         except Exception as exc:  # malformed or unreadable config.json
-            raise ConfigError(f"cannot read {p / 'config.json'}: {exc}") from None
+            raise ConfigError(f"cannot read {p / 'config.json'}: {exc}; fix the file or copy the checkpoint "
+                              f"again") from None
     if not _HUB_ID.match(name_or_path):
         raise _missing(name_or_path, "no such path")
     try:  # a Hub id: the local cache first, then the network where HF_HUB_OFFLINE allows it

@@ -83,3 +83,13 @@ def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     return all_reduce(t, "sum", group)
+
+
+def gather_sequence(x: torch.Tensor, sp: int, group) -> torch.Tensor:
+    """All-gather a per-rank sequence slice [s/sp, ...] into the full [s, ...] (diagnostics only)."""
+    if sp == 1:
+        return x
+    x = _on_comm_device(x.contiguous())
+    parts = [torch.empty_like(x) for _ in range(sp)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=0)

@@ -26,6 +26,7 @@ def _rank() -> int:
 
 def _report(message: str) -> None:
     """One line on stderr from rank 0; other ranks print only if rank 0 has not ended them first."""
+    message = " ".join(message.split())  # one line, even where a library's error text had several
     if _rank() != 0:
         for sig in (signal.SIGTERM, signal.SIGINT):  # the launcher's SIGTERM must end this wait
             signal.signal(sig, signal.SIG_DFL)

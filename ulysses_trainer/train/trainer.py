@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import deepspeed
 import torch
@@ -23,6 +24,7 @@ from ..parallel.state import ParallelState, make_parallel_state
 from . import checkpoint as ckpt
 from .logging import MetricsFile, log_line
 from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, train_flops_per_sequence
+from .position_loss import write_per_position_loss
 from .prepare import RunPlan
 
 
@@ -41,16 +43,16 @@ class StopSignal:
 
     RELAY_WINDOW_S = 2.0
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.requested = False
-        self._first = 0.0
+        self._clock, self._first = clock, 0.0
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if self.requested and now - self._first > self.RELAY_WINDOW_S:
             raise KeyboardInterrupt(f"second signal {signum}: stopping now")
         if not self.requested:
@@ -236,6 +238,11 @@ class Trainer:
                 bar.close()
                 return 0
         bar.close()
+        if cfg.plot_per_position_loss:
+            write_per_position_loss(self.engine, self.model, self._micro_batches(self.step - 1)[-1], self.state,
+                                    cfg.loss_chunk_size, cfg.max_length,
+                                    os.path.join(cfg.output_dir, "per_position_loss.png"),
+                                    f"{cfg.model_name_or_path}: per-position loss after step {self.step}")
         if not saving:
             return 0
         if not (cfg.save_steps and self.step % cfg.save_steps == 0):

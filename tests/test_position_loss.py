@@ -1,0 +1,25 @@
+"""The per-position loss plot, produced by a real CPU training run (2 SP ranks)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.dist_utils import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_per_position_loss_png_from_a_training_run(tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--master_port", str(free_port()),
+           "--num_gpus", "2", "launch/train.py", "--max_length", "1024", "--max_steps", "2",
+           "--plot_per_position_loss", "true", "--save_strategy", "no", "--output_dir", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    png = out / "per_position_loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "final").exists()  # save_strategy no: no checkpoint, no export

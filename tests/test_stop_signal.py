@@ -1,0 +1,33 @@
+"""StopSignal: the first SIGTERM/SIGINT asks for a stop at the step boundary; the launcher's relayed
+copy of the same signal does not escalate; a later second signal stops at once."""
+
+import signal
+
+import pytest
+
+from ulysses_trainer.train.trainer import StopSignal
+
+
+def test_relayed_copy_is_the_same_request_and_a_later_signal_stops_now():
+    now = [100.0]
+    stop = StopSignal(clock=lambda: now[0])
+    assert not stop.requested
+    stop._handle(signal.SIGINT, None)  # Ctrl-C reaches the rank itself...
+    assert stop.requested
+    now[0] += 0.05
+    stop._handle(signal.SIGTERM, None)  # ...and the launcher's SIGTERM right after: no escalation
+    now[0] += StopSignal.RELAY_WINDOW_S
+    with pytest.raises(KeyboardInterrupt, match="second signal"):
+        stop._handle(signal.SIGTERM, None)
+
+
+def test_install_routes_sigterm_and_sigint_to_the_handler():
+    stop = StopSignal()
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop.install()
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.requested
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
