@@ -85,7 +85,8 @@ def run(args) -> dict:
                "machine": {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "host": platform.node(),
                            "host_ram_gb": psutil.virtual_memory().total / 2**30},
                "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
-                            "transformers": __import__("transformers").__version__, "python": platform.python_version()},
+                            "transformers": __import__("transformers").__version__,
+                            "python": platform.python_version()},
                "settings": {"zero_stage": 3, "dtype": str(dtype), "optimizer": "torch.optim.AdamW (fp32 states on GPU)",
                             "batch": 1, "offload": args.offload, "steps_per_length": args.steps, "mode": args.mode}}
     for L in lengths:
@@ -101,7 +102,8 @@ def run(args) -> dict:
             net = SYSTEMS[args.system](model, kernel, L, args.offload, under_zero3=args.mode == "train")
             fwdbwd = args.mode == "fwdbwd"
             if getattr(net, "untied_lm_head", False):
-                point["note"] = "lm_head untied (+vocab x hidden params): ALST's fused loss fails on a tied one under ZeRO-3"
+                point["note"] = ("lm_head untied (+vocab x hidden params): ALST's fused loss fails on a tied one "
+                                 "under ZeRO-3")
             if fwdbwd:  # no engine, no optimizer: bf16 weights + grads, as the earlier baselines measured
                 engine = None
             else:

@@ -67,7 +67,8 @@ def plot(data: list[dict], path: str) -> None:
 
 
 def table(data: list[dict]) -> str:
-    lines = ["| system | mode | length | attention | status | peak GPU GiB | host RSS GiB | step s | tokens/s | offloaded layers |",
+    lines = ["| system | mode | length | attention | status | peak GPU GiB | host RSS GiB | step s | tokens/s "
+             "| offloaded layers |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(data, key=lambda r: (r["mode"], r["system"], r["seq_len"])):
         f = lambda v, n=1: "–" if v is None else f"{v:.{n}f}"  # noqa: E731

@@ -61,8 +61,15 @@ def _sp_rank(rank, world, sp, ids, pos, kv_heads, pad_to):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    from ulysses_trainer import (ParallelizeConfig, global_loss, loss_for_backward, make_parallel_state,
-                                 parallelize, shard_batch, step_token_count)  # the public API, as users call it
+    from ulysses_trainer import (
+        ParallelizeConfig,
+        global_loss,
+        loss_for_backward,
+        make_parallel_state,
+        parallelize,  # the public API, as users call it
+        shard_batch,
+        step_token_count,
+    )
 
     state = make_parallel_state(sp)
     model = parallelize(build_model(kv_heads), state,
