@@ -51,6 +51,16 @@ def _init_distributed(device: str) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False)
 
 
+def _shutdown() -> None:
+    """Leave together and tear the process group down before exit: a rank that exits while gloo's
+    threads still run can abort in teardown ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -66,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         _init_distributed(plan.device)
-        return Trainer(plan).train() or EXIT_OK
+        code = Trainer(plan).train() or EXIT_OK
+        _shutdown()
+        return code
     except ConfigError as exc:  # found only once the engine exists (e.g. host RAM for offload)
         _report(f"error: {exc}")
         return EXIT_INVALID
