@@ -156,13 +156,12 @@ def run(args) -> dict:
 
 
 def _plan_ours_offload(net, config, L, dtype, extra_reserve=0):
+    from ulysses_trainer.model.parallelize import layer_working_set_bytes
+
     bpe = torch.finfo(dtype).bits // 8
     free, _ = torch.cuda.mem_get_info()
-    per_layer = L * config.hidden_size * bpe
-    d = config.head_dim
-    qkv = L * (config.num_attention_heads + 2 * config.num_key_value_heads) * d * bpe
-    reserve = int(8 * L * config.hidden_size * bpe + 6 * qkv + 4 * 2**30) + extra_reserve
-    net.sp.configure_offload(per_layer, free, reserve)
+    net.sp.configure_offload(L * config.hidden_size * bpe, free,
+                             layer_working_set_bytes(config, L, bpe) + extra_reserve)
 
 
 def _register_hf_standin() -> str:

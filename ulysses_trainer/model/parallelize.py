@@ -62,6 +62,15 @@ def mlp_tiles(setting: bool | int | str, local_seq_len: int | None, hidden: int,
     return int(setting)
 
 
+def layer_working_set_bytes(config, local_tokens: int, bytes_per_el: int) -> int:
+    """Device memory one layer's recompute + backward needs beyond the checkpoints: what `auto` offload
+    keeps free. Rough and generous (8 hidden-size and 6 q/k/v-size tensors, plus 4 GiB); the planner
+    (`ulysses-trainer plan`) has the term-by-term model."""
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    qkv = local_tokens * (config.num_attention_heads + 2 * config.num_key_value_heads) * d * bytes_per_el
+    return int(8 * local_tokens * config.hidden_size * bytes_per_el + 6 * qkv + 4 * 2**30)
+
+
 class SequenceParallelCausalLM(nn.Module):
     """An HF causal LM under Ulysses SP. forward(shard inputs) -> fp32 sum of token NLLs on this rank.
 

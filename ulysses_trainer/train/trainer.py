@@ -16,7 +16,7 @@ from transformers import get_scheduler
 
 from ..config import config_to_dict
 from ..model.load import build_model, checkpoint_source
-from ..model.parallelize import ParallelizeConfig, SequenceParallelCausalLM, parallelize
+from ..model.parallelize import ParallelizeConfig, SequenceParallelCausalLM, layer_working_set_bytes, parallelize
 from ..parallel.comm import all_reduce
 from ..parallel.loss import global_loss, loss_for_backward, step_token_count
 from ..parallel.sharding import Shard, shard_batch
@@ -109,25 +109,18 @@ class Trainer:
         free, _ = torch.cuda.mem_get_info(self.device)
         # Adam's m and v (fp32, ZeRO-3 sharded) appear only in the first optimizer step: keep room for them
         n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.model.parameters())
-        reserve = self._working_set_bytes(local, bpe) + 8 * n_params // self.state.world_size
+        reserve = layer_working_set_bytes(plan.model_config, local, bpe) + 8 * n_params // self.state.world_size
         layers = self.model.configure_offload(per_layer, free, reserve)
         if self.state.is_main:
             print(f"[ulysses_trainer] offloading {len(layers)}/{plan.model_config.num_hidden_layers} layer "
                   f"checkpoints to pinned host memory ({per_layer * len(layers) / 2**30:.1f} GiB)", flush=True)
-
-    def _working_set_bytes(self, local_tokens: int, bpe: int) -> int:
-        """Device memory one layer's recompute + backward needs beyond the checkpoints (rough, generous)."""
-        c = self.plan.model_config
-        d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        qkv = local_tokens * (c.num_attention_heads + 2 * c.num_key_value_heads) * d * bpe
-        return int(8 * local_tokens * c.hidden_size * bpe + 6 * qkv + 4 * 2**30)
 
     # ------------------------------------------------------------------ data
     def _order(self, epoch: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.cfg.seed + epoch)
         return torch.randperm(len(self.plan.train_data), generator=g)
 
-    def _micro_batches(self, step: int, data: list | None = None, per_device: int | None = None) -> list[Shard]:
+    def _micro_batches(self, step: int) -> list[Shard]:
         """This rank's shards for optimizer step `step` (deterministic: resume lands on the same data)."""
         plan, cfg = self.plan, self.cfg
         micro = cfg.per_device_train_batch_size
