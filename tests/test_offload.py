@@ -12,14 +12,8 @@ from torch import nn
 
 from tests.dist_utils import run_ranks
 from ulysses_trainer.errors import ConfigError
-from ulysses_trainer.levers.offload import (
-    GIB,
-    HostPool,
-    LayerCheckpointer,
-    detect_host_memory_gb,
-    host_bytes_needed,
-    plan_offload,
-)
+from ulysses_trainer.levers.host_pool import GIB, HostPool, detect_host_memory_gb, host_bytes_needed
+from ulysses_trainer.levers.offload import LayerCheckpointer, plan_offload
 
 # --------------------------------------------------------------------------------------------
 # Policy and arithmetic

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..levers.offload import HostPool, LayerCheckpointer, plan_offload
+from ..levers.host_pool import HostPool
+from ..levers.offload import LayerCheckpointer, plan_offload
 from ..levers.tiled_mlp import TiledMLP, auto_num_tiles
 from ..parallel.state import ParallelState
 from ..parallel.ulysses import UlyssesAttention

@@ -135,7 +135,7 @@ def build_plan_inputs(argv: list[str]) -> tuple[ModelShape, Settings, Hardware, 
         offload_opt = None if args.offload_optimizer == "auto" else args.offload_optimizer == "true"
     host = args.host_memory_gb or cfg.host_memory_gb
     if host is None:
-        from ..levers.offload import detect_host_memory_gb
+        from ..levers.host_pool import detect_host_memory_gb
 
         host = detect_host_memory_gb()
     hw = Hardware(gpus=gpus, gpu_memory_gb=args.gpu_memory_gb or _default_gpu_memory_gb(), host_memory_gb=host,
