@@ -1,0 +1,110 @@
+"""Attention kernels: packed documents never attend across boundaries, and the flash-attn glue passes
+the right shapes (checked on CPU against stand-in modules with the libraries' call signatures)."""
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ulysses_trainer.attention import kernels
+from ulysses_trainer.errors import ConfigError
+
+
+def _qkv(b=2, s=12, hq=4, hkv=2, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, s, h, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv))
+
+
+def _reference(q, k, v, cu, scale):
+    """Per-document causal attention with KV heads repeated, written independently of the kernels."""
+    b, s, hq, d = q.shape
+    rep = hq // k.shape[2]
+    qf, kf, vf = (t.reshape(b * s, t.shape[2], d) for t in (q, k, v))
+    out = torch.empty_like(qf)
+    bounds = cu.tolist()
+    for a, e in zip(bounds[:-1], bounds[1:]):
+        qq = qf[a:e].transpose(0, 1)  # [h, n, d]
+        kk = kf[a:e].repeat_interleave(rep, dim=1).transpose(0, 1)
+        vv = vf[a:e].repeat_interleave(rep, dim=1).transpose(0, 1)
+        scores = qq @ kk.transpose(1, 2) * scale
+        mask = torch.ones(e - a, e - a, dtype=torch.bool).tril()
+        out[a:e] = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vv).transpose(0, 1)
+    return out.reshape(q.shape)
+
+
+def test_sdpa_packed_documents_stay_apart():
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 5, 12, 15, 24], dtype=torch.int32)  # row 0: docs of 5 and 7; row 1: 3 and 9
+    out = kernels.sdpa_attention(q, k, v, scale=0.3, cu_seqlens=cu, max_seqlen=9)
+    assert torch.allclose(out, _reference(q, k, v, cu, 0.3), atol=1e-12)
+    dense = kernels.sdpa_attention(q, k, v, scale=0.3)  # one document per row
+    assert not torch.allclose(out, dense)  # the boundaries matter, so the test could fail
+    assert torch.allclose(dense, _reference(q, k, v, torch.tensor([0, 12, 24], dtype=torch.int32), 0.3),
+                          atol=1e-12)
+
+
+def _fake_flash_modules(monkeypatch, calls):
+    """Install modules with flash-attn 4's and 2's call signatures, computing with the reference."""
+
+    def dense(q, k, v, softmax_scale=None, causal=False, **kw):
+        calls.append(("dense", q.shape, k.shape, causal))
+        b, s = q.shape[:2]
+        cu = torch.arange(0, b * s + 1, s, dtype=torch.int32)
+        return _reference(q, k, v, cu, softmax_scale)
+
+    def varlen4(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                softmax_scale=None, causal=False, **kw):
+        calls.append(("varlen", q.shape, cu_seqlens_q.dtype, max_seqlen_q, causal))
+        assert q.dim() == 3 and torch.equal(cu_seqlens_q, cu_seqlens_k)
+        out = _reference(q[None], k[None], v[None], cu_seqlens_q, softmax_scale)[0]
+        return out, torch.zeros(q.shape[1], q.shape[0])  # FA4 returns (out, lse)
+
+    def varlen2(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False, **kw):
+        return varlen4(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=softmax_scale, causal=causal)[0]
+
+    cute = types.ModuleType("flash_attn.cute.interface")
+    cute.flash_attn_func = lambda *a, **kw: (dense(*a, **kw), None)
+    cute.flash_attn_varlen_func = varlen4
+    fa2 = types.ModuleType("flash_attn")
+    fa2.flash_attn_func = dense
+    fa2.flash_attn_varlen_func = varlen2
+    monkeypatch.setitem(sys.modules, "flash_attn", fa2)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", cute)
+
+
+@pytest.mark.parametrize("name", ["flash_attention_4", "flash_attention_2"])
+def test_flash_glue_shapes_and_varlen(monkeypatch, name):
+    calls = []
+    _fake_flash_modules(monkeypatch, calls)
+    fn = kernels.KERNEL_FUNCTIONS[name]
+    q, k, v = _qkv(seed=1)
+    cu = torch.tensor([0, 4, 12, 20, 24], dtype=torch.int32)
+    packed = fn(q, k, v, scale=0.25, cu_seqlens=cu, max_seqlen=8)
+    assert packed.shape == q.shape
+    assert torch.allclose(packed, kernels.sdpa_attention(q, k, v, scale=0.25, cu_seqlens=cu, max_seqlen=8),
+                          atol=1e-12)
+    dense = fn(q, k, v, scale=0.25, cu_seqlens=torch.tensor([0, 12, 24], dtype=torch.int32), max_seqlen=12)
+    assert torch.allclose(dense, kernels.sdpa_attention(q, k, v, scale=0.25), atol=1e-12)
+    assert calls[0] == ("varlen", (24, 4, 8), torch.int32, 8, True)  # [b*s, h, d], int32 offsets, causal
+    assert calls[1][0] == "dense" and calls[1][1] == q.shape and calls[1][3] is True
+
+
+def test_resolve_kernel():
+    assert kernels.resolve_kernel("auto") == kernels.available_kernels()[0]
+    assert kernels.resolve_kernel("sdpa") == "sdpa"
+    with pytest.raises(ConfigError, match="unknown"):
+        kernels.resolve_kernel("flash_attention_3")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="not installed"):
+            kernels.resolve_kernel("flash_attention_4")
+
+
+def test_sdpa_matches_torch_math_with_gqa():
+    q, k, v = _qkv(b=1, s=9, hq=6, hkv=3, seed=2)
+    out = kernels.sdpa_attention(q, k, v, scale=0.5)
+    kk, vv = (t.repeat_interleave(2, dim=2) for t in (k, v))
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
+                                         is_causal=True, scale=0.5).transpose(1, 2)
+    assert torch.allclose(out, ref, atol=1e-12)
