@@ -51,14 +51,20 @@ def _init_distributed(device: str) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False)
 
 
-def _shutdown() -> None:
-    """Leave together and tear the process group down before exit: a rank that exits while gloo's
-    threads still run can abort in teardown ("terminate called without an active exception")."""
+def _shutdown(together: bool) -> None:
+    """Tear the process group down before exit: a rank that exits while gloo's threads still run can
+    abort in teardown ("terminate called without an active exception", exit -6 instead of its code).
+    After success the ranks leave together (barrier); after a failure they do not wait for each other."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - teardown must not hide the run's own outcome
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,17 +83,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _init_distributed(plan.device)
         code = Trainer(plan).train() or EXIT_OK
-        _shutdown()
+        _shutdown(together=True)
         return code
     except ConfigError as exc:  # found only once the engine exists (e.g. host RAM for offload)
         _report(f"error: {exc}")
-        return EXIT_INVALID
+        code = EXIT_INVALID
     except NonFiniteError as exc:  # every rank sees the same global loss and norm
         _report(f"error: {exc}")
-        return EXIT_FAILURE
+        code = EXIT_FAILURE
     except KeyboardInterrupt as exc:
         print(f"[ulysses_trainer] interrupted: {exc}", file=sys.stderr, flush=True)
-        return EXIT_FAILURE
+        code = EXIT_FAILURE
     except Exception:
         traceback.print_exc()
-        return EXIT_FAILURE
+        code = EXIT_FAILURE
+    _shutdown(together=False)
+    return code
