@@ -84,3 +84,29 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 600.0)
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def train_command(num_gpus: int, args: list[str]) -> list[str]:
+    """The real `deepspeed --num_gpus N launch/train.py ...` command, on a free master port."""
+    import sys
+    from pathlib import Path
+
+    deepspeed = Path(sys.executable).with_name("deepspeed")
+    return [str(deepspeed) if deepspeed.exists() else "deepspeed", "--master_port", str(free_port()),
+            "--num_gpus", str(num_gpus), "launch/train.py", *args]
+
+
+def train_env() -> dict[str, str]:
+    """Environment for a training subprocess: one thread per rank, offline, unbuffered, no launcher vars."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               PYTHONUNBUFFERED="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    return env
+
+
+def zero3_config(world_size: int, **zero: object) -> dict:
+    """A ZeRO-3 config for CPU tests that partitions even tiny parameters (persistence threshold 0)."""
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world_size,
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}

@@ -10,16 +10,15 @@ launch/train.py`, which must also exit 2 with the message printed once, not once
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import train_command, train_env
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 from ulysses_trainer.attention.kernels import available_kernels
 from ulysses_trainer.train.cli import main
@@ -210,24 +209,9 @@ def test_bad_input_leaves_an_existing_output_dir_untouched(files, tmp_path, monk
 
 
 # ---------------------------------------------------------------- the real command
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _command(args: list[str], launcher: bool) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               PYTHONUNBUFFERED="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(k, None)
-    if launcher:
-        deepspeed = Path(sys.executable).with_name("deepspeed")
-        cmd = [str(deepspeed) if deepspeed.exists() else "deepspeed", "--master_port", str(_free_port()),
-               "--num_gpus", "2", "launch/train.py", *args]
-    else:
-        cmd = [sys.executable, "launch/train.py", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    cmd = train_command(2, args) if launcher else [sys.executable, "launch/train.py", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
 
 
 _two_ranks = pytest.mark.slow  # multi-rank: ~7 s each

@@ -17,17 +17,16 @@ from __future__ import annotations
 import ast
 import json
 import math
-import os
 import random
 import re
 import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.dist_utils import train_command, train_env
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_STEPS = 4
@@ -44,20 +43,9 @@ SP_ARGS = COMMON + ["--gradient_accumulation_steps", "2", "--per_device_train_ba
                     "--eval_steps", "2", "--per_device_eval_batch_size", "2"]
 
 
-def _free_port() -> int:
-    """A port nobody listens on now: each run gets its own master_port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_train(num_gpus: int, args: list[str], output_dir: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               PYTHONUNBUFFERED="1")
-    deepspeed = Path(sys.executable).with_name("deepspeed")
-    cmd = [str(deepspeed) if deepspeed.exists() else "deepspeed", "--master_port", str(_free_port()),
-           "--num_gpus", str(num_gpus), "launch/train.py", *args, "--output_dir", str(output_dir)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    cmd = train_command(num_gpus, [*args, "--output_dir", str(output_dir)])
+    proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}\n"
                                   f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc

@@ -17,9 +17,7 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import psutil
 import pytest
 import torch
 
+from tests.dist_utils import train_command, train_env
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 
 pytestmark = pytest.mark.slow
@@ -39,21 +38,12 @@ ARGS = ["--max_length", "64", "--max_steps", str(STEPS), "--learning_rate", "1e-
 ROW_KEYS = ("step", "loss", "grad_norm", "learning_rate", "num_tokens")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(args: list[str], out: Path) -> subprocess.Popen:
     """The real command in its own session (so the test can signal exactly its processes)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               PYTHONUNBUFFERED="1")
-    deepspeed = Path(sys.executable).with_name("deepspeed")
-    cmd = [str(deepspeed) if deepspeed.exists() else "deepspeed", "--master_port", str(_free_port()),
-           "--num_gpus", "2", "launch/train.py", *args, "--output_dir", str(out)]
+    cmd = train_command(2, [*args, "--output_dir", str(out)])
     log = open(f"{out}.log", "a")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=train_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def _finish(p: subprocess.Popen, out: Path, timeout: float = 300) -> tuple[int, str]:

@@ -10,7 +10,7 @@ import torch
 import transformers
 from torch import nn
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import run_ranks, zero3_config
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.host_pool import GIB, HostPool, detect_host_memory_gb, host_bytes_needed
 from ulysses_trainer.levers.offload import LayerCheckpointer, plan_offload
@@ -254,13 +254,8 @@ def _zero3_loss_and_grads(rank: int, world: int, offload: list[int] | None):
     from deepspeed.utils import safe_get_full_grad
 
     model = _tiny_qwen3(3)  # the same initial weights on every rank and in every run
-    config = {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
-        "zero_allow_untested_optimizer": True,
-        # Partition even tiny parameters, so that the recompute in backward really re-gathers them.
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                              "reduce_bucket_size": 20_000, "stage3_prefetch_bucket_size": 20_000},
-    }
+    # Partition even tiny parameters, so that the recompute in backward really re-gathers them.
+    config = zero3_config(world, reduce_bucket_size=20_000, stage3_prefetch_bucket_size=20_000)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                       config=config)
     ckpt = None if offload is None else LayerCheckpointer(3, offload, HostPool(host_memory_gb=1.0))

@@ -2,11 +2,10 @@
 
 import os
 import subprocess
-import sys
 
 import pytest
 
-from tests.dist_utils import free_port
+from tests.dist_utils import train_command, train_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -14,11 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow
 def test_per_position_loss_png_from_a_training_run(tmp_path):
     out = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--master_port", str(free_port()),
-           "--num_gpus", "2", "launch/train.py", "--max_length", "1024", "--max_steps", "2",
-           "--plot_per_position_loss", "true", "--save_strategy", "no", "--output_dir", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    cmd = train_command(2, ["--max_length", "1024", "--max_steps", "2", "--plot_per_position_loss", "true",
+                            "--save_strategy", "no", "--output_dir", str(out)])
+    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     png = out / "per_position_loss.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import run_ranks, zero3_config
 
 VOCAB = 503
 
@@ -75,9 +75,7 @@ def _sp_rank(rank, world, sp, ids, pos, kv_heads, pad_to):
     model = parallelize(build_model(kv_heads), state,
                         ParallelizeConfig(attn_implementation="sdpa", loss_chunk_size=7, tiled_mlp=False,
                                           gradient_checkpointing=False))
-    ds_cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-              "zero_allow_untested_optimizer": True}
+    ds_cfg = zero3_config(world)
     engine, *_ = deepspeed.initialize(model=model, config=ds_cfg,
                                       optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
     row = state.dp_rank  # each dp rank trains its own sequence

@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import run_ranks, zero3_config
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.tiled_mlp import TiledMLP, auto_num_tiles
 
@@ -92,14 +92,9 @@ def _engine_grads(rank, world, tiled):
     if tiled:
         for layer in model.model.layers:
             layer.mlp = TiledMLP(layer.mlp, 3)
-    config = {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
-        "zero_allow_untested_optimizer": True,
-        # Partition even tiny parameters (so each tile really all-gathers) and use small buckets
-        # (so reductions happen between tiles).
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                              "reduce_bucket_size": 20_000, "stage3_prefetch_bucket_size": 20_000},
-    }
+    # Partition even tiny parameters (so each tile really all-gathers) and use small buckets
+    # (so reductions happen between tiles).
+    config = zero3_config(world, reduce_bucket_size=20_000, stage3_prefetch_bucket_size=20_000)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                       config=config)
     g = torch.Generator().manual_seed(100 + rank)  # different data per rank
