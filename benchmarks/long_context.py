@@ -57,11 +57,11 @@ class HostPeak:
 
 
 def _init_dist():
-    import deepspeed
+    from ulysses_trainer.parallel.init import init_distributed
 
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511").items():
         os.environ.setdefault(k, v)
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+    init_distributed("nccl" if torch.cuda.is_available() else "gloo")
 
 
 def _ds_config(bf16: bool) -> dict:

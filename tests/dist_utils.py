@@ -5,7 +5,7 @@ Usage in a test::
     results = run_ranks(2, my_fn, arg1, arg2)   # my_fn(rank, world_size, *args) -> picklable
 
 `my_fn` must be a module-level function (it is pickled into the spawned process). Each rank gets
-MASTER_ADDR/PORT, RANK, LOCAL_RANK and WORLD_SIZE, and `deepspeed.init_distributed("gloo")` is
+MASTER_ADDR/PORT, RANK, LOCAL_RANK and WORLD_SIZE, and `init_distributed("gloo")` (DeepSpeed's, minus its CPU shm op) is
 called before `my_fn`, so `torch.distributed` and DeepSpeed engines work inside it.
 """
 
@@ -41,9 +41,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
     torch.set_num_threads(1)
     try:
-        import deepspeed
+        from ulysses_trainer.parallel.init import init_distributed
 
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        init_distributed("gloo")
         out = fn(rank, world_size, *args)
         # plain bytes: torch tensors put on an mp queue would live in this process's shared memory
         queue.put((rank, "ok", pickle.dumps(out)))

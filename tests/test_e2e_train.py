@@ -171,6 +171,16 @@ def test_two_ranks_log_metrics_and_export(runs):
 
 
 @pytest.mark.slow
+def test_cpu_run_builds_no_shm_op_and_leaves_no_dev_shm_segment(runs):
+    # DeepSpeed's CPU shm all-reduce maps 66 MB of /dev/shm per rank and never unlinks it: 300 runs
+    # filled 20 GiB of this machine's RAM. ulysses_trainer.parallel.init keeps it out of training.
+    _, proc = runs.get("sp2")
+    port = proc.args[proc.args.index("--master_port") + 1]
+    assert "shm_comm" not in proc.stdout + proc.stderr
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+
+
+@pytest.mark.slow
 def test_export_reloads_with_transformers_and_matches_checkpoint(runs):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM

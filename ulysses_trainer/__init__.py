@@ -2,7 +2,8 @@
 
 The library API, for users who bring their own loop::
 
-    state = make_parallel_state(sp_size)                  # dp x sp groups (after init_distributed)
+    init_distributed("nccl")                              # deepspeed's, minus its CPU shm op on "gloo"
+    state = make_parallel_state(sp_size)                  # dp x sp groups
     model = parallelize(hf_model, state, ParallelizeConfig(local_seq_len=L // sp))
     engine, *_ = deepspeed.initialize(model=model, optimizer=..., config=...)
     shard = shard_batch(input_ids, sp_size=state.sp_size, sp_rank=state.sp_rank)
@@ -13,11 +14,12 @@ The library API, for users who bring their own loop::
 """
 
 from .model.parallelize import ParallelizeConfig, SequenceParallelCausalLM, parallelize
+from .parallel.init import init_distributed
 from .parallel.loss import global_loss, loss_for_backward, step_token_count
 from .parallel.sharding import Shard, shard_batch
 from .parallel.state import ParallelState, make_parallel_state
 
 __all__ = [
     "ParallelState", "ParallelizeConfig", "SequenceParallelCausalLM", "Shard", "global_loss",
-    "loss_for_backward", "make_parallel_state", "parallelize", "shard_batch", "step_token_count",
+    "init_distributed", "loss_for_backward", "make_parallel_state", "parallelize", "shard_batch", "step_token_count",
 ]

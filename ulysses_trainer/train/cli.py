@@ -42,13 +42,13 @@ def _free_port() -> int:
 
 
 def _init_distributed(device: str) -> None:
-    import deepspeed
+    from ..parallel.init import init_distributed
 
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         # `python launch/train.py` without a launcher: a one-rank group (DeepSpeed would try MPI)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False)
+    init_distributed("nccl" if device == "cuda" else "gloo")
 
 
 def _shutdown(together: bool) -> None:

@@ -1,0 +1,24 @@
+"""Start torch.distributed through DeepSpeed, without DeepSpeed's CPU shared-memory all-reduce op.
+
+On the CPU accelerator `deepspeed.init_distributed` JIT-compiles `deepspeed_shm_comm` (about 30 s
+per new venv path, under a file lock in ~/.cache/torch_extensions that a killed build leaves
+behind, after which every later start waits on it forever), and, under the `deepspeed` launcher,
+maps a 66 MB /dev/shm segment per rank that it never unlinks: measured here, 317 leaked segments
+held 20.4 GiB of RAM-backed /dev/shm after a day of CPU runs, and the next test suite swapped to a
+halt. The op serves only `inference_all_reduce`, which training never calls; gloo does the rest.
+"""
+
+from __future__ import annotations
+
+SHM_OP = "deepspeed_shm_comm"
+
+
+def init_distributed(backend: str) -> None:
+    """`deepspeed.init_distributed(backend)`; on "gloo" the shared-memory op is neither built nor mapped."""
+    import deepspeed
+    import deepspeed.ops
+
+    if backend == "gloo":
+        # DeepSpeed builds the op only where its compatibility table says it can (comm/torch.py)
+        deepspeed.ops.__compatible_ops__[SHM_OP] = False
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
