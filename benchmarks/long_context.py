@@ -99,7 +99,9 @@ def run(args) -> dict:
         try:
             with torch.device(device):
                 model = build_model(config, dtype, seed=0)
-            net = SYSTEMS[args.system](model, kernel, L, args.offload, under_zero3=args.mode == "train")
+            ours = {"lean_norm": args.lean_norm == "true"} if args.system == "ours" else {}
+            net = SYSTEMS[args.system](model, kernel, L, args.offload, under_zero3=args.mode == "train", **ours)
+            point.update(ours)
             fwdbwd = args.mode == "fwdbwd"
             if getattr(net, "untied_lm_head", False):
                 point["note"] = ("lm_head untied (+vocab x hidden params): ALST's fused loss fails on a tied one "
@@ -192,6 +194,7 @@ def main():
     ap.add_argument("--kernel", default="sdpa", help="attention kernel (ours: auto/sdpa/flash_attention_4)")
     ap.add_argument("--offload", default="auto", help="ours: activation_offload policy; alst: true")
     ap.add_argument("--standin-from", type=int, default=None)
+    ap.add_argument("--lean-norm", choices=["true", "false"], default="true", help="ours: lean RMSNorms")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--mode", choices=["train", "fwdbwd"], default="train",
                     help="train: ZeRO-3 engine + AdamW step; fwdbwd: forward+backward only (no optimizer)")

@@ -90,9 +90,19 @@ def test_layer_terms_by_hand():
     t, h, i, q, k = 65_536, 2560, 9728, 4096, 1024
     assert M.rmsnorm_saved_bytes(t, h, 2) == t * h * (4 + 2)  # fp32 upcast + bf16 normalized
     assert M.rmsnorm_saved_bytes(t, h, 4) == t * h * 4  # fp32 input: no upcast copy
-    saved = M.layer_forward_saved(Q4, s)
+    assert M.rmsnorm_saved_bytes(t, h, 2, lean=True) == t * h * 2  # lean: the bf16 input only
+    saved = M.layer_forward_saved(Q4, replace(s, lean_norm=False))  # HF's norms
     assert saved["MLP intermediates (gate, act, up, product)"] == 4 * t * i * 2
     assert saved["q_norm, k_norm (fp32 upcast, normalized)"] == 6 * t * q + 6 * t * k
+    assert saved["input norm (fp32 upcast, normalized, output)"] == 8 * t * h
+    assert saved["post-attention norm (fp32 upcast, normalized, output)"] == 8 * t * h
+    lean = M.layer_forward_saved(Q4, s)  # the default: the norms keep their bf16 inputs only
+    assert lean["q_norm, k_norm (inputs)"] == 2 * t * q + 2 * t * k
+    assert lean["input norm (output)"] == 2 * t * h  # its input is the checkpoint, counted there
+    assert lean["post-attention norm (input, output)"] == 4 * t * h
+    # tests/test_lean_norm.py counts 4 B per normed element on a bare layer, where the lean input norm's
+    # input (2 B per element) is new; here it is the checkpoint, counted there
+    assert sum(saved.values()) - sum(lean.values()) == 4 * t * (2 * h + q + k) + 2 * t * h
     assert saved["attention output + LSE (fp32)"] == t * q * 2 + t * 32 * 4
     assert saved["o_proj input"] == 0  # sp 1: the kernel's output itself
     tiled = replace(s, tiled_mlp=16)
@@ -153,9 +163,11 @@ def test_search_no_levers_when_memory_is_ample():
 
 def test_search_offloads_when_tight_and_picks_the_fewest():
     hw = Hardware(8, 80, 1000)
-    c = choose_settings(Q8, Settings(max_length=1_048_576, sp=8), hw)
+    c = choose_settings(Q8, Settings(max_length=1_048_576, sp=8, lean_norm=False), hw)  # HF's norms: tight
     s = c.settings
     assert c.fits and s.activation_offload > 0 and not s.offload_optimizer
+    lean = choose_settings(Q8, Settings(max_length=1_048_576, sp=8), hw)  # lean norms: no offload needed
+    assert lean.fits and lean.settings.activation_offload == 0 and lean.estimate.gpu_peak < c.estimate.gpu_peak
     fits = lambda **kw: estimate(Q8, replace(s, **kw)).fits(hw.gpu_memory_gb, hw.host_memory_gb)  # noqa: E731
     assert not fits(activation_offload=s.activation_offload - 1, tiled_mlp=64)  # one fewer never fits
     assert s.tiled_mlp == 1 or not fits(tiled_mlp=s.tiled_mlp - 1)  # one tile fewer does not fit

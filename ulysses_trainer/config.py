@@ -52,6 +52,7 @@ class TrainConfig:
     activation_offload: Union[bool, int, Auto] = _f(
         "auto", "offload checkpointed layer inputs to host: false, true (all), N layers, or auto")
     tiled_mlp: Union[bool, int, Auto] = _f("auto", "sequence-tiled MLP: false, true, N tiles, or auto")
+    lean_norm: bool = _f(True, "RMSNorms keep only their input for backward (no fp32 copies); same results")
     host_memory_gb: Union[float, None] = _f(None, "host RAM (GB) the offload may pin; null = detected")
     loss_type: LossType = _f("chunked_nll", "chunked_nll never builds [L, vocab] logits; nll is plain")
     loss_chunk_size: int = _f(256, "rows per chunk of the chunked loss")

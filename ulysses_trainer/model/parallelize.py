@@ -3,8 +3,9 @@
 Order (each step relies on the ones before it):
   1. Ulysses attention: register the SP attention function and switch the model to it.
   2. Loss head: lm_head also returns the chunked (or plain) loss sum, never the L x V logits.
-  3. Tiled MLP: each decoder layer's MLP runs by sequence tiles.
-  4. Checkpointing (+ offload): each decoder layer keeps only its input, on device or in pinned host
+  3. Lean norms: every RMSNorm keeps only its input for backward, not fp32 copies.
+  4. Tiled MLP: each decoder layer's MLP runs by sequence tiles.
+  5. Checkpointing (+ offload): each decoder layer keeps only its input, on device or in pinned host
      memory, and recomputes in backward (its tiled MLP recomputes inside that recompute).
 """
 
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from ..levers.host_pool import HostPool
+from ..levers.lean_norm import use_lean_norms
 from ..levers.offload import LayerCheckpointer, plan_offload
 from ..levers.tiled_mlp import TiledMLP, auto_num_tiles
 from ..parallel.state import ParallelState
@@ -32,6 +34,7 @@ class ParallelizeConfig:
     loss_type: str = "chunked_nll"
     loss_chunk_size: int = 256
     tiled_mlp: bool | int | str = "auto"  # False | True (auto tile count) | tiles | "auto" (when it pays)
+    lean_norm: bool = True  # RMSNorms save their input only (levers/lean_norm.py)
     gradient_checkpointing: bool = True
     activation_offload: bool | int | str = False  # False | True (all) | n first layers | "auto"
     host_memory_gb: float | None = None  # None: detected
@@ -113,7 +116,7 @@ class SequenceParallelCausalLM(nn.Module):
 
 
 def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) -> SequenceParallelCausalLM:
-    """Apply SP attention, the loss head, tiled MLP and checkpointing/offload, in that order."""
+    """Apply SP attention, the loss head, lean norms, tiled MLP and checkpointing/offload, in that order."""
     c = model.config
     layers = _decoder_layers(model)
     # 1. attention
@@ -121,12 +124,15 @@ def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) 
     model.set_attn_implementation(attention.register())
     # 2. loss head
     model.lm_head = LossHead(model.lm_head, cfg.loss_type, cfg.loss_chunk_size)
-    # 3. tiled MLP
+    # 3. lean norms (before tiling and checkpointing, which only wrap what is there)
+    if cfg.lean_norm:
+        use_lean_norms(model)
+    # 4. tiled MLP
     tiles = mlp_tiles(cfg.tiled_mlp, cfg.local_seq_len, c.hidden_size, c.intermediate_size)
     if tiles > 1:
         for layer in layers:
             layer.mlp = TiledMLP(layer.mlp, tiles)
-    # 4. checkpointing + offload (offload layers are decided now unless the policy is "auto")
+    # 5. checkpointing + offload (offload layers are decided now unless the policy is "auto")
     checkpointer = None
     if cfg.gradient_checkpointing:
         initial = [] if cfg.activation_offload == "auto" else plan_offload(

@@ -60,7 +60,8 @@ def load_calibration(path: str | Path = CALIBRATION_FILE) -> list[Measurement]:
     for m in data["measurements"]:
         shape = replace(ModelShape.preset(m["model"]), **m.get("model_overrides", {}))
         out.append(Measurement(source=m["source"], system=m["system"], model=m["model"], shape=shape,
-                               settings=settings_from_dict(m["settings"]), peak_gpu_gb=m["peak_gpu_gb"],
+                               settings=settings_from_dict({"lean_norm": False, **m["settings"]}),  # HF norms
+                               peak_gpu_gb=m["peak_gpu_gb"],
                                peak_host_gb=m.get("peak_host_gb"), attention=m["settings"].get("attention", "sdpa"),
                                note=m.get("note", "")))
     return out
@@ -80,14 +81,16 @@ def benchmark_settings(system: str, shape: ModelShape, point: dict[str, Any], st
     if attention not in ("sdpa", "flash_attention_2", "flash_attention_4", STANDIN):
         attention = STANDIN if "standin" in attention else "sdpa"
     first = point.get("first_step", steps < 2 or attention == STANDIN)
-    base = Settings(max_length=length, attention=attention, first_step=first,
+    base = Settings(max_length=length, attention=attention, first_step=first, lean_norm=False,
                     zero3=DEEPSPEED_DEFAULT_KNOBS)
     if mode == "fwdbwd":
         base = replace(base, zero_stage=0, optimizer="none")
     if system == "ours":
         from ..levers.tiled_mlp import auto_num_tiles
 
+        # points measured before lean norms existed carry no "lean_norm" key: HF norms
         return replace(base, activation_offload=int(point.get("offloaded_layers") or 0),
+                       lean_norm=bool(point.get("lean_norm", False)),
                        tiled_mlp=auto_num_tiles(length, shape.hidden, shape.intermediate))
     if system == "alst":  # every checkpoint offloaded per tensor (pinned, power-of-two), no prefetch;
         # DeepSpeed TiledMLP with ceil(L / H) shards; TiledFusedLogitsLoss with 1024-row shards

@@ -143,7 +143,7 @@ def build_plan_inputs(argv: list[str]) -> tuple[ModelShape, Settings, Hardware, 
     hw.check()
     base = Settings(max_length=cfg.max_length, sp=sp, dp=gpus // sp, micro_batch=cfg.per_device_train_batch_size,
                     bf16=cfg.bf16 is not False, gradient_checkpointing=cfg.gradient_checkpointing,
-                    loss_type=cfg.loss_type, loss_chunk_size=cfg.loss_chunk_size,
+                    loss_type=cfg.loss_type, loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm,
                     attention="sdpa" if cfg.attn_implementation == "auto" else cfg.attn_implementation,
                     pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=knobs, gpus_per_host=hw.gpus_per_host)
     tiles = _lever(cfg.tiled_mlp, "tiled_mlp", shape.layers)

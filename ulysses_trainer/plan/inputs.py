@@ -86,6 +86,7 @@ class Settings:
     gradient_checkpointing: bool = True
     activation_offload: int = 0  # layers whose checkpointed input lives in pinned host memory
     tiled_mlp: int = 1  # MLP tiles; 1 = untiled
+    lean_norm: bool = True  # RMSNorms keep only their input (ours); False: HF's fp32 copies (alst, hf)
     loss_type: Literal["chunked_nll", "nll"] = "chunked_nll"
     loss_chunk_size: int = 256
     # All kernels are modelled alike (flash-style: output + fp32 LSE saved, fp32 dq accumulator in

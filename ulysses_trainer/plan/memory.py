@@ -179,10 +179,14 @@ def rope_bytes(shape: ModelShape, s: Settings) -> int:
 # One decoder layer, recomputed in backward
 
 
-def rmsnorm_saved_bytes(tokens: int, width: int, e: int) -> int:
-    """What autograd keeps for an HF RMSNorm on [tokens, width]: the fp32 upcast of its input (shared
-    by pow and the rsqrt multiply; no copy when the input is fp32 already) and the normalized tensor
-    cast back to the input dtype (kept by the weight multiply). Not its output (the consumer keeps it)."""
+def rmsnorm_saved_bytes(tokens: int, width: int, e: int, lean: bool = False) -> int:
+    """What autograd keeps for an RMSNorm on [tokens, width], not its output (the consumer keeps it) nor
+    the fp32 scale per row (both keep that). HF: the fp32 upcast of its input (shared by pow and the
+    rsqrt multiply; no copy when the input is fp32 already) and the normalized tensor cast back to the
+    input dtype (kept by the weight multiply). Lean (levers/lean_norm.py): its input, nothing else;
+    measured on CPU by tests/test_lean_norm.py."""
+    if lean:
+        return tokens * width * e
     upcast = tokens * width * FP32 if e < FP32 else 0
     return upcast + tokens * width * e
 
@@ -191,13 +195,17 @@ def layer_forward_saved(shape: ModelShape, s: Settings) -> dict[str, int]:
     """Tensors autograd keeps after a Qwen3 decoder layer's (re)computed forward, by what keeps them."""
     t, e, h = local_tokens(s), s.act_bytes, shape.hidden
     q, kp = shape.q_width, shape.kv_width * kv_repeat(shape, s.sp)
+    lean = s.lean_norm
     saved = {
-        # input_layernorm: fp32 upcast + normalized; its output is kept once by q/k/v_proj
-        "input norm (fp32 upcast, normalized, output)": rmsnorm_saved_bytes(t, h, e) + t * h * e,
-        # q_norm / k_norm on the projections: fp32 upcast + normalized (their outputs feed rope, which
-        # keeps only cos/sin)
-        "q_norm, k_norm (fp32 upcast, normalized)":
-            (rmsnorm_saved_bytes(t, q, e) + rmsnorm_saved_bytes(t, shape.kv_width, e)) if shape.qk_norm else 0,
+        # input_layernorm: HF fp32 upcast + normalized; lean: its input, the layer input, which the
+        # checkpoint holds already (counted there); its output is kept once by q/k/v_proj
+        ("input norm (output)" if lean else "input norm (fp32 upcast, normalized, output)"):
+            (0 if lean else rmsnorm_saved_bytes(t, h, e)) + t * h * e,
+        # q_norm / k_norm on the projections: HF fp32 upcast + normalized; lean: the projection outputs
+        # (their outputs feed rope, which keeps only cos/sin)
+        ("q_norm, k_norm (inputs)" if lean else "q_norm, k_norm (fp32 upcast, normalized)"):
+            (rmsnorm_saved_bytes(t, q, e, lean) + rmsnorm_saved_bytes(t, shape.kv_width, e, lean))
+            if shape.qk_norm else 0,
         # the kernel keeps q, k, v (rope applied; after the all-to-all: all tokens, heads/sp), its
         # output and an fp32 log-sum-exp per query head and token
         "attention q, k, v (after rope / all-to-all)": t * (q + 2 * kp) * e,
@@ -206,7 +214,8 @@ def layer_forward_saved(shape: ModelShape, s: Settings) -> dict[str, int]:
         # it is the kernel's output itself (measured on the H200: no copy)
         "o_proj input": t * q * e if s.sp > 1 else 0,
         # post_attention_layernorm: fp32 upcast + normalized + its output (the MLP input)
-        "post-attention norm (fp32 upcast, normalized, output)": rmsnorm_saved_bytes(t, h, e) + t * h * e,
+        ("post-attention norm (input, output)" if lean else "post-attention norm (fp32 upcast, normalized, output)"):
+            rmsnorm_saved_bytes(t, h, e, lean) + t * h * e,
         # untiled MLP: act_fn keeps gate(x), the product keeps act(gate(x)) and up(x), down_proj keeps
         # the product: 4 [t, I] tensors (not 3: SiLU's backward needs its input, the product both
         # factors); tiled: only the input, counted with the norm output above
@@ -307,7 +316,7 @@ def layer_gathered_params_bytes(shape: ModelShape, s: Settings) -> int:
 def final_norm_bytes(shape: ModelShape, s: Settings) -> int:
     """The final RMSNorm's saved tensors plus its output (the loss input, alive during the loss)."""
     t, e = local_tokens(s), s.act_bytes
-    return rmsnorm_saved_bytes(t, shape.hidden, e) + t * shape.hidden * e
+    return rmsnorm_saved_bytes(t, shape.hidden, e, s.lean_norm) + t * shape.hidden * e
 
 
 def chunked_loss_bytes(shape: ModelShape, s: Settings) -> int:

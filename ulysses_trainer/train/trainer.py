@@ -81,7 +81,7 @@ class Trainer:
         with torch.device(self.device):
             model = build_model(plan.model_config, dtype, checkpoint_source(cfg.model_name_or_path), seed=cfg.seed)
         pcfg = ParallelizeConfig(attn_implementation=plan.kernel, loss_type=cfg.loss_type,
-                                 loss_chunk_size=cfg.loss_chunk_size, tiled_mlp=cfg.tiled_mlp,
+                                 loss_chunk_size=cfg.loss_chunk_size, tiled_mlp=cfg.tiled_mlp, lean_norm=cfg.lean_norm,
                                  gradient_checkpointing=cfg.gradient_checkpointing,
                                  activation_offload=cfg.activation_offload, host_memory_gb=cfg.host_memory_gb,
                                  local_seq_len=plan.padded_length // plan.sp_size,

@@ -1,0 +1,95 @@
+"""RMSNorm that keeps only its input for backward: the HF RMSNorm's math, a fraction of its memory.
+
+HF's Qwen3RMSNorm upcasts its input to fp32 and multiplies by the weight after casting back, so
+autograd keeps an fp32 copy of the input (4 bytes per element) and the normalized tensor (2 more in
+bf16) for every norm: a Qwen3 layer has four (input, q, k, post-attention), which at Qwen3-4B hold
+about 14 bytes x tokens x hidden during the layer's backward — 35 GiB of the 126 GiB one layer needs
+at 1M tokens on one GPU. This one runs the same forward ops (bitwise the same output), saves the
+input (already alive: the layer checkpoint, the projection output or the residual sum) and one fp32
+scale per row, and rebuilds the rest in backward a bounded slab of rows at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+# Backward rebuilds the fp32 copy for at most this many elements at once (64 MiB of fp32 per tensor).
+_BACKWARD_SLAB_ELEMENTS = 16 * 2**20
+
+
+def rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """HF RMSNorm's forward, op for op; also returns rstd = 1/sqrt(mean(x^2) + eps), fp32 [..., 1]."""
+    xf = x.to(torch.float32)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (xf * rstd).to(x.dtype), rstd
+
+
+class _LeanRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        out, rstd = rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        width = x.shape[-1]
+        x2 = x.reshape(-1, width)  # [..., W] -> [N, W]: rows are independent
+        g2 = grad_out.reshape(-1, width)  # [N, W]
+        r2 = rstd.reshape(-1, 1)  # [N, 1]
+        grad_x = torch.empty_like(x2) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(width, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
+        rows = max(1, _BACKWARD_SLAB_ELEMENTS // width)
+        for s in range(0, x2.shape[0], rows):
+            xf = x2[s:s + rows].to(torch.float32)  # [n, W]
+            r, g = r2[s:s + rows], g2[s:s + rows]
+            n = (xf * r).to(x.dtype)  # the forward's normalized tensor, rebuilt
+            if grad_w is not None:  # d(weight * n)/d(weight), summed over rows (fp32 across slabs)
+                grad_w += (g * n).to(torch.float32).sum(0)
+            if grad_x is not None:
+                # the chain rule through weight*, .to(dtype), x*rstd, rsqrt, mean and pow(2), as autograd
+                # takes it for the HF module
+                gn = (g * weight).to(torch.float32)  # [n, W]
+                grad_r = (gn * xf).sum(-1, keepdim=True)  # [n, 1]
+                grad_var = -0.5 * grad_r * r.pow(3)  # rsqrt'(v) = -1/2 rsqrt(v)^3
+                grad_x[s:s + rows] = (gn * r + (grad_var.expand_as(xf) / width) * (2 * xf)).to(x.dtype)
+        return (None if grad_x is None else grad_x.view_as(x),
+                None if grad_w is None else grad_w.to(weight.dtype), None)
+
+
+class LeanRMSNorm(nn.Module):
+    """Drop-in for an HF RMSNorm (Qwen3RMSNorm, LlamaRMSNorm): `weight` and `variance_epsilon` are
+    adopted under the same names, so state_dict keys are unchanged."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        assert isinstance(getattr(norm, "weight", None), nn.Parameter) and eps is not None, (
+            f"lean_norm replaces HF RMSNorms (a weight and variance_epsilon); {type(norm).__name__} is not "
+            "one. Set lean_norm: false for this model")
+        self.weight = norm.weight
+        self.variance_epsilon = float(eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad):
+            return rms_norm_forward(x, self.weight, self.variance_epsilon)[0]
+        return _LeanRMSNormFunction.apply(x, self.weight, self.variance_epsilon)
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    """An HF RMSNorm by class name (Qwen3RMSNorm, LlamaRMSNorm, ...), not one already replaced."""
+    return type(module).__name__.endswith("RMSNorm") and not isinstance(module, LeanRMSNorm)
+
+
+def use_lean_norms(model: nn.Module) -> int:
+    """Replace every HF RMSNorm in `model` by a LeanRMSNorm in place; returns how many."""
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if is_rms_norm(child)]
+    for parent, name, child in targets:
+        setattr(parent, name, LeanRMSNorm(child))
+    return len(targets)
