@@ -261,3 +261,39 @@ def test_cli_calibrate_and_python_m(tmp_path):
                           str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "GPU pred" in out.stdout and "ours" in out.stdout and "worst GPU error" in out.stdout
+
+
+# ------------------------------------------------------------------ checkpoint_every
+
+
+def test_checkpoints_held_with_checkpoint_every_by_hand():
+    s = Settings(max_length=65_536, checkpoint_every=3)  # Qwen3-4B: 36 layers, block starts 0, 3, ..., 33
+    at = lambda j, **kw: M.gpu_checkpoints_at(Q4, replace(s, **kw), j)  # noqa: E731
+    assert at(35) == 12 + 2  # 12 block inputs + the rebuilt inputs of layers 34, 35
+    assert at(34) == 12 + 1 and at(33) == 12  # rebuilt inputs freed one by one
+    assert at(35, activation_offload=12) == 1 + 2  # all starts on the host: the fetched one + 2 rebuilt
+    assert at(33, activation_offload=12) == 1 + 1  # ... and the prefetched start 30 during 33's backward
+    assert at(35, activation_offload=11) == 1 + 2  # start 33 stays on the GPU
+    assert at(33, activation_offload=11) == 1 + 1
+    # checkpoint_every 1 is the per-layer rule: resident layers a..j, fetched + prefetched below them
+    one = Settings(max_length=65_536)
+    assert M.gpu_checkpoints_at(Q4, one, 35) == 36
+    assert M.gpu_checkpoints_at(Q4, replace(one, activation_offload=30), 35) == 6
+    assert M.gpu_checkpoints_at(Q4, replace(one, activation_offload=30), 30) == 1 + 1
+    from ulysses_trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="between 0 and 12 layers"):
+        estimate(Q4, replace(s, activation_offload=13))
+
+
+def test_search_thins_checkpoints_only_when_nothing_else_fits():
+    hw = Hardware(1, 139.8, 125.87)  # one H200 and its host, as measured
+    base = Settings(max_length=131_072)
+    assert choose_settings(Q4, base, hw).settings.checkpoint_every == 1  # 128K fits without it
+    per_layer, _ = largest_max_length(Q4, base, hw, every=1)
+    thinned, choice = largest_max_length(Q4, base, hw)
+    assert choice.settings.checkpoint_every > 1 and choice.settings.offload_optimizer
+    assert thinned > 1.5 * per_layer  # what checkpoint_every buys on one GPU
+    near = choose_settings(Q4, replace(base, max_length=1_048_576), hw)
+    tried_12 = estimate(Q4, replace(near.settings, checkpoint_every=12, activation_offload=3))
+    assert near.estimate.gpu_required < tried_12.gpu_required  # a miss shows the closest settings

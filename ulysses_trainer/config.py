@@ -49,6 +49,8 @@ class TrainConfig:
         None, "model config overrides, e.g. {rope_parameters: {rope_type: yarn, factor: auto}}")
     attn_implementation: AttnImpl = _f("auto", "attention kernel; auto = fastest installed")
     gradient_checkpointing: bool = _f(True, "recompute each decoder layer in backward")
+    checkpoint_every: int = _f(
+        1, "keep every k-th layer's input only; backward rebuilds the others (+1 forward for k-1 of k layers)")
     activation_offload: Union[bool, int, Auto] = _f(
         "auto", "offload checkpointed layer inputs to host: false, true (all), N layers, or auto")
     tiled_mlp: Union[bool, int, Auto] = _f("auto", "sequence-tiled MLP: false, true, N tiles, or auto")
@@ -339,6 +341,10 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
     if not isinstance(cfg.activation_offload, bool) and isinstance(cfg.activation_offload, int):
         need(cfg.activation_offload >= 0,
              f"activation_offload must be >= 0 layers (or true/false/auto), got {cfg.activation_offload}")
+    need(cfg.checkpoint_every >= 1,
+         f"checkpoint_every must be >= 1 layers (1 = every layer), got {cfg.checkpoint_every}")
+    need(cfg.checkpoint_every == 1 or cfg.gradient_checkpointing,
+         "checkpoint_every > 1 needs gradient_checkpointing: true (it thins the checkpoints)")
     if not isinstance(cfg.tiled_mlp, bool) and isinstance(cfg.tiled_mlp, int):
         need(cfg.tiled_mlp >= 1, f"tiled_mlp must be >= 1 tiles (or true/false/auto), got {cfg.tiled_mlp}")
     need(cfg.max_length >= 2,

@@ -14,6 +14,13 @@ Copies run on a side CUDA stream, never on the compute stream: device->host in f
 with the next layers; host->device in backward, one layer ahead of the layer being recomputed.
 On CPU there are no streams and the "host" copy is a plain copy, so CPU tests exercise the logic.
 
+`checkpoint_every=k` keeps the input of every k-th layer only (the block starts 0, k, 2k, ...); the
+backward of a block's top layer rebuilds the inputs of the layers between by re-running their
+forward, without a graph, from the block start: k-1 of every k layers run forward once more, and
+the device holds N/k checkpoints plus at most k-1 rebuilt inputs instead of N. Offload applies to
+the block starts. Collective invariant: every rank rebuilds the same layers in the same order (the
+layout depends on N and k only), or the all-gathers of ZeRO-3 and the all-to-alls of SP deadlock.
+
 Recompute is reentrant style, like torch.utils.checkpoint(use_reentrant=True): backward calls the
 layer's forward again, so DeepSpeed ZeRO-3 re-gathers the sub-modules' parameters through its
 module hooks, exactly as it does for reentrant checkpointing. No RNG state is replayed: Qwen3's
@@ -58,7 +65,7 @@ def plan_offload(policy: bool | int | str, num_layers: int, bytes_per_layer: int
         if not 0 <= policy <= num_layers:
             raise ConfigError(
                 f"activation_offload={policy} is out of range: give an int from 0 to {num_layers} "
-                f"(the model's layer count), or true, false or auto")
+                f"(the layers that keep an input: all of them, or 1 in checkpoint_every), or true, false or auto")
         return list(range(policy))
     if isinstance(policy, str) and policy.strip().lower() == "auto":
         if bytes_per_layer < 0:
@@ -135,11 +142,16 @@ class _CheckpointFunction(torch.autograd.Function):
         ctx.autocast = _autocast_state(hidden.device.type)
         with torch.no_grad():
             out, holder.rest = _first(run_fn(hidden, *args))
+        ckpt.forward_calls[layer] += 1
+        ctx.forward_call = ckpt.forward_calls[layer]
         if layer in ckpt._states:
             ctx.generation = ckpt._offload(layer, hidden)
-        else:
+        elif not ckpt.rebuilds(layer):
             ctx.save_for_backward(hidden)
-        ckpt.forward_calls[layer] += 1
+            if ckpt.every > 1:  # the rebuilds of its block start from it
+                ckpt._block_inputs[layer] = hidden
+        if ckpt.every > 1:
+            ckpt._runs[layer] = (ctx.forward_call, run_fn, args, ctx.autocast)
         return out
 
     @staticmethod
@@ -147,9 +159,13 @@ class _CheckpointFunction(torch.autograd.Function):
         ckpt: LayerCheckpointer = ctx.ckpt
         if ctx.layer in ckpt._states:
             x = ckpt._take_input(ctx.layer, ctx.generation)
+        elif ckpt.rebuilds(ctx.layer):
+            x = ckpt._rebuilt_input(ctx.layer, ctx.forward_call)
         else:
             (x,) = ctx.saved_tensors
-            ckpt._prefetch(ctx.layer - 1)
+            ckpt._prefetch(ckpt.block_start(ctx.layer - 1))
+        ckpt._block_inputs.pop(ctx.layer, None)  # no rebuild below this layer starts from it any more
+        ckpt._runs.pop(ctx.layer, None)
         x = x.detach().requires_grad_(ctx.needs_input_grad[5])
         args = [a.detach().requires_grad_(True) if isinstance(a, Tensor) and a.requires_grad else a
                 for a in ctx.args]
@@ -177,14 +193,24 @@ class LayerCheckpointer:
     two forwards followed by two backwards raise).
     """
 
-    def __init__(self, num_layers: int, offload_layers: Iterable[int] = (), pool: HostPool | None = None):
+    def __init__(self, num_layers: int, offload_layers: Iterable[int] = (), pool: HostPool | None = None,
+                 checkpoint_every: int = 1):
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
             raise ConfigError(f"num_layers must be an int >= 0, got {num_layers!r}")
+        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+            raise ConfigError(f"checkpoint_every must be an int >= 1 (1 = every layer), got {checkpoint_every!r}")
+        self.every = checkpoint_every
+        self.saved_layers = list(range(0, num_layers, checkpoint_every))  # the block starts
+        self._block_inputs: dict[int, Tensor] = {}  # device-resident block-start inputs, until their backward
+        self._runs: dict[int, tuple[int, Callable, tuple, list]] = {}  # layer -> (forward call, run_fn, args, autocast)
+        self._rebuilt: dict[int, tuple[int, Tensor]] = {}  # layer -> (forward call, rebuilt input)
+        self.rebuild_forwards = 0  # layer forwards run to rebuild inputs (not counting recomputes)
         layers = sorted(set(offload_layers))
         bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
         if bad:
             raise ConfigError(f"offload layer indices {bad} are outside 0..{num_layers - 1}")
         self.num_layers = num_layers
+        self._check_block_starts(layers)
         self.offload_layers = layers
         self.pool = pool if pool is not None or not layers else HostPool()
         self._slot = {layer: k for k, layer in enumerate(layers)}
@@ -204,11 +230,57 @@ class LayerCheckpointer:
         bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers]
         if bad:
             raise ConfigError(f"offload layer indices {bad} are outside 0..{self.num_layers - 1}")
+        self._check_block_starts(layers)
         self.offload_layers = layers
         if self.pool is None and layers:
             self.pool = HostPool()
         self._slot = {layer: k for k, layer in enumerate(layers)}
         self._states = {layer: _OffloadState() for layer in layers}
+
+    def rebuilds(self, layer: int) -> bool:
+        """True if `layer` keeps no input: backward rebuilds it from its block start."""
+        return layer % self.every != 0
+
+    def block_start(self, layer: int) -> int:
+        """The saved layer whose input starts `layer`'s block."""
+        return layer - layer % self.every
+
+    def _check_block_starts(self, layers: list[int]) -> None:
+        bad = [i for i in layers if self.rebuilds(i)]
+        if bad:
+            raise ConfigError(f"offload layers {bad} keep no input with checkpoint_every={self.every}; offload "
+                              f"block starts only ({self.saved_layers[:4]}...)")
+
+    def _rebuilt_input(self, layer: int, forward_call: int) -> Tensor:
+        """`layer`'s input for its backward: rebuilt earlier in this block's backward, or now."""
+        got = self._rebuilt.pop(layer, None)
+        if got is not None and got[0] == forward_call:
+            return got[1]
+        b = self.block_start(layer)
+        if b in self._states:
+            st = self._states[b]
+            self._prefetch(b)  # layer b's own backward takes this copy later
+            assert st.prefetch is not None
+            x, event = st.prefetch[1], st.prefetch[2]
+            if event is not None:
+                torch.cuda.current_stream(x.device).wait_event(event)
+        else:
+            x = self._block_inputs.get(b)
+            if x is None:
+                raise RuntimeError(f"layer {layer}'s block start {b} holds no input: run each backward before "
+                                   "the next forward with checkpoint_every > 1")
+        # Layers b .. layer-1 forward again, no graph: their outputs are the inputs of b+1 .. layer.
+        for i in range(b, layer):
+            call, run_fn, args, autocast = self._runs[i]
+            with torch.no_grad(), _AutocastAll(autocast):
+                x, _ = _first(run_fn(x, *args))
+            self.rebuild_forwards += 1
+            if i + 1 < layer:
+                self._rebuilt[i + 1] = (self._runs[i + 1][0], x)
+        if self._runs[layer][0] != forward_call:
+            raise RuntimeError(f"layer {layer} ran forward again before its backward; with checkpoint_every > 1 "
+                               "run each backward before the next forward")
+        return x
 
     def for_layer(self, i: int) -> CheckpointFn:
         """The `_gradient_checkpointing_func` for decoder layer i: fn(run_fn, hidden, *args)."""
@@ -309,6 +381,6 @@ class LayerCheckpointer:
             self.sync_fetches += 1
         if event is not None:
             torch.cuda.current_stream(x.device).wait_event(event)
-        self._prefetch(layer - 1)  # the next layer that backward will need, while this one recomputes
+        self._prefetch(self.block_start(layer - 1))  # the next input backward needs, while this one recomputes
         return x
 

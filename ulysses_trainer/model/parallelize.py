@@ -5,8 +5,9 @@ Order (each step relies on the ones before it):
   2. Loss head: lm_head also returns the chunked (or plain) loss sum, never the L x V logits.
   3. Lean norms: every RMSNorm keeps only its input for backward, not fp32 copies.
   4. Tiled MLP: each decoder layer's MLP runs by sequence tiles.
-  5. Checkpointing (+ offload): each decoder layer keeps only its input, on device or in pinned host
-     memory, and recomputes in backward (its tiled MLP recomputes inside that recompute).
+  5. Checkpointing (+ offload): each decoder layer keeps only its input (or, with checkpoint_every=k,
+     every k-th layer does and backward rebuilds the rest), on device or in pinned host memory, and
+     recomputes in backward (its tiled MLP recomputes inside that recompute).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class ParallelizeConfig:
     tiled_mlp: bool | int | str = "auto"  # False | True (auto tile count) | tiles | "auto" (when it pays)
     lean_norm: bool = True  # RMSNorms save their input only (levers/lean_norm.py)
     gradient_checkpointing: bool = True
+    checkpoint_every: int = 1  # keep every k-th layer's input; rebuild the others in backward (levers/offload.py)
     activation_offload: bool | int | str = False  # False | True (all) | n first layers | "auto"
     host_memory_gb: float | None = None  # None: detected
     local_seq_len: int | None = None  # tokens per rank per row; needed for tiling decisions
@@ -107,8 +109,11 @@ class SequenceParallelCausalLM(nn.Module):
         engine holds its states). Returns the offloaded layer indices."""
         if self.checkpointer is None:
             return []
-        layers = plan_offload(self.offload_policy, len(_decoder_layers(self.causal_lm)), bytes_per_layer,
-                              free_device_bytes, reserve_bytes)
+        saved = self.checkpointer.saved_layers  # offload candidates: the layers that keep an input
+        rebuilt_in_flight = (self.checkpointer.every - 1) * bytes_per_layer  # one block's rebuilt inputs
+        picked = plan_offload(self.offload_policy, len(saved), bytes_per_layer, free_device_bytes,
+                              reserve_bytes + rebuilt_in_flight)
+        layers = [saved[i] for i in picked]
         self.checkpointer.set_offload_layers(layers)
         if layers:  # pin the whole pool now: a shortage is an error before step 1, not mid-run
             self.checkpointer.pool.allocate(bytes_per_layer, len(layers))
@@ -135,15 +140,17 @@ def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) 
     # 5. checkpointing + offload (offload layers are decided now unless the policy is "auto")
     checkpointer = None
     if cfg.gradient_checkpointing:
-        initial = [] if cfg.activation_offload == "auto" else plan_offload(
-            cfg.activation_offload, len(layers), 0, 0, 0)
         pool = HostPool(host_memory_gb=cfg.host_memory_gb, ranks_per_host=cfg.ranks_per_host)
-        checkpointer = LayerCheckpointer(len(layers), initial, pool)
+        checkpointer = LayerCheckpointer(len(layers), [], pool, cfg.checkpoint_every)
+        saved = checkpointer.saved_layers
+        if cfg.activation_offload != "auto":  # int n: the first n layers that keep an input
+            checkpointer.set_offload_layers(
+                [saved[i] for i in plan_offload(cfg.activation_offload, len(saved), 0, 0, 0)])
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = True  # HF decoder layers call _gradient_checkpointing_func
             layer._gradient_checkpointing_func = checkpointer.for_layer(i)
-    elif cfg.activation_offload not in (False, 0, "auto"):
-        raise ValueError("activation_offload needs gradient_checkpointing=True (it offloads the checkpoints)")
+    elif cfg.activation_offload not in (False, 0, "auto") or cfg.checkpoint_every != 1:
+        raise ValueError("activation_offload and checkpoint_every need gradient_checkpointing=True")
     model.train()
     return SequenceParallelCausalLM(model, state, attention, checkpointer, cfg.activation_offload,
                                     cfg.host_memory_gb)

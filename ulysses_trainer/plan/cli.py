@@ -152,7 +152,9 @@ def build_plan_inputs(argv: list[str]) -> tuple[ModelShape, Settings, Hardware, 
 
         tiles = auto_num_tiles(local_tokens(base), shape.hidden, shape.intermediate)
     fixed = {"offload_layers": _lever(cfg.activation_offload, "activation_offload", shape.layers),
-             "tiles": tiles, "offload_optimizer": offload_opt}
+             "tiles": tiles, "offload_optimizer": offload_opt,
+             # the default 1 lets the search thin the checkpoints when nothing else fits
+             "every": None if cfg.checkpoint_every == 1 else cfg.checkpoint_every}
     return shape, base, hw, fixed, cfg.model_name_or_path
 
 
@@ -180,7 +182,7 @@ def format_estimate(e: MemoryEstimate) -> str:
 def _settings_summary(s: Settings) -> dict[str, Any]:
     return {"max_length": s.max_length, "sp_size": s.sp, "dp": s.dp, "activation_offload": s.activation_offload,
             "tiled_mlp": s.tiled_mlp if s.tiled_mlp > 1 else False, "offload_optimizer": s.offload_optimizer,
-            "loss_type": s.loss_type, "loss_chunk_size": s.loss_chunk_size}
+            "checkpoint_every": s.checkpoint_every, "loss_type": s.loss_type, "loss_chunk_size": s.loss_chunk_size}
 
 
 def run_plan(argv: list[str]) -> int:
@@ -202,19 +204,22 @@ def _report(model: str, hw: Hardware, choice: Choice, longest: int, best: Choice
     s, e = choice.settings, choice.estimate
     head = (f"{model}, max_length {s.max_length:,}, {hw.gpus} GPU(s) x {hw.gpu_memory_gb:g} GiB, "
             f"host {hw.host_memory_gb:g} GiB, sp {s.sp} x dp {s.dp}, {local_tokens(s):,} tokens per GPU")
-    verdict = "fits" if choice.fits else "DOES NOT FIT (the most memory-saving settings are shown)"
+    verdict = "fits" if choice.fits else "DOES NOT FIT (the settings that come closest are shown)"
     chosen = _settings_summary(s)
     lines = [head, "", format_estimate(e), "",
              f"{verdict}: " + ", ".join(f"{k} {v}" for k, v in chosen.items() if k != "max_length")]
     if choice.fits:
         lines.append("recipe lines: " + "; ".join([f"activation_offload: {s.activation_offload}",
                                                    f"tiled_mlp: {s.tiled_mlp if s.tiled_mlp > 1 else 'false'}"]
+                                                  + ([f"checkpoint_every: {s.checkpoint_every}"]
+                                                     if s.checkpoint_every > 1 else [])
                                                   + (["deepspeed: ds_configs/zero3_offload.json"]
                                                      if s.offload_optimizer else [])))
     if best is not None:
         b = best.settings
         lines.append(f"largest max_length that fits: {longest:,} (activation_offload {b.activation_offload}, "
-                     f"tiled_mlp {b.tiled_mlp}, offload_optimizer {b.offload_optimizer}; "
+                     f"tiled_mlp {b.tiled_mlp}, offload_optimizer {b.offload_optimizer}, "
+                     f"checkpoint_every {b.checkpoint_every}; "
                      f"searched in multiples of {1024 * b.sp:,})")
     else:
         lines.append("largest max_length that fits: none (not even 1024 x sp tokens)")

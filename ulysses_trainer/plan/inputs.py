@@ -85,6 +85,7 @@ class Settings:
     offload_optimizer: bool = False  # ZeRO-Offload: fp32 master, Adam m, v and fp32 grads on the host
     gradient_checkpointing: bool = True
     activation_offload: int = 0  # layers whose checkpointed input lives in pinned host memory
+    checkpoint_every: int = 1  # only every k-th layer keeps its input; backward rebuilds the others
     tiled_mlp: int = 1  # MLP tiles; 1 = untiled
     lean_norm: bool = True  # RMSNorms keep only their input (ours); False: HF's fp32 copies (alst, hf)
     loss_type: Literal["chunked_nll", "nll"] = "chunked_nll"
@@ -127,8 +128,12 @@ def check_settings(shape: ModelShape, s: Settings) -> None:
     need(shape.kv_heads % s.sp == 0 or s.sp % shape.kv_heads == 0,
          f"sp={s.sp} neither divides nor is a multiple of the model's {shape.kv_heads} KV heads")
     need(s.micro_batch >= 1, f"per_device_train_batch_size must be >= 1, got {s.micro_batch}")
-    need(0 <= s.activation_offload <= shape.layers,
-         f"activation_offload={s.activation_offload} must be between 0 and {shape.layers} layers")
+    need(s.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {s.checkpoint_every}")
+    need(s.checkpoint_every == 1 or s.gradient_checkpointing, "checkpoint_every > 1 needs gradient_checkpointing")
+    saved = -(-shape.layers // s.checkpoint_every)
+    need(0 <= s.activation_offload <= saved,
+         f"activation_offload={s.activation_offload} must be between 0 and {saved} layers (the layers that keep "
+         f"an input: {shape.layers} / checkpoint_every {s.checkpoint_every}, rounded up)")
     need(s.activation_offload == 0 or s.gradient_checkpointing,
          "activation_offload needs gradient_checkpointing: true (it offloads the checkpoints)")
     need(s.tiled_mlp >= 1, f"tiled_mlp must be >= 1 tiles, got {s.tiled_mlp}")

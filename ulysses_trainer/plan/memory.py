@@ -122,15 +122,22 @@ def checkpoint_bytes_per_layer(shape: ModelShape, s: Settings) -> int:
 
 
 def gpu_checkpoints_at(shape: ModelShape, s: Settings, j: int) -> int:
-    """Layer inputs on the GPU during layer j's backward (layers run N-1 .. 0; the first k offload).
-    Resident layer j: its own and those of the resident layers below it, k..j (the lowest one also
-    prefetches layer k-1's). Offloaded layer j: its fetched input and the prefetched one of j-1."""
+    """Layer inputs on the GPU during layer j's backward (layers run N-1 .. 0).
+
+    The saved layers are the block starts 0, c, 2c, ... (c = checkpoint_every; every layer when c = 1),
+    the first `activation_offload` of them offloaded. Held: the resident saved inputs at or below j; the
+    fetched copy of j's block start if it is offloaded; the rebuilt inputs of j's block from b+1 up to j
+    (rebuilt all at once by the block's top layer, freed one by one); and, during a block start's
+    backward, the prefetched input of the block start below it if that one is offloaded."""
     if not s.gradient_checkpointing:
         return 0
-    k, pre = s.activation_offload, int(s.prefetch_offloaded)
-    if j >= k:
-        return j - k + 1 + (pre if j == k and k > 0 else 0)
-    return 1 + (pre if j > 0 else 0)
+    c, a, pre = s.checkpoint_every, s.activation_offload, int(s.prefetch_offloaded)
+    saved_at_or_below = j // c + 1
+    resident = max(0, saved_at_or_below - a)
+    b = j - j % c
+    fetched = 1 if b // c < a else 0
+    prefetch = pre if j == b and b >= c and (b - c) // c < a else 0
+    return resident + fetched + (j - b) + prefetch
 
 
 def grads_so_far_bytes(shape: ModelShape, s: Settings, j: int) -> int:
@@ -463,7 +470,8 @@ def estimate(shape: ModelShape, s: Settings) -> MemoryEstimate:
         Term("Adam m, v", adam_states_bytes(shape, s), 0, "static"),
         Term("persistent small params", persistent_params_bytes(shape, s), 0, "static"),
         Term("gradient reduce bucket", reduce_bucket_bytes(shape, s), 0, "static"),
-        Term(f"layer checkpoints ({held} on GPU, {s.activation_offload} on host)",
+        Term(f"layer checkpoints ({held} on GPU, {s.activation_offload} on host)"
+         + (f", 1 in {s.checkpoint_every} kept" if s.checkpoint_every > 1 else ""),
              checkpoints_gpu_bytes(shape, s), host_pool_bytes(shape, s), "resident",
              {"per layer": ck}),
         Term("activations without checkpointing", activations_no_checkpointing_bytes(shape, s), 0, "resident"),

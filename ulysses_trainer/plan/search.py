@@ -1,10 +1,11 @@
 """Choose the cheapest settings that fit the hardware, and the longest sequence that fits at all.
 
 Cost order (cheapest first): nothing < GPU-resident levers (MLP tiles: recompute, no transfers) <
-offload (checkpoint copies over PCIe, then optimizer states on the host). So the search takes the
-fewest offloaded layers for which some tile count fits, with the fewest tiles for that count, and
-turns on optimizer offload only when nothing fits without it. Settings fixed by the user (an int or
-true/false rather than auto) are kept as given.
+offload (checkpoint copies over PCIe, then optimizer states on the host) < fewer checkpoints
+(checkpoint_every c: one more forward for c-1 of every c layers, up to a third more compute). So the
+search takes the smallest c, then optimizer offload only when nothing fits without it, then the
+fewest offloaded layers for which some tile count fits, with the fewest tiles for that count.
+Settings fixed by the user (an int or true/false rather than auto) are kept as given.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from .memory import MemoryEstimate, ModelShape, Settings, estimate, local_tokens
 
 # Beyond this many tiles a tile is smaller than a few thousand rows and the MLP term is negligible.
 MAX_TILES = 64
+# checkpoint_every values the search tries, cheapest first.
+EVERY_CHOICES = (1, 2, 3, 4, 6, 9, 12)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,12 @@ def _fits(e: MemoryEstimate, hw: Hardware) -> bool:
     return e.fits(hw.gpu_memory_gb, hw.host_memory_gb)
 
 
+def _shortfall(e: MemoryEstimate, hw: Hardware) -> int:
+    """Bytes missing on the GPU plus bytes missing on the host (0 when it fits)."""
+    return (max(0, e.gpu_required - int(hw.gpu_memory_gb * 2**30))
+            + max(0, e.host_per_host - int(hw.host_memory_gb * 2**30)))
+
+
 def _fewest_tiles(shape: ModelShape, s: Settings, hw: Hardware, choices: list[int]) -> MemoryEstimate | None:
     """The estimate with the fewest tiles that fits (choices ascending, the last one known to fit).
     Untiled is tried on its own; from 2 tiles on, memory only falls as tiles grow, so bisect."""
@@ -77,41 +86,50 @@ def _fewest_tiles(shape: ModelShape, s: Settings, hw: Hardware, choices: list[in
 
 
 def choose_settings(shape: ModelShape, base: Settings, hw: Hardware, *, offload_layers: int | None = None,
-                    tiles: int | None = None, offload_optimizer: bool | None = None) -> Choice:
+                    tiles: int | None = None, offload_optimizer: bool | None = None,
+                    every: int | None = None) -> Choice:
     """The cheapest settings that fit, starting from `base` (layout, loss, kernel...).
 
-    offload_layers / tiles / offload_optimizer: None = search ("auto"), else fixed. When nothing fits,
-    the returned Choice has fits=False and holds the most memory-saving settings tried.
+    offload_layers / tiles / offload_optimizer / every (checkpoint_every): None = search ("auto"), else
+    fixed. When nothing fits, the returned Choice has fits=False and holds the settings that came
+    closest (the fewest bytes missing).
     """
     hw.check()
     base = replace(base, gpus_per_host=hw.gpus_per_host or hw.gpus)
     opt_choices = [False, True] if offload_optimizer is None else [offload_optimizer]
     if base.zero_stage != 3:
         opt_choices = [False]
-    layer_choices = list(range(shape.layers + 1)) if offload_layers is None else [offload_layers]
+    every_choices = [c for c in EVERY_CHOICES if c <= shape.layers] if every is None else [every]
     if not base.gradient_checkpointing:
-        layer_choices = [0]
+        every_choices = [1]
     tile_choices = _tile_candidates(shape, base) if tiles is None else [tiles]
     last: Choice | None = None
-    for opt in opt_choices:
-        for k in layer_choices:
-            s0 = replace(base, offload_optimizer=opt, activation_offload=k)
-            # GPU memory falls as tiles grow; host memory does not depend on them: test the most tiles first
-            most = estimate(shape, replace(s0, tiled_mlp=tile_choices[-1]))
-            last = Choice(most.settings, most, False)
-            if not _fits(most, hw):
-                if most.host_per_host > hw.host_memory_gb * 2**30:
-                    break  # more offloaded layers only need more host memory
-                continue
-            e = _fewest_tiles(shape, s0, hw, tile_choices) or most
-            return Choice(e.settings, e, True)
+    for c in every_choices:
+        saved = -(-shape.layers // c)  # the layers that keep an input
+        layer_choices = list(range(saved + 1)) if offload_layers is None else [offload_layers]
+        if not base.gradient_checkpointing:
+            layer_choices = [0]
+        for opt in opt_choices:
+            for k in layer_choices:
+                s0 = replace(base, offload_optimizer=opt, activation_offload=k, checkpoint_every=c)
+                # GPU memory falls as tiles grow; host memory does not depend on them: test the most tiles first
+                most = estimate(shape, replace(s0, tiled_mlp=tile_choices[-1]))
+                if last is None or _shortfall(most, hw) < _shortfall(last.estimate, hw):
+                    last = Choice(most.settings, most, False)  # the closest miss so far
+                if not _fits(most, hw):
+                    if most.host_per_host > hw.host_memory_gb * 2**30:
+                        break  # more offloaded layers only need more host memory
+                    continue
+                e = _fewest_tiles(shape, s0, hw, tile_choices) or most
+                return Choice(e.settings, e, True)
     assert last is not None
     return last
 
 
 def largest_max_length(shape: ModelShape, base: Settings, hw: Hardware, *, unit: int | None = None,
                        offload_layers: int | None = None, tiles: int | None = None,
-                       offload_optimizer: bool | None = None, limit: int = 1 << 27) -> tuple[int, Choice | None]:
+                       offload_optimizer: bool | None = None, every: int | None = None,
+                       limit: int = 1 << 27) -> tuple[int, Choice | None]:
     """The longest max_length (a multiple of `unit`, default 1024 x sp) for which some settings fit,
     and those settings. (0, None) when not even one unit fits. Memory grows with the length, so the
     answer is found by doubling, then bisecting over multiples of the unit."""
@@ -121,7 +139,7 @@ def largest_max_length(shape: ModelShape, base: Settings, hw: Hardware, *, unit:
 
     def at(n: int) -> Choice:
         return choose_settings(shape, replace(base, max_length=n * unit), hw, offload_layers=offload_layers,
-                               tiles=tiles, offload_optimizer=offload_optimizer)
+                               tiles=tiles, offload_optimizer=offload_optimizer, every=every)
 
     if not at(1).fits:
         return 0, None

@@ -83,6 +83,7 @@ class Trainer:
         pcfg = ParallelizeConfig(attn_implementation=plan.kernel, loss_type=cfg.loss_type,
                                  loss_chunk_size=cfg.loss_chunk_size, tiled_mlp=cfg.tiled_mlp, lean_norm=cfg.lean_norm,
                                  gradient_checkpointing=cfg.gradient_checkpointing,
+                                 checkpoint_every=cfg.checkpoint_every,
                                  activation_offload=cfg.activation_offload, host_memory_gb=cfg.host_memory_gb,
                                  local_seq_len=plan.padded_length // plan.sp_size,
                                  ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -99,7 +100,20 @@ class Trainer:
                                                lr_scheduler=schedule)
         if self.model.checkpointer is not None and plan.device == "cuda":
             self._plan_offload()
+        self._report_checkpoints()
         return engine
+
+    def _report_checkpoints(self) -> None:
+        ck = self.model.checkpointer
+        if ck is None or not self.state.is_main:
+            return
+        plan = self.plan
+        per_layer = (plan.padded_length // plan.sp_size * self.cfg.per_device_train_batch_size
+                     * plan.model_config.hidden_size * (2 if plan.bf16 else 4))
+        kept = f"1 in {ck.every} layers keeps its input" if ck.every > 1 else "every layer keeps its input"
+        print(f"[ulysses_trainer] checkpoints: {kept} ({len(ck.saved_layers)}/{ck.num_layers}), "
+              f"{len(ck.offload_layers)} in pinned host memory ({per_layer * len(ck.offload_layers) / 2**30:.2f} GiB)",
+              flush=True)
 
     def _plan_offload(self) -> None:
         plan = self.plan
@@ -110,10 +124,7 @@ class Trainer:
         # Adam's m and v (fp32, ZeRO-3 sharded) appear only in the first optimizer step: keep room for them
         n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.model.parameters())
         reserve = layer_working_set_bytes(plan.model_config, local, bpe) + 8 * n_params // self.state.world_size
-        layers = self.model.configure_offload(per_layer, free, reserve)
-        if self.state.is_main:
-            print(f"[ulysses_trainer] offloading {len(layers)}/{plan.model_config.num_hidden_layers} layer "
-                  f"checkpoints to pinned host memory ({per_layer * len(layers) / 2**30:.1f} GiB)", flush=True)
+        self.model.configure_offload(per_layer, free, reserve)
 
     # ------------------------------------------------------------------ data
     def _order(self, epoch: int) -> torch.Tensor:

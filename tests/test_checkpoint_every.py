@@ -1,0 +1,122 @@
+"""checkpoint_every=k: only every k-th layer keeps its input; backward rebuilds the rest. Same results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist_utils import run_ranks, zero3_config
+from tests.test_offload import _assert_close, _loss_and_grads, _tiny_qwen3, _wire
+from ulysses_trainer.errors import ConfigError
+from ulysses_trainer.levers.host_pool import HostPool
+from ulysses_trainer.levers.offload import LayerCheckpointer
+
+N = 5  # odd: the last block is short
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = _tiny_qwen3(N).train()
+    ids = torch.randint(0, 128, (2, 21), generator=torch.Generator().manual_seed(4))
+    _wire(model, None)
+    return model, ids, _loss_and_grads(model, ids)
+
+
+def _rebuild_forwards(n: int, k: int) -> int:
+    # each block [b, top] rebuilds the inputs of b+1..top once, running layers b..top-1
+    return sum(min(b + k - 1, n - 1) - b for b in range(0, n, k))
+
+
+@pytest.mark.parametrize("every, offload", [
+    (2, []), (3, []), (5, []), (2, [0, 2, 4]), (3, [3]), (2, [0]),
+])
+def test_matches_no_checkpointing(tiny, every, offload):
+    model, ids, (ref_loss, ref_grads) = tiny
+    ckpt = LayerCheckpointer(N, offload, HostPool(host_memory_gb=1.0), checkpoint_every=every)
+    _wire(model, ckpt)
+    try:
+        loss, grads = _loss_and_grads(model, ids)
+    finally:
+        _wire(model, None)
+    assert ckpt.saved_layers == list(range(0, N, every))
+    assert ckpt.forward_calls == [1] * N and ckpt.recompute_calls == [1] * N
+    assert ckpt.rebuild_forwards == _rebuild_forwards(N, every)
+    assert not ckpt._rebuilt and not ckpt._block_inputs and not ckpt._runs  # nothing outlives the backward
+    _assert_close(loss, grads, ref_loss, ref_grads)
+
+
+def test_rebuilt_layers_start_from_the_block_input(tiny):
+    """Corrupting block start 2's host copy changes layer 3's gradients: layer 3's input was rebuilt from it."""
+    model, ids, (_, ref_grads) = tiny
+    ckpt = LayerCheckpointer(N, [0, 2, 4], HostPool(host_memory_gb=1.0), checkpoint_every=2)
+    _wire(model, ckpt)
+    try:
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        ckpt.state(2).host.mul_(1.5)
+        loss.backward()
+    finally:
+        _wire(model, None)
+    for layer in (2, 3):
+        g = model.model.layers[layer].mlp.down_proj.weight.grad
+        ref = ref_grads[f"model.layers.{layer}.mlp.down_proj.weight"]
+        assert (g - ref).norm() / ref.norm() > 1e-3, layer
+
+
+def test_second_forward_before_backward_raises(tiny):
+    model, ids, _ = tiny
+    ckpt = LayerCheckpointer(N, [], checkpoint_every=2)
+    _wire(model, ckpt)
+    try:
+        first = model(input_ids=ids, labels=ids).loss
+        second = model(input_ids=ids, labels=ids).loss
+        with pytest.raises(RuntimeError, match="ran forward again before its backward"):
+            first.backward()
+        del first, second
+    finally:
+        _wire(model, None)
+
+
+def test_only_block_starts_offload():
+    with pytest.raises(ConfigError, match=r"offload layers \[1\] keep no input with checkpoint_every=2"):
+        LayerCheckpointer(4, [0, 1], checkpoint_every=2)
+    with pytest.raises(ConfigError, match="checkpoint_every must be an int >= 1"):
+        LayerCheckpointer(4, [], checkpoint_every=0)
+
+
+def _sp2_step(rank, world, every: int, offload):
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize, shard_batch
+    from ulysses_trainer.model.load import build_model
+    from ulysses_trainer.model.presets import preset_config
+
+    state = make_parallel_state(world)
+    cfg = preset_config("tiny")
+    cfg.num_hidden_layers = 3
+    cfg.layer_types = ["full_attention"] * 3
+    model = parallelize(build_model(cfg, torch.float32, seed=5), state, ParallelizeConfig(
+        attn_implementation="sdpa", tiled_mlp=2, checkpoint_every=every, activation_offload=offload))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                      config=zero3_config(world, reduce_bucket_size=20_000,
+                                                          stage3_prefetch_bucket_size=20_000))
+    ids = torch.randint(0, 1000, (1, 43), generator=torch.Generator().manual_seed(9))
+    loss = engine(**shard_batch(ids, sp_size=world, sp_rank=rank).model_inputs())
+    engine.backward(loss)
+    ck = model.checkpointer
+    grads = {n: safe_get_full_grad(p).numpy().copy() for n, p in engine.module.named_parameters()}
+    return float(loss.detach()), grads, (ck.offload_layers, ck.rebuild_forwards, ck.recompute_calls)
+
+
+def _sp2_runs(rank, world):
+    return [_sp2_step(rank, world, every, offload) for every, offload in ((1, False), (2, True), (3, 1))]
+
+
+@pytest.mark.slow
+def test_sp2_zero3_every_2_and_3_with_offload_equal_every_layer():
+    for (ref_loss, ref_grads, _), *others in run_ranks(2, _sp2_runs, timeout=300):
+        assert [o[2] for o in others] == [([0, 2], 1, [1, 1, 1]), ([0], 2, [1, 1, 1])]
+        for loss, grads, _ in others:
+            _assert_close(torch.tensor(loss), {n: torch.from_numpy(g) for n, g in grads.items()},
+                          torch.tensor(ref_loss), {n: torch.from_numpy(g) for n, g in ref_grads.items()})
