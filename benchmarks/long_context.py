@@ -64,12 +64,16 @@ def _init_dist():
     init_distributed("nccl" if torch.cuda.is_available() else "gloo")
 
 
-def _ds_config(bf16: bool) -> dict:
+def _ds_config(bf16: bool, offload_optimizer: bool = False) -> dict:
+    zero = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+            "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9}
+    extra = {}
+    if offload_optimizer:  # fp32 master, grads and Adam m, v in pinned host memory; torch AdamW steps on the CPU
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        extra["zero_force_ds_cpu_optimizer"] = False
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 1,
             "gradient_clipping": 1.0, "bf16": {"enabled": bf16}, "zero_allow_untested_optimizer": True,
-            "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
-                                  "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9},
-            "steps_per_print": 2**31 - 1}
+            "zero_optimization": zero, "steps_per_print": 2**31 - 1, **extra}
 
 
 def run(args) -> dict:
@@ -99,7 +103,8 @@ def run(args) -> dict:
         try:
             with torch.device(device):
                 model = build_model(config, dtype, seed=0)
-            ours = {"lean_norm": args.lean_norm == "true"} if args.system == "ours" else {}
+            ours = ({"lean_norm": args.lean_norm == "true", "checkpoint_every": args.checkpoint_every}
+                    if args.system == "ours" else {})
             net = SYSTEMS[args.system](model, kernel, L, args.offload, under_zero3=args.mode == "train", **ours)
             point.update(ours)
             fwdbwd = args.mode == "fwdbwd"
@@ -109,8 +114,10 @@ def run(args) -> dict:
             if fwdbwd:  # no engine, no optimizer: bf16 weights + grads, as the earlier baselines measured
                 engine = None
             else:
-                opt = torch.optim.AdamW(net.parameters(), lr=1e-5, fused=cuda)
-                engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=_ds_config(cuda))
+                opt = torch.optim.AdamW(net.parameters(), lr=1e-5, fused=cuda and not args.offload_optimizer)
+                engine, *_ = deepspeed.initialize(model=net, optimizer=opt,
+                                                  config=_ds_config(cuda, args.offload_optimizer))
+                point["offload_optimizer"] = args.offload_optimizer
             if args.system == "ours" and cuda:
                 grads = sum(p.numel() for p in net.parameters()) * 2 if fwdbwd else 0
                 _plan_ours_offload(net, config, L, dtype, extra_reserve=grads)
@@ -137,10 +144,12 @@ def run(args) -> dict:
                     times.append(time.perf_counter() - t0)
             dt = times[-1]
             flops = train_flops_per_sequence(config, L)
-            point.update(status="ok", loss=float(loss), step_s=dt, all_step_s=times,
+            point.update(status="ok", loss=float(loss.detach()), step_s=dt, all_step_s=times,
                          peak_gpu_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                          peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
                          peak_host_rss_gb=host.peak / 2**30)
+            if engine is not None:  # a skipped update never creates Adam's m, v: their memory is then absent
+                point["skipped_steps"] = int(engine.skipped_steps)
             if not standin:
                 point.update(tokens_per_s=L / dt, model_tflops=flops / dt / 1e12)
         except torch.cuda.OutOfMemoryError as exc:
@@ -195,6 +204,8 @@ def main():
     ap.add_argument("--offload", default="auto", help="ours: activation_offload policy; alst: true")
     ap.add_argument("--standin-from", type=int, default=None)
     ap.add_argument("--lean-norm", choices=["true", "false"], default="true", help="ours: lean RMSNorms")
+    ap.add_argument("--checkpoint-every", type=int, default=1, help="ours: keep 1 in k layer inputs")
+    ap.add_argument("--offload-optimizer", action="store_true", help="train mode: ZeRO-Offload of the optimizer")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--mode", choices=["train", "fwdbwd"], default="train",
                     help="train: ZeRO-3 engine + AdamW step; fwdbwd: forward+backward only (no optimizer)")

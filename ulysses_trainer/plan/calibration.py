@@ -91,6 +91,8 @@ def benchmark_settings(system: str, shape: ModelShape, point: dict[str, Any], st
         # points measured before lean norms existed carry no "lean_norm" key: HF norms
         return replace(base, activation_offload=int(point.get("offloaded_layers") or 0),
                        lean_norm=bool(point.get("lean_norm", False)),
+                       checkpoint_every=int(point.get("checkpoint_every", 1)),
+                       offload_optimizer=bool(point.get("offload_optimizer", False)),
                        tiled_mlp=auto_num_tiles(length, shape.hidden, shape.intermediate))
     if system == "alst":  # every checkpoint offloaded per tensor (pinned, power-of-two), no prefetch;
         # DeepSpeed TiledMLP with ceil(L / H) shards; TiledFusedLogitsLoss with 1024-row shards
