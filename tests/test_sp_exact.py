@@ -54,7 +54,7 @@ def reference(ids, pos, kv_heads):
     loss = total / count
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return float(loss), grads
+    return float(loss.detach()), grads
 
 
 def _sp_rank(rank, world, sp, ids, pos, kv_heads, pad_to):
