@@ -297,3 +297,14 @@ def test_search_thins_checkpoints_only_when_nothing_else_fits():
     near = choose_settings(Q4, replace(base, max_length=1_048_576), hw)
     tried_12 = estimate(Q4, replace(near.settings, checkpoint_every=12, activation_offload=3))
     assert near.estimate.gpu_required < tried_12.gpu_required  # a miss shows the closest settings
+
+
+def test_cli_one_gpu_million_tokens_names_checkpoint_every_and_its_cost(capsys):
+    args = ["plan", "--model", "qwen3-4b", "--max_length", "1000000", "--gpus", "1", "--gpu_memory_gb", "139.8",
+            "--host_memory_gb", "125.9"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint_every: 3" in out and "deepspeed: ds_configs/zero3_offload.json" in out
+    assert "checkpoint_every 3: 67% of the layers run forward once more in backward (about +17% step compute)" in out
+    assert cli_main(args + ["--checkpoint_every", "1"]) == 0  # fixed by the user: no thinning, a miss
+    assert "DOES NOT FIT (the settings that come closest are shown)" in capsys.readouterr().out

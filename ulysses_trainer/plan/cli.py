@@ -153,8 +153,9 @@ def build_plan_inputs(argv: list[str]) -> tuple[ModelShape, Settings, Hardware, 
         tiles = auto_num_tiles(local_tokens(base), shape.hidden, shape.intermediate)
     fixed = {"offload_layers": _lever(cfg.activation_offload, "activation_offload", shape.layers),
              "tiles": tiles, "offload_optimizer": offload_opt,
-             # the default 1 lets the search thin the checkpoints when nothing else fits
-             "every": None if cfg.checkpoint_every == 1 else cfg.checkpoint_every}
+             # left unset (recipe and command line), the search may thin the checkpoints when nothing else fits
+             "every": cfg.checkpoint_every if "checkpoint_every" in recipe or "checkpoint_every" in overrides
+             else None}
     return shape, base, hw, fixed, cfg.model_name_or_path
 
 
@@ -215,6 +216,8 @@ def _report(model: str, hw: Hardware, choice: Choice, longest: int, best: Choice
                                                      if s.checkpoint_every > 1 else [])
                                                   + (["deepspeed: ds_configs/zero3_offload.json"]
                                                      if s.offload_optimizer else [])))
+    if s.checkpoint_every > 1:
+        lines.append(_rebuild_cost(s.checkpoint_every))
     if best is not None:
         b = best.settings
         lines.append(f"largest max_length that fits: {longest:,} (activation_offload {b.activation_offload}, "
@@ -224,6 +227,14 @@ def _report(model: str, hw: Hardware, choice: Choice, longest: int, best: Choice
     else:
         lines.append("largest max_length that fits: none (not even 1024 x sp tokens)")
     return "\n".join(lines)
+
+
+def _rebuild_cost(every: int) -> str:
+    """What checkpoint_every costs in compute: a checkpointed step runs each layer's forward twice and its
+    backward (~2 forwards) once, ~4 forwards; rebuilding adds one for (k-1)/k of the layers."""
+    extra = (every - 1) / every
+    return (f"checkpoint_every {every}: {extra:.0%} of the layers run forward once more in backward "
+            f"(about +{extra / 4:.0%} step compute)")
 
 
 def run_calibrate(argv: list[str]) -> int:
