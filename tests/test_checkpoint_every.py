@@ -120,3 +120,34 @@ def test_sp2_zero3_every_2_and_3_with_offload_equal_every_layer():
         for loss, grads, _ in others:
             _assert_close(torch.tensor(loss), {n: torch.from_numpy(g) for n, g in grads.items()},
                           torch.tensor(ref_loss), {n: torch.from_numpy(g) for n, g in ref_grads.items()})
+
+
+def _saved_bytes(model, ids) -> int:
+    """Bytes autograd keeps after a forward, by storage, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return sum(seen.values())
+
+
+def test_keeps_one_layer_input_in_k():
+    model = _tiny_qwen3(6).train()
+    ids = torch.randint(0, 128, (2, 21), generator=torch.Generator().manual_seed(5))
+    held = {}
+    for every in (1, 3):
+        ckpt = LayerCheckpointer(6, [], checkpoint_every=every)
+        _wire(model, ckpt)
+        try:
+            held[every] = _saved_bytes(model, ids)
+        finally:
+            _wire(model, None)
+    assert held[1] - held[3] == (6 - 2) * 2 * 21 * 64 * 4  # 4 fewer [b, s, h] fp32 layer inputs
