@@ -256,6 +256,10 @@ class LayerCheckpointer:
         got = self._rebuilt.pop(layer, None)
         if got is not None and got[0] == forward_call:
             return got[1]
+        run = self._runs.get(layer)
+        if run is None or run[0] != forward_call:
+            raise RuntimeError(f"layer {layer} ran forward again before its backward; with checkpoint_every > 1 "
+                               "run each backward before the next forward")
         b = self.block_start(layer)
         if b in self._states:
             st = self._states[b]
@@ -271,15 +275,12 @@ class LayerCheckpointer:
                                    "the next forward with checkpoint_every > 1")
         # Layers b .. layer-1 forward again, no graph: their outputs are the inputs of b+1 .. layer.
         for i in range(b, layer):
-            call, run_fn, args, autocast = self._runs[i]
+            _, run_fn, args, autocast = self._runs[i]
             with torch.no_grad(), _AutocastAll(autocast):
                 x, _ = _first(run_fn(x, *args))
             self.rebuild_forwards += 1
             if i + 1 < layer:
                 self._rebuilt[i + 1] = (self._runs[i + 1][0], x)
-        if self._runs[layer][0] != forward_call:
-            raise RuntimeError(f"layer {layer} ran forward again before its backward; with checkpoint_every > 1 "
-                               "run each backward before the next forward")
         return x
 
     def for_layer(self, i: int) -> CheckpointFn:
