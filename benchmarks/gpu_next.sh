@@ -29,7 +29,9 @@ case "${1:-}" in
     done ;;
   one_gpu_1m)   # the goal's memory proof: 1,048,576 tokens, stand-in attention, lean norms, 1 in 3 layer
     # inputs kept (11 of the 12 on the host), optimizer states offloaded; `plan` predicts 137.8 GiB GPU
-    # and 126.5 GiB host (0.6 over this host: expect the host to be the limit; 1,019,904 is predicted to fit)
+    # and 126.5 GiB host (0.6 over this host: expect the host to be the limit; 1,019,904 is predicted to fit).
+    # Adam's m, v are created before the step (long_context.py), so the peaks hold them even if the
+    # stand-in's update is skipped
     for L in 1048576 1019904; do
       timeout 280 python benchmarks/long_context.py --system ours --model $M --lengths $L --steps 1 \
         --standin-from 1 --checkpoint-every 3 --offload 11 --offload-optimizer \

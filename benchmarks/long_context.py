@@ -118,6 +118,9 @@ def run(args) -> dict:
                 engine, *_ = deepspeed.initialize(model=net, optimizer=opt,
                                                   config=_ds_config(cuda, args.offload_optimizer))
                 point["offload_optimizer"] = args.offload_optimizer
+                if standin:  # the stand-in's updates may all be skipped (non-finite norms): make m, v exist
+                    point["adam_states"] = _materialize_adam_states(engine)
+                    point["first_step"] = False  # planned as a later step: m, v held through fwd/bwd
             if args.system == "ours" and cuda:
                 grads = sum(p.numel() for p in net.parameters()) * 2 if fwdbwd else 0
                 _plan_ours_offload(net, config, L, dtype, extra_reserve=grads)
@@ -164,6 +167,26 @@ def run(args) -> dict:
         if point["status"] != "ok":
             break
     return results
+
+
+def _materialize_adam_states(engine) -> int:
+    """Create AdamW's m and v now, with one zero-gradient step of the optimizer inside ZeRO-3 (on its fp32
+    partitions, on the GPU or the host). A memory probe with the stand-in must hold them: DeepSpeed skips
+    updates whose gradient norm is not finite, and a skipped first update never allocates them (seen on
+    the H200). The step moves the weights by weight decay only; the stand-in's numbers mean nothing
+    anyway. Returns the bytes of m and v created."""
+    zero = engine.optimizer  # DeepSpeedZeroOptimizer_Stage3
+    inner = zero.optimizer  # the torch AdamW; Stage3 lends it one flat fp32 partition per sub-group at a time
+    for i, flat in enumerate(zero.fp32_partitioned_groups_flat):
+        group = inner.param_groups[zero.sub_group_to_group_id[i]]
+        kept = flat.grad  # with optimizer offload Stage3 keeps a pinned host grad buffer here
+        flat.grad = torch.zeros_like(flat) if kept is None else kept.zero_()
+        group["params"] = [flat]
+        inner.step()
+        group["params"] = []
+        flat.grad = kept
+    return sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
+               if torch.is_tensor(t) and t.dim() > 0)
 
 
 def _plan_ours_offload(net, config, L, dtype, extra_reserve=0):

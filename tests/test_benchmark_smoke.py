@@ -1,0 +1,30 @@
+"""The GPU benchmark entry point runs on CPU with the tiny preset, so a GPU session never meets a broken script."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import Qwen3ForCausalLM
+
+from tests.dist_utils import train_env
+from ulysses_trainer.model.presets import preset_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_long_context_standin_probe_with_the_new_levers_holds_adam_states(tmp_path):
+    out = tmp_path / "probe.json"
+    cmd = [sys.executable, "benchmarks/long_context.py", "--system", "ours", "--model", "tiny", "--lengths", "256",
+           "--steps", "1", "--standin-from", "1", "--checkpoint-every", "2", "--offload-optimizer",
+           "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (point,) = json.loads(out.read_text())["points"]
+    assert point["status"] == "ok", point
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Qwen3ForCausalLM(preset_config("tiny")).parameters())
+    # AdamW's m and v exist (fp32, 8 bytes per parameter) whether or not DeepSpeed takes the update
+    assert point["adam_states"] == 8 * n and point["first_step"] is False
+    assert (point["checkpoint_every"], point["offload_optimizer"], point["lean_norm"]) == (2, True, True)
