@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_ranks, zero3_config
+from tests.saved_tensors import saved_bytes
 from tests.test_offload import _assert_close, _loss_and_grads, _tiny_qwen3, _wire
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.host_pool import HostPool
@@ -123,20 +124,10 @@ def test_sp2_zero3_every_2_and_3_with_offload_equal_every_layer():
 
 
 def _saved_bytes(model, ids) -> int:
-    """Bytes autograd keeps after a forward, by storage, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=ids, labels=ids).loss
+    """Bytes autograd keeps during a forward (parameters excluded); the backward then runs."""
+    loss, n = saved_bytes(model, lambda: model(input_ids=ids, labels=ids).loss)
     loss.backward()
-    return sum(seen.values())
+    return n
 
 
 def test_keeps_one_layer_input_in_k():

@@ -5,6 +5,7 @@ import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from tests.dist_utils import run_ranks
+from tests.saved_tensors import saved_bytes
 from ulysses_trainer.levers import lean_norm
 from ulysses_trainer.levers.lean_norm import LeanRMSNorm, use_lean_norms
 from ulysses_trainer.model.presets import preset_config
@@ -80,20 +81,9 @@ def test_state_dict_keys_unchanged_and_every_norm_replaced():
 
 
 def _saved_bytes(layer, x, pos) -> int:
-    """Bytes autograd keeps after one forward of `layer`, by storage, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = layer(x, position_embeddings=pos, attention_mask=None, position_ids=None)
-    del out
-    return sum(seen.values())
+    """Bytes autograd keeps after one forward of `layer`, parameters excluded."""
+    _, n = saved_bytes(layer, lambda: layer(x, position_embeddings=pos, attention_mask=None, position_ids=None))
+    return n
 
 
 def test_a_qwen3_layer_keeps_4_bytes_less_per_normed_element():
