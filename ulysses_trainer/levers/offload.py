@@ -237,6 +237,16 @@ class LayerCheckpointer:
         self._slot = {layer: k for k, layer in enumerate(layers)}
         self._states = {layer: _OffloadState() for layer in layers}
 
+    def apply_offload_policy(self, policy: bool | int | str, bytes_per_layer: int = 0, free_device_bytes: int = 0,
+                             reserve_bytes: int = 0) -> list[int]:
+        """Offload the layers `plan_offload` picks among those that keep an input (every layer, or the block
+        starts); `auto` also keeps room for one block's rebuilt inputs. Returns the offloaded layers."""
+        rebuilt_in_flight = (self.every - 1) * bytes_per_layer
+        picked = plan_offload(policy, len(self.saved_layers), bytes_per_layer, free_device_bytes,
+                              reserve_bytes + rebuilt_in_flight)
+        self.set_offload_layers([self.saved_layers[i] for i in picked])
+        return self.offload_layers
+
     def rebuilds(self, layer: int) -> bool:
         """True if `layer` keeps no input: backward rebuilds it from its block start."""
         return layer % self.every != 0

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..levers.host_pool import HostPool
 from ..levers.lean_norm import use_lean_norms
-from ..levers.offload import LayerCheckpointer, plan_offload
+from ..levers.offload import LayerCheckpointer
 from ..levers.tiled_mlp import TiledMLP, auto_num_tiles
 from ..parallel.state import ParallelState
 from ..parallel.ulysses import UlyssesAttention
@@ -109,12 +109,8 @@ class SequenceParallelCausalLM(nn.Module):
         engine holds its states). Returns the offloaded layer indices."""
         if self.checkpointer is None:
             return []
-        saved = self.checkpointer.saved_layers  # offload candidates: the layers that keep an input
-        rebuilt_in_flight = (self.checkpointer.every - 1) * bytes_per_layer  # one block's rebuilt inputs
-        picked = plan_offload(self.offload_policy, len(saved), bytes_per_layer, free_device_bytes,
-                              reserve_bytes + rebuilt_in_flight)
-        layers = [saved[i] for i in picked]
-        self.checkpointer.set_offload_layers(layers)
+        layers = self.checkpointer.apply_offload_policy(self.offload_policy, bytes_per_layer, free_device_bytes,
+                                                        reserve_bytes)
         if layers:  # pin the whole pool now: a shortage is an error before step 1, not mid-run
             self.checkpointer.pool.allocate(bytes_per_layer, len(layers))
         return layers
@@ -142,10 +138,8 @@ def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) 
     if cfg.gradient_checkpointing:
         pool = HostPool(host_memory_gb=cfg.host_memory_gb, ranks_per_host=cfg.ranks_per_host)
         checkpointer = LayerCheckpointer(len(layers), [], pool, cfg.checkpoint_every)
-        saved = checkpointer.saved_layers
-        if cfg.activation_offload != "auto":  # int n: the first n layers that keep an input
-            checkpointer.set_offload_layers(
-                [saved[i] for i in plan_offload(cfg.activation_offload, len(saved), 0, 0, 0)])
+        if cfg.activation_offload != "auto":  # "auto" waits for the free device memory (configure_offload)
+            checkpointer.apply_offload_policy(cfg.activation_offload)
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = True  # HF decoder layers call _gradient_checkpointing_func
             layer._gradient_checkpointing_func = checkpointer.for_layer(i)

@@ -103,13 +103,18 @@ class Trainer:
         self._report_checkpoints()
         return engine
 
+    def _checkpoint_geometry(self) -> tuple[int, int, int]:
+        """(tokens per rank per micro-step, bytes per element, bytes of one layer's checkpointed input)."""
+        plan = self.plan
+        bpe = 2 if plan.bf16 else 4
+        local = plan.padded_length // plan.sp_size * self.cfg.per_device_train_batch_size
+        return local, bpe, local * plan.model_config.hidden_size * bpe
+
     def _report_checkpoints(self) -> None:
         ck = self.model.checkpointer
         if ck is None or not self.state.is_main:
             return
-        plan = self.plan
-        per_layer = (plan.padded_length // plan.sp_size * self.cfg.per_device_train_batch_size
-                     * plan.model_config.hidden_size * (2 if plan.bf16 else 4))
+        per_layer = self._checkpoint_geometry()[2]
         kept = f"1 in {ck.every} layers keeps its input" if ck.every > 1 else "every layer keeps its input"
         print(f"[ulysses_trainer] checkpoints: {kept} ({len(ck.saved_layers)}/{ck.num_layers}), "
               f"{len(ck.offload_layers)} in pinned host memory ({per_layer * len(ck.offload_layers) / 2**30:.2f} GiB)",
@@ -117,9 +122,7 @@ class Trainer:
 
     def _plan_offload(self) -> None:
         plan = self.plan
-        bpe = 2 if plan.bf16 else 4
-        local = plan.padded_length // plan.sp_size * self.cfg.per_device_train_batch_size
-        per_layer = local * plan.model_config.hidden_size * bpe
+        local, bpe, per_layer = self._checkpoint_geometry()
         free, _ = torch.cuda.mem_get_info(self.device)
         # Adam's m and v (fp32, ZeRO-3 sharded) appear only in the first optimizer step: keep room for them
         n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.model.parameters())
