@@ -115,6 +115,11 @@ class Settings:
         return self.gpus_per_host or self.world
 
 
+def saved_layer_count(shape: ModelShape, checkpoint_every: int) -> int:
+    """Layers that keep their input (the block starts 0, k, 2k, ...), the candidates for offload."""
+    return -(-shape.layers // checkpoint_every)
+
+
 def check_settings(shape: ModelShape, s: Settings) -> None:
     """ConfigError naming the fix for settings the model cannot run."""
     def need(ok: bool, msg: str) -> None:
@@ -130,7 +135,7 @@ def check_settings(shape: ModelShape, s: Settings) -> None:
     need(s.micro_batch >= 1, f"per_device_train_batch_size must be >= 1, got {s.micro_batch}")
     need(s.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {s.checkpoint_every}")
     need(s.checkpoint_every == 1 or s.gradient_checkpointing, "checkpoint_every > 1 needs gradient_checkpointing")
-    saved = -(-shape.layers // s.checkpoint_every)
+    saved = saved_layer_count(shape, s.checkpoint_every)
     need(0 <= s.activation_offload <= saved,
          f"activation_offload={s.activation_offload} must be between 0 and {saved} layers (the layers that keep "
          f"an input: {shape.layers} / checkpoint_every {s.checkpoint_every}, rounded up)")

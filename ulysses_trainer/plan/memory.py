@@ -46,6 +46,7 @@ from .inputs import (  # noqa: F401 - the planner's inputs, re-exported with the
     padded_length,
     param_numels,
     pinned_bytes,
+    saved_layer_count,
 )
 from .layer_terms import (  # noqa: F401 - one decoder layer's terms, re-exported with the rest
     FP32,

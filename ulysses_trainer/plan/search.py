@@ -2,7 +2,7 @@
 
 Cost order (cheapest first): nothing < GPU-resident levers (MLP tiles: recompute, no transfers) <
 offload (checkpoint copies over PCIe, then optimizer states on the host) < fewer checkpoints
-(checkpoint_every c: one more forward for c-1 of every c layers, up to a third more compute). So the
+(checkpoint_every c: one more forward for c-1 of every c layers, up to a quarter more compute). So the
 search takes the smallest c, then optimizer offload only when nothing fits without it, then the
 fewest offloaded layers for which some tile count fits, with the fewest tiles for that count.
 Settings fixed by the user (an int or true/false rather than auto) are kept as given.
@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
-from .memory import MemoryEstimate, ModelShape, Settings, estimate, local_tokens
+from .memory import MemoryEstimate, ModelShape, Settings, estimate, local_tokens, saved_layer_count
 
 # Beyond this many tiles a tile is smaller than a few thousand rows and the MLP term is negligible.
 MAX_TILES = 64
@@ -105,8 +105,7 @@ def choose_settings(shape: ModelShape, base: Settings, hw: Hardware, *, offload_
     tile_choices = _tile_candidates(shape, base) if tiles is None else [tiles]
     last: Choice | None = None
     for c in every_choices:
-        saved = -(-shape.layers // c)  # the layers that keep an input
-        layer_choices = list(range(saved + 1)) if offload_layers is None else [offload_layers]
+        layer_choices = list(range(saved_layer_count(shape, c) + 1)) if offload_layers is None else [offload_layers]
         if not base.gradient_checkpointing:
             layer_choices = [0]
         for opt in opt_choices:
