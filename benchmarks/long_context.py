@@ -64,12 +64,20 @@ def _init_dist():
     init_distributed("nccl" if torch.cuda.is_available() else "gloo")
 
 
+# Optimizer sub-groups with offload: DeepSpeed packs parameters until a group reaches this size, then pins one
+# fp32 grad buffer per group, which PyTorch rounds up to a power of two. 2**28 - 2**25 keeps Qwen3 groups just
+# under 1 GiB (16.5 GiB for 4B; 2**28 itself overshoots to 2 GiB each: 28.1 GiB, measured in the 1M run) and
+# AdamW's per-group host temporaries small (the default 1e9 makes 4 GiB groups).
+OFFLOAD_SUB_GROUP_SIZE = 2**28 - 2**25
+
+
 def _ds_config(bf16: bool, offload_optimizer: bool = False) -> dict:
     zero = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
             "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9}
     extra = {}
     if offload_optimizer:  # fp32 master, grads and Adam m, v in pinned host memory; torch AdamW steps on the CPU
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zero["sub_group_size"] = OFFLOAD_SUB_GROUP_SIZE
         extra["zero_force_ds_cpu_optimizer"] = False
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 1,
             "gradient_clipping": 1.0, "bf16": {"enabled": bf16}, "zero_allow_untested_optimizer": True,
@@ -103,8 +111,11 @@ def run(args) -> dict:
         try:
             with torch.device(device):
                 model = build_model(config, dtype, seed=0)
-            ours = ({"lean_norm": args.lean_norm == "true", "checkpoint_every": args.checkpoint_every}
+            ours = ({"lean_norm": args.lean_norm == "true", "checkpoint_every": args.checkpoint_every,
+                     "keep_attention_outputs": _policy(args.keep_attention_outputs)}
                     if args.system == "ours" else {})
+            if args.system == "ours":  # the kernels attention/grouped.py runs one KV-head group at a time
+                point["grouped_attention"] = kernel in ("sdpa", STANDIN)
             net = SYSTEMS[args.system](model, kernel, L, args.offload, under_zero3=args.mode == "train", **ours)
             point.update(ours)
             fwdbwd = args.mode == "fwdbwd"
@@ -118,13 +129,19 @@ def run(args) -> dict:
                 engine, *_ = deepspeed.initialize(model=net, optimizer=opt,
                                                   config=_ds_config(cuda, args.offload_optimizer))
                 point["offload_optimizer"] = args.offload_optimizer
+                if args.offload_optimizer:
+                    point["sub_group_size"] = OFFLOAD_SUB_GROUP_SIZE
                 if standin:  # the stand-in's updates may all be skipped (non-finite norms): make m, v exist
                     point["adam_states"] = _materialize_adam_states(engine)
                     point["first_step"] = False  # planned as a later step: m, v held through fwd/bwd
+                point["host_rss_after_init_gb"] = psutil.Process().memory_info().rss / 2**30  # engine + optimizer
             if args.system == "ours" and cuda:
                 grads = sum(p.numel() for p in net.parameters()) * 2 if fwdbwd else 0
                 _plan_ours_offload(net, config, L, dtype, extra_reserve=grads)
                 point["offloaded_layers"] = len(net.sp.checkpointer.offload_layers)
+                stash = net.sp.attention.stash
+                point["kept_attention_layers"] = len(stash.layers) if stash is not None else 0
+                print(json.dumps({"seq_len": L, "phase": "before_step", **point}), flush=True)
             ids = torch.randint(0, config.vocab_size, (1, L), generator=torch.Generator().manual_seed(L)).to(device)
             pos = torch.arange(L, device=device)[None]
             times = []
@@ -194,17 +211,29 @@ def _plan_ours_offload(net, config, L, dtype, extra_reserve=0):
 
     bpe = torch.finfo(dtype).bits // 8
     free, _ = torch.cuda.mem_get_info()
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     net.sp.configure_offload(L * config.hidden_size * bpe, free,
-                             layer_working_set_bytes(config, L, bpe) + extra_reserve)
+                             layer_working_set_bytes(config, L, bpe) + extra_reserve,
+                             L * config.num_attention_heads * (d * bpe + 4))
+
+
+def _policy(text: str):
+    """A lever policy from the command line: false / true / auto / an int."""
+    if text.isdigit():
+        return int(text)
+    if text not in ("false", "true", "auto"):
+        raise SystemExit(f"error: {text!r} is not false, true, auto or a layer count")
+    return {"false": False, "true": True, "auto": "auto"}[text]
 
 
 def _register_hf_standin() -> str:
     from transformers import AttentionInterface
 
-    from ulysses_trainer.attention.standin import standin_attention
+    from ulysses_trainer.attention.standin import standin_attention_full_heads
 
     def fn(module, q, k, v, mask, scaling=None, **kw):  # HF layout [b, h, s, d] in, [b, s, h, d] out
-        return standin_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scaling), None
+        return standin_attention_full_heads(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                            scale=scaling), None
 
     AttentionInterface.register("standin_hf", fn)
     return "standin_hf"
@@ -228,6 +257,8 @@ def main():
     ap.add_argument("--standin-from", type=int, default=None)
     ap.add_argument("--lean-norm", choices=["true", "false"], default="true", help="ours: lean RMSNorms")
     ap.add_argument("--checkpoint-every", type=int, default=1, help="ours: keep 1 in k layer inputs")
+    ap.add_argument("--keep-attention-outputs", default="false",
+                    help="ours: false, true, auto or N layers keep attention outputs for the recompute")
     ap.add_argument("--offload-optimizer", action="store_true", help="train mode: ZeRO-Offload of the optimizer")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--mode", choices=["train", "fwdbwd"], default="train",

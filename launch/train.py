@@ -10,4 +10,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from ulysses_trainer.train.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Every file is closed and the process group destroyed by now. Skip interpreter finalization: C++
+    # threads torn down there can still abort the process (exit -6 after a finished run; seen once with
+    # gloo on CPU), which would turn a success into a failure for the launcher.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

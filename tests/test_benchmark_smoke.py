@@ -18,7 +18,7 @@ def test_long_context_standin_probe_with_the_new_levers_holds_adam_states(tmp_pa
     out = tmp_path / "probe.json"
     cmd = [sys.executable, "benchmarks/long_context.py", "--system", "ours", "--model", "tiny", "--lengths", "256",
            "--steps", "1", "--standin-from", "1", "--checkpoint-every", "2", "--offload-optimizer",
-           "--out", str(out)]
+           "--keep-attention-outputs", "true", "--out", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     (point,) = json.loads(out.read_text())["points"]
@@ -28,3 +28,4 @@ def test_long_context_standin_probe_with_the_new_levers_holds_adam_states(tmp_pa
     # AdamW's m and v exist (fp32, 8 bytes per parameter) whether or not DeepSpeed takes the update
     assert point["adam_states"] == 8 * n and point["first_step"] is False
     assert (point["checkpoint_every"], point["offload_optimizer"], point["lean_norm"]) == (2, True, True)
+    assert point["keep_attention_outputs"] is True and point["grouped_attention"] is True

@@ -14,10 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from .grouped import default_backend, grouped_attention
 from .standin import standin_attention
 
 KERNELS = ("sdpa", "flash_attention_2", "flash_attention_4")
 STANDIN = "standin_memory_only"  # benchmarks only: see attention/standin.py
+STASH_KERNELS = ("sdpa", STANDIN)  # the kernels that can keep their outputs for the recompute
 
 
 def _has(module: str) -> bool:
@@ -61,7 +63,12 @@ def _single_doc_per_row(cu_seqlens: torch.Tensor | None, b: int) -> bool:
     return cu_seqlens is None or cu_seqlens.numel() - 1 == b
 
 
-def _sdpa_dense(q, k, v, scale):
+def _sdpa_dense(q, k, v, scale, stash=None, layer=None):
+    backend = default_backend(q.device)
+    # PyTorch's SDPA kernels one KV-head group at a time (attention/grouped.py); with one group that saves
+    # nothing, so F.sdpa runs, unless the kernel's outputs are to be kept for the recompute (stash)
+    if backend is not None and (k.shape[2] > 1 or stash is not None):
+        return grouped_attention(q, k, v, scale, backend, stash, layer)
     # [b, s, h, d] -> [b, h, s, d] for SDPA, and back
     gqa = q.shape[2] != k.shape[2]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -69,11 +76,14 @@ def _sdpa_dense(q, k, v, scale):
     return out.transpose(1, 2)
 
 
-def sdpa_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
-    """SDPA; packed documents run one at a time (no s x s mask is ever built: slower, never wrong)."""
+def sdpa_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None, stash=None,
+                   layer=None) -> torch.Tensor:
+    """SDPA; packed documents run one at a time (no s x s mask is ever built: slower, never wrong).
+    `stash`/`layer`: keep/reuse the kernel's outputs across a checkpoint's recompute (attention/stash.py;
+    dense rows only)."""
     b, s = q.shape[:2]
     if _single_doc_per_row(cu_seqlens, b):
-        return _sdpa_dense(q, k, v, scale)
+        return _sdpa_dense(q, k, v, scale, stash, layer)
     qf, kf, vf = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))  # [b, s, h, d] -> [b*s, h, d]
     bounds = cu_seqlens.tolist()
     outs = [_sdpa_dense(qf[None, a:e], kf[None, a:e], vf[None, a:e], scale)[0]

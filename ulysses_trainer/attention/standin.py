@@ -1,15 +1,20 @@
 """A memory-only stand-in for the attention kernel, for benchmarks at lengths where a real step
-takes too long. It allocates and keeps exactly what a flash-style kernel does — the output and
-an fp32 log-sum-exp in forward; dq, dk, dv plus an fp32 dq accumulator in backward — and does no
-attention math. Results computed with it are meaningless; only memory is. Never picked by `auto`.
+takes too long. It allocates and keeps exactly what the real kernel path does and does no attention
+math. Results computed with it are meaningless; only memory is. Never picked by `auto`.
+
+`standin_attention` mirrors ours (attention/grouped.py: one KV-head group at a time, out + fp32
+log-sum-exp kept, an fp32 dq accumulator per group in backward); `standin_attention_full_heads`
+mirrors a kernel called on all heads at once (F.sdpa in the HF and ALST baselines).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .grouped import BACKENDS, grouped_attention
 
-class _StandIn(torch.autograd.Function):
+
+class _StandInFullHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v):
         b, s, h, _ = q.shape
@@ -28,6 +33,14 @@ class _StandIn(torch.autograd.Function):
         return dq, dk, dv
 
 
-def standin_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
-    """q [b, s, hq, d], k/v [b, s, hkv, d] -> [b, s, hq, d]; memory-faithful, numerically meaningless."""
-    return _StandIn.apply(q, k, v)
+def standin_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None, stash=None,
+                      layer=None) -> torch.Tensor:
+    """q [b, s, hq, d], k/v [b, s, hkv, d] -> [b, s, hq, d]; memory-faithful to ours, numerically meaningless."""
+    if k.shape[2] == 1 and stash is None:  # ours runs F.sdpa on all heads for one group (attention/kernels.py)
+        return _StandInFullHeads.apply(q, k, v)
+    return grouped_attention(q, k, v, scale, BACKENDS["standin"], stash, layer)
+
+
+def standin_attention_full_heads(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
+    """As standin_attention, for a kernel called on all heads at once (the baselines' F.sdpa)."""
+    return _StandInFullHeads.apply(q, k, v)

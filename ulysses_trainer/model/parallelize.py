@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..attention.stash import AttentionStash
 from ..levers.host_pool import HostPool
 from ..levers.lean_norm import use_lean_norms
 from ..levers.offload import LayerCheckpointer
@@ -39,6 +40,10 @@ class ParallelizeConfig:
     gradient_checkpointing: bool = True
     checkpoint_every: int = 1  # keep every k-th layer's input; rebuild the others in backward (levers/offload.py)
     activation_offload: bool | int | str = False  # False | True (all) | n first layers | "auto"
+    # layers whose attention output + LSE are kept from the checkpoint's forward to skip the kernel in the
+    # recompute (attention/stash.py): False | True (all) | n first layers | "auto" (what fits, see
+    # configure_offload)
+    keep_attention_outputs: bool | int | str = False
     host_memory_gb: float | None = None  # None: detected
     local_seq_len: int | None = None  # tokens per rank per row; needed for tiling decisions
     ranks_per_host: int = 1  # ranks sharing this host's RAM (splits the offload budget)
@@ -85,8 +90,10 @@ class SequenceParallelCausalLM(nn.Module):
     """
 
     def __init__(self, causal_lm: nn.Module, state: ParallelState, attention: UlyssesAttention,
-                 checkpointer: LayerCheckpointer | None, offload_policy, host_memory_gb: float | None):
+                 checkpointer: LayerCheckpointer | None, offload_policy, host_memory_gb: float | None,
+                 keep_attention_outputs: bool | int | str = False):
         super().__init__()
+        self.keep_attention_outputs = keep_attention_outputs
         self.causal_lm = causal_lm
         self.state = state
         self.attention = attention
@@ -104,15 +111,23 @@ class SequenceParallelCausalLM(nn.Module):
                                    sp_cu_seqlens=cu_seqlens, sp_max_seqlen=max_seqlen)
         return self.causal_lm.lm_head(out.last_hidden_state, labels=labels)
 
-    def configure_offload(self, bytes_per_layer: int, free_device_bytes: int, reserve_bytes: int) -> list[int]:
+    def configure_offload(self, bytes_per_layer: int, free_device_bytes: int, reserve_bytes: int,
+                          stash_bytes_per_layer: int = 0) -> list[int]:
         """Decide which layers offload (policy `auto` needs free device memory, known only once the
-        engine holds its states). Returns the offloaded layer indices."""
+        engine holds its states), then, for keep_attention_outputs `auto`, how many layers keep their
+        attention outputs in what is left. Returns the offloaded layer indices."""
         if self.checkpointer is None:
             return []
-        layers = self.checkpointer.apply_offload_policy(self.offload_policy, bytes_per_layer, free_device_bytes,
-                                                        reserve_bytes)
+        ck = self.checkpointer
+        layers = ck.apply_offload_policy(self.offload_policy, bytes_per_layer, free_device_bytes, reserve_bytes)
         if layers:  # pin the whole pool now: a shortage is an error before step 1, not mid-run
-            self.checkpointer.pool.allocate(bytes_per_layer, len(layers))
+            ck.pool.allocate(bytes_per_layer, len(layers))
+        stash = self.attention.stash
+        if stash is not None and self.keep_attention_outputs == "auto" and stash_bytes_per_layer > 0:
+            # device-resident inputs: the kept ones not offloaded, plus one block's rebuilt inputs
+            resident = (len(ck.saved_layers) - len(layers) + ck.every - 1) * bytes_per_layer
+            room = free_device_bytes - reserve_bytes - resident
+            stash.set_layers(range(max(0, min(ck.num_layers, room // stash_bytes_per_layer))))
         return layers
 
 
@@ -145,6 +160,21 @@ def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) 
             layer._gradient_checkpointing_func = checkpointer.for_layer(i)
     elif cfg.activation_offload not in (False, 0, "auto") or cfg.checkpoint_every != 1:
         raise ValueError("activation_offload and checkpoint_every need gradient_checkpointing=True")
+    # 6. kept attention outputs (only a recompute can reuse them)
+    keep = cfg.keep_attention_outputs
+    if keep is not False and keep != 0:
+        if not cfg.gradient_checkpointing:
+            raise ValueError("keep_attention_outputs needs gradient_checkpointing=True (only a recompute reuses them)")
+        attention.stash = AttentionStash(kept_attention_layers(keep, len(layers)) if keep != "auto" else ())
     model.train()
     return SequenceParallelCausalLM(model, state, attention, checkpointer, cfg.activation_offload,
-                                    cfg.host_memory_gb)
+                                    cfg.host_memory_gb, keep)
+
+
+def kept_attention_layers(policy: bool | int, num_layers: int) -> list[int]:
+    """True: every layer; n: the first n (any n layers hold the same memory at the backward's start)."""
+    if policy is True:
+        return list(range(num_layers))
+    if isinstance(policy, bool) or not isinstance(policy, int) or not 0 <= policy <= num_layers:
+        raise ValueError(f"keep_attention_outputs={policy!r}: give false, true, auto or a layer count 0..{num_layers}")
+    return list(range(policy))

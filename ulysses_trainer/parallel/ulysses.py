@@ -12,7 +12,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..attention.kernels import KERNEL_FUNCTIONS, resolve_kernel
+from ..attention.kernels import KERNEL_FUNCTIONS, STASH_KERNELS, resolve_kernel
+from ..attention.stash import AttentionStash
 from .comm import heads_to_seq, seq_to_heads
 from .state import ParallelState, check_sp_shape
 
@@ -33,6 +34,7 @@ class UlyssesAttention:
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.kv_repeat = max(1, state.sp_size // num_kv_heads)
         self.name = f"ulysses_sp{state.sp_size}_{self.kernel}_{id(self):x}"
+        self.stash: AttentionStash | None = None  # set by parallelize when attention outputs are kept
 
     def register(self) -> str:
         AttentionInterface.register(self.name, self)
@@ -59,6 +61,10 @@ class UlyssesAttention:
         if sp_cu_seqlens is not None and sp_cu_seqlens.device != q.device:
             sp_cu_seqlens = sp_cu_seqlens.to(q.device)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        out = self.attend(q, k, v, scale=scale, cu_seqlens=sp_cu_seqlens, max_seqlen=sp_max_seqlen)
+        keep = {}
+        layer = getattr(module, "layer_idx", None)
+        if self.stash is not None and self.kernel in STASH_KERNELS and self.stash.wants(layer, module.training):
+            keep = {"stash": self.stash, "layer": layer}  # the recompute reuses the kernel's outputs
+        out = self.attend(q, k, v, scale=scale, cu_seqlens=sp_cu_seqlens, max_seqlen=sp_max_seqlen, **keep)
         # [b, s, h/sp, d] -> [b, s/sp, h, d]: what HF attention functions return
         return heads_to_seq(out, sp, group), None

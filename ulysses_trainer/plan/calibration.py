@@ -60,7 +60,8 @@ def load_calibration(path: str | Path = CALIBRATION_FILE) -> list[Measurement]:
     for m in data["measurements"]:
         shape = replace(ModelShape.preset(m["model"]), **m.get("model_overrides", {}))
         out.append(Measurement(source=m["source"], system=m["system"], model=m["model"], shape=shape,
-                               settings=settings_from_dict({"lean_norm": False, **m["settings"]}),  # HF norms
+                               settings=settings_from_dict({"lean_norm": False, "grouped_attention": False,
+                                                            **m["settings"]}),
                                peak_gpu_gb=m["peak_gpu_gb"],
                                peak_host_gb=m.get("peak_host_gb"), attention=m["settings"].get("attention", "sdpa"),
                                note=m.get("note", "")))
@@ -82,7 +83,7 @@ def benchmark_settings(system: str, shape: ModelShape, point: dict[str, Any], st
         attention = STANDIN if "standin" in attention else "sdpa"
     first = point.get("first_step", steps < 2 or attention == STANDIN)
     base = Settings(max_length=length, attention=attention, first_step=first, lean_norm=False,
-                    zero3=DEEPSPEED_DEFAULT_KNOBS)
+                    grouped_attention=False, zero3=DEEPSPEED_DEFAULT_KNOBS)
     if mode == "fwdbwd":
         base = replace(base, zero_stage=0, optimizer="none")
     if system == "ours":
@@ -91,8 +92,14 @@ def benchmark_settings(system: str, shape: ModelShape, point: dict[str, Any], st
         # points measured before lean norms existed carry no "lean_norm" key: HF norms
         return replace(base, activation_offload=int(point.get("offloaded_layers") or 0),
                        lean_norm=bool(point.get("lean_norm", False)),
+                       grouped_attention=bool(point.get("grouped_attention", False)),
+                       kept_attention_layers=int(point.get("kept_attention_layers", 0)),
                        checkpoint_every=int(point.get("checkpoint_every", 1)),
                        offload_optimizer=bool(point.get("offload_optimizer", False)),
+                       # long_context.py sets smaller sub-groups with optimizer offload (2**28 in the first
+                       # runs, which did not record it)
+                       zero3=replace(DEEPSPEED_DEFAULT_KNOBS, sub_group_size=int(point.get("sub_group_size", 2**28)))
+                       if point.get("offload_optimizer") else DEEPSPEED_DEFAULT_KNOBS,
                        tiled_mlp=auto_num_tiles(length, shape.hidden, shape.intermediate))
     if system == "alst":  # every checkpoint offloaded per tensor (pinned, power-of-two), no prefetch;
         # DeepSpeed TiledMLP with ceil(L / H) shards; TiledFusedLogitsLoss with 1024-row shards

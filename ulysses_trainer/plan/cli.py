@@ -105,6 +105,12 @@ def _lever(value: Any, name: str, layers: int) -> int | None:
     return int(value)
 
 
+def _kept_layers(value: Any, layers: int) -> int:
+    if value is True:
+        return layers
+    return 0 if value in (False, "auto") else int(value)
+
+
 def build_plan_inputs(argv: list[str]) -> tuple[ModelShape, Settings, Hardware, dict[str, Any], str]:
     """Parse the command line into (shape, base settings, hardware, fixed levers, model name)."""
     from ..config import build_config, parse_argv, read_recipe, validate_config
@@ -144,6 +150,8 @@ def build_plan_inputs(argv: list[str]) -> tuple[ModelShape, Settings, Hardware, 
     base = Settings(max_length=cfg.max_length, sp=sp, dp=gpus // sp, micro_batch=cfg.per_device_train_batch_size,
                     bf16=cfg.bf16 is not False, gradient_checkpointing=cfg.gradient_checkpointing,
                     loss_type=cfg.loss_type, loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm,
+                    # "auto" keeps what fits once the run knows its free memory: planned as none
+                    kept_attention_layers=_kept_layers(cfg.keep_attention_outputs, shape.layers),
                     attention="sdpa" if cfg.attn_implementation == "auto" else cfg.attn_implementation,
                     pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=knobs, gpus_per_host=hw.gpus_per_host)
     tiles = _lever(cfg.tiled_mlp, "tiled_mlp", shape.layers)

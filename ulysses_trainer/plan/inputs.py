@@ -88,6 +88,10 @@ class Settings:
     checkpoint_every: int = 1  # only every k-th layer keeps its input; backward rebuilds the others
     tiled_mlp: int = 1  # MLP tiles; 1 = untiled
     lean_norm: bool = True  # RMSNorms keep only their input (ours); False: HF's fp32 copies (alst, hf)
+    # attention/grouped.py: the kernel runs one KV-head group at a time (ours); False: on all heads at once
+    grouped_attention: bool = True
+    # the first n layers keep their attention output + LSE from the checkpoint's forward (attention/stash.py)
+    kept_attention_layers: int = 0
     loss_type: Literal["chunked_nll", "nll"] = "chunked_nll"
     loss_chunk_size: int = 256
     # All kernels are modelled alike (flash-style: output + fp32 LSE saved, fp32 dq accumulator in
@@ -134,6 +138,9 @@ def check_settings(shape: ModelShape, s: Settings) -> None:
          f"sp={s.sp} neither divides nor is a multiple of the model's {shape.kv_heads} KV heads")
     need(s.micro_batch >= 1, f"per_device_train_batch_size must be >= 1, got {s.micro_batch}")
     need(s.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {s.checkpoint_every}")
+    need(0 <= s.kept_attention_layers <= shape.layers and (s.kept_attention_layers == 0 or s.gradient_checkpointing),
+         f"kept_attention_layers must be 0..{shape.layers} and needs gradient_checkpointing, "
+         f"got {s.kept_attention_layers}")
     need(s.checkpoint_every == 1 or s.gradient_checkpointing, "checkpoint_every > 1 needs gradient_checkpointing")
     saved = saved_layer_count(shape, s.checkpoint_every)
     need(0 <= s.activation_offload <= saved,

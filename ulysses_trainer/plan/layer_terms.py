@@ -9,6 +9,7 @@ from __future__ import annotations
 from .inputs import ModelShape, Settings, kv_repeat, layer_param_numels, local_tokens
 
 FP32 = 4
+GROUPED_KERNELS = ("sdpa", "standin_memory_only")  # the kernels attention/grouped.py runs group by group
 
 def rmsnorm_saved_bytes(tokens: int, width: int, e: int, lean: bool = False) -> int:
     """What autograd keeps for an RMSNorm on [tokens, width], not its output (the consumer keeps it) nor
@@ -74,12 +75,26 @@ def attention_backward_extra(shape: ModelShape, s: Settings) -> dict[str, int]:
     flash-style kernel, and the residual-stream grad."""
     t, e, h = local_tokens(s), s.act_bytes, shape.hidden
     q, kp = shape.q_width, shape.kv_width * kv_repeat(shape, s.sp)
-    return {
+    terms = {
         "attention backward: d(out) + all-to-all buffers": t * q * e * (3 if s.sp > 1 else 1),
         "attention backward: dq, dk, dv": t * (q + 2 * kp) * e,
-        "attention backward: fp32 dq accumulator + row sums": t * q * FP32 + t * shape.heads * FP32,
         "residual-stream grad": t * h * e,
     }
+    groups = attention_groups(shape, s.sp)
+    if not (s.grouped_attention and s.attention in GROUPED_KERNELS and groups > 1):
+        terms["attention backward: fp32 dq accumulator + row sums"] = t * q * FP32 + t * shape.heads * FP32
+        return terms
+    # one KV-head group at a time (attention/grouped.py): the accumulator and row sums of its query heads,
+    # its KV head repeated for them (k, v) and the kernel's three grads of the group's width
+    gq = q // groups
+    terms["attention backward, one KV group: fp32 dq accumulator, row sums, repeated k, v, grads"] = (
+        t * gq * FP32 + t * (shape.heads // groups) * FP32 + 5 * t * gq * e)
+    return terms
+
+
+def attention_groups(shape: ModelShape, sp: int) -> int:
+    """KV-head groups each rank's attention runs one at a time: its KV heads after replication."""
+    return max(1, shape.kv_heads * kv_repeat(shape, sp) // sp)
 
 
 def layer_flow_bytes(shape: ModelShape, s: Settings) -> dict[str, int]:
@@ -112,9 +127,20 @@ def unattributed_bytes(shape: ModelShape, s: Settings) -> int:
     """Measured but not attributed to a tensor above: at the peak of a Qwen3 layer's attention backward
     the H200 allocator history shows one more fp32 [t, H] (allocated by an RMSNorm upcast) and one more
     [t, H] in the training dtype than the saved-tensor accounting gives. The same 6 bytes x t x H close
-    the gap for both the plain-HF-based ALST baseline and ours (see plan/calibration.json)."""
+    the gap for both the plain-HF-based ALST baseline and ours with HF norms (see plan/calibration.json).
+    With lean norms (no upcast) none is left: the 256K H200 runs with lean norms measured 1.6% below the
+    estimate without it (benchmarks/results/*_grouped.json)."""
+    if s.lean_norm:
+        return 0
     t, h = local_tokens(s), shape.hidden
     return t * h * FP32 + t * h * s.act_bytes
+
+
+def kept_attention_bytes_per_layer(shape: ModelShape, s: Settings) -> int:
+    """One layer's kept attention output (training dtype) and fp32 log-sum-exp: all heads' worth of t tokens
+    (under SP: all tokens x heads/sp, the same bytes)."""
+    t = local_tokens(s)
+    return t * shape.q_width * s.act_bytes + t * shape.heads * FP32
 
 
 def tied_embedding_grad_bytes(shape: ModelShape, s: Settings) -> int:

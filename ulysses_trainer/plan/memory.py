@@ -51,6 +51,7 @@ from .inputs import (  # noqa: F401 - the planner's inputs, re-exported with the
 from .layer_terms import (  # noqa: F401 - one decoder layer's terms, re-exported with the rest
     FP32,
     attention_backward_extra,
+    kept_attention_bytes_per_layer,
     layer_flow_bytes,
     layer_forward_saved,
     layer_gathered_params_bytes,
@@ -163,12 +164,20 @@ def grads_so_far_bytes(shape: ModelShape, s: Settings, j: int) -> int:
     return ((shape.layers - j) * sum(layer_param_numels(shape)) + shape.hidden + head) * s.act_bytes
 
 
+def kept_attention_at(shape: ModelShape, s: Settings, j: int) -> int:
+    """Kept attention outputs held during layer j's backward: those of the kept layers below j (layer j's
+    own became its attention's saved output, counted in the working set; those above are used up)."""
+    return min(s.kept_attention_layers, j)
+
+
 def backward_peak_layer(shape: ModelShape, s: Settings) -> int:
-    """The layer whose backward sees the most checkpoints plus gradients: the top one, unless offload
-    empties the GPU of checkpoints and first-step gradients pile up towards the bottom."""
+    """The layer whose backward sees the most checkpoints, kept attention outputs and gradients: the top
+    one, unless offload empties the GPU of checkpoints and first-step gradients pile up towards the bottom."""
     ck = checkpoint_bytes_per_layer(shape, s)
+    kept = kept_attention_bytes_per_layer(shape, s)
     return max(range(shape.layers - 1, -1, -1),
-               key=lambda j: gpu_checkpoints_at(shape, s, j) * ck + grads_so_far_bytes(shape, s, j))
+               key=lambda j: gpu_checkpoints_at(shape, s, j) * ck + kept_attention_at(shape, s, j) * kept
+               + grads_so_far_bytes(shape, s, j))
 
 
 def gpu_checkpoints_held(shape: ModelShape, s: Settings) -> int:
@@ -354,6 +363,9 @@ def estimate(shape: ModelShape, s: Settings) -> MemoryEstimate:
              checkpoints_gpu_bytes(shape, s), host_pool_bytes(shape, s), "resident",
              {"per layer": ck}),
         Term("activations without checkpointing", activations_no_checkpointing_bytes(shape, s), 0, "resident"),
+        Term(f"attention outputs kept for the recompute ({s.kept_attention_layers} layers)",
+             kept_attention_at(shape, s, backward_peak_layer(shape, s)) * kept_attention_bytes_per_layer(shape, s),
+             0, "resident"),
         Term("rope cos/sin", rope_bytes(shape, s), 0, "resident"),
         Term("grads created so far (first step, no ZeRO)",
              grads_so_far_bytes(shape, s, backward_peak_layer(shape, s)), 0, "layer_backward"),

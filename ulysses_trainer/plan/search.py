@@ -105,7 +105,14 @@ def choose_settings(shape: ModelShape, base: Settings, hw: Hardware, *, offload_
     tile_choices = _tile_candidates(shape, base) if tiles is None else [tiles]
     last: Choice | None = None
     for c in every_choices:
-        layer_choices = list(range(saved_layer_count(shape, c) + 1)) if offload_layers is None else [offload_layers]
+        saved = saved_layer_count(shape, c)
+        if offload_layers is not None and offload_layers > saved:
+            if every is not None or c == 1:  # asked for outright: check_settings says what is wrong
+                layer_choices = [offload_layers]
+            else:
+                continue  # this thinning keeps fewer inputs than the offload asked for
+        else:
+            layer_choices = list(range(saved + 1)) if offload_layers is None else [offload_layers]
         if not base.gradient_checkpointing:
             layer_choices = [0]
         for opt in opt_choices:

@@ -85,6 +85,7 @@ class Trainer:
                                  gradient_checkpointing=cfg.gradient_checkpointing,
                                  checkpoint_every=cfg.checkpoint_every,
                                  activation_offload=cfg.activation_offload, host_memory_gb=cfg.host_memory_gb,
+                                 keep_attention_outputs=cfg.keep_attention_outputs,
                                  local_seq_len=plan.padded_length // plan.sp_size,
                                  ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         return parallelize(model, self.state, pcfg)
@@ -119,6 +120,10 @@ class Trainer:
         print(f"[ulysses_trainer] checkpoints: {kept} ({len(ck.saved_layers)}/{ck.num_layers}), "
               f"{len(ck.offload_layers)} in pinned host memory ({per_layer * len(ck.offload_layers) / 2**30:.2f} GiB)",
               flush=True)
+        stash = self.model.attention.stash
+        if stash is not None:
+            print(f"[ulysses_trainer] attention outputs kept for the recompute: {len(stash.layers)}/{ck.num_layers} "
+                  "layers", flush=True)
 
     def _plan_offload(self) -> None:
         plan = self.plan
@@ -127,7 +132,11 @@ class Trainer:
         # Adam's m and v (fp32, ZeRO-3 sharded) appear only in the first optimizer step: keep room for them
         n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.model.parameters())
         reserve = layer_working_set_bytes(plan.model_config, local, bpe) + 8 * n_params // self.state.world_size
-        self.model.configure_offload(per_layer, free, reserve)
+        c = plan.model_config
+        d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        # attention runs on all local*sp tokens x heads/sp: local tokens x all heads, out + fp32 LSE
+        stash = local * c.num_attention_heads * (d * bpe + 4)
+        self.model.configure_offload(per_layer, free, reserve, stash)
 
     # ------------------------------------------------------------------ data
     def _order(self, epoch: int) -> torch.Tensor:

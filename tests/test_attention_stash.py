@@ -1,0 +1,176 @@
+"""Grouped attention (one KV-head group at a time, explicit log-sum-exp) and kept attention outputs
+(the recompute reuses the checkpoint forward's kernel outputs): same results as the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.dist_utils import run_ranks, zero3_config
+from tests.test_offload import _assert_close
+from ulysses_trainer.attention import grouped
+from ulysses_trainer.attention.grouped import Backend, grouped_attention
+from ulysses_trainer.attention.stash import AttentionStash
+
+
+def _ref(q, k, v, scale):
+    # [b, s, h, d] -> [b, h, s, d], stock SDPA with GQA, and back
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def _qkv(b, s, hq, hkv, d, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, h, d, generator=g, dtype=dtype).requires_grad_() for h in (hq, hkv, hkv)]
+
+
+class _Counting:
+    """Wraps a backend; records the head count of every kernel call."""
+
+    def __init__(self, inner: Backend):
+        self.inner, self.fwd_heads, self.bwd_heads = inner, [], []
+        self.backend = Backend("counting", self._fwd, self._bwd)
+
+    def _fwd(self, q, k, v, scale):
+        self.fwd_heads.append((q.shape[1], k.shape[1]))
+        return self.inner.fwd(q, k, v, scale)
+
+    def _bwd(self, g, q, k, v, out, lse, aux, scale):
+        self.bwd_heads.append((q.shape[1], k.shape[1]))
+        return self.inner.bwd(g, q, k, v, out, lse, aux, scale)
+
+
+@pytest.mark.parametrize("b, s, hq, hkv, d", [(2, 37, 6, 2, 16), (1, 5, 4, 1, 8), (1, 19, 8, 8, 16)])
+def test_grouped_matches_sdpa_forward_and_grads(b, s, hq, hkv, d):
+    q, k, v = _qkv(b, s, hq, hkv, d, torch.float32)
+    dout = torch.randn(b, s, hq, d, generator=torch.Generator().manual_seed(1))
+    counting = _Counting(grouped.BACKENDS["cpu"])
+    out = grouped_attention(q, k, v, 0.3, counting.backend)
+    out.backward(dout)
+    mine = [out.detach()] + [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = _ref(q, k, v, 0.3)
+    ref.backward(dout)
+    for a, r in zip(mine, [ref.detach()] + [t.grad for t in (q, k, v)]):
+        assert ((a - r).norm() / r.norm()) <= 1e-5
+    # the kernel only ever saw one group: hq/hkv query heads and its KV head repeated for them
+    r = hq // hkv
+    assert counting.fwd_heads == [(r, r)] * hkv and counting.bwd_heads == [(r, r)] * hkv
+
+
+def test_kept_outputs_skip_the_kernel_and_give_the_same_grads():
+    q, k, v = _qkv(2, 23, 6, 3, 8, torch.float32, seed=3)
+    dout = torch.randn(2, 23, 6, 8, generator=torch.Generator().manual_seed(2))
+    counting = _Counting(grouped.BACKENDS["cpu"])
+    stash = AttentionStash([7])
+    with torch.no_grad():  # a checkpoint's first forward: records
+        first = grouped_attention(q, k, v, 0.5, counting.backend, stash, layer=7)
+    assert stash.records == 1 and len(counting.fwd_heads) == 3 and stash.held_bytes() > 0
+    out = grouped_attention(q, k, v, 0.5, counting.backend, stash, layer=7)  # the recompute: replays
+    assert stash.replays == 1 and len(counting.fwd_heads) == 3  # no kernel forward ran
+    assert stash.held_bytes() == 0  # taken: nothing outlives the recompute
+    assert torch.equal(out.detach(), first)
+    out.backward(dout)
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    grouped_attention(q, k, v, 0.5, grouped.BACKENDS["cpu"]).backward(dout)
+    for a, r in zip(got, [t.grad for t in (q, k, v)]):
+        assert torch.equal(a, r)
+
+
+def _tiny_parallel(keep, every=1, layers=3, seed=5):
+    from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize
+    from ulysses_trainer.model.load import build_model
+    from ulysses_trainer.model.presets import preset_config
+
+    cfg = preset_config("tiny")
+    cfg.num_hidden_layers = layers
+    cfg.layer_types = ["full_attention"] * layers
+    return parallelize(build_model(cfg, torch.float32, seed=seed), make_parallel_state(1), ParallelizeConfig(
+        attn_implementation="sdpa", tiled_mlp=False, checkpoint_every=every, keep_attention_outputs=keep))
+
+
+def _step(model, ids):
+    from ulysses_trainer import shard_batch
+
+    model.zero_grad(set_to_none=True)
+    loss = model(**shard_batch(ids, sp_size=1, sp_rank=0).model_inputs())
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("keep, every", [(True, 1), (2, 1), (True, 2)])
+def test_model_with_kept_outputs_equals_without(keep, every):
+    ids = torch.randint(0, 1000, (2, 29), generator=torch.Generator().manual_seed(7))
+    ref_loss, ref_grads = _step(_tiny_parallel(False, every), ids)
+    model = _tiny_parallel(keep, every)
+    stash = model.attention.stash
+    kept = 3 if keep is True else keep
+    for _ in range(2):  # a second step reuses the stash cleanly
+        loss, grads = _step(model, ids)
+        _assert_close(loss, grads, ref_loss, ref_grads, tol=1e-6)
+        assert stash.held_bytes() == 0
+    assert stash.replays == 2 * kept  # every kept layer skipped its kernel forward in both recomputes
+
+
+def test_eval_forward_keeps_nothing():
+    from ulysses_trainer import shard_batch
+
+    model = _tiny_parallel(True)
+    model.eval()
+    with torch.no_grad():
+        model(**shard_batch(torch.randint(0, 1000, (1, 16)), sp_size=1, sp_rank=0).model_inputs())
+    assert model.attention.stash.records == 0
+
+
+def test_needs_checkpointing():
+    from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize
+    from ulysses_trainer.model.load import build_model
+    from ulysses_trainer.model.presets import preset_config
+
+    with pytest.raises(ValueError, match="keep_attention_outputs needs gradient_checkpointing"):
+        parallelize(build_model(preset_config("tiny"), torch.float32), make_parallel_state(1),
+                    ParallelizeConfig(gradient_checkpointing=False, keep_attention_outputs=True))
+    with pytest.raises(ValueError, match="give false, true, auto or a layer count"):
+        parallelize(build_model(preset_config("tiny"), torch.float32), make_parallel_state(1),
+                    ParallelizeConfig(keep_attention_outputs=99))
+
+
+def _sp2(rank, world):
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize, shard_batch
+    from ulysses_trainer.model.load import build_model
+    from ulysses_trainer.model.presets import preset_config
+
+    out = []
+    for keep in (False, True):
+        state = make_parallel_state(world)
+        cfg = preset_config("tiny")
+        cfg.num_hidden_layers = 2
+        cfg.layer_types = ["full_attention"] * 2
+        model = parallelize(build_model(cfg, torch.float32, seed=5), state, ParallelizeConfig(
+            attn_implementation="sdpa", tiled_mlp=2, keep_attention_outputs=keep))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                          config=zero3_config(world, reduce_bucket_size=20_000,
+                                                              stage3_prefetch_bucket_size=20_000))
+        ids = torch.randint(0, 1000, (1, 41), generator=torch.Generator().manual_seed(9))
+        loss = engine(**shard_batch(ids, sp_size=world, sp_rank=rank).model_inputs())
+        engine.backward(loss)
+        grads = {n: safe_get_full_grad(p).numpy().copy() for n, p in engine.module.named_parameters()}
+        stash = model.attention.stash
+        out.append((float(loss.detach()), grads, stash.replays if stash is not None else None))
+    return out
+
+
+@pytest.mark.slow
+def test_sp2_zero3_kept_outputs_equal_recompute():
+    for (ref_loss, ref_grads, _), (loss, grads, replays) in run_ranks(2, _sp2, timeout=300):
+        assert replays == 2
+        _assert_close(torch.tensor(loss), {n: torch.from_numpy(g) for n, g in grads.items()},
+                      torch.tensor(ref_loss), {n: torch.from_numpy(g) for n, g in ref_grads.items()}, tol=1e-6)

@@ -1,0 +1,178 @@
+"""Causal attention run one KV-head group at a time, forward and backward, with an explicit log-sum-exp.
+
+Why: a kernel called on all heads at once allocates its workspace for all heads (the fp32 dq accumulator
+of a flash-style backward is 2x q; cuDNN and torch-flash need k, v expanded to every query head). One
+group of hq/hkv query heads and its single KV head at a time keeps those transients to 1/hkv; the outputs
+(out, dq, dk, dv) are written into full-size buffers. Same math, same speed (H200, 128K tokens, 32/8
+heads: cuDNN 537 vs 539 TFLOP/s fwd+bwd, 6.3 vs 10.5 GiB peak; benchmarks/results/kernel_api_probe.json).
+
+The backends are PyTorch's own attention ops that return the log-sum-exp and take it back in backward:
+`cudnn` and `flash` on CUDA, `cpu` (the CPU flash kernel: what the tests run), and `standin`, the
+memory-only stand-in of attention/standin.py (allocates what cuDNN would, computes nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .stash import AttentionStash
+
+OPS = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Backend:
+    """fwd(q, k, v, scale) -> (out, lse [b, h, s] fp32, aux); bwd(dout, q, k, v, out, lse, aux, scale)
+    -> (dq, dk, dv). All tensors [b, h, s, d] views (any strides with a unit last stride); k, v have q's
+    head count (the group's KV head repeated)."""
+
+    name: str
+    fwd: Callable
+    bwd: Callable
+
+
+def _cudnn_fwd(q, k, v, scale):
+    o = OPS._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+    return o[0], o[1].squeeze(-1), o[2:8]  # lse [b, h, s, 1] -> [b, h, s]
+
+
+def _cudnn_bwd(g, q, k, v, out, lse, aux, scale):
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    return OPS._scaled_dot_product_cudnn_attention_backward(
+        g, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True,
+        scale=scale)
+
+
+def _flash_fwd(q, k, v, scale):
+    o = OPS._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+    return o[0], o[1], o[2:8]
+
+
+def _flash_bwd(g, q, k, v, out, lse, aux, scale):
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    return OPS._scaled_dot_product_flash_attention_backward(
+        g, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
+
+
+def _cpu_fwd(q, k, v, scale):
+    out, lse = OPS._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return out, lse, ()
+
+
+def _cpu_bwd(g, q, k, v, out, lse, aux, scale):
+    return OPS._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, True, scale=scale)
+
+
+def _standin_fwd(q, k, v, scale):
+    b, h, s, _ = q.shape
+    return q.clone(), torch.zeros(b, h, s, dtype=torch.float32, device=q.device), ()
+
+
+def _standin_bwd(g, q, k, v, out, lse, aux, scale):
+    # what cuDNN's backward allocates for one group (measured peak matches the real kernel's): an fp32
+    # dq accumulator and the three grads
+    accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq, dk, dv = g.clone(), torch.zeros_like(k), torch.zeros_like(v)
+    del accum
+    return dq, dk, dv
+
+
+BACKENDS = {
+    "cudnn": Backend("cudnn", _cudnn_fwd, _cudnn_bwd),
+    "flash": Backend("flash", _flash_fwd, _flash_bwd),
+    "cpu": Backend("cpu", _cpu_fwd, _cpu_bwd),
+    "standin": Backend("standin", _standin_fwd, _standin_bwd),
+}
+
+
+def default_backend(device: torch.device) -> Backend | None:
+    """The backend for dense causal attention on this device, None where only F.sdpa applies."""
+    if device.type == "cpu":
+        return BACKENDS["cpu"]
+    if device.type == "cuda":
+        if torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(device)[0] >= 9:
+            return BACKENDS["cudnn"]  # H100/H200: cuDNN ~570 vs torch-flash ~325 TFLOP/s fwd+bwd
+        return BACKENDS["flash"]
+    return None
+
+
+def _group(t: torch.Tensor, j: int, width: int) -> torch.Tensor:
+    # [b, s, h, d] -> heads j*width .. (j+1)*width as [b, width, s, d] (a view)
+    return t[:, :, j * width:(j + 1) * width].transpose(1, 2)
+
+
+def _kv_group(t: torch.Tensor, j: int, r: int) -> torch.Tensor:
+    # [b, s, hkv, d] -> KV head j repeated for its r query heads: [b, r, s, d] (a copy of one head x r)
+    return t[:, :, j:j + 1].transpose(1, 2).repeat(1, r, 1, 1)
+
+
+class GroupedAttention(torch.autograd.Function):
+    """q [b, s, hq, d], k/v [b, s, hkv, d] -> out [b, s, hq, d]; keeps q, k, v, out and lse [b, hq, s].
+
+    `kept`: (out, lse, aux) of an earlier forward on the same q, k, v (attention/stash.py): the kernel's
+    forward is skipped and they are used as they are. `record`: a list the (out, lse, aux) are appended to.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, backend: Backend, kept: tuple | None, record: list | None):
+        if kept is not None:
+            out, lse, aux = kept
+        else:
+            out, lse, aux = _forward(q, k, v, scale, backend)
+            if record is not None:
+                record.append((out, lse, aux))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.backend, ctx.aux = scale, backend, aux
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        hq, hkv = q.shape[2], k.shape[2]
+        r = hq // hkv
+        dout = dout.contiguous()  # [b, s, hq, d], the layout of out
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for j in range(hkv):
+            gq, gk, gv = ctx.backend.bwd(_group(dout, j, r), _group(q, j, r), _kv_group(k, j, r),
+                                         _kv_group(v, j, r), _group(out, j, r), lse[:, j * r:(j + 1) * r],
+                                         ctx.aux, ctx.scale)
+            _group(dq, j, r).copy_(gq)
+            # the group's KV head was repeated r times: its grad is the sum over the copies
+            dk[:, :, j] = gk.sum(1, dtype=torch.float32)  # [b, r, s, d] -> [b, s, d], summed in fp32
+            dv[:, :, j] = gv.sum(1, dtype=torch.float32)
+            del gq, gk, gv
+        return dq, dk, dv, None, None, None, None
+
+
+def _forward(q, k, v, scale, backend):
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    r = hq // hkv
+    out = q.new_empty(b, s, hq, d)
+    lse = torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
+    aux = ()
+    for j in range(hkv):  # one KV group at a time: the kernel's transients are for r heads, not hq
+        og, lg, aux = backend.fwd(_group(q, j, r), _kv_group(k, j, r), _kv_group(v, j, r), scale)
+        _group(out, j, r).copy_(og)  # [b, r, s, d] -> its heads of [b, s, hq, d]
+        lse[:, j * r:(j + 1) * r] = lg
+        del og, lg
+    return out, lse, aux
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: Backend,
+                      stash: AttentionStash | None = None, layer: int | None = None) -> torch.Tensor:
+    """Dense causal attention, one KV-head group at a time (see the module docstring). With a stash, the
+    forward without grad (a checkpoint's first) keeps the kernel's outputs for `layer`, and the forward
+    with grad (its recompute) reuses them instead of running the kernel."""
+    assert q.shape[2] % k.shape[2] == 0, f"query heads {q.shape[2]} must be a multiple of KV heads {k.shape[2]}"
+    if stash is None or layer is None:
+        return GroupedAttention.apply(q, k, v, scale, backend, None, None)
+    if torch.is_grad_enabled():
+        return GroupedAttention.apply(q, k, v, scale, backend, stash.take(layer), None)
+    record: list = []
+    out = GroupedAttention.apply(q, k, v, scale, backend, None, record)
+    stash.put(layer, record[0])
+    return out
