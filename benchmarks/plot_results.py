@@ -31,29 +31,46 @@ def rows() -> list[dict]:
             tps = p.get("tokens_per_s")
             if tps is None and p["status"] == "ok" and p.get("attention") != "standin_memory_only" and p.get("step_s"):
                 tps = p["seq_len"] / p["step_s"]
-            out.append({"system": data["system"], "mode": mode, "seq_len": p["seq_len"], "status": p["status"],
+            out.append({"system": data["system"], "mode": mode, "variant": _variant(data["system"], p),
+                        "seq_len": p["seq_len"], "status": p["status"],
                         "attention": p.get("attention"), "peak_gpu_gb": peak, "host_gb": p.get("peak_host_rss_gb"),
                         "step_s": p.get("step_s"), "tokens_per_s": tps,
-                        "offloaded": p.get("offloaded_layers"), "file": os.path.basename(path)})
+                        "offloaded": p.get("offloaded_layers"), "opt_offload": bool(p.get("offload_optimizer")),
+                        "file": os.path.basename(path)})
     return out
 
 
+def _variant(system: str, p: dict) -> str:
+    """Which code a point of ours measured: the points before grouped attention and lean norms, the current
+    defaults, or the current code keeping attention outputs for the recompute."""
+    if system != "ours":
+        return ""
+    if p.get("kept_attention_layers"):
+        return "kept attention outputs"
+    return "grouped attention, lean norms" if p.get("grouped_attention") else "earlier code"
+
+
 def plot(data: list[dict], path: str) -> None:
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(12, 5.5))
     styles = {"ours": "tab:green", "alst": "tab:orange", "hf": "tab:blue"}
-    for (system, mode) in sorted({(r["system"], r["mode"]) for r in data}):
-        pts = sorted((r for r in data if r["system"] == system and r["mode"] == mode and r["status"] == "ok"),
-                     key=lambda r: r["seq_len"])
+    markers = {"": "o", "earlier code": "o", "grouped attention, lean norms": "s", "kept attention outputs": "^"}
+    for (system, mode, variant) in sorted({(r["system"], r["mode"], r["variant"]) for r in data}):
+        pts = sorted((r for r in data if (r["system"], r["mode"], r["variant"]) == (system, mode, variant)
+                      and r["status"] == "ok"), key=lambda r: r["seq_len"])
         if not pts:
             continue
         xs, ys = [r["seq_len"] for r in pts], [r["peak_gpu_gb"] for r in pts]
-        label = f"{system} ({'ZeRO-3 + AdamW step' if mode == 'train' else 'fwd+bwd only'})"
-        ax.plot(xs, ys, marker="o", color=styles.get(system), ls="-" if mode == "train" else "--", label=label)
+        label = f"{system} ({'ZeRO-3 + AdamW step' if mode == 'train' else 'fwd+bwd only'}" + \
+            (f", {variant})" if variant else ")")
+        ax.plot(xs, ys, marker=markers.get(variant, "o"), color=styles.get(system),
+                ls="-" if mode == "train" else "--", label=label)
         for r in pts:
             if r["attention"] == "standin_memory_only":
-                ax.annotate("stand-in", (r["seq_len"], r["peak_gpu_gb"]), fontsize=7, xytext=(4, -10),
+                text = "stand-in" + (", Adam on host" if r["opt_offload"] else "")
+                ax.annotate(text, (r["seq_len"], r["peak_gpu_gb"]), fontsize=7, xytext=(4, -10),
                             textcoords="offset points")
-        for r in (r for r in data if r["system"] == system and r["mode"] == mode and r["status"] == "oom"):
+        for r in (r for r in data if (r["system"], r["mode"], r["variant"]) == (system, mode, variant)
+                  and r["status"] == "oom"):
             ax.scatter([r["seq_len"]], [140], marker="x", color=styles.get(system))
     ax.axhline(139.8, color="grey", lw=0.8, ls=":")
     ax.text(2**15, 136, "H200 capacity (x = OOM)", fontsize=8, color="grey")
@@ -61,7 +78,7 @@ def plot(data: list[dict], path: str) -> None:
     ax.set_xlabel("sequence length (tokens, one sequence)")
     ax.set_ylabel("peak GPU memory allocated (GiB)")
     ax.set_title("Qwen3-4B, one H200, bf16, ZeRO-3")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -13,7 +13,7 @@ from ulysses_trainer.model.load import model_config_for
 from ulysses_trainer.parallel.state import check_sp_shape
 
 RECIPES = Path(__file__).resolve().parent.parent / "launch" / "recipes"
-WORLD = {"reference_8gpu_1m.yaml": 8, "one_gpu_4b_long.yaml": 1, "cpu_default.yaml": 2}
+WORLD = {"reference_8gpu_1m.yaml": 8, "one_gpu_4b_long.yaml": 1, "one_gpu_4b_1m.yaml": 1, "cpu_default.yaml": 2}
 
 
 def _load(name: str) -> TrainConfig:
@@ -70,3 +70,21 @@ def test_cpu_default_recipe_is_the_no_argument_run():
     plan = prepare(cfg, 2)
     assert (plan.sp_size, plan.dp_size, plan.device, plan.bf16) == (2, 1, "cpu", False)
     assert len(plan.train_data) >= plan.sequences_per_step * plan.total_steps
+
+
+def test_one_gpu_1m_recipe_is_the_measured_run_and_fits_the_plan(capsys):
+    import json
+
+    from ulysses_trainer.__main__ import main as cli_main
+
+    cfg = _load("one_gpu_4b_1m.yaml")
+    model = model_config_for(cfg)
+    # the settings of benchmarks/results/long_context_ours_train_qwen3-4b_1048576_standin_every4_off7.json
+    assert (cfg.model_name_or_path, cfg.max_length, cfg.sp_size) == ("qwen3-4b", 1048576, 1)
+    assert (cfg.checkpoint_every, cfg.activation_offload, cfg.lean_norm) == (4, 7, True)
+    assert load_ds_config(cfg.deepspeed)["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert model.rope_parameters["factor"] == pytest.approx(1048576 / 40960)
+    assert cli_main(["plan", "--config", str(RECIPES / "one_gpu_4b_1m.yaml"), "--gpus", "1",
+                     "--gpu_memory_gb", "139.8", "--host_memory_gb", "125.9", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["chosen"]["checkpoint_every"] == 4 and out["chosen"]["activation_offload"] == 7
