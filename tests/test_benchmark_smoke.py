@@ -29,3 +29,14 @@ def test_long_context_standin_probe_with_the_new_levers_holds_adam_states(tmp_pa
     assert point["adam_states"] == 8 * n and point["first_step"] is False
     assert (point["checkpoint_every"], point["offload_optimizer"], point["lean_norm"]) == (2, True, True)
     assert point["keep_attention_outputs"] is True and point["grouped_attention"] is True
+
+
+def test_profile_step_buckets_attention_and_matmuls(tmp_path):
+    out = tmp_path / "profile.json"
+    cmd = [sys.executable, "benchmarks/profile_step.py", "--model", "tiny", "--length", "128",
+           "--keep-attention-outputs", "true", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(out.read_text())["seconds_by_bucket"]
+    for name in ("attention forward", "attention backward", "matmul"):
+        assert got.get(name, 0) > 0, got

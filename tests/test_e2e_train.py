@@ -6,7 +6,8 @@ module-scoped cache starts each one the first time a test asks for it, and sever
   sp1   1 rank,  sp 1, accumulation 2 x 1 sequence, eval every 2 steps
   sp2   2 ranks, sp 2, the same (also: log line, metrics keys, checkpoints every 2 steps, export)
   sp4   4 ranks, sp 4, the same
-  thin2 2 ranks, sp 2, the same with checkpoint_every 2 and the kept checkpoints offloaded
+  thin2 2 ranks, sp 2, the same with checkpoint_every 2, the kept checkpoints offloaded and attention
+        outputs kept for the recompute
   dp2   2 ranks, sp 1, dp 2: one sequence per rank (the same 2 sequences per step)
   ga1   1 rank,  sp 1, one micro-step of 2 sequences (compared with sp1)
   resume  2 ranks: sp2's output_dir cut back to checkpoint-2, resumed (`true` = latest) to step 4
@@ -96,9 +97,10 @@ class Runs:
     def _sp2(self, out):
         return run_train(2, SP_ARGS + ["--sp_size", "2", "--save_steps", "2"], out)
 
-    def _thin2(self, out):  # sp2's run with layer 1's input rebuilt from layer 0's, offloaded, in backward
+    def _thin2(self, out):  # sp2's run with layer 1's input rebuilt from layer 0's, offloaded, in backward;
+        # attention outputs kept from the first forward (the recompute skips the kernel)
         return run_train(2, SP_ARGS + ["--sp_size", "2", "--checkpoint_every", "2", "--activation_offload", "true",
-                                       "--save_strategy", "no"], out)
+                                       "--keep_attention_outputs", "true", "--save_strategy", "no"], out)
 
     def _sp4(self, out):
         return run_train(4, SP_ARGS + ["--sp_size", "4"], out)
@@ -240,10 +242,11 @@ def test_sp1_sp2_sp4_same_losses_grad_norms_and_eval_loss(runs):
 
 
 @pytest.mark.slow
-def test_checkpoint_every_2_with_offload_trains_as_every_layer(runs):
+def test_checkpoint_every_2_with_offload_and_kept_attention_trains_as_every_layer(runs):
     ref_train, ref_eval = read_metrics(runs.get("sp2")[0])
     out, proc = runs.get("thin2")
     assert "checkpoints: 1 in 2 layers keeps its input (1/2), 1 in pinned host memory" in proc.stdout
+    assert "attention outputs kept for the recompute: 2/2 layers" in proc.stdout
     train, evals = read_metrics(out)
     assert [r["step"] for r in train] == [r["step"] for r in ref_train]
     for r, ref in zip(train, ref_train):  # the same ops recomputed: equal to rounding

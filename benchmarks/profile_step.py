@@ -1,0 +1,110 @@
+"""Where one forward + backward of ours spends its time: torch.profiler over one step (after a warm-up
+step), kernel time summed into buckets, written as JSON. This is the profile issue 5 asks for when a speed
+goal is missed.
+
+    python benchmarks/profile_step.py --model qwen3-4b --length 131072 --keep-attention-outputs true \
+        --offload true --out profile.json
+
+Buckets (by kernel name): attention forward / backward (cuDNN, flash, the CPU flash kernel), matmul (GEMMs),
+copies (memcpy, host transfers), reductions and elementwise (the rest). On CPU the same code runs with CPU
+op times, which is what tests/test_benchmark_smoke.py checks; the numbers that matter come from a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+from benchmarks.long_context import _init_dist, _plan_ours_offload, _policy  # noqa: E402
+from benchmarks.systems import SYSTEMS  # noqa: E402
+from ulysses_trainer.model.load import build_model  # noqa: E402
+from ulysses_trainer.model.presets import preset_config  # noqa: E402
+
+BUCKETS = (  # first match wins; names lower-cased
+    ("attention backward", ("bprop", "flash_bwd", "attention_backward", "attention_for_cpu_backward",
+                            "attentionbackward", "fmha_bwd")),
+    ("attention forward", ("fprop", "flash_fwd", "cudnn_attention", "flash_attention", "fmha")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::bmm", "aten::addmm")),
+    ("copies", ("memcpy", "memset", "aten::copy_")),
+    ("reductions", ("reduce", "aten::sum", "norm", "softmax", "logsumexp")),
+)
+
+
+def bucket(name: str) -> str:
+    low = name.lower()
+    for label, keys in BUCKETS:
+        if any(k in low for k in keys):
+            return label
+    return "elementwise and other"
+
+
+def summarize(events, device: str) -> dict:
+    """Kernel (GPU) or op (CPU, self) time per bucket, seconds, and the top kernels by time."""
+    per: dict[str, float] = {}
+    top = []
+    for e in events:
+        t = (e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) / 1e6
+        if t <= 0:
+            continue
+        per[bucket(e.key)] = per.get(bucket(e.key), 0.0) + t
+        top.append((t, e.key))
+    top.sort(reverse=True)
+    return {"seconds_by_bucket": dict(sorted(per.items(), key=lambda kv: -kv[1])),
+            "total_s": sum(per.values()), "top": [{"name": k[:120], "s": t} for t, k in top[:15]]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-4b")
+    ap.add_argument("--length", type=int, default=131072)
+    ap.add_argument("--offload", default="auto")
+    ap.add_argument("--keep-attention-outputs", default="false")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    offload = {"true": True, "false": False, "auto": "auto"}.get(args.offload, None)
+    offload = int(args.offload) if offload is None else offload
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    config = preset_config(args.model)
+    _init_dist()
+    with torch.device(device):
+        model = build_model(config, dtype, seed=0)
+    keep = _policy(args.keep_attention_outputs)
+    net = SYSTEMS["ours"](model, "sdpa", args.length, offload, under_zero3=False, keep_attention_outputs=keep)
+    if cuda:
+        _plan_ours_offload(net, config, args.length, dtype, extra_reserve=sum(p.numel() for p in net.parameters()) * 2)
+    L = args.length
+    ids = torch.randint(0, config.vocab_size, (1, L), generator=torch.Generator().manual_seed(L)).to(device)
+    pos = torch.arange(L, device=device)[None]
+
+    def step():
+        net(ids, pos).backward()
+        net.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+
+    step()  # warm-up: cuDNN plans, allocator
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+    wall = time.perf_counter() - t0
+    result = {"model": args.model, "length": L, "device": torch.cuda.get_device_name() if cuda else "cpu",
+              "torch": torch.__version__, "offload": args.offload, "keep_attention_outputs": keep,
+              "wall_s_profiled": wall, **summarize(prof.key_averages(), "cuda" if cuda else "cpu")}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({k: result[k] for k in ("length", "wall_s_profiled", "seconds_by_bucket")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
