@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from ..errors import EXIT_INVALID, EXIT_OK, ConfigError
-from .memory import GIB, MemoryEstimate, ModelShape, Settings, Zero3Knobs, local_tokens
+from .memory import GIB, MemoryEstimate, ModelShape, Settings, Zero3Knobs, kept_attention_bytes_per_layer, local_tokens
 from .search import Choice, Hardware, choose_settings, largest_max_length
 
 _OWN = {"config", "model", "gpus", "gpu_memory_gb", "host_memory_gb", "sp", "gpus_per_host", "json",
@@ -226,6 +226,8 @@ def _report(model: str, hw: Hardware, choice: Choice, longest: int, best: Choice
                                                      if s.offload_optimizer else [])))
     if s.checkpoint_every > 1:
         lines.append(_rebuild_cost(s.checkpoint_every))
+    if choice.fits and s.gradient_checkpointing and s.kept_attention_layers == 0:
+        lines.extend(_kept_outputs_room(e, hw))
     if best is not None:
         b = best.settings
         lines.append(f"largest max_length that fits: {longest:,} (activation_offload {b.activation_offload}, "
@@ -235,6 +237,18 @@ def _report(model: str, hw: Hardware, choice: Choice, longest: int, best: Choice
     else:
         lines.append("largest max_length that fits: none (not even 1024 x sp tokens)")
     return "\n".join(lines)
+
+
+def _kept_outputs_room(e: MemoryEstimate, hw: Hardware) -> list[str]:
+    """How many layers `keep_attention_outputs: auto` could keep in what the plan leaves free."""
+    per = kept_attention_bytes_per_layer(e.shape, e.settings) * (1 + e.settings.allocator_slack)
+    room = hw.gpu_memory_gb * GIB - e.gpu_required
+    n = int(min(e.shape.layers, max(0, room) // per))
+    if n == 0:
+        return []
+    return [f"keep_attention_outputs: auto would keep about {n} of {e.shape.layers} layers' attention outputs "
+            f"in the {room / GIB:.1f} GiB left ({per / GIB:.2f} GiB each; their recompute skips the attention "
+            "forward)"]
 
 
 def _rebuild_cost(every: int) -> str:
