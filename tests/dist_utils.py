@@ -110,3 +110,31 @@ def zero3_config(world_size: int, **zero: object) -> dict:
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world_size,
             "zero_allow_untested_optimizer": True,
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
+
+
+def tiny_zero3_sp_step(rank: int, world: int, pcfg, *, layers: int | None = None, seq: int = 41,
+                       small_buckets: bool = False):
+    """Inside a rank: a tiny Qwen3 (seed 5) under `parallelize(pcfg)` in a ZeRO-3 engine (SGD, lr 0), one
+    forward + backward of a fixed `seq`-token sequence sharded over the `world` ranks.
+    Returns (loss, {name: full grad as numpy}, the parallelized model)."""
+    import deepspeed
+    import torch
+    from deepspeed.utils import safe_get_full_grad
+
+    from ulysses_trainer import make_parallel_state, parallelize, shard_batch
+    from ulysses_trainer.model.load import build_model
+    from ulysses_trainer.model.presets import preset_config
+
+    cfg = preset_config("tiny")
+    if layers is not None:
+        cfg.num_hidden_layers = layers
+        cfg.layer_types = ["full_attention"] * layers
+    model = parallelize(build_model(cfg, torch.float32, seed=5), make_parallel_state(world), pcfg)
+    buckets = {"reduce_bucket_size": 20_000, "stage3_prefetch_bucket_size": 20_000} if small_buckets else {}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                      config=zero3_config(world, **buckets))
+    ids = torch.randint(0, 1000, (1, seq), generator=torch.Generator().manual_seed(9))
+    loss = engine(**shard_batch(ids, sp_size=world, sp_rank=rank).model_inputs())
+    engine.backward(loss)
+    grads = {n: safe_get_full_grad(p).numpy().copy() for n, p in engine.module.named_parameters()}
+    return float(loss.detach()), grads, model

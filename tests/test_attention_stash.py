@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist_utils import run_ranks, zero3_config
+from tests.dist_utils import run_ranks, tiny_zero3_sp_step
 from tests.test_offload import _assert_close
 from ulysses_trainer.attention import grouped
 from ulysses_trainer.attention.grouped import Backend, grouped_attention
@@ -141,30 +141,14 @@ def test_needs_checkpointing():
 
 
 def _sp2(rank, world):
-    import deepspeed
-    from deepspeed.utils import safe_get_full_grad
-
-    from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize, shard_batch
-    from ulysses_trainer.model.load import build_model
-    from ulysses_trainer.model.presets import preset_config
+    from ulysses_trainer import ParallelizeConfig
 
     out = []
     for keep in (False, True):
-        state = make_parallel_state(world)
-        cfg = preset_config("tiny")
-        cfg.num_hidden_layers = 2
-        cfg.layer_types = ["full_attention"] * 2
-        model = parallelize(build_model(cfg, torch.float32, seed=5), state, ParallelizeConfig(
-            attn_implementation="sdpa", tiled_mlp=2, keep_attention_outputs=keep))
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                          config=zero3_config(world, reduce_bucket_size=20_000,
-                                                              stage3_prefetch_bucket_size=20_000))
-        ids = torch.randint(0, 1000, (1, 41), generator=torch.Generator().manual_seed(9))
-        loss = engine(**shard_batch(ids, sp_size=world, sp_rank=rank).model_inputs())
-        engine.backward(loss)
-        grads = {n: safe_get_full_grad(p).numpy().copy() for n, p in engine.module.named_parameters()}
+        loss, grads, model = tiny_zero3_sp_step(rank, world, ParallelizeConfig(
+            attn_implementation="sdpa", tiled_mlp=2, keep_attention_outputs=keep), layers=2, small_buckets=True)
         stash = model.attention.stash
-        out.append((float(loss.detach()), grads, stash.replays if stash is not None else None))
+        out.append((loss, grads, stash.replays if stash is not None else None))
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_utils import run_ranks, zero3_config
+from tests.dist_utils import run_ranks, tiny_zero3_sp_step
 from tests.saved_tensors import saved_bytes
 from tests.test_offload import _assert_close, _loss_and_grads, _tiny_qwen3, _wire
 from ulysses_trainer.errors import ConfigError
@@ -86,28 +86,13 @@ def test_only_block_starts_offload():
 
 
 def _sp2_step(rank, world, every: int, offload):
-    import deepspeed
-    from deepspeed.utils import safe_get_full_grad
+    from ulysses_trainer import ParallelizeConfig
 
-    from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize, shard_batch
-    from ulysses_trainer.model.load import build_model
-    from ulysses_trainer.model.presets import preset_config
-
-    state = make_parallel_state(world)
-    cfg = preset_config("tiny")
-    cfg.num_hidden_layers = 3
-    cfg.layer_types = ["full_attention"] * 3
-    model = parallelize(build_model(cfg, torch.float32, seed=5), state, ParallelizeConfig(
-        attn_implementation="sdpa", tiled_mlp=2, checkpoint_every=every, activation_offload=offload))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                      config=zero3_config(world, reduce_bucket_size=20_000,
-                                                          stage3_prefetch_bucket_size=20_000))
-    ids = torch.randint(0, 1000, (1, 43), generator=torch.Generator().manual_seed(9))
-    loss = engine(**shard_batch(ids, sp_size=world, sp_rank=rank).model_inputs())
-    engine.backward(loss)
+    loss, grads, model = tiny_zero3_sp_step(rank, world, ParallelizeConfig(
+        attn_implementation="sdpa", tiled_mlp=2, checkpoint_every=every, activation_offload=offload),
+        layers=3, seq=43, small_buckets=True)
     ck = model.checkpointer
-    grads = {n: safe_get_full_grad(p).numpy().copy() for n, p in engine.module.named_parameters()}
-    return float(loss.detach()), grads, (ck.offload_layers, ck.rebuild_forwards, ck.recompute_calls)
+    return loss, grads, (ck.offload_layers, ck.rebuild_forwards, ck.recompute_calls)
 
 
 def _sp2_runs(rank, world):

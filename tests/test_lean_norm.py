@@ -104,26 +104,12 @@ def test_a_qwen3_layer_keeps_4_bytes_less_per_normed_element():
 
 
 def _train_step(rank, world, lean: bool):
-    import deepspeed
+    from tests.dist_utils import tiny_zero3_sp_step
+    from ulysses_trainer import ParallelizeConfig
 
-    from tests.dist_utils import zero3_config
-    from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize, shard_batch
-    from ulysses_trainer.model.load import build_model
-
-    state = make_parallel_state(world)
-    model = build_model(preset_config("tiny"), torch.float32, seed=5)
-    model = parallelize(model, state, ParallelizeConfig(attn_implementation="sdpa", tiled_mlp=False,
-                                                        lean_norm=lean))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                      config=zero3_config(world))
-    ids = torch.randint(0, 1000, (1, 41), generator=torch.Generator().manual_seed(9))
-    shard = shard_batch(ids, sp_size=world, sp_rank=rank)
-    loss = engine(**shard.model_inputs())
-    engine.backward(loss)
-    from deepspeed.utils import safe_get_full_grad
-
-    grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters() if "norm" in n}
-    return float(loss.detach()), grads
+    loss, grads, _ = tiny_zero3_sp_step(rank, world, ParallelizeConfig(attn_implementation="sdpa", tiled_mlp=False,
+                                                                       lean_norm=lean))
+    return loss, {n: torch.from_numpy(g) for n, g in grads.items() if "norm" in n}
 
 
 def test_zero3_sp2_lean_equals_hf_norms():
