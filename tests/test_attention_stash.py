@@ -158,3 +158,26 @@ def test_sp2_zero3_kept_outputs_equal_recompute():
         assert replays == 2
         _assert_close(torch.tensor(loss), {n: torch.from_numpy(g) for n, g in grads.items()},
                       torch.tensor(ref_loss), {n: torch.from_numpy(g) for n, g in ref_grads.items()}, tol=1e-6)
+
+
+def test_auto_keeps_what_the_offload_decision_leaves_free():
+    from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize
+    from ulysses_trainer.model.load import build_model
+    from ulysses_trainer.model.presets import preset_config
+
+    cfg = preset_config("tiny")
+    cfg.num_hidden_layers = 6
+    cfg.layer_types = ["full_attention"] * 6
+    GB = 2**30
+
+    def kept(offload, every, free_gb):
+        model = parallelize(build_model(cfg, torch.float32), make_parallel_state(1), ParallelizeConfig(
+            keep_attention_outputs="auto", activation_offload=offload, checkpoint_every=every))
+        model.checkpointer.pool.allocate = lambda *a: None  # no pinning in a unit test
+        model.configure_offload(GB, free_gb * GB, 2 * GB, stash_bytes_per_layer=GB // 2)
+        return len(model.attention.stash.layers)
+
+    assert kept(False, 1, 8) == 0  # 6 inputs + 2 reserved fill 8 GB
+    assert kept(False, 1, 10) == 4  # 2 GB left: 4 halves
+    assert kept(True, 1, 10) == 6  # inputs on the host: room for all, capped at the layer count
+    assert kept(False, 2, 7) == 2  # 3 kept inputs + 1 rebuilt + 2 reserved: 1 GB left
