@@ -138,6 +138,12 @@ CASES = {
         lambda f: ["--model_name_or_path", str(f["words"]), "--dataset_name", str(f["words_docs"]),
                    "--max_length", "32", "--gradient_accumulation_steps", "16"], 1,
         r"the data makes 8 sequences of 32 tokens but one optimizer step needs 16"),
+    "keep_attention_outputs_beyond_layers": (lambda f: ["--keep_attention_outputs", "99"], 1,
+                                             r"keep_attention_outputs=99 exceeds the model's \d+ layers; give "
+                                             r"0\.\.\d+, true \(all of them\) or auto"),
+    "keep_attention_outputs_without_checkpointing": (
+        lambda f: ["--gradient_checkpointing", "false", "--keep_attention_outputs", "true"], 1,
+        r"keep_attention_outputs needs gradient_checkpointing: true \(only a recompute reuses them\)"),
     "max_steps_zero": (lambda f: ["--max_steps", "0"], 1, r"max_steps must be > 0, got 0"),
     "max_steps_negative": (lambda f: ["--max_steps", "-3"], 1, r"max_steps must be > 0, got -3"),
     "epochs_zero": (lambda f: ["--max_steps", "null", "--num_train_epochs", "0"], 1,

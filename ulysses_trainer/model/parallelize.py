@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..attention.stash import AttentionStash
+from ..errors import ConfigError
 from ..levers.host_pool import HostPool
 from ..levers.lean_norm import use_lean_norms
 from ..levers.offload import LayerCheckpointer
@@ -164,7 +165,7 @@ def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) 
     keep = cfg.keep_attention_outputs
     if keep is not False and keep != 0:
         if not cfg.gradient_checkpointing:
-            raise ValueError("keep_attention_outputs needs gradient_checkpointing=True (only a recompute reuses them)")
+            raise ConfigError("keep_attention_outputs needs gradient_checkpointing=True (only a recompute reuses them)")
         attention.stash = AttentionStash(kept_attention_layers(keep, len(layers)) if keep != "auto" else ())
     model.train()
     return SequenceParallelCausalLM(model, state, attention, checkpointer, cfg.activation_offload,
@@ -176,5 +177,5 @@ def kept_attention_layers(policy: bool | int, num_layers: int) -> list[int]:
     if policy is True:
         return list(range(num_layers))
     if isinstance(policy, bool) or not isinstance(policy, int) or not 0 <= policy <= num_layers:
-        raise ValueError(f"keep_attention_outputs={policy!r}: give false, true, auto or a layer count 0..{num_layers}")
+        raise ConfigError(f"keep_attention_outputs={policy!r}: give false, true, auto or a layer count 0..{num_layers}")
     return list(range(policy))

@@ -52,6 +52,13 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _check_layer_counts(cfg: TrainConfig, layers: int) -> None:
+    keep = cfg.keep_attention_outputs
+    if not isinstance(keep, bool) and isinstance(keep, int) and keep > layers:
+        raise ConfigError(f"keep_attention_outputs={keep} exceeds the model's {layers} layers; "
+                          f"give 0..{layers}, true (all of them) or auto")
+
+
 def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
     validate_config(cfg, world_size)
     sp = world_size if cfg.sp_size is None else cfg.sp_size
@@ -63,6 +70,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
     model_config = model_config_for(cfg)
     check_local_weights(cfg.model_name_or_path)
     check_sp_shape(sp, world_size, model_config.num_attention_heads, model_config.num_key_value_heads)
+    _check_layer_counts(cfg, model_config.num_hidden_layers)
     kernel = resolve_kernel(cfg.attn_implementation)
     tokenizer = load_tokenizer(checkpoint_source(cfg.model_name_or_path))
     check_tokenizer_fits(tokenizer, model_config)
