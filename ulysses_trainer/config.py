@@ -54,8 +54,8 @@ class TrainConfig:
     activation_offload: Union[bool, int, Auto] = _f(
         "auto", "offload checkpointed layer inputs to host: false, true (all), N layers, or auto")
     keep_attention_outputs: Union[bool, int, Auto] = _f(
-        False, "keep attention outputs from the checkpoint's forward so the recompute skips the kernel "
-        "(faster, more memory): false, true (all layers), N layers, or auto (what fits)")
+        "auto", "keep attention outputs from the checkpoint's forward so the recompute skips the kernel "
+        "(faster, more memory): false, true (all layers), N layers, or auto (what fits on the GPU)")
     tiled_mlp: Union[bool, int, Auto] = _f("auto", "sequence-tiled MLP: false, true, N tiles, or auto")
     lean_norm: bool = _f(True, "RMSNorms keep only their input for backward (no fp32 copies); same results")
     host_memory_gb: Union[float, None] = _f(None, "host RAM (GB) the offload may pin; null = detected")
@@ -347,7 +347,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
     if not isinstance(cfg.keep_attention_outputs, bool) and isinstance(cfg.keep_attention_outputs, int):
         need(cfg.keep_attention_outputs >= 0,
              f"keep_attention_outputs must be >= 0 layers (or true/false/auto), got {cfg.keep_attention_outputs}")
-    need(cfg.keep_attention_outputs in (False, 0) or cfg.gradient_checkpointing,
+    need(cfg.keep_attention_outputs in (False, 0, "auto") or cfg.gradient_checkpointing,
          "keep_attention_outputs needs gradient_checkpointing: true (only a recompute reuses them)")
     need(cfg.checkpoint_every >= 1,
          f"checkpoint_every must be >= 1 layers (1 = every layer), got {cfg.checkpoint_every}")

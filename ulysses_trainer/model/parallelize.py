@@ -163,6 +163,8 @@ def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) 
         raise ValueError("activation_offload and checkpoint_every need gradient_checkpointing=True")
     # 6. kept attention outputs (only a recompute can reuse them)
     keep = cfg.keep_attention_outputs
+    if keep == "auto" and not cfg.gradient_checkpointing:
+        keep = False  # nothing is recomputed
     if keep is not False and keep != 0:
         if not cfg.gradient_checkpointing:
             raise ConfigError("keep_attention_outputs needs gradient_checkpointing=True (only a recompute reuses them)")

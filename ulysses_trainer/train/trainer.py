@@ -121,7 +121,7 @@ class Trainer:
               f"{len(ck.offload_layers)} in pinned host memory ({per_layer * len(ck.offload_layers) / 2**30:.2f} GiB)",
               flush=True)
         stash = self.model.attention.stash
-        if stash is not None:
+        if stash is not None and (stash.layers or self.plan.device == "cuda"):  # auto keeps none on CPU
             print(f"[ulysses_trainer] attention outputs kept for the recompute: {len(stash.layers)}/{ck.num_layers} "
                   "layers", flush=True)
 
