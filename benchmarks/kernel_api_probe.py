@@ -1,6 +1,6 @@
 """Probe PyTorch's explicit-LSE attention ops on the GPU: forward returning (out, lse) and a backward that
 takes them, called per KV-head group. Checks them against SDPA's autograd (forward and grads) and times
-them at long lengths. Writes one JSON. These ops are what attention/explicit.py builds on.
+them at long lengths. Writes one JSON. attention/grouped.py wraps these ops; the probe calls its wrappers.
 
     python benchmarks/kernel_api_probe.py --out probe.json [--lengths 4096,131072]
 """
@@ -9,35 +9,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ulysses_trainer.attention.grouped import BACKENDS as GROUPED  # noqa: E402
+
 OPS = torch.ops.aten
-
-
-def cudnn_fwd(q, k, v, scale):
-    o = OPS._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
-    return o[0], o[1], o
-
-
-def cudnn_bwd(g, q, k, v, out, lse, st, scale):
-    return OPS._scaled_dot_product_cudnn_attention_backward(
-        g, q, k, v, out, lse, st[6], st[7], None, st[2], st[3], st[4], st[5], 0.0, True, scale=scale)
-
-
-def flash_fwd(q, k, v, scale):
-    o = OPS._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
-    return o[0], o[1], o
-
-
-def flash_bwd(g, q, k, v, out, lse, st, scale):
-    return OPS._scaled_dot_product_flash_attention_backward(
-        g, q, k, v, out, lse, st[2], st[3], st[4], st[5], 0.0, True, st[6], st[7], scale=scale)
-
-
-BACKENDS = {"cudnn": (cudnn_fwd, cudnn_bwd), "flash": (flash_fwd, flash_bwd)}
+BACKENDS = {name: GROUPED[name] for name in ("cudnn", "flash")}  # the library's explicit-LSE wrappers
 
 
 def make(s, hq=32, hkv=8, d=128, seed=0):
@@ -50,12 +33,12 @@ def make(s, hq=32, hkv=8, d=128, seed=0):
     return q, k, v, dout
 
 
-def explicit_grouped(fwd, bwd, q, k, v, dout, scale):
+def explicit_grouped(backend, q, k, v, dout, scale):
     """Forward over all heads (k, v expanded per group view), backward one KV group at a time."""
     hq, hkv = q.shape[1], k.shape[1]
     r = hq // hkv
     ke, ve = (t.repeat_interleave(r, dim=1) for t in (k, v))  # [b, hkv, s, d] -> [b, hq, s, d]
-    out, lse, st = fwd(q, ke, ve, scale)
+    out, lse, aux = backend.fwd(q, ke, ve, scale)
     del ke, ve
     dq = torch.empty_like(q)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -63,8 +46,7 @@ def explicit_grouped(fwd, bwd, q, k, v, dout, scale):
         sl = slice(j * r, (j + 1) * r)
         kg = k[:, j:j + 1].repeat(1, r, 1, 1)  # [b, 1, s, d] -> [b, r, s, d]
         vg = v[:, j:j + 1].repeat(1, r, 1, 1)
-        stg = list(st)
-        a, b_, c = bwd(dout[:, sl], q[:, sl], kg, vg, out[:, sl], lse[:, sl], stg, scale)
+        a, b_, c = backend.bwd(dout[:, sl], q[:, sl], kg, vg, out[:, sl], lse[:, sl], aux, scale)
         dq[:, sl] = a
         dk[:, j] = b_.sum(1)
         dv[:, j] = c.sum(1)
@@ -72,7 +54,7 @@ def explicit_grouped(fwd, bwd, q, k, v, dout, scale):
 
 
 def check(name, s, scale):
-    fwd, bwd = BACKENDS[name]
+    backend = BACKENDS[name]
     q, k, v, dout = make(s)
     qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION if name == "cudnn"
@@ -80,10 +62,10 @@ def check(name, s, scale):
         ref = F.scaled_dot_product_attention(qr, kr.repeat_interleave(4, 1), vr.repeat_interleave(4, 1),
                                              is_causal=True, scale=scale)
     ref.backward(dout)
-    out, dq, dk, dv = explicit_grouped(fwd, bwd, q, k, v, dout, scale)
+    out, dq, dk, dv = explicit_grouped(backend, q, k, v, dout, scale)
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     return {"out": rel(out, ref), "dq": rel(dq, qr.grad), "dk": rel(dk, kr.grad), "dv": rel(dv, vr.grad),
-            "lse_shape": list(fwd(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), scale)[1].shape)}
+            "lse_shape": list(backend.fwd(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), scale)[1].shape)}
 
 
 def timed(fn, reps=2):
@@ -97,7 +79,7 @@ def timed(fn, reps=2):
 
 
 def speed(name, s, scale):
-    fwd, bwd = BACKENDS[name]
+    backend = BACKENDS[name]
     q, k, v, dout = make(s)
     qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
     backend = (torch.nn.attention.SDPBackend.CUDNN_ATTENTION if name == "cudnn"
@@ -111,7 +93,7 @@ def speed(name, s, scale):
         qr.grad = kr.grad = vr.grad = None
 
     def expl_fb():
-        explicit_grouped(fwd, bwd, q, k, v, dout, scale)
+        explicit_grouped(backend, q, k, v, dout, scale)
 
     flops = 4 * s * s * 128 * 32 / 2 * 3.5  # causal fwd + bwd (2.5x fwd)
     torch.cuda.reset_peak_memory_stats()

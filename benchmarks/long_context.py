@@ -207,14 +207,14 @@ def _materialize_adam_states(engine) -> int:
 
 
 def _plan_ours_offload(net, config, L, dtype, extra_reserve=0):
+    from ulysses_trainer.attention.stash import bytes_per_layer as stash_bytes_per_layer
     from ulysses_trainer.model.parallelize import layer_working_set_bytes
 
     bpe = torch.finfo(dtype).bits // 8
     free, _ = torch.cuda.mem_get_info()
-    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     net.sp.configure_offload(L * config.hidden_size * bpe, free,
                              layer_working_set_bytes(config, L, bpe) + extra_reserve,
-                             L * config.num_attention_heads * (d * bpe + 4))
+                             stash_bytes_per_layer(config, L, bpe))
 
 
 def _policy(text: str):
@@ -265,9 +265,7 @@ def main():
                     help="train: ZeRO-3 engine + AdamW step; fwdbwd: forward+backward only (no optimizer)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    args.offload = {"true": True, "false": False}.get(str(args.offload).lower(), args.offload)
-    if args.offload not in (True, False, "auto"):
-        args.offload = int(args.offload)
+    args.offload = _policy(args.offload.lower())
     _save(args.out, run(args))
 
 

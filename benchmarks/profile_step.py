@@ -69,8 +69,7 @@ def main() -> None:
     ap.add_argument("--keep-attention-outputs", default="false")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    offload = {"true": True, "false": False, "auto": "auto"}.get(args.offload, None)
-    offload = int(args.offload) if offload is None else offload
+    offload = _policy(args.offload)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -7,7 +7,13 @@ import torch
 
 from tests.dist_utils import run_ranks, tiny_zero3_sp_step
 from tests.saved_tensors import saved_bytes
-from tests.test_offload import _assert_close, _loss_and_grads, _tiny_qwen3, _wire
+from tests.test_offload import (
+    _assert_close,
+    _backward_after_a_second_forward_raises,
+    _loss_and_grads,
+    _tiny_qwen3,
+    _wire,
+)
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.host_pool import HostPool
 from ulysses_trainer.levers.offload import LayerCheckpointer
@@ -69,11 +75,7 @@ def test_second_forward_before_backward_raises(tiny):
     ckpt = LayerCheckpointer(N, [], checkpoint_every=2)
     _wire(model, ckpt)
     try:
-        first = model(input_ids=ids, labels=ids).loss
-        second = model(input_ids=ids, labels=ids).loss
-        with pytest.raises(RuntimeError, match="ran forward again before its backward"):
-            first.backward()
-        del first, second
+        _backward_after_a_second_forward_raises(model, ids, "ran forward again before its backward")
     finally:
         _wire(model, None)
 

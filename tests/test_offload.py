@@ -130,6 +130,15 @@ def _loss_and_grads(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, 
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+def _backward_after_a_second_forward_raises(model: nn.Module, ids: torch.Tensor, match: str) -> None:
+    """Two forwards, then the first one's backward: the checkpointer must refuse (`match`)."""
+    first = model(input_ids=ids, labels=ids).loss
+    second = model(input_ids=ids, labels=ids).loss
+    with pytest.raises(RuntimeError, match=match):
+        first.backward()
+    del first, second
+
+
 def _assert_close(loss, grads, ref_loss, ref_grads, tol=1e-5):
     assert abs(loss.item() - ref_loss.item()) <= tol * abs(ref_loss.item())
     assert grads.keys() == ref_grads.keys()
@@ -194,11 +203,7 @@ def test_second_forward_before_backward_raises_but_skipped_backward_is_fine(tiny
     ckpt = LayerCheckpointer(4, [0, 1, 2, 3], HostPool(host_memory_gb=1.0))
     _wire(model, ckpt)
     try:
-        first = model(input_ids=ids, labels=ids).loss
-        second = model(input_ids=ids, labels=ids).loss
-        with pytest.raises(RuntimeError, match="overwritten by a later forward"):
-            first.backward()
-        del first, second
+        _backward_after_a_second_forward_raises(model, ids, "overwritten by a later forward")
         # A forward whose backward never ran (e.g. a skipped step) leaves nothing behind.
         model(input_ids=ids, labels=ids)
         loss, grads = _loss_and_grads(model, ids)

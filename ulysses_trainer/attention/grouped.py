@@ -99,6 +99,12 @@ def default_backend(device: torch.device) -> Backend | None:
     return None
 
 
+def runs_grouped(kv_heads: int, stash: AttentionStash | None) -> bool:
+    """Group by group pays only with more than one KV head; keeping outputs for the recompute needs the
+    explicit-LSE path whatever the count. The stand-in follows the same rule, so it allocates like ours."""
+    return kv_heads > 1 or stash is not None
+
+
 def _group(t: torch.Tensor, j: int, width: int) -> torch.Tensor:
     # [b, s, h, d] -> heads j*width .. (j+1)*width as [b, width, s, d] (a view)
     return t[:, :, j * width:(j + 1) * width].transpose(1, 2)

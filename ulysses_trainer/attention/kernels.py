@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from .grouped import default_backend, grouped_attention
+from .grouped import default_backend, grouped_attention, runs_grouped
 from .standin import standin_attention
 
 KERNELS = ("sdpa", "flash_attention_2", "flash_attention_4")
@@ -67,7 +67,7 @@ def _sdpa_dense(q, k, v, scale, stash=None, layer=None):
     backend = default_backend(q.device)
     # PyTorch's SDPA kernels one KV-head group at a time (attention/grouped.py); with one group that saves
     # nothing, so F.sdpa runs, unless the kernel's outputs are to be kept for the recompute (stash)
-    if backend is not None and (k.shape[2] > 1 or stash is not None):
+    if backend is not None and runs_grouped(k.shape[2], stash):
         return grouped_attention(q, k, v, scale, backend, stash, layer)
     # [b, s, h, d] -> [b, h, s, d] for SDPA, and back
     gqa = q.shape[2] != k.shape[2]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .grouped import BACKENDS, grouped_attention
+from .grouped import BACKENDS, grouped_attention, runs_grouped
 
 
 class _StandInFullHeads(torch.autograd.Function):
@@ -36,7 +36,7 @@ class _StandInFullHeads(torch.autograd.Function):
 def standin_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None, stash=None,
                       layer=None) -> torch.Tensor:
     """q [b, s, hq, d], k/v [b, s, hkv, d] -> [b, s, hq, d]; memory-faithful to ours, numerically meaningless."""
-    if k.shape[2] == 1 and stash is None:  # ours runs F.sdpa on all heads for one group (attention/kernels.py)
+    if not runs_grouped(k.shape[2], stash):  # ours runs F.sdpa on all heads then (attention/kernels.py)
         return _StandInFullHeads.apply(q, k, v)
     return grouped_attention(q, k, v, scale, BACKENDS["standin"], stash, layer)
 

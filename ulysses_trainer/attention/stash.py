@@ -51,11 +51,9 @@ class AttentionStash:
     def held_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for v in self._saved.values() for t in v[:2])
 
-    def clear(self) -> None:
-        self._saved.clear()
 
-
-def bytes_per_layer(tokens: int, heads: int, head_dim: int, bytes_per_el: int) -> int:
-    """What one kept layer holds: the output and the fp32 log-sum-exp (heads and tokens of one rank's
-    attention call, i.e. all s tokens x h/sp heads under SP)."""
-    return tokens * heads * (head_dim * bytes_per_el + 4)
+def bytes_per_layer(config, local_tokens: int, bytes_per_el: int) -> int:
+    """What one kept layer holds on a rank: the output and the fp32 log-sum-exp. Attention runs on all
+    local*sp tokens x heads/sp, the same bytes as local tokens x all heads (config: an HF model config)."""
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return local_tokens * config.num_attention_heads * (d * bytes_per_el + 4)

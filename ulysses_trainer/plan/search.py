@@ -106,13 +106,9 @@ def choose_settings(shape: ModelShape, base: Settings, hw: Hardware, *, offload_
     last: Choice | None = None
     for c in every_choices:
         saved = saved_layer_count(shape, c)
-        if offload_layers is not None and offload_layers > saved:
-            if every is not None or c == 1:  # asked for outright: check_settings says what is wrong
-                layer_choices = [offload_layers]
-            else:
-                continue  # this thinning keeps fewer inputs than the offload asked for
-        else:
-            layer_choices = list(range(saved + 1)) if offload_layers is None else [offload_layers]
+        if offload_layers is not None and offload_layers > saved and every is None and c > 1:
+            continue  # a thinning the search tries keeps fewer inputs than the fixed offload asks for
+        layer_choices = list(range(saved + 1)) if offload_layers is None else [offload_layers]
         if not base.gradient_checkpointing:
             layer_choices = [0]
         for opt in opt_choices:

@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 from transformers import get_scheduler
 
+from ..attention.stash import bytes_per_layer as stash_bytes_per_layer
 from ..config import config_to_dict
 from ..model.load import build_model, checkpoint_source
 from ..model.parallelize import ParallelizeConfig, SequenceParallelCausalLM, layer_working_set_bytes, parallelize
@@ -132,11 +133,7 @@ class Trainer:
         # Adam's m and v (fp32, ZeRO-3 sharded) appear only in the first optimizer step: keep room for them
         n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.model.parameters())
         reserve = layer_working_set_bytes(plan.model_config, local, bpe) + 8 * n_params // self.state.world_size
-        c = plan.model_config
-        d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        # attention runs on all local*sp tokens x heads/sp: local tokens x all heads, out + fp32 LSE
-        stash = local * c.num_attention_heads * (d * bpe + 4)
-        self.model.configure_offload(per_layer, free, reserve, stash)
+        self.model.configure_offload(per_layer, free, reserve, stash_bytes_per_layer(plan.model_config, local, bpe))
 
     # ------------------------------------------------------------------ data
     def _order(self, epoch: int) -> torch.Tensor:
