@@ -32,5 +32,11 @@ case "${1:-}" in
       timeout 270 python benchmarks/long_context.py --system ours --model $M --lengths 131072 --steps 2 \
         --lean-norm $lean --out "$R/long_context_ours_train_131072_lean_$lean.json"
     done ;;
-  *) echo "usage: $0 speed128|trainer_kept|standin_nan|fa4|lean128k"; exit 2 ;;
+  profile256)   # where the 256K step's time goes beyond attention: 8 of 36 layers (per-layer time scales),
+    # kept outputs + all inputs offloaded (the 165.5 s setting), then without tiling, then without offload
+    for v in "true auto" "true false" "false auto"; do set -- $v
+      timeout 200 python benchmarks/profile_step.py --model $M --length 262144 --layers 8 --keep-attention-outputs true \
+        --offload $1 --tiled-mlp $2 --out "$R/profile_262144_l8_off$1_tiled$2.json"
+    done ;;
+  *) echo "usage: $0 profile256|speed128|trainer_kept|standin_nan|fa4|lean128k"; exit 2 ;;
 esac

@@ -47,18 +47,41 @@ def bucket(name: str) -> str:
 
 
 def summarize(events, device: str) -> dict:
-    """Kernel (GPU) or op (CPU, self) time per bucket, seconds, and the top kernels by time."""
+    """Time per bucket, seconds, and the top names by time: on a GPU the kernels and copies themselves
+    (an op's own entry would count its kernels twice), on CPU the ops' self time."""
     per: dict[str, float] = {}
-    top = []
+    by_name: dict[str, float] = {}
     for e in events:
-        t = (e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) / 1e6
-        if t <= 0:
-            continue
-        per[bucket(e.key)] = per.get(bucket(e.key), 0.0) + t
-        top.append((t, e.key))
-    top.sort(reverse=True)
+        if device == "cuda":
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            t = (e.time_range.end - e.time_range.start) / 1e6
+        else:
+            t = e.self_cpu_time_total / 1e6
+        if t > 0:
+            by_name[e.name] = by_name.get(e.name, 0.0) + t
+    for name, t in by_name.items():
+        per[bucket(name)] = per.get(bucket(name), 0.0) + t
+    top = sorted(((t, k) for k, t in by_name.items()), reverse=True)
     return {"seconds_by_bucket": dict(sorted(per.items(), key=lambda kv: -kv[1])),
-            "total_s": sum(per.values()), "top": [{"name": k[:120], "s": t} for t, k in top[:15]]}
+            "total_s": sum(per.values()), "top": [{"name": k[:120], "s": t} for t, k in top[:25]]}
+
+
+def busy_seconds(events) -> float:
+    """Seconds in which at least one kernel or copy ran on the GPU (the union of their intervals): the
+    step's wall time minus this is time the GPU sat idle (waiting on the host, a sync, a launch)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            total += (cur_e - cur_s) if cur_e is not None else 0.0
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total / 1e6
 
 
 def main() -> None:
@@ -67,6 +90,10 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=131072)
     ap.add_argument("--offload", default="auto")
     ap.add_argument("--keep-attention-outputs", default="false")
+    ap.add_argument("--kernel", default="sdpa", help="attention kernel: sdpa / flash_attention_4")
+    ap.add_argument("--tiled-mlp", default="auto", help="false / true / auto / a tile count")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers (default: the preset's); per-layer time scales to the full model")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     offload = _policy(args.offload)
@@ -74,11 +101,17 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     config = preset_config(args.model)
+    full_layers = config.num_hidden_layers
+    if args.layers:
+        config.num_hidden_layers = args.layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:args.layers]
     _init_dist()
     with torch.device(device):
         model = build_model(config, dtype, seed=0)
     keep = _policy(args.keep_attention_outputs)
-    net = SYSTEMS["ours"](model, "sdpa", args.length, offload, under_zero3=False, keep_attention_outputs=keep)
+    net = SYSTEMS["ours"](model, args.kernel, args.length, offload, under_zero3=False, keep_attention_outputs=keep,
+                          tiled_mlp=_policy(args.tiled_mlp))
     if cuda:
         _plan_ours_offload(net, config, args.length, dtype, extra_reserve=sum(p.numel() for p in net.parameters()) * 2)
     L = args.length
@@ -99,10 +132,14 @@ def main() -> None:
     wall = time.perf_counter() - t0
     result = {"model": args.model, "length": L, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "offload": args.offload, "keep_attention_outputs": keep,
-              "wall_s_profiled": wall, **summarize(prof.key_averages(), "cuda" if cuda else "cpu")}
+              "kernel": net.sp.attention.kernel, "tiled_mlp": args.tiled_mlp,
+              "layers": config.num_hidden_layers, "full_model_layers": full_layers,
+              "wall_s_profiled": wall, "device_busy_s": busy_seconds(prof.events()) if cuda else None,
+              **summarize(prof.events(), "cuda" if cuda else "cpu")}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({k: result[k] for k in ("length", "wall_s_profiled", "seconds_by_bucket")}), flush=True)
+    print(json.dumps({k: result[k] for k in ("length", "layers", "kernel", "tiled_mlp", "offload", "wall_s_profiled",
+                                             "device_busy_s", "seconds_by_bucket", "top")}), flush=True)
 
 
 if __name__ == "__main__":
