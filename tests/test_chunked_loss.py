@@ -65,6 +65,16 @@ def test_chunks_with_all_labels_ignored():
     assert got[1][300:700].abs().sum() > 0
 
 
+def test_a_whole_gradient_group_ignored_between_valid_ones():
+    # chunks of 10 rows gather 8 at a time (GRAD_GROUP): rows 80..159 are the second group, all ignored,
+    # between a full first group and a partial third one (rows 160..236)
+    h, w, y = make_case(rows=237, hidden=16, vocab=301, seed=12)
+    y[80:160] = -100
+    y[175:185] = -100  # and one ignored chunk inside the last group
+    ref, got = assert_matches_reference(h, w, y, chunk_size=10)
+    assert torch.all(got[1][80:160] == 0) and got[1][160:175].abs().sum() > 0
+
+
 def test_all_labels_ignored_gives_zero_not_nan():
     h, w, y = make_case(rows=257, hidden=16, vocab=1237, seed=3)
     y[:] = -100

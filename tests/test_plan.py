@@ -78,12 +78,20 @@ def test_pinned_power_of_two_rounding_reproduces_the_448k_host_story():
 def test_loss_terms_by_hand():
     t, h, c = 131_072, 4096, 256
     s = Settings(max_length=1_048_576, sp=8)
-    # hidden grad (bf16) + fp32 lm_head grad + one chunk: fp32 and bf16 logits, plus the bf16 [V, H] product
-    assert M.chunked_loss_bytes(Q8, s) == t * h * 2 + V * h * 4 + (c * V * 4 + c * V * 2 + V * h * 2)
-    assert M.chunked_loss_bytes(Q8, replace(s, loss_chunk_size=1024)) - M.chunked_loss_bytes(Q8, s) == 768 * V * 6
+    # hidden grad (bf16) + fp32 lm_head grad + the larger of: one chunk's fp32 logits next to the bf16
+    # dlogits of 8 chunks, or the final bf16 [V, H] weight grad
+    assert M.chunked_loss_bytes(Q8, s) == t * h * 2 + V * h * 4 + max(c * V * 4 + 8 * c * V * 2, V * h * 2)
+    assert M.chunked_loss_bytes(Q8, s) == t * h * 2 + V * h * 4 + V * h * 2  # 256 rows: the weight grad wins
+    assert M.chunked_loss_bytes(Q8, replace(s, loss_chunk_size=1024)) == t * h * 2 + V * h * 4 + 1024 * V * 20
     plain = replace(s, loss_type="nll")
     assert M.plain_loss_bytes(Q8, plain) == 3 * t * V * 4 + V * h * 2  # 3 fp32 [t, V] in backward
     assert M.loss_bytes(Q8, plain) > 40 * M.loss_bytes(Q8, s)  # 224 GiB vs 4.7 GiB: why chunked is the default
+
+
+def test_loss_grad_group_matches_the_lever():
+    from ulysses_trainer.levers.chunked_loss import GRAD_GROUP
+
+    assert M.LOSS_GRAD_GROUP == GRAD_GROUP
 
 
 def test_layer_terms_by_hand():

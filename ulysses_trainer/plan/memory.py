@@ -214,14 +214,18 @@ def final_norm_bytes(shape: ModelShape, s: Settings) -> int:
     return rmsnorm_saved_bytes(t, shape.hidden, e, s.lean_norm) + t * shape.hidden * e
 
 
+LOSS_GRAD_GROUP = 8  # = levers.chunked_loss.GRAD_GROUP (the planner imports no torch; a test ties them)
+
+
 def chunked_loss_bytes(shape: ModelShape, s: Settings) -> int:
     """levers/chunked_loss.py: the hidden grad [t, H] and the fp32 lm_head grad [V, H], both built in
-    forward; one chunk's logits (training dtype, then fp32, turned into probabilities in place) and
-    its dlogits; in bf16 the [V, H] product added to the fp32 grad and the final bf16 weight grad."""
+    forward; one chunk's fp32 logits (turned into probabilities in place) next to the dlogits buffer of
+    GRAD_GROUP chunks (training dtype); in bf16 the final bf16 weight grad."""
     t, e, v, h, c = local_tokens(s), s.act_bytes, shape.vocab, shape.hidden, s.loss_chunk_size
     c = min(c, t)
+    group = min(c * LOSS_GRAD_GROUP, t)
     vh_lowp = v * h * e if e < FP32 else 0
-    chunk = c * v * FP32 + c * v * e + vh_lowp
+    chunk = c * v * FP32 + group * v * e
     return t * h * e + v * h * FP32 + max(chunk, vh_lowp)
 
 
