@@ -124,3 +124,52 @@ def test_tiled_matches_untiled_under_zero3():
             assert rel(grads[name], grads_ref[name]) <= 1e-5, name
     assert rel(results[0][1][1]["model.layers.0.mlp.up_proj.weight"],
                results[1][1][1]["model.layers.0.mlp.up_proj.weight"]) <= 1e-6  # reduced: same on both ranks
+
+
+def _checkpointed_tiny(tiles, every, seed=5):
+    from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize
+    from ulysses_trainer.model.load import build_model
+    from ulysses_trainer.model.presets import preset_config
+
+    cfg = preset_config("tiny")
+    cfg.num_hidden_layers, cfg.layer_types = 3, ["full_attention"] * 3
+    return parallelize(build_model(cfg, torch.float32, seed=seed), make_parallel_state(1), ParallelizeConfig(
+        attn_implementation="sdpa", tiled_mlp=tiles, checkpoint_every=every))
+
+
+def _loss_and_grads(model, ids):
+    from ulysses_trainer import shard_batch
+
+    model.zero_grad(set_to_none=True)
+    loss = model(**shard_batch(ids, sp_size=1, sp_rank=0).model_inputs())
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("every", [1, 3])  # 3: layers 1, 2 are rebuilt by forwards whose outputs are used
+def test_recompute_skips_the_tiled_forward_and_changes_nothing(every):
+    from ulysses_trainer.levers import offload
+
+    ids = torch.randint(0, 1000, (2, 37), generator=torch.Generator().manual_seed(3))
+    ref_model = _checkpointed_tiny(3, every)
+    ref_model.checkpointer.recompute_context = offload._no_context  # the recompute runs the tiles
+    model = _checkpointed_tiny(3, every)
+    calls = {"n": 0}
+    for layer in model.causal_lm.model.layers:
+        inner = layer.mlp.tile_forward
+
+        def counted(x, inner=inner):
+            calls["n"] += 1
+            return inner(x)
+
+        layer.mlp.tile_forward = counted
+    ref_loss, ref_grads = _loss_and_grads(ref_model, ids)
+    loss, grads = _loss_and_grads(model, ids)
+    assert torch.equal(loss, ref_loss)
+    for n, g in ref_grads.items():
+        assert torch.equal(grads[n], g), n
+    rebuilds = model.checkpointer.rebuild_forwards
+    assert rebuilds == (2 if every == 3 else 0)  # layers 0 and 1 forward again to rebuild 1's and 2's inputs
+    # forward 3 layers x 3 tiles, rebuilds 3 tiles each, backward 3 x 3; the recompute none
+    assert calls["n"] == 9 + 3 * rebuilds + 9
+    assert all(not layer.mlp.output_unused for layer in model.causal_lm.model.layers)

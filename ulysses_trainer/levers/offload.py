@@ -29,6 +29,7 @@ decoder layers have no dropout, so the recompute is deterministic without it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,10 @@ from ..errors import ConfigError
 from .host_pool import HostPool
 
 CheckpointFn = Callable[..., Any]
+
+
+def _no_context(layer: int) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,7 +175,7 @@ class _CheckpointFunction(torch.autograd.Function):
         args = [a.detach().requires_grad_(True) if isinstance(a, Tensor) and a.requires_grad else a
                 for a in ctx.args]
         with torch.enable_grad():
-            with _AutocastAll(ctx.autocast):
+            with _AutocastAll(ctx.autocast), ckpt.recompute_context(ctx.layer):
                 out, _ = _first(ctx.run_fn(x, *args))
             if out.requires_grad:
                 # Accumulates the layer's parameter gradients and fills x.grad (and ZeRO-3's hooks run).
@@ -223,6 +228,9 @@ class LayerCheckpointer:
         # A leaf that needs grad, passed to every call: backward then runs (and parameter gradients
         # accumulate) even when the hidden states themselves need no grad, e.g. frozen embeddings.
         self._anchor = torch.empty(0, requires_grad=True)
+        # Entered around each layer's recompute (not around rebuilds, whose outputs are used): parallelize
+        # sets it to the tiled MLP's unused_output, the recompute's output value is never read.
+        self.recompute_context: Callable[[int], contextlib.AbstractContextManager] = _no_context
 
     def set_offload_layers(self, offload_layers: Iterable[int]) -> None:
         """Choose the offloaded layers once the free device memory is known (before the first step)."""

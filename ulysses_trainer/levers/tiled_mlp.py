@@ -9,7 +9,9 @@ Each row is computed by the same ops as untiled, so results match the untiled ML
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -50,6 +52,8 @@ class _TiledMLPFunction(torch.autograd.Function):
     def forward(ctx, x2d: Tensor, mlp: TiledMLP) -> Tensor:
         ctx.mlp = mlp
         ctx.save_for_backward(x2d)
+        if mlp.output_unused:  # a checkpoint's recompute: backward recomputes the tiles anyway
+            return x2d.new_zeros((x2d.shape[0], mlp.down_proj.out_features))  # [N, H]
         out, s = None, 0
         # Collective invariant: every rank runs exactly num_tiles tiles, empty ones included
         # (tensor_split always returns num_tiles pieces; torch.chunk may return fewer). Under ZeRO-3
@@ -114,6 +118,19 @@ class TiledMLP(nn.Module):
         self.down_proj = mlp.down_proj
         self.act_fn = mlp.act_fn
         self.num_tiles = num_tiles
+        self.output_unused = False  # see unused_output()
+
+    @contextlib.contextmanager
+    def unused_output(self) -> Iterator[None]:
+        """Inside, forward skips the tiles and returns zeros (with the same backward): for a checkpoint's
+        recompute, which needs the graph, not the value. The value feeds only the residual add, whose
+        backward does not read it; this MLP's backward recomputes each tile from the saved input anyway.
+        Saves one MLP forward per layer and step (levers/offload.py enters it; parallelize wires it)."""
+        self.output_unused = True
+        try:
+            yield
+        finally:
+            self.output_unused = False
 
     def extra_repr(self) -> str:
         return f"num_tiles={self.num_tiles}"

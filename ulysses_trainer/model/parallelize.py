@@ -7,7 +7,7 @@ Order (each step relies on the ones before it):
   4. Tiled MLP: each decoder layer's MLP runs by sequence tiles.
   5. Checkpointing (+ offload): each decoder layer keeps only its input (or, with checkpoint_every=k,
      every k-th layer does and backward rebuilds the rest), on device or in pinned host memory, and
-     recomputes in backward (its tiled MLP recomputes inside that recompute).
+     recomputes in backward; there the tiled MLP skips its forward (its backward recomputes each tile).
 """
 
 from __future__ import annotations
@@ -159,6 +159,8 @@ def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) 
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = True  # HF decoder layers call _gradient_checkpointing_func
             layer._gradient_checkpointing_func = checkpointer.for_layer(i)
+        if tiles > 1:  # the recompute needs the tiled MLP's graph, not its output (TiledMLP.unused_output)
+            checkpointer.recompute_context = lambda i: layers[i].mlp.unused_output()
     elif cfg.activation_offload not in (False, 0, "auto") or cfg.checkpoint_every != 1:
         raise ValueError("activation_offload and checkpoint_every need gradient_checkpointing=True")
     # 6. kept attention outputs (only a recompute can reuse them)
