@@ -61,6 +61,49 @@ def test_grouped_matches_sdpa_forward_and_grads(b, s, hq, hkv, d):
     assert counting.fwd_heads == [(r, r)] * hkv and counting.bwd_heads == [(r, r)] * hkv
 
 
+def _bshd_cpu_backend(calls: list) -> Backend:
+    """A "bshd" backend like flash-attn-4's (q [b, s, r, d], the group's one KV head [b, s, 1, d]), made of
+    the CPU flash kernel: exercises GroupedAttention's bshd plumbing where FA4 cannot run."""
+    cpu = grouped.BACKENDS["cpu"]
+
+    def fwd(q, k, v, scale):
+        calls.append(("fwd", q.shape[2], k.shape[2]))
+        r = q.shape[2]
+        out, lse, aux = cpu.fwd(q.transpose(1, 2), k.transpose(1, 2).expand(-1, r, -1, -1),
+                                v.transpose(1, 2).expand(-1, r, -1, -1), scale)
+        return out.transpose(1, 2), lse, aux
+
+    def bwd(g, q, k, v, out, lse, aux, scale):
+        calls.append(("bwd", q.shape[2], k.shape[2]))
+        r = q.shape[2]
+        dq, dk, dv = cpu.bwd(g.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2).expand(-1, r, -1, -1),
+                             v.transpose(1, 2).expand(-1, r, -1, -1), out.transpose(1, 2), lse, aux, scale)
+        return dq.transpose(1, 2), dk.sum(1, keepdim=True).transpose(1, 2), dv.sum(1, keepdim=True).transpose(1, 2)
+
+    return Backend("cpu_bshd", fwd, bwd, layout="bshd")
+
+
+@pytest.mark.parametrize("b, s, hq, hkv, d", [(2, 37, 6, 2, 16), (1, 5, 4, 1, 8), (1, 19, 8, 8, 16)])
+def test_bshd_backend_matches_sdpa_and_sees_one_kv_head(b, s, hq, hkv, d):
+    q, k, v = _qkv(b, s, hq, hkv, d, torch.float32, seed=4)
+    dout = torch.randn(b, s, hq, d, generator=torch.Generator().manual_seed(5))
+    calls = []
+    stash = AttentionStash([0])
+    with torch.no_grad():
+        grouped_attention(q, k, v, 0.3, _bshd_cpu_backend(calls), stash, layer=0)
+    out = grouped_attention(q, k, v, 0.3, _bshd_cpu_backend(calls), stash, layer=0)  # replays the kept output
+    out.backward(dout)
+    mine = [out.detach()] + [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = _ref(q, k, v, 0.3)
+    ref.backward(dout)
+    for a, r in zip(mine, [ref.detach()] + [t.grad for t in (q, k, v)]):
+        assert ((a - r).norm() / r.norm()) <= 1e-5
+    r = hq // hkv  # one forward (the replay ran none) and one backward per group, each with one KV head
+    assert calls == [("fwd", r, 1)] * hkv + [("bwd", r, 1)] * hkv
+
+
 def test_kept_outputs_skip_the_kernel_and_give_the_same_grads():
     q, k, v = _qkv(2, 23, 6, 3, 8, torch.float32, seed=3)
     dout = torch.randn(2, 23, 6, 8, generator=torch.Generator().manual_seed(2))

@@ -64,7 +64,30 @@ def _fake_flash_modules(monkeypatch, calls):
     def varlen2(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False, **kw):
         return varlen4(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=softmax_scale, causal=causal)[0]
 
+    def lse_of(q, k, scale):  # [b, s, r, d], [b, s, 1, d] -> [b, r, s]
+        scores = torch.einsum("bshd,btd->bhst", q, k[:, :, 0]) * scale
+        mask = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool).tril()
+        return scores.masked_fill(~mask, float("-inf")).logsumexp(-1)
+
+    def fa4_fwd(q, k, v, softmax_scale=None, causal=False, return_lse=False, **kw):
+        calls.append(("dense", q.shape, k.shape, causal))
+        assert k.shape[2] == 1 and return_lse  # one group, its own KV head; the LSE is kept for backward
+        b, s = q.shape[:2]
+        out = _reference(q, k, v, torch.arange(0, b * s + 1, s, dtype=torch.int32), softmax_scale)
+        return out, lse_of(q, k, softmax_scale), None, None, None
+
+    def fa4_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, **kw):
+        calls.append(("dense_bwd", q.shape, k.shape, causal))
+        assert lse.dtype == torch.float32
+        assert torch.allclose(lse.double(), lse_of(q.double(), k.double(), softmax_scale), atol=1e-5)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        b, s = q.shape[:2]
+        with torch.enable_grad():  # called from inside an autograd backward
+            ref = _reference(*leaves, torch.arange(0, b * s + 1, s, dtype=torch.int32), softmax_scale)
+            return [g.to(q.dtype) for g in torch.autograd.grad(ref, leaves, dout.double())]
+
     cute = types.ModuleType("flash_attn.cute.interface")
+    cute._flash_attn_fwd, cute._flash_attn_bwd = fa4_fwd, fa4_bwd
     cute.flash_attn_func = lambda *a, **kw: (dense(*a, **kw), None)
     cute.flash_attn_varlen_func = varlen4
     fa2 = types.ModuleType("flash_attn")
@@ -88,7 +111,32 @@ def test_flash_glue_shapes_and_varlen(monkeypatch, name):
     dense = fn(q, k, v, scale=0.25, cu_seqlens=torch.tensor([0, 12, 24], dtype=torch.int32), max_seqlen=12)
     assert torch.allclose(dense, kernels.sdpa_attention(q, k, v, scale=0.25), atol=1e-12)
     assert calls[0] == ("varlen", (24, 4, 8), torch.int32, 8, True)  # [b*s, h, d], int32 offsets, causal
-    assert calls[1][0] == "dense" and calls[1][1] == q.shape and calls[1][3] is True
+    if name == "flash_attention_2":
+        assert calls[1][0] == "dense" and calls[1][1] == q.shape and calls[1][3] is True
+    else:  # FA4's dense rows run one KV group at a time: 2 query heads with their one KV head
+        assert calls[1:] == [("dense", (2, 12, 2, 8), (2, 12, 1, 8), True)] * 2
+
+
+def test_flash4_dense_grads_and_kept_outputs(monkeypatch):
+    from ulysses_trainer.attention.stash import AttentionStash
+
+    calls = []
+    _fake_flash_modules(monkeypatch, calls)
+    q, k, v = (t.float().requires_grad_() for t in _qkv(seed=3))  # fp32: the LSE is kept in fp32
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4))
+    stash = AttentionStash([3])
+    with torch.no_grad():
+        kernels.flash4_attention(q, k, v, scale=0.25, stash=stash, layer=3)
+    out = kernels.flash4_attention(q, k, v, scale=0.25, stash=stash, layer=3)  # the recompute: kept output
+    out.backward(dout)
+    got = [out.detach()] + [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = kernels.sdpa_attention(q, k, v, scale=0.25)
+    ref.backward(dout)
+    for a, r in zip(got, [ref.detach()] + [t.grad for t in (q, k, v)]):
+        assert torch.allclose(a, r, atol=1e-5)
+    assert [c[0] for c in calls] == ["dense"] * 2 + ["dense_bwd"] * 2  # no second forward: replayed
 
 
 def test_resolve_kernel():

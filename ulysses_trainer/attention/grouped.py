@@ -6,9 +6,11 @@ group of hq/hkv query heads and its single KV head at a time keeps those transie
 (out, dq, dk, dv) are written into full-size buffers. Same math, same speed (H200, 128K tokens, 32/8
 heads: cuDNN 537 vs 539 TFLOP/s fwd+bwd, 6.3 vs 10.5 GiB peak; benchmarks/results/kernel_api_probe.json).
 
-The backends are PyTorch's own attention ops that return the log-sum-exp and take it back in backward:
-`cudnn` and `flash` on CUDA, `cpu` (the CPU flash kernel: what the tests run), and `standin`, the
-memory-only stand-in of attention/standin.py (allocates what cuDNN would, computes nothing).
+The backends are attention ops that return the log-sum-exp and take it back in backward: PyTorch's
+`cudnn` and `flash` on CUDA, `cpu` (the CPU flash kernel: what the tests run), `standin`, the memory-only
+stand-in of attention/standin.py (allocates what cuDNN would, computes nothing), and `fa4`, flash-attn-4's
+forward and backward (flash_attn.cute; Hopper/Blackwell), which take [b, s, h, d] and a group's single KV
+head as it is (no repeat).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ OPS = torch.ops.aten
 @dataclass(frozen=True)
 class Backend:
     """fwd(q, k, v, scale) -> (out, lse [b, h, s] fp32, aux); bwd(dout, q, k, v, out, lse, aux, scale)
-    -> (dq, dk, dv). All tensors [b, h, s, d] views (any strides with a unit last stride); k, v have q's
-    head count (the group's KV head repeated)."""
+    -> (dq, dk, dv). layout "bhsd": all tensors [b, h, s, d] views (any strides with a unit last stride), k
+    and v with q's head count (the group's KV head repeated). layout "bshd": [b, s, h, d], k and v (and dk,
+    dv) with the group's one KV head."""
 
     name: str
     fwd: Callable
     bwd: Callable
+    layout: str = "bhsd"
 
 
 def _cudnn_fwd(q, k, v, scale):
@@ -80,7 +84,22 @@ def _standin_bwd(g, q, k, v, out, lse, aux, scale):
     return dq, dk, dv
 
 
+def _fa4_fwd(q, k, v, scale):
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)[:2]
+    return out, lse, ()  # out [b, s, r, d], lse [b, r, s] fp32
+
+
+def _fa4_bwd(g, q, k, v, out, lse, aux, scale):
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    dq, dk, dv = _flash_attn_bwd(q, k, v, out, g, lse.contiguous(), softmax_scale=scale, causal=True)[:3]
+    return dq, dk, dv
+
+
 BACKENDS = {
+    "fa4": Backend("fa4", _fa4_fwd, _fa4_bwd, layout="bshd"),
     "cudnn": Backend("cudnn", _cudnn_fwd, _cudnn_bwd),
     "flash": Backend("flash", _flash_fwd, _flash_bwd),
     "cpu": Backend("cpu", _cpu_fwd, _cpu_bwd),
@@ -141,10 +160,20 @@ class GroupedAttention(torch.autograd.Function):
         r = hq // hkv
         dout = dout.contiguous()  # [b, s, hq, d], the layout of out
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        backend = ctx.backend
         for j in range(hkv):
-            gq, gk, gv = ctx.backend.bwd(_group(dout, j, r), _group(q, j, r), _kv_group(k, j, r),
-                                         _kv_group(v, j, r), _group(out, j, r), lse[:, j * r:(j + 1) * r],
-                                         ctx.aux, ctx.scale)
+            lse_j = lse[:, j * r:(j + 1) * r]  # [b, r, s]
+            if backend.layout == "bshd":  # the kernel reads the one KV head itself
+                gq, gk, gv = backend.bwd(dout[:, :, j * r:(j + 1) * r], q[:, :, j * r:(j + 1) * r],
+                                         k[:, :, j:j + 1], v[:, :, j:j + 1], out[:, :, j * r:(j + 1) * r],
+                                         lse_j, ctx.aux, ctx.scale)
+                dq[:, :, j * r:(j + 1) * r] = gq  # [b, s, r, d]
+                dk[:, :, j:j + 1] = gk  # [b, s, 1, d]
+                dv[:, :, j:j + 1] = gv
+                del gq, gk, gv
+                continue
+            gq, gk, gv = backend.bwd(_group(dout, j, r), _group(q, j, r), _kv_group(k, j, r),
+                                     _kv_group(v, j, r), _group(out, j, r), lse_j, ctx.aux, ctx.scale)
             _group(dq, j, r).copy_(gq)
             # the group's KV head was repeated r times: its grad is the sum over the copies
             dk[:, :, j] = gk.sum(1, dtype=torch.float32)  # [b, r, s, d] -> [b, s, d], summed in fp32
@@ -161,8 +190,12 @@ def _forward(q, k, v, scale, backend):
     lse = torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
     aux = ()
     for j in range(hkv):  # one KV group at a time: the kernel's transients are for r heads, not hq
-        og, lg, aux = backend.fwd(_group(q, j, r), _kv_group(k, j, r), _kv_group(v, j, r), scale)
-        _group(out, j, r).copy_(og)  # [b, r, s, d] -> its heads of [b, s, hq, d]
+        if backend.layout == "bshd":
+            og, lg, aux = backend.fwd(q[:, :, j * r:(j + 1) * r], k[:, :, j:j + 1], v[:, :, j:j + 1], scale)
+            out[:, :, j * r:(j + 1) * r] = og  # [b, s, r, d] -> its heads of [b, s, hq, d]
+        else:
+            og, lg, aux = backend.fwd(_group(q, j, r), _kv_group(k, j, r), _kv_group(v, j, r), scale)
+            _group(out, j, r).copy_(og)  # [b, r, s, d] -> its heads of [b, s, hq, d]
         lse[:, j * r:(j + 1) * r] = lg
         del og, lg
     return out, lse, aux

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from .grouped import default_backend, grouped_attention, runs_grouped
+from .grouped import BACKENDS, default_backend, grouped_attention, runs_grouped
 from .standin import standin_attention
 
 KERNELS = ("sdpa", "flash_attention_2", "flash_attention_4")
 STANDIN = "standin_memory_only"  # benchmarks only: see attention/standin.py
-STASH_KERNELS = ("sdpa", STANDIN)  # the kernels that can keep their outputs for the recompute
+STASH_KERNELS = ("sdpa", "flash_attention_4", STANDIN)  # the kernels that can keep their outputs for the recompute
 
 
 def _has(module: str) -> bool:
@@ -95,12 +95,16 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def flash4_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
-    from flash_attn.cute.interface import flash_attn_func, flash_attn_varlen_func
+def flash4_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None, stash=None,
+                     layer=None) -> torch.Tensor:
+    """flash-attn-4. Dense rows: one KV-head group at a time through its explicit-LSE forward and backward
+    (attention/grouped.py: the same transients-per-group saving as sdpa, and the outputs can be kept for
+    the recompute); packed documents: its varlen kernel on all heads (no stash)."""
+    from flash_attn.cute.interface import flash_attn_varlen_func
 
     b, s = q.shape[:2]
     if _single_doc_per_row(cu_seqlens, b):
-        return _first(flash_attn_func(q, k, v, softmax_scale=scale, causal=True))
+        return grouped_attention(q, k, v, scale, BACKENDS["fa4"], stash, layer)
     qf, kf, vf = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))  # [b, s, h, d] -> [b*s, h, d]
     out = flash_attn_varlen_func(qf, kf, vf, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                  max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,

@@ -9,7 +9,9 @@ from __future__ import annotations
 from .inputs import ModelShape, Settings, kv_repeat, layer_param_numels, local_tokens
 
 FP32 = 4
-GROUPED_KERNELS = ("sdpa", "standin_memory_only")  # the kernels attention/grouped.py runs group by group
+# the kernels attention/grouped.py runs group by group (flash_attention_4's group term is cuDNN's, not
+# measured: its copies of the group's q, out, d(out) slices stand where cuDNN's repeated k, v are)
+GROUPED_KERNELS = ("sdpa", "flash_attention_4", "standin_memory_only")
 
 def rmsnorm_saved_bytes(tokens: int, width: int, e: int, lean: bool = False) -> int:
     """What autograd keeps for an RMSNorm on [tokens, width], not its output (the consumer keeps it) nor
