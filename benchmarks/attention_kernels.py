@@ -63,14 +63,24 @@ def _fa4(q, k, v):
     return out[0] if isinstance(out, tuple) else out
 
 
+def _ours(backend_name):
+    from ulysses_trainer.attention.grouped import BACKENDS, grouped_attention
+
+    def run(q, k, v):  # what a training step runs: one KV group at a time, explicit LSE (attention/grouped.py)
+        return grouped_attention(q, k, v, q.shape[-1] ** -0.5, BACKENDS[backend_name])
+    return run
+
+
 def cases():
-    c = {"sdpa_default": _sdpa(None, False), "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION, False),
+    c = {"ours_grouped_cudnn": _ours("cudnn"),
+         "sdpa_default": _sdpa(None, False), "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION, False),
          "sdpa_cudnn_expanded_kv": _sdpa(SDPBackend.CUDNN_ATTENTION, True),
          "sdpa_flash_expanded_kv": _sdpa(SDPBackend.FLASH_ATTENTION, True)}
     try:
         import flash_attn.cute.interface  # noqa: F401
 
         c["flash_attention_4"] = _fa4
+        c["ours_grouped_fa4"] = _ours("fa4")
     except ImportError:
         pass
     return c
@@ -83,6 +93,7 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--kernels", default=None, help="comma-separated subset of the cases (default: all)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -91,6 +102,8 @@ def main():
     for L in (int(x) for x in a.lengths.split(",")):
         fwd_flops = 4 * L * L * a.heads * a.head_dim / 2
         for name, fn in cases().items():
+            if a.kernels and name not in a.kernels.split(","):
+                continue
             g = torch.Generator(device="cuda").manual_seed(0)
             q = torch.randn(1, L, a.heads, a.head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
             k = torch.randn(1, L, a.kv_heads, a.head_dim, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -38,5 +38,26 @@ case "${1:-}" in
       timeout 200 python benchmarks/profile_step.py --model $M --length 262144 --layers 8 --keep-attention-outputs true \
         --offload $1 --tiled-mlp $2 --out "$R/profile_262144_l8_off$1_tiled$2.json"
     done ;;
-  *) echo "usage: $0 profile256|speed128|trainer_kept|standin_nan|fa4|lean128k"; exit 2 ;;
+  chain1)   # flash-attn-4 part 1 of 3 (make-fa4-parts; carry .whl .fa4p1 .fa4w), then the 256K profile with
+    # this session's fixes (loss gradient groups, no tiled forward in the recompute): 8 layers and 1
+    mkdir -p /tmp/store/w && cp .fa4p1/* /tmp/store/ && cp .fa4w/*.whl /tmp/store/w/
+    for n in 8 1; do
+      timeout 200 python benchmarks/profile_step.py --model $M --length 262144 --layers $n --keep-attention-outputs true \
+        --offload true --out "$R/profile_262144_l${n}_offtrue_tiledauto_fixed.json"
+    done ;;
+  chain2)   # part 2 (carry .whl .fa4p2); ALST at 256K again, for the same-session comparison
+    cp .fa4p2/* /tmp/store/
+    timeout 400 python benchmarks/long_context.py --system alst --mode fwdbwd --offload true --model $M \
+      --lengths 262144 --warmup-tokens 8192 --out "$R/long_context_alst_fwdbwd_qwen3-4b_262144_s4.json" ;;
+  chain3)   # part 3 (carry .whl .fa4p3): install flash-attn-4, kernel table, ours at 256K with FA4 and cuDNN
+    cp .fa4p3/* /tmp/store/ && cat /tmp/store/part00 /tmp/store/part01 /tmp/store/part02 \
+      > /tmp/store/w/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
+      && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/store/w/*.whl
+    timeout 150 python benchmarks/attention_kernels.py --lengths 131072,262144 --iters 2 \
+      --kernels sdpa_cudnn,ours_grouped_cudnn,flash_attention_4,ours_grouped_fa4 --out "$R/attention_kernels_fa4.json"
+    for k in flash_attention_4 sdpa; do
+      timeout 250 python benchmarks/long_context.py --system ours --mode fwdbwd --kernel $k --model $M --lengths 262144 \
+        --keep-attention-outputs true --offload true --warmup-tokens 8192 --out "$R/long_context_ours_fwdbwd_262144_kept_$k.json"
+    done ;;
+  *) echo "usage: $0 chain1|chain2|chain3|profile256|speed128|trainer_kept|standin_nan|fa4|lean128k"; exit 2 ;;
 esac

@@ -115,7 +115,7 @@ def run(args) -> dict:
                      "keep_attention_outputs": _policy(args.keep_attention_outputs)}
                     if args.system == "ours" else {})
             if args.system == "ours":  # the kernels attention/grouped.py runs one KV-head group at a time
-                point["grouped_attention"] = kernel in ("sdpa", STANDIN)
+                point["grouped_attention"] = kernel in ("sdpa", "flash_attention_4", STANDIN)
             net = SYSTEMS[args.system](model, kernel, L, args.offload, under_zero3=args.mode == "train", **ours)
             point.update(ours)
             fwdbwd = args.mode == "fwdbwd"
@@ -144,6 +144,10 @@ def run(args) -> dict:
                 print(json.dumps({"seq_len": L, "phase": "before_step", **point}), flush=True)
             ids = torch.randint(0, config.vocab_size, (1, L), generator=torch.Generator().manual_seed(L)).to(device)
             pos = torch.arange(L, device=device)[None]
+            if fwdbwd and args.warmup_tokens:  # compile / plan the kernels outside the timed step
+                net(ids[:, :args.warmup_tokens], pos[:, :args.warmup_tokens]).backward()
+                net.zero_grad(set_to_none=True)
+                point["warmup_tokens"] = args.warmup_tokens
             times = []
             with HostPeak() as host:
                 for _ in range(args.steps):
@@ -261,6 +265,8 @@ def main():
                     help="ours: false, true, auto or N layers keep attention outputs for the recompute")
     ap.add_argument("--offload-optimizer", action="store_true", help="train mode: ZeRO-Offload of the optimizer")
     ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--warmup-tokens", type=int, default=0,
+                    help="fwdbwd mode: one untimed forward+backward on this many tokens first (kernel JIT, plans)")
     ap.add_argument("--mode", choices=["train", "fwdbwd"], default="train",
                     help="train: ZeRO-3 engine + AdamW step; fwdbwd: forward+backward only (no optimizer)")
     ap.add_argument("--out", required=True)

@@ -31,7 +31,8 @@ from ulysses_trainer.model.presets import preset_config  # noqa: E402
 BUCKETS = (  # first match wins; names lower-cased
     ("attention backward", ("bprop", "flash_bwd", "attention_backward", "attention_for_cpu_backward",
                             "attentionbackward", "fmha_bwd")),
-    ("attention forward", ("fprop", "flash_fwd", "cudnn_attention", "flash_attention", "fmha")),
+    ("attention forward", ("fprop", "flash_fwd", "cudnn_attention", "flash_attention", "fmha",
+                           "attentionforward")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::bmm", "aten::addmm")),
     ("copies", ("memcpy", "memset", "aten::copy_")),
     ("reductions", ("reduce", "aten::sum", "norm", "softmax", "logsumexp")),
