@@ -156,3 +156,20 @@ def test_sdpa_matches_torch_math_with_gqa():
     ref = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
                                          is_causal=True, scale=0.5).transpose(1, 2)
     assert torch.allclose(out, ref, atol=1e-12)
+
+
+@pytest.mark.parametrize("kernel", ["flash_attention_4", "flash_attention_2", "sdpa"])
+def test_every_kernel_registers_under_a_name_transformers_accepts(monkeypatch, kernel):
+    # transformers reads an implementation name containing "flash_attention" as a hub kernel to fetch; the
+    # FA4 run on the H200 failed that way (ValueError before the first step)
+    from ulysses_trainer.model.load import build_model
+    from ulysses_trainer.model.presets import preset_config
+    from ulysses_trainer.parallel import ulysses
+    from ulysses_trainer.parallel.state import single_process_state
+
+    monkeypatch.setattr(ulysses, "resolve_kernel", lambda name: name)  # no CUDA here: pretend it is installed
+    attention = ulysses.UlyssesAttention(single_process_state(), kernel, 4, 2)
+    assert "flash" not in attention.name
+    model = build_model(preset_config("tiny"), torch.float32)
+    model.set_attn_implementation(attention.register())
+    assert model.config._attn_implementation == attention.name

@@ -33,7 +33,8 @@ class UlyssesAttention:
         self.attend = KERNEL_FUNCTIONS[self.kernel]
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.kv_repeat = max(1, state.sp_size // num_kv_heads)
-        self.name = f"ulysses_sp{state.sp_size}_{self.kernel}_{id(self):x}"
+        # no "flash" in the name: transformers then looks for a hub kernel of that name
+        self.name = f"ulysses_sp{state.sp_size}_{self.kernel.replace('flash_attention', 'fa')}_{id(self):x}"
         self.stash: AttentionStash | None = None  # set by parallelize when attention outputs are kept
 
     def register(self) -> str:
