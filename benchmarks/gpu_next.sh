@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The measurements issue 5 still lacks (done: alst256 and one_gpu_1m, see README), for the next session's one-H200 time (each line ~its own call).
+# GPU calls for issue 5, one case per call. Run in session 4: profile256, chain1-3 (flash-attn-4 in three carries,
+# the 256K profile and the same-session 256K comparison). Not run yet: speed128 (128K ran in session 4 with FA4
+# instead), trainer_kept, standin_nan, fa4 (superseded by chain3), lean128k.
 # Start each call with the make-wheelhouse line (../shared/offline-gpu/README.md); carry .whl.
 set -u
 R=${OUT:-/tmp/out}; mkdir -p "$R"

@@ -42,20 +42,25 @@ class _Counting:
         return self.inner.bwd(g, q, k, v, out, lse, aux, scale)
 
 
+def _assert_matches_sdpa(out, q, k, v, dout, scale):
+    """out (computed from the leaves q, k, v) and its q/k/v grads against stock SDPA, rel <= 1e-5."""
+    out.backward(dout)
+    mine = [out.detach()] + [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = _ref(q, k, v, scale)
+    ref.backward(dout)
+    for a, r in zip(mine, [ref.detach()] + [t.grad for t in (q, k, v)]):
+        assert ((a - r).norm() / r.norm()) <= 1e-5
+
+
 @pytest.mark.parametrize("b, s, hq, hkv, d", [(2, 37, 6, 2, 16), (1, 5, 4, 1, 8), (1, 19, 8, 8, 16)])
 def test_grouped_matches_sdpa_forward_and_grads(b, s, hq, hkv, d):
     q, k, v = _qkv(b, s, hq, hkv, d, torch.float32)
     dout = torch.randn(b, s, hq, d, generator=torch.Generator().manual_seed(1))
     counting = _Counting(grouped.BACKENDS["cpu"])
     out = grouped_attention(q, k, v, 0.3, counting.backend)
-    out.backward(dout)
-    mine = [out.detach()] + [t.grad.clone() for t in (q, k, v)]
-    for t in (q, k, v):
-        t.grad = None
-    ref = _ref(q, k, v, 0.3)
-    ref.backward(dout)
-    for a, r in zip(mine, [ref.detach()] + [t.grad for t in (q, k, v)]):
-        assert ((a - r).norm() / r.norm()) <= 1e-5
+    _assert_matches_sdpa(out, q, k, v, dout, 0.3)
     # the kernel only ever saw one group: hq/hkv query heads and its KV head repeated for them
     r = hq // hkv
     assert counting.fwd_heads == [(r, r)] * hkv and counting.bwd_heads == [(r, r)] * hkv
@@ -92,14 +97,7 @@ def test_bshd_backend_matches_sdpa_and_sees_one_kv_head(b, s, hq, hkv, d):
     with torch.no_grad():
         grouped_attention(q, k, v, 0.3, _bshd_cpu_backend(calls), stash, layer=0)
     out = grouped_attention(q, k, v, 0.3, _bshd_cpu_backend(calls), stash, layer=0)  # replays the kept output
-    out.backward(dout)
-    mine = [out.detach()] + [t.grad.clone() for t in (q, k, v)]
-    for t in (q, k, v):
-        t.grad = None
-    ref = _ref(q, k, v, 0.3)
-    ref.backward(dout)
-    for a, r in zip(mine, [ref.detach()] + [t.grad for t in (q, k, v)]):
-        assert ((a - r).norm() / r.norm()) <= 1e-5
+    _assert_matches_sdpa(out, q, k, v, dout, 0.3)
     r = hq // hkv  # one forward (the replay ran none) and one backward per group, each with one KV head
     assert calls == [("fwd", r, 1)] * hkv + [("bwd", r, 1)] * hkv
 
