@@ -173,3 +173,24 @@ def test_recompute_skips_the_tiled_forward_and_changes_nothing(every):
     # forward 3 layers x 3 tiles, rebuilds 3 tiles each, backward 3 x 3; the recompute none
     assert calls["n"] == 9 + 3 * rebuilds + 9
     assert all(not layer.mlp.output_unused for layer in model.causal_lm.model.layers)
+
+
+def _sp2_tiled_vs_untiled(rank, world):
+    from tests.dist_utils import tiny_zero3_sp_step
+    from ulysses_trainer import ParallelizeConfig
+
+    out = []
+    for tiles in (False, 3):  # 3: the recompute skips the tiled forward; ZeRO-3 gathers in backward only
+        loss, grads, model = tiny_zero3_sp_step(rank, world, ParallelizeConfig(
+            attn_implementation="sdpa", tiled_mlp=tiles), layers=2, seq=45, small_buckets=True)
+        out.append((loss, grads))
+    return out
+
+
+@pytest.mark.slow
+def test_sp2_zero3_checkpointed_tiled_equals_untiled():
+    from tests.test_offload import _assert_close
+
+    for (ref_loss, ref_grads), (loss, grads) in run_ranks(2, _sp2_tiled_vs_untiled, timeout=300):
+        _assert_close(torch.tensor(loss), {n: torch.from_numpy(g) for n, g in grads.items()},
+                      torch.tensor(ref_loss), {n: torch.from_numpy(g) for n, g in ref_grads.items()}, tol=1e-5)
