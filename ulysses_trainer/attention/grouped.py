@@ -124,14 +124,17 @@ def runs_grouped(kv_heads: int, stash: AttentionStash | None) -> bool:
     return kv_heads > 1 or stash is not None
 
 
-def _group(t: torch.Tensor, j: int, width: int) -> torch.Tensor:
-    # [b, s, h, d] -> heads j*width .. (j+1)*width as [b, width, s, d] (a view)
-    return t[:, :, j * width:(j + 1) * width].transpose(1, 2)
+def _group(t: torch.Tensor, j: int, width: int, layout: str) -> torch.Tensor:
+    # [b, s, h, d] -> heads j*width .. (j+1)*width, a view: [b, s, width, d] (bshd) or [b, width, s, d] (bhsd)
+    heads = t[:, :, j * width:(j + 1) * width]
+    return heads if layout == "bshd" else heads.transpose(1, 2)
 
 
-def _kv_group(t: torch.Tensor, j: int, r: int) -> torch.Tensor:
-    # [b, s, hkv, d] -> KV head j repeated for its r query heads: [b, r, s, d] (a copy of one head x r)
-    return t[:, :, j:j + 1].transpose(1, 2).repeat(1, r, 1, 1)
+def _kv_group(t: torch.Tensor, j: int, r: int, layout: str) -> torch.Tensor:
+    # [b, s, hkv, d] -> KV head j for its r query heads: as it is, [b, s, 1, d] (bshd: the kernel reads it
+    # for all r), or repeated, [b, r, s, d] (bhsd: a copy of one head x r)
+    head = t[:, :, j:j + 1]
+    return head if layout == "bshd" else head.transpose(1, 2).repeat(1, r, 1, 1)
 
 
 class GroupedAttention(torch.autograd.Function):
@@ -160,24 +163,18 @@ class GroupedAttention(torch.autograd.Function):
         r = hq // hkv
         dout = dout.contiguous()  # [b, s, hq, d], the layout of out
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        backend = ctx.backend
+        lay = ctx.backend.layout
         for j in range(hkv):
-            lse_j = lse[:, j * r:(j + 1) * r]  # [b, r, s]
-            if backend.layout == "bshd":  # the kernel reads the one KV head itself
-                gq, gk, gv = backend.bwd(dout[:, :, j * r:(j + 1) * r], q[:, :, j * r:(j + 1) * r],
-                                         k[:, :, j:j + 1], v[:, :, j:j + 1], out[:, :, j * r:(j + 1) * r],
-                                         lse_j, ctx.aux, ctx.scale)
-                dq[:, :, j * r:(j + 1) * r] = gq  # [b, s, r, d]
-                dk[:, :, j:j + 1] = gk  # [b, s, 1, d]
-                dv[:, :, j:j + 1] = gv
-                del gq, gk, gv
-                continue
-            gq, gk, gv = backend.bwd(_group(dout, j, r), _group(q, j, r), _kv_group(k, j, r),
-                                     _kv_group(v, j, r), _group(out, j, r), lse_j, ctx.aux, ctx.scale)
-            _group(dq, j, r).copy_(gq)
-            # the group's KV head was repeated r times: its grad is the sum over the copies
-            dk[:, :, j] = gk.sum(1, dtype=torch.float32)  # [b, r, s, d] -> [b, s, d], summed in fp32
-            dv[:, :, j] = gv.sum(1, dtype=torch.float32)
+            gq, gk, gv = ctx.backend.bwd(_group(dout, j, r, lay), _group(q, j, r, lay), _kv_group(k, j, r, lay),
+                                         _kv_group(v, j, r, lay), _group(out, j, r, lay),
+                                         lse[:, j * r:(j + 1) * r], ctx.aux, ctx.scale)
+            _group(dq, j, r, lay).copy_(gq)
+            if lay == "bshd":  # the kernel's dk, dv are for the one KV head: [b, s, 1, d]
+                _kv_group(dk, j, r, lay).copy_(gk)
+                _kv_group(dv, j, r, lay).copy_(gv)
+            else:  # the group's KV head was repeated r times: its grad is the sum over the copies
+                dk[:, :, j] = gk.sum(1, dtype=torch.float32)  # [b, r, s, d] -> [b, s, d], summed in fp32
+                dv[:, :, j] = gv.sum(1, dtype=torch.float32)
             del gq, gk, gv
         return dq, dk, dv, None, None, None, None
 
@@ -190,12 +187,9 @@ def _forward(q, k, v, scale, backend):
     lse = torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
     aux = ()
     for j in range(hkv):  # one KV group at a time: the kernel's transients are for r heads, not hq
-        if backend.layout == "bshd":
-            og, lg, aux = backend.fwd(q[:, :, j * r:(j + 1) * r], k[:, :, j:j + 1], v[:, :, j:j + 1], scale)
-            out[:, :, j * r:(j + 1) * r] = og  # [b, s, r, d] -> its heads of [b, s, hq, d]
-        else:
-            og, lg, aux = backend.fwd(_group(q, j, r), _kv_group(k, j, r), _kv_group(v, j, r), scale)
-            _group(out, j, r).copy_(og)  # [b, r, s, d] -> its heads of [b, s, hq, d]
+        lay = backend.layout
+        og, lg, aux = backend.fwd(_group(q, j, r, lay), _kv_group(k, j, r, lay), _kv_group(v, j, r, lay), scale)
+        _group(out, j, r, lay).copy_(og)  # the group's heads of [b, s, hq, d]
         lse[:, j * r:(j + 1) * r] = lg
         del og, lg
     return out, lse, aux
