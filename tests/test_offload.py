@@ -13,7 +13,8 @@ from torch import nn
 from tests.dist_utils import run_ranks, zero3_config
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.host_pool import GIB, HostPool, detect_host_memory_gb, host_bytes_needed
-from ulysses_trainer.levers.offload import LayerCheckpointer, plan_offload
+from ulysses_trainer.levers.offload import LayerCheckpointer
+from ulysses_trainer.levers.offload_policy import plan_offload
 
 # --------------------------------------------------------------------------------------------
 # Policy and arithmetic

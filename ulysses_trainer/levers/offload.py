@@ -4,8 +4,8 @@ Checkpointed, a decoder layer keeps only its input hidden states [b, s, h] for b
 recomputes the rest. At long sequence lengths those inputs, one per layer, are what is left of the
 activation memory; offloading them to pinned host memory frees the device for longer sequences.
 
-- `plan_offload` picks which layers offload: the earliest ones, whose backward runs last, so the
-  host->device prefetch has the most time, and the later layers stay on the device.
+- `plan_offload` (levers/offload_policy.py) picks which layers offload: the earliest ones, whose
+  backward runs last, so the host->device prefetch has the most time; the later layers stay on the device.
 - `HostPool` (levers/host_pool.py) is one page-locked host buffer carved into per-layer slots.
 - `LayerCheckpointer.for_layer(i)` is the function that a Hugging Face decoder layer
   (transformers' GradientCheckpointingLayer) calls as `_gradient_checkpointing_func(run_fn, hidden)`.
@@ -39,51 +39,13 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from .host_pool import HostPool
+from .offload_policy import plan_offload
 
 CheckpointFn = Callable[..., Any]
 
 
 def _no_context(layer: int) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
-
-
-# --------------------------------------------------------------------------------------------
-# Policy and arithmetic
-
-
-def plan_offload(policy: bool | int | str, num_layers: int, bytes_per_layer: int, free_device_bytes: int,
-                 reserve_bytes: int) -> list[int]:
-    """Layer indices whose checkpointed input goes to the host (the `activation_offload` field).
-
-    False: none. True: all. int n: the first n layers (their backward comes last, which gives the
-    prefetch the most time; later layers keep their input on the device). "auto": as few of the
-    first layers as needed so that the device-resident inputs fit in free_device_bytes - reserve_bytes
-    (all of them if even none fit).
-    """
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
-        raise ConfigError(f"num_layers must be an int >= 0, got {num_layers!r}")
-    if policy is False:
-        return []
-    if policy is True:
-        return list(range(num_layers))
-    if isinstance(policy, int):
-        if not 0 <= policy <= num_layers:
-            raise ConfigError(
-                f"activation_offload={policy} is out of range: give an int from 0 to {num_layers} "
-                f"(the layers that keep an input: all of them, or 1 in checkpoint_every), or true, false or auto")
-        return list(range(policy))
-    if isinstance(policy, str) and policy.strip().lower() == "auto":
-        if bytes_per_layer < 0:
-            raise ConfigError(f"bytes_per_layer must be >= 0, got {bytes_per_layer}")
-        budget = free_device_bytes - reserve_bytes
-        if bytes_per_layer == 0:
-            return []
-        if budget < 0:
-            return list(range(num_layers))
-        keep = min(num_layers, budget // bytes_per_layer)  # layers whose input fits on the device
-        return list(range(num_layers - keep))
-    raise ConfigError(
-        f"activation_offload must be true, false, auto or an int from 0 to {num_layers}, got {policy!r}")
 
 
 # --------------------------------------------------------------------------------------------
