@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from benchmarks.systems import SYSTEMS  # noqa: E402
-from ulysses_trainer.attention.kernels import STANDIN  # noqa: E402
+from ulysses_trainer.attention.kernels import STANDIN, STASH_KERNELS  # noqa: E402
 from ulysses_trainer.model.load import build_model  # noqa: E402
 from ulysses_trainer.model.presets import preset_config  # noqa: E402
 from ulysses_trainer.train.metrics import train_flops_per_sequence  # noqa: E402
@@ -115,7 +115,7 @@ def run(args) -> dict:
                      "keep_attention_outputs": _policy(args.keep_attention_outputs)}
                     if args.system == "ours" else {})
             if args.system == "ours":  # the kernels attention/grouped.py runs one KV-head group at a time
-                point["grouped_attention"] = kernel in ("sdpa", "flash_attention_4", STANDIN)
+                point["grouped_attention"] = kernel in STASH_KERNELS
             net = SYSTEMS[args.system](model, kernel, L, args.offload, under_zero3=args.mode == "train", **ours)
             point.update(ours)
             fwdbwd = args.mode == "fwdbwd"
