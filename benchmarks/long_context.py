@@ -122,7 +122,7 @@ def run(args) -> dict:
             if getattr(net, "untied_lm_head", False):
                 point["note"] = ("lm_head untied (+vocab x hidden params): ALST's fused loss fails on a tied one "
                                  "under ZeRO-3")
-            if fwdbwd:  # no engine, no optimizer: bf16 weights + grads, as the earlier baselines measured
+            if fwdbwd:  # no engine, no optimizer: bf16 weights + grads, as the HF / ALST fwd+bwd baselines measure
                 engine = None
             else:
                 opt = torch.optim.AdamW(net.parameters(), lr=1e-5, fused=cuda and not args.offload_optimizer)

@@ -41,19 +41,20 @@ def rows() -> list[dict]:
 
 
 def _variant(system: str, p: dict) -> str:
-    """Which code a point of ours measured: the points before grouped attention and lean norms, the current
-    defaults, or the current code keeping attention outputs for the recompute."""
+    """Which settings a point of ours measured: HF's norms with attention over all heads at once, lean norms
+    with one KV-head group at a time, or the latter also keeping attention outputs for the recompute."""
     if system != "ours":
         return ""
     if p.get("kept_attention_layers"):
         return "kept attention outputs"
-    return "grouped attention, lean norms" if p.get("grouped_attention") else "earlier code"
+    return "grouped attention, lean norms" if p.get("grouped_attention") else "HF norms, all-heads attention"
 
 
 def plot(data: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(12, 5.5))
     styles = {"ours": "tab:green", "alst": "tab:orange", "hf": "tab:blue"}
-    markers = {"": "o", "earlier code": "o", "grouped attention, lean norms": "s", "kept attention outputs": "^"}
+    markers = {"": "o", "HF norms, all-heads attention": "o", "grouped attention, lean norms": "s",
+               "kept attention outputs": "^"}
     for (system, mode, variant) in sorted({(r["system"], r["mode"], r["variant"]) for r in data}):
         pts = sorted((r for r in data if (r["system"], r["mode"], r["variant"]) == (system, mode, variant)
                       and r["status"] == "ok"), key=lambda r: r["seq_len"])

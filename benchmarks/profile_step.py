@@ -1,6 +1,6 @@
 """Where one forward + backward of ours spends its time: torch.profiler over one step (after a warm-up
-step), kernel time summed into buckets, written as JSON. This is the profile issue 5 asks for when a speed
-goal is missed.
+step), kernel time summed into buckets, written as JSON: what to look at when a step is slower than its
+attention kernels predict.
 
     python benchmarks/profile_step.py --model qwen3-4b --length 131072 --keep-attention-outputs true \
         --offload true --out profile.json

@@ -1,4 +1,6 @@
+import multiprocessing.process
 import os
+import subprocess
 import sys
 
 import pytest
@@ -21,3 +23,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(request, monkeypatch):
+    """Only tests marked slow (or gpu, which run elsewhere) may start a process: `-m "not slow"` stays fast."""
+    if request.node.get_closest_marker("slow") or request.node.get_closest_marker("gpu"):
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.slow")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)

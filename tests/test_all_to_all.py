@@ -1,5 +1,6 @@
 """The Ulysses all-to-all: correct placement, round trip is the identity, backward is the reverse."""
 
+import pytest
 import torch
 
 from tests.dist_utils import run_ranks
@@ -24,6 +25,7 @@ def _a2a(rank, world):
     return placed, identity, grad_ok
 
 
+@pytest.mark.slow
 def test_all_to_all_round_trip():
     for world in (2, 4):
         assert all(all(r) for r in run_ranks(world, _a2a)), f"world {world}"

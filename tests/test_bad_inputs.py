@@ -220,9 +220,7 @@ def _command(args: list[str], launcher: bool) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
 
 
-_two_ranks = pytest.mark.slow  # multi-rank: ~7 s each
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher,args_of,pattern", [
     pytest.param(False, lambda f: ["--max_steps", "0"], r"^error: max_steps must be > 0, got 0;",
                  id="python-max_steps"),
@@ -230,13 +228,13 @@ _two_ranks = pytest.mark.slow  # multi-rank: ~7 s each
                  id="python-text_field"),
     pytest.param(True, lambda f: ["--sp_size", "3"],
                  r"^error: sp_size=3 does not divide the world size 2; use one of \[1, 2\]",
-                 id="deepspeed-sp_size", marks=_two_ranks),
+                 id="deepspeed-sp_size"),
     pytest.param(True, lambda f: ["--deepspeed", str(f["bad_json"])],
                  r"^error: ZeRO config .*bad\.json is not valid JSON at line 3, column 36",
-                 id="deepspeed-zero_json", marks=_two_ranks),
+                 id="deepspeed-zero_json"),
     pytest.param(True, lambda f: ["--model_init_kwargs", '{"num_attention_heads": 3, "num_key_value_heads": 1}'],
                  r"^error: sp_size=2 does not divide the model's 3 query heads",
-                 id="deepspeed-heads", marks=_two_ranks),
+                 id="deepspeed-heads"),
 ])
 def test_real_command_exits_2_and_prints_once(launcher, args_of, pattern, files, tmp_path):
     out = tmp_path / "out"

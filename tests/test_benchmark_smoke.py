@@ -1,19 +1,40 @@
-"""The GPU benchmark entry point runs on CPU with the tiny preset, so a GPU session never meets a broken script."""
+"""The benchmark scripts run on CPU with the tiny preset, and every case of benchmarks/suite.py calls them with
+flags they accept, so a GPU machine never meets a broken script."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
+from benchmarks import suite
 from tests.dist_utils import train_env
 from ulysses_trainer.model.presets import preset_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def test_every_suite_case_calls_an_existing_script_with_flags_it_defines(tmp_path):
+    for case in suite.CASES:
+        for _, script, *args in suite.commands(case, str(tmp_path)):
+            source = (ROOT / script).read_text()
+            defined = set(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', source))
+            used = {a for a in args if a.startswith("--")}
+            assert used <= defined, (case, script, used - defined)
+            assert args[args.index("--out") + 1].startswith(str(tmp_path))
+
+
+def test_suite_refuses_an_unknown_case(capsys):
+    assert suite.main(["kernels", "no_such_case"]) == 2
+    assert "error: unknown case no_such_case" in capsys.readouterr().err
+
+
+
+@pytest.mark.slow
 def test_long_context_standin_probe_with_the_new_levers_holds_adam_states(tmp_path):
     out = tmp_path / "probe.json"
     cmd = [sys.executable, "benchmarks/long_context.py", "--system", "ours", "--model", "tiny", "--lengths", "256",
@@ -31,6 +52,7 @@ def test_long_context_standin_probe_with_the_new_levers_holds_adam_states(tmp_pa
     assert point["keep_attention_outputs"] is True and point["grouped_attention"] is True
 
 
+@pytest.mark.slow
 def test_profile_step_buckets_attention_and_matmuls(tmp_path):
     out = tmp_path / "profile.json"
     cmd = [sys.executable, "benchmarks/profile_step.py", "--model", "tiny", "--length", "128",

@@ -147,6 +147,7 @@ def _sp_rank(rank, world, rows, hidden, vocab, chunk_size):
     return total.item(), total_count.item(), h_local.grad.numpy(), w_local.grad.numpy()
 
 
+@pytest.mark.slow
 def test_sequence_parallel_sum_matches_single_process():
     rows, hidden, vocab = 1001, 16, 1237
     out = [(t, c, torch.from_numpy(gh), torch.from_numpy(gw))

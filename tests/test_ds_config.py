@@ -165,6 +165,7 @@ def _engine_step(rank, world_size, ds_path):
     return engine.train_batch_size(), engine.gradient_accumulation_steps(), engine.global_steps, changed
 
 
+@pytest.mark.slow
 def test_filled_config_builds_a_zero3_engine_on_cpu():
     out = run_ranks(2, _engine_step, ZERO3)
     for tbs, gas, steps, changed in out:

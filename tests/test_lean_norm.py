@@ -112,6 +112,7 @@ def _train_step(rank, world, lean: bool):
     return loss, {n: torch.from_numpy(g) for n, g in grads.items() if "norm" in n}
 
 
+@pytest.mark.slow
 def test_zero3_sp2_lean_equals_hf_norms():
     lean = run_ranks(2, _train_step, True)
     hf = run_ranks(2, _train_step, False)

@@ -265,6 +265,7 @@ def test_cli_bad_input_exit_2(args, needle, capsys):
     assert needle in err and len(err.splitlines()) == 1 and err.startswith("error:")
 
 
+@pytest.mark.slow
 def test_cli_calibrate_and_python_m(tmp_path):
     out = subprocess.run([sys.executable, "-m", "ulysses_trainer", "plan", "calibrate", "--results_dir",
                           str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=120)

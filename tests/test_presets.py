@@ -8,7 +8,7 @@ from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.model.load import build_model, checkpoint_source, load_model_config
 from ulysses_trainer.model.presets import PRESETS, preset_config
 
-# hidden, intermediate, layers, q heads, kv heads, tied (CONTRACT.md; Qwen/Qwen3-*B config.json)
+# hidden, intermediate, layers, q heads, kv heads, tied (Qwen/Qwen3-*B config.json)
 TABLE = {
     "qwen3-0.6b": (1024, 3072, 28, 16, 8, True),
     "qwen3-1.7b": (2048, 6144, 28, 16, 8, True),

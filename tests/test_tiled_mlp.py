@@ -112,6 +112,7 @@ def _tiled_vs_untiled(rank, world):
     return _engine_grads(rank, world, tiled=False), _engine_grads(rank, world, tiled=True)
 
 
+@pytest.mark.slow
 def test_tiled_matches_untiled_under_zero3():
     results = [[(loss, {n: torch.from_numpy(g) for n, g in grads.items()}) for loss, grads in rank_out]
                for rank_out in run_ranks(2, _tiled_vs_untiled, timeout=300)]

@@ -1,7 +1,7 @@
 """`ulysses-trainer SUBCOMMAND ...` (also `python -m ulysses_trainer SUBCOMMAND ...`).
 
 Subcommands register in SUBCOMMANDS as "name": ("module", "one-line help"); each module has
-main(argv) -> exit code. Training itself is launched with `deepspeed launch/train.py` (CONTRACT.md).
+main(argv) -> exit code. Training itself is launched with `deepspeed launch/train.py`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The typed training config: defaults < YAML recipe < `--name value` on the command line.
 
-Field names follow TRL's SFTConfig / TrainingArguments where TRL has one (CONTRACT.md); the rest
+Field names follow TRL's SFTConfig / TrainingArguments where TRL has one; the rest
 are ours. Every problem is a ConfigError (exit 2) whose message names the fix.
 """
 
@@ -301,7 +301,8 @@ def build_config(recipe: dict[str, Any] | None = None, overrides: dict[str, Any]
 
 
 def load_config(argv: list[str]) -> TrainConfig:
-    """Parse the command line (see CONTRACT.md). `--help` prints the fields and exits 0."""
+    """Parse `[--config RECIPE.yaml] [--name value ...]` (each value read as YAML; the command line
+    overrides the recipe, the recipe the defaults). `--help` prints the fields and exits 0."""
     if "--help" in argv or "-h" in argv:
         print(format_help())
         raise SystemExit(0)
@@ -313,7 +314,7 @@ def load_config(argv: list[str]) -> TrainConfig:
 # ---------------------------------------------------------------- validation
 def validate_config(cfg: TrainConfig, world_size: int) -> None:
     """Cross-field checks that need no model or data; raise ConfigError naming the fix."""
-    from .parallel.state import check_sp_shape  # parallel/ pulls in torch.distributed: import late
+    from .parallel.state import check_sp_shape  # parallel/ imports torch: import late
 
     def need(ok: bool, msg: str) -> None:
         if not ok:

@@ -2,7 +2,7 @@
 
 The trainer passes no mpu to DeepSpeed, so DeepSpeed counts every rank as data-parallel: its
 train_batch_size is micro × gas × world_size. Users think in sequences per optimizer step
-(micro × gas × dp_size, CONTRACT.md), so a train_batch_size written in the JSON is read that way.
+(micro × gas × dp_size), so a train_batch_size written in the JSON is read that way.
 
 The learning-rate schedule is always the trainer's (it needs the epoch length, resumes exactly and
 logs the rate), so a "scheduler" section is checked against the training config and removed.

@@ -1,4 +1,4 @@
-"""Errors that the command line turns into exit codes (CONTRACT.md)."""
+"""Errors that the command line turns into exit codes: 2 invalid input, 1 any other failure, 0 success."""
 
 
 class ConfigError(ValueError):

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import ConfigError
+from ..parallel.sharding import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 GRAD_GROUP = 8  # chunks whose dlogits are gathered before the gradient matmuls (see _ChunkedNLLSum)
 
 
@@ -156,7 +156,7 @@ class _ChunkedNLLSum(torch.autograd.Function):
 
 
 def chunked_nll_sum(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 256) -> Tensor:
-    """fp32 sum of token NLLs over labels != -100, never building the full logits.
+    """fp32 sum of token NLLs over labels != IGNORE_INDEX, never building the full logits.
 
     hidden [..., H], weight [V, H] (the lm_head weight, tied or not), labels [...] already shifted.
     Returns 0.0 (not NaN) when every label is ignored. Gradients are computed only for the inputs

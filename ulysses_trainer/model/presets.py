@@ -2,7 +2,7 @@
 
 Checked against the Qwen/Qwen3-*B config.json files on the Hub (and the Qwen3 technical report):
 all share vocab 151,936, head_dim 128, rope_theta 1e6, max_position_embeddings 40,960,
-rms_norm_eps 1e-6, no attention bias, SiLU MLP. They agree with CONTRACT.md's table. The Hub
+rms_norm_eps 1e-6, no attention bias, SiLU MLP. The Hub
 configs set eos_token_id 151645 (<|im_end|>, the chat models); the presets use 151643
 (<|endoftext|>), the document separator of the pretraining-style data the builder makes.
 """

@@ -1,4 +1,5 @@
-"""Start torch.distributed through DeepSpeed, without DeepSpeed's CPU shared-memory all-reduce op.
+"""Start and end the process group: torch.distributed through DeepSpeed, without DeepSpeed's CPU
+shared-memory all-reduce op; a barrier; teardown.
 
 On the CPU accelerator `deepspeed.init_distributed` JIT-compiles `deepspeed_shm_comm` (about 30 s
 per new venv path, under a file lock in ~/.cache/torch_extensions that a killed build leaves
@@ -22,3 +23,33 @@ def init_distributed(backend: str) -> None:
         # DeepSpeed builds the op only where its compatibility table says it can (comm/torch.py)
         deepspeed.ops.__compatible_ops__[SHM_OP] = False
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def _initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    """Wait for every rank; a no-op without a process group."""
+    import torch.distributed as dist
+
+    if _initialized():
+        dist.barrier()
+
+
+def shutdown(together: bool) -> None:
+    """Tear the process group down before exit: a rank that exits while gloo's threads still run can
+    abort in teardown ("terminate called without an active exception", exit -6 instead of its code).
+    After success the ranks leave together (barrier); after a failure they do not wait for each other."""
+    import torch.distributed as dist
+
+    if not _initialized():
+        return
+    try:
+        if together:
+            dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - teardown must not hide the run's own outcome
+        pass

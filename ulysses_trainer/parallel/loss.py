@@ -1,7 +1,8 @@
-"""Loss normalisation over the whole optimizer step (CONTRACT.md).
+"""Loss normalisation over the whole optimizer step.
 
 The step minimises sum(token losses) / (valid tokens in the step), over every dp rank, sp shard and
-accumulation micro-step. Each rank knows only its own sums, so the count is all-reduced first.
+accumulation micro-step; a rank or micro-step without valid tokens adds 0, never NaN. Each rank
+knows only its own sums, so the count is all-reduced first.
 """
 
 from __future__ import annotations

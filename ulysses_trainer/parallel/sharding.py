@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # a label that is not trained on (torch cross_entropy's default ignore_index)
 
 
 @dataclass

@@ -11,17 +11,12 @@ import os
 import shutil
 
 import torch
-import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..parallel.init import barrier
 
 TAG = "ds"  # DeepSpeed's tag directory inside each checkpoint-<step>/
 LATEST = "latest"
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def _fsync_tree(path: str) -> None:
@@ -56,9 +51,9 @@ def save_checkpoint(engine, output_dir: str, step: int, client_state: dict, is_m
     tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
+    barrier()
     engine.save_checkpoint(tmp, tag=TAG, client_state=client_state)
-    _barrier()
+    barrier()
     if is_main:
         _fsync_tree(tmp)
         if os.path.exists(final):  # the same step saved again after a resume
@@ -66,7 +61,7 @@ def save_checkpoint(engine, output_dir: str, step: int, client_state: dict, is_m
         os.rename(tmp, final)
         _fsync_dir(output_dir)
         _write_atomic(os.path.join(output_dir, LATEST), f"checkpoint-{step}\n")
-    _barrier()
+    barrier()
     return final
 
 
@@ -104,7 +99,7 @@ def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix:
     state = engine._zero3_consolidated_16bit_state_dict()
     target = os.path.join(output_dir, "final")
     if not is_main:
-        _barrier()
+        barrier()
         return None
     state = {k.removeprefix(prefix): v for k, v in state.items()}
     config._attn_implementation = "sdpa"  # the export loads anywhere, without our SP attention
@@ -123,5 +118,5 @@ def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix:
     _fsync_tree(tmp)
     shutil.rmtree(target, ignore_errors=True)
     os.rename(tmp, target)
-    _barrier()
+    barrier()
     return target

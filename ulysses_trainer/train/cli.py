@@ -1,6 +1,6 @@
 """`deepspeed launch/train.py [--config RECIPE.yaml] [--name value ...]`: parse, check, train.
 
-Exit codes (CONTRACT.md): 0 success or clean stop on SIGTERM; 2 invalid input, reported before any
+Exit codes: 0 success or clean stop on SIGTERM; 2 invalid input, reported before any
 heavy work with nothing written; 1 any other failure.
 """
 
@@ -14,6 +14,7 @@ import time
 import traceback
 
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
+from ..parallel.init import init_distributed, shutdown
 
 # A non-main rank waits this long before reporting its error itself: the launcher ends it as soon as
 # rank 0 (which fails the same way and prints) exits, so the message appears once, not per rank.
@@ -42,29 +43,11 @@ def _free_port() -> int:
 
 
 def _init_distributed(device: str) -> None:
-    from ..parallel.init import init_distributed
-
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         # `python launch/train.py` without a launcher: a one-rank group (DeepSpeed would try MPI)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     init_distributed("nccl" if device == "cuda" else "gloo")
-
-
-def _shutdown(together: bool) -> None:
-    """Tear the process group down before exit: a rank that exits while gloo's threads still run can
-    abort in teardown ("terminate called without an active exception", exit -6 instead of its code).
-    After success the ranks leave together (barrier); after a failure they do not wait for each other."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    try:
-        if together:
-            dist.barrier()
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - teardown must not hide the run's own outcome
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _init_distributed(plan.device)
         code = Trainer(plan).train() or EXIT_OK
-        _shutdown(together=True)
+        shutdown(together=True)
         return code
     except ConfigError as exc:  # found only once the engine exists (e.g. host RAM for offload)
         _report(f"error: {exc}")
@@ -97,5 +80,5 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         traceback.print_exc()
         code = EXIT_FAILURE
-    _shutdown(together=False)
+    shutdown(together=False)
     return code

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-IGNORE_INDEX = -100
+from ..parallel.sharding import IGNORE_INDEX
+
 GIB = 1024**3
 
 

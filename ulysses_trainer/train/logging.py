@@ -1,4 +1,5 @@
-"""The reference-style log line on stdout and metrics.jsonl (CONTRACT.md)."""
+"""The reference-style log line on stdout (`{'loss': ..., 'grad_norm': ..., ...}`) and metrics.jsonl
+(one JSON object per logged step, full float precision)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Model FLOPs and memory readings for the log (CONTRACT.md metrics.jsonl)."""
+"""Model FLOPs and memory readings for the log (metrics.jsonl's tflops_per_gpu and peak memory keys)."""
 
 from __future__ import annotations
 
