@@ -31,7 +31,7 @@ from .loss_head import LossHead
 
 @dataclass
 class ParallelizeConfig:
-    """The levers, as switches (CONTRACT.md names)."""
+    """The levers, as switches (named as the config fields)."""
 
     attn_implementation: str = "auto"
     loss_type: str = "chunked_nll"
