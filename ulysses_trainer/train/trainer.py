@@ -27,6 +27,7 @@ from .logging import MetricsFile, log_line
 from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, train_flops_per_sequence
 from .position_loss import write_per_position_loss
 from .prepare import RunPlan
+from .reporters import Reporters, resolve_report_to
 
 
 class NonFiniteError(RuntimeError):
@@ -74,6 +75,8 @@ class Trainer:
         self.model = self._build_model()
         self.engine = self._build_engine()
         self.metrics = MetricsFile(self.cfg.output_dir)
+        self.reporters = Reporters(resolve_report_to(self.cfg.report_to), self.cfg.output_dir,
+                                   config_to_dict(self.cfg))
 
     # ------------------------------------------------------------------ setup
     def _build_model(self) -> SequenceParallelCausalLM:
@@ -213,6 +216,7 @@ class Trainer:
         torch.set_rng_state(client["rng_cpu"])
         if self.state.is_main:
             self.metrics.truncate_after(self.step)
+            self.reporters.resume_at(self.step)
             print(f"[ulysses_trainer] resumed from {path} at step {self.step}", flush=True)
 
     def train(self) -> int:
@@ -251,6 +255,7 @@ class Trainer:
                 bar.close()
                 return 0
         bar.close()
+        self.reporters.close()  # (a stopped run's rows are flushed as they are logged)
         if cfg.plot_per_position_loss:
             write_per_position_loss(self.engine, self.model, self._micro_batches(self.step - 1)[-1], self.state,
                                     cfg.loss_chunk_size, cfg.max_length,
@@ -298,8 +303,11 @@ class Trainer:
         if self.state.is_main:
             bar.write(log_line(row))
             self.metrics.append(row)
+            self.reporters.log(row)
 
     def _log_eval(self, eval_loss: float, bar) -> None:
         if self.state.is_main:
             bar.write(str({"eval_loss": round(eval_loss, 4), "step": self.step}))
-            self.metrics.append({"step": self.step, "eval_loss": eval_loss})
+            row = {"step": self.step, "eval_loss": eval_loss}
+            self.metrics.append(row)
+            self.reporters.log(row)
