@@ -21,7 +21,7 @@ from ..model.parallelize import ParallelizeConfig, SequenceParallelCausalLM, lay
 from ..parallel.comm import all_reduce
 from ..parallel.loss import global_loss, loss_for_backward, step_token_count
 from ..parallel.sharding import Shard, shard_batch
-from ..parallel.state import ParallelState, make_parallel_state
+from ..parallel.state import ParallelState, make_parallel_state, ranks_per_node
 from . import checkpoint as ckpt
 from .logging import MetricsFile, log_line
 from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, train_flops_per_sequence
@@ -91,7 +91,7 @@ class Trainer:
                                  activation_offload=cfg.activation_offload, host_memory_gb=cfg.host_memory_gb,
                                  keep_attention_outputs=cfg.keep_attention_outputs,
                                  local_seq_len=plan.padded_length // plan.sp_size,
-                                 ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+                                 ranks_per_host=ranks_per_node())
         return parallelize(model, self.state, pcfg)
 
     def _build_engine(self):
