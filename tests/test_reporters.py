@@ -108,3 +108,57 @@ def test_real_command_report_to_tensorboard_has_the_losses_of_metrics_jsonl(tmp_
     for key in ("loss", "grad_norm", "learning_rate", "num_tokens", "epoch", "tokens_per_s"):
         assert ev[f"train/{key}"] == [(r["step"], f32(r[key])) for r in train], key
     assert ev["eval/loss"] == [(2, f32(evals[0]["eval_loss"]))]
+
+
+def read_wandb_history(run_file: Path) -> dict[int, dict[str, float]]:
+    """{step: {tag: value}} from an offline run's .wandb file: a LevelDB-style log (7-byte file header, 32 KiB
+    blocks, records of crc32 / length / type + payload, split across blocks) of wandb Record protos."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block, pos, part, history = run_file.read_bytes(), 32768, 7, b"", {}
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        part, pos = part + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            record = pb.Record()
+            record.ParseFromString(part)
+            part = b""
+            if record.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                items = {k: v for k, v in items.items() if not k.startswith("_")}  # wandb's _step, _runtime
+                history.setdefault(record.history.step.num, {}).update(items)
+    return history
+
+
+@pytest.mark.slow  # wandb starts its own service process
+def test_wandb_reporter_offline_logs_the_rows_at_their_steps(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is optional (report_to wandb needs it installed)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    rows = [{"step": 1, "loss": 11.25, "grad_norm": 1.5, "num_tokens": 256},
+            {"step": 2, "loss": 10.75, "grad_norm": 1.25, "num_tokens": 512}, {"step": 2, "eval_loss": 10.5}]
+    rep = Reporters(["wandb"], str(tmp_path), {"learning_rate": 1e-3})
+    for row in rows:
+        rep.log(row)
+    rep.close()
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    assert read_wandb_history(run_file) == {
+        1: {"train/loss": 11.25, "train/grad_norm": 1.5, "train/num_tokens": 256},
+        2: {"train/loss": 10.75, "train/grad_norm": 1.25, "train/num_tokens": 512, "eval/loss": 10.5}}
+
+
+@pytest.mark.slow  # wandb starts its own service process
+def test_wandb_without_a_login_is_a_config_error_naming_offline_mode(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is optional (report_to wandb needs it installed)")
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    rep = Reporters(["wandb"], str(tmp_path / "out"), {})
+    with pytest.raises(ConfigError, match=r"^report_to wandb: .*WANDB_MODE=offline"):
+        rep.open()

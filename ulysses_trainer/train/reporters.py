@@ -77,14 +77,22 @@ class WandbReporter:
         import wandb
 
         project = os.environ.get("WANDB_PROJECT", "ulysses_trainer")
-        self.run = wandb.init(project=project, dir=output_dir, config=config,
-                              name=os.path.basename(os.path.normpath(output_dir)))
+        self._wandb = wandb
+        try:
+            self.run = wandb.init(project=project, dir=output_dir, config=config,
+                                  name=os.path.basename(os.path.normpath(output_dir)))
+        except wandb.errors.UsageError as exc:  # e.g. no API key, no tty to ask for one
+            raise ConfigError(f"report_to wandb: {exc} (or set WANDB_API_KEY, or WANDB_MODE=offline to log "
+                              f"without an account)") from None
 
     def log(self, row: dict) -> None:
         self.run.log(_scalars(row), step=row["step"])
 
     def close(self) -> None:
         self.run.finish()
+        # finish() can return before wandb's service has written the run file (offline: 1 in ~3 runs of
+        # wandb 0.31 left only its header); the service's shutdown waits for it
+        self._wandb.teardown()
 
 
 class Reporters:
@@ -99,19 +107,21 @@ class Reporters:
         """Rows up to `step` are already logged (by the run this one resumes)."""
         self.resume_step = step
 
-    def _reporters(self) -> list[Any]:
-        if self._open is None:
-            self._open = []
-            for name in self.names:
-                if name == "tensorboard":
-                    purge = None if self.resume_step is None else self.resume_step + 1
-                    self._open.append(TensorBoardReporter(os.path.join(self.output_dir, TENSORBOARD_DIR), purge))
-                elif name == "wandb":
-                    self._open.append(WandbReporter(self.output_dir, self.config))
-        return self._open
+    def open(self) -> None:
+        """Start the reporters now (else at the first row): a wandb login problem shows before training."""
+        if self._open is not None:
+            return
+        self._open = []
+        for name in self.names:
+            if name == "tensorboard":
+                purge = None if self.resume_step is None else self.resume_step + 1
+                self._open.append(TensorBoardReporter(os.path.join(self.output_dir, TENSORBOARD_DIR), purge))
+            elif name == "wandb":
+                self._open.append(WandbReporter(self.output_dir, self.config))
 
     def log(self, row: dict) -> None:
-        for reporter in self._reporters():
+        self.open()
+        for reporter in self._open:
             reporter.log(row)
 
     def close(self) -> None:

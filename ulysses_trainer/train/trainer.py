@@ -16,6 +16,7 @@ from transformers import get_scheduler
 
 from ..attention.stash import bytes_per_layer as stash_bytes_per_layer
 from ..config import config_to_dict
+from ..errors import ConfigError
 from ..model.load import build_model, checkpoint_source
 from ..model.parallelize import ParallelizeConfig, SequenceParallelCausalLM, layer_working_set_bytes, parallelize
 from ..parallel.comm import all_reduce
@@ -227,6 +228,7 @@ class Trainer:
                 json.dump(config_to_dict(cfg), f, indent=1)
         if plan.resume_path:  # found and checked by prepare()
             self.resume(plan.resume_path)
+        self._open_reporters()
         self.stop.install()
         saving = cfg.save_strategy != "no"
         flops_per_step = train_flops_per_sequence(plan.model_config, cfg.max_length) * plan.sequences_per_step
@@ -267,6 +269,18 @@ class Trainer:
             self._save()
         ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, plan.tokenizer, self.state.is_main)
         return 0
+
+    def _open_reporters(self) -> None:
+        """Rank 0 starts the report_to reporters; if that fails (e.g. no wandb login) every rank stops
+        here, before the first step, with rank 0's message."""
+        error = None
+        if self.state.is_main:
+            try:
+                self.reporters.open()
+            except ConfigError as exc:
+                error = exc
+        if all_reduce(torch.tensor([float(error is not None)]), "max").item() > 0:
+            raise error or ConfigError("report_to: rank 0 could not start its reporters (see its error)")
 
     def _non_finite_step(self, loss: float, grad_norm: float, update_discarded: bool, bar) -> None:
         """nan_policy for a step whose global loss or gradient norm is not finite (same on every rank).
