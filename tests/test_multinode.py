@@ -78,7 +78,7 @@ def test_two_nodes_through_a_hostfile_sp2_inside_dp2_across_equal_one_node_dp2(t
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
     out, port = tmp_path / "two_nodes", free_port()
-    deepspeed = str(Path(sys.executable).with_name("deepspeed"))
+    deepspeed = train_command(1, [])[0]  # the venv's launcher
     nodes = [subprocess.Popen([deepspeed, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(n),
                                "--master_addr", "127.0.0.1", "--master_port", str(port), "launch/train.py",
                                *ARGS, "--sp_size", "2", "--output_dir", str(out)],

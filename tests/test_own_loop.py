@@ -50,7 +50,7 @@ def test_fill_zero_config_fills_every_auto_of_the_shipped_json():
     assert "optimizer" not in ds  # the caller passes its own
 
 
-def test_fill_zero_config_keeps_the_optimizer_for_deepspeed_when_asked(tmp_path):
+def test_fill_zero_config_keeps_the_optimizer_for_deepspeed_when_asked():
     ds = fill_zero_config(ROOT / "ds_configs" / "zero3_offload.json", world_size=2, dp_size=2, lr=2e-5,
                           betas=(0.9, 0.95), weight_decay=0.1, deepspeed_optimizer=True)
     assert ds["optimizer"]["params"] == {"lr": 2e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
