@@ -101,6 +101,9 @@ class TrainConfig:
     save_strategy: SaveStrategy = _f("steps", "no = write no checkpoint and no final export (benchmarks, dry runs)")
     save_total_limit: Union[int, None] = _f(None, "keep at most N checkpoints; null = all")
     eval_steps: Union[int, None] = _f(None, "evaluate every N steps; null = never")
+    report_to: Union[str, list] = _f(
+        "auto", "also log the metrics to: none, tensorboard (output_dir/runs/), wandb, a list of them, all "
+        "(every installed one) or auto (tensorboard when installed)")
     resume_from_checkpoint: Union[str, bool, None] = _f(
         None, "checkpoint dir to resume from; true = the latest in output_dir")
 
@@ -121,7 +124,7 @@ def _describe(tp: Any) -> str:
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
-            dict: "a mapping", type(None): "null"}.get(tp, str(tp))
+            dict: "a mapping", list: "a list", type(None): "null"}.get(tp, str(tp))
 
 
 _NO = object()
@@ -166,6 +169,8 @@ def _coerce(value: Any, tp: Any) -> Any:
         return str(value) if isinstance(value, int) and not isinstance(value, bool) else _NO
     if tp is dict:
         return value if isinstance(value, dict) else _NO
+    if tp is list:
+        return value if isinstance(value, list) else _NO
     raise TypeError(f"unsupported annotation {tp}")  # a programming error, not user input
 
 
@@ -380,6 +385,9 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             and Path(cfg.dataset_name).exists():
         raise ConfigError(f"eval_steps is set but dataset_name {cfg.dataset_name} is a local path with no "
                           f"test split; set eval_dataset_name to the evaluation data (or eval_steps null)")
+    from .train.reporters import resolve_report_to
+
+    resolve_report_to(cfg.report_to)  # a known name, and its package installed
     if cfg.model_init_kwargs is not None:
         bad = sorted(set(cfg.model_init_kwargs) & {"torch_dtype", "dtype", "attn_implementation"})
         need(not bad, f"model_init_kwargs may not set {bad}: use the bf16 and attn_implementation fields")

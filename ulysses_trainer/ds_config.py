@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,6 +238,41 @@ def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, de
         raise ConfigError(f"{source} has \"auto\" at {', '.join(left)}, which this trainer does not fill; "
                           f"write a value there")
     return ds, out_spec
+
+
+def fill_zero_config(config: str | os.PathLike | dict, *, world_size: int, dp_size: int, micro_batch: int = 1,
+                     grad_accum: int = 1, lr: float = 1e-4, bf16: bool = False, max_grad_norm: float = 1.0,
+                     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                     hidden_size: int | None = None, deepspeed_optimizer: bool = False) -> dict:
+    """A ZeRO JSON (path or dict) with every "auto" filled, ready for `deepspeed.initialize(config=...)`.
+
+    For a loop of your own; the trainer fills its JSON from the recipe the same way. `world_size` and
+    `dp_size` are the ParallelState's: DeepSpeed, given no mpu, counts every rank as data-parallel, so
+    train_batch_size becomes micro_batch x grad_accum x world_size (an explicit train_batch_size in
+    the JSON is read as sequences per optimizer step, micro_batch x grad_accum x dp_size).
+    `hidden_size` sizes the ZeRO buckets that say "auto" (DeepSpeed's defaults without it).
+
+    With `deepspeed_optimizer` False (the default) the JSON's "optimizer" section is removed: pass your
+    own optimizer to deepspeed.initialize (DeepSpeed's Adam needs CUDA or a compiler). True keeps it,
+    filled from lr, betas, eps and weight_decay, for DeepSpeed to build. A "scheduler" section is left
+    as written (it may not say "auto"). An explicit value that disagrees with an argument, or an
+    unreadable JSON, raises ConfigError (a ValueError) naming the fix.
+    """
+    raw = load_ds_config(os.fspath(config) if isinstance(config, os.PathLike) else config)
+    source = "the ZeRO config" if isinstance(config, dict) else str(config)
+    sched = raw.pop("scheduler", None)  # yours to pass to DeepSpeed as written (the trainer uses its own)
+    cfg = TrainConfig(per_device_train_batch_size=micro_batch, gradient_accumulation_steps=grad_accum,
+                      learning_rate=lr, bf16=bf16, max_grad_norm=max_grad_norm, adam_beta1=betas[0],
+                      adam_beta2=betas[1], adam_epsilon=eps, weight_decay=weight_decay)
+    ds, _ = fill_ds_config(raw, cfg, world_size, dp_size, device_is_cuda=False, hidden_size=hidden_size,
+                           use_deepspeed_optimizer=deepspeed_optimizer, source=source)
+    if sched is not None:
+        left = _find_auto(sched)
+        if left:
+            raise ConfigError(f"{source} has \"auto\" at scheduler.{', scheduler.'.join(left)}; write values "
+                              f"there or remove the section and pass lr_scheduler to deepspeed.initialize")
+        ds["scheduler"] = sched
+    return ds
 
 
 def _check_scheduler(sched: Any, cfg: TrainConfig, total_steps: int | None, source: str, f: _Filler) -> None:

@@ -14,6 +14,24 @@ from __future__ import annotations
 SHM_OP = "deepspeed_shm_comm"
 
 
+def destroy_distributed(together: bool = True) -> None:
+    """End the process group before the process exits (a no-op without one).
+
+    A rank that exits while gloo's threads still run can abort in teardown ("terminate called without
+    an active exception", exit -6 instead of its code). `together`: wait for every rank first (after
+    success); False after a failure, when the other ranks may never arrive."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if together:
+            dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - teardown must not hide the run's own outcome
+        pass
+
+
 def init_distributed(backend: str) -> None:
     """`deepspeed.init_distributed(backend)`; on "gloo" the shared-memory op is neither built nor mapped."""
     import deepspeed

@@ -1,11 +1,14 @@
 """dp × sp process groups, built once and passed explicitly.
 
-Layout: ranks [i*sp, (i+1)*sp) form one SP group (consecutive ranks share a node and its fast
-links); ranks with the same sp_rank form one DP group. world = dp * sp.
+Layout: ranks [i*sp, (i+1)*sp) form one SP group; ranks with the same sp_rank form one DP group.
+world = dp * sp. Launchers number ranks node by node (the deepspeed launcher gives node n the ranks
+[n*slots, (n+1)*slots)), so when sp divides the ranks per node every SP group (all-to-all in every
+layer) lies inside one node and its fast links, and only DP's gradient reduction crosses nodes.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +59,19 @@ class ParallelState:
         return self.rank == 0
 
 
+def group_ranks(world_size: int, sp_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(SP groups, DP groups) as rank lists: SP groups are runs of consecutive ranks."""
+    dp = world_size // sp_size
+    sp_groups = [list(range(i * sp_size, (i + 1) * sp_size)) for i in range(dp)]
+    dp_groups = [list(range(j, world_size, sp_size)) for j in range(sp_size)]
+    return sp_groups, dp_groups
+
+
+def ranks_per_node() -> int:
+    """Ranks on this node, from the launcher: LOCAL_SIZE (deepspeed) or LOCAL_WORLD_SIZE (torchrun); else 1."""
+    return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+
+
 def single_process_state() -> ParallelState:
     """The state of an unsharded run (no process group needed)."""
     return ParallelState(world_size=1, rank=0, sp_size=1, sp_rank=0, dp_size=1, dp_rank=0)
@@ -76,13 +92,12 @@ def make_parallel_state(sp_size: int | None = None) -> ParallelState:
     check_sp_shape(sp, world)
     dp = world // sp
     sp_group = dp_group = None
-    for i in range(dp):  # SP groups: consecutive ranks
-        ranks = list(range(i * sp, (i + 1) * sp))
+    sp_ranks, dp_ranks = group_ranks(world, sp)
+    for ranks in sp_ranks:  # consecutive ranks: inside a node when sp divides the ranks per node
         g = dist.new_group(ranks) if sp > 1 else None
         if rank in ranks:
             sp_group = g
-    for j in range(sp):  # DP groups: same position inside each SP group
-        ranks = list(range(j, world, sp))
+    for ranks in dp_ranks:  # the same position inside each SP group: across nodes
         g = dist.new_group(ranks) if dp > 1 else None
         if rank in ranks:
             dp_group = g

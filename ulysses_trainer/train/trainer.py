@@ -16,17 +16,19 @@ from transformers import get_scheduler
 
 from ..attention.stash import bytes_per_layer as stash_bytes_per_layer
 from ..config import config_to_dict
+from ..errors import ConfigError
 from ..model.load import build_model, checkpoint_source
 from ..model.parallelize import ParallelizeConfig, SequenceParallelCausalLM, layer_working_set_bytes, parallelize
 from ..parallel.comm import all_reduce
 from ..parallel.loss import global_loss, loss_for_backward, step_token_count
 from ..parallel.sharding import Shard, shard_batch
-from ..parallel.state import ParallelState, make_parallel_state
+from ..parallel.state import ParallelState, make_parallel_state, ranks_per_node
 from . import checkpoint as ckpt
 from .logging import MetricsFile, log_line
 from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, train_flops_per_sequence
 from .position_loss import write_per_position_loss
 from .prepare import RunPlan
+from .reporters import Reporters, resolve_report_to
 
 
 class NonFiniteError(RuntimeError):
@@ -74,6 +76,8 @@ class Trainer:
         self.model = self._build_model()
         self.engine = self._build_engine()
         self.metrics = MetricsFile(self.cfg.output_dir)
+        self.reporters = Reporters(resolve_report_to(self.cfg.report_to), self.cfg.output_dir,
+                                   config_to_dict(self.cfg))
 
     # ------------------------------------------------------------------ setup
     def _build_model(self) -> SequenceParallelCausalLM:
@@ -88,7 +92,7 @@ class Trainer:
                                  activation_offload=cfg.activation_offload, host_memory_gb=cfg.host_memory_gb,
                                  keep_attention_outputs=cfg.keep_attention_outputs,
                                  local_seq_len=plan.padded_length // plan.sp_size,
-                                 ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+                                 ranks_per_host=ranks_per_node())
         return parallelize(model, self.state, pcfg)
 
     def _build_engine(self):
@@ -213,6 +217,7 @@ class Trainer:
         torch.set_rng_state(client["rng_cpu"])
         if self.state.is_main:
             self.metrics.truncate_after(self.step)
+            self.reporters.resume_at(self.step)
             print(f"[ulysses_trainer] resumed from {path} at step {self.step}", flush=True)
 
     def train(self) -> int:
@@ -223,6 +228,7 @@ class Trainer:
                 json.dump(config_to_dict(cfg), f, indent=1)
         if plan.resume_path:  # found and checked by prepare()
             self.resume(plan.resume_path)
+        self._open_reporters()
         self.stop.install()
         saving = cfg.save_strategy != "no"
         flops_per_step = train_flops_per_sequence(plan.model_config, cfg.max_length) * plan.sequences_per_step
@@ -251,6 +257,7 @@ class Trainer:
                 bar.close()
                 return 0
         bar.close()
+        self.reporters.close()  # (a stopped run's rows are flushed as they are logged)
         if cfg.plot_per_position_loss:
             write_per_position_loss(self.engine, self.model, self._micro_batches(self.step - 1)[-1], self.state,
                                     cfg.loss_chunk_size, cfg.max_length,
@@ -262,6 +269,18 @@ class Trainer:
             self._save()
         ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, plan.tokenizer, self.state.is_main)
         return 0
+
+    def _open_reporters(self) -> None:
+        """Rank 0 starts the report_to reporters; if that fails (e.g. no wandb login) every rank stops
+        here, before the first step, with rank 0's message."""
+        error = None
+        if self.state.is_main:
+            try:
+                self.reporters.open()
+            except ConfigError as exc:
+                error = exc
+        if all_reduce(torch.tensor([float(error is not None)]), "max").item() > 0:
+            raise error or ConfigError("report_to: rank 0 could not start its reporters (see its error)")
 
     def _non_finite_step(self, loss: float, grad_norm: float, update_discarded: bool, bar) -> None:
         """nan_policy for a step whose global loss or gradient norm is not finite (same on every rank).
@@ -298,8 +317,11 @@ class Trainer:
         if self.state.is_main:
             bar.write(log_line(row))
             self.metrics.append(row)
+            self.reporters.log(row)
 
     def _log_eval(self, eval_loss: float, bar) -> None:
         if self.state.is_main:
             bar.write(str({"eval_loss": round(eval_loss, 4), "step": self.step}))
-            self.metrics.append({"step": self.step, "eval_loss": eval_loss})
+            row = {"step": self.step, "eval_loss": eval_loss}
+            self.metrics.append(row)
+            self.reporters.log(row)

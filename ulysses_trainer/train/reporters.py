@@ -1,0 +1,130 @@
+"""`report_to` (TRL's name): every metrics.jsonl row also goes to TensorBoard and/or Weights & Biases.
+
+Tags follow the HF Trainer's: `train/loss`, `train/grad_norm`, ... for a train row, `eval/loss` for
+an eval row, at global step = the row's `step`. Reporters open on the first row (nothing is written
+before the run starts) and only rank 0 logs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+from ..errors import ConfigError
+
+REPORTERS = ("tensorboard", "wandb")
+TENSORBOARD_DIR = "runs"  # output_dir/runs/, as the HF Trainer's default logging_dir
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def resolve_report_to(value: str | list) -> list[str]:
+    """The reporters to open. `auto`: tensorboard when its package is installed, else none; `all`: every
+    installed one; `none`: none; a name or a list of names: those, each of which must be installed."""
+    if value == "auto":
+        return ["tensorboard"] if _installed("tensorboard") else []
+    if value == "all":
+        return [r for r in REPORTERS if _installed(r)]
+    names = [value] if isinstance(value, str) else list(value)
+    if names == ["none"] or not names:
+        return []
+    bad = [n for n in names if n not in REPORTERS]
+    if bad:
+        raise ConfigError(f"report_to {bad[0]!r} is not supported; use none, tensorboard, wandb, a list of them "
+                          f"(e.g. [tensorboard, wandb]), all, or auto (tensorboard when installed)")
+    for name in names:
+        if not _installed(name):
+            raise ConfigError(f"report_to {name} needs the {name} package: pip install {name}"
+                              + (" (WANDB_MODE=offline logs without an account)" if name == "wandb" else "")
+                              + f", or drop {name} from report_to")
+    return list(dict.fromkeys(names))
+
+
+def tag(key: str) -> str:
+    """metrics.jsonl key -> reporter tag: eval_loss -> eval/loss, loss -> train/loss."""
+    return "eval/" + key[len("eval_"):] if key.startswith("eval_") else "train/" + key
+
+
+def _scalars(row: dict) -> dict[str, float]:
+    return {tag(k): float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+
+
+class TensorBoardReporter:
+    """Event files in output_dir/runs/, read by `tensorboard --logdir output_dir/runs`."""
+
+    def __init__(self, log_dir: str, purge_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step: a resumed run drops the events past its checkpoint, as metrics.jsonl drops its rows
+        self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
+
+    def log(self, row: dict) -> None:
+        for name, value in _scalars(row).items():
+            self.writer.add_scalar(name, value, global_step=row["step"])
+        self.writer.flush()  # a killed run keeps what it logged
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbReporter:
+    """A wandb run in output_dir (WANDB_MODE=offline, WANDB_PROJECT and the other WANDB_* are wandb's own)."""
+
+    def __init__(self, output_dir: str, config: dict[str, Any]):
+        import wandb
+
+        project = os.environ.get("WANDB_PROJECT", "ulysses_trainer")
+        self._wandb = wandb
+        try:
+            self.run = wandb.init(project=project, dir=output_dir, config=config,
+                                  name=os.path.basename(os.path.normpath(output_dir)))
+        except wandb.errors.UsageError as exc:  # e.g. no API key, no tty to ask for one
+            raise ConfigError(f"report_to wandb: {exc} (or set WANDB_API_KEY, or WANDB_MODE=offline to log "
+                              f"without an account)") from None
+
+    def log(self, row: dict) -> None:
+        self.run.log(_scalars(row), step=row["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+        # finish() can return before wandb's service has written the run file (offline: 1 in ~3 runs of
+        # wandb 0.31 left only its header); the service's shutdown waits for it
+        self._wandb.teardown()
+
+
+class Reporters:
+    """The `report_to` reporters of one run, opened on the first row they get."""
+
+    def __init__(self, names: list[str], output_dir: str, config: dict[str, Any]):
+        self.names, self.output_dir, self.config = names, output_dir, config
+        self.resume_step: int | None = None
+        self._open: list[Any] | None = None
+
+    def resume_at(self, step: int) -> None:
+        """Rows up to `step` are already logged (by the run this one resumes)."""
+        self.resume_step = step
+
+    def open(self) -> None:
+        """Start the reporters now (else at the first row): a wandb login problem shows before training."""
+        if self._open is not None:
+            return
+        self._open = []
+        for name in self.names:
+            if name == "tensorboard":
+                purge = None if self.resume_step is None else self.resume_step + 1
+                self._open.append(TensorBoardReporter(os.path.join(self.output_dir, TENSORBOARD_DIR), purge))
+            elif name == "wandb":
+                self._open.append(WandbReporter(self.output_dir, self.config))
+
+    def log(self, row: dict) -> None:
+        self.open()
+        for reporter in self._open:
+            reporter.log(row)
+
+    def close(self) -> None:
+        for reporter in self._open or []:
+            reporter.close()
+        self._open = None
