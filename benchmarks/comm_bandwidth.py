@@ -61,10 +61,10 @@ def main() -> None:
         gathered = torch.empty(numel * n, device=dev, dtype=dtype)
         scattered = torch.empty(numel // n, device=dev, dtype=dtype)
         ops = {
-            "all_to_all": (lambda: dist.all_to_all_single(out_a2a, x), nbytes, (n - 1) / n),
-            "all_gather": (lambda: dist.all_gather_into_tensor(gathered, x), nbytes * n, (n - 1) / n),
-            "reduce_scatter": (lambda: dist.reduce_scatter_tensor(scattered, x), nbytes, (n - 1) / n),
-            "all_reduce": (lambda: dist.all_reduce(x), nbytes, 2 * (n - 1) / n),
+            "all_to_all": (lambda o=out_a2a, i=x: dist.all_to_all_single(o, i), nbytes, (n - 1) / n),
+            "all_gather": (lambda o=gathered, i=x: dist.all_gather_into_tensor(o, i), nbytes * n, (n - 1) / n),
+            "reduce_scatter": (lambda o=scattered, i=x: dist.reduce_scatter_tensor(o, i), nbytes, (n - 1) / n),
+            "all_reduce": (lambda i=x: dist.all_reduce(i), nbytes, 2 * (n - 1) / n),
         }
         for op, (fn, alg_bytes, factor) in ops.items():
             t = _time(fn, sync, args.iters)

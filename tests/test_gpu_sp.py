@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 def _run(num_gpus: int, sp: int, out: Path) -> list[dict]:
     cmd = train_command(num_gpus, [*ARGS, "--sp_size", str(sp), "--output_dir", str(out)])
     proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-4000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 

@@ -56,18 +56,3 @@ def barrier() -> None:
     if _initialized():
         dist.barrier()
 
-
-def shutdown(together: bool) -> None:
-    """Tear the process group down before exit: a rank that exits while gloo's threads still run can
-    abort in teardown ("terminate called without an active exception", exit -6 instead of its code).
-    After success the ranks leave together (barrier); after a failure they do not wait for each other."""
-    import torch.distributed as dist
-
-    if not _initialized():
-        return
-    try:
-        if together:
-            dist.barrier()
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - teardown must not hide the run's own outcome
-        pass

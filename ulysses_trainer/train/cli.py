@@ -14,7 +14,7 @@ import time
 import traceback
 
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
-from ..parallel.init import init_distributed, shutdown
+from ..parallel.init import destroy_distributed, init_distributed
 
 # A non-main rank waits this long before reporting its error itself: the launcher ends it as soon as
 # rank 0 (which fails the same way and prints) exits, so the message appears once, not per rank.
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _init_distributed(plan.device)
         code = Trainer(plan).train() or EXIT_OK
-        shutdown(together=True)
+        destroy_distributed(together=True)
         return code
     except ConfigError as exc:  # found only once the engine exists (e.g. host RAM for offload)
         _report(f"error: {exc}")
@@ -80,5 +80,5 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         traceback.print_exc()
         code = EXIT_FAILURE
-    shutdown(together=False)
+    destroy_distributed(together=False)
     return code
