@@ -258,6 +258,28 @@ def test_rehearse_command_standin_with_dp(tmp_path):
     assert "rehearsal rank 5/8" in res.stdout and "losses meaningless" in res.stdout
 
 
+@pytest.mark.slow
+def test_comm_bandwidth_benchmark_writes_what_the_rehearsal_reads(tmp_path):
+    """benchmarks/comm_bandwidth.py under torchrun (2 ranks, gloo, tiny sizes): every op at every size, in
+    the format load_bandwidth reads back as measured."""
+    out = tmp_path / "bw.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29731",
+           "benchmarks/comm_bandwidth.py", "--backend", "gloo", "--sizes", "4096,65536", "--dtype", "float32",
+           "--warmup", "1", "--iters", "2", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert (data["world_size"], data["backend"]) == (2, "gloo")
+    assert sorted((p["op"], p["bytes"]) for p in data["points"]) == sorted(
+        (op, b) for op in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce") for b in (4096, 65536))
+    for p in data["points"]:  # busbw is the ring-factor wire bytes over the time
+        assert p["busbw_gbps"] == pytest.approx(wire_bytes(p["op"], p["bytes"], 2) / p["seconds"] / 1e9)
+    bw = load_bandwidth(str(out))
+    assert bw.source.startswith("measured") and "assumed" not in bw.source
+    assert bw.busbw_gbps("all_gather", 65536) == pytest.approx(
+        next(p["busbw_gbps"] for p in data["points"] if (p["op"], p["bytes"]) == ("all_gather", 65536)))
+
+
 @pytest.mark.gpu
 def test_rehearse_on_a_gpu_measures_gpu_memory(tmp_path):
     out = tmp_path / "r.json"
