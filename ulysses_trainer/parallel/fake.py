@@ -12,7 +12,9 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .init import init_distributed
 
@@ -67,3 +69,38 @@ def fake_process_group(rank: int, world_size: int, gpus_per_node: int, device: s
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# c10d op -> the collective it is; the per-rank input is the argument at the given index
+_C10D_OPS = {"alltoall_base_": ("all_to_all", 1), "alltoall_": ("all_to_all", 1),
+             "_allgather_base_": ("all_gather", 1), "allgather_": ("all_gather", 1),
+             "allgather_into_tensor_coalesced_": ("all_gather", 1), "allgather_coalesced_": ("all_gather", 1),
+             "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+             "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1), "allreduce_": ("all_reduce", 0),
+             "allreduce_coalesced_": ("all_reduce", 0), "broadcast_": ("broadcast", 0)}
+
+
+def _nbytes(arg) -> int:
+    if isinstance(arg, torch.Tensor):
+        return arg.numel() * arg.element_size()
+    if isinstance(arg, (list, tuple)):
+        return sum(_nbytes(a) for a in arg)
+    return 0
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Within the block, every collective this process issues: op -> {"calls", "bytes"} (bytes of input per
+    rank, summed). It sees each op at the dispatcher, so it slows everything down: never around a timed step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, dict[str, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            name = func._schema.name.split("::")[-1]
+            op, arg = _C10D_OPS.get(name, (name, -1))
+            row = self.ops.setdefault(op, {"calls": 0, "bytes": 0})
+            row["calls"] += 1
+            row["bytes"] += _nbytes(args[arg]) if 0 <= arg < len(args) else 0
+        return func(*args, **(kwargs or {}))

@@ -14,19 +14,17 @@ Ulysses all-to-alls, on the sp group (parallel/ulysses.py), per decoder layer an
   Bytes per rank: q and the output t*nq*d*e; k and v t*nkv'*d*e, nkv' = nkv*max(1, sp/nkv) (KV heads
   are copied before the all-to-all when sp > nkv).
 ZeRO-3 (DeepSpeed, no mpu: every rank is data-parallel, so its collectives span all W ranks):
-  - all-gather of each non-persistent parameter (numel > stage3_param_persistence_threshold) before
-    the module that uses it: every layer once in forward; with checkpointing once more for the
-    recompute, kept through the layer's backward when stage3_max_reuse_distance (in elements) covers
-    the layer (the default config's 1e9 does up to ~5B-parameter layers), else gathered again for
-    backward; once more for each layer rebuilt by checkpoint_every. The embedding is gathered in
-    forward and again for its backward; an untied lm_head once (its backward follows its forward at
-    once); a tied lm_head is the embedding, gathered a third time. Persistent parameters (norms) are
-    gathered once per step, after the optimizer step. Steady state (from step 2: DeepSpeed's release
-    decisions need the trace of step 1).
+  - all-gather of each non-persistent parameter (numel > stage3_param_persistence_threshold) where a
+    module uses it, unless it is still held from its previous use: plan/zero3_trace.py walks the
+    module order of one micro-step with DeepSpeed's release rule (stage3_max_reuse_distance). With the
+    default config and an 8B model: every layer in forward, again for the recompute (kept through its
+    backward), the embedding twice, an untied lm_head once, a tied one once more. Persistent tensors
+    (the norms) are gathered once each after the optimizer step.
   - reduce-scatter of every gradient in the training dtype (DeepSpeed's communication_data_type
-    default), in reduce_bucket_size buckets, every micro-step.
+    default), in reduce_bucket_size buckets filled in backward order, every micro-step.
+  `rehearse --count_collectives` counts what DeepSpeed really issues, to set beside these counts.
 All-reduces of a few bytes per step: token count and loss (parallel/loss.py), the stop flag
-(trainer), DeepSpeed's overflow flag and gradient norm.
+(trainer), DeepSpeed's gradient norm.
 
 Time of one op = latency + wire bytes / bus bandwidth, with the usual ring factors on the op's full
 size (nccl-tests' busbw convention): all-gather (W-1) * shard, reduce-scatter and all-to-all
@@ -47,9 +45,11 @@ import bisect
 import json
 import math
 import os
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from .inputs import ModelShape, layer_param_numels
+from .zero3_trace import forward_order, gathers_per_micro_step, numel_of
 
 # Assumed when no measured file is given: NCCL bus bandwidth of large messages over H200 NVLink
 # (nccl-tests reach ~350-450 GB/s on 8x H100/H200), one per-op latency, and 400 Gb/s IB per GPU.
@@ -134,44 +134,45 @@ def zero3_collectives(shape: ModelShape, job: Job) -> list[Collective]:
     thr = _persistence(shape, job)
     cross = w > job.gpus_per_node
     shard = lambda n: -(-n // w) * e  # noqa: E731 - per-rank input bytes of gathering an n-element tensor
-    named = [(name, n) for name, n in zip(_layer_names(shape), layer_param_numels(shape)) if n > thr]
-    layer_numel = sum(n for _, n in named)
-    gathers_per_layer = 1  # forward
-    if job.gradient_checkpointing:
-        gathers_per_layer += 1 if job.max_reuse_distance >= layer_numel else 2  # recompute (+ backward)
-    else:
-        gathers_per_layer += 1  # backward
-    rebuilt = rebuilt_layers(shape.layers, job.checkpoint_every)
-    mb = job.grad_accum
-    emb = shape.vocab * shape.hidden
+    gathers = gathers_per_micro_step(shape, job.gradient_checkpointing, job.checkpoint_every, thr,
+                                     job.max_reuse_distance)
+    size = numel_of(shape)
     out = []
-    by_size: dict[int, list[str]] = {}  # one row per tensor size: q/o, k/v, gate/up/down
-    for name, n in named:
-        by_size.setdefault(n, []).append(name)
+    by_size: dict[int, list[str]] = {}  # one row per tensor size: q/o, k/v, gate/up/down, embedding
+    for name in gathers:
+        by_size.setdefault(size[name], []).append(name)
     for n, names in by_size.items():
-        out.append(Collective(f"zero3 gather: layer {'/'.join(names)}", "all_gather", "world", w, shard(n),
-                              len(names) * (gathers_per_layer * shape.layers + rebuilt) * mb, cross))
-    out.append(Collective("zero3 gather: embedding (forward, backward" + (", tied lm_head)" if
-                          shape.tied_embeddings else ")"), "all_gather", "world", w, shard(emb),
-                          (3 if shape.tied_embeddings else 2) * mb, cross))
-    if not shape.tied_embeddings:
-        out.append(Collective("zero3 gather: lm_head", "all_gather", "world", w, shard(emb), mb, cross))
-    persistent = [n for n in _all_numels(shape) if n <= thr]
-    if persistent:
-        out.append(Collective("zero3 gather: persistent params after the step", "all_gather", "world", w,
-                              sum(shard(n) for n in persistent), 1, cross))
-    grads = sum(_all_numels(shape))
-    bucket = job.reduce_bucket_size or shape.hidden**2
-    buckets = -(-grads // bucket)
-    out.append(Collective("zero3 reduce-scatter: gradients", "reduce_scatter", "world", w,
-                          grads * e // buckets, buckets * mb, cross))
+        label = "/".join(names) if names[0] not in ("embed", "lm_head") else " + ".join(names)
+        out.append(Collective(f"zero3 gather: {label}", "all_gather", "world", w, shard(n),
+                              sum(gathers[m] for m in names) * job.grad_accum, cross))
+    persistent = Counter(n for n in _all_numels(shape) if n <= thr)  # one call per tensor after the step
+    for n, k in sorted(persistent.items()):
+        out.append(Collective(f"zero3 gather: persistent {n}-element tensors after the step", "all_gather",
+                              "world", w, shard(n), k, cross))
+    for n, k in sorted(reduce_buckets(shape, job).items()):
+        out.append(Collective(f"zero3 reduce-scatter: {n}-element gradient buckets", "reduce_scatter", "world",
+                              w, n * e, k * job.grad_accum, cross))
     return out
 
 
-def _layer_names(shape: ModelShape) -> list[str]:
-    """Names in layer_param_numels' order."""
-    norms = ["q_norm", "k_norm"] if shape.qk_norm else []
-    return ["q", "k", "v", "o", *norms, "gate", "up", "down", "input_norm", "post_attention_norm"]
+def reduce_buckets(shape: ModelShape, job: Job) -> Counter:
+    """Bucket size (elements) -> reduce-scatters per micro-step. Gradients arrive in backward order and
+    fill a bucket of reduce_bucket_size elements; one that would overflow a non-empty bucket sends it
+    first (stage3.__add_grad_to_ipg_bucket), so a gradient larger than the bucket goes alone."""
+    names = [n for n in reversed(forward_order(shape))]
+    order = ["final_norm"] + [n for _ in range(shape.layers) for n in names] + ["embed"]
+    if not shape.tied_embeddings:
+        order.insert(0, "lm_head")
+    size, limit = numel_of(shape), job.reduce_bucket_size or shape.hidden**2
+    buckets: Counter = Counter()
+    held = 0
+    for name in order:
+        if held and held + size[name] > limit:
+            buckets[held] += 1
+            held = 0
+        held += size[name]
+    buckets[held] += 1
+    return buckets
 
 
 def _all_numels(shape: ModelShape) -> list[int]:
@@ -180,14 +181,14 @@ def _all_numels(shape: ModelShape) -> list[int]:
 
 
 def small_all_reduces(job: Job) -> list[Collective]:
-    """Token count, loss and stop flag (trainer); overflow flag and gradient norm (DeepSpeed)."""
+    """Token count and loss (parallel/loss.py) and the stop flag (trainer loop); DeepSpeed's gradient norm.
+    (DeepSpeed's overflow flag is all-reduced with fp16 only.)"""
     if job.world_size == 1:
         return []
-    cross = job.world_size > job.gpus_per_node
-    return [Collective("all-reduce: token count, loss, stop flag", "all_reduce", "world", job.world_size, 8, 3,
-                       cross),
-            Collective("all-reduce: overflow flag, gradient norm", "all_reduce", "world", job.world_size, 4, 2,
-                       cross)]
+    cross, w = job.world_size > job.gpus_per_node, job.world_size
+    return [Collective("all-reduce: token count, loss", "all_reduce", "world", w, 8, 2, cross),
+            Collective("all-reduce: stop flag", "all_reduce", "world", w, 4, 1, cross),
+            Collective("all-reduce: gradient norm (DeepSpeed)", "all_reduce", "world", w, 4, 1, cross)]
 
 
 def step_collectives(shape: ModelShape, job: Job) -> list[Collective]:
@@ -293,7 +294,10 @@ def estimate(shape: ModelShape, job: Job, bw: Bandwidth, compute_s: float | None
     """The step's communication, op by op, and what of it adds to `compute_s` (None: compute time
     unknown, e.g. the memory-only stand-in; ZeRO-3 is then taken as hidden and flagged)."""
     rows, a2a, zero3, small = [], 0.0, 0.0, 0.0
+    by_op: dict[str, dict[str, int]] = {}
     for c in step_collectives(shape, job):
+        tot = by_op.setdefault(c.op, {"calls": 0, "bytes": 0})
+        tot["calls"], tot["bytes"] = tot["calls"] + c.count, tot["bytes"] + c.total_bytes
         t = bw.seconds(c, job.gpus_per_node) * c.count
         rows.append({**asdict(c), "busbw_gbps": round(bw.busbw_gbps(c.op, c.bytes), 3), "seconds": t})
         if c.op == "all_to_all":
@@ -311,4 +315,4 @@ def estimate(shape: ModelShape, job: Job, bw: Bandwidth, compute_s: float | None
             "zero3_hidden_assumed": compute_s is None,
             "overlap": asdict(overlap), "bandwidth_source": bw.source,
             "internode_gbps": bw.internode_gbps if job.world_size > job.gpus_per_node else None,
-            "ops": rows}
+            "by_op": by_op, "ops": rows}

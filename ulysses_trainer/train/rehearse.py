@@ -30,7 +30,7 @@ from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
 
 # The measured NCCL points the rehearsal uses when --comm is not given (benchmarks/comm_bandwidth.py)
 DEFAULT_COMM_FILE = REPO_ROOT / "benchmarks" / "results" / "comm_bandwidth_h200_x2.json"
-_FLAGS = {"json", "standin", "help"}  # take no value
+_FLAGS = {"json", "standin", "count_collectives", "help"}  # take no value
 _OWN = {"config", "gpus", "rank", "steps", "out", "comm", "gpus_per_node", "internode_gbps", "a2a_hidden",
         "zero3_hidden", *_FLAGS}
 MEANINGLESS = ("losses are meaningless: collectives on the fake process group move no data, so the buffers "
@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="fraction of the Ulysses all-to-all time hidden behind compute (default 0)")
     ap.add_argument("--zero3_hidden", type=float, default=1.0,
                     help="fraction of the compute that ZeRO-3's gathers/reduce-scatters hide behind (default 1)")
+    ap.add_argument("--count_collectives", action="store_true",
+                    help="run one more (untimed, slower) step that records every collective issued, to set "
+                         "beside the model's counts")
     ap.add_argument("--json", action="store_true", help="print the result as JSON after the summary line")
     ap.add_argument("--out", help="also write the JSON result to this file")
     return ap
@@ -143,12 +146,13 @@ def _partition_stats(module, world_size: int) -> dict[str, int]:
     return {"param_numel": full, "param_partition_numel": local, "param_partition_max_excess": excess}
 
 
-def run_rehearsal(plan, rank: int, steps: int, gpus_per_node: int) -> dict[str, Any]:
-    """Build the trainer as rank `rank` of plan.world_size on the fake group and run `steps` train steps.
-    Returns what was measured (memory, step times, partitions); nothing of the comm model."""
+def run_rehearsal(plan, rank: int, steps: int, gpus_per_node: int, count_collectives: bool = False) -> dict[str, Any]:
+    """Build the trainer as rank `rank` of plan.world_size on the fake group and run `steps` train steps
+    (and, with count_collectives, one more that records the collectives issued). Returns what was
+    measured (memory, step times, partitions, collectives counted); nothing of the comm model."""
     import torch
 
-    from ..parallel.fake import fake_process_group
+    from ..parallel.fake import CollectiveLog, fake_process_group
     from .adam_states import materialize_adam_states
     from .metrics import peak_gpu_mem_gb, peak_host_mem_gb
     from .trainer import Trainer
@@ -179,13 +183,20 @@ def run_rehearsal(plan, rank: int, steps: int, gpus_per_node: int) -> dict[str, 
             materialize_adam_states(engine)
             _sync(plan.device)
             opt_s = time.perf_counter() - t0
+        counted = None
+        if count_collectives:  # after the memory and time readings it would distort
+            peaks = peak_gpu_mem_gb(), peak_host_mem_gb()
+            with CollectiveLog() as log:
+                trainer.train_step(trainer._micro_batches(steps))
+            counted = log.ops
         ck = trainer.model.checkpointer
         stash = trainer.model.attention.stash
         out = {"step_s": times, "losses": losses, "optimizer_update_skipped": skipped,
                "optimizer_step_s_added": opt_s, "adam_state_bytes": adam_bytes,
-               "peak_gpu_mem_gb": peak_gpu_mem_gb(),
+               "collectives_counted": counted,
+               "peak_gpu_mem_gb": peaks[0] if count_collectives else peak_gpu_mem_gb(),
                "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
-               "peak_host_mem_gb": peak_host_mem_gb(),
+               "peak_host_mem_gb": peaks[1] if count_collectives else peak_host_mem_gb(),
                "offloaded_layers": len(ck.offload_layers) if ck is not None else 0,
                "kept_attention_layers": len(stash.layers) if stash is not None else 0,
                "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -197,7 +208,8 @@ def run_rehearsal(plan, rank: int, steps: int, gpus_per_node: int) -> dict[str, 
     return out
 
 
-def rehearse(plan, rank: int, steps: int, standin: bool, gpus_per_node: int, bandwidth, overlap) -> dict[str, Any]:
+def rehearse(plan, rank: int, steps: int, standin: bool, gpus_per_node: int, bandwidth, overlap,
+             count_collectives: bool = False) -> dict[str, Any]:
     """Measure rank `rank`, add the modelled communication, and return the whole result."""
     from ..attention.kernels import STANDIN
     from ..plan.comm_model import estimate
@@ -205,7 +217,7 @@ def rehearse(plan, rank: int, steps: int, standin: bool, gpus_per_node: int, ban
 
     if standin:
         plan = dataclasses.replace(plan, kernel=STANDIN)
-    measured = run_rehearsal(plan, rank, steps, gpus_per_node)
+    measured = run_rehearsal(plan, rank, steps, gpus_per_node, count_collectives)
     timed = measured["step_s"][1:]
     compute = sum(timed) / len(timed) + (measured["optimizer_step_s_added"] or 0.0)
     compute_s = None if standin else compute
@@ -266,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
           f"is modelled ({bandwidth.source}); {MEANINGLESS}", flush=True)
     try:
         result = rehearse(plan, args.rank, args.steps, args.standin, args.gpus_per_node, bandwidth,
-                          Overlap(a2a_hidden=args.a2a_hidden, zero3_hidden=args.zero3_hidden))
+                          Overlap(a2a_hidden=args.a2a_hidden, zero3_hidden=args.zero3_hidden), args.count_collectives)
     except ConfigError as exc:  # found once the engine exists (e.g. host RAM for offload)
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_INVALID
