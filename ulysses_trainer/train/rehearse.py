@@ -235,6 +235,8 @@ def rehearse(plan, rank: int, steps: int, standin: bool, gpus_per_node: int, ban
             "comm_s_estimate": comm["comm_s_estimate"], "predicted_step_s": predicted,
             "tokens_per_step": tokens,
             "tokens_per_s_predicted": None if predicted is None else tokens / predicted,
+            # every rank of a node holds about what this one does (the same shapes; only the data differs)
+            "ranks_per_node": min(plan.world_size, gpus_per_node),
             **{k: v for k, v in measured.items()}, "comm": comm}
 
 
@@ -243,12 +245,19 @@ def summary_line(r: dict[str, Any]) -> str:
         return "n/a" if v is None else f"{v:{spec}}{unit}"
 
     kind = "memory only (attention stand-in: time not real)" if r["standin"] else r["attention_kernel"]
-    return (f"[ulysses_trainer] rehearsal rank {r['rank']}/{r['world_size']} (sp {r['sp_size']} x dp {r['dp_size']}"
+    line = (f"[ulysses_trainer] rehearsal rank {r['rank']}/{r['world_size']} (sp {r['sp_size']} x dp {r['dp_size']}"
             f", {r['max_length']:,} tokens, {kind}): peak GPU {f(r['peak_gpu_mem_gb'], ' GB')}"
             f" (reserved {f(r['peak_gpu_reserved_gb'], ' GB')}), peak host {f(r['peak_host_mem_gb'], ' GB')}; "
             f"compute {f(r['compute_s'], ' s')} + comm {f(r['comm_s_estimate'], ' s', '.3f')} (modelled) = "
             f"{f(r['predicted_step_s'], ' s/step')}, {f(r['tokens_per_s_predicted'], ' tokens/s', ',.0f')} "
             f"predicted; losses meaningless")
+    counted = r.get("collectives_counted")
+    if counted:
+        modelled = r["comm"]["by_op"]
+        pairs = [f"{op} {counted.get(op, {}).get('bytes', 0) / 2**20:,.1f} MiB ({counted.get(op, {}).get('calls', 0)} "
+                 f"calls) vs {m['bytes'] / 2**20:,.1f} MiB ({m['calls']})" for op, m in modelled.items()]
+        line += "\n[ulysses_trainer] collectives counted in one step vs modelled: " + "; ".join(pairs)
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
