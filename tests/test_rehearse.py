@@ -200,6 +200,7 @@ def _main(argv):
     (["--gpus", "4", "--steps", "1"], "--steps must be >= 2"),
     (["--gpus", "4", "--comm", "/nonexistent/bw.json"], "no such file"),
     (["--gpus", "4", "--no_such_field", "1"], "no_such_field"),
+    (["--gpus", "4", "--max_length", "512", "--warmup_length", "1024"], "--warmup_length must be between 2"),
 ])
 def test_bad_input_exits_2_with_one_message(argv, needle, capsys):
     assert _main(["--config", RECIPE, *argv]) == 2
@@ -211,7 +212,7 @@ def test_bad_input_exits_2_with_one_message(argv, needle, capsys):
 def test_rehearse_rank_of_4_in_this_process(rank, tmp_path, monkeypatch, capsys):
     """Rank 0 or rank 3 of a 4-rank tiny job in this process: ZeRO-3 holds 1/4 of every parameter, the
     all-to-alls the run makes are the ones the model counts, and the JSON says what is measured and what
-    is not."""
+    is not. Rank 3 warms up on 128-token sequences."""
     from ulysses_trainer.parallel import comm
 
     calls = []
@@ -225,8 +226,9 @@ def test_rehearse_rank_of_4_in_this_process(rank, tmp_path, monkeypatch, capsys)
         monkeypatch.setattr(comm, name, counted)
     shape = ModelShape.preset("tiny")
     out = tmp_path / f"rank{rank}.json"
+    warmup = 128 if rank == 3 else 512
     assert _main(["--config", RECIPE, "--gpus", "4", "--rank", str(rank), "--max_length", "512",
-                  "--count_collectives", "--out", str(out)]) == 0
+                  "--warmup_length", str(warmup), "--count_collectives", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert (r["world_size"], r["rank"], r["sp_size"], r["dp_size"]) == (4, rank, 4, 1)
     assert r["losses_meaningful"] is False and r["standin"] is False and r["compute_time_real"] is True
@@ -240,8 +242,9 @@ def test_rehearse_rank_of_4_in_this_process(rank, tmp_path, monkeypatch, capsys)
     # the all-to-alls the run made (2 steps) = the model's count and bytes per step, twice
     job = Job(world_size=4, sp_size=4, local_tokens=512 // 4, bytes_per_el=4)
     a2a = _ops(shape, job, "all_to_all")
-    assert len(calls) == 3 * sum(c.count for c in a2a)  # 2 steps and the counted one
-    assert sum(calls) == 3 * sum(c.total_bytes for c in a2a)
+    a2a_warmup = _ops(shape, Job(world_size=4, sp_size=4, local_tokens=warmup // 4, bytes_per_el=4), "all_to_all")
+    assert len(calls) == 3 * sum(c.count for c in a2a)  # warm-up, timed step and the counted one
+    assert sum(calls) == sum(c.total_bytes for c in a2a_warmup) + 2 * sum(c.total_bytes for c in a2a)
     # the counted step (steady state: DeepSpeed's trace exists) against the model, op by op
     counted, modelled = r["collectives_counted"], r["comm"]["by_op"]
     assert counted["all_to_all"] == modelled["all_to_all"]
@@ -259,7 +262,7 @@ def test_rehearse_command_standin_with_dp(tmp_path):
     JSON; compute time and prediction are withheld (the stand-in does no attention math)."""
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "ulysses_trainer", "rehearse", "--config", RECIPE, "--gpus", "8", "--rank", "5",
-           "--sp_size", "4", "--max_length", "512", "--standin", "--json", "--out", str(out)]
+           "--sp_size", "4", "--max_length", "512", "--standin", "--steps", "1", "--json", "--out", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(out.read_text())

@@ -31,8 +31,8 @@ from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
 # The measured NCCL points the rehearsal uses when --comm is not given (benchmarks/comm_bandwidth.py)
 DEFAULT_COMM_FILE = REPO_ROOT / "benchmarks" / "results" / "comm_bandwidth_h200_x2.json"
 _FLAGS = {"json", "standin", "count_collectives", "help"}  # take no value
-_OWN = {"config", "gpus", "rank", "steps", "out", "comm", "gpus_per_node", "internode_gbps", "a2a_hidden",
-        "zero3_hidden", *_FLAGS}
+_OWN = {"config", "gpus", "rank", "steps", "warmup_length", "out", "comm", "gpus_per_node", "internode_gbps",
+        "a2a_hidden", "zero3_hidden", *_FLAGS}
 MEANINGLESS = ("losses are meaningless: collectives on the fake process group move no data, so the buffers "
                "they would fill hold whatever was there")
 
@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--rank", type=int, default=0, help="which rank this process plays (default 0)")
     ap.add_argument("--steps", type=int, default=2, help="train steps: the first is a warm-up, the rest are "
                                                          "timed (default 2)")
+    ap.add_argument("--warmup_length", type=int,
+                    help="tokens per sequence in the warm-up step (default max_length): it compiles kernels and "
+                         "lets DeepSpeed record its module order as well at a fraction of the time")
     ap.add_argument("--standin", action="store_true",
                     help="memory only: the attention stand-in replaces the kernel (memory real, time not)")
     ap.add_argument("--comm", help=f"measured bandwidth JSON (default {DEFAULT_COMM_FILE.relative_to(REPO_ROOT)} "
@@ -87,8 +90,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
     if not 0 <= args.rank < args.gpus:
         raise ConfigError(f"--rank {args.rank} is outside the job's ranks 0..{args.gpus - 1}; pick one of those")
-    if args.steps < 2:
-        raise ConfigError(f"--steps must be >= 2 (the first step is a warm-up, not timed), got {args.steps}")
+    if args.steps < (1 if args.standin else 2):
+        raise ConfigError(f"--steps must be >= 2 (the first step is a warm-up, not timed; 1 is enough with "
+                          f"--standin), got {args.steps}")
     if args.gpus_per_node < 1:
         raise ConfigError(f"--gpus_per_node must be >= 1, got {args.gpus_per_node}")
     if not args.internode_gbps > 0:
@@ -146,9 +150,33 @@ def _partition_stats(module, world_size: int) -> dict[str, int]:
     return {"param_numel": full, "param_partition_numel": local, "param_partition_max_excess": excess}
 
 
-def run_rehearsal(plan, rank: int, steps: int, gpus_per_node: int, count_collectives: bool = False) -> dict[str, Any]:
-    """Build the trainer as rank `rank` of plan.world_size on the fake group and run `steps` train steps
-    (and, with count_collectives, one more that records the collectives issued). Returns what was
+@dataclasses.dataclass(frozen=True)
+class Rehearsal:
+    """What to rehearse of the job that `plan` describes."""
+
+    rank: int = 0
+    steps: int = 2  # the first is a warm-up; the rest are timed (with standin, 1 is enough: memory only)
+    standin: bool = False
+    gpus_per_node: int = 8
+    count_collectives: bool = False
+    warmup_length: int | None = None  # tokens of the warm-up step's sequences; None: max_length
+
+
+def _warmup_batches(trainer, length: int | None) -> list:
+    """Step 0's shards, cut to `length` tokens (kernels compile and DeepSpeed records its module order
+    the same at any length, in less time)."""
+    if length is None:
+        return trainer._micro_batches(0)
+    plan, micro = trainer.plan, trainer.cfg.per_device_train_batch_size
+    rows = [plan.train_data[i] for i in range(plan.dp_size * micro)]  # any rows will do
+    cut = [{"input_ids": r["input_ids"][:length], "position_ids": r["position_ids"][:length]} for r in rows]
+    start = trainer.state.dp_rank * micro
+    return [trainer._shard(cut[start:start + micro]) for _ in range(trainer.cfg.gradient_accumulation_steps)]
+
+
+def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
+    """Build the trainer as rank opts.rank of plan.world_size on the fake group and run opts.steps train
+    steps (and, with count_collectives, one more that records the collectives issued). Returns what was
     measured (memory, step times, partitions, collectives counted); nothing of the comm model."""
     import torch
 
@@ -158,22 +186,24 @@ def run_rehearsal(plan, rank: int, steps: int, gpus_per_node: int, count_collect
     from .trainer import Trainer
 
     cuda = plan.device == "cuda"
-    with fake_process_group(rank, plan.world_size, gpus_per_node, plan.device):
+    with fake_process_group(opts.rank, plan.world_size, opts.gpus_per_node, plan.device):
         trainer = Trainer(plan)
         engine = trainer.engine
         adam_bytes = materialize_adam_states(engine)  # held from step 1 on, as in every real step after the first
         times, losses, skipped = [], [], []
-        for step in range(steps):
+        for step in range(opts.steps):
+            warmup = step == 0 and opts.steps > 1
             _sync(plan.device)
             t0 = time.perf_counter()
             before = engine.skipped_steps
-            loss, grad_norm, _ = trainer.train_step(trainer._micro_batches(step))
+            batches = _warmup_batches(trainer, opts.warmup_length) if warmup else trainer._micro_batches(step)
+            loss, grad_norm, _ = trainer.train_step(batches)
             _sync(plan.device)
             times.append(time.perf_counter() - t0)
             losses.append(loss)
             skipped.append(engine.skipped_steps > before)
-            print(f"[ulysses_trainer] rehearsal step {step + 1}/{steps}: {times[-1]:.3f} s"
-                  f"{' (warm-up)' if step == 0 else ''}; loss {loss:.4g} (meaningless)"
+            print(f"[ulysses_trainer] rehearsal step {step + 1}/{opts.steps}: {times[-1]:.3f} s"
+                  f"{' (warm-up)' if warmup else ''}; loss {loss:.4g} (meaningless)"
                   f"{', update skipped (non-finite gradient norm)' if skipped[-1] else ''}", flush=True)
         # a skipped update ran no optimizer: time one over this rank's partitions, to add to the step
         opt_s = None
@@ -183,21 +213,19 @@ def run_rehearsal(plan, rank: int, steps: int, gpus_per_node: int, count_collect
             materialize_adam_states(engine)
             _sync(plan.device)
             opt_s = time.perf_counter() - t0
+        memory = {"peak_gpu_mem_gb": peak_gpu_mem_gb(),
+                  "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
+                  "peak_host_mem_gb": peak_host_mem_gb()}
         counted = None
-        if count_collectives:  # after the memory and time readings it would distort
-            peaks = peak_gpu_mem_gb(), peak_host_mem_gb()
+        if opts.count_collectives:  # after the memory and time readings it would distort
             with CollectiveLog() as log:
-                trainer.train_step(trainer._micro_batches(steps))
+                trainer.train_step(trainer._micro_batches(opts.steps))
             counted = log.ops
         ck = trainer.model.checkpointer
         stash = trainer.model.attention.stash
         out = {"step_s": times, "losses": losses, "optimizer_update_skipped": skipped,
-               "optimizer_step_s_added": opt_s, "adam_state_bytes": adam_bytes,
-               "collectives_counted": counted,
-               "peak_gpu_mem_gb": peaks[0] if count_collectives else peak_gpu_mem_gb(),
-               "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
-               "peak_host_mem_gb": peaks[1] if count_collectives else peak_host_mem_gb(),
-               "offloaded_layers": len(ck.offload_layers) if ck is not None else 0,
+               "optimizer_step_s_added": opt_s, "adam_state_bytes": adam_bytes, "collectives_counted": counted,
+               **memory, "offloaded_layers": len(ck.offload_layers) if ck is not None else 0,
                "kept_attention_layers": len(stash.layers) if stash is not None else 0,
                "device": torch.cuda.get_device_name() if cuda else "cpu",
                **_partition_stats(trainer.model, plan.world_size)}
@@ -208,36 +236,36 @@ def run_rehearsal(plan, rank: int, steps: int, gpus_per_node: int, count_collect
     return out
 
 
-def rehearse(plan, rank: int, steps: int, standin: bool, gpus_per_node: int, bandwidth, overlap,
-             count_collectives: bool = False) -> dict[str, Any]:
-    """Measure rank `rank`, add the modelled communication, and return the whole result."""
+def rehearse(plan, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:
+    """Measure rank opts.rank, add the modelled communication, and return the whole result."""
     from ..attention.kernels import STANDIN
     from ..plan.comm_model import estimate
     from ..plan.inputs import ModelShape
 
-    if standin:
+    if opts.standin:
         plan = dataclasses.replace(plan, kernel=STANDIN)
-    measured = run_rehearsal(plan, rank, steps, gpus_per_node, count_collectives)
-    timed = measured["step_s"][1:]
+    measured = run_rehearsal(plan, opts)
+    timed = measured["step_s"][1:] or measured["step_s"]
     compute = sum(timed) / len(timed) + (measured["optimizer_step_s_added"] or 0.0)
-    compute_s = None if standin else compute
-    job = comm_job(plan, gpus_per_node)
+    compute_s = None if opts.standin else compute
+    job = comm_job(plan, opts.gpus_per_node)
     comm = estimate(ModelShape.from_config(plan.model_config), job, bandwidth, compute_s, overlap)
     predicted = None if compute_s is None else compute_s + comm["comm_s_estimate"]
     tokens = plan.sequences_per_step * plan.cfg.max_length  # the whole job's real tokens per step
-    return {"world_size": plan.world_size, "rank": rank, "sp_size": plan.sp_size, "dp_size": plan.dp_size,
+    return {"world_size": plan.world_size, "rank": opts.rank, "sp_size": plan.sp_size, "dp_size": plan.dp_size,
             "max_length": plan.cfg.max_length, "padded_length": plan.padded_length,
             "local_tokens": job.local_tokens, "model": plan.cfg.model_name_or_path,
-            "attention_kernel": plan.kernel, "standin": standin, "bf16": plan.bf16,
-            "gpus_per_node": gpus_per_node, "losses_meaningful": False, "note": MEANINGLESS,
-            "compute_time_real": not standin, "compute_s": compute_s,
-            "compute_s_measured_with_standin": compute if standin else None,
+            "attention_kernel": plan.kernel, "standin": opts.standin, "bf16": plan.bf16,
+            "gpus_per_node": opts.gpus_per_node, "losses_meaningful": False, "note": MEANINGLESS,
+            "compute_time_real": not opts.standin, "compute_s": compute_s,
+            "compute_s_measured_with_standin": compute if opts.standin else None,
+            "warmup_length": opts.warmup_length or plan.cfg.max_length,
             "comm_s_estimate": comm["comm_s_estimate"], "predicted_step_s": predicted,
             "tokens_per_step": tokens,
             "tokens_per_s_predicted": None if predicted is None else tokens / predicted,
             # every rank of a node holds about what this one does (the same shapes; only the data differs)
-            "ranks_per_node": min(plan.world_size, gpus_per_node),
-            **{k: v for k, v in measured.items()}, "comm": comm}
+            "ranks_per_node": min(plan.world_size, opts.gpus_per_node),
+            **measured, "comm": comm}
 
 
 def summary_line(r: dict[str, Any]) -> str:
@@ -276,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
 
         _check_args(args)
         cfg = load_rehearsal_config(args, overrides)
+        if args.warmup_length is not None and not 2 <= args.warmup_length <= cfg.max_length:
+            raise ConfigError(f"--warmup_length must be between 2 and max_length {cfg.max_length}, "
+                              f"got {args.warmup_length}")
         plan = prepare(cfg, args.gpus)
         comm_file = args.comm or (str(DEFAULT_COMM_FILE) if DEFAULT_COMM_FILE.is_file() else None)
         bandwidth = load_bandwidth(comm_file, args.internode_gbps)
@@ -286,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
           f"dp {plan.dp_size}) on torch's fake process group; memory and compute are this rank's, communication "
           f"is modelled ({bandwidth.source}); {MEANINGLESS}", flush=True)
     try:
-        result = rehearse(plan, args.rank, args.steps, args.standin, args.gpus_per_node, bandwidth,
-                          Overlap(a2a_hidden=args.a2a_hidden, zero3_hidden=args.zero3_hidden), args.count_collectives)
+        opts = Rehearsal(rank=args.rank, steps=args.steps, standin=args.standin, gpus_per_node=args.gpus_per_node,
+                         count_collectives=args.count_collectives, warmup_length=args.warmup_length)
+        result = rehearse(plan, opts, bandwidth, Overlap(a2a_hidden=args.a2a_hidden, zero3_hidden=args.zero3_hidden))
     except ConfigError as exc:  # found once the engine exists (e.g. host RAM for offload)
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_INVALID
