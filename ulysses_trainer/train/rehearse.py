@@ -290,6 +290,8 @@ def summary_line(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # as launch/train.py, before CUDA starts: long sequences fragment the caching allocator without this
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # DeepSpeed calls torch's older collective names, and each call would print a deprecation warning
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     ours, overrides = split_argv(argv)
