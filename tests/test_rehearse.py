@@ -196,6 +196,8 @@ def _main(argv):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--gpus", "4", "--rank", "4"], "--rank 4 is outside the job's ranks 0..3"),
+    (["--gpus", "four"], "argument --gpus: invalid int value"),
+    ([], "the following arguments are required: --gpus"),
     (["--gpus", "4", "--sp_size", "3"], "sp_size=3 does not divide the world size 4"),
     (["--gpus", "4", "--steps", "1"], "--steps must be >= 2"),
     (["--gpus", "4", "--comm", "/nonexistent/bw.json"], "no such file"),

@@ -37,10 +37,15 @@ MEANINGLESS = ("losses are meaningless: collectives on the fake process group mo
                "they would fill hold whatever was there")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one `error:` line, exit 2, like every other bad input
+        raise ConfigError(f"{message} (ulysses-trainer rehearse --help lists the options)")
+
+
 def _parser() -> argparse.ArgumentParser:
     from ..plan.comm_model import DEFAULT_INTERNODE_GBPS
 
-    ap = argparse.ArgumentParser(prog="ulysses-trainer rehearse", description=__doc__,
+    ap = _Parser(prog="ulysses-trainer rehearse", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="a training recipe (YAML)")
     ap.add_argument("--gpus", type=int, required=True, help="ranks in the job being rehearsed (N)")
@@ -295,11 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     # DeepSpeed calls torch's older collective names, and each call would print a deprecation warning
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     ours, overrides = split_argv(argv)
-    ap = _parser()
     try:
-        args = ap.parse_args(ours)
-    except SystemExit as exc:  # argparse: --help is 0, a bad flag 2
+        args = _parser().parse_args(ours)
+    except SystemExit as exc:  # --help
         return int(exc.code or 0)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     try:
         from ..plan.comm_model import Overlap, load_bandwidth
         from .prepare import prepare
