@@ -1,7 +1,8 @@
 """`ulysses-trainer rehearse`: one rank of an N-GPU job, in one process, on one device.
 
-    ulysses-trainer rehearse --config RECIPE.yaml --gpus N [--rank R] [--steps K] [--standin]
-        [--comm FILE] [--gpus_per_node G] [--internode_gbps X] [--json] [--out FILE] [--name value ...]
+    ulysses-trainer rehearse --config RECIPE.yaml --gpus N [--rank R] [--steps K] [--warmup_length N]
+        [--standin] [--comm FILE] [--gpus_per_node G] [--internode_gbps X] [--a2a_hidden F]
+        [--zero3_hidden F] [--count_collectives] [--json] [--out FILE] [--name value ...]
 
 The process plays rank R (default 0) of the N-rank job on torch's fake process group (parallel/fake.py)
 and builds what the trainer builds (prepare, Trainer: the model, parallelize, the ZeRO-3 engine with
@@ -46,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     from ..plan.comm_model import DEFAULT_INTERNODE_GBPS
 
     ap = _Parser(prog="ulysses-trainer rehearse", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="a training recipe (YAML)")
     ap.add_argument("--gpus", type=int, required=True, help="ranks in the job being rehearsed (N)")
     ap.add_argument("--rank", type=int, default=0, help="which rank this process plays (default 0)")
@@ -126,15 +127,17 @@ def comm_job(plan, gpus_per_node: int):
     from ..plan.comm_model import Job
 
     zero = plan.ds_config.get("zero_optimization", {})
-    num = lambda key: int(float(zero[key])) if key in zero else None  # noqa: E731 - filled ints or absent
+    # "auto" is filled by now (ds_config.py); a key left out takes DeepSpeed's default
+    num = lambda key, default: int(float(zero.get(key, default)))  # noqa: E731
     cfg = plan.cfg
     return Job(world_size=plan.world_size, sp_size=plan.sp_size,
                local_tokens=plan.padded_length // plan.sp_size * cfg.per_device_train_batch_size,
                grad_accum=cfg.gradient_accumulation_steps, bytes_per_el=2 if plan.bf16 else 4,
                gradient_checkpointing=cfg.gradient_checkpointing, checkpoint_every=cfg.checkpoint_every,
-               gpus_per_node=gpus_per_node, param_persistence_threshold=num("stage3_param_persistence_threshold"),
-               reduce_bucket_size=num("reduce_bucket_size"),
-               max_reuse_distance=num("stage3_max_reuse_distance") or 1_000_000_000)
+               gpus_per_node=gpus_per_node,
+               param_persistence_threshold=num("stage3_param_persistence_threshold", 100_000),
+               reduce_bucket_size=num("reduce_bucket_size", 500_000_000),
+               max_reuse_distance=num("stage3_max_reuse_distance", 1_000_000_000))
 
 
 def _sync(device: str) -> None:
