@@ -258,6 +258,24 @@ def test_rehearse_rank_of_4_in_this_process(rank, tmp_path, monkeypatch, capsys)
     assert "losses meaningless" in printed and f"rehearsal rank {rank}/4" in printed
 
 
+def test_out_of_memory_is_a_result_too(tmp_path, monkeypatch, capsys):
+    """A length that does not fit: exit 1, and --out still says so (the memory search reads it)."""
+    import torch
+
+    from ulysses_trainer.train import rehearse
+
+    def oom(plan, opts):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(rehearse, "run_rehearsal", oom)
+    out = tmp_path / "r.json"
+    assert _main(["--config", RECIPE, "--gpus", "4", "--max_length", "512", "--out", str(out)]) == 1
+    r = json.loads(out.read_text())
+    assert r["status"] == "oom" and "Tried to allocate 2.00 GiB" in r["error"] and r["predicted_step_s"] is None
+    assert (r["world_size"], r["max_length"]) == (4, 512)
+    assert "out of GPU memory at 512 tokens" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_rehearse_command_standin_with_dp(tmp_path):
     """The real command: rank 5 of 8 as sp 4 x dp 2 with the memory-only stand-in prints the summary and

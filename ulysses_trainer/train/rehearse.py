@@ -260,8 +260,8 @@ def rehearse(plan, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:
     comm = estimate(ModelShape.from_config(plan.model_config), job, bandwidth, compute_s, overlap)
     predicted = None if compute_s is None else compute_s + comm["comm_s_estimate"]
     tokens = plan.sequences_per_step * plan.cfg.max_length  # the whole job's real tokens per step
-    return {"world_size": plan.world_size, "rank": opts.rank, "sp_size": plan.sp_size, "dp_size": plan.dp_size,
-            "max_length": plan.cfg.max_length, "padded_length": plan.padded_length,
+    return {"status": "ok", "world_size": plan.world_size, "rank": opts.rank, "sp_size": plan.sp_size,
+            "dp_size": plan.dp_size, "max_length": plan.cfg.max_length, "padded_length": plan.padded_length,
             "local_tokens": job.local_tokens, "model": plan.cfg.model_name_or_path,
             "attention_kernel": plan.kernel, "standin": opts.standin, "bf16": plan.bf16,
             "gpus_per_node": opts.gpus_per_node, "losses_meaningful": False, "note": MEANINGLESS,
@@ -300,8 +300,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # as launch/train.py, before CUDA starts: long sequences fragment the caching allocator without this
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    # DeepSpeed calls torch's older collective names, and each call would print a deprecation warning
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     ours, overrides = split_argv(argv)
     try:
         args = _parser().parse_args(ours)
@@ -328,23 +326,48 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[ulysses_trainer] rehearsal: this process is rank {args.rank} of {args.gpus} (sp {plan.sp_size} x "
           f"dp {plan.dp_size}) on torch's fake process group; memory and compute are this rank's, communication "
           f"is modelled ({bandwidth.source}); {MEANINGLESS}", flush=True)
+    opts = Rehearsal(rank=args.rank, steps=args.steps, standin=args.standin, gpus_per_node=args.gpus_per_node,
+                     count_collectives=args.count_collectives, warmup_length=args.warmup_length)
     try:
-        opts = Rehearsal(rank=args.rank, steps=args.steps, standin=args.standin, gpus_per_node=args.gpus_per_node,
-                         count_collectives=args.count_collectives, warmup_length=args.warmup_length)
-        result = rehearse(plan, opts, bandwidth, Overlap(a2a_hidden=args.a2a_hidden, zero3_hidden=args.zero3_hidden))
+        with warnings.catch_warnings():
+            # DeepSpeed calls torch's older collective names, and each call would print a deprecation warning
+            warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
+                                    category=FutureWarning)
+            result = rehearse(plan, opts, bandwidth, Overlap(a2a_hidden=args.a2a_hidden,
+                                                             zero3_hidden=args.zero3_hidden))
     except ConfigError as exc:  # found once the engine exists (e.g. host RAM for offload)
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_INVALID
-    except Exception:
-        traceback.print_exc()
+    except Exception as exc:
+        if type(exc).__name__ != "OutOfMemoryError":
+            traceback.print_exc()
+            return EXIT_FAILURE
+        result = _out_of_memory(plan, opts, exc)  # a result too: this length does not fit this rank
+        print(f"[ulysses_trainer] rehearsal rank {opts.rank}/{plan.world_size}: out of GPU memory at "
+              f"{plan.cfg.max_length:,} tokens ({result['error']})", file=sys.stderr, flush=True)
+        _write(args.out, result)
         return EXIT_FAILURE
     print(summary_line(result), flush=True)
-    text = json.dumps(result, indent=1)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out + ".tmp", "w") as f:
-            f.write(text + "\n")
-        os.replace(args.out + ".tmp", args.out)
+    _write(args.out, result)
     if args.json:
-        print(text, flush=True)
+        print(json.dumps(result, indent=1), flush=True)
     return EXIT_OK
+
+
+def _out_of_memory(plan, opts: Rehearsal, exc: Exception) -> dict[str, Any]:
+    from .metrics import peak_gpu_mem_gb, peak_host_mem_gb
+
+    return {"status": "oom", "error": str(exc).splitlines()[0][:300], "world_size": plan.world_size,
+            "rank": opts.rank, "sp_size": plan.sp_size, "dp_size": plan.dp_size, "max_length": plan.cfg.max_length,
+            "standin": opts.standin, "losses_meaningful": False, "compute_s": None, "comm_s_estimate": None,
+            "predicted_step_s": None, "tokens_per_s_predicted": None, "peak_gpu_mem_gb": peak_gpu_mem_gb(),
+            "peak_host_mem_gb": peak_host_mem_gb()}
+
+
+def _write(path: str | None, result: dict[str, Any]) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(json.dumps(result, indent=1) + "\n")
+    os.replace(path + ".tmp", path)
