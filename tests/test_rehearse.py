@@ -124,6 +124,14 @@ def test_zero3_collectives_qwen3_8b_w4_by_hand():
     n = 2 * emb + 36 * layer + 4096
     assert n == sum(param_numels(s)) == 8_190_735_360
     assert sum(c.total_bytes for c in rows if c.op == "reduce_scatter") == 2 * n  # every gradient once, bf16
+    # a tiled MLP (12 tiles: what auto picks at 131,072 tokens per rank) runs gate/up/down 12 x 2 times
+    # between a layer's recompute and its attention's backward (12 x 6 x 50M elements > 1e9): q, k, v, o
+    # are gathered a third time there; the MLP weights stay gathered across the tiles (2 per layer)
+    tiled = step_collectives(s, Job(world_size=4, sp_size=4, local_tokens=65536, mlp_tiles=12))
+    assert 12 * 6 * mlp > 1e9
+    assert _by_name(tiled, "zero3 gather: q/o").count == 2 * 3 * 36
+    assert _by_name(tiled, "zero3 gather: k/v").count == 2 * 3 * 36
+    assert _by_name(tiled, "zero3 gather: gate/up/down").count == 3 * 2 * 36
     # a reuse distance smaller than a layer: the backward gathers the layer a third time
     short = Job(world_size=4, sp_size=4, local_tokens=65536, max_reuse_distance=10_000_000)
     assert _by_name(step_collectives(s, short), "zero3 gather: q/o").count == 2 * 3 * 36
@@ -214,7 +222,7 @@ def test_bad_input_exits_2_with_one_message(argv, needle, capsys):
 def test_rehearse_rank_of_4_in_this_process(rank, tmp_path, monkeypatch, capsys):
     """Rank 0 or rank 3 of a 4-rank tiny job in this process: ZeRO-3 holds 1/4 of every parameter, the
     all-to-alls the run makes are the ones the model counts, and the JSON says what is measured and what
-    is not. Rank 3 warms up on 128-token sequences."""
+    is not. Rank 3 warms up on 128-token sequences; rank 0 tiles the MLP."""
     from ulysses_trainer.parallel import comm
 
     calls = []
@@ -229,7 +237,8 @@ def test_rehearse_rank_of_4_in_this_process(rank, tmp_path, monkeypatch, capsys)
     shape = ModelShape.preset("tiny")
     out = tmp_path / f"rank{rank}.json"
     warmup = 128 if rank == 3 else 512
-    assert _main(["--config", RECIPE, "--gpus", "4", "--rank", str(rank), "--max_length", "512",
+    tiles = ["--tiled_mlp", "2"] if rank == 0 else []  # the tiled MLP's module order, counted too
+    assert _main(["--config", RECIPE, "--gpus", "4", "--rank", str(rank), "--max_length", "512", *tiles,
                   "--warmup_length", str(warmup), "--count_collectives", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert (r["world_size"], r["rank"], r["sp_size"], r["dp_size"]) == (4, rank, 4, 1)

@@ -15,6 +15,10 @@ the block's lower layers from its kept input, levers/offload.py):
             down], final norm, lm_head (the loss head; a tied one is the embedding)
   backward: lm_head, final norm, per layer from the top [rebuilds, recompute forward, backward in
             reverse module order], embed
+A tiled MLP (levers/tiled_mlp.py, T tiles) runs gate, up, down T times in forward, not at all in the
+recompute, and T times forward-then-backward in its backward: at long lengths those T x 3 MLP uses
+lie between a layer's recompute and its attention's backward, so with an 8B model and 12 tiles q, k,
+v, o are gathered a third time there.
 Steady state (the trace exists from the second step on). Not modelled: stage3_max_live_parameters
 forcing earlier releases (the default config's 1e9 does not bind below ~5B-parameter layers), and the
 prefetcher's own hold on parameters whose reuse it skipped: on the tiny model with the default config
@@ -43,24 +47,30 @@ def forward_order(shape: ModelShape) -> list[str]:
     return ["input_norm", *qk, "v", "o", "post_attention_norm", "gate", "up", "down"]
 
 
-def module_trace(shape: ModelShape, gradient_checkpointing: bool = True, checkpoint_every: int = 1) -> list[Param]:
+def module_trace(shape: ModelShape, gradient_checkpointing: bool = True, checkpoint_every: int = 1,
+                 mlp_tiles: int = 1) -> list[Param]:
     """The parameters in the order modules fetch them in one micro-step (one module uses one tensor here)."""
-    fwd = forward_order(shape)
+    attn = forward_order(shape)[:-3]  # input_norm .. post_attention_norm
+    mlp = ["gate", "up", "down"]
+    tiled = mlp_tiles > 1  # levers/tiled_mlp.py: forward runs the tiles; backward re-runs each before its backward
+    at = lambda i, names: [(i, n) for n in names]  # noqa: E731
+    forward = lambda i: at(i, attn + mlp * mlp_tiles)  # noqa: E731
+    # a checkpoint's recompute skips a tiled MLP's forward (TiledMLP.unused_output): its backward recomputes
+    recompute = lambda i: at(i, attn + ([] if tiled else mlp))  # noqa: E731
+    backward = lambda i: at(i, (mlp + mlp[::-1]) * mlp_tiles if tiled else mlp[::-1]) + at(i, attn[::-1])  # noqa: E731
     head: Param = (-1, "embed") if shape.tied_embeddings else (-1, "lm_head")
-    layer = lambda i: [(i, n) for n in fwd]  # noqa: E731
     trace: list[Param] = [(-1, "embed")]
     for i in range(shape.layers):
-        trace += layer(i)
+        trace += forward(i)
     trace += [(-1, "final_norm"), head, head, (-1, "final_norm")]  # the loss head's forward, then its backward
     k = checkpoint_every if gradient_checkpointing else 1
     for top in range(shape.layers - 1, -1, -1):
-        start = top - top % k
         if top % k == k - 1 or top == shape.layers - 1:  # a block's top layer rebuilds the layers below it
-            for i in range(start, top):
-                trace += layer(i)
+            for i in range(top - top % k, top):
+                trace += forward(i)
         if gradient_checkpointing:
-            trace += layer(top)  # the recompute
-        trace += [(top, n) for n in reversed(fwd)]  # its backward
+            trace += recompute(top)
+        trace += backward(top)
     return trace + [(-1, "embed")]
 
 
@@ -71,12 +81,12 @@ def numel_of(shape: ModelShape) -> dict[str, int]:
 
 
 def gathers_per_micro_step(shape: ModelShape, gradient_checkpointing: bool = True, checkpoint_every: int = 1,
-                           persistence_threshold: int | None = None,
-                           max_reuse_distance: int = 1_000_000_000) -> Counter:
+                           persistence_threshold: int | None = None, max_reuse_distance: int = 1_000_000_000,
+                           mlp_tiles: int = 1) -> Counter:
     """Tensor name -> all-gathers per micro-step, summed over layers ("q": every layer's q_proj)."""
     thr = 10 * shape.hidden if persistence_threshold is None else persistence_threshold
     size = numel_of(shape)
-    trace = module_trace(shape, gradient_checkpointing, checkpoint_every)
+    trace = module_trace(shape, gradient_checkpointing, checkpoint_every, mlp_tiles)
     prefix = [0]
     for _, name in trace:
         prefix.append(prefix[-1] + size[name])

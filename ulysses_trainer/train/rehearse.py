@@ -124,13 +124,15 @@ def load_rehearsal_config(args: argparse.Namespace, overrides: list[str]):
 
 def comm_job(plan, gpus_per_node: int):
     """The comm model's view of the run the trainer would make from `plan`."""
+    from ..model.parallelize import mlp_tiles
     from ..plan.comm_model import Job
 
     zero = plan.ds_config.get("zero_optimization", {})
     # "auto" is filled by now (ds_config.py); a key left out takes DeepSpeed's default
     num = lambda key, default: int(float(zero.get(key, default)))  # noqa: E731
-    cfg = plan.cfg
-    return Job(world_size=plan.world_size, sp_size=plan.sp_size,
+    cfg, mc = plan.cfg, plan.model_config
+    tiles = mlp_tiles(cfg.tiled_mlp, plan.padded_length // plan.sp_size, mc.hidden_size, mc.intermediate_size)
+    return Job(world_size=plan.world_size, sp_size=plan.sp_size, mlp_tiles=tiles,
                local_tokens=plan.padded_length // plan.sp_size * cfg.per_device_train_batch_size,
                grad_accum=cfg.gradient_accumulation_steps, bytes_per_el=2 if plan.bf16 else 4,
                gradient_checkpointing=cfg.gradient_checkpointing, checkpoint_every=cfg.checkpoint_every,
