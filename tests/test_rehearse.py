@@ -222,7 +222,7 @@ def test_bad_input_exits_2_with_one_message(argv, needle, capsys):
 def test_rehearse_rank_of_4_in_this_process(rank, tmp_path, monkeypatch, capsys):
     """Rank 0 or rank 3 of a 4-rank tiny job in this process: ZeRO-3 holds 1/4 of every parameter, the
     all-to-alls the run makes are the ones the model counts, and the JSON says what is measured and what
-    is not. Rank 3 warms up on 128-token sequences; rank 0 tiles the MLP."""
+    is not. Rank 3 warms up on 64-token sequences; rank 0 tiles the MLP."""
     from ulysses_trainer.parallel import comm
 
     calls = []
@@ -236,22 +236,22 @@ def test_rehearse_rank_of_4_in_this_process(rank, tmp_path, monkeypatch, capsys)
         monkeypatch.setattr(comm, name, counted)
     shape = ModelShape.preset("tiny")
     out = tmp_path / f"rank{rank}.json"
-    warmup = 128 if rank == 3 else 512
+    warmup = 64 if rank == 3 else 256
     tiles = ["--tiled_mlp", "2"] if rank == 0 else []  # the tiled MLP's module order, counted too
-    assert _main(["--config", RECIPE, "--gpus", "4", "--rank", str(rank), "--max_length", "512", *tiles,
+    assert _main(["--config", RECIPE, "--gpus", "4", "--rank", str(rank), "--max_length", "256", *tiles,
                   "--warmup_length", str(warmup), "--count_collectives", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert (r["world_size"], r["rank"], r["sp_size"], r["dp_size"]) == (4, rank, 4, 1)
     assert r["losses_meaningful"] is False and r["standin"] is False and r["compute_time_real"] is True
     assert r["peak_host_mem_gb"] > 0 and r["compute_s"] > 0 and r["predicted_step_s"] >= r["compute_s"]
-    assert r["tokens_per_s_predicted"] == pytest.approx(512 / r["predicted_step_s"])
+    assert r["tokens_per_s_predicted"] == pytest.approx(256 / r["predicted_step_s"])
     # ZeRO-3 partitions every tensor over 4 ranks: ceil(numel / 4) elements each, nothing more
     assert r["param_numel"] == sum(param_numels(shape))
     assert r["param_partition_numel"] == sum(-(-n // 4) for n in param_numels(shape))
     assert r["param_partition_max_excess"] == 0
     assert r["adam_state_bytes"] == 8 * r["param_partition_numel"]  # m and v, fp32, this rank's share
     # the all-to-alls the run made (2 steps) = the model's count and bytes per step, twice
-    job = Job(world_size=4, sp_size=4, local_tokens=512 // 4, bytes_per_el=4)
+    job = Job(world_size=4, sp_size=4, local_tokens=256 // 4, bytes_per_el=4)
     a2a = _ops(shape, job, "all_to_all")
     a2a_warmup = _ops(shape, Job(world_size=4, sp_size=4, local_tokens=warmup // 4, bytes_per_el=4), "all_to_all")
     assert len(calls) == 3 * sum(c.count for c in a2a)  # warm-up, timed step and the counted one
