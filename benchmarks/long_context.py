@@ -31,6 +31,7 @@ from benchmarks.systems import SYSTEMS  # noqa: E402
 from ulysses_trainer.attention.kernels import STANDIN, STASH_KERNELS  # noqa: E402
 from ulysses_trainer.model.load import build_model  # noqa: E402
 from ulysses_trainer.model.presets import preset_config  # noqa: E402
+from ulysses_trainer.train.adam_states import materialize_adam_states  # noqa: E402
 from ulysses_trainer.train.metrics import train_flops_per_sequence  # noqa: E402
 
 
@@ -132,7 +133,7 @@ def run(args) -> dict:
                 if args.offload_optimizer:
                     point["sub_group_size"] = OFFLOAD_SUB_GROUP_SIZE
                 if standin:  # the stand-in's updates may all be skipped (non-finite norms): make m, v exist
-                    point["adam_states"] = _materialize_adam_states(engine)
+                    point["adam_states"] = materialize_adam_states(engine)
                     point["first_step"] = False  # planned as a later step: m, v held through fwd/bwd
                 point["host_rss_after_init_gb"] = psutil.Process().memory_info().rss / 2**30  # engine + optimizer
             if args.system == "ours" and cuda:
@@ -188,26 +189,6 @@ def run(args) -> dict:
         if point["status"] != "ok":
             break
     return results
-
-
-def _materialize_adam_states(engine) -> int:
-    """Create AdamW's m and v now, with one zero-gradient step of the optimizer inside ZeRO-3 (on its fp32
-    partitions, on the GPU or the host). A memory probe with the stand-in must hold them: DeepSpeed skips
-    updates whose gradient norm is not finite, and a skipped first update never allocates them (seen on
-    the H200). The step moves the weights by weight decay only; the stand-in's numbers mean nothing
-    anyway. Returns the bytes of m and v created."""
-    zero = engine.optimizer  # DeepSpeedZeroOptimizer_Stage3
-    inner = zero.optimizer  # the torch AdamW; Stage3 lends it one flat fp32 partition per sub-group at a time
-    for i, flat in enumerate(zero.fp32_partitioned_groups_flat):
-        group = inner.param_groups[zero.sub_group_to_group_id[i]]
-        kept = flat.grad  # with optimizer offload Stage3 keeps a pinned host grad buffer here
-        flat.grad = torch.zeros_like(flat) if kept is None else kept.zero_()
-        group["params"] = [flat]
-        inner.step()
-        group["params"] = []
-        flat.grad = kept
-    return sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
-               if torch.is_tensor(t) and t.dim() > 0)
 
 
 def _plan_ours_offload(net, config, L, dtype, extra_reserve=0):

@@ -14,6 +14,8 @@ from .errors import EXIT_INVALID, EXIT_OK
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("ulysses_trainer.plan.cli", "predict per-GPU and host memory; choose settings that fit "
                                          "(`plan calibrate`: predicted vs measured)"),
+    "rehearse": ("ulysses_trainer.train.rehearse", "run one rank of an N-GPU job on one device (fake process "
+                                                   "group): its memory and compute, plus modelled communication"),
 }
 
 

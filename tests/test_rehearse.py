@@ -1,0 +1,335 @@
+"""`ulysses-trainer rehearse`: one rank of an N-rank job in one process on the fake process group, and the
+model of the job's collectives that it adds (plan/comm_model.py), checked against hand counts."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import train_env
+from ulysses_trainer.plan.comm_model import (
+    Collective,
+    Job,
+    Overlap,
+    estimate,
+    load_bandwidth,
+    step_collectives,
+    wire_bytes,
+)
+from ulysses_trainer.plan.inputs import ModelShape, param_numels
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = str(ROOT / "launch/recipes/cpu_default.yaml")
+MiB = 2**20
+
+
+def _ops(shape, job, op):
+    return [c for c in step_collectives(shape, job) if c.op == op]
+
+
+def _by_name(rows, prefix):
+    (row,) = [c for c in rows if c.name.startswith(prefix)]
+    return row
+
+
+# ------------------------------------------------------------------ the collective model, by hand
+
+
+def test_all_to_alls_qwen3_8b_sp2_by_hand():
+    # Qwen3-8B: 32 q heads, 8 KV heads, head_dim 128, 36 layers; sp = 2 over 2 GPUs, 262,144 tokens
+    # in bf16: each rank holds t = 131,072 tokens.
+    s = ModelShape.preset("qwen3-8b")
+    job = Job(world_size=2, sp_size=2, local_tokens=131072, bytes_per_el=2)
+    q_bytes = 131072 * 32 * 128 * 2  # q (and the attention output): t x 32 heads x 128 x 2 B = 1 GiB
+    kv_bytes = 131072 * 8 * 128 * 2  # k, v: 8 KV heads, no copies (sp 2 divides 8) = 256 MiB
+    assert (q_bytes, kv_bytes) == (1024 * MiB, 256 * MiB)
+    a2a = _ops(s, job, "all_to_all")
+    # per layer: forward 4 (q, k, v, out), checkpoint recompute 4, backward 4 = 12; 36 layers = 432
+    assert sum(c.count for c in a2a) == 36 * 12 == 432
+    fwd_q = _by_name(a2a, "ulysses forward q")
+    assert (fwd_q.bytes, fwd_q.count) == (q_bytes, 2 * 36 * 2)  # q + out, forward + recompute
+    fwd_kv = _by_name(a2a, "ulysses forward k")
+    assert (fwd_kv.bytes, fwd_kv.count) == (kv_bytes, 2 * 36 * 2)
+    bwd_q = _by_name(a2a, "ulysses backward q")
+    assert (bwd_q.bytes, bwd_q.count) == (q_bytes, 2 * 36)
+    # bytes through the all-to-alls per step and rank: 36 x 3 passes x (2 x 1 GiB + 2 x 256 MiB) = 270 GiB
+    assert sum(c.total_bytes for c in a2a) == 36 * 3 * (2 * q_bytes + 2 * kv_bytes) == 270 * 1024 * MiB
+    assert all(c.group_size == 2 and not c.crosses_nodes for c in a2a)
+
+
+def test_all_to_alls_tiny_sp4_replicate_kv_heads_by_hand():
+    # tiny: 8 q heads, 2 KV heads, head_dim 16, 2 layers; sp 4 > 2 KV heads: each KV head is copied twice
+    # before the all-to-all, so k and v go out with 4 heads. fp32, t = 1024 tokens per rank.
+    s = ModelShape.preset("tiny")
+    job = Job(world_size=4, sp_size=4, local_tokens=1024, bytes_per_el=4)
+    a2a = _ops(s, job, "all_to_all")
+    assert _by_name(a2a, "ulysses forward q").bytes == 1024 * 8 * 16 * 4 == 512 * 1024
+    assert _by_name(a2a, "ulysses forward k").bytes == 1024 * (2 * 2) * 16 * 4 == 256 * 1024
+    assert sum(c.count for c in a2a) == 2 * 12 == 24
+    # checkpoint_every 2: layer 1 keeps no input and its forward runs once more in backward: +4 all-to-alls
+    assert sum(c.count for c in _ops(s, Job(4, 4, 1024, bytes_per_el=4, checkpoint_every=2), "all_to_all")) == 28
+    # no checkpointing: forward and backward only, 8 per layer; gradient accumulation 3 triples it
+    plain = Job(4, 4, 1024, grad_accum=3, bytes_per_el=4, gradient_checkpointing=False)
+    assert sum(c.count for c in _ops(s, plain, "all_to_all")) == 3 * 2 * 8
+    assert _ops(s, Job(4, 1, 4096, bytes_per_el=4), "all_to_all") == []  # sp 1 (dp 4): no all-to-all
+
+
+def test_all_to_alls_qwen3_8b_sp16_two_nodes_replicate_and_cross_nodes():
+    # sp 16 over two 8-GPU nodes: 16 > 8 KV heads -> 2 copies each, k/v go out with 16 heads = q's half
+    s = ModelShape.preset("qwen3-8b")
+    job = Job(world_size=16, sp_size=16, local_tokens=65536, gpus_per_node=8)
+    a2a = _ops(s, job, "all_to_all")
+    assert _by_name(a2a, "ulysses forward k").bytes == 65536 * 16 * 128 * 2
+    assert all(c.crosses_nodes for c in a2a)
+    assert all(not c.crosses_nodes for c in _ops(s, Job(16, 8, 131072, gpus_per_node=8), "all_to_all"))
+
+
+def test_zero3_collectives_qwen3_8b_w4_by_hand():
+    # ZeRO-3 over W = 4 ranks, bf16. Persistence threshold 10 x 4096 = 40,960 elements: the norms
+    # (4096, and q_norm/k_norm 128) stay gathered; every projection is gathered where it is used.
+    s = ModelShape.preset("qwen3-8b")
+    job = Job(world_size=4, sp_size=4, local_tokens=65536)
+    rows = [c for c in step_collectives(s, job) if c.op in ("all_gather", "reduce_scatter")]
+    q = 4096 * 4096  # q_proj and o_proj
+    kv = 4096 * 1024  # k_proj and v_proj (8 KV heads x 128)
+    mlp = 4096 * 12288  # gate, up, down
+    layer = 2 * q + 2 * kv + 3 * mlp + 2 * 4096 + 2 * 128  # 193M elements
+    # a layer is gathered for its forward, released (its recompute comes after ~36 other layers and the
+    # 622M-element lm_head: far beyond stage3_max_reuse_distance 1e9), gathered again for the checkpoint's
+    # recompute and kept through its backward (within one layer's 193M elements): 2 per layer, 36 layers
+    assert layer < 1e9 < 2 * 4096 * 151936
+    assert _by_name(rows, "zero3 gather: q/o").bytes == q // 4 * 2 == 8 * MiB
+    assert _by_name(rows, "zero3 gather: q/o").count == 2 * 2 * 36
+    assert _by_name(rows, "zero3 gather: k/v").bytes == kv // 4 * 2 == 2 * MiB
+    assert _by_name(rows, "zero3 gather: k/v").count == 2 * 2 * 36
+    assert _by_name(rows, "zero3 gather: gate/up/down").bytes == mlp // 4 * 2 == 24 * MiB
+    assert _by_name(rows, "zero3 gather: gate/up/down").count == 3 * 2 * 36
+    emb = 151936 * 4096
+    # embedding: forward and (after the whole backward) its backward; lm_head (untied): its backward follows
+    # its forward at once, so 1
+    head = _by_name(rows, "zero3 gather: embed + lm_head")
+    assert (head.bytes, head.count) == (emb // 4 * 2, 2 + 1)
+    # persistent tensors: gathered once each after the optimizer step; 2 x 36 + 1 of 4096, 2 x 36 of 128
+    assert _by_name(rows, "zero3 gather: persistent 4096").count == 73
+    assert _by_name(rows, "zero3 gather: persistent 128").count == 72
+    # reduce-scatter, buckets of 4096**2 = q elements, filled in backward order: lm_head alone, then per
+    # layer down | up | gate (each alone: 3 x mlp), post_attention_norm (4096, sent when o arrives),
+    # o alone, v + k_norm + k + q_norm (8.39M, sent when q arrives), q alone (sent at input_norm); the
+    # 4096 held at a layer's start (final norm or the input_norm above) is sent when down arrives; the
+    # last input_norm when the embedding arrives; the embedding alone at the end.
+    buckets = {c.bytes // 2: c.count for c in rows if c.op == "reduce_scatter"}
+    assert buckets == {emb: 2, mlp: 3 * 36, q: 2 * 36, 2 * kv + 2 * 128: 36, 4096: 2 * 36 + 1}
+    n = 2 * emb + 36 * layer + 4096
+    assert n == sum(param_numels(s)) == 8_190_735_360
+    assert sum(c.total_bytes for c in rows if c.op == "reduce_scatter") == 2 * n  # every gradient once, bf16
+    # a tiled MLP (12 tiles: what auto picks at 131,072 tokens per rank) runs gate/up/down 12 x 2 times
+    # between a layer's recompute and its attention's backward (12 x 6 x 50M elements > 1e9): q, k, v, o
+    # are gathered a third time there; the MLP weights stay gathered across the tiles (2 per layer)
+    tiled = step_collectives(s, Job(world_size=4, sp_size=4, local_tokens=65536, mlp_tiles=12))
+    assert 12 * 6 * mlp > 1e9
+    assert _by_name(tiled, "zero3 gather: q/o").count == 2 * 3 * 36
+    assert _by_name(tiled, "zero3 gather: k/v").count == 2 * 3 * 36
+    assert _by_name(tiled, "zero3 gather: gate/up/down").count == 3 * 2 * 36
+    # a reuse distance smaller than a layer: the backward gathers the layer a third time
+    short = Job(world_size=4, sp_size=4, local_tokens=65536, max_reuse_distance=10_000_000)
+    assert _by_name(step_collectives(s, short), "zero3 gather: q/o").count == 2 * 3 * 36
+
+
+def test_zero3_tied_embedding_is_gathered_three_times():
+    s = ModelShape.preset("qwen3-4b")  # tied: the lm_head is the embedding, gathered for it once more
+    rows = step_collectives(s, Job(world_size=2, sp_size=2, local_tokens=65536))
+    assert _by_name(rows, "zero3 gather: embed").count == 3
+
+
+# ------------------------------------------------------------------ bandwidth and time
+
+
+def test_wire_bytes_ring_factors():
+    assert wire_bytes("all_gather", 100, 4) == 300  # every rank receives the 3 other shards
+    assert wire_bytes("reduce_scatter", 400, 4) == 300
+    assert wire_bytes("all_to_all", 400, 4) == 300
+    assert wire_bytes("all_reduce", 400, 4) == 600
+    assert wire_bytes("all_to_all", 400, 1) == 0
+
+
+def test_default_bandwidth_is_named_and_assumed(tmp_path):
+    bw = load_bandwidth(None)
+    assert bw.source.startswith("assumed") and bw.busbw_gbps("all_to_all", 2**30) == 350.0
+    assert load_bandwidth(str(tmp_path / "absent.json")).source.startswith("assumed")
+    c = Collective("x", "all_to_all", "sp", 8, 2**30, 1)
+    assert bw.seconds(c, 8) == pytest.approx(20e-6 + 2**30 * 7 / 8 / 350e9)
+
+
+def test_measured_bandwidth_interpolates_and_floors_at_latency(tmp_path):
+    path = tmp_path / "bw.json"
+    pts = [{"op": "all_gather", "bytes": 2**20, "seconds": 1e-4, "busbw_gbps": 100.0},
+           {"op": "all_gather", "bytes": 2**30, "seconds": 4e-3, "busbw_gbps": 300.0}]
+    path.write_text(json.dumps({"device": "NVIDIA H200", "world_size": 2, "backend": "nccl", "points": pts}))
+    bw = load_bandwidth(str(path), internode_gbps=40.0)
+    assert bw.source.startswith("measured") and "all_to_all" in bw.source  # the op it lacks is named
+    assert bw.busbw_gbps("all_gather", 2**25) == pytest.approx(200.0)  # halfway in log(bytes)
+    assert bw.busbw_gbps("all_gather", 2**40) == 300.0
+    big = Collective("g", "all_gather", "world", 8, 2**30, 1)
+    assert bw.seconds(big, 8) == pytest.approx(7 * 2**30 / 300e9)
+    assert bw.seconds(Collective("g", "all_gather", "world", 8, 16, 1), 8) == 1e-4  # latency floor
+    cross = Collective("g", "all_gather", "world", 16, 2**30, 1, crosses_nodes=True)
+    assert bw.seconds(cross, 8) == pytest.approx(15 * 2**30 / 40e9)  # the network is the bottleneck
+
+
+def test_estimate_overlap_parameters():
+    s = ModelShape.preset("qwen3-8b")
+    job = Job(world_size=8, sp_size=8, local_tokens=131072)
+    bw = load_bandwidth(None)
+    e = estimate(s, job, bw, compute_s=100.0)
+    assert e["zero3_exposed_s"] == 0.0  # 100 s of compute hides ZeRO-3's fraction of a second
+    assert e["comm_s_estimate"] == pytest.approx(e["all_to_all_s"] + e["all_reduce_s"])
+    tight = estimate(s, job, bw, compute_s=0.01, overlap=Overlap(a2a_hidden=0.5, zero3_hidden=1.0))
+    assert tight["zero3_exposed_s"] == pytest.approx(tight["zero3_s"] - 0.01)
+    assert tight["all_to_all_exposed_s"] == pytest.approx(0.5 * tight["all_to_all_s"])
+    unknown = estimate(s, job, bw, compute_s=None)
+    assert unknown["zero3_hidden_assumed"] and unknown["zero3_exposed_s"] is None
+    assert sum(r["seconds"] for r in e["ops"]) == pytest.approx(e["comm_s_total"])
+
+
+# ------------------------------------------------------------------ the command
+
+
+def _main(argv):
+    from ulysses_trainer.train.rehearse import main
+
+    return main(argv)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--gpus", "4", "--rank", "4"], "--rank 4 is outside the job's ranks 0..3"),
+    (["--gpus", "four"], "argument --gpus: invalid int value"),
+    ([], "the following arguments are required: --gpus"),
+    (["--gpus", "4", "--sp_size", "3"], "sp_size=3 does not divide the world size 4"),
+    (["--gpus", "4", "--steps", "1"], "--steps must be >= 2"),
+    (["--gpus", "4", "--comm", "/nonexistent/bw.json"], "no such file"),
+    (["--gpus", "4", "--no_such_field", "1"], "no_such_field"),
+    (["--gpus", "4", "--max_length", "512", "--warmup_length", "1024"], "--warmup_length must be between 2"),
+])
+def test_bad_input_exits_2_with_one_message(argv, needle, capsys):
+    assert _main(["--config", RECIPE, *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_rehearse_rank_of_4_in_this_process(rank, tmp_path, monkeypatch, capsys):
+    """Rank 0 or rank 3 of a 4-rank tiny job in this process: ZeRO-3 holds 1/4 of every parameter, the
+    all-to-alls the run makes are the ones the model counts, and the JSON says what is measured and what
+    is not. Rank 3 warms up on 64-token sequences; rank 0 tiles the MLP."""
+    from ulysses_trainer.parallel import comm
+
+    calls = []
+    for name in ("_seq_to_heads", "_heads_to_seq"):
+        real = getattr(comm, name)
+
+        def counted(x, sp, group, _real=real):
+            calls.append(x.numel() * x.element_size())
+            return _real(x, sp, group)
+
+        monkeypatch.setattr(comm, name, counted)
+    shape = ModelShape.preset("tiny")
+    out = tmp_path / f"rank{rank}.json"
+    warmup = 64 if rank == 3 else 256
+    tiles = ["--tiled_mlp", "2"] if rank == 0 else []  # the tiled MLP's module order, counted too
+    assert _main(["--config", RECIPE, "--gpus", "4", "--rank", str(rank), "--max_length", "256", *tiles,
+                  "--warmup_length", str(warmup), "--count_collectives", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert (r["world_size"], r["rank"], r["sp_size"], r["dp_size"]) == (4, rank, 4, 1)
+    assert r["losses_meaningful"] is False and r["standin"] is False and r["compute_time_real"] is True
+    assert r["peak_host_mem_gb"] > 0 and r["compute_s"] > 0 and r["predicted_step_s"] >= r["compute_s"]
+    assert r["tokens_per_s_predicted"] == pytest.approx(256 / r["predicted_step_s"])
+    # ZeRO-3 partitions every tensor over 4 ranks: ceil(numel / 4) elements each, nothing more
+    assert r["param_numel"] == sum(param_numels(shape))
+    assert r["param_partition_numel"] == sum(-(-n // 4) for n in param_numels(shape))
+    assert r["param_partition_max_excess"] == 0
+    assert r["adam_state_bytes"] == 8 * r["param_partition_numel"]  # m and v, fp32, this rank's share
+    # the all-to-alls the run made (2 steps) = the model's count and bytes per step, twice
+    job = Job(world_size=4, sp_size=4, local_tokens=256 // 4, bytes_per_el=4)
+    a2a = _ops(shape, job, "all_to_all")
+    a2a_warmup = _ops(shape, Job(world_size=4, sp_size=4, local_tokens=warmup // 4, bytes_per_el=4), "all_to_all")
+    assert len(calls) == 3 * sum(c.count for c in a2a)  # warm-up, timed step and the counted one
+    assert sum(calls) == sum(c.total_bytes for c in a2a_warmup) + 2 * sum(c.total_bytes for c in a2a)
+    # the counted step (steady state: DeepSpeed's trace exists) against the model, op by op
+    counted, modelled = r["collectives_counted"], r["comm"]["by_op"]
+    assert counted["all_to_all"] == modelled["all_to_all"]
+    assert counted["reduce_scatter"] == modelled["reduce_scatter"]  # calls (bucketing) and bytes
+    assert counted["all_gather"]["bytes"] == modelled["all_gather"]["bytes"]  # (k, v go in one call)
+    assert counted["all_reduce"]["calls"] == modelled["all_reduce"]["calls"] - 1  # the stop flag is the loop's
+    assert r["comm"]["all_to_all_s"] > 0 and r["comm"]["bandwidth_source"]
+    printed = capsys.readouterr().out
+    assert "losses meaningless" in printed and f"rehearsal rank {rank}/4" in printed
+
+
+def test_out_of_memory_is_a_result_too(tmp_path, monkeypatch, capsys):
+    """A length that does not fit: exit 1, and --out still says so (the memory search reads it)."""
+    import torch
+
+    from ulysses_trainer.train import rehearse
+
+    def oom(plan, opts):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(rehearse, "run_rehearsal", oom)
+    out = tmp_path / "r.json"
+    assert _main(["--config", RECIPE, "--gpus", "4", "--max_length", "512", "--out", str(out)]) == 1
+    r = json.loads(out.read_text())
+    assert r["status"] == "oom" and "Tried to allocate 2.00 GiB" in r["error"] and r["predicted_step_s"] is None
+    assert (r["world_size"], r["max_length"]) == (4, 512)
+    assert "out of GPU memory at 512 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_rehearse_command_standin_with_dp(tmp_path):
+    """The real command: rank 5 of 8 as sp 4 x dp 2 with the memory-only stand-in prints the summary and
+    JSON; compute time and prediction are withheld (the stand-in does no attention math)."""
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "ulysses_trainer", "rehearse", "--config", RECIPE, "--gpus", "8", "--rank", "5",
+           "--sp_size", "4", "--max_length", "512", "--standin", "--steps", "1", "--json", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert json.loads(res.stdout[res.stdout.index("{\n"):]) == r
+    assert (r["sp_size"], r["dp_size"], r["rank"]) == (4, 2, 5)
+    assert r["standin"] is True and r["attention_kernel"] == "standin_memory_only"
+    assert r["compute_s"] is None and r["predicted_step_s"] is None and r["compute_time_real"] is False
+    assert r["comm"]["zero3_hidden_assumed"] is True
+    assert "rehearsal rank 5/8" in res.stdout and "losses meaningless" in res.stdout
+
+
+@pytest.mark.slow
+def test_comm_bandwidth_benchmark_writes_what_the_rehearsal_reads(tmp_path):
+    """benchmarks/comm_bandwidth.py under torchrun (2 ranks, gloo, tiny sizes): every op at every size, in
+    the format load_bandwidth reads back as measured."""
+    out = tmp_path / "bw.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29731",
+           "benchmarks/comm_bandwidth.py", "--backend", "gloo", "--sizes", "4096,65536", "--dtype", "float32",
+           "--warmup", "1", "--iters", "2", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert (data["world_size"], data["backend"]) == (2, "gloo")
+    assert sorted((p["op"], p["bytes"]) for p in data["points"]) == sorted(
+        (op, b) for op in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce") for b in (4096, 65536))
+    for p in data["points"]:  # busbw is the ring-factor wire bytes over the time
+        assert p["busbw_gbps"] == pytest.approx(wire_bytes(p["op"], p["bytes"], 2) / p["seconds"] / 1e9)
+    bw = load_bandwidth(str(out))
+    assert bw.source.startswith("measured") and "assumed" not in bw.source
+    assert bw.busbw_gbps("all_gather", 65536) == pytest.approx(
+        next(p["busbw_gbps"] for p in data["points"] if (p["op"], p["bytes"]) == ("all_gather", 65536)))
+
+
+@pytest.mark.gpu
+def test_rehearse_on_a_gpu_measures_gpu_memory(tmp_path):
+    out = tmp_path / "r.json"
+    assert _main(["--config", RECIPE, "--gpus", "2", "--max_length", "4096", "--attn_implementation", "sdpa",
+                  "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["peak_gpu_mem_gb"] > 0 and r["peak_gpu_reserved_gb"] >= r["peak_gpu_mem_gb"]
+    assert r["device"] != "cpu" and r["compute_s"] > 0

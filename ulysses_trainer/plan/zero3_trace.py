@@ -1,0 +1,103 @@
+"""How many times ZeRO-3 all-gathers each parameter in one micro-step, from the order modules use them.
+
+DeepSpeed records the order in which modules fetch their parameters during the first step (the trace)
+and from then on, after a module has run, releases each of its parameters unless the parameter is used
+again within `stage3_max_reuse_distance` elements of parameters fetched in between (partitioned_param_
+coordinator.__params_to_release: it walks the trace forward from the next module, adding each module's
+parameter count, and stops once the sum reaches the distance). A released parameter is gathered again
+at its next use; the trace ends with the micro-step, so the last use always releases. Parameters at or
+below stage3_param_persistence_threshold stay gathered and are never fetched.
+
+The module order is that of a Qwen3 decoder under this trainer (reentrant checkpointing: backward
+re-runs each layer's forward just before that layer's backward; checkpoint_every=k first rebuilds
+the block's lower layers from its kept input, levers/offload.py):
+  forward:  embed, per layer [input_norm, q, q_norm, k, k_norm, v, o, post_attention_norm, gate, up,
+            down], final norm, lm_head (the loss head; a tied one is the embedding)
+  backward: lm_head, final norm, per layer from the top [rebuilds, recompute forward, backward in
+            reverse module order], embed
+A tiled MLP (levers/tiled_mlp.py, T tiles) runs gate, up, down T times in forward, not at all in the
+recompute, and T times forward-then-backward in its backward: at long lengths those T x 3 MLP uses
+lie between a layer's recompute and its attention's backward, so with an 8B model and 12 tiles q, k,
+v, o are gathered a third time there.
+Steady state (the trace exists from the second step on). Not modelled: stage3_max_live_parameters
+forcing earlier releases (the default config's 1e9 does not bind below ~5B-parameter layers), and the
+prefetcher's own hold on parameters whose reuse it skipped: on the tiny model with the default config
+the gathered bytes that `rehearse --count_collectives` counts equal this model's (tests/test_rehearse.py),
+but with a reuse distance shrunk to 30,000 elements DeepSpeed 0.19.8 kept more than this walk predicts
+(19.6 MB gathered against 29.4 MB modelled), so check a new setting with --count_collectives.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .inputs import ModelShape, layer_param_numels
+
+Param = tuple[int, str]  # (layer index or -1, tensor name)
+
+
+def layer_names(shape: ModelShape) -> list[str]:
+    """Tensor names in layer_param_numels' order."""
+    norms = ["q_norm", "k_norm"] if shape.qk_norm else []
+    return ["q", "k", "v", "o", *norms, "gate", "up", "down", "input_norm", "post_attention_norm"]
+
+
+def forward_order(shape: ModelShape) -> list[str]:
+    qk = ["q", "q_norm", "k", "k_norm"] if shape.qk_norm else ["q", "k"]
+    return ["input_norm", *qk, "v", "o", "post_attention_norm", "gate", "up", "down"]
+
+
+def module_trace(shape: ModelShape, gradient_checkpointing: bool = True, checkpoint_every: int = 1,
+                 mlp_tiles: int = 1) -> list[Param]:
+    """The parameters in the order modules fetch them in one micro-step (one module uses one tensor here)."""
+    attn = forward_order(shape)[:-3]  # input_norm .. post_attention_norm
+    mlp = ["gate", "up", "down"]
+    tiled = mlp_tiles > 1  # levers/tiled_mlp.py: forward runs the tiles; backward re-runs each before its backward
+    at = lambda i, names: [(i, n) for n in names]  # noqa: E731
+    forward = lambda i: at(i, attn + mlp * mlp_tiles)  # noqa: E731
+    # a checkpoint's recompute skips a tiled MLP's forward (TiledMLP.unused_output): its backward recomputes
+    recompute = lambda i: at(i, attn + ([] if tiled else mlp))  # noqa: E731
+    backward = lambda i: at(i, (mlp + mlp[::-1]) * mlp_tiles if tiled else mlp[::-1]) + at(i, attn[::-1])  # noqa: E731
+    head: Param = (-1, "embed") if shape.tied_embeddings else (-1, "lm_head")
+    trace: list[Param] = [(-1, "embed")]
+    for i in range(shape.layers):
+        trace += forward(i)
+    trace += [(-1, "final_norm"), head, head, (-1, "final_norm")]  # the loss head's forward, then its backward
+    k = checkpoint_every if gradient_checkpointing else 1
+    for top in range(shape.layers - 1, -1, -1):
+        if top % k == k - 1 or top == shape.layers - 1:  # a block's top layer rebuilds the layers below it
+            for i in range(top - top % k, top):
+                trace += forward(i)
+        if gradient_checkpointing:
+            trace += recompute(top)
+        trace += backward(top)
+    return trace + [(-1, "embed")]
+
+
+def numel_of(shape: ModelShape) -> dict[str, int]:
+    out = dict(zip(layer_names(shape), layer_param_numels(shape)))
+    out.update(embed=shape.vocab * shape.hidden, lm_head=shape.vocab * shape.hidden, final_norm=shape.hidden)
+    return out
+
+
+def gathers_per_micro_step(shape: ModelShape, gradient_checkpointing: bool = True, checkpoint_every: int = 1,
+                           persistence_threshold: int | None = None, max_reuse_distance: int = 1_000_000_000,
+                           mlp_tiles: int = 1) -> Counter:
+    """Tensor name -> all-gathers per micro-step, summed over layers ("q": every layer's q_proj)."""
+    thr = 10 * shape.hidden if persistence_threshold is None else persistence_threshold
+    size = numel_of(shape)
+    trace = module_trace(shape, gradient_checkpointing, checkpoint_every, mlp_tiles)
+    prefix = [0]
+    for _, name in trace:
+        prefix.append(prefix[-1] + size[name])
+    last: dict[Param, int] = {}
+    gathers: Counter = Counter()
+    for pos, p in enumerate(trace):
+        if size[p[1]] <= thr:
+            continue  # persistent
+        prev = last.get(p)
+        # released after the previous use unless the elements fetched in between stay under the distance
+        if prev is None or prefix[pos] - prefix[prev + 1] >= max_reuse_distance:
+            gathers[p[1]] += 1
+        last[p] = pos
+    return gathers

@@ -1,0 +1,375 @@
+"""`ulysses-trainer rehearse`: one rank of an N-GPU job, in one process, on one device.
+
+    ulysses-trainer rehearse --config RECIPE.yaml --gpus N [--rank R] [--steps K] [--warmup_length N]
+        [--standin] [--comm FILE] [--gpus_per_node G] [--internode_gbps X] [--a2a_hidden F]
+        [--zero3_hidden F] [--count_collectives] [--json] [--out FILE] [--name value ...]
+
+The process plays rank R (default 0) of the N-rank job on torch's fake process group (parallel/fake.py)
+and builds what the trainer builds (prepare, Trainer: the model, parallelize, the ZeRO-3 engine with
+partitions for N ranks), then runs K train steps (default 2: one warm-up, then the timed ones). Real:
+this rank's memory (GPU peak, host peak RSS) and its kernels' time. Not run: communication, which is
+added from the model of the job's collectives (plan/comm_model.py) at measured or assumed bandwidths.
+The losses are meaningless: inputs that collectives would have filled hold whatever the buffers held.
+Any other `--name value` overrides the recipe, as for launch/train.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from typing import Any
+
+from ..config import REPO_ROOT
+from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
+
+# The measured NCCL points the rehearsal uses when --comm is not given (benchmarks/comm_bandwidth.py)
+DEFAULT_COMM_FILE = REPO_ROOT / "benchmarks" / "results" / "comm_bandwidth_h200_x2.json"
+_FLAGS = {"json", "standin", "count_collectives", "help"}  # take no value
+_OWN = {"config", "gpus", "rank", "steps", "warmup_length", "out", "comm", "gpus_per_node", "internode_gbps",
+        "a2a_hidden", "zero3_hidden", *_FLAGS}
+MEANINGLESS = ("losses are meaningless: collectives on the fake process group move no data, so the buffers "
+               "they would fill hold whatever was there")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one `error:` line, exit 2, like every other bad input
+        raise ConfigError(f"{message} (ulysses-trainer rehearse --help lists the options)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from ..plan.comm_model import DEFAULT_INTERNODE_GBPS
+
+    ap = _Parser(prog="ulysses-trainer rehearse", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="a training recipe (YAML)")
+    ap.add_argument("--gpus", type=int, required=True, help="ranks in the job being rehearsed (N)")
+    ap.add_argument("--rank", type=int, default=0, help="which rank this process plays (default 0)")
+    ap.add_argument("--steps", type=int, default=2, help="train steps: the first is a warm-up, the rest are "
+                                                         "timed (default 2)")
+    ap.add_argument("--warmup_length", type=int,
+                    help="tokens per sequence in the warm-up step (default max_length): it compiles kernels and "
+                         "lets DeepSpeed record its module order as well at a fraction of the time")
+    ap.add_argument("--standin", action="store_true",
+                    help="memory only: the attention stand-in replaces the kernel (memory real, time not)")
+    ap.add_argument("--comm", help=f"measured bandwidth JSON (default {DEFAULT_COMM_FILE.relative_to(REPO_ROOT)} "
+                                   f"if present, else an assumed NVLink figure)")
+    ap.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node of the job (default 8)")
+    ap.add_argument("--internode_gbps", type=float, default=DEFAULT_INTERNODE_GBPS,
+                    help=f"network GB/s per GPU for collectives that cross nodes (default {DEFAULT_INTERNODE_GBPS:g}"
+                         f" = 400 Gb/s InfiniBand)")
+    ap.add_argument("--a2a_hidden", type=float, default=0.0,
+                    help="fraction of the Ulysses all-to-all time hidden behind compute (default 0)")
+    ap.add_argument("--zero3_hidden", type=float, default=1.0,
+                    help="fraction of the compute that ZeRO-3's gathers/reduce-scatters hide behind (default 1)")
+    ap.add_argument("--count_collectives", action="store_true",
+                    help="run one more (untimed, slower) step that records every collective issued, to set "
+                         "beside the model's counts")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON after the summary line")
+    ap.add_argument("--out", help="also write the JSON result to this file")
+    return ap
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(this command's flags, training-config overrides `--name value`)."""
+    ours, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") else None
+        bucket = ours if (name in _OWN or not arg.startswith("--")) else rest
+        bucket.append(arg)
+        if name not in _FLAGS and "=" not in arg and i + 1 < len(argv):
+            bucket.append(argv[i + 1])
+            i += 1
+        i += 1
+    return ours, rest
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
+    if not 0 <= args.rank < args.gpus:
+        raise ConfigError(f"--rank {args.rank} is outside the job's ranks 0..{args.gpus - 1}; pick one of those")
+    if args.steps < (1 if args.standin else 2):
+        raise ConfigError(f"--steps must be >= 2 (the first step is a warm-up, not timed; 1 is enough with "
+                          f"--standin), got {args.steps}")
+    if args.gpus_per_node < 1:
+        raise ConfigError(f"--gpus_per_node must be >= 1, got {args.gpus_per_node}")
+    if not args.internode_gbps > 0:
+        raise ConfigError(f"--internode_gbps must be > 0, got {args.internode_gbps}")
+    for name in ("a2a_hidden", "zero3_hidden"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            raise ConfigError(f"--{name} must be a fraction in [0, 1], got {getattr(args, name)}")
+    if args.comm is not None and not os.path.isfile(args.comm):
+        raise ConfigError(f"--comm {args.comm}: no such file; give the JSON of benchmarks/comm_bandwidth.py "
+                          f"or leave --comm out")
+    if args.out is not None and os.path.isdir(args.out):
+        raise ConfigError(f"--out {args.out} is a directory; give a file path")
+
+
+def load_rehearsal_config(args: argparse.Namespace, overrides: list[str]):
+    """The recipe + overrides, then what a rehearsal changes: K steps, no eval, no resume, no saving."""
+    from ..config import load_config
+
+    cfg = load_config((["--config", args.config] if args.config else []) + overrides)
+    return dataclasses.replace(cfg, max_steps=args.steps, eval_steps=None, resume_from_checkpoint=None,
+                               save_steps=None, plot_per_position_loss=False)
+
+
+def comm_job(plan, gpus_per_node: int):
+    """The comm model's view of the run the trainer would make from `plan`."""
+    from ..model.parallelize import mlp_tiles
+    from ..plan.comm_model import Job
+
+    zero = plan.ds_config.get("zero_optimization", {})
+    # "auto" is filled by now (ds_config.py); a key left out takes DeepSpeed's default
+    num = lambda key, default: int(float(zero.get(key, default)))  # noqa: E731
+    cfg, mc = plan.cfg, plan.model_config
+    tiles = mlp_tiles(cfg.tiled_mlp, plan.padded_length // plan.sp_size, mc.hidden_size, mc.intermediate_size)
+    return Job(world_size=plan.world_size, sp_size=plan.sp_size, mlp_tiles=tiles,
+               local_tokens=plan.padded_length // plan.sp_size * cfg.per_device_train_batch_size,
+               grad_accum=cfg.gradient_accumulation_steps, bytes_per_el=2 if plan.bf16 else 4,
+               gradient_checkpointing=cfg.gradient_checkpointing, checkpoint_every=cfg.checkpoint_every,
+               gpus_per_node=gpus_per_node,
+               param_persistence_threshold=num("stage3_param_persistence_threshold", 100_000),
+               reduce_bucket_size=num("reduce_bucket_size", 500_000_000),
+               max_reuse_distance=num("stage3_max_reuse_distance", 1_000_000_000))
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _partition_stats(module, world_size: int) -> dict[str, int]:
+    """This rank's ZeRO-3 parameter partitions against the full tensors."""
+    full = local = excess = 0
+    for p in module.parameters():
+        n = int(getattr(p, "ds_numel", p.numel()))
+        mine = int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else n
+        full, local = full + n, local + mine
+        excess = max(excess, mine - -(-n // world_size))
+    return {"param_numel": full, "param_partition_numel": local, "param_partition_max_excess": excess}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rehearsal:
+    """What to rehearse of the job that `plan` describes."""
+
+    rank: int = 0
+    steps: int = 2  # the first is a warm-up; the rest are timed (with standin, 1 is enough: memory only)
+    standin: bool = False
+    gpus_per_node: int = 8
+    count_collectives: bool = False
+    warmup_length: int | None = None  # tokens of the warm-up step's sequences; None: max_length
+
+
+def _warmup_batches(trainer, length: int | None) -> list:
+    """Step 0's shards, cut to `length` tokens (kernels compile and DeepSpeed records its module order
+    the same at any length, in less time)."""
+    if length is None:
+        return trainer._micro_batches(0)
+    plan, micro = trainer.plan, trainer.cfg.per_device_train_batch_size
+    rows = [plan.train_data[i] for i in range(plan.dp_size * micro)]  # any rows will do
+    cut = [{"input_ids": r["input_ids"][:length], "position_ids": r["position_ids"][:length]} for r in rows]
+    start = trainer.state.dp_rank * micro
+    return [trainer._shard(cut[start:start + micro]) for _ in range(trainer.cfg.gradient_accumulation_steps)]
+
+
+def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
+    """Build the trainer as rank opts.rank of plan.world_size on the fake group and run opts.steps train
+    steps (and, with count_collectives, one more that records the collectives issued). Returns what was
+    measured (memory, step times, partitions, collectives counted); nothing of the comm model."""
+    import torch
+
+    from ..parallel.fake import CollectiveLog, fake_process_group
+    from .adam_states import materialize_adam_states
+    from .metrics import peak_gpu_mem_gb, peak_host_mem_gb
+    from .trainer import Trainer
+
+    cuda = plan.device == "cuda"
+    with fake_process_group(opts.rank, plan.world_size, opts.gpus_per_node, plan.device):
+        trainer = Trainer(plan)
+        engine = trainer.engine
+        adam_bytes = materialize_adam_states(engine)  # held from step 1 on, as in every real step after the first
+        times, losses, skipped = [], [], []
+        for step in range(opts.steps):
+            warmup = step == 0 and opts.steps > 1
+            _sync(plan.device)
+            t0 = time.perf_counter()
+            before = engine.skipped_steps
+            batches = _warmup_batches(trainer, opts.warmup_length) if warmup else trainer._micro_batches(step)
+            loss, grad_norm, _ = trainer.train_step(batches)
+            _sync(plan.device)
+            times.append(time.perf_counter() - t0)
+            losses.append(loss)
+            skipped.append(engine.skipped_steps > before)
+            print(f"[ulysses_trainer] rehearsal step {step + 1}/{opts.steps}: {times[-1]:.3f} s"
+                  f"{' (warm-up)' if warmup else ''}; loss {loss:.4g} (meaningless)"
+                  f"{', update skipped (non-finite gradient norm)' if skipped[-1] else ''}", flush=True)
+        # a skipped update ran no optimizer: time one over this rank's partitions, to add to the step
+        opt_s = None
+        if skipped[-1]:
+            _sync(plan.device)
+            t0 = time.perf_counter()
+            materialize_adam_states(engine)
+            _sync(plan.device)
+            opt_s = time.perf_counter() - t0
+        memory = {"peak_gpu_mem_gb": peak_gpu_mem_gb(),
+                  "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
+                  "peak_host_mem_gb": peak_host_mem_gb()}
+        counted = None
+        if opts.count_collectives:  # after the memory and time readings it would distort
+            with CollectiveLog() as log:
+                trainer.train_step(trainer._micro_batches(opts.steps))
+            counted = log.ops
+        ck = trainer.model.checkpointer
+        stash = trainer.model.attention.stash
+        out = {"step_s": times, "losses": losses, "optimizer_update_skipped": skipped,
+               "optimizer_step_s_added": opt_s, "adam_state_bytes": adam_bytes, "collectives_counted": counted,
+               **memory, "offloaded_layers": len(ck.offload_layers) if ck is not None else 0,
+               "kept_attention_layers": len(stash.layers) if stash is not None else 0,
+               "device": torch.cuda.get_device_name() if cuda else "cpu",
+               **_partition_stats(trainer.model, plan.world_size)}
+        trainer = engine = None  # noqa: F841 - drop the engine before the group goes
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
+def rehearse(plan, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:
+    """Measure rank opts.rank, add the modelled communication, and return the whole result."""
+    from ..attention.kernels import STANDIN
+    from ..plan.comm_model import estimate
+    from ..plan.inputs import ModelShape
+
+    if opts.standin:
+        plan = dataclasses.replace(plan, kernel=STANDIN)
+    measured = run_rehearsal(plan, opts)
+    timed = measured["step_s"][1:] or measured["step_s"]
+    compute = sum(timed) / len(timed) + (measured["optimizer_step_s_added"] or 0.0)
+    compute_s = None if opts.standin else compute
+    job = comm_job(plan, opts.gpus_per_node)
+    comm = estimate(ModelShape.from_config(plan.model_config), job, bandwidth, compute_s, overlap)
+    predicted = None if compute_s is None else compute_s + comm["comm_s_estimate"]
+    tokens = plan.sequences_per_step * plan.cfg.max_length  # the whole job's real tokens per step
+    return {"status": "ok", "world_size": plan.world_size, "rank": opts.rank, "sp_size": plan.sp_size,
+            "dp_size": plan.dp_size, "max_length": plan.cfg.max_length, "padded_length": plan.padded_length,
+            "local_tokens": job.local_tokens, "model": plan.cfg.model_name_or_path,
+            "attention_kernel": plan.kernel, "standin": opts.standin, "bf16": plan.bf16,
+            "gpus_per_node": opts.gpus_per_node, "losses_meaningful": False, "note": MEANINGLESS,
+            "compute_time_real": not opts.standin, "compute_s": compute_s,
+            "compute_s_measured_with_standin": compute if opts.standin else None,
+            "warmup_length": opts.warmup_length or plan.cfg.max_length,
+            "comm_s_estimate": comm["comm_s_estimate"], "predicted_step_s": predicted,
+            "tokens_per_step": tokens,
+            "tokens_per_s_predicted": None if predicted is None else tokens / predicted,
+            # every rank of a node holds about what this one does (the same shapes; only the data differs)
+            "ranks_per_node": min(plan.world_size, opts.gpus_per_node),
+            **measured, "comm": comm}
+
+
+def summary_line(r: dict[str, Any]) -> str:
+    def f(v, unit="", spec=".2f"):
+        return "n/a" if v is None else f"{v:{spec}}{unit}"
+
+    kind = "memory only (attention stand-in: time not real)" if r["standin"] else r["attention_kernel"]
+    line = (f"[ulysses_trainer] rehearsal rank {r['rank']}/{r['world_size']} (sp {r['sp_size']} x dp {r['dp_size']}"
+            f", {r['max_length']:,} tokens, {kind}): peak GPU {f(r['peak_gpu_mem_gb'], ' GB')}"
+            f" (reserved {f(r['peak_gpu_reserved_gb'], ' GB')}), peak host {f(r['peak_host_mem_gb'], ' GB')}; "
+            f"compute {f(r['compute_s'], ' s')} + comm {f(r['comm_s_estimate'], ' s', '.3f')} (modelled) = "
+            f"{f(r['predicted_step_s'], ' s/step')}, {f(r['tokens_per_s_predicted'], ' tokens/s', ',.0f')} "
+            f"predicted; losses meaningless")
+    counted = r.get("collectives_counted")
+    if counted:
+        modelled = r["comm"]["by_op"]
+        pairs = [f"{op} {counted.get(op, {}).get('bytes', 0) / 2**20:,.1f} MiB ({counted.get(op, {}).get('calls', 0)} "
+                 f"calls) vs {m['bytes'] / 2**20:,.1f} MiB ({m['calls']})" for op, m in modelled.items()]
+        line += "\n[ulysses_trainer] collectives counted in one step vs modelled: " + "; ".join(pairs)
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # as launch/train.py, before CUDA starts: long sequences fragment the caching allocator without this
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    ours, overrides = split_argv(argv)
+    try:
+        args = _parser().parse_args(ours)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        from ..plan.comm_model import Overlap, load_bandwidth
+        from .prepare import prepare
+
+        _check_args(args)
+        cfg = load_rehearsal_config(args, overrides)
+        if args.warmup_length is not None and not 2 <= args.warmup_length <= cfg.max_length:
+            raise ConfigError(f"--warmup_length must be between 2 and max_length {cfg.max_length}, "
+                              f"got {args.warmup_length}")
+        plan = prepare(cfg, args.gpus)
+        comm_file = args.comm or (str(DEFAULT_COMM_FILE) if DEFAULT_COMM_FILE.is_file() else None)
+        bandwidth = load_bandwidth(comm_file, args.internode_gbps)
+    except ConfigError as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_INVALID
+    print(f"[ulysses_trainer] rehearsal: this process is rank {args.rank} of {args.gpus} (sp {plan.sp_size} x "
+          f"dp {plan.dp_size}) on torch's fake process group; memory and compute are this rank's, communication "
+          f"is modelled ({bandwidth.source}); {MEANINGLESS}", flush=True)
+    opts = Rehearsal(rank=args.rank, steps=args.steps, standin=args.standin, gpus_per_node=args.gpus_per_node,
+                     count_collectives=args.count_collectives, warmup_length=args.warmup_length)
+    try:
+        with warnings.catch_warnings():
+            # DeepSpeed calls torch's older collective names, and each call would print a deprecation warning
+            warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
+                                    category=FutureWarning)
+            result = rehearse(plan, opts, bandwidth, Overlap(a2a_hidden=args.a2a_hidden,
+                                                             zero3_hidden=args.zero3_hidden))
+    except ConfigError as exc:  # found once the engine exists (e.g. host RAM for offload)
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_INVALID
+    except Exception as exc:
+        if type(exc).__name__ != "OutOfMemoryError":
+            traceback.print_exc()
+            return EXIT_FAILURE
+        result = _out_of_memory(plan, opts, exc)  # a result too: this length does not fit this rank
+        print(f"[ulysses_trainer] rehearsal rank {opts.rank}/{plan.world_size}: out of GPU memory at "
+              f"{plan.cfg.max_length:,} tokens ({result['error']})", file=sys.stderr, flush=True)
+        _write(args.out, result)
+        return EXIT_FAILURE
+    print(summary_line(result), flush=True)
+    _write(args.out, result)
+    if args.json:
+        print(json.dumps(result, indent=1), flush=True)
+    return EXIT_OK
+
+
+def _out_of_memory(plan, opts: Rehearsal, exc: Exception) -> dict[str, Any]:
+    from .metrics import peak_gpu_mem_gb, peak_host_mem_gb
+
+    return {"status": "oom", "error": str(exc).splitlines()[0][:300], "world_size": plan.world_size,
+            "rank": opts.rank, "sp_size": plan.sp_size, "dp_size": plan.dp_size, "max_length": plan.cfg.max_length,
+            "standin": opts.standin, "losses_meaningful": False, "compute_s": None, "comm_s_estimate": None,
+            "predicted_step_s": None, "tokens_per_s_predicted": None, "peak_gpu_mem_gb": peak_gpu_mem_gb(),
+            "peak_host_mem_gb": peak_host_mem_gb()}
+
+
+def _write(path: str | None, result: dict[str, Any]) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(json.dumps(result, indent=1) + "\n")
+    os.replace(path + ".tmp", path)
