@@ -316,6 +316,12 @@ _two_ranks = pytest.mark.slow  # multi-rank: ~7 s each
                  id="python-max_steps"),
     pytest.param(False, lambda f: ["--dataset_name", str(f["content"])], r"^error: dataset .* has no field 'text'",
                  id="python-text_field"),
+    pytest.param(False, lambda f: ["--deepspeed", str(f["stage2_json"])],
+                 r"^error: .*stage2\.json has zero_optimization\.stage 2, but this trainer needs ZeRO stage 3",
+                 id="python-zero_stage_2"),
+    pytest.param(False, lambda f: ["--dataset_name", str(f["latin1"])],
+                 r"^error: dataset file .*book\.txt is not UTF-8 text \(byte 3\); convert it to UTF-8",
+                 id="python-latin1_txt"),
     pytest.param(True, lambda f: ["--sp_size", "3"],
                  r"^error: sp_size=3 does not divide the world size 2; use one of \[1, 2\]",
                  id="deepspeed-sp_size", marks=_two_ranks),
@@ -336,3 +342,12 @@ def test_real_command_exits_2_and_prints_once(launcher, args_of, pattern, files,
     assert re.search(pattern, errors[0]), errors[0]
     assert not any("Traceback" in line for line in lines), proc.stderr[-3000:]
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_help_under_deepspeed_prints_once_and_lists_config():
+    proc = subprocess.run(train_command(2, ["--help"]), cwd=ROOT, env=train_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("usage: deepspeed") == 1, proc.stdout[-3000:]
+    assert "--config (a path" in proc.stdout and "--max_eval_samples" in proc.stdout
