@@ -71,8 +71,10 @@ def _shutdown(together: bool) -> None:
         if together:
             dist.barrier()
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - teardown must not hide the run's own outcome
-        pass
+    except Exception as exc:  # noqa: BLE001 - teardown must not hide the run's own outcome
+        if together:  # a peer lost after success: say which rank saw it, so a log shows where it broke
+            print(f"[ulysses_trainer] (rank {_rank()}) warning: the end-of-run barrier failed: "
+                  f"{' '.join(str(exc).split())[:300]}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
