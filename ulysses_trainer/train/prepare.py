@@ -98,7 +98,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
                               f"or lower those")
     steps_per_epoch = len(train) // per_step
     # the log's epoch is a fraction of one pass over the data; a read capped at max_steps' need holds only
-    # part of that pass, and the dataset estimates the rest from the documents it read
+    # part of that pass, and the dataset estimates the rest from the share of its text bytes it read
     epoch_steps = max(steps_per_epoch, int(getattr(train, "epoch_sequences", len(train)) // per_step))
     total = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(cfg.num_train_epochs * steps_per_epoch))
     # torch's fused AdamW on the GPU (no JIT build); DeepSpeed's CPU Adam only where states live on the host
