@@ -7,10 +7,15 @@ import sys
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from ulysses_trainer.train.cli import main  # noqa: E402
-
 if __name__ == "__main__":
-    code = main()
+    try:
+        from ulysses_trainer.train.cli import main
+
+        code = main()
+    except KeyboardInterrupt:  # Ctrl-C while torch and DeepSpeed import (main() handles its own)
+        if os.environ.get("RANK", "0") == "0":
+            print("[ulysses_trainer] interrupted (Ctrl-C) before training started; nothing saved", file=sys.stderr)
+        code = 130
     # Every file is closed and the process group destroyed by now. Skip interpreter finalization: C++
     # threads torn down there can still abort the process (exit -6 after a finished run; seen once with
     # gloo on CPU), which would turn a success into a failure for the launcher.

@@ -21,6 +21,7 @@ import pytest
 from tests.dist_utils import train_command, train_env
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 from ulysses_trainer.attention.kernels import available_kernels
+from ulysses_trainer.model.presets import preset_config
 from ulysses_trainer.train.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +62,20 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (f["bad_tokenizer"] / "tokenizer.json").write_text("{not json")
     f["not_a_checkpoint"] = d / "not_a_checkpoint"
     f["not_a_checkpoint"].mkdir()
+    f["latin1"] = d / "latin1" / "book.txt"
+    f["latin1"].parent.mkdir()
+    f["latin1"].write_bytes(("Il \u00e9tait une fois.\n\n" * 40).encode("latin-1"))
+    f["stage2_json"] = d / "stage2.json"
+    f["stage2_json"].write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    f["ds_rejects_json"] = d / "ds_rejects.json"
+    f["ds_rejects_json"].write_text(json.dumps({"zero_optimization": {"stage": 3,
+                                                                      "offload_optimizer": {"device": "gpu"}}}))
+    # a checkpoint of another model size (the file save_checkpoint writes beside the shards)
+    f["other_size_ckpt"] = d / "other_run" / "checkpoint-2"
+    (f["other_size_ckpt"] / "ds").mkdir(parents=True)
+    other = preset_config("tiny")
+    other.hidden_size, other.num_hidden_layers = 128, 4
+    (f["other_size_ckpt"] / "model_config.json").write_text(other.to_json_string())
     return f
 
 
@@ -152,6 +167,20 @@ CASES = {
         lambda f: ["--resume_from_checkpoint", str(f["not_a_checkpoint"])], 1,
         r"resume_from_checkpoint: .*not_a_checkpoint holds no checkpoint \(expected .*/ds/\); pass an "
         r"output_dir/checkpoint-<step> directory or `latest`"),
+    "txt_not_utf8": (lambda f: ["--dataset_name", str(f["latin1"].parent)], 1,
+                     r"dataset file .*latin1/book\.txt is not UTF-8 text \(byte 3\); convert it to UTF-8"),
+    "zero_stage_2": (lambda f: ["--deepspeed", str(f["stage2_json"])], 1,
+                     r".*stage2\.json has zero_optimization\.stage 2, but this trainer needs ZeRO stage 3 .*; set "
+                     r"\"zero_optimization\": \{\"stage\": 3\}"),
+    "zero_json_rejected_by_deepspeed": (
+        lambda f: ["--deepspeed", str(f["ds_rejects_json"])], 1,
+        r"DeepSpeed rejects .*ds_rejects\.json: zero_optimization\.offload_optimizer\.device = \"gpu\": Input "
+        r"should be 'none', 'cpu' or 'nvme'; fix or remove that field"),
+    "resume_from_another_model_size": (
+        lambda f: ["--resume_from_checkpoint", str(f["other_size_ckpt"])], 1,
+        r"resume_from_checkpoint: .*checkpoint-2 holds a model of hidden 128, 4 layers, .* but this run builds "
+        r"hidden 64, 2 layers, .*; resume with the model_name_or_path and model_init_kwargs of the run that "
+        r"wrote it"),
     "resume_latest_without_checkpoint": (lambda f: ["--resume_from_checkpoint", "true"], 1,
                                          r"resume_from_checkpoint=True: no checkpoint in .* \(no `latest` file\)"),
 }
@@ -214,6 +243,65 @@ def test_bad_input_leaves_an_existing_output_dir_untouched(files, tmp_path, monk
         assert _tree(out) == before
 
 
+def test_output_dir_holding_a_previous_run_is_refused_untouched(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    (out / "checkpoint-2" / "ds").mkdir(parents=True)
+    (out / "latest").write_text("checkpoint-2\n")
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    (out / "config.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    before = _tree(out)
+    rc, errors = _run_main(["--output_dir", str(out)], 1, monkeypatch, capsys)
+    assert rc == 2 and len(errors) == 1
+    assert re.search(r"output_dir .*out holds a previous run \(checkpoint-2, config\.json, latest, metrics\.jsonl\); "
+                     r"resume it with resume_from_checkpoint true, set overwrite_output_dir true", errors[0])
+    assert _tree(out) == before
+    # resuming it, or overwrite_output_dir, passes the check (clearing only the run's files, later)
+    from ulysses_trainer.train.checkpoint import check_output_dir, clear_previous_run
+
+    assert check_output_dir(str(out), str(out / "checkpoint-2"), overwrite=False) is False
+    assert check_output_dir(str(out), None, overwrite=True) is True
+    clear_previous_run(str(out))
+    assert _tree(out) == {"notes.txt": b"mine"}
+    assert check_output_dir(str(out), None, overwrite=False) is False  # nothing of a run left
+
+
+def test_output_dir_that_is_a_file(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    out.write_text("not a directory")
+    for target in (out, out / "run"):
+        rc, errors = _run_main(["--output_dir", str(target)], 1, monkeypatch, capsys)
+        assert rc == 2 and len(errors) == 1
+        assert re.search(r"output_dir .*out(/run lies under .*out, which)? is a file; set output_dir to a "
+                         r"directory path", errors[0]), errors[0]
+    assert out.read_text() == "not a directory"
+
+
+def test_ctrl_c_while_checking_inputs_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    import ulysses_trainer.train.prepare as prepare_module
+
+    def interrupted(cfg, world_size):  # Ctrl-C lands while the data is tokenized
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module, "prepare", interrupted)
+    monkeypatch.delenv("RANK", raising=False)
+    rc = main(["--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 130
+    assert err.strip() == "[ulysses_trainer] interrupted (Ctrl-C) before training started; nothing saved"
+
+
+def test_help_lists_config_and_prints_only_on_rank_0(monkeypatch, capsys):
+    for rank, shown in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--help"])
+        assert exit_info.value.code == 0
+        out = capsys.readouterr().out
+        assert ("--config (a path" in out and "--overwrite_output_dir" in out) == shown
+        assert (out == "") != shown
+
+
 # ---------------------------------------------------------------- the real command
 def _command(args: list[str], launcher: bool) -> subprocess.CompletedProcess:
     cmd = train_command(2, args) if launcher else [sys.executable, "launch/train.py", *args]
@@ -226,6 +314,12 @@ def _command(args: list[str], launcher: bool) -> subprocess.CompletedProcess:
                  id="python-max_steps"),
     pytest.param(False, lambda f: ["--dataset_name", str(f["content"])], r"^error: dataset .* has no field 'text'",
                  id="python-text_field"),
+    pytest.param(False, lambda f: ["--deepspeed", str(f["stage2_json"])],
+                 r"^error: .*stage2\.json has zero_optimization\.stage 2, but this trainer needs ZeRO stage 3",
+                 id="python-zero_stage_2"),
+    pytest.param(False, lambda f: ["--dataset_name", str(f["latin1"])],
+                 r"^error: dataset file .*book\.txt is not UTF-8 text \(byte 3\); convert it to UTF-8",
+                 id="python-latin1_txt"),
     pytest.param(True, lambda f: ["--sp_size", "3"],
                  r"^error: sp_size=3 does not divide the world size 2; use one of \[1, 2\]",
                  id="deepspeed-sp_size"),
@@ -246,3 +340,12 @@ def test_real_command_exits_2_and_prints_once(launcher, args_of, pattern, files,
     assert re.search(pattern, errors[0]), errors[0]
     assert not any("Traceback" in line for line in lines), proc.stderr[-3000:]
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_help_under_deepspeed_prints_once_and_lists_config():
+    proc = subprocess.run(train_command(2, ["--help"]), cwd=ROOT, env=train_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("usage: deepspeed") == 1, proc.stdout[-3000:]
+    assert "--config (a path" in proc.stdout and "--max_eval_samples" in proc.stdout

@@ -134,6 +134,16 @@ def test_num_sequences_stops_early_and_estimates_the_epoch(tok, tmp_path):
     assert part.epoch_sequences == pytest.approx(len(full), rel=0.3)
 
 
+def test_early_stop_epoch_estimate_follows_the_text_not_the_document_count(tok, tmp_path):
+    docs = _docs(30, 8, seed=4) + _docs(10, 400, seed=5)  # many short documents first, then long ones
+    _write_jsonl(tmp_path / "d.jsonl", docs)
+    cfg = TrainConfig(dataset_name=str(tmp_path / "d.jsonl"), max_length=64)
+    full = build_sequences(cfg, tok)
+    part = build_sequences(cfg, tok, num_sequences=2)
+    assert part.documents_used < 30  # read only short documents: counting documents would say ~2 rows/epoch
+    assert part.epoch_sequences == pytest.approx(len(full), rel=0.1)
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "txt", "json", "arrow", "dir"])
 def test_local_formats(tok, tmp_path, fmt):
     import datasets
@@ -143,7 +153,7 @@ def test_local_formats(tok, tmp_path, fmt):
         path = tmp_path / "d.parquet"
         datasets.Dataset.from_dict({"body": docs}).to_parquet(str(path))
         field = "body"
-    elif fmt == "txt":  # the text builder gives one document per line, field "text"
+    elif fmt == "txt":  # text_file_split line: one document per line, field "text"
         path = tmp_path / "d.txt"
         path.write_text("\n".join(docs) + "\n")
         field = "text"
@@ -161,10 +171,38 @@ def test_local_formats(tok, tmp_path, fmt):
         _write_jsonl(path / "a.jsonl", docs[:3])
         _write_jsonl(path / "b.jsonl", docs[3:])
         field = "text"
-    cfg = TrainConfig(dataset_name=str(path), dataset_text_field=field, max_length=32)
+    cfg = TrainConfig(dataset_name=str(path), dataset_text_field=field, max_length=32,
+                      text_file_split="line" if fmt == "txt" else "document")
     ds = build_sequences(cfg, tok)
     flat = torch.cat([ds[i]["input_ids"] for i in range(len(ds))]).tolist()
     assert len(ds) >= 1 and flat == _stream(tok, docs)[: len(ds) * 32]
+
+
+def test_txt_file_is_one_document_with_its_newlines(tok, tmp_path):
+    paragraphs = [" ".join(d.split()[:12]) + "\nsecond line" for d in _docs(3, 12, seed=5)]
+    text = "\n\n".join(paragraphs) + "\n"
+    (tmp_path / "book.txt").write_text(text)
+    (tmp_path / "tail.txt").write_text("the next book")
+    n = len(tok.encode(text)) + 1  # one eos, after the whole file
+    L = n + 3  # the first row holds the book and 3 tokens of the next file
+    ds = build_sequences(TrainConfig(dataset_name=str(tmp_path), max_length=L, packing=True), tok)
+    ids, pos = ds[0]["input_ids"].tolist(), ds[0]["position_ids"].tolist()
+    assert ids[:n] == tok.encode(text) + [tok.eos_token_id]
+    assert tok.decode(ids[:n - 1]) == text  # newlines kept and tokenized, not replaced by eos
+    assert ids[:n].count(tok.eos_token_id) == 1 and ids[n - 1] == tok.eos_token_id
+    assert pos == list(range(n)) + [0, 1, 2]  # packing: the book is one segment, the next file another
+    assert ds.documents_used == 2
+    by_paragraph = build_sequences(TrainConfig(dataset_name=str(tmp_path / "book.txt"), max_length=8,
+                                               text_file_split="paragraph"), tok)
+    assert by_paragraph.documents_used == 3
+
+
+def test_non_utf8_txt_names_the_file(tok, tmp_path):
+    (tmp_path / "a.txt").write_text("plain ascii\n")
+    (tmp_path / "b.txt").write_bytes("caf\u00e9 cr\u00e8me\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"dataset file .*b\.txt is not UTF-8 text \(byte 3\); convert it to "
+                                          r"UTF-8"):
+        build_sequences(TrainConfig(dataset_name=str(tmp_path), max_length=8), tok)
 
 
 def test_raw_arrow_file(tok, tmp_path):

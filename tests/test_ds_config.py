@@ -105,6 +105,16 @@ def test_user_train_batch_size_is_in_sequences_per_step():
      r"scheduler WarmupLR .* means lr_scheduler_type 'constant_with_warmup'"),
     ({"scheduler": {"type": "OneCycle", "params": {}}}, {}, r"scheduler \"OneCycle\" .* not supported"),
     ({"communication_data_type": "auto"}, {}, r"\"auto\" at communication_data_type"),
+    ({"zero_optimization": {"stage": 2}}, {},
+     r"my.json has zero_optimization.stage 2, but this trainer needs ZeRO stage 3 .*final HF export.*; set "
+     r"\"zero_optimization\": \{\"stage\": 3\}"),
+    ({"zero_optimization": {}}, {}, r"my.json has no zero_optimization section, but this trainer needs ZeRO stage 3"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "gpu"}}}, {},
+     r"DeepSpeed rejects my.json: zero_optimization.offload_optimizer.device = \"gpu\": Input should be 'none', "
+     r"'cpu' or 'nvme'; fix or remove that field"),
+    ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "lots"}}, {},
+     r"DeepSpeed rejects my.json: zero_optimization.stage3_max_live_parameters = \"lots\": Input should be a "
+     r"valid integer"),
 ])
 def test_conflicts_name_both_places(edit, cfg_kw, pattern):
     ds = {**load_ds_config(ZERO3), **edit}

@@ -176,6 +176,20 @@ def test_sigterm_to_every_rank_saves_at_the_step_boundary_and_resume_is_exact(re
     assert _losses(out) == reference
 
 
+def test_sigterm_with_save_strategy_no_says_not_saved(tmp_path):
+    out = tmp_path / "run"
+    p = _start(ARGS + ["--save_strategy", "no", "--max_steps", "200"], out)
+    _wait_until(lambda: len(_rows(out)) >= 1, p, "step 1")
+    for proc in _ranks(p).values():
+        proc.send_signal(signal.SIGTERM)
+    rc, log = _finish(p, out)
+    assert rc == 0, log[-4000:]
+    stopped = _rows(out)[-1]["step"]
+    assert log.count(f"stop signal: stopped at step {stopped}, not saved (save_strategy no)") == 1, log[-3000:]
+    assert "saved step" not in log
+    assert not list(out.glob("checkpoint-*")) and not (out / "final").exists()
+
+
 # ---------------------------------------------------------------- NaN
 NAN_ARGS = ["--max_length", "32", "--gradient_accumulation_steps", "2", "--max_steps", "6", "--save_steps", "1",
             "--learning_rate", "1e-2", "--bf16", "false"]

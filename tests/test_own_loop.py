@@ -61,10 +61,11 @@ def test_fill_zero_config_keeps_the_optimizer_for_deepspeed_when_asked():
 def test_fill_zero_config_refuses_conflicts_and_unfilled_autos():
     with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu is 4 .* set it to \"auto\""):
         fill_zero_config({"train_micro_batch_size_per_gpu": 4}, world_size=1, dp_size=1, micro_batch=1)
-    sched = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}
+    z3 = {"zero_optimization": {"stage": 3}}
+    sched = {**z3, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}
     with pytest.raises(ConfigError, match="scheduler.params.warmup_num_steps"):
         fill_zero_config(sched, world_size=1, dp_size=1)
-    kept = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}
+    kept = {**z3, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}
     assert fill_zero_config(kept, world_size=1, dp_size=1)["scheduler"] == kept["scheduler"]
 
 

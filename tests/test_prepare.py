@@ -29,8 +29,19 @@ def test_epoch_counts_the_whole_file_when_max_steps_stops_the_read_early(tmp_pat
     capped = prepare(load_config(base + ["--max_steps", "2"]), 1)
     # only the 2 sequences the run needs are built, but an epoch is still a pass over the whole file
     assert len(capped.train_data) == capped.steps_per_epoch == 2
-    # (estimated from the documents read: 24 here against the true 32)
-    assert full.epoch_steps / 2 <= capped.epoch_steps <= full.epoch_steps * 2
+    # (estimated from the share of the text read)
+    assert capped.epoch_steps == pytest.approx(full.epoch_steps, rel=0.15)
+
+
+def test_max_eval_samples_bounds_the_eval_set(tmp_path):
+    train = _jsonl(tmp_path / "train.jsonl", num_docs=8, words=60)
+    evals = _jsonl(tmp_path / "eval.jsonl", num_docs=12, words=60, seed=6)
+    args = ["--max_length", "64", "--dataset_name", str(train), "--eval_dataset_name", str(evals),
+            "--eval_steps", "1", "--output_dir", str(tmp_path / "out")]
+    whole = prepare(load_config(args), 1)
+    bounded = prepare(load_config(args + ["--max_eval_samples", "3"]), 1)
+    assert len(whole.eval_data) > 3 and len(bounded.eval_data) == 3
+    assert bounded.eval_data[2]["input_ids"].tolist() == whole.eval_data[2]["input_ids"].tolist()  # the first 3
 
 
 def test_eval_data_smaller_than_one_round_is_a_config_error(tmp_path):

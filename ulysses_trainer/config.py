@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ AttnImpl = Literal["auto", "sdpa", "flash_attention_2", "flash_attention_4"]
 LossType = Literal["chunked_nll", "nll"]
 NanPolicy = Literal["skip", "stop"]
 SaveStrategy = Literal["steps", "no"]
+TextFileSplit = Literal["document", "paragraph", "line"]
 SchedulerType = Literal["linear", "cosine", "constant", "constant_with_warmup"]
 Auto = Literal["auto"]
 
@@ -68,6 +70,9 @@ class TrainConfig:
     dataset_name: Union[str, None] = _f(
         None, "HF dataset name, local file or directory (parquet/jsonl/json/txt/arrow); null = synthetic")
     dataset_text_field: str = _f("text", "column holding the document text")
+    text_file_split: TextFileSplit = _f(
+        "document", "a .txt file is one document (newlines kept); paragraph = split at blank lines, line = "
+        "one document per line (jsonl: one per record)")
     dataset_train_split: str = _f("train", "split of an HF dataset to train on")
     dataset_test_split: str = _f("test", "split of an HF dataset to evaluate on")
     eval_dataset_name: Union[str, None] = _f(
@@ -94,6 +99,9 @@ class TrainConfig:
     nan_policy: NanPolicy = _f("stop", "on a non-finite loss or grad norm: skip the step, or stop")
     # output
     output_dir: str = _f("out/default", "checkpoints, metrics.jsonl and the final export")
+    overwrite_output_dir: bool = _f(
+        False, "replace a previous run in output_dir (its checkpoints, metrics.jsonl, final/); without it such "
+        "a directory is refused unless the run resumes from it")
     logging_steps: int = _f(1, "log every N optimizer steps")
     save_steps: Union[int, None] = _f(None, "checkpoint every N steps (always at the end); null = end only")
     plot_per_position_loss: bool = _f(False, "at the end, write output_dir/per_position_loss.png (one more "
@@ -104,6 +112,8 @@ class TrainConfig:
     report_to: Union[str, list] = _f(
         "auto", "also log the metrics to: none, tensorboard (output_dir/runs/), wandb, a list of them, all "
         "(every installed one) or auto (tensorboard when installed)")
+    max_eval_samples: Union[int, None] = _f(
+        None, "evaluate on at most N sequences of max_length (the first N of the eval data); null = all of it")
     resume_from_checkpoint: Union[str, bool, None] = _f(
         None, "checkpoint dir to resume from; true = the latest in output_dir")
 
@@ -283,7 +293,10 @@ def parse_argv(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
 
 
 def format_help() -> str:
-    lines = ["usage: deepspeed [--num_gpus N] launch/train.py [--config RECIPE.yaml] [--name value ...]", ""]
+    lines = ["usage: deepspeed [--num_gpus N] launch/train.py [--config RECIPE.yaml] [--name value ...]", "",
+             "  --config (a path; default none)",
+             "      a YAML recipe of `name: value` lines (launch/recipes/); --name value on the command line "
+             "overrides it"]
     for f in dataclasses.fields(TrainConfig):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         lines.append(f"  --{f.name} ({_describe(_HINTS[f.name])}; default {json.dumps(default)})")
@@ -309,7 +322,8 @@ def load_config(argv: list[str]) -> TrainConfig:
     """Parse `[--config RECIPE.yaml] [--name value ...]` (each value read as YAML; the command line
     overrides the recipe, the recipe the defaults). `--help` prints the fields and exits 0."""
     if "--help" in argv or "-h" in argv:
-        print(format_help())
+        if int(os.environ.get("RANK", "0")) == 0:  # under a launcher every rank parses the same argv
+            print(format_help())
         raise SystemExit(0)
     recipe_path, overrides = parse_argv(list(argv))
     recipe = read_recipe(recipe_path) if recipe_path else {}
@@ -334,7 +348,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                  "logging_steps", "loss_chunk_size"):
         need(getattr(cfg, name) >= 1, f"{name} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("save_steps", "eval_steps", "save_total_limit"):
+    for name in ("save_steps", "eval_steps", "save_total_limit", "max_eval_samples"):
         v = getattr(cfg, name)
         need(v is None or v >= 1, f"{name} must be >= 1 (or null), got {v}")
     need(cfg.warmup_steps >= 0, f"warmup_steps must be >= 0, got {cfg.warmup_steps}")

@@ -180,6 +180,7 @@ def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, de
 
     # ZeRO buckets
     zero = ds.get("zero_optimization", {})
+    _check_zero_stage(zero, source)
     offload_opt = False
     if isinstance(zero, dict):
         buckets = {"reduce_bucket_size": lambda h: h * h,
@@ -237,6 +238,7 @@ def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, de
     if left:
         raise ConfigError(f"{source} has \"auto\" at {', '.join(left)}, which this trainer does not fill; "
                           f"write a value there")
+    validate_with_deepspeed(ds, source)
     return ds, out_spec
 
 
@@ -273,6 +275,46 @@ def fill_zero_config(config: str | os.PathLike | dict, *, world_size: int, dp_si
                               f"there or remove the section and pass lr_scheduler to deepspeed.initialize")
         ds["scheduler"] = sched
     return ds
+
+
+def _check_zero_stage(zero: Any, source: str) -> None:
+    """ZeRO-3 only: the sequence-parallel model, the collective checkpoint and the final export all
+    assume partitioned parameters (stage 1 or 2 would train and then fail at the export)."""
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    if stage != 3:
+        have = "has no zero_optimization section" if not zero else f"has zero_optimization.stage {json.dumps(stage)}"
+        raise ConfigError(f"{source} {have}, but this trainer needs ZeRO stage 3 (its sequence-parallel model "
+                          f"and the final HF export assume partitioned parameters); set "
+                          f"\"zero_optimization\": {{\"stage\": 3}} as in ds_configs/zero3.json")
+
+
+_DS_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization.", "DeepSpeedBF16Config": "bf16.",
+                "DeepSpeedFP16Config": "fp16.", "DeepSpeedActivationCheckpointingConfig": "activation_checkpointing.",
+                "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer.",
+                "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param."}
+
+
+def validate_with_deepspeed(ds: dict, source: str = "the ZeRO config") -> None:
+    """Run DeepSpeed's own config checks (its pydantic models) now, not when the engine is built.
+
+    The batch sizes are ours (checked above); DeepSpeedConfig derives its own from the world it sees.
+    """
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from pydantic import ValidationError
+
+    probe = copy.deepcopy(ds)
+    probe.pop("train_batch_size", None)  # without a process group DeepSpeedConfig counts one rank
+    try:
+        DeepSpeedConfig(probe)
+    except ValidationError as exc:
+        section = _DS_SECTIONS.get(exc.title, "")
+        problems = "; ".join(f"{section}{'.'.join(str(p) for p in e['loc'])} = "
+                             f"{json.dumps(e.get('input'), default=str)}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"DeepSpeed rejects {source}: {problems}; fix or remove that field (see "
+                          f"ds_configs/zero3.json)") from None
+    except (ValueError, AssertionError, KeyError, TypeError) as exc:
+        raise ConfigError(f"DeepSpeed rejects {source}: {type(exc).__name__}: {exc}; fix that field (see "
+                          f"ds_configs/zero3.json)") from None
 
 
 def _check_scheduler(sched: Any, cfg: TrainConfig, total_steps: int | None, source: str, f: _Filler) -> None:

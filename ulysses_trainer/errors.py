@@ -8,3 +8,4 @@ class ConfigError(ValueError):
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_INVALID = 2
+EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C (128 + SIGINT)

@@ -3,6 +3,8 @@
 Sources: an HF dataset name (`datasets.load_dataset`), local files (parquet, jsonl/json, txt, arrow,
 csv) or a directory of them (or one written by `save_to_disk`), or, with dataset_name null, the
 synthetic generator. Every rank builds the same sequences deterministically; the trainer picks rows.
+A `.txt` file is one document, newlines kept (text_file_split: paragraph or line splits it); a jsonl
+file gives one document per record.
 
 position_ids: without packing, 0..max_length-1 in every row (attention spans the joined documents,
 as the reference PG-19 run does). With packing they restart at 0 at every document start and at
@@ -44,6 +46,8 @@ class SequenceDataset:
     source: str
     documents_used: int
     documents_total: int | None  # None when the source's size is unknown (synthetic: endless)
+    fraction_read: float | None = None  # of the source's text bytes, when tokenizing stopped early
+
 
     def __len__(self) -> int:
         return len(self.tokens) // self.max_length
@@ -60,7 +64,10 @@ class SequenceDataset:
 
     @property
     def epoch_sequences(self) -> float:
-        """Rows in one full pass over the source (estimated from the documents read when stopped early)."""
+        """Rows in one full pass over the source (estimated from the text read when stopped early: by
+        bytes, since documents differ in length, else by document count)."""
+        if self.fraction_read:
+            return len(self) / self.fraction_read
         if self.documents_total and self.documents_used < self.documents_total:
             return len(self) * self.documents_total / self.documents_used
         return float(len(self))
@@ -87,8 +94,32 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     return kinds.pop(), [str(f) for f in files]
 
 
-def load_text_dataset(source: str, split: str) -> Any:
-    """A `datasets.Dataset` for a local path or an HF dataset name (`split` applies to HF names)."""
+def _first_non_utf8(files: list[str]) -> tuple[str, int] | None:
+    """(file, byte offset) of the first byte sequence that is not UTF-8, or None."""
+    import codecs
+
+    for name in files:
+        decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+        with open(name, "rb") as f:
+            while block := f.read(1 << 20):
+                try:
+                    decoder.decode(block)
+                except UnicodeDecodeError as exc:
+                    return name, offset + exc.start
+                offset += len(block)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            return name, offset
+    return None
+
+
+def load_text_dataset(source: str, split: str, text_file_split: str = "document") -> Any:
+    """A `datasets.Dataset` for a local path or an HF dataset name (`split` applies to HF names).
+
+    text_file_split: how a .txt file becomes documents: "document" (the whole file, newlines kept),
+    "paragraph" (split at blank lines) or "line".
+    """
     import datasets
 
     path = Path(source)
@@ -108,11 +139,17 @@ def load_text_dataset(source: str, split: str) -> Any:
         empty = ConfigError(f"dataset {source} is empty; point dataset_name at data with documents")
         if all(Path(f).stat().st_size == 0 for f in files):
             raise empty
+        # the text builder's default is one document per line; a book is one document
+        kwargs = {"sample_by": text_file_split} if builder == "text" else {}
         try:
-            return datasets.load_dataset(builder, data_files=files, split="train")
+            return datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
         except Exception as exc:
             if "corresponds to no data" in str(exc):  # datasets' wording for zero rows
                 raise empty from None
+            bad = _first_non_utf8(files) if builder in ("text", "json", "csv") else None
+            if bad is not None:  # datasets says only "An error occurred while generating the dataset"
+                raise ConfigError(f"dataset file {bad[0]} is not UTF-8 text (byte {bad[1]}); convert it to "
+                                  f"UTF-8, e.g. `iconv -f latin1 -t utf-8 IN > OUT`") from None
             raise ConfigError(f"cannot read dataset {source} as {builder}: {str(exc).strip()}") from None
     if source.startswith((".", "/", "~")) or Path(source).suffix.lower() in _BUILDERS:
         raise ConfigError(f"dataset {source!r} not found; give an existing file or directory "
@@ -147,11 +184,12 @@ def _texts(ds: Any, field: str, source: str) -> Iterator[str]:
 
 # ---------------------------------------------------------------- building
 def _pack(docs: Iterable[str], tokenizer: Tokenizer, max_length: int, packing: bool,
-          max_rows: int | None) -> tuple[np.ndarray, np.ndarray | None, int, int]:
-    """(tokens, positions or None, documents used, tokens seen) of whole rows, stopping at max_rows."""
+          max_rows: int | None) -> tuple[np.ndarray, np.ndarray | None, int, int, int]:
+    """(tokens, positions or None, documents used, tokens seen, text bytes used) of whole rows, stopping
+    at max_rows."""
     chunks: list[np.ndarray] = []
     pos_chunks: list[np.ndarray] = []
-    seen = used = 0
+    seen = used = text_bytes = 0
     need = None if max_rows is None else max_rows * max_length
     it = iter(docs)
     while need is None or seen < need:
@@ -159,7 +197,8 @@ def _pack(docs: Iterable[str], tokenizer: Tokenizer, max_length: int, packing: b
         if not raw:
             break
         batch = [d for d in raw if d]  # an empty document adds nothing, not even an eos
-        for ids in tokenizer.encode_batch(batch):
+        for doc, ids in zip(batch, tokenizer.encode_batch(batch)):
+            text_bytes += len(doc.encode("utf-8"))
             row = np.asarray(ids + [tokenizer.eos_token_id], dtype=np.int32)
             chunks.append(row)
             if packing:
@@ -178,7 +217,17 @@ def _pack(docs: Iterable[str], tokenizer: Tokenizer, max_length: int, packing: b
         starts = (doc_pos == 0) | (j % max_length == 0)  # a new segment: document start or row start
         seg_start = np.maximum.accumulate(np.where(starts, j, 0))
         positions = (j - seg_start).astype(np.int32)
-    return tokens, positions, used, seen
+    return tokens, positions, used, seen, text_bytes
+
+
+def _column_bytes(ds: Any, field: str) -> int | None:
+    """UTF-8 bytes of a text column, from Arrow's offsets (no text is read); None if not available."""
+    try:
+        import pyarrow.compute as pc
+
+        return int(pc.sum(pc.binary_length(ds.data.column(field))).as_py() or 0)
+    except Exception:  # noqa: BLE001 - an estimate only; the document count is the fallback
+        return None
 
 
 def default_num_sequences(cfg: TrainConfig, split: str, dp_size: int = 1) -> int:
@@ -212,14 +261,18 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
         rows = num_sequences or default_num_sequences(cfg, split, dp_size)
         seed = cfg.seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
         docs = synthetic_documents(seed, mean_words=max(64, math.ceil(L / _TOKENS_PER_WORD)))
-        tokens, positions, used, _ = _pack(docs, tokenizer, L, cfg.packing, rows)
+        tokens, positions, used, _, _ = _pack(docs, tokenizer, L, cfg.packing, rows)
         return SequenceDataset(tokens, positions, L, "synthetic", used, None)
 
-    ds = load_text_dataset(source, hf_split)
-    tokens, positions, used, seen = _pack(_texts(ds, cfg.dataset_text_field, source), tokenizer, L,
-                                          cfg.packing, num_sequences)
+    ds = load_text_dataset(source, hf_split, cfg.text_file_split)
+    tokens, positions, used, seen, text_bytes = _pack(_texts(ds, cfg.dataset_text_field, source), tokenizer, L,
+                                                      cfg.packing, num_sequences)
     if len(tokens) == 0:
         raise ConfigError(
             f"dataset {source} gives {seen} tokens ({used} documents + eos) but one sequence needs "
             f"max_length = {L} tokens; lower max_length to at most {seen} or add documents")
-    return SequenceDataset(tokens, positions, L, source, used, len(ds))
+    fraction = None
+    if used < len(ds):  # stopped early: the epoch is estimated from the share of the text read
+        total = _column_bytes(ds, cfg.dataset_text_field)
+        fraction = min(1.0, text_bytes / total) if total else None
+    return SequenceDataset(tokens, positions, L, source, used, len(ds), fraction)

@@ -11,6 +11,9 @@ halt. The op serves only `inference_all_reduce`, which training never calls; glo
 
 from __future__ import annotations
 
+import os
+import sys
+
 SHM_OP = "deepspeed_shm_comm"
 
 
@@ -28,8 +31,10 @@ def destroy_distributed(together: bool = True) -> None:
         if together:
             dist.barrier()
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - teardown must not hide the run's own outcome
-        pass
+    except Exception as exc:  # noqa: BLE001 - teardown must not hide the run's own outcome
+        if together:  # a peer lost after success: say which rank saw it, so a log shows where it broke
+            print(f"[ulysses_trainer] (rank {os.environ.get('RANK', '?')}) warning: the end-of-run barrier failed: "
+                  f"{' '.join(str(exc).split())[:300]}", file=sys.stderr, flush=True)
 
 
 def init_distributed(backend: str) -> None:

@@ -7,6 +7,9 @@ previous checkpoint (and `latest`) stay loadable.
 
 from __future__ import annotations
 
+import copy
+import glob
+import json
 import os
 import shutil
 
@@ -17,6 +20,12 @@ from ..parallel.init import barrier
 
 TAG = "ds"  # DeepSpeed's tag directory inside each checkpoint-<step>/
 LATEST = "latest"
+MODEL_CONFIG = "model_config.json"  # the HF config of the model a checkpoint holds (checked on resume)
+# what a run writes into output_dir: a directory holding any of these holds a previous run
+RUN_FILES = ("config.json", "metrics.jsonl", LATEST, "final", "per_position_loss.png", "checkpoint-*",
+             ".tmp-checkpoint-*", "final.tmp")
+_MODEL_DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "vocab_size")
 
 
 def _fsync_tree(path: str) -> None:
@@ -45,8 +54,10 @@ def _write_atomic(path: str, text: str) -> None:
     _fsync_dir(os.path.dirname(path) or ".")
 
 
-def save_checkpoint(engine, output_dir: str, step: int, client_state: dict, is_main: bool) -> str:
-    """Collective: every rank writes its ZeRO shards; rank 0 syncs, renames, then moves `latest`."""
+def save_checkpoint(engine, output_dir: str, step: int, client_state: dict, is_main: bool,
+                    model_config=None) -> str:
+    """Collective: every rank writes its ZeRO shards; rank 0 syncs, renames, then moves `latest`.
+    `model_config` (the HF config) is saved beside the shards so a resume can check the model size."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
     if is_main:
@@ -55,6 +66,9 @@ def save_checkpoint(engine, output_dir: str, step: int, client_state: dict, is_m
     engine.save_checkpoint(tmp, tag=TAG, client_state=client_state)
     barrier()
     if is_main:
+        if model_config is not None:
+            with open(os.path.join(tmp, MODEL_CONFIG), "w") as f:
+                f.write(model_config.to_json_string())
         _fsync_tree(tmp)
         if os.path.exists(final):  # the same step saved again after a resume
             shutil.rmtree(final)
@@ -83,6 +97,79 @@ def find_checkpoint(resume_from_checkpoint, output_dir: str) -> str | None:
     return path
 
 
+def previous_run(output_dir: str) -> list[str]:
+    """The names in output_dir that a previous run wrote (empty: a new or empty directory)."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = {os.path.basename(p) for pattern in RUN_FILES for p in glob.glob(os.path.join(glob.escape(output_dir),
+                                                                                          pattern))}
+    return sorted(found)
+
+
+def check_output_dir(output_dir: str, resume_path: str | None, overwrite: bool) -> bool:
+    """Refuse an output_dir that is a file, or one holding a previous run that is neither resumed from
+    nor to be overwritten (TRL's rule). Returns whether the previous run's files must be cleared."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ConfigError(f"output_dir {output_dir} is a file; set output_dir to a directory path")
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"output_dir {output_dir} lies under {parent}, which is a file; set output_dir to a "
+                          f"directory path")
+    found = previous_run(output_dir)
+    if not found:
+        return False
+    inside = resume_path is not None and \
+        os.path.realpath(os.path.dirname(os.path.normpath(resume_path))) == os.path.realpath(output_dir)
+    if inside:  # resuming the run that lives there: it continues in place
+        return False
+    if overwrite:
+        return True
+    shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+    raise ConfigError(f"output_dir {output_dir} holds a previous run ({shown}); resume it with "
+                      f"resume_from_checkpoint true, set overwrite_output_dir true to replace it, or pick another "
+                      f"output_dir")
+
+
+def clear_previous_run(output_dir: str) -> None:
+    """Remove what a previous run wrote (overwrite_output_dir); other files in the directory stay."""
+    for name in previous_run(output_dir):
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
+def _dims(config) -> dict:
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    return {k: get(k) for k in _MODEL_DIMS}
+
+
+def _describe_dims(d: dict) -> str:
+    return (f"hidden {d['hidden_size']}, {d['num_hidden_layers']} layers, intermediate {d['intermediate_size']}, "
+            f"{d['num_attention_heads']}/{d['num_key_value_heads']} heads, vocab {d['vocab_size']}")
+
+
+def check_checkpoint_model(path: str, model_config) -> None:
+    """A checkpoint resumes only into a model of the same shape: say both sizes before anything is built."""
+    saved = os.path.join(path, MODEL_CONFIG)
+    if not os.path.isfile(saved):  # written by every save since it existed; older checkpoints are not checked
+        return
+    try:
+        with open(saved) as f:
+            theirs = _dims(json.load(f))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"resume_from_checkpoint: cannot read {saved} ({exc}); pass an intact checkpoint") \
+            from None
+    ours = _dims(model_config)
+    if theirs != ours:
+        raise ConfigError(f"resume_from_checkpoint: {path} holds a model of {_describe_dims(theirs)}, but this run "
+                          f"builds {_describe_dims(ours)}; resume with the model_name_or_path and "
+                          f"model_init_kwargs of the run that wrote it, or drop resume_from_checkpoint")
+
+
 def load_checkpoint(engine, path: str) -> dict:
     """Restore engine, optimizer and scheduler states; returns the client state saved with them."""
     load_path, client_state = engine.load_checkpoint(path, tag=TAG, load_optimizer_states=True,
@@ -102,9 +189,13 @@ def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix:
         barrier()
         return None
     state = {k.removeprefix(prefix): v for k, v in state.items()}
+    config = copy.deepcopy(config)
     config._attn_implementation = "sdpa"  # the export loads anywhere, without our SP attention
+    config.use_cache = True  # training turned the KV cache off; generation from the export wants it
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if model.generation_config is not None:
+        model.generation_config.use_cache = True
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()

@@ -1,7 +1,7 @@
 """`deepspeed launch/train.py [--config RECIPE.yaml] [--name value ...]`: parse, check, train.
 
-Exit codes: 0 success or clean stop on SIGTERM; 2 invalid input, reported before any
-heavy work with nothing written; 1 any other failure.
+Exit codes: 0 success or clean stop on SIGTERM; 2 invalid input, reported before any heavy work with
+nothing written; 130 Ctrl-C before training started (nothing written); 1 any other failure.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import time
 import traceback
 
-from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
+from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, ConfigError
 from ..parallel.init import destroy_distributed, init_distributed
 
 # A non-main rank waits this long before reporting its error itself: the launcher ends it as soon as
@@ -34,6 +34,14 @@ def _report(message: str) -> None:
         time.sleep(_PEER_REPORT_DELAY_S)
         message = f"(rank {_rank()}) {message}"
     print(message, file=sys.stderr, flush=True)
+
+
+def interrupted() -> int:
+    """Ctrl-C before training started: one line from rank 0 instead of a traceback per rank."""
+    if _rank() == 0:
+        print("[ulysses_trainer] interrupted (Ctrl-C) before training started; nothing saved", file=sys.stderr,
+              flush=True)
+    return EXIT_INTERRUPTED
 
 
 def _free_port() -> int:
@@ -58,10 +66,12 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = load_config(argv)
         plan = prepare(cfg, world_size_from_env())
+        from .trainer import NonFiniteError, Trainer
     except ConfigError as exc:
         _report(f"error: {exc}")
         return EXIT_INVALID
-    from .trainer import NonFiniteError, Trainer
+    except KeyboardInterrupt:  # Ctrl-C while checking inputs: nothing was written
+        return interrupted()
 
     try:
         _init_distributed(plan.device)
@@ -74,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as exc:  # every rank sees the same global loss and norm
         _report(f"error: {exc}")
         code = EXIT_FAILURE
-    except KeyboardInterrupt as exc:
-        print(f"[ulysses_trainer] interrupted: {exc}", file=sys.stderr, flush=True)
-        code = EXIT_FAILURE
+    except KeyboardInterrupt as exc:  # before the stop handler exists (engine build), or a second signal
+        if str(exc):
+            print(f"[ulysses_trainer] interrupted: {exc}", file=sys.stderr, flush=True)
+            code = EXIT_FAILURE
+        else:
+            code = interrupted()
     except Exception:
         traceback.print_exc()
         code = EXIT_FAILURE

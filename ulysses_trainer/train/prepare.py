@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
 from ..parallel.sharding import padded_length
 from ..parallel.state import check_sp_shape
-from .checkpoint import find_checkpoint
+from .checkpoint import check_checkpoint_model, check_output_dir, find_checkpoint
 
 
 @dataclass
@@ -46,6 +46,7 @@ class RunPlan:
     padded_length: int
     resume_path: str | None = None  # the checkpoint-<step> directory to resume from
     epoch_steps: int | None = None  # optimizer steps in one pass over the data (None: steps_per_epoch)
+    clear_output_dir: bool = False  # overwrite_output_dir over a previous run: rank 0 clears it first
 
 
 def _device() -> str:
@@ -67,7 +68,10 @@ def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
     bf16 = resolve_bf16(cfg, device == "cuda")
     ds_raw = load_ds_config(cfg.deepspeed)
     resume_path = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
+    clear_output_dir = check_output_dir(cfg.output_dir, resume_path, cfg.overwrite_output_dir)
     model_config = model_config_for(cfg)
+    if resume_path:
+        check_checkpoint_model(resume_path, model_config)
     check_local_weights(cfg.model_name_or_path)
     check_sp_shape(sp, world_size, model_config.num_attention_heads, model_config.num_key_value_heads)
     _check_layer_counts(cfg, model_config.num_hidden_layers)
@@ -84,15 +88,17 @@ def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
                           f"accumulation {cfg.gradient_accumulation_steps}); add data or lower those")
     eval_data = None
     if cfg.eval_steps:
-        eval_data = build_sequences(cfg, tokenizer, split="eval", dp_size=dp)
+        # max_eval_samples bounds both the tokenizing and every evaluation
+        eval_data = build_sequences(cfg, tokenizer, split="eval", dp_size=dp, num_sequences=cfg.max_eval_samples)
         per_round = dp * cfg.per_device_eval_batch_size
         if len(eval_data) < per_round:  # else evaluate() runs no round and would log eval_loss 0
             raise ConfigError(f"the eval data makes {len(eval_data)} sequences of {cfg.max_length} tokens "
                               f"but one eval round needs {per_round} (dp {dp} x per_device_eval_batch_size "
-                              f"{cfg.per_device_eval_batch_size}); add eval data or lower those")
+                              f"{cfg.per_device_eval_batch_size}); add eval data, raise max_eval_samples "
+                              f"or lower those")
     steps_per_epoch = len(train) // per_step
     # the log's epoch is a fraction of one pass over the data; a read capped at max_steps' need holds only
-    # part of that pass, and the dataset estimates the rest from the documents it read
+    # part of that pass, and the dataset estimates the rest from the share of its text bytes it read
     epoch_steps = max(steps_per_epoch, int(getattr(train, "epoch_sequences", len(train)) // per_step))
     total = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(cfg.num_train_epochs * steps_per_epoch))
     # torch's fused AdamW on the GPU (no JIT build); DeepSpeed's CPU Adam only where states live on the host
@@ -106,7 +112,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
                    epoch_steps=epoch_steps,
                    total_steps=total, sequences_per_step=per_step,
                    padded_length=padded_length(cfg.max_length, sp, cfg.pad_to_multiple_of),
-                   resume_path=resume_path)
+                   resume_path=resume_path, clear_output_dir=clear_output_dir)
 
 
 def world_size_from_env() -> int:

@@ -184,7 +184,9 @@ class Trainer:
         self.engine.eval()
         total, count = 0.0, 0
         per_round = b * self.plan.dp_size
-        for start in range(0, len(data) - per_round + 1, per_round):  # every rank runs the same rounds
+        rounds = range(0, len(data) - per_round + 1, per_round)  # every rank runs the same rounds
+        for start in tqdm(rounds, desc="eval", unit="batch", leave=False, dynamic_ncols=True,
+                          disable=not self.state.is_main):
             lo = start + self.state.dp_rank * b
             shard = self._shard([data[i] for i in range(lo, lo + b)])  # SequenceDataset takes int indices
             total += float(self.engine(**shard.model_inputs()))
@@ -203,7 +205,7 @@ class Trainer:
             raise NonFiniteError(f"the parameters are not finite at step {self.step}; not saving (the last "
                                  f"checkpoint stays intact). Check the model weights or lower learning_rate")
         ckpt.save_checkpoint(self.engine, self.cfg.output_dir, self.step, self._client_state(),
-                             self.state.is_main)
+                             self.state.is_main, model_config=self.plan.model_config)
 
     def _params_finite(self) -> bool:
         """Every rank's parameter partitions (ZeRO-3 keeps them in ds_tensor) are finite (collective)."""
@@ -223,6 +225,8 @@ class Trainer:
     def train(self) -> int:
         cfg, plan = self.cfg, self.plan
         if self.state.is_main:
+            if plan.clear_output_dir:  # overwrite_output_dir: no old checkpoint, row or export survives
+                ckpt.clear_previous_run(cfg.output_dir)
             os.makedirs(cfg.output_dir, exist_ok=True)
             with open(os.path.join(cfg.output_dir, "config.json"), "w") as f:
                 json.dump(config_to_dict(cfg), f, indent=1)
@@ -253,7 +257,9 @@ class Trainer:
                 self._save()
             if stop_now:
                 if self.state.is_main:
-                    bar.write(f"[ulysses_trainer] stop signal: saved step {self.step}, exiting")
+                    bar.write(f"[ulysses_trainer] stop signal: saved step {self.step}, exiting" if saving else
+                              f"[ulysses_trainer] stop signal: stopped at step {self.step}, not saved "
+                              f"(save_strategy no)")
                 bar.close()
                 return 0
         bar.close()
