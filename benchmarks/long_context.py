@@ -136,8 +136,7 @@ def run(args) -> dict:
                     point["first_step"] = False  # planned as a later step: m, v held through fwd/bwd
                 point["host_rss_after_init_gb"] = psutil.Process().memory_info().rss / 2**30  # engine + optimizer
             if args.system == "ours" and cuda:
-                grads = sum(p.numel() for p in net.parameters()) * 2 if fwdbwd else 0
-                _plan_ours_offload(net, config, L, dtype, extra_reserve=grads)
+                _plan_ours(net, config, L, kernel, args)
                 point["offloaded_layers"] = len(net.sp.checkpointer.offload_layers)
                 stash = net.sp.attention.stash
                 point["kept_attention_layers"] = len(stash.layers) if stash is not None else 0
@@ -210,15 +209,26 @@ def _materialize_adam_states(engine) -> int:
                if torch.is_tensor(t) and t.dim() > 0)
 
 
-def _plan_ours_offload(net, config, L, dtype, extra_reserve=0):
-    from ulysses_trainer.attention.stash import bytes_per_layer as stash_bytes_per_layer
-    from ulysses_trainer.model.parallelize import layer_working_set_bytes
+def _plan_ours(net, config, L, kernel, args) -> None:
+    """The trainer's own resolution (plan/resolve.py) for this point, applied to the model. In fwdbwd mode
+    there is no optimizer: the plan still reserves Adam's states (the settings it picks are safe, not tight)."""
+    from ulysses_trainer.config import TrainConfig
+    from ulysses_trainer.levers.host_pool import detect_host_memory_gb
+    from ulysses_trainer.model.parallelize import apply
+    from ulysses_trainer.plan.inputs import ModelShape
+    from ulysses_trainer.plan.resolve import Machine, ZeroSettings, resolve_plan
 
-    bpe = torch.finfo(dtype).bits // 8
-    free, _ = torch.cuda.mem_get_info()
-    net.sp.configure_offload(L * config.hidden_size * bpe, free,
-                             layer_working_set_bytes(config, L, bpe) + extra_reserve,
-                             stash_bytes_per_layer(config, L, bpe))
+    cfg = TrainConfig(model_name_or_path=args.model, max_length=L, sp_size=1, bf16=True,
+                      attn_implementation=kernel, activation_offload=_policy(args.offload),
+                      keep_attention_outputs=_policy(args.keep_attention_outputs), tiled_mlp=net.sp.tiles,
+                      checkpoint_every=args.checkpoint_every, lean_norm=args.lean_norm == "true",
+                      optimizer_offload=bool(args.offload_optimizer))
+    machine = Machine(gpus=1, gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30,
+                      host_memory_gb=detect_host_memory_gb(), kernels=(kernel,),
+                      gpu_name=torch.cuda.get_device_name(), host_memory_source="detected")
+    plan = resolve_plan(cfg, ModelShape.from_config(config), machine, ZeroSettings(offload_optimizer=None))
+    print(f"plan: {plan.summary()}", flush=True)
+    apply(net.sp, plan)
 
 
 def _policy(text: str):
