@@ -357,12 +357,13 @@ def test_offload_sub_groups_stay_under_a_power_of_two():
     assert host[size] < 1.03 * exact < host[2**28] - 10 * GIB
 
 
-def test_cli_says_how_many_layers_auto_would_keep(capsys):
-    args = ["plan", "--model", "qwen3-4b", "--gpus", "1", "--gpu_memory_gb", "139.8", "--host_memory_gb", "125.9"]
+def test_cli_keeps_attention_outputs_in_what_is_left(capsys):
+    args = ["plan", "--model", "qwen3-4b", "--gpus", "1", "--gpu_memory_gb", "139.8", "--host_memory_gb", "125.9",
+            "--json"]
     assert cli_main(args + ["--max_length", "131072"]) == 0
-    out = capsys.readouterr().out
-    n, room, per = re.search(r"auto would keep about (\d+) of 36 layers' attention outputs in the ([\d.]+) GiB "
-                             r"left \(([\d.]+) GiB each", out).groups()
-    assert 0 < int(n) <= 36 and int(n) * float(per) <= float(room) + 0.01
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    kept = plan["keep_attention_outputs"]
+    assert 0 < kept <= 36 and plan["kept_attention_layers"] == list(range(kept))
+    assert plan["predicted_gpu_required_gb"] <= 139.8
     assert cli_main(args + ["--max_length", "1000000"]) == 0  # nothing left over at 1M
-    assert "would keep about" not in capsys.readouterr().out
+    assert json.loads(capsys.readouterr().out)["plan"]["keep_attention_outputs"] == 0

@@ -95,8 +95,8 @@ def check_levers(cfg: Any, shape: ModelShape | None = None, kernel: str | None =
     need(ckpt or every in (1, "auto"), "checkpoint_every > 1 needs gradient_checkpointing: true (it thins the "
                                        "checkpoints); set checkpoint_every 1 or gradient_checkpointing true")
     need(ckpt or off in (False, 0, "auto"),
-         f"activation_offload {off} needs gradient_checkpointing: true (it offloads the layer checkpoints); "
-         f"set activation_offload false or gradient_checkpointing true")
+         f"activation_offload {str(off).lower()} needs gradient_checkpointing: true (it offloads the layer "
+         f"checkpoints); set activation_offload false or gradient_checkpointing true")
     if shape is None:
         return _Fixed(None, None, None, None, None)
     layers = shape.layers
@@ -263,14 +263,15 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
                           f"{[d for d in range(1, machine.gpus + 1) if machine.gpus % d == 0]}")
     kernel = engine_plan.kernel if engine_plan else choose_kernel(cfg.attn_implementation, machine.kernels)
     fx = check_levers(cfg, shape, kernel)
-    if engine_plan is not None:
-        fx = replace(fx, optimizer_offload=engine_plan.optimizer_offload, tiles=engine_plan.tiles)
     if zero.offload_optimizer is not None:  # the user's ZeRO JSON says where Adam lives: it wins
         if fx.optimizer_offload is not None and fx.optimizer_offload != zero.offload_optimizer:
             raise ConfigError(f"optimizer_offload {str(fx.optimizer_offload).lower()} but the ZeRO JSON "
                               f"{'has' if zero.offload_optimizer else 'has no'} offload_optimizer: set "
                               f"optimizer_offload auto (the JSON wins) or edit the JSON")
         fx = replace(fx, optimizer_offload=zero.offload_optimizer)
+    asked = fx  # what the user (config and ZeRO JSON) fixed: the rest is `auto`, decided below
+    if engine_plan is not None:  # the engine fixed these
+        fx = replace(fx, optimizer_offload=engine_plan.optimizer_offload, tiles=engine_plan.tiles)
     gpu = machine.gpu_memory_gb is not None
     bf16 = (cfg.bf16 if isinstance(cfg.bf16, bool) else gpu) if bf16 is None else bf16
     base = Settings(max_length=cfg.max_length, sp=sp, dp=machine.gpus // sp,
@@ -316,6 +317,8 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     st = time_of(s) if gpu else None
     if st is not None:
         notes.extend(st.extrapolated)
+    if engine_plan is not None:  # the placement was weighed before the engine was built
+        notes.extend(n for n in engine_plan.notes if n.startswith("optimizer_offload auto"))
     if fx.optimizer_offload is None and len(best) == 2:
         other = best[not s.offload_optimizer]
         notes.append(f"optimizer_offload auto: Adam on the {'host' if s.offload_optimizer else 'GPU'}, predicted "
@@ -323,7 +326,7 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
                      f"{'GPU' if s.offload_optimizer else 'host'}")
     gpu_miss, host_miss = _shortfall(chosen, budget, machine.host_memory_gb) if gpu else (0, 0)
     limit = None if fits else " and ".join(n for n, m in (("GPU memory", gpu_miss), ("host memory", host_miss)) if m)
-    decided = _decided(cfg, fx, s, kernel)
+    decided = _decided(cfg, asked, s, kernel)
     saved_layers = tuple(range(0, shape.layers, s.checkpoint_every)) if s.gradient_checkpointing else ()
     return Plan(
         model=str(cfg.model_name_or_path), max_length=cfg.max_length, padded_length=padded_length(s), sp=s.sp,
