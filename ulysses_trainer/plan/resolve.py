@@ -281,7 +281,7 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
                     pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs, gpus_per_host=machine.ranks_per_host)
     check_settings(shape, replace(base, kept_attention_layers=0))
     can_keep = cfg.gradient_checkpointing and kernel in KEEPING_KERNELS and not cfg.packing and gpu
-    notes: list[str] = [f"host memory {machine.host_memory_gb:g} GiB per host ({machine.host_memory_source})"]
+    notes: list[str] = [f"host memory {machine.host_memory_gb:.1f} GiB per host ({machine.host_memory_source})"]
     if cfg.packing and fx.keep is None:
         notes.append("packing: attention outputs are not kept (the kernel runs per document)")
     n = num_params(shape)

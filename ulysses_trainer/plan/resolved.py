@@ -115,12 +115,14 @@ class Plan:
 
     def summary(self) -> str:
         """One line: what runs, the predicted step time and peak memory."""
-        adam = "Adam on the host" if self.optimizer_offload else "Adam on the GPU"
-        step = f"{self.predicted_step_s:.1f} s/step" if self.predicted_step_s is not None else "no time model"
+        gpu = self.gpu_budget_gb is not None
+        adam = "Adam on the host" if self.optimizer_offload else f"Adam on the {'GPU' if gpu else 'device'}"
+        step = f"{self.predicted_step_s:.1f} s/step" if gpu else "no step time (no GPU)"
         return (f"sp {self.sp} x dp {self.dp}, {self.kernel}, tiled_mlp {self.tiles}, checkpoint_every "
                 f"{self.checkpoint_every}, {len(self.offload_layers)}/{len(self.saved_layers)} layer inputs "
                 f"offloaded, {len(self.kept_attention_layers)}/{self.num_layers} attention outputs kept, "
-                f"{adam}; predicted {step}, peak {self.predicted_peak_gpu_gb:.1f} GiB GPU (allocated), "
+                f"{adam}; predicted {step}, peak {self.predicted_peak_gpu_gb:.1f} GiB {'GPU' if gpu else 'device'} "
+                f"(allocated), "
                 f"{self.predicted_host_gb:.1f} GiB host")
 
     def shortage(self) -> str:
