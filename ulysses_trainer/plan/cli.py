@@ -84,7 +84,7 @@ def _host_memory(args: argparse.Namespace, cfg: Any, gpus: int, gpu_gb: float, h
     if args.host_memory_gb is not None:
         return args.host_memory_gb, "--host_memory_gb"
     if cfg.host_memory_gb is not None:
-        return cfg.host_memory_gb, "the recipe's host_memory_gb"
+        return cfg.host_memory_gb, "host_memory_gb"
     if here:
         from ..levers.host_pool import detect_host_memory_gb
 

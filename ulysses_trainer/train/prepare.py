@@ -74,25 +74,25 @@ def measure_machine(cfg: TrainConfig, world_size: int, device: str) -> Machine:
     return Machine(gpus=world_size, gpu_memory_gb=gpu_gb, host_memory_gb=host,
                    gpus_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
                    kernels=tuple(available_kernels()), gpu_name=gpu_name,
-                   host_memory_source="host_memory_gb" if cfg.host_memory_gb is not None else "detected")
+                   host_memory_source="host_memory_gb" if cfg.host_memory_gb is not None else
+                   "detected on this machine")
 
 
 def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
     validate_config(cfg, world_size)
-    sp = world_size if cfg.sp_size is None else cfg.sp_size
-    dp = world_size // sp
     device = _device()
     bf16 = resolve_bf16(cfg, device == "cuda")
     ds_raw = load_ds_config(cfg.deepspeed)
     resume_path = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
     model_config = model_config_for(cfg)
     check_local_weights(cfg.model_name_or_path)
-    check_sp_shape(sp, world_size, model_config.num_attention_heads, model_config.num_key_value_heads)
+    check_sp_shape(cfg.sp_size or world_size, world_size, model_config.num_attention_heads,
+                   model_config.num_key_value_heads)
     shape = ModelShape.from_config(model_config)
     machine = measure_machine(cfg, world_size, device)
     zero = read_zero(ds_raw, str(cfg.deepspeed))
     resolved = plan_for(cfg, model_config, ds_raw, machine, bf16=bf16)  # every lever checked and decided here
-    kernel = resolved.kernel
+    kernel, sp, dp = resolved.kernel, resolved.sp, resolved.dp
     tokenizer = load_tokenizer(checkpoint_source(cfg.model_name_or_path))
     check_tokenizer_fits(tokenizer, model_config)
     per_step = dp * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps

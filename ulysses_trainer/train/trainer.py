@@ -88,7 +88,7 @@ class Trainer:
                                  lean_norm=first.lean_norm, gradient_checkpointing=first.gradient_checkpointing,
                                  checkpoint_every=first.checkpoint_every, activation_offload="auto",
                                  keep_attention_outputs="auto" if first.gradient_checkpointing else False,
-                                 host_memory_gb=plan.machine.host_memory_gb,
+                                 host_memory_gb=cfg.host_memory_gb,  # None: the pool detects, with a margin
                                  local_seq_len=plan.padded_length // plan.sp_size,
                                  ranks_per_host=plan.machine.ranks_per_host)
         return parallelize(model, self.state, pcfg)
@@ -113,6 +113,7 @@ class Trainer:
         plan = self.plan
         if plan.device != "cuda":
             return plan.resolved
+        torch.cuda.empty_cache()  # blocks torch cached during initialize are free for the run
         free, _ = torch.cuda.mem_get_info(self.device)
         machine = replace(plan.machine, gpu_free_after_engine_gb=free / 2**30)
         return resolve_plan(self.cfg, plan.shape, machine, plan.zero, bf16=plan.bf16, engine_plan=plan.resolved)
