@@ -132,7 +132,8 @@ def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argpars
     model_config = model_config_for(cfg)
     ds = load_ds_config(cfg.deepspeed)
     machine = Machine(gpus=gpus, gpu_memory_gb=gpu_gb, host_memory_gb=host, gpus_per_host=args.gpus_per_host,
-                      kernels=local_kernels if here else ("sdpa",), gpu_name=local_name if here else None,
+                      kernels=local_kernels if here else ("sdpa", "flash_attention_4", "flash_attention_2"),
+                      kernels_known=here, gpu_name=local_name if here else None,
                       host_memory_source=source)
     return cfg, model_config, ds, machine, args
 

@@ -285,6 +285,9 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     check_settings(shape, replace(base, kept_attention_layers=0))
     can_keep = cfg.gradient_checkpointing and kernel in KEEPING_KERNELS and not cfg.packing and gpu
     notes: list[str] = [f"host memory {machine.host_memory_gb:.1f} GiB per host ({machine.host_memory_source})"]
+    if cfg.attn_implementation == "auto" and not machine.kernels_known:
+        notes.append(f"the kernels installed there are unknown: auto planned as {kernel} (pass "
+                     f"--attn_implementation flash_attention_4 where it is installed)")
     if cfg.packing and fx.keep is None:
         notes.append("packing: attention outputs are not kept (the kernel runs per document)")
     n = num_params(shape)

@@ -24,6 +24,7 @@ class Machine:
     host_memory_gb: float  # per host
     gpus_per_host: int | None = None  # None: all GPUs on one host
     kernels: tuple[str, ...] = ("sdpa",)  # installed attention kernels, fastest first
+    kernels_known: bool = True  # False: planning another machine (auto = the first of `kernels`, said)
     gpu_name: str | None = None
     gpu_free_after_engine_gb: float | None = None  # measured once the engine holds the model states
     host_memory_source: str = "given"  # how host_memory_gb was obtained (said in the plan)
