@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ConfigError
+from .inputs import KERNELS as PLANNED_KERNELS
 from .inputs import (
     ModelShape,
     Settings,
@@ -37,8 +38,8 @@ from .resolved import (  # noqa: F401 - the plan's types, re-exported with the f
 )
 from .step_time import StepTime, step_time
 
-KERNELS = ("sdpa", "flash_attention_2", "flash_attention_4")
-STANDIN = "standin_memory_only"  # benchmarks only (attention/standin.py)
+KERNELS = PLANNED_KERNELS[:3]  # what attn_implementation names (the plan also models the stand-in)
+STANDIN = PLANNED_KERNELS[3]  # benchmarks only (attention/standin.py)
 KEEPING_KERNELS = ("sdpa", "flash_attention_4", STANDIN)  # kernels whose outputs can be kept (attention/grouped.py)
 EVERY_CHOICES = (1, 2, 3, 4, 6, 9, 12)  # checkpoint_every values the search tries, cheapest first
 # the engine's measured memory use may exceed the model states' prediction by this much before the plan
