@@ -76,6 +76,12 @@ def test_offload_without_checkpointing_is_refused_before_anything():
         validate_config(TrainConfig(gradient_checkpointing=False, activation_offload=2), 1)
 
 
+def test_without_checkpointing_the_autos_offload_and_keep_nothing():
+    plan = _plan(max_length=16384, gradient_checkpointing=False)
+    assert plan.fits and (plan.saved_layers, plan.offload_layers, plan.kept_attention_layers) == ((), (), ())
+    assert plan.predicted_step_s < _plan(max_length=16384).predicted_step_s  # no recompute
+
+
 def test_flash_attention_2_keeps_no_attention_outputs():
     plan = _plan(kernels=("flash_attention_2", "sdpa"))
     assert plan.kernel == "flash_attention_2" and plan.kept_attention_layers == ()

@@ -117,6 +117,8 @@ def check_levers(cfg: Any, shape: ModelShape | None = None, kernel: str | None =
         saved = saved_layer_count(shape, c)
         need(off <= saved, f"activation_offload={off} must be between 0 and {saved} layers (the layers that keep an "
                            f"input: {layers} / checkpoint_every {c}, rounded up); true offloads all of them")
+    if not ckpt:  # nothing to offload or keep without checkpoints
+        off, keep = 0, 0
     return _Fixed(offload=None if off == "auto" else (0 if off is False else -1 if off is True else off),
                   keep=None if keep == "auto" else (layers if keep is True else int(keep)),
                   tiles=None if tiled == "auto" else (1 if tiled is False else -1 if tiled is True else tiled),
