@@ -123,7 +123,7 @@ def run(args) -> dict:
             if getattr(net, "untied_lm_head", False):
                 point["note"] = ("lm_head untied (+vocab x hidden params): ALST's fused loss fails on a tied one "
                                  "under ZeRO-3")
-            if fwdbwd:  # no engine, no optimizer: bf16 weights + grads, as the HF / ALST fwd+bwd baselines measure
+            if fwdbwd:  # no engine, no optimizer: bf16 weights + grads, as the earlier baselines measured
                 engine = None
             else:
                 opt = torch.optim.AdamW(net.parameters(), lr=1e-5, fused=cuda and not args.offload_optimizer)
@@ -137,8 +137,9 @@ def run(args) -> dict:
                     point["first_step"] = False  # planned as a later step: m, v held through fwd/bwd
                 point["host_rss_after_init_gb"] = psutil.Process().memory_info().rss / 2**30  # engine + optimizer
             if args.system == "ours" and cuda:
-                grads = sum(p.numel() for p in net.parameters()) * 2 if fwdbwd else 0
-                _plan_ours_offload(net, config, L, dtype, extra_reserve=grads)
+                _plan_ours(net, config, L, kernel, model=args.model, offload=_policy(args.offload),
+                           keep=_policy(args.keep_attention_outputs), every=args.checkpoint_every,
+                           lean_norm=args.lean_norm == "true", optimizer_offload=bool(args.offload_optimizer))
                 point["offloaded_layers"] = len(net.sp.checkpointer.offload_layers)
                 stash = net.sp.attention.stash
                 point["kept_attention_layers"] = len(stash.layers) if stash is not None else 0
@@ -191,15 +192,27 @@ def run(args) -> dict:
     return results
 
 
-def _plan_ours_offload(net, config, L, dtype, extra_reserve=0):
-    from ulysses_trainer.attention.stash import bytes_per_layer as stash_bytes_per_layer
-    from ulysses_trainer.model.parallelize import layer_working_set_bytes
+def _plan_ours(net, config, L, kernel, *, model: str, offload, keep, every=1, lean_norm=True,
+               optimizer_offload=False) -> None:
+    """The trainer's own resolution (plan/resolve.py) for this point, applied to the model. Without an
+    optimizer (fwdbwd, profiles) the plan still reserves Adam's states: the settings it picks are safe, not tight."""
+    from ulysses_trainer.attention.kernels import available_kernels
+    from ulysses_trainer.config import TrainConfig
+    from ulysses_trainer.levers.host_pool import detect_host_memory_gb
+    from ulysses_trainer.model.parallelize import apply
+    from ulysses_trainer.plan.inputs import ModelShape
+    from ulysses_trainer.plan.resolve import Machine, resolve_plan
 
-    bpe = torch.finfo(dtype).bits // 8
-    free, _ = torch.cuda.mem_get_info()
-    net.sp.configure_offload(L * config.hidden_size * bpe, free,
-                             layer_working_set_bytes(config, L, bpe) + extra_reserve,
-                             stash_bytes_per_layer(config, L, bpe))
+    cfg = TrainConfig(model_name_or_path=model, max_length=L, sp_size=1, bf16=True, attn_implementation=kernel,
+                      activation_offload=offload, keep_attention_outputs=keep, tiled_mlp=net.sp.tiles,
+                      checkpoint_every=every, lean_norm=lean_norm, optimizer_offload=optimizer_offload)
+    machine = Machine(gpus=1, gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30,
+                      host_memory_gb=detect_host_memory_gb(),
+                      kernels=tuple(available_kernels()) if kernel == "auto" else (kernel,),
+                      gpu_name=torch.cuda.get_device_name(), host_memory_source="detected on this machine")
+    plan = resolve_plan(cfg, ModelShape.from_config(config), machine)
+    print(f"plan: {plan.summary()}", flush=True)
+    apply(net.sp, plan)
 
 
 def _policy(text: str):

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-from benchmarks.long_context import _init_dist, _plan_ours_offload, _policy  # noqa: E402
+from benchmarks.long_context import _init_dist, _plan_ours, _policy  # noqa: E402
 from benchmarks.systems import SYSTEMS  # noqa: E402
 from ulysses_trainer.model.load import build_model  # noqa: E402
 from ulysses_trainer.model.presets import preset_config  # noqa: E402
@@ -114,7 +114,7 @@ def main() -> None:
     net = SYSTEMS["ours"](model, args.kernel, args.length, offload, under_zero3=False, keep_attention_outputs=keep,
                           tiled_mlp=_policy(args.tiled_mlp))
     if cuda:
-        _plan_ours_offload(net, config, args.length, dtype, extra_reserve=sum(p.numel() for p in net.parameters()) * 2)
+        _plan_ours(net, config, args.length, args.kernel, model=args.model, offload=offload, keep=keep)
     L = args.length
     ids = torch.randint(0, config.vocab_size, (1, L), generator=torch.Generator().manual_seed(L)).to(device)
     pos = torch.arange(L, device=device)[None]

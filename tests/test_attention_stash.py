@@ -201,24 +201,17 @@ def test_sp2_zero3_kept_outputs_equal_recompute():
                       torch.tensor(ref_loss), {n: torch.from_numpy(g) for n, g in ref_grads.items()}, tol=1e-6)
 
 
-def test_auto_keeps_what_the_offload_decision_leaves_free():
-    from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize
-    from ulysses_trainer.model.load import build_model
-    from ulysses_trainer.model.presets import preset_config
+def test_kept_bytes_are_the_plans_term():
+    """One memory model: what the stash holds per kept layer is the planner's kept-attention term."""
+    from ulysses_trainer import shard_batch
+    from ulysses_trainer.model.parallelize import Levers, apply
+    from ulysses_trainer.plan.inputs import ModelShape, Settings
+    from ulysses_trainer.plan.layer_terms import kept_attention_bytes_per_layer
 
-    cfg = preset_config("tiny")
-    cfg.num_hidden_layers = 6
-    cfg.layer_types = ["full_attention"] * 6
-    GB = 2**30
-
-    def kept(offload, every, free_gb):
-        model = parallelize(build_model(cfg, torch.float32), make_parallel_state(1), ParallelizeConfig(
-            keep_attention_outputs="auto", activation_offload=offload, checkpoint_every=every))
-        model.checkpointer.pool.allocate = lambda *a: None  # no pinning in a unit test
-        model.configure_offload(GB, free_gb * GB, 2 * GB, stash_bytes_per_layer=GB // 2)
-        return len(model.attention.stash.layers)
-
-    assert kept(False, 1, 8) == 0  # 6 inputs + 2 reserved fill 8 GB
-    assert kept(False, 1, 10) == 4  # 2 GB left: 4 halves
-    assert kept(True, 1, 10) == 6  # inputs on the host: room for all, capped at the layer count
-    assert kept(False, 2, 7) == 2  # 3 kept inputs + 1 rebuilt + 2 reserved: 1 GB left
+    model = _tiny_parallel("auto")
+    assert model.attention.stash.layers == set()  # auto: nothing kept until a plan says so
+    apply(model, Levers(kept_attention_layers=(0, 2)))
+    length = 24
+    model(**shard_batch(torch.randint(0, 1000, (1, length)), sp_size=1, sp_rank=0).model_inputs())
+    per = kept_attention_bytes_per_layer(ModelShape.from_config(model.config), Settings(max_length=length, bf16=False))
+    assert model.attention.stash.held_bytes() == 2 * per

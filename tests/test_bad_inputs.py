@@ -159,6 +159,10 @@ CASES = {
     "keep_attention_outputs_without_checkpointing": (
         lambda f: ["--gradient_checkpointing", "false", "--keep_attention_outputs", "true"], 1,
         r"keep_attention_outputs needs gradient_checkpointing: true \(only a recompute reuses them\)"),
+    "activation_offload_without_checkpointing": (
+        lambda f: ["--gradient_checkpointing", "false", "--activation_offload", "true"], 1,
+        r"activation_offload true needs gradient_checkpointing: true \(it offloads the layer checkpoints\); set "
+        r"activation_offload false or gradient_checkpointing true"),
     "max_steps_zero": (lambda f: ["--max_steps", "0"], 1, r"max_steps must be > 0, got 0"),
     "max_steps_negative": (lambda f: ["--max_steps", "-3"], 1, r"max_steps must be > 0, got -3"),
     "epochs_zero": (lambda f: ["--max_steps", "null", "--num_train_epochs", "0"], 1,

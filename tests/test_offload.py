@@ -14,34 +14,36 @@ from tests.dist_utils import run_ranks, zero3_config
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.host_pool import GIB, HostPool, detect_host_memory_gb, host_bytes_needed
 from ulysses_trainer.levers.offload import LayerCheckpointer
-from ulysses_trainer.levers.offload_policy import plan_offload
 
 # --------------------------------------------------------------------------------------------
 # Policy and arithmetic
 
 
-def test_plan_offload_fixed_policies():
-    assert plan_offload(False, 5, 10, 0, 0) == []
-    assert plan_offload(True, 5, 10, 0, 0) == [0, 1, 2, 3, 4]
-    assert plan_offload(0, 5, 10, 0, 0) == []
-    assert plan_offload(3, 5, 10, 0, 0) == [0, 1, 2]  # the earliest layers: their backward comes last
-    assert plan_offload(5, 5, 10, 0, 0) == [0, 1, 2, 3, 4]
+def test_configure_sets_thinning_and_the_offloaded_block_starts():
+    ck = LayerCheckpointer(6)
+    ck.configure(2, [0, 2])
+    assert (ck.every, ck.saved_layers, ck.offload_layers) == (2, [0, 2, 4], [0, 2])
+    ck.configure(1, [])
+    assert (ck.every, ck.saved_layers, ck.offload_layers) == (1, list(range(6)), [])
+    with pytest.raises(ConfigError, match="keep no input with checkpoint_every=3"):
+        ck.configure(3, [1])  # not a block start
+    with pytest.raises(ValueError, match="checkpoint_every must be an int >= 1"):
+        ck.configure(0, [])
 
 
-def test_plan_offload_auto():
-    # budget = free - reserve; keep floor(budget / bytes_per_layer) of the last layers on the device.
-    assert plan_offload("auto", 5, 10, 100, 60) == [0]  # budget 40: 4 stay, layer 0 goes
-    assert plan_offload("auto", 5, 10, 100, 75) == [0, 1, 2]  # budget 25: 2 stay
-    assert plan_offload("auto", 5, 10, 110, 60) == []  # budget 50: all 5 fit exactly
-    assert plan_offload("AUTO", 5, 10, 10**12, 0) == []  # loose
-    assert plan_offload("auto", 5, 10, 100, 95) == [0, 1, 2, 3, 4]  # budget 5: none fits
-    assert plan_offload("auto", 5, 10, 100, 200) == [0, 1, 2, 3, 4]  # negative budget
+def test_fixed_levers_of_a_parallelize_config():
+    from ulysses_trainer.model.parallelize import ParallelizeConfig, levers_of
 
-
-@pytest.mark.parametrize("bad", [-1, 6, "sometimes", 2.5])
-def test_plan_offload_rejects_bad_policy(bad):
-    with pytest.raises(ConfigError, match="0 to 5"):
-        plan_offload(bad, 5, 10, 100, 0)
+    # true = every kept input (the block starts with checkpoint_every 2), n = the first n of them
+    assert levers_of(ParallelizeConfig(activation_offload=True, checkpoint_every=2), 5).offload_layers == (0, 2, 4)
+    assert levers_of(ParallelizeConfig(activation_offload=2, checkpoint_every=2), 5).offload_layers == (0, 2)
+    # auto is left to apply(model, plan): nothing offloaded or kept until then
+    auto = levers_of(ParallelizeConfig(), 5)
+    assert (auto.checkpoint_every, auto.offload_layers, auto.kept_attention_layers) == (1, (), ())
+    with pytest.raises(ValueError, match="0..3"):
+        levers_of(ParallelizeConfig(activation_offload=4, checkpoint_every=2), 5)
+    with pytest.raises(ValueError, match="activation_offload needs gradient_checkpointing=True"):
+        levers_of(ParallelizeConfig(activation_offload=1, gradient_checkpointing=False), 5)
 
 
 def test_host_bytes_needed():

@@ -51,8 +51,9 @@ class TrainConfig:
         None, "model config overrides, e.g. {rope_parameters: {rope_type: yarn, factor: auto}}")
     attn_implementation: AttnImpl = _f("auto", "attention kernel; auto = fastest installed")
     gradient_checkpointing: bool = _f(True, "recompute each decoder layer in backward")
-    checkpoint_every: int = _f(
-        1, "keep every k-th layer's input only; backward rebuilds the others (+1 forward for k-1 of k layers)")
+    checkpoint_every: Union[int, Auto] = _f(
+        "auto", "keep every k-th layer's input only; backward rebuilds the others (+1 forward for k-1 of k "
+        "layers); auto = 1 unless nothing fits without thinning")
     activation_offload: Union[bool, int, Auto] = _f(
         "auto", "offload checkpointed layer inputs to host: false, true (all), N layers, or auto")
     keep_attention_outputs: Union[bool, int, Auto] = _f(
@@ -60,7 +61,11 @@ class TrainConfig:
         "(faster, more memory): false, true (all layers), N layers, or auto (what fits on the GPU)")
     tiled_mlp: Union[bool, int, Auto] = _f("auto", "sequence-tiled MLP: false, true, N tiles, or auto")
     lean_norm: bool = _f(True, "RMSNorms keep only their input for backward (no fp32 copies); same results")
-    host_memory_gb: Union[float, None] = _f(None, "host RAM (GB) the offload may pin; null = detected")
+    optimizer_offload: Union[bool, Auto] = _f(
+        "auto", "Adam's fp32 master, m and v on the host (ZeRO-Offload, DeepSpeed's CPU Adam): true, false, or "
+        "auto (when it makes the step faster, e.g. by leaving room to keep attention outputs); an "
+        "offload_optimizer section in the ZeRO JSON wins")
+    host_memory_gb: Union[float, None] = _f(None, "host RAM (GiB) the offload may pin; null = detected")
     loss_type: LossType = _f("chunked_nll", "chunked_nll never builds [L, vocab] logits; nll is plain")
     loss_chunk_size: int = _f(256, "rows per chunk of the chunked loss")
     # parallelism
@@ -333,7 +338,8 @@ def load_config(argv: list[str]) -> TrainConfig:
 # ---------------------------------------------------------------- validation
 def validate_config(cfg: TrainConfig, world_size: int) -> None:
     """Cross-field checks that need no model or data; raise ConfigError naming the fix."""
-    from .parallel.state import check_sp_shape  # parallel/ imports torch: import late
+    from .parallel.state import check_sp_shape  # parallel/ pulls in torch.distributed: import late
+    from .plan.resolve import check_levers
 
     def need(ok: bool, msg: str) -> None:
         if not ok:
@@ -361,20 +367,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
     need(0 <= cfg.seed < 2**32, f"seed must be in [0, 2**32), got {cfg.seed}")
     need(cfg.host_memory_gb is None or cfg.host_memory_gb > 0,
          f"host_memory_gb must be > 0 (or null to detect), got {cfg.host_memory_gb}")
-    if not isinstance(cfg.activation_offload, bool) and isinstance(cfg.activation_offload, int):
-        need(cfg.activation_offload >= 0,
-             f"activation_offload must be >= 0 layers (or true/false/auto), got {cfg.activation_offload}")
-    if not isinstance(cfg.keep_attention_outputs, bool) and isinstance(cfg.keep_attention_outputs, int):
-        need(cfg.keep_attention_outputs >= 0,
-             f"keep_attention_outputs must be >= 0 layers (or true/false/auto), got {cfg.keep_attention_outputs}")
-    need(cfg.keep_attention_outputs in (False, 0, "auto") or cfg.gradient_checkpointing,
-         "keep_attention_outputs needs gradient_checkpointing: true (only a recompute reuses them)")
-    need(cfg.checkpoint_every >= 1,
-         f"checkpoint_every must be >= 1 layers (1 = every layer), got {cfg.checkpoint_every}")
-    need(cfg.checkpoint_every == 1 or cfg.gradient_checkpointing,
-         "checkpoint_every > 1 needs gradient_checkpointing: true (it thins the checkpoints)")
-    if not isinstance(cfg.tiled_mlp, bool) and isinstance(cfg.tiled_mlp, int):
-        need(cfg.tiled_mlp >= 1, f"tiled_mlp must be >= 1 tiles (or true/false/auto), got {cfg.tiled_mlp}")
+    check_levers(cfg)  # the levers' own checks live with the plan (plan/resolve.py)
     need(cfg.max_length >= 2,
          f"max_length must be >= 2 tokens (one input and its target), got {cfg.max_length}")
     need(world_size >= 1, f"world size must be >= 1, got {world_size}")

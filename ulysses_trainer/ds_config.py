@@ -25,6 +25,7 @@ import torch
 
 from .config import REPO_ROOT, TrainConfig, resolve_bf16
 from .errors import ConfigError
+from .plan.resolve import offload_sub_group_size
 
 AUTO = "auto"
 
@@ -131,13 +132,15 @@ _SCHEDULERS = {"WarmupDecayLR": "linear", "WarmupLR": "constant_with_warmup"}
 
 def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, device_is_cuda: bool, *,
                    total_steps: int | None = None, hidden_size: int | None = None,
-                   use_deepspeed_optimizer: bool | None = None,
+                   use_deepspeed_optimizer: bool | None = None, optimizer_offload: bool | None = None,
                    source: str = "the ZeRO config") -> tuple[dict, OptimizerSpec | None]:
     """Return (the config for deepspeed.initialize, AdamW settings for the trainer or None).
 
     OptimizerSpec is None exactly when the returned dict keeps an "optimizer" section for DeepSpeed.
     `total_steps` (optimizer steps of the run) checks an explicit scheduler total; `hidden_size` fills
-    ZeRO bucket sizes that say "auto" (without it DeepSpeed's defaults are used). `source` names the
+    ZeRO bucket sizes that say "auto" (without it DeepSpeed's defaults are used). `optimizer_offload`
+    (the plan's placement of Adam, plan/resolve.py): True adds ZeRO-Offload of the optimizer where the JSON
+    has no offload_optimizer section (a section in the JSON wins: the plan read it). `source` names the
     JSON in messages.
     """
     ds = copy.deepcopy(ds)
@@ -192,6 +195,9 @@ def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, de
                     zero[key] = rule(hidden_size)
                 else:
                     del zero[key]  # DeepSpeed's default
+        if optimizer_offload and zero.get("offload_optimizer") is None:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+            zero["sub_group_size"] = offload_sub_group_size(zero.get("sub_group_size"))
         off = zero.get("offload_optimizer")
         offload_opt = isinstance(off, dict) and off.get("device", "none") not in ("none", None)
 

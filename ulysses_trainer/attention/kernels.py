@@ -13,13 +13,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError
+# the kernel names, the stand-in (benchmarks only: attention/standin.py) and the kernels that can keep their
+# outputs for the recompute live with the plan, which decides between them (torch-free)
+from ..plan.resolve import KEEPING_KERNELS as STASH_KERNELS  # noqa: F401
+from ..plan.resolve import KERNELS, STANDIN, choose_kernel  # noqa: F401
 from .grouped import BACKENDS, default_backend, grouped_attention, runs_grouped
 from .standin import standin_attention
-
-KERNELS = ("sdpa", "flash_attention_2", "flash_attention_4")
-STANDIN = "standin_memory_only"  # benchmarks only: see attention/standin.py
-STASH_KERNELS = ("sdpa", "flash_attention_4", STANDIN)  # the kernels that can keep their outputs for the recompute
 
 
 def _has(module: str) -> bool:
@@ -43,20 +42,8 @@ def available_kernels() -> list[str]:
 
 
 def resolve_kernel(name: str) -> str:
-    """`auto` -> the fastest installed kernel; a named one must be installed."""
-    have = available_kernels()
-    if name == "auto":
-        return have[0]
-    if name == STANDIN:
-        return name
-    if name not in KERNELS:
-        raise ConfigError(f"attn_implementation={name!r} is unknown; use one of auto, {', '.join(KERNELS)}")
-    if name not in have:
-        hint = {"flash_attention_2": "pip install 'ulysses_trainer[flash]' (needs CUDA)",
-                "flash_attention_4": "install flash-attn-4 (flash_attn.cute; Hopper/Blackwell GPUs)"}[name]
-        raise ConfigError(f"attn_implementation={name!r} is not installed here ({hint}); "
-                          f"installed: {', '.join(have)} (or use auto)")
-    return name
+    """`auto` -> the fastest installed kernel (flash-attn-4 whenever installed); a named one must be installed."""
+    return choose_kernel(name, tuple(available_kernels()))
 
 
 def _single_doc_per_row(cu_seqlens: torch.Tensor | None, b: int) -> bool:

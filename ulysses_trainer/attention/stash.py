@@ -9,7 +9,7 @@ have produced (deterministic kernels give them bitwise anyway).
 
 Cost: per kept layer, the output [b, s, h_local, d] in the training dtype plus an fp32 log-sum-exp per
 head and token, held from the layer's forward to its backward. Which layers keep them is a set chosen
-by `keep_attention_outputs` (model/parallelize.py).
+by the plan (`keep_attention_outputs`, plan/resolve.py; its bytes: plan/layer_terms.py).
 
 Record and replay are told apart by grad mode: the checkpoint's first forward runs without grad
 (record), its recompute with grad (replay). Only modules in training mode record, so evaluation
@@ -51,9 +51,3 @@ class AttentionStash:
     def held_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for v in self._saved.values() for t in v[:2])
 
-
-def bytes_per_layer(config, local_tokens: int, bytes_per_el: int) -> int:
-    """What one kept layer holds on a rank: the output and the fp32 log-sum-exp. Attention runs on all
-    local*sp tokens x heads/sp, the same bytes as local tokens x all heads (config: an HF model config)."""
-    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return local_tokens * config.num_attention_heads * (d * bytes_per_el + 4)

@@ -4,8 +4,8 @@ Checkpointed, a decoder layer keeps only its input hidden states [b, s, h] for b
 recomputes the rest. At long sequence lengths those inputs, one per layer, are what is left of the
 activation memory; offloading them to pinned host memory frees the device for longer sequences.
 
-- `plan_offload` (levers/offload_policy.py) picks which layers offload: the earliest ones, whose
-  backward runs last, so the host->device prefetch has the most time; the later layers stay on the device.
+- Which layers offload is the plan's decision (plan/resolve.py): the earliest ones, whose backward runs
+  last, so the host->device prefetch has the most time; the later layers stay on the device.
 - `HostPool` (levers/host_pool.py) is one page-locked host buffer carved into per-layer slots.
 - `LayerCheckpointer.for_layer(i)` is the function that a Hugging Face decoder layer
   (transformers' GradientCheckpointingLayer) calls as `_gradient_checkpointing_func(run_fn, hidden)`.
@@ -39,7 +39,6 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from .host_pool import HostPool
-from .offload_policy import plan_offload
 
 CheckpointFn = Callable[..., Any]
 
@@ -207,15 +206,13 @@ class LayerCheckpointer:
         self._slot = {layer: k for k, layer in enumerate(layers)}
         self._states = {layer: _OffloadState() for layer in layers}
 
-    def apply_offload_policy(self, policy: bool | int | str, bytes_per_layer: int = 0, free_device_bytes: int = 0,
-                             reserve_bytes: int = 0) -> list[int]:
-        """Offload the layers `plan_offload` picks among those that keep an input (every layer, or the block
-        starts); `auto` also keeps room for one block's rebuilt inputs. Returns the offloaded layers."""
-        rebuilt_in_flight = (self.every - 1) * bytes_per_layer
-        picked = plan_offload(policy, len(self.saved_layers), bytes_per_layer, free_device_bytes,
-                              reserve_bytes + rebuilt_in_flight)
-        self.set_offload_layers([self.saved_layers[i] for i in picked])
-        return self.offload_layers
+    def configure(self, checkpoint_every: int, offload_layers: Iterable[int]) -> None:
+        """Set the thinning and the offloaded layers (model/parallelize.apply, before the first step)."""
+        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be an int >= 1 (1 = every layer), got {checkpoint_every!r}")
+        self.every = checkpoint_every
+        self.saved_layers = list(range(0, self.num_layers, checkpoint_every))
+        self.set_offload_layers(offload_layers)
 
     def rebuilds(self, layer: int) -> bool:
         """True if `layer` keeps no input: backward rebuilds it from its block start."""

@@ -10,32 +10,13 @@ Each row is computed by the same ops as untiled, so results match the untiled ML
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-
-# A gated MLP keeps about this many [rows, intermediate] tensors alive per tile (gate, up, act, product).
-_INTERMEDIATES_PER_ROW = 4
-
-
-def auto_num_tiles(seq_len: int, hidden_size: int, intermediate_size: int) -> int:
-    """Tiles such that one tile's intermediates are about the size of the MLP input.
-
-    One tile of r rows keeps ~4 * r * intermediate values; the input holds seq_len * hidden. Setting
-    them equal gives tiles = 4 * intermediate / hidden (16 for Qwen3-4B): the MLP then no longer
-    dominates the layer, and more tiles would only shrink it further below the other [seq, hidden]
-    tensors while making each matmul smaller. Capped at seq_len so that no tile is empty. A pure
-    function of the shapes, so every rank gets the same count for the same shapes.
-    """
-    if seq_len < 1 or hidden_size < 1 or intermediate_size < 1:
-        raise ValueError(f"shapes must be >= 1, got seq_len={seq_len}, hidden_size={hidden_size}, "
-                         f"intermediate_size={intermediate_size}")
-    tiles = math.ceil(_INTERMEDIATES_PER_ROW * intermediate_size / hidden_size)
-    return max(1, min(tiles, seq_len))
+from ..plan.inputs import auto_num_tiles  # noqa: F401 - the tile rule lives with the planner (torch-free)
 
 
 def _set_grad_ready(params: list[nn.Parameter], ready: bool) -> None:

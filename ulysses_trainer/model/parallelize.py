@@ -1,4 +1,4 @@
-"""`parallelize(model, state, cfg)`: the one place the levers are applied to an HF causal LM.
+"""`parallelize(model, state, cfg)` installs the mechanisms on an HF causal LM; `apply(model, plan)` sets them.
 
 Order (each step relies on the ones before it):
   1. Ulysses attention: register the SP attention function and switch the model to it.
@@ -8,46 +8,61 @@ Order (each step relies on the ones before it):
   5. Checkpointing (+ offload): each decoder layer keeps only its input (or, with checkpoint_every=k,
      every k-th layer does and backward rebuilds the rest), on device or in pinned host memory, and
      recomputes in backward; there the tiled MLP skips its forward (its backward recomputes each tile).
+  6. The attention-output stash: kept outputs let the recompute skip the kernel.
+Which layers offload, keep their attention outputs, and the thinning are set by `apply` from a plan
+(`ulysses_trainer.plan.resolve_plan`, which the trainer runs once the engine holds the model states) or,
+for fixed values in ParallelizeConfig, by `parallelize` itself.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..attention.stash import AttentionStash
-from ..errors import ConfigError
 from ..levers.host_pool import HostPool
 from ..levers.lean_norm import use_lean_norms
 from ..levers.offload import LayerCheckpointer
-from ..levers.tiled_mlp import TiledMLP, auto_num_tiles
+from ..levers.tiled_mlp import TiledMLP
 from ..parallel.state import ParallelState
 from ..parallel.ulysses import UlyssesAttention
+from ..plan.inputs import auto_num_tiles, default_mlp_tiles
 from .loss_head import LossHead
 
 
 @dataclass
 class ParallelizeConfig:
-    """The levers, as switches (named as the config fields)."""
+    """The mechanisms, and lever values for a loop of your own. Defaults are the training config's; a lever
+    left at `auto` is installed unset (no input offloaded, no attention output kept, every layer keeps its
+    input) until `apply(model, plan)` sets it from a resolved plan."""
 
     attn_implementation: str = "auto"
     loss_type: str = "chunked_nll"
     loss_chunk_size: int = 256
-    tiled_mlp: bool | int | str = "auto"  # False | True (auto tile count) | tiles | "auto" (when it pays)
+    tiled_mlp: bool | int | str = "auto"  # False | True (auto_num_tiles) | tiles | "auto" (the shape rule)
     lean_norm: bool = True  # RMSNorms save their input only (levers/lean_norm.py)
     gradient_checkpointing: bool = True
-    checkpoint_every: int = 1  # keep every k-th layer's input; rebuild the others in backward (levers/offload.py)
-    activation_offload: bool | int | str = False  # False | True (all) | n first layers | "auto"
+    checkpoint_every: int | str = "auto"  # keep every k-th layer's input; rebuild the others (levers/offload.py)
+    activation_offload: bool | int | str = "auto"  # False | True (all kept inputs) | n first | "auto" (apply)
     # layers whose attention output + LSE are kept from the checkpoint's forward to skip the kernel in the
-    # recompute (attention/stash.py): False | True (all) | n first layers | "auto" (what fits, see
-    # configure_offload)
-    keep_attention_outputs: bool | int | str = False
+    # recompute (attention/stash.py): False | True (all layers) | n first layers | "auto" (apply)
+    keep_attention_outputs: bool | int | str = "auto"
     host_memory_gb: float | None = None  # None: detected
     local_seq_len: int | None = None  # tokens per rank per row; needed for tiling decisions
     ranks_per_host: int = 1  # ranks sharing this host's RAM (splits the offload budget)
+
+
+@dataclass(frozen=True)
+class Levers:
+    """What `apply` sets (a resolved plan has these fields too)."""
+
+    checkpoint_every: int = 1
+    offload_layers: tuple[int, ...] = ()
+    kept_attention_layers: tuple[int, ...] = ()
+    checkpoint_bytes_per_layer: int = 0  # > 0: pin the host pool for the offloaded inputs now
+    tiles: int | None = None  # None: whatever parallelize installed
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -58,29 +73,16 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def mlp_tiles(setting: bool | int | str, local_seq_len: int | None, hidden: int, intermediate: int) -> int:
     """Tile count for the MLP (1 = untiled). Same on every rank: it depends on shapes only.
-
-    auto: tile once the MLP's four intermediate-width bf16 tensors would pass 1 GiB, and then keep
-    each tile's near 1 GiB (bigger tiles run faster matmuls; smaller ones save nothing that matters).
-    True: the lever's own count (levers.tiled_mlp.auto_num_tiles).
-    """
+    auto: plan.inputs.default_mlp_tiles; True: plan.inputs.auto_num_tiles (the lever's own count)."""
     if setting is False or setting == 0:
         return 1
     if local_seq_len is None:
         return 1 if not isinstance(setting, int) or isinstance(setting, bool) else int(setting)
     if setting == "auto":
-        return max(1, math.ceil(local_seq_len * intermediate * 4 * 2 / 2**30))
+        return default_mlp_tiles(local_seq_len, intermediate)
     if setting is True:
         return auto_num_tiles(local_seq_len, hidden, intermediate)
     return int(setting)
-
-
-def layer_working_set_bytes(config, local_tokens: int, bytes_per_el: int) -> int:
-    """Device memory one layer's recompute + backward needs beyond the checkpoints: what `auto` offload
-    keeps free. Rough and generous (8 hidden-size and 6 q/k/v-size tensors, plus 4 GiB); the planner
-    (`ulysses-trainer plan`) has the term-by-term model."""
-    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    qkv = local_tokens * (config.num_attention_heads + 2 * config.num_key_value_heads) * d * bytes_per_el
-    return int(8 * local_tokens * config.hidden_size * bytes_per_el + 6 * qkv + 4 * 2**30)
 
 
 class SequenceParallelCausalLM(nn.Module):
@@ -91,16 +93,13 @@ class SequenceParallelCausalLM(nn.Module):
     """
 
     def __init__(self, causal_lm: nn.Module, state: ParallelState, attention: UlyssesAttention,
-                 checkpointer: LayerCheckpointer | None, offload_policy, host_memory_gb: float | None,
-                 keep_attention_outputs: bool | int | str = False):
+                 checkpointer: LayerCheckpointer | None, tiles: int = 1):
         super().__init__()
-        self.keep_attention_outputs = keep_attention_outputs
         self.causal_lm = causal_lm
         self.state = state
         self.attention = attention
         self.checkpointer = checkpointer
-        self.offload_policy = offload_policy
-        self.host_memory_gb = host_memory_gb
+        self.tiles = tiles
 
     @property
     def config(self):
@@ -112,24 +111,31 @@ class SequenceParallelCausalLM(nn.Module):
                                    sp_cu_seqlens=cu_seqlens, sp_max_seqlen=max_seqlen)
         return self.causal_lm.lm_head(out.last_hidden_state, labels=labels)
 
-    def configure_offload(self, bytes_per_layer: int, free_device_bytes: int, reserve_bytes: int,
-                          stash_bytes_per_layer: int = 0) -> list[int]:
-        """Decide which layers offload (policy `auto` needs free device memory, known only once the
-        engine holds its states), then, for keep_attention_outputs `auto`, how many layers keep their
-        attention outputs in what is left. Returns the offloaded layer indices."""
-        if self.checkpointer is None:
-            return []
-        ck = self.checkpointer
-        layers = ck.apply_offload_policy(self.offload_policy, bytes_per_layer, free_device_bytes, reserve_bytes)
-        if layers:  # pin the whole pool now: a shortage is an error before step 1, not mid-run
-            ck.pool.allocate(bytes_per_layer, len(layers))
-        stash = self.attention.stash
-        if stash is not None and self.keep_attention_outputs == "auto" and stash_bytes_per_layer > 0:
-            # device-resident inputs: the kept ones not offloaded, plus one block's rebuilt inputs
-            resident = (len(ck.saved_layers) - len(layers) + ck.every - 1) * bytes_per_layer
-            room = free_device_bytes - reserve_bytes - resident
-            stash.set_layers(range(max(0, min(ck.num_layers, room // stash_bytes_per_layer))))
-        return layers
+
+
+def apply(model: SequenceParallelCausalLM, plan) -> None:
+    """Set the levers parallelize installed: the thinning, the offloaded layer inputs (their pinned pool is
+    allocated now when the plan gives the bytes, so a shortage is an error before step 1, not mid-run) and
+    the layers keeping their attention outputs. `plan`: a resolved Plan (plan/resolve.py) or Levers."""
+    ck, stash = model.checkpointer, model.attention.stash
+    tiles = getattr(plan, "tiles", None)
+    if tiles is not None and tiles != model.tiles:
+        raise ValueError(f"the plan has {tiles} MLP tiles but parallelize installed {model.tiles}; tiles are "
+                         f"installed with the model: pass tiled_mlp={tiles} to ParallelizeConfig")
+    offload, kept = tuple(plan.offload_layers), tuple(plan.kept_attention_layers)
+    if ck is None:
+        if offload or kept or plan.checkpoint_every != 1:
+            raise ValueError("activation offload, checkpoint_every > 1 and kept attention outputs need "
+                             "gradient_checkpointing=True")
+        return
+    ck.configure(plan.checkpoint_every, offload)
+    if offload and plan.checkpoint_bytes_per_layer > 0:
+        ck.pool.allocate(plan.checkpoint_bytes_per_layer, len(offload))
+    if stash is None:
+        if kept:
+            raise ValueError("kept attention outputs need keep_attention_outputs other than False at parallelize")
+        return
+    stash.set_layers(kept)
 
 
 def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) -> SequenceParallelCausalLM:
@@ -149,37 +155,49 @@ def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) 
     if tiles > 1:
         for layer in layers:
             layer.mlp = TiledMLP(layer.mlp, tiles)
-    # 5. checkpointing + offload (offload layers are decided now unless the policy is "auto")
+    # 5. checkpointing (+ offload, set below or by apply)
     checkpointer = None
     if cfg.gradient_checkpointing:
         pool = HostPool(host_memory_gb=cfg.host_memory_gb, ranks_per_host=cfg.ranks_per_host)
-        checkpointer = LayerCheckpointer(len(layers), [], pool, cfg.checkpoint_every)
-        if cfg.activation_offload != "auto":  # "auto" waits for the free device memory (configure_offload)
-            checkpointer.apply_offload_policy(cfg.activation_offload)
+        checkpointer = LayerCheckpointer(len(layers), [], pool)
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = True  # HF decoder layers call _gradient_checkpointing_func
             layer._gradient_checkpointing_func = checkpointer.for_layer(i)
         if tiles > 1:  # the recompute needs the tiled MLP's graph, not its output (TiledMLP.unused_output)
             checkpointer.recompute_context = lambda i: layers[i].mlp.unused_output()
-    elif cfg.activation_offload not in (False, 0, "auto") or cfg.checkpoint_every != 1:
-        raise ValueError("activation_offload and checkpoint_every need gradient_checkpointing=True")
-    # 6. kept attention outputs (only a recompute can reuse them)
+    # 6. the stash for kept attention outputs (only a recompute can reuse them)
     keep = cfg.keep_attention_outputs
-    if keep == "auto" and not cfg.gradient_checkpointing:
-        keep = False  # nothing is recomputed
-    if keep is not False and keep != 0:
-        if not cfg.gradient_checkpointing:
-            raise ConfigError("keep_attention_outputs needs gradient_checkpointing=True (only a recompute reuses them)")
-        attention.stash = AttentionStash(kept_attention_layers(keep, len(layers)) if keep != "auto" else ())
+    if keep not in (False, 0) and cfg.gradient_checkpointing:
+        attention.stash = AttentionStash()
     model.train()
-    return SequenceParallelCausalLM(model, state, attention, checkpointer, cfg.activation_offload,
-                                    cfg.host_memory_gb, keep)
+    sp_model = SequenceParallelCausalLM(model, state, attention, checkpointer, tiles)
+    apply(sp_model, levers_of(cfg, len(layers)))
+    return sp_model
 
 
-def kept_attention_layers(policy: bool | int, num_layers: int) -> list[int]:
-    """True: every layer; n: the first n (any n layers hold the same memory at the backward's start)."""
-    if policy is True:
-        return list(range(num_layers))
-    if isinstance(policy, bool) or not isinstance(policy, int) or not 0 <= policy <= num_layers:
-        raise ConfigError(f"keep_attention_outputs={policy!r}: give false, true, auto or a layer count 0..{num_layers}")
-    return list(range(policy))
+def levers_of(cfg: ParallelizeConfig, num_layers: int) -> Levers:
+    """The fixed levers of a ParallelizeConfig (`auto` ones unset: left to apply(plan)). ValueError/TypeError
+    for values that cannot run."""
+    every = 1 if cfg.checkpoint_every == "auto" else cfg.checkpoint_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise TypeError(f"checkpoint_every must be an int >= 1 or 'auto', got {cfg.checkpoint_every!r}")
+    saved = list(range(0, num_layers, every))
+    off, keep = cfg.activation_offload, cfg.keep_attention_outputs
+    if not cfg.gradient_checkpointing:
+        for name, v, off_value in (("activation_offload", off, (False, 0, "auto")), ("checkpoint_every", every, (1,)),
+                                   ("keep_attention_outputs", keep, (False, 0, "auto"))):
+            if v not in off_value:
+                raise ValueError(f"{name} needs gradient_checkpointing=True (it acts on the recompute), got {v!r}")
+    return Levers(checkpoint_every=every, offload_layers=tuple(saved[:_count(off, "activation_offload", len(saved))]),
+                  kept_attention_layers=tuple(range(_count(keep, "keep_attention_outputs", num_layers))))
+
+
+def _count(value: bool | int | str, name: str, most: int) -> int:
+    """False / "auto" -> 0, True -> most, n -> n (0..most)."""
+    if value is True:
+        return most
+    if value is False or value == "auto":
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+        raise ValueError(f"{name}={value!r}: give false, true, auto or a layer count 0..{most}")
+    return value

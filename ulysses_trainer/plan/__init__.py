@@ -1,1 +1,1 @@
-"""Memory planner: predict peaks before launch, choose the cheapest settings that fit."""
+"""The plan: every setting of a run decided once (resolve), from the memory model and the step-time model."""

@@ -1,4 +1,4 @@
-"""`ulysses-trainer plan`: predict a run's memory and choose the cheapest settings that fit.
+"""`ulysses-trainer plan`: the plan the trainer would run (plan/resolve.py), its memory and step time.
 
     ulysses-trainer plan --config RECIPE.yaml --gpus 8 --gpu_memory_gb 80 [--host_memory_gb 1000] [--json]
     ulysses-trainer plan --model qwen3-8b --max_length 1048576 --gpus 8 --gpu_memory_gb 80 \
@@ -7,7 +7,9 @@
 
 Any other `--name value` is a training-config override (as for launch/train.py), e.g.
 `--tiled_mlp 8 --activation_offload 4 --loss_type nll --per_device_train_batch_size 2`. Levers left at
-`auto` are chosen by the search; fixed ones are planned as given. Memory is in GiB (2**30 bytes).
+`auto` are chosen by the search (the fastest predicted step that fits); fixed ones are planned as given.
+Memory is in GiB (2**30 bytes). Exit 0: it fits; 1: it does not (the binding limit and the missing GiB
+are named); 2: invalid input.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 from typing import Any
 
-from ..errors import EXIT_INVALID, EXIT_OK, ConfigError
-from .memory import GIB, MemoryEstimate, ModelShape, Settings, Zero3Knobs, kept_attention_bytes_per_layer, local_tokens
-from .search import Choice, Hardware, choose_settings, largest_max_length
+from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
+from .memory import GIB, MemoryEstimate, ModelShape, Settings, local_tokens
+from .resolve import Machine, Plan, plan_for, read_zero
+from .search import Choice, Hardware, largest_max_length
 
 _OWN = {"config", "model", "gpus", "gpu_memory_gb", "host_memory_gb", "sp", "gpus_per_host", "json",
         "offload_optimizer", "results_dir", "help"}
@@ -34,12 +38,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus", type=int, help="GPUs in all (default: the recipe's sp_size, else 1)")
     ap.add_argument("--gpu_memory_gb", type=float, help="memory per GPU, GiB (default: this machine's GPU)")
     ap.add_argument("--host_memory_gb", type=float,
-                    help="host RAM per host, GiB (default: the recipe's host_memory_gb, else detected)")
+                    help="host RAM per host, GiB (default: the recipe's host_memory_gb; detected when planning "
+                         "for this machine; for another machine 2 x GPU memory per GPU is assumed, and said)")
     ap.add_argument("--gpus_per_host", type=int, help="GPUs sharing one host's RAM (default: all)")
     ap.add_argument("--sp", type=int, help="sequence-parallel degree (= sp_size; default: --gpus)")
     ap.add_argument("--offload_optimizer", choices=["auto", "true", "false"], default=None,
-                    help="ZeRO-Offload of the optimizer states (default: the ZeRO JSON's setting when the "
-                         "recipe names one, else auto = only if nothing fits without it)")
+                    help="= optimizer_offload: Adam on the host (ZeRO-Offload); an offload_optimizer section "
+                         "in the ZeRO JSON wins; auto = where it makes the step faster")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return ap
 
@@ -60,60 +65,43 @@ def _split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return ours, rest
 
 
-def _ds_settings(ds_path: Any) -> tuple[bool, Zero3Knobs]:
-    """(optimizer offloaded?, bucket sizes) from the run's ZeRO JSON; only stage 3 is planned."""
-    from ..ds_config import load_ds_config
-
-    ds = load_ds_config(ds_path)
-    zero = ds.get("zero_optimization", {}) or {}
-    stage = zero.get("stage", 0)
-    if stage != 3:
-        raise ConfigError(f"the ZeRO config {ds_path} has stage {stage}; the planner (and the trainer) use "
-                          f"stage 3: set zero_optimization.stage 3")
-    off = zero.get("offload_optimizer")
-    offload = isinstance(off, dict) and off.get("device", "none") not in ("none", None)
-
-    def num(key: str) -> int | None:
-        v = zero.get(key, "auto")
-        return None if v == "auto" else int(float(v))
-
-    sub = num("sub_group_size")
-    knobs = Zero3Knobs(reduce_bucket_size=num("reduce_bucket_size"),
-                       prefetch_bucket_size=num("stage3_prefetch_bucket_size"),
-                       param_persistence_threshold=num("stage3_param_persistence_threshold"),
-                       sub_group_size=sub if sub is not None else 1_000_000_000)
-    return offload, knobs
-
-
-def _default_gpu_memory_gb() -> float:
+def _local_gpus() -> tuple[int, float | None, str | None, tuple[str, ...]]:
+    """(GPUs here, memory of one in GiB, its name, installed attention kernels); (0, None, None, ("sdpa",))
+    without CUDA."""
     import torch
 
     if not torch.cuda.is_available():
-        raise ConfigError("no CUDA device here to read the GPU memory from: pass --gpu_memory_gb "
-                          "(per-GPU memory in GiB, e.g. 80 for an 80 GB H100, 139 for an H200)")
-    return torch.cuda.get_device_properties(0).total_memory / GIB
+        return 0, None, None, ("sdpa",)
+    from ..attention.kernels import available_kernels
+
+    props = torch.cuda.get_device_properties(0)
+    return torch.cuda.device_count(), props.total_memory / GIB, props.name, tuple(available_kernels())
 
 
-def _lever(value: Any, name: str, layers: int) -> int | None:
-    """A recipe lever -> fixed int, or None for auto."""
-    if value == "auto":
-        return None
-    if value is False:
-        return 0 if name == "activation_offload" else 1
-    if value is True:
-        return layers if name == "activation_offload" else -1  # -1: the trainer's own tile count
-    return int(value)
+def _host_memory(args: argparse.Namespace, cfg: Any, gpus: int, gpu_gb: float, here: bool) -> tuple[float, str]:
+    """(host RAM per host in GiB, where it comes from). Detected only when planning for this machine; for
+    another machine (--gpus or --gpu_memory_gb other than this one's) an assumption that the plan states."""
+    if args.host_memory_gb is not None:
+        return args.host_memory_gb, "--host_memory_gb"
+    if cfg.host_memory_gb is not None:
+        return cfg.host_memory_gb, "host_memory_gb"
+    if here:
+        from ..levers.host_pool import detect_host_memory_gb
+
+        return detect_host_memory_gb(), "detected on this machine"
+    per_host = args.gpus_per_host or gpus
+    return ASSUMED_HOST_PER_GPU * gpu_gb * per_host, (
+        f"ASSUMED: {ASSUMED_HOST_PER_GPU:g} x GPU memory per GPU of a host, as typical GPU servers have; pass "
+        f"--host_memory_gb for the real figure")
 
 
-def _kept_layers(value: Any, layers: int) -> int:
-    if value is True:
-        return layers
-    return 0 if value in (False, "auto") else int(value)
+ASSUMED_HOST_PER_GPU = 2.0  # host RAM per GiB of GPU memory assumed for a machine that is not this one
 
 
-def build_plan_inputs(argv: list[str]) -> tuple[ModelShape, Settings, Hardware, dict[str, Any], str]:
-    """Parse the command line into (shape, base settings, hardware, fixed levers, model name)."""
+def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argparse.Namespace]:
+    """Parse the command line into (training config, HF model config, ZeRO JSON, machine, our flags)."""
     from ..config import build_config, parse_argv, read_recipe, validate_config
+    from ..ds_config import load_ds_config
     from ..model.load import model_config_for
 
     ours, rest = _split_argv(argv)
@@ -124,47 +112,30 @@ def build_plan_inputs(argv: list[str]) -> tuple[ModelShape, Settings, Hardware, 
         overrides["model_name_or_path"] = args.model
     if args.sp is not None:
         overrides["sp_size"] = args.sp
+    if args.offload_optimizer is not None:
+        overrides["optimizer_offload"] = {"auto": "auto", "true": True, "false": False}[args.offload_optimizer]
     if not args.config and "max_length" not in overrides:
         raise ConfigError("pass --max_length N (tokens per sequence) or a recipe with --config")
     cfg = build_config(recipe, overrides, recipe_name=f"recipe {args.config}" if args.config else "recipe")
+    local, local_gb, local_name, local_kernels = _local_gpus()
     gpus = args.gpus if args.gpus is not None else (cfg.sp_size or 1)
     if gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {gpus}")
     validate_config(cfg, gpus)
-    sp = cfg.sp_size or gpus
-    config = model_config_for(cfg)
-    shape = ModelShape.from_config(config)
-    offload_opt, knobs = _ds_settings(cfg.deepspeed)
-    if "deepspeed" not in recipe and "deepspeed" not in overrides:
-        offload_opt = None  # no ZeRO JSON chosen: the planner may pick ds_configs/zero3_offload.json
-    if args.offload_optimizer is not None:
-        offload_opt = None if args.offload_optimizer == "auto" else args.offload_optimizer == "true"
-    host = args.host_memory_gb or cfg.host_memory_gb
-    if host is None:
-        from ..levers.host_pool import detect_host_memory_gb
-
-        host = detect_host_memory_gb()
-    hw = Hardware(gpus=gpus, gpu_memory_gb=args.gpu_memory_gb or _default_gpu_memory_gb(), host_memory_gb=host,
-                  gpus_per_host=args.gpus_per_host)
-    hw.check()
-    base = Settings(max_length=cfg.max_length, sp=sp, dp=gpus // sp, micro_batch=cfg.per_device_train_batch_size,
-                    bf16=cfg.bf16 is not False, gradient_checkpointing=cfg.gradient_checkpointing,
-                    loss_type=cfg.loss_type, loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm,
-                    # "auto" keeps what fits once the run knows its free memory: planned as none
-                    kept_attention_layers=_kept_layers(cfg.keep_attention_outputs, shape.layers),
-                    attention="sdpa" if cfg.attn_implementation == "auto" else cfg.attn_implementation,
-                    pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=knobs, gpus_per_host=hw.gpus_per_host)
-    tiles = _lever(cfg.tiled_mlp, "tiled_mlp", shape.layers)
-    if tiles == -1:
-        from ..levers.tiled_mlp import auto_num_tiles
-
-        tiles = auto_num_tiles(local_tokens(base), shape.hidden, shape.intermediate)
-    fixed = {"offload_layers": _lever(cfg.activation_offload, "activation_offload", shape.layers),
-             "tiles": tiles, "offload_optimizer": offload_opt,
-             # left unset (recipe and command line), the search may thin the checkpoints when nothing else fits
-             "every": cfg.checkpoint_every if "checkpoint_every" in recipe or "checkpoint_every" in overrides
-             else None}
-    return shape, base, hw, fixed, cfg.model_name_or_path
+    gpu_gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else local_gb
+    if gpu_gb is None:
+        raise ConfigError("no CUDA device here to read the GPU memory from: pass --gpu_memory_gb "
+                          "(per-GPU memory in GiB, e.g. 79.2 for an 80 GB H100, 139.8 for an H200)")
+    here = local_gb is not None and (args.gpus is None or args.gpus <= local) and \
+        (args.gpu_memory_gb is None or abs(args.gpu_memory_gb - local_gb) < 0.5)
+    host, source = _host_memory(args, cfg, gpus, gpu_gb, here)
+    model_config = model_config_for(cfg)
+    ds = load_ds_config(cfg.deepspeed)
+    machine = Machine(gpus=gpus, gpu_memory_gb=gpu_gb, host_memory_gb=host, gpus_per_host=args.gpus_per_host,
+                      kernels=local_kernels if here else ("sdpa", "flash_attention_4", "flash_attention_2"),
+                      kernels_known=here, gpu_name=local_name if here else None,
+                      host_memory_source=source)
+    return cfg, model_config, ds, machine, args
 
 
 def _gb(b: int) -> str:
@@ -195,60 +166,68 @@ def _settings_summary(s: Settings) -> dict[str, Any]:
 
 
 def run_plan(argv: list[str]) -> int:
-    shape, base, hw, fixed, model = build_plan_inputs(argv)
-    choice = choose_settings(shape, base, hw, **fixed)
-    longest, best = largest_max_length(shape, base, hw, **fixed)
-    if "--json" in argv:
-        out = {"model": model, "hardware": hw.__dict__, "fits": choice.fits,
-               "chosen": _settings_summary(choice.settings), "estimate": choice.estimate.to_dict(),
-               "largest_max_length": longest,
+    """`ulysses-trainer plan`: the plan the trainer would run (the same resolve_plan), then the longest
+    max_length that fits. Exit 0 when it fits, 1 when it does not (the binding limit is named)."""
+    cfg, model_config, ds, machine, args = build_plan_inputs(argv)
+    plan = plan_for(cfg, model_config, ds, machine)  # the trainer's own call (train/prepare.py)
+    shape, zero = ModelShape.from_config(model_config), read_zero(ds, str(cfg.deepspeed))
+    hw = Hardware(machine.gpus, machine.gpu_memory_gb, machine.host_memory_gb, machine.gpus_per_host)
+    base = replace(plan.settings, max_length=cfg.max_length, activation_offload=0, kept_attention_layers=0)
+    fixed_opt = None if cfg.optimizer_offload == "auto" and zero.offload_optimizer is None else plan.optimizer_offload
+    longest, best = largest_max_length(shape, base, hw, offload_optimizer=fixed_opt)
+    if args.json:
+        out = {"model": plan.model, "hardware": {**machine.__dict__, "kernels": list(machine.kernels)},
+               "fits": plan.fits, "plan": plan.to_dict(), "chosen": _settings_summary(plan.settings),
+               "estimate": plan.estimate.to_dict(), "largest_max_length": longest,
                "largest_settings": _settings_summary(best.settings) if best else None}
         print(json.dumps(out, indent=1))
-        return EXIT_OK
-    print(_report(model, hw, choice, longest, best))
+    else:
+        print(_report(plan, machine, longest, best))
+    if not plan.fits:
+        print(f"error: does not fit: {_shortage(plan)}", file=sys.stderr)
+        return EXIT_FAILURE
     return EXIT_OK
 
 
-def _report(model: str, hw: Hardware, choice: Choice, longest: int, best: Choice | None) -> str:
-    s, e = choice.settings, choice.estimate
-    head = (f"{model}, max_length {s.max_length:,}, {hw.gpus} GPU(s) x {hw.gpu_memory_gb:g} GiB, "
-            f"host {hw.host_memory_gb:g} GiB, sp {s.sp} x dp {s.dp}, {local_tokens(s):,} tokens per GPU")
-    verdict = "fits" if choice.fits else "DOES NOT FIT (the settings that come closest are shown)"
-    chosen = _settings_summary(s)
-    lines = [head, "", format_estimate(e), "",
-             f"{verdict}: " + ", ".join(f"{k} {v}" for k, v in chosen.items() if k != "max_length")]
-    if choice.fits:
-        lines.append("recipe lines: " + "; ".join([f"activation_offload: {s.activation_offload}",
-                                                   f"tiled_mlp: {s.tiled_mlp if s.tiled_mlp > 1 else 'false'}"]
-                                                  + ([f"checkpoint_every: {s.checkpoint_every}"]
-                                                     if s.checkpoint_every > 1 else [])
-                                                  + (["deepspeed: ds_configs/zero3_offload.json"]
-                                                     if s.offload_optimizer else [])))
+def _shortage(plan: Plan) -> str:
+    return (f"{plan.shortage()}; binding limit: {plan.binding_limit} (the closest settings are shown); add GPUs "
+            f"(sp), shorten max_length or give the run more memory")
+
+
+def _report(plan: Plan, machine: Machine, longest: int, best: Choice | None) -> str:
+    s, e = plan.settings, plan.estimate
+    head = (f"{plan.model}, max_length {plan.max_length:,}, {machine.gpus} GPU(s) x {machine.gpu_memory_gb:g} GiB, "
+            f"host {machine.host_memory_gb:g} GiB per host ({machine.host_memory_source}), sp {plan.sp} x dp "
+            f"{plan.dp}, {local_tokens(s):,} tokens per GPU")
+    lines = [head, "", format_estimate(e), ""]
+    if plan.fits:
+        lines.append("fits: " + plan.summary())
+    else:
+        lines.append(f"DOES NOT FIT: {_shortage(plan)}")
+        lines.append("closest: " + plan.summary())
+    if plan.step_parts:
+        lines.append("predicted step: " + ", ".join(f"{k} {v:.1f} s" for k, v in plan.step_parts))
+    if plan.decided:
+        lines.append("auto chose: " + ", ".join(plan.decided))
+    lines.extend(f"note: {n}" for n in plan.notes)
+    if plan.fits:
+        lines.append("recipe lines: " + "; ".join(
+            [f"activation_offload: {len(plan.offload_layers)}",
+             f"keep_attention_outputs: {len(plan.kept_attention_layers)}",
+             f"tiled_mlp: {plan.tiles if plan.tiles > 1 else 'false'}", f"checkpoint_every: {plan.checkpoint_every}",
+             f"optimizer_offload: {str(plan.optimizer_offload).lower()}"]))
     if s.checkpoint_every > 1:
         lines.append(_rebuild_cost(s.checkpoint_every))
-    if choice.fits and s.gradient_checkpointing and s.kept_attention_layers == 0:
-        lines.extend(_kept_outputs_room(e, hw))
     if best is not None:
         b = best.settings
         lines.append(f"largest max_length that fits: {longest:,} (activation_offload {b.activation_offload}, "
                      f"tiled_mlp {b.tiled_mlp}, offload_optimizer {b.offload_optimizer}, "
-                     f"checkpoint_every {b.checkpoint_every}; "
+                     f"checkpoint_every {b.checkpoint_every}, no attention outputs kept; "
                      f"searched in multiples of {1024 * b.sp:,})")
     else:
         lines.append("largest max_length that fits: none (not even 1024 x sp tokens)")
+    lines.append("memory in GiB (2**30 bytes)")
     return "\n".join(lines)
-
-
-def _kept_outputs_room(e: MemoryEstimate, hw: Hardware) -> list[str]:
-    """How many layers `keep_attention_outputs: auto` could keep in what the plan leaves free."""
-    per = kept_attention_bytes_per_layer(e.shape, e.settings) * (1 + e.settings.allocator_slack)
-    room = hw.gpu_memory_gb * GIB - e.gpu_required
-    n = int(min(e.shape.layers, max(0, room) // per))
-    if n == 0:
-        return []
-    return [f"keep_attention_outputs: auto would keep about {n} of {e.shape.layers} layers' attention outputs "
-            f"in the {room / GIB:.1f} GiB left ({per / GIB:.2f} GiB each; their recompute skips the attention "
-            "forward)"]
 
 
 def _rebuild_cost(every: int) -> str:

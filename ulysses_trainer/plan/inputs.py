@@ -231,3 +231,32 @@ def pinned_bytes(nbytes: int, rounding: str) -> int:
     if nbytes <= 0:
         return 0
     return nbytes if rounding == "exact" else 1 << (nbytes - 1).bit_length()
+
+# --------------------------------------------------------------------------------------------
+# MLP tiles (levers/tiled_mlp.py runs them; the counts are shape rules, decided here without torch)
+
+# A gated MLP keeps about this many [rows, intermediate] tensors alive per tile (gate, up, act, product).
+_INTERMEDIATES_PER_ROW = 4
+
+
+def auto_num_tiles(seq_len: int, hidden_size: int, intermediate_size: int) -> int:
+    """Tiles such that one tile's intermediates are about the size of the MLP input.
+
+    One tile of r rows keeps ~4 * r * intermediate values; the input holds seq_len * hidden. Setting
+    them equal gives tiles = 4 * intermediate / hidden (16 for Qwen3-4B): the MLP then no longer
+    dominates the layer, and more tiles would only shrink it further below the other [seq, hidden]
+    tensors while making each matmul smaller. Capped at seq_len so that no tile is empty. A pure
+    function of the shapes, so every rank gets the same count for the same shapes.
+    """
+    if seq_len < 1 or hidden_size < 1 or intermediate_size < 1:
+        raise ValueError(f"shapes must be >= 1, got seq_len={seq_len}, hidden_size={hidden_size}, "
+                         f"intermediate_size={intermediate_size}")
+    tiles = math.ceil(_INTERMEDIATES_PER_ROW * intermediate_size / hidden_size)
+    return max(1, min(tiles, seq_len))
+
+
+def default_mlp_tiles(local_tokens: int, intermediate_size: int) -> int:
+    """`tiled_mlp: auto`: tile once the MLP's four intermediate-width bf16 tensors would pass 1 GiB, and then
+    keep each tile's near 1 GiB (bigger tiles run faster matmuls; smaller ones save nothing that matters)."""
+    return max(1, math.ceil(local_tokens * intermediate_size * _INTERMEDIATES_PER_ROW * 2 / 2**30))
+

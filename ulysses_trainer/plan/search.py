@@ -1,4 +1,5 @@
-"""Choose the cheapest settings that fit the hardware, and the longest sequence that fits at all.
+"""The longest sequence that fits at all, by a memory-only search (`plan` prints it next to the plan).
+The run's own settings are decided by plan/resolve.py: the fastest predicted step that fits.
 
 Cost order (cheapest first): nothing < GPU-resident levers (MLP tiles: recompute, no transfers) <
 offload (checkpoint copies over PCIe, then optimizer states on the host) < fewer checkpoints

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..attention.kernels import resolve_kernel
+from ..attention.kernels import available_kernels
 from ..config import TrainConfig, resolve_bf16, validate_config
 from ..data.documents import build_sequences
 from ..data.tokenizer import check_tokenizer_fits, load_tokenizer
@@ -21,7 +21,9 @@ from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
 from ..errors import ConfigError
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
 from ..parallel.sharding import padded_length
-from ..parallel.state import check_sp_shape
+from ..parallel.state import check_sp_shape, ranks_per_node
+from ..plan.inputs import ModelShape
+from ..plan.resolve import Machine, Plan, ZeroSettings, plan_for, read_zero
 from .checkpoint import check_checkpoint_model, check_output_dir, find_checkpoint
 
 
@@ -47,23 +49,43 @@ class RunPlan:
     resume_path: str | None = None  # the checkpoint-<step> directory to resume from
     epoch_steps: int | None = None  # optimizer steps in one pass over the data (None: steps_per_epoch)
     clear_output_dir: bool = False  # overwrite_output_dir over a previous run: rank 0 clears it first
+    # every lever decided (plan/resolve.py) from the total GPU memory; the trainer resolves again with the
+    # free memory it measures once the engine is built (same function, same inputs otherwise)
+    resolved: Plan | None = None
+    machine: Machine | None = None
+    zero: ZeroSettings | None = None
+    shape: ModelShape | None = None
 
 
 def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check_layer_counts(cfg: TrainConfig, layers: int) -> None:
-    keep = cfg.keep_attention_outputs
-    if not isinstance(keep, bool) and isinstance(keep, int) and keep > layers:
-        raise ConfigError(f"keep_attention_outputs={keep} exceeds the model's {layers} layers; "
-                          f"give 0..{layers}, true (all of them) or auto")
+def _launched() -> bool:
+    """Started by a launcher that says how many ranks share this node (deepspeed: LOCAL_SIZE)."""
+    return bool(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE"))
+
+
+def measure_machine(cfg: TrainConfig, world_size: int, device: str) -> Machine:
+    """This machine as the plan sees it: GPU memory (total; the free memory is measured after the engine
+    is built), host RAM (host_memory_gb, else detected), ranks per host, the installed attention kernels."""
+    from ..levers.host_pool import detect_host_memory_gb
+
+    gpu_gb = gpu_name = None
+    if device == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        gpu_gb = torch.cuda.get_device_properties(index).total_memory / 2**30
+        gpu_name = torch.cuda.get_device_name(index)
+    host = cfg.host_memory_gb if cfg.host_memory_gb is not None else detect_host_memory_gb()
+    return Machine(gpus=world_size, gpu_memory_gb=gpu_gb, host_memory_gb=host,
+                   gpus_per_host=ranks_per_node() if _launched() else world_size,
+                   kernels=tuple(available_kernels()), gpu_name=gpu_name,
+                   host_memory_source="host_memory_gb" if cfg.host_memory_gb is not None else
+                   "detected on this machine")
 
 
 def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
     validate_config(cfg, world_size)
-    sp = world_size if cfg.sp_size is None else cfg.sp_size
-    dp = world_size // sp
     device = _device()
     bf16 = resolve_bf16(cfg, device == "cuda")
     ds_raw = load_ds_config(cfg.deepspeed)
@@ -73,9 +95,13 @@ def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
     if resume_path:
         check_checkpoint_model(resume_path, model_config)
     check_local_weights(cfg.model_name_or_path)
-    check_sp_shape(sp, world_size, model_config.num_attention_heads, model_config.num_key_value_heads)
-    _check_layer_counts(cfg, model_config.num_hidden_layers)
-    kernel = resolve_kernel(cfg.attn_implementation)
+    check_sp_shape(cfg.sp_size or world_size, world_size, model_config.num_attention_heads,
+                   model_config.num_key_value_heads)
+    shape = ModelShape.from_config(model_config)
+    machine = measure_machine(cfg, world_size, device)
+    zero = read_zero(ds_raw, str(cfg.deepspeed))
+    resolved = plan_for(cfg, model_config, ds_raw, machine, bf16=bf16)  # every lever checked and decided here
+    kernel, sp, dp = resolved.kernel, resolved.sp, resolved.dp
     tokenizer = load_tokenizer(checkpoint_source(cfg.model_name_or_path))
     check_tokenizer_fits(tokenizer, model_config)
     per_step = dp * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
@@ -102,17 +128,18 @@ def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
     epoch_steps = max(steps_per_epoch, int(getattr(train, "epoch_sequences", len(train)) // per_step))
     total = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(cfg.num_train_epochs * steps_per_epoch))
     # torch's fused AdamW on the GPU (no JIT build); DeepSpeed's CPU Adam only where states live on the host
-    offloaded = (ds_raw.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
     ds, opt = fill_ds_config(ds_raw, cfg, world_size, dp, device == "cuda", total_steps=total,
                              hidden_size=model_config.hidden_size, source=str(cfg.deepspeed),
-                             use_deepspeed_optimizer=None if offloaded else False)
+                             use_deepspeed_optimizer=None if resolved.optimizer_offload else False,
+                             optimizer_offload=resolved.optimizer_offload)
     return RunPlan(cfg=cfg, world_size=world_size, sp_size=sp, dp_size=dp, device=device, bf16=bf16,
                    kernel=kernel, model_config=model_config, tokenizer=tokenizer, train_data=train,
                    eval_data=eval_data, ds_config=ds, optimizer=opt, steps_per_epoch=steps_per_epoch,
                    epoch_steps=epoch_steps,
                    total_steps=total, sequences_per_step=per_step,
                    padded_length=padded_length(cfg.max_length, sp, cfg.pad_to_multiple_of),
-                   resume_path=resume_path, clear_output_dir=clear_output_dir)
+                   resume_path=resume_path, clear_output_dir=clear_output_dir, resolved=resolved, machine=machine,
+                   zero=zero, shape=shape)
 
 
 def world_size_from_env() -> int:

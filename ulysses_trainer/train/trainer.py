@@ -8,21 +8,22 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import deepspeed
 import torch
 from tqdm import tqdm
 from transformers import get_scheduler
 
-from ..attention.stash import bytes_per_layer as stash_bytes_per_layer
 from ..config import config_to_dict
 from ..errors import ConfigError
 from ..model.load import build_model, checkpoint_source
-from ..model.parallelize import ParallelizeConfig, SequenceParallelCausalLM, layer_working_set_bytes, parallelize
+from ..model.parallelize import ParallelizeConfig, SequenceParallelCausalLM, apply, parallelize
 from ..parallel.comm import all_reduce
 from ..parallel.loss import global_loss, loss_for_backward, step_token_count
 from ..parallel.sharding import Shard, shard_batch
-from ..parallel.state import ParallelState, make_parallel_state, ranks_per_node
+from ..parallel.state import ParallelState, make_parallel_state
+from ..plan.resolve import Plan, resolve_plan
 from . import checkpoint as ckpt
 from .logging import MetricsFile, log_line
 from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, train_flops_per_sequence
@@ -81,18 +82,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _build_model(self) -> SequenceParallelCausalLM:
-        plan, cfg = self.plan, self.cfg
+        """The model with every mechanism installed; which layers offload or keep outputs is set by apply."""
+        plan, cfg, first = self.plan, self.cfg, self.plan.resolved
         dtype = torch.bfloat16 if plan.bf16 else torch.float32
         with torch.device(self.device):
             model = build_model(plan.model_config, dtype, checkpoint_source(cfg.model_name_or_path), seed=cfg.seed)
-        pcfg = ParallelizeConfig(attn_implementation=plan.kernel, loss_type=cfg.loss_type,
-                                 loss_chunk_size=cfg.loss_chunk_size, tiled_mlp=cfg.tiled_mlp, lean_norm=cfg.lean_norm,
-                                 gradient_checkpointing=cfg.gradient_checkpointing,
-                                 checkpoint_every=cfg.checkpoint_every,
-                                 activation_offload=cfg.activation_offload, host_memory_gb=cfg.host_memory_gb,
-                                 keep_attention_outputs=cfg.keep_attention_outputs,
+        pcfg = ParallelizeConfig(attn_implementation=first.kernel, loss_type=first.loss_type,
+                                 loss_chunk_size=first.loss_chunk_size, tiled_mlp=first.tiles,
+                                 lean_norm=first.lean_norm, gradient_checkpointing=first.gradient_checkpointing,
+                                 checkpoint_every=first.checkpoint_every, activation_offload="auto",
+                                 keep_attention_outputs="auto" if first.gradient_checkpointing else False,
+                                 host_memory_gb=cfg.host_memory_gb,  # None: the pool detects, with a margin
                                  local_seq_len=plan.padded_length // plan.sp_size,
-                                 ranks_per_host=ranks_per_node())
+                                 ranks_per_host=plan.machine.ranks_per_host)
         return parallelize(model, self.state, pcfg)
 
     def _build_engine(self):
@@ -104,40 +106,56 @@ class Trainer:
 
         engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=plan.ds_config,
                                                lr_scheduler=schedule)
-        if self.model.checkpointer is not None and plan.device == "cuda":
-            self._plan_offload()
-        self._report_checkpoints()
+        self.resolved = self._resolve_after_engine()
+        apply(self.model, self.resolved)
+        self._report_plan()
         return engine
 
-    def _checkpoint_geometry(self) -> tuple[int, int, int]:
-        """(tokens per rank per micro-step, bytes per element, bytes of one layer's checkpointed input)."""
+    def _resolve_after_engine(self) -> Plan:
+        """The plan again (the same function as `ulysses-trainer plan`), now with the free GPU memory the engine
+        left: it differs from the first one only when the GPU holds less than the memory model expected."""
         plan = self.plan
-        bpe = 2 if plan.bf16 else 4
-        local = plan.padded_length // plan.sp_size * self.cfg.per_device_train_batch_size
-        return local, bpe, local * plan.model_config.hidden_size * bpe
+        if plan.device != "cuda":
+            return plan.resolved
+        torch.cuda.empty_cache()  # blocks torch cached during initialize are free for the run
+        free, _ = torch.cuda.mem_get_info(self.device)
+        machine = replace(plan.machine, gpu_free_after_engine_gb=free / 2**30)
+        return resolve_plan(self.cfg, plan.shape, machine, plan.zero, bf16=plan.bf16, engine_plan=plan.resolved)
 
-    def _report_checkpoints(self) -> None:
-        ck = self.model.checkpointer
-        if ck is None or not self.state.is_main:
+    def _report_plan(self) -> None:
+        r = self.resolved
+        if not self.state.is_main:
             return
-        per_layer = self._checkpoint_geometry()[2]
-        kept = f"1 in {ck.every} layers keeps its input" if ck.every > 1 else "every layer keeps its input"
-        print(f"[ulysses_trainer] checkpoints: {kept} ({len(ck.saved_layers)}/{ck.num_layers}), "
-              f"{len(ck.offload_layers)} in pinned host memory ({per_layer * len(ck.offload_layers) / 2**30:.2f} GiB)",
-              flush=True)
-        stash = self.model.attention.stash
-        if stash is not None and (stash.layers or self.plan.device == "cuda"):  # auto keeps none on CPU
-            print(f"[ulysses_trainer] attention outputs kept for the recompute: {len(stash.layers)}/{ck.num_layers} "
+        print(f"[ulysses_trainer] plan: {r.summary()}", flush=True)
+        if r.decided:
+            print(f"[ulysses_trainer] auto chose: {', '.join(r.decided)}", flush=True)
+        for note in r.notes:
+            print(f"[ulysses_trainer] plan note: {note}", flush=True)
+        if not r.fits:
+            print(f"[ulysses_trainer] warning: the plan does not fit: {r.shortage()} (the memory model errs on "
+                  f"the high side; the run may still fit)", flush=True)
+        if r.gradient_checkpointing:
+            n, saved, off = r.num_layers, len(r.saved_layers), len(r.offload_layers)
+            kept = f"1 in {r.checkpoint_every} layers keeps its input" if r.checkpoint_every > 1 else \
+                "every layer keeps its input"
+            print(f"[ulysses_trainer] checkpoints: {kept} ({saved}/{n}), {off} in pinned host memory "
+                  f"({r.checkpoint_bytes_per_layer * off / 2**30:.2f} GiB)", flush=True)
+            print(f"[ulysses_trainer] attention outputs kept for the recompute: {len(r.kept_attention_layers)}/{n} "
                   "layers", flush=True)
 
-    def _plan_offload(self) -> None:
-        plan = self.plan
-        local, bpe, per_layer = self._checkpoint_geometry()
-        free, _ = torch.cuda.mem_get_info(self.device)
-        # Adam's m and v (fp32, ZeRO-3 sharded) appear only in the first optimizer step: keep room for them
-        n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.model.parameters())
-        reserve = layer_working_set_bytes(plan.model_config, local, bpe) + 8 * n_params // self.state.world_size
-        self.model.configure_offload(per_layer, free, reserve, stash_bytes_per_layer(plan.model_config, local, bpe))
+    def _report_predicted_vs_measured(self, step_times: list[float]) -> None:
+        """End of run: the plan's step time and GPU peak next to what the run measured."""
+        r = self.resolved
+        if not self.state.is_main or r.predicted_step_s is None or not step_times:
+            return
+        steady = step_times[1:] or step_times  # the first step also compiles and autotunes
+        measured = sum(steady) / len(steady)
+        peak = peak_gpu_mem_gb()
+        print(f"[ulysses_trainer] predicted vs measured: step {r.predicted_step_s:.1f} s vs {measured:.1f} s "
+              f"({(measured - r.predicted_step_s) / r.predicted_step_s:+.1%}, mean of {len(steady)} step(s)"
+              f"{' after the first' if len(step_times) > 1 else ''}); peak GPU {r.predicted_peak_gpu_gb:.1f} GiB vs "
+              f"{peak:.1f} GiB allocated ({(peak - r.predicted_peak_gpu_gb) / r.predicted_peak_gpu_gb:+.1%})",
+              flush=True)
 
     # ------------------------------------------------------------------ data
     def _order(self, epoch: int) -> torch.Tensor:
@@ -238,6 +256,7 @@ class Trainer:
         flops_per_step = train_flops_per_sequence(plan.model_config, cfg.max_length) * plan.sequences_per_step
         bar = tqdm(total=plan.total_steps, initial=self.step, disable=not self.state.is_main, unit="it",
                    dynamic_ncols=True)
+        step_times: list[float] = []
         while self.step < plan.total_steps:
             t0 = time.perf_counter()
             skipped_before = self.engine.skipped_steps
@@ -247,6 +266,7 @@ class Trainer:
             self.step += 1
             self.num_tokens += plan.sequences_per_step * cfg.max_length  # real input tokens, all ranks
             dt = time.perf_counter() - t0
+            step_times.append(dt)
             bar.update(1)
             if self.step % cfg.logging_steps == 0 or self.step == plan.total_steps:
                 self._log(loss, grad_norm, dt, tokens, flops_per_step, bar)
@@ -264,6 +284,7 @@ class Trainer:
                 return 0
         bar.close()
         self.reporters.close()  # (a stopped run's rows are flushed as they are logged)
+        self._report_predicted_vs_measured(step_times)
         if cfg.plot_per_position_loss:
             write_per_position_loss(self.engine, self.model, self._micro_batches(self.step - 1)[-1], self.state,
                                     cfg.loss_chunk_size, cfg.max_length,

@@ -1,0 +1,205 @@
+"""The one resolved plan (plan/resolve.py): the trainer and `ulysses-trainer plan` run the same function,
+every `auto` is decided there (the fastest predicted step that fits), and the drift cases stay fixed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from ulysses_trainer.__main__ import main as cli_main
+from ulysses_trainer.config import FIELDS, TrainConfig, load_config
+from ulysses_trainer.ds_config import load_ds_config
+from ulysses_trainer.errors import ConfigError
+from ulysses_trainer.model.load import model_config_for
+from ulysses_trainer.plan.inputs import ModelShape, Settings
+from ulysses_trainer.plan.resolve import Machine, ZeroSettings, plan_for, resolve_plan
+from ulysses_trainer.plan.step_time import KERNEL_RATES, kernel_rates_from_results, step_time
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = sorted((ROOT / "launch" / "recipes").glob("*.yaml"))
+Q4 = ModelShape.preset("qwen3-4b")
+H200 = dict(gpu_memory_gb=139.8, host_memory_gb=125.9, gpu_name="NVIDIA H200")  # one H200 and its host
+
+
+def _plan(kernels=("sdpa",), **cfg):
+    base = dict(model_name_or_path="qwen3-4b", max_length=262144, sp_size=1)
+    return resolve_plan(TrainConfig(**(base | cfg)), Q4, Machine(gpus=1, kernels=kernels, **H200), ZeroSettings())
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_planner_and_trainer_make_the_same_plan_for_every_recipe(recipe, capsys):
+    cfg = load_config(["--config", str(recipe)])  # the trainer's reading of the recipe
+    gpus = cfg.sp_size or 1
+    machine = Machine(gpus=gpus, gpu_memory_gb=139.8, host_memory_gb=125.9, host_memory_source="--host_memory_gb")
+    trainer = plan_for(cfg, model_config_for(cfg), load_ds_config(cfg.deepspeed), machine)  # train/prepare.py's call
+    rc = cli_main(["plan", "--config", str(recipe), "--gpus", str(gpus), "--gpu_memory_gb", "139.8",
+                   "--host_memory_gb", "125.9", "--json"])
+    planner = json.loads(capsys.readouterr().out)["plan"]
+    assert rc == (0 if trainer.fits else 1)
+    trainer_dict = json.loads(json.dumps(trainer.to_dict()))
+    # notes may add that the planner, on a machine without the GPU, does not know the kernels installed there
+    assert {k: v for k, v in planner.items() if k != "notes"} == {k: v for k, v in trainer_dict.items() if k != "notes"}
+    assert set(trainer_dict["notes"]) <= set(planner["notes"])
+    assert "auto" not in json.dumps({k: v for k, v in planner.items() if k not in ("decided", "notes")})
+
+
+def test_prepare_resolves_with_plan_for():
+    from ulysses_trainer.train.prepare import prepare
+
+    cfg = load_config(["--config", str(ROOT / "launch" / "recipes" / "cpu_default.yaml")])
+    run = prepare(cfg, 2)
+    again = plan_for(cfg, run.model_config, load_ds_config(cfg.deepspeed), run.machine, bf16=run.bf16)
+    assert run.resolved == again and run.kernel == again.kernel
+    assert run.resolved.predicted_step_s is None  # no GPU: no time model, nothing searched
+
+
+def test_activation_offload_true_with_checkpoint_every_2_plans(capsys):
+    args = ["plan", "--model", "qwen3-4b", "--max_length", "131072", "--activation_offload", "true",
+            "--checkpoint_every", "2", "--gpus", "1", "--gpu_memory_gb", "139.8", "--host_memory_gb", "125.9",
+            "--json"]
+    assert cli_main(args) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["checkpoint_every"] == 2 and plan["offload_layers"] == list(range(0, 36, 2))  # all 18 kept inputs
+
+
+def test_offload_without_checkpointing_is_refused_before_anything():
+    with pytest.raises(ConfigError, match="activation_offload true needs gradient_checkpointing: true"):
+        _plan(gradient_checkpointing=False, activation_offload=True)
+    from ulysses_trainer.config import validate_config  # the shape-free check runs before the model is built
+
+    with pytest.raises(ConfigError, match="set activation_offload false or gradient_checkpointing true"):
+        validate_config(TrainConfig(gradient_checkpointing=False, activation_offload=2), 1)
+
+
+def test_without_checkpointing_the_autos_offload_and_keep_nothing():
+    plan = _plan(max_length=16384, gradient_checkpointing=False)
+    assert plan.fits and (plan.saved_layers, plan.offload_layers, plan.kept_attention_layers) == ((), (), ())
+    assert plan.predicted_step_s < _plan(max_length=16384).predicted_step_s  # no recompute
+
+
+def test_flash_attention_2_keeps_no_attention_outputs():
+    plan = _plan(kernels=("flash_attention_2", "sdpa"))
+    assert plan.kernel == "flash_attention_2" and plan.kept_attention_layers == ()
+    assert "0/36 attention outputs kept" in plan.summary()
+    with pytest.raises(ConfigError, match="flash_attention_2 cannot: set keep_attention_outputs false"):
+        _plan(kernels=("flash_attention_2", "sdpa"), keep_attention_outputs=True)
+    assert _plan(packing=True).kept_attention_layers == ()  # per-document kernels keep nothing either
+
+
+def test_auto_takes_flash_attention_4_whenever_installed():
+    assert _plan(kernels=("flash_attention_4", "flash_attention_2", "sdpa")).kernel == "flash_attention_4"
+    with pytest.raises(ConfigError, match=r"flash_attention_4.*not installed here .*\[fa4\]"):
+        _plan(attn_implementation="flash_attention_4")
+
+
+def test_one_default_per_lever():
+    from ulysses_trainer.model.parallelize import ParallelizeConfig
+
+    shared = {f.name for f in dataclasses.fields(ParallelizeConfig)} & set(FIELDS)
+    assert {"keep_attention_outputs", "activation_offload", "checkpoint_every", "tiled_mlp"} <= shared
+    for name in shared - {"host_memory_gb"}:
+        assert getattr(ParallelizeConfig(), name) == getattr(TrainConfig(), name), name
+
+
+def test_auto_chooses_the_fastest_plan_that_fits_not_the_first():
+    best = _plan()
+    assert best.fits and best.optimizer_offload and len(best.kept_attention_layers) == 36
+    on_gpu = _plan(optimizer_offload=False)
+    assert on_gpu.fits and best.predicted_step_s < on_gpu.predicted_step_s
+    first_fit = _plan(optimizer_offload=False, keep_attention_outputs=False)  # what `auto` used to run
+    assert on_gpu.predicted_step_s < first_fit.predicted_step_s
+    assert any("optimizer_offload auto: Adam on the host" in n for n in best.notes)
+    # the JSON's offload_optimizer section wins over auto
+    json_says_gpu = resolve_plan(TrainConfig(model_name_or_path="qwen3-4b", max_length=262144, sp_size=1), Q4,
+                                 Machine(gpus=1, **H200), ZeroSettings(offload_optimizer=False))
+    assert not json_says_gpu.optimizer_offload
+    with pytest.raises(ConfigError, match="optimizer_offload true but the ZeRO JSON has no offload_optimizer"):
+        resolve_plan(TrainConfig(model_name_or_path="qwen3-4b", max_length=262144, optimizer_offload=True), Q4,
+                     Machine(gpus=1, **H200), ZeroSettings(offload_optimizer=False))
+
+
+def test_the_ds_config_gets_the_plans_optimizer_placement():
+    from ulysses_trainer.ds_config import fill_ds_config
+    from ulysses_trainer.plan.resolve import OFFLOAD_SUB_GROUP_SIZE
+
+    cfg = TrainConfig()
+    ds, _ = fill_ds_config(load_ds_config(cfg.deepspeed), cfg, 1, 1, False, optimizer_offload=True)
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["zero_optimization"]["sub_group_size"] == OFFLOAD_SUB_GROUP_SIZE
+    ds, _ = fill_ds_config(load_ds_config(cfg.deepspeed), cfg, 1, 1, False, optimizer_offload=False)
+    assert "offload_optimizer" not in ds["zero_optimization"]
+
+
+def test_the_engine_measurement_changes_the_plan_only_when_memory_is_short():
+    cfg = TrainConfig(model_name_or_path="qwen3-4b", max_length=262144, sp_size=1)
+    first = _plan()
+    held = sum(t.gpu for t in first.estimate.terms if t.phase == "static" and t.name != "Adam m, v") / 2**30
+    as_predicted = Machine(gpus=1, **H200, gpu_free_after_engine_gb=139.8 - held - 1.0)
+    assert resolve_plan(cfg, Q4, as_predicted, engine_plan=first) == first
+    crowded = replace(as_predicted, gpu_free_after_engine_gb=as_predicted.gpu_free_after_engine_gb - 20)
+    second = resolve_plan(cfg, Q4, crowded, engine_plan=first)
+    assert second.fits and second.gpu_budget_gb == pytest.approx(119.8, abs=0.01)
+    assert second.optimizer_offload == first.optimizer_offload and second.tiles == first.tiles  # fixed by the engine
+    assert len(second.kept_attention_layers) + len(second.saved_layers) - len(second.offload_layers) < \
+        len(first.kept_attention_layers) + len(first.saved_layers) - len(first.offload_layers)
+    assert any("measured" in n for n in second.notes)
+
+
+def test_planning_another_machine_assumes_host_ram_and_says_so(capsys):
+    args = ["plan", "--model", "qwen3-8b", "--max_length", "1048576", "--gpus", "8", "--gpu_memory_gb", "80"]
+    assert cli_main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hardware"]["host_memory_gb"] == 2 * 80 * 8 and "ASSUMED" in out["hardware"]["host_memory_source"]
+    assert cli_main(args) == 0
+    text = capsys.readouterr().out
+    assert "host 1280 GiB per host (ASSUMED: 2 x GPU memory per GPU" in text and "pass --host_memory_gb" in text
+    assert "kernels installed there are unknown: auto planned as sdpa" in text
+    assert cli_main(args + ["--attn_implementation", "flash_attention_4", "--json"]) == 0  # a kernel there, not here
+    assert json.loads(capsys.readouterr().out)["plan"]["attn_implementation"] == "flash_attention_4"
+
+
+def test_does_not_fit_names_the_limit_and_the_missing_gib(capsys):
+    args = ["plan", "--model", "qwen3-32b", "--max_length", "1048576", "--gpus", "1", "--gpu_memory_gb", "80",
+            "--host_memory_gb", "200"]
+    assert cli_main(args) == 1
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert re.match(r"error: does not fit: (GPU|host) memory is short by [\d.]+ GiB \(needs [\d.]+ of [\d.]+ GiB per "
+                    r"(GPU|host)\).*; binding limit: ", line), line
+    assert "DOES NOT FIT" in out
+    assert cli_main(args + ["--json"]) == 1
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert not plan["fits"] and plan["missing_gpu_gb"] + plan["missing_host_gb"] > 0
+
+
+def test_step_time_rates_are_the_benchmark_files():
+    assert kernel_rates_from_results(ROOT / "benchmarks" / "results") == KERNEL_RATES
+
+
+@pytest.mark.parametrize("source, settings, measured", [
+    # benchmarks/results/long_context_ours_fwdbwd_qwen3-4b_262144_kept_cudnn_warm.json (forward+backward)
+    ("cudnn kept", dict(max_length=262144, kept_attention_layers=36, optimizer="none"), 155.90),
+    ("fa4 kept", dict(max_length=262144, kept_attention_layers=36, optimizer="none",
+                      attention="flash_attention_4"), 134.78),
+    ("fa4 kept 128K", dict(max_length=131072, kept_attention_layers=36, optimizer="none",
+                           attention="flash_attention_4"), 39.40),
+])
+def test_step_time_reproduces_the_calibration_runs(source, settings, measured):
+    s = Settings(**settings)
+    from ulysses_trainer.plan.inputs import num_params
+
+    got = step_time(Q4, s, num_params(Q4), gpu_name="NVIDIA H200")
+    assert got.total_s == pytest.approx(measured, rel=0.03), source
+    assert got.extrapolated == ()
+
+
+def test_step_time_says_where_it_extrapolates():
+    s = Settings(max_length=1_048_576, sp=8, attention="flash_attention_2")
+    notes = " ".join(step_time(ModelShape.preset("qwen3-8b"), s, 8_000_000_000).extrapolated)
+    assert "held constant at 1,048,576" in notes and "flash_attention_2 not measured" in notes
+    assert "all-to-all time not measured" in notes and "rates of an H200 assumed" in notes

@@ -1,0 +1,381 @@
+"""One resolved plan: every setting of a run decided once, from the training config, the model's shape and
+the machine. `resolve_plan` is the one function the trainer and `ulysses-trainer plan` call.
+
+Every lever is checked here (ConfigError, exit 2, naming the fix); every `auto` is decided here: of all
+the settings that fit the GPU and host memory (plan/memory.py), the one with the shortest predicted step
+(plan/step_time.py). The search (see `_search`) covers the optimizer's placement (GPU or host), the
+checkpoint thinning, the MLP tiles, the offloaded layer inputs and the kept attention outputs.
+Torch-free: the caller measures the machine (GPU memory, host RAM, installed kernels) and passes it in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..errors import ConfigError
+from .inputs import KERNELS as PLANNED_KERNELS
+from .inputs import (
+    ModelShape,
+    Settings,
+    Zero3Knobs,
+    auto_num_tiles,
+    check_settings,
+    default_mlp_tiles,
+    local_tokens,
+    num_params,
+    padded_length,
+    saved_layer_count,
+)
+from .memory import GIB, MemoryEstimate, estimate
+from .resolved import (  # noqa: F401 - the plan's types, re-exported with the function that makes them
+    OFFLOAD_SUB_GROUP_SIZE,
+    Machine,
+    Plan,
+    ZeroSettings,
+    offload_sub_group_size,
+    read_zero,
+)
+from .step_time import StepTime, step_time
+
+KERNELS = PLANNED_KERNELS[:3]  # what attn_implementation names (the plan also models the stand-in)
+STANDIN = PLANNED_KERNELS[3]  # benchmarks only (attention/standin.py)
+KEEPING_KERNELS = ("sdpa", "flash_attention_4", STANDIN)  # kernels whose outputs can be kept (attention/grouped.py)
+EVERY_CHOICES = (1, 2, 3, 4, 6, 9, 12)  # checkpoint_every values the search tries, cheapest first
+# the engine's measured memory use may exceed the model states' prediction by this much before the plan
+# shrinks: DeepSpeed's own buffers and the CUDA context vary by a GiB or so; more means another tenant
+ENGINE_TOLERANCE_GB = 2.0
+MAX_TILES = 64  # beyond this a tile is a few thousand rows and the MLP term is negligible
+INSTALL_HINT = {"flash_attention_2": "pip install 'ulysses_trainer[flash]' (needs CUDA)",
+                "flash_attention_4": "pip install 'ulysses_trainer[fa4]' (flash_attn.cute; Hopper/Blackwell GPUs)"}
+
+
+# --------------------------------------------------------------------------------------------
+# Levers: each knob of the training config read once
+
+
+@dataclass(frozen=True)
+class _Fixed:
+    """The levers the user fixed (None = auto, to be searched)."""
+
+    offload: int | None
+    keep: int | None
+    tiles: int | None
+    every: int | None
+    optimizer_offload: bool | None
+
+
+def choose_kernel(name: str, installed: tuple[str, ...]) -> str:
+    """`auto` -> the fastest installed kernel (flash-attn-4 whenever it is there); a named one must be installed."""
+    if name == "auto":
+        return installed[0] if installed else "sdpa"
+    if name == STANDIN:
+        return name
+    if name not in KERNELS:
+        raise ConfigError(f"attn_implementation={name!r} is unknown; use one of auto, {', '.join(KERNELS)}")
+    if name not in installed:
+        raise ConfigError(f"attn_implementation={name!r} is not installed here ({INSTALL_HINT[name]}); "
+                          f"installed: {', '.join(installed)} (or use auto)")
+    return name
+
+
+def check_levers(cfg: Any, shape: ModelShape | None = None, kernel: str | None = None) -> _Fixed:
+    """Every lever of a TrainConfig checked (ConfigError naming the fix) and read: fixed values or None (auto).
+    Without a shape, the checks that need no model only."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    ckpt, off, keep, tiled, every = (cfg.gradient_checkpointing, cfg.activation_offload, cfg.keep_attention_outputs,
+                                     cfg.tiled_mlp, cfg.checkpoint_every)
+    is_int = [isinstance(v, int) and not isinstance(v, bool) for v in (off, keep, tiled, every)]
+    need(not is_int[0] or off >= 0, f"activation_offload must be >= 0 layers (or true/false/auto), got {off}")
+    need(not is_int[1] or keep >= 0, f"keep_attention_outputs must be >= 0 layers (or true/false/auto), got {keep}")
+    need(not is_int[2] or tiled >= 1, f"tiled_mlp must be >= 1 tiles (or true/false/auto), got {tiled}")
+    need(not is_int[3] or every >= 1,
+         f"checkpoint_every must be >= 1 layers (1 = every layer) or auto, got {every}")
+    need(ckpt or keep in (False, 0, "auto"),
+         "keep_attention_outputs needs gradient_checkpointing: true (only a recompute reuses them)")
+    need(ckpt or every in (1, "auto"), "checkpoint_every > 1 needs gradient_checkpointing: true (it thins the "
+                                       "checkpoints); set checkpoint_every 1 or gradient_checkpointing true")
+    need(ckpt or off in (False, 0, "auto"),
+         f"activation_offload {str(off).lower()} needs gradient_checkpointing: true (it offloads the layer "
+         f"checkpoints); set activation_offload false or gradient_checkpointing true")
+    if shape is None:
+        return _Fixed(None, None, None, None, None)
+    layers = shape.layers
+    need(not is_int[1] or keep <= layers, f"keep_attention_outputs={keep} exceeds the model's {layers} layers; "
+                                          f"give 0..{layers}, true (all of them) or auto")
+    if kernel is not None and kernel not in KEEPING_KERNELS and keep not in (False, 0, "auto"):
+        raise ConfigError(f"keep_attention_outputs needs a kernel that can keep its outputs (sdpa, "
+                          f"flash_attention_4); {kernel} cannot: set keep_attention_outputs false or "
+                          f"attn_implementation sdpa")
+    c = every if is_int[3] else None
+    if not ckpt:
+        c = 1
+    if c is not None and is_int[0]:
+        saved = saved_layer_count(shape, c)
+        need(off <= saved, f"activation_offload={off} must be between 0 and {saved} layers (the layers that keep an "
+                           f"input: {layers} / checkpoint_every {c}, rounded up); true offloads all of them")
+    if not ckpt:  # nothing to offload or keep without checkpoints
+        off, keep = 0, 0
+    return _Fixed(offload=None if off == "auto" else (0 if off is False else -1 if off is True else off),
+                  keep=None if keep == "auto" else (layers if keep is True else int(keep)),
+                  tiles=None if tiled == "auto" else (1 if tiled is False else -1 if tiled is True else tiled),
+                  every=c, optimizer_offload=None if cfg.optimizer_offload == "auto" else cfg.optimizer_offload)
+
+
+# --------------------------------------------------------------------------------------------
+# The search
+
+
+def _shortfall(e: MemoryEstimate, gpu_gb: float, host_gb: float) -> tuple[int, int]:
+    return max(0, e.gpu_required - int(gpu_gb * GIB)), max(0, e.host_per_host - int(host_gb * GIB))
+
+
+@dataclass
+class _Search:
+    shape: ModelShape
+    base: Settings
+    gpu_gb: float
+    host_gb: float
+    knobs: dict[bool, Zero3Knobs]  # per optimizer placement (an added offload shrinks the sub-groups)
+    closest: MemoryEstimate | None = None
+
+    def est(self, **kw: Any) -> MemoryEstimate:
+        e = estimate(self.shape, replace(self.base, **kw))
+        if self.closest is None or sum(_shortfall(e, self.gpu_gb, self.host_gb)) < \
+                sum(_shortfall(self.closest, self.gpu_gb, self.host_gb)):
+            self.closest = e
+        return e
+
+    def fits(self, e: MemoryEstimate) -> bool:
+        return e.fits(self.gpu_gb, self.host_gb)
+
+    def fewest_offloaded(self, fixed: int | None, saved: int, **kw: Any) -> MemoryEstimate | None:
+        """The estimate with the fewest offloaded inputs that fits (GPU memory falls and host memory grows
+        with each one: the fewest that fit the GPU are the best chance for the host), or None."""
+        if fixed is not None:
+            e = self.est(activation_offload=saved if fixed == -1 else fixed, **kw)
+            return e if self.fits(e) else None
+        lo, hi = 0, saved
+        e_hi = self.est(activation_offload=hi, **kw)
+        if e_hi.gpu_required > self.gpu_gb * GIB:
+            return None
+        while lo < hi:  # invariant: hi fits the GPU
+            mid = (lo + hi) // 2
+            e = self.est(activation_offload=mid, **kw)
+            if e.gpu_required <= self.gpu_gb * GIB:
+                hi, e_hi = mid, e
+            else:
+                lo = mid + 1
+        return e_hi if self.fits(e_hi) else None
+
+    def most_kept(self, lo: int, hi: int, ok) -> int:
+        """The largest k in [lo, hi] with ok(k), given ok(lo) (ok is monotone: more kept, more memory)."""
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+def _candidates(sr: _Search, fx: _Fixed, keep_max: int, every: int, opt: bool, tiles: int) -> list[MemoryEstimate]:
+    """The settings worth timing at one (checkpoint_every, optimizer placement, tiles): the fewest offloaded
+    inputs for no kept outputs plus as many kept outputs as fit without more offload, and the most kept
+    outputs that fit with any offload (time is near linear in both, so the best lies at one of the ends)."""
+    saved = saved_layer_count(sr.shape, every)
+    if fx.offload is not None and fx.offload > saved:
+        return []  # a thinning that keeps fewer inputs than the fixed offload asks for
+    kw = {"checkpoint_every": every, "offload_optimizer": opt, "tiled_mlp": tiles, "zero3": sr.knobs[opt]}
+    if fx.keep is not None:
+        e = sr.fewest_offloaded(fx.offload, saved, kept_attention_layers=fx.keep, **kw)
+        return [e] if e is not None else []
+    base = sr.fewest_offloaded(fx.offload, saved, kept_attention_layers=0, **kw)
+    if base is None:
+        return []
+    a0 = base.settings.activation_offload
+    k_lo = sr.most_kept(0, keep_max, lambda k: sr.fits(sr.est(activation_offload=a0, kept_attention_layers=k, **kw)))
+    k_hi = sr.most_kept(k_lo, keep_max, lambda k: sr.fewest_offloaded(fx.offload, saved, kept_attention_layers=k,
+                                                                      **kw) is not None)
+    out = [sr.est(activation_offload=a0, kept_attention_layers=k_lo, **kw)]
+    if k_hi > k_lo:
+        out.append(sr.fewest_offloaded(fx.offload, saved, kept_attention_layers=k_hi, **kw))
+    return out
+
+
+def _search(shape: ModelShape, base: Settings, fx: _Fixed, keep_max: int, gpu_gb: float, host_gb: float,
+            knobs: dict[bool, Zero3Knobs], time_of) -> tuple[MemoryEstimate, bool, dict[bool, tuple]]:
+    """(the fastest estimate that fits, True) or (the closest miss, False); and the best per optimizer placement.
+
+    checkpoint_every is tried cheapest first and the search stops at the first value where anything fits:
+    rebuilding a layer runs its whole forward again, which costs more than the kept attention output or the
+    offload the freed memory could buy. Tiles: the shape rule (`default_mlp_tiles`), more only when that is
+    what it takes to fit (they are a memory lever; at 256K the tiled MLP measured no slower)."""
+    sr = _Search(shape, base, gpu_gb, host_gb, knobs)
+    everies = [fx.every] if fx.every is not None else [c for c in EVERY_CHOICES if c <= shape.layers]
+    opts = [fx.optimizer_offload] if fx.optimizer_offload is not None else [False, True]
+    rule = default_mlp_tiles(local_tokens(base), shape.intermediate)
+    if fx.tiles is not None:
+        ladder = [auto_num_tiles(local_tokens(base), shape.hidden, shape.intermediate) if fx.tiles == -1 else fx.tiles]
+    else:
+        top = max(1, min(MAX_TILES, local_tokens(base)))
+        ladder = sorted({min(rule, top)} | {t for t in (2, 4, 8, 16, 32, 64) if rule < t <= top})
+    best: dict[bool, tuple[float, MemoryEstimate]] = {}
+    for every in everies:
+        for opt in opts:
+            for tiles in ladder:
+                found = _candidates(sr, fx, keep_max, every, opt, tiles)
+                for e in found:
+                    key = (time_of(e.settings), e.settings.activation_offload)
+                    if opt not in best or key < (best[opt][0], best[opt][1].settings.activation_offload):
+                        best[opt] = (key[0], e)
+                if found:
+                    break
+        if best:
+            break
+    if not best:
+        assert sr.closest is not None
+        return sr.closest, False, {}
+    winner = min(best.values(), key=lambda te: (te[0], te[1].settings.offload_optimizer))
+    return winner[1], True, best
+
+
+# --------------------------------------------------------------------------------------------
+# The one entry point
+
+
+def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettings | None = None, *,
+                 bf16: bool | None = None, engine_plan: Plan | None = None) -> Plan:
+    """The plan for `cfg` (a TrainConfig) on `machine`. ConfigError for settings that cannot run.
+
+    engine_plan: the plan the engine was built with; with machine.gpu_free_after_engine_gb set, the GPU
+    budget becomes what the measurement leaves (free memory plus what the model states were predicted to
+    take), and the settings the engine fixed (optimizer placement, kernel, tiles) stay.
+    """
+    zero = zero or ZeroSettings()
+    if machine.gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, got {machine.gpus}")
+    if machine.gpus_per_host is not None and (machine.gpus_per_host < 1 or machine.gpus % machine.gpus_per_host):
+        raise ConfigError(f"--gpus_per_host {machine.gpus_per_host} must divide --gpus {machine.gpus}")
+    if (machine.gpu_memory_gb is not None and not machine.gpu_memory_gb > 0) or not machine.host_memory_gb > 0:
+        raise ConfigError(f"--gpu_memory_gb and --host_memory_gb must be > 0, got {machine.gpu_memory_gb} "
+                          f"and {machine.host_memory_gb}")
+    sp = cfg.sp_size or machine.gpus
+    if sp < 1 or machine.gpus % sp:
+        raise ConfigError(f"sp_size={sp} does not divide the world size {machine.gpus}; use one of "
+                          f"{[d for d in range(1, machine.gpus + 1) if machine.gpus % d == 0]}")
+    kernel = engine_plan.kernel if engine_plan else choose_kernel(cfg.attn_implementation, machine.kernels)
+    fx = check_levers(cfg, shape, kernel)
+    if zero.offload_optimizer is not None:  # the user's ZeRO JSON says where Adam lives: it wins
+        if fx.optimizer_offload is not None and fx.optimizer_offload != zero.offload_optimizer:
+            raise ConfigError(f"optimizer_offload {str(fx.optimizer_offload).lower()} but the ZeRO JSON "
+                              f"{'has' if zero.offload_optimizer else 'has no'} offload_optimizer: set "
+                              f"optimizer_offload auto (the JSON wins) or edit the JSON")
+        fx = replace(fx, optimizer_offload=zero.offload_optimizer)
+    asked = fx  # what the user (config and ZeRO JSON) fixed: the rest is `auto`, decided below
+    if engine_plan is not None:  # the engine fixed these
+        fx = replace(fx, optimizer_offload=engine_plan.optimizer_offload, tiles=engine_plan.tiles)
+    gpu = machine.gpu_memory_gb is not None
+    bf16 = (cfg.bf16 if isinstance(cfg.bf16, bool) else gpu) if bf16 is None else bf16
+    base = Settings(max_length=cfg.max_length, sp=sp, dp=machine.gpus // sp,
+                    micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
+                    gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
+                    loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, attention=kernel,
+                    pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs, gpus_per_host=machine.ranks_per_host)
+    check_settings(shape, replace(base, kept_attention_layers=0))
+    can_keep = cfg.gradient_checkpointing and kernel in KEEPING_KERNELS and not cfg.packing and gpu
+    notes: list[str] = [f"host memory {machine.host_memory_gb:.1f} GiB per host ({machine.host_memory_source})"]
+    if cfg.attn_implementation == "auto" and not machine.kernels_known:
+        notes.append(f"the kernels installed there are unknown: auto planned as {kernel} (pass "
+                     f"--attn_implementation flash_attention_4 where it is installed)")
+    if cfg.packing and fx.keep is None:
+        notes.append("packing: attention outputs are not kept (the kernel runs per document)")
+    n = num_params(shape)
+    gas = cfg.gradient_accumulation_steps
+
+    def time_of(s: Settings) -> StepTime:
+        return step_time(shape, s, n, accumulation=gas, gpu_name=machine.gpu_name)
+
+    budget = machine.gpu_memory_gb
+    if gpu and engine_plan is not None and machine.gpu_free_after_engine_gb is not None:
+        held = sum(t.gpu for t in engine_plan.estimate.terms if t.phase == "static" and t.name != "Adam m, v")
+        measured = machine.gpu_free_after_engine_gb + (held + int(base.cuda_context_gb * GIB)) / GIB
+        if measured < machine.gpu_memory_gb - ENGINE_TOLERANCE_GB:  # else the planned budget stands
+            budget = measured
+            notes.append(f"GPU budget {budget:.1f} GiB: measured {machine.gpu_free_after_engine_gb:.1f} GiB free "
+                         f"after the engine was built")
+    if not gpu:  # the CPU run: nothing is short of memory; the autos take their cheapest values
+        every = fx.every or 1
+        saved = saved_layer_count(shape, every)
+        tiles = fx.tiles if fx.tiles not in (None, -1) else (
+            auto_num_tiles(local_tokens(base), shape.hidden, shape.intermediate) if fx.tiles == -1
+            else default_mlp_tiles(local_tokens(base), shape.intermediate))
+        s = replace(base, checkpoint_every=every, tiled_mlp=tiles, offload_optimizer=bool(fx.optimizer_offload),
+                    activation_offload=saved if fx.offload == -1 else (fx.offload or 0),
+                    kept_attention_layers=fx.keep or 0)
+        chosen, fits, best = estimate(shape, s), True, {}
+    else:
+        added = replace(zero.knobs, sub_group_size=offload_sub_group_size(zero.knobs.sub_group_size))
+        knobs = {False: zero.knobs, True: zero.knobs if zero.offload_optimizer else added}
+        chosen, fits, best = _search(shape, base, fx, shape.layers if can_keep else 0, budget,
+                                     machine.host_memory_gb, knobs, lambda s: time_of(s).total_s)
+    s = chosen.settings
+    st = time_of(s) if gpu else None
+    if st is not None:
+        notes.extend(st.extrapolated)
+    if engine_plan is not None:  # the placement was weighed before the engine was built
+        notes.extend(n for n in engine_plan.notes if n.startswith("optimizer_offload auto"))
+    if fx.optimizer_offload is None and len(best) == 2:
+        other = best[not s.offload_optimizer]
+        notes.append(f"optimizer_offload auto: Adam on the {'host' if s.offload_optimizer else 'GPU'}, predicted "
+                     f"{best[s.offload_optimizer][0]:.1f} s/step against {other[0]:.1f} s with Adam on the "
+                     f"{'GPU' if s.offload_optimizer else 'host'}")
+    gpu_miss, host_miss = _shortfall(chosen, budget, machine.host_memory_gb) if gpu else (0, 0)
+    limit = None if fits else " and ".join(n for n, m in (("GPU memory", gpu_miss), ("host memory", host_miss)) if m)
+    decided = _decided(cfg, asked, s, kernel)
+    saved_layers = tuple(range(0, shape.layers, s.checkpoint_every)) if s.gradient_checkpointing else ()
+    return Plan(
+        model=str(cfg.model_name_or_path), max_length=cfg.max_length, padded_length=padded_length(s), sp=s.sp,
+        dp=s.dp, kernel=kernel, loss_type=s.loss_type, loss_chunk_size=s.loss_chunk_size, tiles=s.tiled_mlp,
+        lean_norm=s.lean_norm, gradient_checkpointing=s.gradient_checkpointing, checkpoint_every=s.checkpoint_every,
+        saved_layers=saved_layers, offload_layers=saved_layers[:s.activation_offload],
+        kept_attention_layers=tuple(range(s.kept_attention_layers)), optimizer_offload=s.offload_optimizer,
+        num_layers=shape.layers, checkpoint_bytes_per_layer=local_tokens(s) * shape.hidden * s.act_bytes,
+        kept_attention_bytes_per_layer=_kept_bytes(shape, s),
+        terms=tuple((t.name, t.gpu if chosen.counts(t) else 0, t.host) for t in chosen.terms if t.gpu or t.host),
+        predicted_peak_gpu_gb=chosen.gpu_peak / GIB, predicted_gpu_required_gb=chosen.gpu_required / GIB,
+        predicted_host_gb=chosen.host_per_host / GIB, predicted_step_s=None if st is None else st.total_s,
+        step_parts=tuple(st.parts.items()) if st else (), fits=fits, binding_limit=limit,
+        missing_gpu_gb=gpu_miss / GIB, missing_host_gb=host_miss / GIB, gpu_budget_gb=budget,
+        host_budget_gb=machine.host_memory_gb,
+        decided=decided, notes=tuple(notes), settings=s, estimate=chosen)
+
+
+def plan_for(cfg: Any, model_config: Any, ds: dict, machine: Machine, *, bf16: bool | None = None) -> Plan:
+    """resolve_plan from what the trainer loads: the HF model config and the ZeRO JSON (a dict). The trainer
+    (train/prepare.py) and `ulysses-trainer plan` both call this."""
+    return resolve_plan(cfg, ModelShape.from_config(model_config), machine, read_zero(ds, str(cfg.deepspeed)),
+                        bf16=bf16)
+
+
+def _kept_bytes(shape: ModelShape, s: Settings) -> int:
+    from .layer_terms import kept_attention_bytes_per_layer
+
+    return kept_attention_bytes_per_layer(shape, s)
+
+
+def _decided(cfg: Any, fx: _Fixed, s: Settings, kernel: str) -> tuple[str, ...]:
+    out = []
+    if cfg.attn_implementation == "auto":
+        out.append(f"attn_implementation {kernel}")
+    for name, fixed, value in (("activation_offload", fx.offload, s.activation_offload),
+                               ("keep_attention_outputs", fx.keep, s.kept_attention_layers),
+                               ("tiled_mlp", fx.tiles, s.tiled_mlp), ("checkpoint_every", fx.every, s.checkpoint_every),
+                               ("optimizer_offload", fx.optimizer_offload, s.offload_optimizer)):
+        if fixed is None:
+            out.append(f"{name} {str(value).lower() if isinstance(value, bool) else value}")
+    return tuple(out)
+

@@ -1,0 +1,159 @@
+"""The resolved plan and what resolving it reads: the machine and the run's ZeRO JSON (plan/resolve.py
+decides; the trainer, `ulysses-trainer plan` and the rehearsal read the Plan). Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+from .inputs import Settings, Zero3Knobs
+from .memory import MemoryEstimate
+
+# ds_configs/zero3_offload.json: optimizer sub-groups just under 2**28 elements, so that each group's pinned
+# fp32 gradient buffer (rounded up to a power of two) is 1 GiB, not 2 (plan/host_terms.py)
+OFFLOAD_SUB_GROUP_SIZE = 2**28 - 2**25
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the run gets. Memory in GiB. gpu_memory_gb None: no GPU (the CPU run: nothing to search)."""
+
+    gpus: int
+    gpu_memory_gb: float | None
+    host_memory_gb: float  # per host
+    gpus_per_host: int | None = None  # None: all GPUs on one host
+    kernels: tuple[str, ...] = ("sdpa",)  # installed attention kernels, fastest first
+    kernels_known: bool = True  # False: planning another machine (auto = the first of `kernels`, said)
+    gpu_name: str | None = None
+    gpu_free_after_engine_gb: float | None = None  # measured once the engine holds the model states
+    host_memory_source: str = "given"  # how host_memory_gb was obtained (said in the plan)
+
+    @property
+    def ranks_per_host(self) -> int:
+        return self.gpus_per_host or self.gpus
+
+
+def offload_sub_group_size(sub_group_size: Any) -> int:
+    """sub_group_size when the plan adds optimizer offload to a ZeRO JSON without it (ds_config.py fills it)."""
+    sub = 1_000_000_000 if sub_group_size in (None, "auto") else int(float(sub_group_size))
+    return min(sub, OFFLOAD_SUB_GROUP_SIZE)
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """What the run's ZeRO JSON fixes: its stage, optimizer placement (None: not said) and bucket sizes."""
+
+    stage: int = 3
+    offload_optimizer: bool | None = None
+    knobs: Zero3Knobs = field(default_factory=Zero3Knobs)
+
+
+def read_zero(ds: dict, source: str = "the ZeRO config") -> ZeroSettings:
+    """ZeroSettings of a loaded ZeRO JSON (dict); only stage 3 is planned."""
+    zero = ds.get("zero_optimization", {}) or {}
+    stage = zero.get("stage", 0)
+    if stage != 3:
+        raise ConfigError(f"the ZeRO config {source} has stage {stage}; the planner (and the trainer) use "
+                          f"stage 3: set zero_optimization.stage 3")
+    off = zero.get("offload_optimizer")
+    offload = None if off is None else isinstance(off, dict) and off.get("device", "none") not in ("none", None)
+
+    def num(key: str) -> int | None:
+        v = zero.get(key, "auto")
+        return None if v == "auto" else int(float(v))
+
+    sub = num("sub_group_size")
+    return ZeroSettings(stage, offload, Zero3Knobs(
+        reduce_bucket_size=num("reduce_bucket_size"), prefetch_bucket_size=num("stage3_prefetch_bucket_size"),
+        param_persistence_threshold=num("stage3_param_persistence_threshold"),
+        sub_group_size=sub if sub is not None else 1_000_000_000))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The concrete run: no `auto` left. Layers are indices; memory in GiB (allocated, as torch reads it)."""
+
+    model: str
+    max_length: int
+    padded_length: int
+    sp: int
+    dp: int
+    kernel: str
+    loss_type: str
+    loss_chunk_size: int
+    tiles: int  # MLP tiles, 1 = untiled
+    lean_norm: bool
+    gradient_checkpointing: bool
+    checkpoint_every: int
+    saved_layers: tuple[int, ...]  # layers whose input is kept for backward
+    offload_layers: tuple[int, ...]  # of those, in pinned host memory
+    kept_attention_layers: tuple[int, ...]  # layers keeping their attention output for the recompute
+    optimizer_offload: bool  # Adam (fp32 master, m, v) on the host: ZeRO-Offload
+    num_layers: int
+    checkpoint_bytes_per_layer: int
+    kept_attention_bytes_per_layer: int
+    terms: tuple[tuple[str, int, int], ...]  # (term, GPU bytes in the peak, host bytes per rank)
+    predicted_peak_gpu_gb: float  # what torch.cuda.max_memory_allocated should read
+    predicted_gpu_required_gb: float  # + allocator slack + CUDA context: what must fit
+    predicted_host_gb: float  # per host
+    predicted_step_s: float | None  # None: no GPU, no prediction
+    step_parts: tuple[tuple[str, float], ...]
+    fits: bool
+    binding_limit: str | None  # "GPU memory" | "host memory" | "GPU memory and host memory" when it does not fit
+    missing_gpu_gb: float  # what the closest settings need beyond the GPU budget (0 when it fits)
+    missing_host_gb: float  # ... beyond the host RAM
+    gpu_budget_gb: float | None
+    host_budget_gb: float
+    decided: tuple[str, ...]  # the `auto` settings and what they became
+    notes: tuple[str, ...]  # extrapolations, assumptions, alternatives weighed
+    settings: Settings = field(compare=False, repr=False)
+    estimate: MemoryEstimate = field(compare=False, repr=False)
+
+    @property
+    def world(self) -> int:
+        return self.sp * self.dp
+
+    def summary(self) -> str:
+        """One line: what runs, the predicted step time and peak memory."""
+        gpu = self.gpu_budget_gb is not None
+        adam = "Adam on the host" if self.optimizer_offload else f"Adam on the {'GPU' if gpu else 'device'}"
+        step = f"{self.predicted_step_s:.1f} s/step" if gpu else "no step time (no GPU)"
+        return (f"sp {self.sp} x dp {self.dp}, {self.kernel}, tiled_mlp {self.tiles}, checkpoint_every "
+                f"{self.checkpoint_every}, {len(self.offload_layers)}/{len(self.saved_layers)} layer inputs "
+                f"offloaded, {len(self.kept_attention_layers)}/{self.num_layers} attention outputs kept, "
+                f"{adam}; predicted {step}, peak {self.predicted_peak_gpu_gb:.1f} GiB {'GPU' if gpu else 'device'} "
+                f"(allocated), "
+                f"{self.predicted_host_gb:.1f} GiB host")
+
+    def shortage(self) -> str:
+        """What does not fit, in GiB, per limit (empty when it fits)."""
+        parts = []
+        if self.missing_gpu_gb > 0:
+            parts.append(f"GPU memory is short by {self.missing_gpu_gb:.2f} GiB (needs "
+                         f"{self.predicted_gpu_required_gb:.1f} of {self.gpu_budget_gb:.1f} GiB per GPU)")
+        if self.missing_host_gb > 0:
+            parts.append(f"host memory is short by {self.missing_host_gb:.2f} GiB (needs "
+                         f"{self.predicted_host_gb:.1f} of {self.host_budget_gb:.1f} GiB per host)")
+        return " and ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "max_length": self.max_length, "padded_length": self.padded_length,
+                "sp_size": self.sp, "dp": self.dp, "attn_implementation": self.kernel,
+                "loss_type": self.loss_type, "loss_chunk_size": self.loss_chunk_size, "tiled_mlp": self.tiles,
+                "lean_norm": self.lean_norm, "gradient_checkpointing": self.gradient_checkpointing,
+                "checkpoint_every": self.checkpoint_every, "saved_layers": list(self.saved_layers),
+                "offload_layers": list(self.offload_layers), "activation_offload": len(self.offload_layers),
+                "keep_attention_outputs": len(self.kept_attention_layers),
+                "kept_attention_layers": list(self.kept_attention_layers),
+                "optimizer_offload": self.optimizer_offload, "num_layers": self.num_layers,
+                "checkpoint_bytes_per_layer": self.checkpoint_bytes_per_layer,
+                "kept_attention_bytes_per_layer": self.kept_attention_bytes_per_layer,
+                "terms": [{"name": n, "gpu_bytes": g, "host_bytes": h} for n, g, h in self.terms],
+                "predicted_peak_gpu_gb": self.predicted_peak_gpu_gb,
+                "predicted_gpu_required_gb": self.predicted_gpu_required_gb,
+                "predicted_host_gb": self.predicted_host_gb, "predicted_step_s": self.predicted_step_s,
+                "step_parts_s": dict(self.step_parts), "fits": self.fits, "binding_limit": self.binding_limit,
+                "missing_gpu_gb": self.missing_gpu_gb, "missing_host_gb": self.missing_host_gb,
+                "gpu_budget_gb": self.gpu_budget_gb,
+                "host_budget_gb": self.host_budget_gb, "decided": list(self.decided), "notes": list(self.notes)}

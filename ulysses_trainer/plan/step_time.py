@@ -1,0 +1,161 @@
+"""Predicted seconds of one optimizer step: attention kernels, the rest of the layers, the optimizer.
+
+Torch-free, like the memory model. Calibrated on one H200 (Qwen3-4B, 131K-256K tokens) from
+benchmarks/results/:
+- attention: each kernel's measured TFLOP/s by length (attention_kernels_h200*.json), interpolated in
+  log(length) and held constant outside the measured lengths (the prediction then says it extrapolates);
+  a forward costs 2 L^2 h d FLOPs (causal), a backward 2.5 times that. A checkpointed layer runs the
+  kernel's forward twice (once more per layer rebuilt under checkpoint_every), unless it keeps its
+  attention output for the recompute (attention/stash.py);
+- everything else in the layers and the loss (matmuls, norms, rope, elementwise): dense FLOPs (2 per
+  parameter and token per forward, 4 per backward, the lm_head's 6 in the chunked loss) at one effective
+  rate, fitted to the three warm full-model runs that keep every attention output
+  (long_context_ours_fwdbwd_qwen3-4b_*_kept_*_warm.json: measured minus their kernels' time);
+- activation offload: not charged. The copies run on a side stream under the layers' compute (8-layer
+  256K profiles: 43.3 s with offload, 44.1 s without);
+- the optimizer step: fused Adam on the GPU is memory-bound and near free; DeepSpeed's CPU Adam with
+  ZeRO-Offload (fp32 master, m, v on the host, gradients copied down, weights up) measured 7.1 s for
+  Qwen3-4B on the H200 host (a 163 s train step against 155.9 s forward+backward with the same
+  settings): 1.77 ns per parameter on one host, scaled by the parameters each host updates.
+The model predicts a warm step: the first step also compiles and autotunes kernels (~10 s measured).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .inputs import ModelShape, Settings, layer_param_numels, local_tokens, padded_length
+
+# kernel -> ((length, forward TFLOP/s, backward TFLOP/s), ...): H200, 32 query / 8 KV heads of 128
+KERNEL_RATES: dict[str, tuple[tuple[int, float, float], ...]] = {
+    # attention_kernels_h200.json, "sdpa_cudnn" (ours runs cuDNN per KV group: same rate, the _fa4 file)
+    "sdpa": ((32768, 618.57, 521.87), (65536, 550.4, 536.3), (131072, 554.3, 531.1), (262144, 511.3, 534.36)),
+    # attention_kernels_h200_fa4.json, "ours_grouped_fa4"
+    "flash_attention_4": ((131072, 673.32, 614.2), (262144, 662.61, 617.05)),
+    # not measured: torch's flash kernel (FA2-based, attention_kernels_h200.json "sdpa_flash_expanded_kv")
+    "flash_attention_2": ((32768, 339.46, 318.84), (65536, 324.57, 325.7), (131072, 318.11, 325.13),
+                          (262144, 309.29, 325.77)),
+}
+KERNEL_SOURCES = {"sdpa": ("attention_kernels_h200.json", "sdpa_cudnn"),
+                  "flash_attention_4": ("attention_kernels_h200_fa4.json", "ours_grouped_fa4"),
+                  "flash_attention_2": ("attention_kernels_h200.json", "sdpa_flash_expanded_kv")}
+MEASURED_HEAD_SHAPE = (32, 8, 128)  # heads, KV heads, head_dim of the kernel benchmarks
+DENSE_TFLOPS = 376.0  # effective rate of everything but attention (fitted, see the module docstring)
+CPU_ADAM_S_PER_PARAM = 1.77e-9  # ZeRO-Offload step on the H200 host, per parameter updated on a host
+GPU_ADAM_BYTES_PER_PARAM = 32  # fused Adam reads/writes weight, grad, m, v (fp32 master): memory-bound
+GPU_BANDWIDTH = 4.0e12  # bytes/s (H200 HBM3e ~4.8 TB/s peak)
+ALL_TO_ALL_BYTES_PER_S = 100e9  # not measured: NVLink all-to-all, per rank and direction
+CALIBRATED_GPUS = ("H200",)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step, by part, and what the prediction extrapolates."""
+
+    total_s: float
+    parts: dict[str, float] = field(default_factory=dict)
+    extrapolated: tuple[str, ...] = ()
+
+
+def attention_flops_forward(shape: ModelShape, s: Settings) -> float:
+    """One layer's causal attention forward on one rank: 2 x L^2 x heads/sp x d per sequence."""
+    length = padded_length(s)
+    return 2.0 * s.micro_batch * length * length * (shape.heads // s.sp) * shape.head_dim
+
+
+def _rate(kernel: str, length: int) -> tuple[float, float, bool]:
+    """(forward, backward TFLOP/s, extrapolated?) of a kernel at a length, log-interpolated."""
+    pts = KERNEL_RATES[kernel]
+    if length <= pts[0][0] or length >= pts[-1][0]:
+        p = pts[0] if length <= pts[0][0] else pts[-1]
+        return p[1], p[2], length != p[0]
+    for (l0, f0, b0), (l1, f1, b1) in zip(pts, pts[1:]):
+        if l0 <= length <= l1:
+            w = (math.log(length) - math.log(l0)) / (math.log(l1) - math.log(l0))
+            return f0 + w * (f1 - f0), b0 + w * (b1 - b0), False
+    raise AssertionError("unreachable")
+
+
+def attention_seconds(shape: ModelShape, s: Settings) -> tuple[float, float, bool]:
+    """(forward, backward seconds of one layer's kernel, extrapolated?); the stand-in costs nothing."""
+    if s.attention not in KERNEL_RATES:
+        return 0.0, 0.0, False
+    fwd_tf, bwd_tf, extra = _rate(s.attention, padded_length(s))
+    flops = attention_flops_forward(shape, s)
+    return flops / (fwd_tf * 1e12), 2.5 * flops / (bwd_tf * 1e12), extra
+
+
+def forward_passes(shape: ModelShape, s: Settings) -> float:
+    """Forwards per layer, on average: 1, plus the recompute with checkpointing, plus the rebuild of
+    (c-1) of every c layers under checkpoint_every c."""
+    if not s.gradient_checkpointing:
+        return 1.0
+    c = s.checkpoint_every
+    rebuilt = shape.layers - -(-shape.layers // c)  # layers that are not block starts
+    return 2.0 + rebuilt / shape.layers
+
+
+def dense_flops(shape: ModelShape, s: Settings) -> float:
+    """Everything but the attention kernel, one micro-step on one rank: 2 FLOPs per parameter and token per
+    forward, 4 per backward; the lm_head in the chunked loss: forward + both grads, 6 per parameter."""
+    t = local_tokens(s)
+    per_layer = sum(layer_param_numels(shape))
+    layers = shape.layers * per_layer * t * (2.0 * forward_passes(shape, s) + 4.0)
+    return layers + 6.0 * shape.vocab * shape.hidden * t
+
+
+def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: int = 1,
+              gpu_name: str | None = None) -> StepTime:
+    """Seconds of one optimizer step (accumulation micro-steps, one optimizer update)."""
+    notes: list[str] = []
+    fwd, bwd, extra = attention_seconds(shape, s)
+    if s.attention in KERNEL_RATES:
+        pts = KERNEL_RATES[s.attention]
+        if extra:
+            notes.append(f"{s.attention} kernel rate measured at {pts[0][0]:,}-{pts[-1][0]:,} tokens, "
+                         f"held constant at {padded_length(s):,}")
+        if s.attention == "flash_attention_2":
+            notes.append("flash_attention_2 not measured: torch's flash kernel's rate used")
+        if (shape.heads // s.sp, shape.kv_heads, shape.head_dim) != MEASURED_HEAD_SHAPE and s.sp == 1:
+            notes.append(f"kernel rates measured with {MEASURED_HEAD_SHAPE[0]} heads of {MEASURED_HEAD_SHAPE[2]}")
+    kept = s.kept_attention_layers if s.gradient_checkpointing else 0
+    forwards = forward_passes(shape, s) * shape.layers - kept
+    parts = {"attention forward": forwards * fwd * accumulation,
+             "attention backward": shape.layers * bwd * accumulation,
+             "matmuls and the rest": dense_flops(shape, s) / (DENSE_TFLOPS * 1e12) * accumulation}
+    if s.sp > 1:  # q, k, v in and the output back, each pass; backward the same again
+        t, e = local_tokens(s), s.act_bytes
+        per_pass = t * (2 * shape.q_width + 2 * shape.kv_width) * e * (s.sp - 1) / s.sp
+        passes = forward_passes(shape, s) + 1
+        parts["all-to-all"] = shape.layers * passes * per_pass / ALL_TO_ALL_BYTES_PER_S * accumulation
+        notes.append("sp > 1: all-to-all time not measured (assumes 100 GB/s per rank)")
+    if s.dp > 1 or s.sp > 1:
+        notes.append("more than one GPU: ZeRO-3 gathers and gradient reduction not modelled")
+    shard = num_params / s.world
+    if s.optimizer == "none":
+        pass
+    elif s.offload_optimizer:
+        parts["optimizer (CPU Adam, ZeRO-Offload)"] = shard * s.ranks_per_host * CPU_ADAM_S_PER_PARAM
+        if s.ranks_per_host > 1:
+            notes.append("CPU Adam measured with one rank per host: assumed to share the host's cores")
+    else:
+        parts["optimizer (GPU Adam)"] = shard * GPU_ADAM_BYTES_PER_PARAM / GPU_BANDWIDTH
+    if gpu_name is not None and not any(g in gpu_name for g in CALIBRATED_GPUS):
+        notes.append(f"rates measured on an H200, not on {gpu_name}")
+    elif gpu_name is None:
+        notes.append("rates of an H200 assumed")
+    return StepTime(total_s=sum(parts.values()), parts=parts, extrapolated=tuple(notes))
+
+
+def kernel_rates_from_results(results_dir: str | Path) -> dict[str, tuple[tuple[int, float, float], ...]]:
+    """KERNEL_RATES rebuilt from the benchmark files (a test ties the table to them)."""
+    out = {}
+    for kernel, (name, row) in KERNEL_SOURCES.items():
+        data = json.loads((Path(results_dir) / name).read_text())
+        pts = sorted((p["seq_len"], p["fwd_tflops"], 2.5 * p["fwd_tflops"] * p["fwd_s"] / p["bwd_s"])
+                     for p in data["points"] if p["kernel"] == row)
+        out[kernel] = tuple((n, round(f, 2), round(b, 2)) for n, f, b in pts)
+    return out
