@@ -338,7 +338,7 @@ def load_config(argv: list[str]) -> TrainConfig:
 # ---------------------------------------------------------------- validation
 def validate_config(cfg: TrainConfig, world_size: int) -> None:
     """Cross-field checks that need no model or data; raise ConfigError naming the fix."""
-    from .parallel.state import check_sp_shape  # parallel/ pulls in torch.distributed: import late
+    from .parallel.state import check_sp_shape  # parallel/ imports torch: import late
     from .plan.resolve import check_levers
 
     def need(ok: bool, msg: str) -> None:

@@ -26,6 +26,7 @@ import torch
 from .config import REPO_ROOT, TrainConfig, resolve_bf16
 from .errors import ConfigError
 from .plan.resolve import offload_sub_group_size
+from .plan.resolved import check_zero_stage
 
 AUTO = "auto"
 
@@ -183,7 +184,7 @@ def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, de
 
     # ZeRO buckets
     zero = ds.get("zero_optimization", {})
-    _check_zero_stage(zero, source)
+    check_zero_stage(zero, source)
     offload_opt = False
     if isinstance(zero, dict):
         buckets = {"reduce_bucket_size": lambda h: h * h,
@@ -281,17 +282,6 @@ def fill_zero_config(config: str | os.PathLike | dict, *, world_size: int, dp_si
                               f"there or remove the section and pass lr_scheduler to deepspeed.initialize")
         ds["scheduler"] = sched
     return ds
-
-
-def _check_zero_stage(zero: Any, source: str) -> None:
-    """ZeRO-3 only: the sequence-parallel model, the collective checkpoint and the final export all
-    assume partitioned parameters (stage 1 or 2 would train and then fail at the export)."""
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
-    if stage != 3:
-        have = "has no zero_optimization section" if not zero else f"has zero_optimization.stage {json.dumps(stage)}"
-        raise ConfigError(f"{source} {have}, but this trainer needs ZeRO stage 3 (its sequence-parallel model "
-                          f"and the final HF export assume partitioned parameters); set "
-                          f"\"zero_optimization\": {{\"stage\": 3}} as in ds_configs/zero3.json")
 
 
 _DS_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization.", "DeepSpeedBF16Config": "bf16.",

@@ -3,6 +3,7 @@ decides; the trainer, `ulysses-trainer plan` and the rehearsal read the Plan). T
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,13 +50,22 @@ class ZeroSettings:
     knobs: Zero3Knobs = field(default_factory=Zero3Knobs)
 
 
+def check_zero_stage(zero: Any, source: str) -> None:
+    """ZeRO-3 only: the sequence-parallel model, the collective checkpoint and the final export all
+    assume partitioned parameters (stage 1 or 2 would train and then fail at the export)."""
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    if stage != 3:
+        have = "has no zero_optimization section" if not zero else f"has zero_optimization.stage {json.dumps(stage)}"
+        raise ConfigError(f"{source} {have}, but this trainer needs ZeRO stage 3 (its sequence-parallel model "
+                          f"and the final HF export assume partitioned parameters); set "
+                          f"\"zero_optimization\": {{\"stage\": 3}} as in ds_configs/zero3.json")
+
+
 def read_zero(ds: dict, source: str = "the ZeRO config") -> ZeroSettings:
     """ZeroSettings of a loaded ZeRO JSON (dict); only stage 3 is planned."""
     zero = ds.get("zero_optimization", {}) or {}
-    stage = zero.get("stage", 0)
-    if stage != 3:
-        raise ConfigError(f"the ZeRO config {source} has stage {stage}; the planner (and the trainer) use "
-                          f"stage 3: set zero_optimization.stage 3")
+    check_zero_stage(zero, source)
+    stage = zero["stage"]
     off = zero.get("offload_optimizer")
     offload = None if off is None else isinstance(off, dict) and off.get("device", "none") not in ("none", None)
 

@@ -122,20 +122,19 @@ def load_rehearsal_config(args: argparse.Namespace, overrides: list[str]):
                                save_steps=None, plot_per_position_loss=False)
 
 
-def comm_job(plan, gpus_per_node: int):
-    """The comm model's view of the run the trainer would make from `plan`."""
-    from ..model.parallelize import mlp_tiles
+def comm_job(plan, gpus_per_node: int, tiles: int, checkpoint_every: int):
+    """The comm model's view of the run the trainer makes from `plan` (tiles and checkpoint_every as its
+    resolved plan decided them)."""
     from ..plan.comm_model import Job
 
     zero = plan.ds_config.get("zero_optimization", {})
     # "auto" is filled by now (ds_config.py); a key left out takes DeepSpeed's default
     num = lambda key, default: int(float(zero.get(key, default)))  # noqa: E731
-    cfg, mc = plan.cfg, plan.model_config
-    tiles = mlp_tiles(cfg.tiled_mlp, plan.padded_length // plan.sp_size, mc.hidden_size, mc.intermediate_size)
+    cfg = plan.cfg
     return Job(world_size=plan.world_size, sp_size=plan.sp_size, mlp_tiles=tiles,
                local_tokens=plan.padded_length // plan.sp_size * cfg.per_device_train_batch_size,
                grad_accum=cfg.gradient_accumulation_steps, bytes_per_el=2 if plan.bf16 else 4,
-               gradient_checkpointing=cfg.gradient_checkpointing, checkpoint_every=cfg.checkpoint_every,
+               gradient_checkpointing=cfg.gradient_checkpointing, checkpoint_every=checkpoint_every,
                gpus_per_node=gpus_per_node,
                param_persistence_threshold=num("stage3_param_persistence_threshold", 100_000),
                reduce_bucket_size=num("reduce_bucket_size", 500_000_000),
@@ -237,6 +236,10 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
                "optimizer_step_s_added": opt_s, "adam_state_bytes": adam_bytes, "collectives_counted": counted,
                **memory, "offloaded_layers": len(ck.offload_layers) if ck is not None else 0,
                "kept_attention_layers": len(stash.layers) if stash is not None else 0,
+               "mlp_tiles": trainer.resolved.tiles, "checkpoint_every": trainer.resolved.checkpoint_every,
+               "optimizer_offload": trainer.resolved.optimizer_offload,
+               "predicted_by_plan_step_s": trainer.resolved.predicted_step_s,
+               "predicted_by_plan_peak_gpu_gb": trainer.resolved.predicted_peak_gpu_gb,
                "device": torch.cuda.get_device_name() if cuda else "cpu",
                **_partition_stats(trainer.model, plan.world_size)}
         trainer = engine = None  # noqa: F841 - drop the engine before the group goes
@@ -258,7 +261,7 @@ def rehearse(plan, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:
     timed = measured["step_s"][1:] or measured["step_s"]
     compute = sum(timed) / len(timed) + (measured["optimizer_step_s_added"] or 0.0)
     compute_s = None if opts.standin else compute
-    job = comm_job(plan, opts.gpus_per_node)
+    job = comm_job(plan, opts.gpus_per_node, measured["mlp_tiles"], measured["checkpoint_every"])
     comm = estimate(ModelShape.from_config(plan.model_config), job, bandwidth, compute_s, overlap)
     predicted = None if compute_s is None else compute_s + comm["comm_s_estimate"]
     tokens = plan.sequences_per_step * plan.cfg.max_length  # the whole job's real tokens per step
