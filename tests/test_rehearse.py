@@ -10,6 +10,7 @@ import pytest
 
 from tests.dist_utils import train_env
 from ulysses_trainer.plan.comm_model import (
+    A2A_STALL_S_PER_GB,
     Collective,
     Job,
     Overlap,
@@ -184,7 +185,12 @@ def test_estimate_overlap_parameters():
     bw = load_bandwidth(None)
     e = estimate(s, job, bw, compute_s=100.0)
     assert e["zero3_exposed_s"] == 0.0  # 100 s of compute hides ZeRO-3's fraction of a second
-    assert e["comm_s_estimate"] == pytest.approx(e["all_to_all_s"] + e["all_reduce_s"])
+    # exposed: every all-to-all, the small all-reduces, and the calibrated stall per all-to-all GB
+    stall = A2A_STALL_S_PER_GB * e["by_op"]["all_to_all"]["bytes"] / 1e9
+    assert e["a2a_stall_s"] == pytest.approx(stall) and stall > 0
+    assert e["comm_s_estimate"] == pytest.approx(e["all_to_all_s"] + e["all_reduce_s"] + stall)
+    none = estimate(s, job, bw, compute_s=100.0, overlap=Overlap(a2a_stall_s_per_gb=0.0))
+    assert none["comm_s_estimate"] == pytest.approx(e["comm_s_estimate"] - stall)
     tight = estimate(s, job, bw, compute_s=0.01, overlap=Overlap(a2a_hidden=0.5, zero3_hidden=1.0))
     assert tight["zero3_exposed_s"] == pytest.approx(tight["zero3_s"] - 0.01)
     assert tight["all_to_all_exposed_s"] == pytest.approx(0.5 * tight["all_to_all_s"])

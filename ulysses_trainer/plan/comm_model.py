@@ -284,10 +284,19 @@ def load_bandwidth(path: str | None, internode_gbps: float = DEFAULT_INTERNODE_G
 # Step estimate
 
 
+# What a real multi-GPU step spends beyond this rank's kernels and the collectives' wire time: NCCL kernels
+# sharing SMs with the overlapped compute, and the streams waiting at each all-to-all. Calibrated on the two
+# real sp=2 runs on 2 H200s (benchmarks/results/sp2/), as seconds per GB of all-to-all input per rank:
+# Qwen3-4B 131K missed 3.51 s over 145 GB (0.0242), Qwen3-8B 262K 9.01 s over 290 GB (0.0311); the mean.
+# Either point alone predicts the other within 5%. Measured at sp=2 only: larger sp is extrapolated.
+A2A_STALL_S_PER_GB = 0.0276
+
+
 @dataclass(frozen=True)
 class Overlap:
     a2a_hidden: float = 0.0  # fraction of the Ulysses all-to-all time hidden behind compute
     zero3_hidden: float = 1.0  # fraction of the measured compute that ZeRO-3's collectives hide behind
+    a2a_stall_s_per_gb: float = A2A_STALL_S_PER_GB  # real-run stalls per GB of all-to-all input (above)
 
 
 def estimate(shape: ModelShape, job: Job, bw: Bandwidth, compute_s: float | None,
@@ -308,9 +317,10 @@ def estimate(shape: ModelShape, job: Job, bw: Bandwidth, compute_s: float | None
         else:
             zero3 += t
     a2a_exposed = (1 - overlap.a2a_hidden) * a2a
+    stall = overlap.a2a_stall_s_per_gb * by_op.get("all_to_all", {"bytes": 0})["bytes"] / 1e9
     zero3_exposed = None if compute_s is None else max(0.0, zero3 - overlap.zero3_hidden * compute_s)
-    exposed = a2a_exposed + small + (zero3_exposed or 0.0)
-    return {"comm_s_estimate": exposed, "comm_s_total": a2a + zero3 + small,
+    exposed = a2a_exposed + small + (zero3_exposed or 0.0) + stall
+    return {"comm_s_estimate": exposed, "comm_s_total": a2a + zero3 + small, "a2a_stall_s": stall,
             "all_to_all_s": a2a, "all_to_all_exposed_s": a2a_exposed,
             "zero3_s": zero3, "zero3_exposed_s": zero3_exposed, "all_reduce_s": small,
             "zero3_hidden_assumed": compute_s is None,

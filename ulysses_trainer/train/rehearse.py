@@ -33,7 +33,7 @@ from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
 DEFAULT_COMM_FILE = REPO_ROOT / "benchmarks" / "results" / "comm_bandwidth_h200_x2.json"
 _FLAGS = {"json", "standin", "count_collectives", "help"}  # take no value
 _OWN = {"config", "gpus", "rank", "steps", "warmup_length", "out", "comm", "gpus_per_node", "internode_gbps",
-        "a2a_hidden", "zero3_hidden", *_FLAGS}
+        "a2a_hidden", "zero3_hidden", "a2a_stall_s_per_gb", *_FLAGS}
 MEANINGLESS = ("losses are meaningless: collectives on the fake process group move no data, so the buffers "
                "they would fill hold whatever was there")
 
@@ -44,7 +44,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ..plan.comm_model import DEFAULT_INTERNODE_GBPS
+    from ..plan.comm_model import A2A_STALL_S_PER_GB, DEFAULT_INTERNODE_GBPS
 
     ap = _Parser(prog="ulysses-trainer rehearse", description=__doc__,
                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="fraction of the Ulysses all-to-all time hidden behind compute (default 0)")
     ap.add_argument("--zero3_hidden", type=float, default=1.0,
                     help="fraction of the compute that ZeRO-3's gathers/reduce-scatters hide behind (default 1)")
+    ap.add_argument("--a2a_stall_s_per_gb", type=float, default=A2A_STALL_S_PER_GB,
+                    help=f"seconds a real run stalls per GB of all-to-all input per rank, beyond the wire time "
+                         f"(default {A2A_STALL_S_PER_GB:g}, calibrated on real sp=2 runs on 2 H200s)")
     ap.add_argument("--count_collectives", action="store_true",
                     help="run one more (untimed, slower) step that records every collective issued, to set "
                          "beside the model's counts")
@@ -106,6 +109,8 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("a2a_hidden", "zero3_hidden"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise ConfigError(f"--{name} must be a fraction in [0, 1], got {getattr(args, name)}")
+    if args.a2a_stall_s_per_gb < 0:
+        raise ConfigError(f"--a2a_stall_s_per_gb must be >= 0, got {args.a2a_stall_s_per_gb}")
     if args.comm is not None and not os.path.isfile(args.comm):
         raise ConfigError(f"--comm {args.comm}: no such file; give the JSON of benchmarks/comm_bandwidth.py "
                           f"or leave --comm out")
@@ -339,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
                                     category=FutureWarning)
             result = rehearse(plan, opts, bandwidth, Overlap(a2a_hidden=args.a2a_hidden,
-                                                             zero3_hidden=args.zero3_hidden))
+                                                             zero3_hidden=args.zero3_hidden,
+                                                             a2a_stall_s_per_gb=args.a2a_stall_s_per_gb))
     except ConfigError as exc:  # found once the engine exists (e.g. host RAM for offload)
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_INVALID
