@@ -3,11 +3,14 @@
     python benchmarks/suite.py                          # list the cases
     python benchmarks/suite.py CASE [CASE ...] [--out DIR] [--dry-run]
 
-Every case is a list of script calls (one H200; Qwen3-4B; flash-attn-4 installed for the `fa4` cases),
-run one after another in fresh processes: DeepSpeed keeps parts of an engine alive, so train-mode lengths
-each get their own. Each call writes the JSON file named like the committed one in benchmarks/results/
-into DIR (default: $OUT, else bench_out/); `python benchmarks/plot_results.py` turns results into the
-plot and table. `smoke` runs the same scripts on CPU with the tiny preset in about a minute.
+Every case is a list of calls run one after another in fresh processes (DeepSpeed keeps parts of an engine
+alive, so train-mode lengths each get their own): benchmark scripts on one H200 (Qwen3-4B; flash-attn-4
+installed for the `fa4` cases), the real trainer (`launch/train.py`, its metrics.jsonl in DIR/NAME/), the
+rehearsal (`ulysses-trainer rehearse`), and multi-GPU cases under the DeepSpeed launcher (`sp_*`: two GPUs of
+one host). Each call writes the file named like the committed one in benchmarks/results/ into DIR (default:
+$OUT, else bench_out/); `python benchmarks/plot_results.py` turns results into the plot and table. `smoke`
+runs the scripts on CPU with the tiny preset in about a minute. To use both GPUs of a host for two
+one-GPU cases at once, start two suites with CUDA_VISIBLE_DEVICES=0 and =1.
 """
 
 from __future__ import annotations
@@ -26,6 +29,24 @@ KEPT_OFFLOADED = ("--keep-attention-outputs", "true", "--offload", "true")
 
 def _lc(out: str, system: str, lengths: str, *extra: str) -> tuple[str, ...]:
     return (LC, "--system", system, "--model", M, "--lengths", lengths, *extra, "--out", out)
+
+
+OUT = "{out}"  # replaced by the output directory
+DS2 = ("-m", "deepspeed.launcher.runner", "--num_gpus", "2")  # the launcher, both GPUs of this host
+# the trainer's runs: fixed schedule, nothing saved (the step time is what is measured)
+RUN = ("--bf16", "true", "--learning_rate", "1e-5", "--warmup_steps", "0", "--lr_scheduler_type", "constant",
+       "--save_strategy", "no", "--seed", "42", "--overwrite_output_dir", "true")
+LONG, REF = "launch/recipes/one_gpu_4b_long.yaml", "launch/recipes/reference_8gpu_1m.yaml"
+
+
+def _train(name: str, *args: str, gpus: int = 1) -> tuple[str, ...]:
+    launch = DS2 if gpus == 2 else ()
+    return (*launch, "launch/train.py", *RUN, "--output_dir", f"{OUT}/{name}", *args)
+
+
+def _rehearse(name: str, *args: str) -> tuple[str, ...]:
+    return ("-m", "ulysses_trainer", "rehearse", "--bf16", "true", "--seed", "42", "--save_strategy", "no",
+            "--out", f"{OUT}/rehearse_{name}.json", *args)
 
 
 CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
@@ -68,6 +89,37 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
     "profile": ("where the 256K step's time goes: torch.profiler over 8 and 1 of 36 layers (per layer = diff / 7)", [
         (PROFILE, "--model", M, "--length", "262144", "--layers", str(n), *KEPT_OFFLOADED,
          "--out", f"profile_262144_l{n}_offtrue_tiledauto_fixed.json") for n in (8, 1)]),
+    "sp_exact": ("2 GPUs: sp=2 over NCCL = sp=1, bf16, the first two steps (tests/test_gpu_sp.py)", [
+        ("-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_gpu_sp.py")]),
+    "sp_scale4b": ("Qwen3-4B at 131,072 tokens: sp=1 on one GPU, then sp=2 on two (recipe defaults)", [
+        _train("sp1_4b_131k", "--config", LONG, "--max_length", "131072", "--max_steps", "2", "--sp_size", "1"),
+        _train("sp2_4b_131k", "--config", LONG, "--max_length", "131072", "--max_steps", "2", "--sp_size", "2",
+               gpus=2)]),
+    "sp_8b": ("Qwen3-8B at 262,144 tokens, sp=2 (131,072 tokens per GPU, as in the 8-GPU 1M run)", [
+        _train("sp2_8b_262k", "--config", REF, "--max_length", "262144", "--max_steps", "2", "--sp_size", "2",
+               gpus=2)]),
+    "sp_comm": ("NCCL bus bandwidth of the step's collectives on 2 GPUs (the rehearsal's comm model reads it)", [
+        (*DS2, "benchmarks/comm_bandwidth.py", "--out", f"{OUT}/comm_bandwidth_h200_x2.json")]),
+    "sp_profile": ("where the sp=2 step of Qwen3-4B at 131K spends its time: NCCL buckets, exposed comm", [
+        (*DS2, "benchmarks/profile_train.py", "--out", f"{OUT}/profile_train_sp2_4b_131072.json", "--config", LONG,
+         "--max_length", "131072", "--sp_size", "2", *RUN, "--output_dir", f"{OUT}/profile")]),
+    "rehearse_sp2": ("rank 0 of the sp_scale4b / sp_8b sp=2 jobs on one GPU, their settings pinned", [
+        _rehearse("sp2_4b_131k", "--gpus", "2", "--config", LONG, "--max_length", "131072", "--sp_size", "2",
+                  "--keep_attention_outputs", "36", "--activation_offload", "0", "--optimizer_offload", "false"),
+        _rehearse("sp2_8b_262k", "--gpus", "2", "--config", REF, "--max_length", "262144", "--sp_size", "2",
+                  "--keep_attention_outputs", "11", "--activation_offload", "0", "--optimizer_offload", "false",
+                  "--warmup_length", "65536")]),
+    "rehearse_reference": ("rank 0 of the reference run (Qwen3-8B, 1M, sp=8) on one GPU; an 8-GPU node's host RAM", [
+        _rehearse("reference_8gpu_1m", "--config", REF, "--gpus", "8", "--host_memory_gb", "560",
+                  "--warmup_length", "8192")]),
+    "rehearse_longest": ("memory only (stand-in attention): Qwen3-8B at 5,242,880 tokens on 8 GPUs, rank 0", [
+        _rehearse("longest_8b_5242880", "--config", REF, "--gpus", "8", "--max_length", "5242880",
+                  "--host_memory_gb", "560", "--standin", "--steps", "1")]),
+    "rehearse_two_nodes": ("rank 0 of 16 GPUs on two nodes, sp=16 (KV heads copied), 1M tokens, 50 GB/s between", [
+        _rehearse("two_nodes_sp16", "--config", REF, "--gpus", "16", "--sp_size", "16", "--gpus_per_node", "8",
+                  "--internode_gbps", "50", "--host_memory_gb", "560", "--warmup_length", "65536")]),
+    "defaults_256k": ("the one-GPU 256K recipe with its defaults through the trainer: one full train step", [
+        _train("defaults_4b_262144", "--config", LONG, "--max_steps", "1")]),
     "smoke": ("CPU check of the scripts: tiny preset, 256 tokens", [
         (LC, "--system", "ours", "--model", "tiny", "--lengths", "256", *FWDBWD, "--out", "smoke_long_context.json"),
         (PROFILE, "--model", "tiny", "--length", "128", "--keep-attention-outputs", "true",
@@ -79,9 +131,10 @@ def commands(case: str, out_dir: str) -> list[list[str]]:
     """The calls of one case, with their --out inside out_dir."""
     calls = []
     for script, *args in CASES[case][1]:
-        i = args.index("--out") + 1
-        args[i] = os.path.join(out_dir, args[i])
-        calls.append([sys.executable, script, *args])
+        if OUT not in " ".join((script, *args)):  # a script's own --out: a file name inside out_dir
+            i = args.index("--out") + 1
+            args[i] = os.path.join(out_dir, args[i])
+        calls.append([sys.executable, *(a.replace(OUT, out_dir) for a in (script, *args))])
     return calls
 
 

@@ -45,6 +45,9 @@ EVERY_CHOICES = (1, 2, 3, 4, 6, 9, 12)  # checkpoint_every values the search tri
 # the engine's measured memory use may exceed the model states' prediction by this much before the plan
 # shrinks: DeepSpeed's own buffers and the CUDA context vary by a GiB or so; more means another tenant
 ENGINE_TOLERANCE_GB = 2.0
+# offload is not charged in the step time, so a plan that ties on time takes more inputs to the host until the
+# GPU need is under this share of the budget (where the host has room): the fewest that fit left 0.5% headroom
+GPU_HEADROOM = 0.92
 MAX_TILES = 64  # beyond this a tile is a few thousand rows and the MLP term is negligible
 INSTALL_HINT = {"flash_attention_2": "pip install 'ulysses_trainer[flash]' (needs CUDA)",
                 "flash_attention_4": "pip install 'ulysses_trainer[fa4]' (flash_attn.cute; Hopper/Blackwell GPUs)"}
@@ -243,6 +246,21 @@ def _search(shape: ModelShape, base: Settings, fx: _Fixed, keep_max: int, gpu_gb
     return winner[1], True, best
 
 
+def _with_headroom(shape: ModelShape, chosen: MemoryEstimate, gpu_gb: float, host_gb: float) -> MemoryEstimate:
+    """`chosen` with the fewest more offloaded inputs that bring the GPU need under GPU_HEADROOM of the
+    budget, or as many more as the host holds: the same predicted step, less risk of running out."""
+    s, saved = chosen.settings, saved_layer_count(shape, chosen.settings.checkpoint_every)
+    best = chosen
+    for a in range(s.activation_offload + 1, saved + 1):
+        if best.gpu_required <= GPU_HEADROOM * gpu_gb * GIB:
+            break
+        e = estimate(shape, replace(s, activation_offload=a))
+        if not e.fits(gpu_gb, host_gb):
+            break
+        best = e
+    return best
+
+
 # --------------------------------------------------------------------------------------------
 # The one entry point
 
@@ -322,6 +340,8 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
         knobs = {False: zero.knobs, True: zero.knobs if zero.offload_optimizer else added}
         chosen, fits, best = _search(shape, base, fx, shape.layers if can_keep else 0, budget,
                                      machine.host_memory_gb, knobs, lambda s: time_of(s).total_s)
+        if fits and fx.offload is None:
+            chosen = _with_headroom(shape, chosen, budget, machine.host_memory_gb)
     s = chosen.settings
     st = time_of(s) if gpu else None
     if st is not None:
