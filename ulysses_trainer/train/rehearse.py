@@ -121,10 +121,13 @@ def _check_args(args: argparse.Namespace) -> None:
 def load_rehearsal_config(args: argparse.Namespace, overrides: list[str]):
     """The recipe + overrides, then what a rehearsal changes: K steps, no eval, no resume, no saving."""
     from ..config import load_config
+    from ..plan.resolve import STANDIN
 
     cfg = load_config((["--config", args.config] if args.config else []) + overrides)
+    # --standin: the plan is resolved (and the model built) with the memory-only kernel in attention's place
+    kernel = STANDIN if args.standin else cfg.attn_implementation
     return dataclasses.replace(cfg, max_steps=args.steps, eval_steps=None, resume_from_checkpoint=None,
-                               save_steps=None, plot_per_position_loss=False)
+                               save_steps=None, plot_per_position_loss=False, attn_implementation=kernel)
 
 
 def comm_job(plan, gpus_per_node: int, tiles: int, checkpoint_every: int):
@@ -241,7 +244,8 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
                "optimizer_step_s_added": opt_s, "adam_state_bytes": adam_bytes, "collectives_counted": counted,
                **memory, "offloaded_layers": len(ck.offload_layers) if ck is not None else 0,
                "kept_attention_layers": len(stash.layers) if stash is not None else 0,
-               "mlp_tiles": trainer.resolved.tiles, "checkpoint_every": trainer.resolved.checkpoint_every,
+               "attention_kernel": trainer.model.attention.kernel, "mlp_tiles": trainer.resolved.tiles,
+               "checkpoint_every": trainer.resolved.checkpoint_every,
                "optimizer_offload": trainer.resolved.optimizer_offload,
                "predicted_by_plan_step_s": trainer.resolved.predicted_step_s,
                "predicted_by_plan_peak_gpu_gb": trainer.resolved.predicted_peak_gpu_gb,
@@ -256,12 +260,9 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
 
 def rehearse(plan, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:
     """Measure rank opts.rank, add the modelled communication, and return the whole result."""
-    from ..attention.kernels import STANDIN
     from ..plan.comm_model import estimate
     from ..plan.inputs import ModelShape
 
-    if opts.standin:
-        plan = dataclasses.replace(plan, kernel=STANDIN)
     measured = run_rehearsal(plan, opts)
     timed = measured["step_s"][1:] or measured["step_s"]
     compute = sum(timed) / len(timed) + (measured["optimizer_step_s_added"] or 0.0)
@@ -273,7 +274,7 @@ def rehearse(plan, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:
     return {"status": "ok", "world_size": plan.world_size, "rank": opts.rank, "sp_size": plan.sp_size,
             "dp_size": plan.dp_size, "max_length": plan.cfg.max_length, "padded_length": plan.padded_length,
             "local_tokens": job.local_tokens, "model": plan.cfg.model_name_or_path,
-            "attention_kernel": plan.kernel, "standin": opts.standin, "bf16": plan.bf16,
+            "attention_kernel": measured["attention_kernel"], "standin": opts.standin, "bf16": plan.bf16,
             "gpus_per_node": opts.gpus_per_node, "losses_meaningful": False, "note": MEANINGLESS,
             "compute_time_real": not opts.standin, "compute_s": compute_s,
             "compute_s_measured_with_standin": compute if opts.standin else None,
