@@ -131,7 +131,7 @@ def commands(case: str, out_dir: str) -> list[list[str]]:
     """The calls of one case, with their --out inside out_dir."""
     calls = []
     for script, *args in CASES[case][1]:
-        if OUT not in " ".join((script, *args)):  # a script's own --out: a file name inside out_dir
+        if "--out" in args and OUT not in " ".join(args):  # a script's own --out: a file name inside out_dir
             i = args.index("--out") + 1
             args[i] = os.path.join(out_dir, args[i])
         calls.append([sys.executable, *(a.replace(OUT, out_dir) for a in (script, *args))])

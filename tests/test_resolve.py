@@ -202,4 +202,4 @@ def test_step_time_says_where_it_extrapolates():
     s = Settings(max_length=1_048_576, sp=8, attention="flash_attention_2")
     notes = " ".join(step_time(ModelShape.preset("qwen3-8b"), s, 8_000_000_000).extrapolated)
     assert "held constant at 1,048,576" in notes and "flash_attention_2 not measured" in notes
-    assert "all-to-all time not measured" in notes and "rates of an H200 assumed" in notes
+    assert "communication modelled" in notes and "rates of an H200 assumed" in notes

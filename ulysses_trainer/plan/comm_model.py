@@ -53,6 +53,9 @@ from .zero3_trace import forward_order, gathers_per_micro_step, numel_of
 
 # Assumed when no measured file is given: NCCL bus bandwidth of large messages over H200 NVLink
 # (nccl-tests reach ~350-450 GB/s on 8x H100/H200), one per-op latency, and 400 Gb/s IB per GPU.
+# the NCCL points measured on 2 H200s (benchmarks/comm_bandwidth.py), where the checkout has them
+DEFAULT_COMM_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                 "benchmarks", "results", "comm_bandwidth_h200_x2.json")
 DEFAULT_BUSBW_GBPS = 350.0
 DEFAULT_LATENCY_S = 20e-6
 DEFAULT_INTERNODE_GBPS = 50.0
@@ -284,11 +287,13 @@ def load_bandwidth(path: str | None, internode_gbps: float = DEFAULT_INTERNODE_G
 # Step estimate
 
 
-# What a real multi-GPU step spends beyond this rank's kernels and the collectives' wire time: NCCL kernels
-# sharing SMs with the overlapped compute, and the streams waiting at each all-to-all. Calibrated on the two
-# real sp=2 runs on 2 H200s (benchmarks/results/sp2/), as seconds per GB of all-to-all input per rank:
-# Qwen3-4B 131K missed 3.51 s over 145 GB (0.0242), Qwen3-8B 262K 9.01 s over 290 GB (0.0311); the mean.
-# Either point alone predicts the other within 5%. Measured at sp=2 only: larger sp is extrapolated.
+# What a real multi-GPU step took beyond the rehearsal's measured compute and the collectives' wire time, per GB
+# of all-to-all input per rank. Calibrated on the two real sp=2 runs on 2 H200s (benchmarks/results/sp2/) and
+# their rehearsals: Qwen3-4B 131K 3.51 s over 145 GB (0.0242), Qwen3-8B 262K 9.01 s over 290 GB (0.0311); the
+# mean (either alone predicts the other within 5%). What it is, is not settled: the streams waiting at each
+# all-to-all and NCCL kernels sharing SMs, or the rehearsal's kernels running faster on the zeros and garbage
+# the fake group leaves in gathered weights (less power, higher clocks). The planner's kernel rates come from
+# real runs, so its step time leaves this out. Measured at sp=2 only: larger sp is extrapolated.
 A2A_STALL_S_PER_GB = 0.0276
 
 

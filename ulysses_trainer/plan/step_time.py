@@ -47,7 +47,6 @@ DENSE_TFLOPS = 376.0  # effective rate of everything but attention (fitted, see 
 CPU_ADAM_S_PER_PARAM = 1.77e-9  # ZeRO-Offload step on the H200 host, per parameter updated on a host
 GPU_ADAM_BYTES_PER_PARAM = 32  # fused Adam reads/writes weight, grad, m, v (fp32 master): memory-bound
 GPU_BANDWIDTH = 4.0e12  # bytes/s (H200 HBM3e ~4.8 TB/s peak)
-ALL_TO_ALL_BYTES_PER_S = 100e9  # not measured: NVLink all-to-all, per rank and direction
 CALIBRATED_GPUS = ("H200",)
 
 
@@ -107,6 +106,19 @@ def dense_flops(shape: ModelShape, s: Settings) -> float:
     return layers + 6.0 * shape.vocab * shape.hidden * t
 
 
+def communication(shape: ModelShape, s: Settings, compute_s: float, accumulation: int = 1) -> dict:
+    """plan/comm_model.py's estimate for the job these settings describe (measured NCCL points if present)."""
+    from .comm_model import DEFAULT_COMM_FILE, Job, Overlap, estimate, load_bandwidth
+
+    job = Job(world_size=s.world, sp_size=s.sp, local_tokens=local_tokens(s), grad_accum=accumulation,
+              bytes_per_el=s.act_bytes, gradient_checkpointing=s.gradient_checkpointing,
+              checkpoint_every=s.checkpoint_every, gpus_per_node=s.gpus_per_host or s.world,
+              param_persistence_threshold=s.zero3.param_persistence_threshold,
+              reduce_bucket_size=s.zero3.reduce_bucket_size, mlp_tiles=s.tiled_mlp)
+    # the stall term corrects the rehearsal's compute; these rates come from real runs already
+    return estimate(shape, job, load_bandwidth(DEFAULT_COMM_FILE), compute_s, Overlap(a2a_stall_s_per_gb=0.0))
+
+
 def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: int = 1,
               gpu_name: str | None = None) -> StepTime:
     """Seconds of one optimizer step (accumulation micro-steps, one optimizer update)."""
@@ -126,14 +138,11 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     parts = {"attention forward": forwards * fwd * accumulation,
              "attention backward": shape.layers * bwd * accumulation,
              "matmuls and the rest": dense_flops(shape, s) / (DENSE_TFLOPS * 1e12) * accumulation}
-    if s.sp > 1:  # q, k, v in and the output back, each pass; backward the same again
-        t, e = local_tokens(s), s.act_bytes
-        per_pass = t * (2 * shape.q_width + 2 * shape.kv_width) * e * (s.sp - 1) / s.sp
-        passes = forward_passes(shape, s) + 1
-        parts["all-to-all"] = shape.layers * passes * per_pass / ALL_TO_ALL_BYTES_PER_S * accumulation
-        notes.append("sp > 1: all-to-all time not measured (assumes 100 GB/s per rank)")
-    if s.dp > 1 or s.sp > 1:
-        notes.append("more than one GPU: ZeRO-3 gathers and gradient reduction not modelled")
+    if s.world > 1:  # the collectives' model (the rehearsal's): what of them the compute does not hide
+        comm = communication(shape, s, sum(parts.values()), accumulation)
+        parts["communication"] = comm["comm_s_estimate"]
+        notes.append(f"more than one GPU: communication modelled ({comm['bandwidth_source'].split(':')[0]} "
+                     f"bandwidth; measured at sp=2)")
     shard = num_params / s.world
     if s.optimizer == "none":
         pass

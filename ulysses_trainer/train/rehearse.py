@@ -24,13 +24,15 @@ import sys
 import time
 import traceback
 import warnings
+from pathlib import Path
 from typing import Any
 
 from ..config import REPO_ROOT
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
+from ..plan.comm_model import DEFAULT_COMM_FILE as COMM_FILE
 
 # The measured NCCL points the rehearsal uses when --comm is not given (benchmarks/comm_bandwidth.py)
-DEFAULT_COMM_FILE = REPO_ROOT / "benchmarks" / "results" / "comm_bandwidth_h200_x2.json"
+DEFAULT_COMM_FILE = Path(COMM_FILE)
 _FLAGS = {"json", "standin", "count_collectives", "help"}  # take no value
 _OWN = {"config", "gpus", "rank", "steps", "warmup_length", "out", "comm", "gpus_per_node", "internode_gbps",
         "a2a_hidden", "zero3_hidden", "a2a_stall_s_per_gb", *_FLAGS}
