@@ -11,7 +11,6 @@ import difflib
 import json
 import math
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from .errors import ConfigError
+from .typed_values import NO_MATCH, coerce, describe, literal_choices
 
 # ds_configs/ sits next to the package in the repository (and in an sdist checkout).
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -130,89 +130,12 @@ _IGNORED = {"local_rank"}
 
 
 # ---------------------------------------------------------------- types
-def _describe(tp: Any) -> str:
-    """Human wording of an annotation, for error messages."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        parts = [_describe(a) for a in typing.get_args(tp)]
-        return ", ".join(parts[:-1]) + " or " + parts[-1] if len(parts) > 1 else parts[0]
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
-            dict: "a mapping", list: "a list", type(None): "null"}.get(tp, str(tp))
-
-
-_NO = object()
-
-
-def _coerce(value: Any, tp: Any) -> Any:
-    """`value` converted to `tp`, or _NO. Only lossless conversions (YAML reads 1e-4 as a string)."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        for arm in typing.get_args(tp):  # first exact match wins, then conversions
-            if _exact(value, arm):
-                return value
-        for arm in typing.get_args(tp):
-            out = _coerce(value, arm)
-            if out is not _NO:
-                return out
-        return _NO
-    if origin is Literal:
-        if value is False and "no" in typing.get_args(tp):  # YAML 1.1 reads a bare `no` as false
-            return "no"
-        return value if value in typing.get_args(tp) and not isinstance(value, bool) else _NO
-    if tp is type(None):
-        return None if value is None else _NO
-    if tp is bool:
-        return value if isinstance(value, bool) else _NO
-    if tp is int:
-        return value if isinstance(value, int) and not isinstance(value, bool) else _NO
-    if tp is float:
-        if isinstance(value, bool):
-            return _NO
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                return _NO
-        return _NO
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        return str(value) if isinstance(value, int) and not isinstance(value, bool) else _NO
-    if tp is dict:
-        return value if isinstance(value, dict) else _NO
-    if tp is list:
-        return value if isinstance(value, list) else _NO
-    raise TypeError(f"unsupported annotation {tp}")  # a programming error, not user input
-
-
-def _exact(value: Any, tp: Any) -> bool:
-    if typing.get_origin(tp) is Literal:
-        return isinstance(value, str) and value in typing.get_args(tp)
-    if tp is type(None):
-        return value is None
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, float)
-    return isinstance(tp, type) and isinstance(value, tp)
-
-
-def _literal_choices(tp: Any) -> list[str]:
-    if typing.get_origin(tp) is Literal:
-        return list(typing.get_args(tp))
-    return [c for arm in typing.get_args(tp) for c in _literal_choices(arm)]
-
-
 def _check_value(name: str, value: Any, where: str) -> Any:
     tp = _HINTS[name]
-    out = _coerce(value, tp)
-    if out is _NO:
-        msg = f"{name} must be {_describe(tp)}, got {value!r} ({where})"
-        choices = _literal_choices(tp)
+    out = coerce(value, tp)
+    if out is NO_MATCH:
+        msg = f"{name} must be {describe(tp)}, got {value!r} ({where})"
+        choices = literal_choices(tp)
         close = difflib.get_close_matches(value, choices, 1, 0.4) if isinstance(value, str) else []
         if close:
             msg += f"; did you mean {close[0]!r}?"
@@ -277,7 +200,7 @@ def parse_argv(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
             if nxt is None or nxt.startswith("--"):
                 if name not in FIELDS and name not in _IGNORED and name != "config":
                     raise _unknown(name, "command line")
-                if name in FIELDS and _coerce(True, _HINTS[name]) is True:  # `--bf16` alone = true
+                if name in FIELDS and coerce(True, _HINTS[name]) is True:  # `--bf16` alone = true
                     pairs[name] = True
                     i += 1
                     continue
@@ -304,7 +227,7 @@ def format_help() -> str:
              "overrides it"]
     for f in dataclasses.fields(TrainConfig):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  --{f.name} ({_describe(_HINTS[f.name])}; default {json.dumps(default)})")
+        lines.append(f"  --{f.name} ({describe(_HINTS[f.name])}; default {json.dumps(default)})")
         lines.append(f"      {f.metadata.get('help', '')}")
     return "\n".join(lines)
 
