@@ -3,22 +3,22 @@ the machine. `resolve_plan` is the one function the trainer and `ulysses-trainer
 
 Every lever is checked here (ConfigError, exit 2, naming the fix); every `auto` is decided here: of all
 the settings that fit the GPU and host memory (plan/memory.py), the one with the shortest predicted step
-(plan/step_time.py). The search (see `_search`) covers the optimizer's placement (GPU or host), the
+(plan/step_time.py). The search (plan/fastest_fit.py) covers the optimizer's placement (GPU or host), the
 checkpoint thinning, the MLP tiles, the offloaded layer inputs and the kept attention outputs.
 Torch-free: the caller measures the machine (GPU memory, host RAM, installed kernels) and passes it in.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from ..errors import ConfigError
+from .fastest_fit import Fixed, search_fastest, shortfall, with_headroom
 from .inputs import KERNELS as PLANNED_KERNELS
 from .inputs import (
     ModelShape,
     Settings,
-    Zero3Knobs,
     auto_num_tiles,
     check_settings,
     default_mlp_tiles,
@@ -27,7 +27,7 @@ from .inputs import (
     padded_length,
     saved_layer_count,
 )
-from .memory import GIB, MemoryEstimate, estimate
+from .memory import GIB, estimate
 from .resolved import (  # noqa: F401 - the plan's types, re-exported with the function that makes them
     OFFLOAD_SUB_GROUP_SIZE,
     Machine,
@@ -41,31 +41,15 @@ from .step_time import StepTime, step_time
 KERNELS = PLANNED_KERNELS[:3]  # what attn_implementation names (the plan also models the stand-in)
 STANDIN = PLANNED_KERNELS[3]  # benchmarks only (attention/standin.py)
 KEEPING_KERNELS = ("sdpa", "flash_attention_4", STANDIN)  # kernels whose outputs can be kept (attention/grouped.py)
-EVERY_CHOICES = (1, 2, 3, 4, 6, 9, 12)  # checkpoint_every values the search tries, cheapest first
 # the engine's measured memory use may exceed the model states' prediction by this much before the plan
 # shrinks: DeepSpeed's own buffers and the CUDA context vary by a GiB or so; more means another tenant
 ENGINE_TOLERANCE_GB = 2.0
-# offload is not charged in the step time, so a plan that ties on time takes more inputs to the host until the
-# GPU need is under this share of the budget (where the host has room): the fewest that fit left 0.5% headroom
-GPU_HEADROOM = 0.92
-MAX_TILES = 64  # beyond this a tile is a few thousand rows and the MLP term is negligible
 INSTALL_HINT = {"flash_attention_2": "pip install 'ulysses_trainer[flash]' (needs CUDA)",
                 "flash_attention_4": "pip install 'ulysses_trainer[fa4]' (flash_attn.cute; Hopper/Blackwell GPUs)"}
 
 
 # --------------------------------------------------------------------------------------------
 # Levers: each knob of the training config read once
-
-
-@dataclass(frozen=True)
-class _Fixed:
-    """The levers the user fixed (None = auto, to be searched)."""
-
-    offload: int | None
-    keep: int | None
-    tiles: int | None
-    every: int | None
-    optimizer_offload: bool | None
 
 
 def choose_kernel(name: str, installed: tuple[str, ...]) -> str:
@@ -82,7 +66,7 @@ def choose_kernel(name: str, installed: tuple[str, ...]) -> str:
     return name
 
 
-def check_levers(cfg: Any, shape: ModelShape | None = None, kernel: str | None = None) -> _Fixed:
+def check_levers(cfg: Any, shape: ModelShape | None = None, kernel: str | None = None) -> Fixed:
     """Every lever of a TrainConfig checked (ConfigError naming the fix) and read: fixed values or None (auto).
     Without a shape, the checks that need no model only."""
     def need(ok: bool, msg: str) -> None:
@@ -105,7 +89,7 @@ def check_levers(cfg: Any, shape: ModelShape | None = None, kernel: str | None =
          f"activation_offload {str(off).lower()} needs gradient_checkpointing: true (it offloads the layer "
          f"checkpoints); set activation_offload false or gradient_checkpointing true")
     if shape is None:
-        return _Fixed(None, None, None, None, None)
+        return Fixed(None, None, None, None, None)
     layers = shape.layers
     need(not is_int[1] or keep <= layers, f"keep_attention_outputs={keep} exceeds the model's {layers} layers; "
                                           f"give 0..{layers}, true (all of them) or auto")
@@ -122,143 +106,10 @@ def check_levers(cfg: Any, shape: ModelShape | None = None, kernel: str | None =
                            f"input: {layers} / checkpoint_every {c}, rounded up); true offloads all of them")
     if not ckpt:  # nothing to offload or keep without checkpoints
         off, keep = 0, 0
-    return _Fixed(offload=None if off == "auto" else (0 if off is False else -1 if off is True else off),
+    return Fixed(offload=None if off == "auto" else (0 if off is False else -1 if off is True else off),
                   keep=None if keep == "auto" else (layers if keep is True else int(keep)),
                   tiles=None if tiled == "auto" else (1 if tiled is False else -1 if tiled is True else tiled),
                   every=c, optimizer_offload=None if cfg.optimizer_offload == "auto" else cfg.optimizer_offload)
-
-
-# --------------------------------------------------------------------------------------------
-# The search
-
-
-def _shortfall(e: MemoryEstimate, gpu_gb: float, host_gb: float) -> tuple[int, int]:
-    return max(0, e.gpu_required - int(gpu_gb * GIB)), max(0, e.host_per_host - int(host_gb * GIB))
-
-
-@dataclass
-class _Search:
-    shape: ModelShape
-    base: Settings
-    gpu_gb: float
-    host_gb: float
-    knobs: dict[bool, Zero3Knobs]  # per optimizer placement (an added offload shrinks the sub-groups)
-    closest: MemoryEstimate | None = None
-
-    def est(self, **kw: Any) -> MemoryEstimate:
-        e = estimate(self.shape, replace(self.base, **kw))
-        if self.closest is None or sum(_shortfall(e, self.gpu_gb, self.host_gb)) < \
-                sum(_shortfall(self.closest, self.gpu_gb, self.host_gb)):
-            self.closest = e
-        return e
-
-    def fits(self, e: MemoryEstimate) -> bool:
-        return e.fits(self.gpu_gb, self.host_gb)
-
-    def fewest_offloaded(self, fixed: int | None, saved: int, **kw: Any) -> MemoryEstimate | None:
-        """The estimate with the fewest offloaded inputs that fits (GPU memory falls and host memory grows
-        with each one: the fewest that fit the GPU are the best chance for the host), or None."""
-        if fixed is not None:
-            e = self.est(activation_offload=saved if fixed == -1 else fixed, **kw)
-            return e if self.fits(e) else None
-        lo, hi = 0, saved
-        e_hi = self.est(activation_offload=hi, **kw)
-        if e_hi.gpu_required > self.gpu_gb * GIB:
-            return None
-        while lo < hi:  # invariant: hi fits the GPU
-            mid = (lo + hi) // 2
-            e = self.est(activation_offload=mid, **kw)
-            if e.gpu_required <= self.gpu_gb * GIB:
-                hi, e_hi = mid, e
-            else:
-                lo = mid + 1
-        return e_hi if self.fits(e_hi) else None
-
-    def most_kept(self, lo: int, hi: int, ok) -> int:
-        """The largest k in [lo, hi] with ok(k), given ok(lo) (ok is monotone: more kept, more memory)."""
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if ok(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-
-def _candidates(sr: _Search, fx: _Fixed, keep_max: int, every: int, opt: bool, tiles: int) -> list[MemoryEstimate]:
-    """The settings worth timing at one (checkpoint_every, optimizer placement, tiles): the fewest offloaded
-    inputs for no kept outputs plus as many kept outputs as fit without more offload, and the most kept
-    outputs that fit with any offload (time is near linear in both, so the best lies at one of the ends)."""
-    saved = saved_layer_count(sr.shape, every)
-    if fx.offload is not None and fx.offload > saved:
-        return []  # a thinning that keeps fewer inputs than the fixed offload asks for
-    kw = {"checkpoint_every": every, "offload_optimizer": opt, "tiled_mlp": tiles, "zero3": sr.knobs[opt]}
-    if fx.keep is not None:
-        e = sr.fewest_offloaded(fx.offload, saved, kept_attention_layers=fx.keep, **kw)
-        return [e] if e is not None else []
-    base = sr.fewest_offloaded(fx.offload, saved, kept_attention_layers=0, **kw)
-    if base is None:
-        return []
-    a0 = base.settings.activation_offload
-    k_lo = sr.most_kept(0, keep_max, lambda k: sr.fits(sr.est(activation_offload=a0, kept_attention_layers=k, **kw)))
-    k_hi = sr.most_kept(k_lo, keep_max, lambda k: sr.fewest_offloaded(fx.offload, saved, kept_attention_layers=k,
-                                                                      **kw) is not None)
-    out = [sr.est(activation_offload=a0, kept_attention_layers=k_lo, **kw)]
-    if k_hi > k_lo:
-        out.append(sr.fewest_offloaded(fx.offload, saved, kept_attention_layers=k_hi, **kw))
-    return out
-
-
-def _search(shape: ModelShape, base: Settings, fx: _Fixed, keep_max: int, gpu_gb: float, host_gb: float,
-            knobs: dict[bool, Zero3Knobs], time_of) -> tuple[MemoryEstimate, bool, dict[bool, tuple]]:
-    """(the fastest estimate that fits, True) or (the closest miss, False); and the best per optimizer placement.
-
-    checkpoint_every is tried cheapest first and the search stops at the first value where anything fits:
-    rebuilding a layer runs its whole forward again, which costs more than the kept attention output or the
-    offload the freed memory could buy. Tiles: the shape rule (`default_mlp_tiles`), more only when that is
-    what it takes to fit (they are a memory lever; at 256K the tiled MLP measured no slower)."""
-    sr = _Search(shape, base, gpu_gb, host_gb, knobs)
-    everies = [fx.every] if fx.every is not None else [c for c in EVERY_CHOICES if c <= shape.layers]
-    opts = [fx.optimizer_offload] if fx.optimizer_offload is not None else [False, True]
-    rule = default_mlp_tiles(local_tokens(base), shape.intermediate)
-    if fx.tiles is not None:
-        ladder = [auto_num_tiles(local_tokens(base), shape.hidden, shape.intermediate) if fx.tiles == -1 else fx.tiles]
-    else:
-        top = max(1, min(MAX_TILES, local_tokens(base)))
-        ladder = sorted({min(rule, top)} | {t for t in (2, 4, 8, 16, 32, 64) if rule < t <= top})
-    best: dict[bool, tuple[float, MemoryEstimate]] = {}
-    for every in everies:
-        for opt in opts:
-            for tiles in ladder:
-                found = _candidates(sr, fx, keep_max, every, opt, tiles)
-                for e in found:
-                    key = (time_of(e.settings), e.settings.activation_offload)
-                    if opt not in best or key < (best[opt][0], best[opt][1].settings.activation_offload):
-                        best[opt] = (key[0], e)
-                if found:
-                    break
-        if best:
-            break
-    if not best:
-        assert sr.closest is not None
-        return sr.closest, False, {}
-    winner = min(best.values(), key=lambda te: (te[0], te[1].settings.offload_optimizer))
-    return winner[1], True, best
-
-
-def _with_headroom(shape: ModelShape, chosen: MemoryEstimate, gpu_gb: float, host_gb: float) -> MemoryEstimate:
-    """`chosen` with the fewest more offloaded inputs that bring the GPU need under GPU_HEADROOM of the
-    budget, or as many more as the host holds: the same predicted step, less risk of running out."""
-    s, saved = chosen.settings, saved_layer_count(shape, chosen.settings.checkpoint_every)
-    best = chosen
-    for a in range(s.activation_offload + 1, saved + 1):
-        if best.gpu_required <= GPU_HEADROOM * gpu_gb * GIB:
-            break
-        e = estimate(shape, replace(s, activation_offload=a))
-        if not e.fits(gpu_gb, host_gb):
-            break
-        best = e
-    return best
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,10 +189,10 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     else:
         added = replace(zero.knobs, sub_group_size=offload_sub_group_size(zero.knobs.sub_group_size))
         knobs = {False: zero.knobs, True: zero.knobs if zero.offload_optimizer else added}
-        chosen, fits, best = _search(shape, base, fx, shape.layers if can_keep else 0, budget,
+        chosen, fits, best = search_fastest(shape, base, fx, shape.layers if can_keep else 0, budget,
                                      machine.host_memory_gb, knobs, lambda s: time_of(s).total_s)
         if fits and fx.offload is None:
-            chosen = _with_headroom(shape, chosen, budget, machine.host_memory_gb)
+            chosen = with_headroom(shape, chosen, budget, machine.host_memory_gb)
     s = chosen.settings
     st = time_of(s) if gpu else None
     if st is not None:
@@ -353,7 +204,7 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
         notes.append(f"optimizer_offload auto: Adam on the {'host' if s.offload_optimizer else 'GPU'}, predicted "
                      f"{best[s.offload_optimizer][0]:.1f} s/step against {other[0]:.1f} s with Adam on the "
                      f"{'GPU' if s.offload_optimizer else 'host'}")
-    gpu_miss, host_miss = _shortfall(chosen, budget, machine.host_memory_gb) if gpu else (0, 0)
+    gpu_miss, host_miss = shortfall(chosen, budget, machine.host_memory_gb) if gpu else (0, 0)
     limit = None if fits else " and ".join(n for n, m in (("GPU memory", gpu_miss), ("host memory", host_miss)) if m)
     decided = _decided(cfg, asked, s, kernel)
     saved_layers = tuple(range(0, shape.layers, s.checkpoint_every)) if s.gradient_checkpointing else ()
@@ -387,7 +238,7 @@ def _kept_bytes(shape: ModelShape, s: Settings) -> int:
     return kept_attention_bytes_per_layer(shape, s)
 
 
-def _decided(cfg: Any, fx: _Fixed, s: Settings, kernel: str) -> tuple[str, ...]:
+def _decided(cfg: Any, fx: Fixed, s: Settings, kernel: str) -> tuple[str, ...]:
     out = []
     if cfg.attn_implementation == "auto":
         out.append(f"attn_implementation {kernel}")

@@ -15,12 +15,8 @@ import math
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
+from .fastest_fit import EVERY_CHOICES, MAX_TILES
 from .memory import MemoryEstimate, ModelShape, Settings, estimate, local_tokens, saved_layer_count
-
-# Beyond this many tiles a tile is smaller than a few thousand rows and the MLP term is negligible.
-MAX_TILES = 64
-# checkpoint_every values the search tries, cheapest first.
-EVERY_CHOICES = (1, 2, 3, 4, 6, 9, 12)
 
 
 @dataclass(frozen=True)
