@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import sys
-import time
 import traceback
 import warnings
 from pathlib import Path
@@ -30,6 +28,7 @@ from typing import Any
 from ..config import REPO_ROOT
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
 from ..plan.comm_model import DEFAULT_COMM_FILE as COMM_FILE
+from .rehearsal import Rehearsal, comm_job, run_rehearsal
 
 # The measured NCCL points the rehearsal uses when --comm is not given (benchmarks/comm_bandwidth.py)
 DEFAULT_COMM_FILE = Path(COMM_FILE)
@@ -130,134 +129,6 @@ def load_rehearsal_config(args: argparse.Namespace, overrides: list[str]):
     kernel = STANDIN if args.standin else cfg.attn_implementation
     return dataclasses.replace(cfg, max_steps=args.steps, eval_steps=None, resume_from_checkpoint=None,
                                save_steps=None, plot_per_position_loss=False, attn_implementation=kernel)
-
-
-def comm_job(plan, gpus_per_node: int, tiles: int, checkpoint_every: int):
-    """The comm model's view of the run the trainer makes from `plan` (tiles and checkpoint_every as its
-    resolved plan decided them)."""
-    from ..plan.comm_model import Job
-
-    zero = plan.ds_config.get("zero_optimization", {})
-    # "auto" is filled by now (ds_config.py); a key left out takes DeepSpeed's default
-    num = lambda key, default: int(float(zero.get(key, default)))  # noqa: E731
-    cfg = plan.cfg
-    return Job(world_size=plan.world_size, sp_size=plan.sp_size, mlp_tiles=tiles,
-               local_tokens=plan.padded_length // plan.sp_size * cfg.per_device_train_batch_size,
-               grad_accum=cfg.gradient_accumulation_steps, bytes_per_el=2 if plan.bf16 else 4,
-               gradient_checkpointing=cfg.gradient_checkpointing, checkpoint_every=checkpoint_every,
-               gpus_per_node=gpus_per_node,
-               param_persistence_threshold=num("stage3_param_persistence_threshold", 100_000),
-               reduce_bucket_size=num("reduce_bucket_size", 500_000_000),
-               max_reuse_distance=num("stage3_max_reuse_distance", 1_000_000_000))
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-
-
-def _partition_stats(module, world_size: int) -> dict[str, int]:
-    """This rank's ZeRO-3 parameter partitions against the full tensors."""
-    full = local = excess = 0
-    for p in module.parameters():
-        n = int(getattr(p, "ds_numel", p.numel()))
-        mine = int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else n
-        full, local = full + n, local + mine
-        excess = max(excess, mine - -(-n // world_size))
-    return {"param_numel": full, "param_partition_numel": local, "param_partition_max_excess": excess}
-
-
-@dataclasses.dataclass(frozen=True)
-class Rehearsal:
-    """What to rehearse of the job that `plan` describes."""
-
-    rank: int = 0
-    steps: int = 2  # the first is a warm-up; the rest are timed (with standin, 1 is enough: memory only)
-    standin: bool = False
-    gpus_per_node: int = 8
-    count_collectives: bool = False
-    warmup_length: int | None = None  # tokens of the warm-up step's sequences; None: max_length
-
-
-def _warmup_batches(trainer, length: int | None) -> list:
-    """Step 0's shards, cut to `length` tokens (kernels compile and DeepSpeed records its module order
-    the same at any length, in less time)."""
-    if length is None:
-        return trainer._micro_batches(0)
-    plan, micro = trainer.plan, trainer.cfg.per_device_train_batch_size
-    rows = [plan.train_data[i] for i in range(plan.dp_size * micro)]  # any rows will do
-    cut = [{"input_ids": r["input_ids"][:length], "position_ids": r["position_ids"][:length]} for r in rows]
-    start = trainer.state.dp_rank * micro
-    return [trainer._shard(cut[start:start + micro]) for _ in range(trainer.cfg.gradient_accumulation_steps)]
-
-
-def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
-    """Build the trainer as rank opts.rank of plan.world_size on the fake group and run opts.steps train
-    steps (and, with count_collectives, one more that records the collectives issued). Returns what was
-    measured (memory, step times, partitions, collectives counted); nothing of the comm model."""
-    import torch
-
-    from ..parallel.fake import CollectiveLog, fake_process_group
-    from .adam_states import materialize_adam_states
-    from .metrics import peak_gpu_mem_gb, peak_host_mem_gb
-    from .trainer import Trainer
-
-    cuda = plan.device == "cuda"
-    with fake_process_group(opts.rank, plan.world_size, opts.gpus_per_node, plan.device):
-        trainer = Trainer(plan)
-        engine = trainer.engine
-        adam_bytes = materialize_adam_states(engine)  # held from step 1 on, as in every real step after the first
-        times, losses, skipped = [], [], []
-        for step in range(opts.steps):
-            warmup = step == 0 and opts.steps > 1
-            _sync(plan.device)
-            t0 = time.perf_counter()
-            before = engine.skipped_steps
-            batches = _warmup_batches(trainer, opts.warmup_length) if warmup else trainer._micro_batches(step)
-            loss, grad_norm, _ = trainer.train_step(batches)
-            _sync(plan.device)
-            times.append(time.perf_counter() - t0)
-            losses.append(loss)
-            skipped.append(engine.skipped_steps > before)
-            print(f"[ulysses_trainer] rehearsal step {step + 1}/{opts.steps}: {times[-1]:.3f} s"
-                  f"{' (warm-up)' if warmup else ''}; loss {loss:.4g} (meaningless)"
-                  f"{', update skipped (non-finite gradient norm)' if skipped[-1] else ''}", flush=True)
-        # a skipped update ran no optimizer: time one over this rank's partitions, to add to the step
-        opt_s = None
-        if skipped[-1]:
-            _sync(plan.device)
-            t0 = time.perf_counter()
-            materialize_adam_states(engine)
-            _sync(plan.device)
-            opt_s = time.perf_counter() - t0
-        memory = {"peak_gpu_mem_gb": peak_gpu_mem_gb(),
-                  "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
-                  "peak_host_mem_gb": peak_host_mem_gb()}
-        counted = None
-        if opts.count_collectives:  # after the memory and time readings it would distort
-            with CollectiveLog() as log:
-                trainer.train_step(trainer._micro_batches(opts.steps))
-            counted = log.ops
-        ck = trainer.model.checkpointer
-        stash = trainer.model.attention.stash
-        out = {"step_s": times, "losses": losses, "optimizer_update_skipped": skipped,
-               "optimizer_step_s_added": opt_s, "adam_state_bytes": adam_bytes, "collectives_counted": counted,
-               **memory, "offloaded_layers": len(ck.offload_layers) if ck is not None else 0,
-               "kept_attention_layers": len(stash.layers) if stash is not None else 0,
-               "attention_kernel": trainer.model.attention.kernel, "mlp_tiles": trainer.resolved.tiles,
-               "checkpoint_every": trainer.resolved.checkpoint_every,
-               "optimizer_offload": trainer.resolved.optimizer_offload,
-               "predicted_by_plan_step_s": trainer.resolved.predicted_step_s,
-               "predicted_by_plan_peak_gpu_gb": trainer.resolved.predicted_peak_gpu_gb,
-               "device": torch.cuda.get_device_name() if cuda else "cpu",
-               **_partition_stats(trainer.model, plan.world_size)}
-        trainer = engine = None  # noqa: F841 - drop the engine before the group goes
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-    return out
 
 
 def rehearse(plan, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:
