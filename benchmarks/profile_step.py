@@ -68,21 +68,27 @@ def summarize(events, device: str) -> dict:
             "total_s": sum(per.values()), "top": [{"name": k[:120], "s": t} for t, k in top[:25]]}
 
 
+def union(spans) -> list[tuple[float, float]]:
+    """Overlapping (start, end) intervals merged: disjoint and sorted."""
+    out: list[list[float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def length(spans) -> float:
+    return sum(e - s for s, e in spans)
+
+
 def busy_seconds(events) -> float:
     """Seconds in which at least one kernel or copy ran on the GPU (the union of their intervals): the
     step's wall time minus this is time the GPU sat idle (waiting on the host, a sync, a launch)."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:
-        if cur_e is None or s > cur_e:
-            total += (cur_e - cur_s) if cur_e is not None else 0.0
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total / 1e6
+    spans = [(e.time_range.start, e.time_range.end) for e in events
+             if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    return length(union(spans)) / 1e6
 
 
 def main() -> None:

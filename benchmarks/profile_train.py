@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.profile_step import bucket as compute_bucket  # noqa: E402
+from benchmarks.profile_step import length, union  # noqa: E402
 
 COMM = (  # NCCL kernel names (lower-cased), first match wins
     ("all-to-all", ("alltoall", "sendrecv")),
@@ -37,20 +38,6 @@ def comm_bucket(name: str) -> str | None:
         if any(k in low for k in keys):
             return label
     return None
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for s, e in sorted(spans):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
-
-
-def _length(spans) -> float:
-    return sum(e - s for s, e in spans)
 
 
 def _minus(spans, cover) -> float:
@@ -86,16 +73,16 @@ def summarize(events) -> dict:
         else:
             comm.setdefault(label, []).append(span)
         by_bucket[label] = by_bucket.get(label, 0.0) + span[1] - span[0]
-    compute_u = _union(compute)
+    compute_u = union(compute)
     comm_out = {}
     for label, spans in comm.items():
-        u = _union(spans)
-        comm_out[label] = {"kernel_s": _length(u), "exposed_s": _minus(u, compute_u)}
-    all_comm = _union([s for spans in comm.values() for s in spans])
+        u = union(spans)
+        comm_out[label] = {"kernel_s": length(u), "exposed_s": _minus(u, compute_u)}
+    all_comm = union([s for spans in comm.values() for s in spans])
     return {"seconds_by_bucket": dict(sorted(by_bucket.items(), key=lambda kv: -kv[1])),
-            "compute_busy_s": _length(compute_u), "comm": comm_out,
-            "comm_busy_s": _length(all_comm), "comm_exposed_s": _minus(all_comm, compute_u),
-            "gpu_busy_s": _length(_union(compute + [s for spans in comm.values() for s in spans]))}
+            "compute_busy_s": length(compute_u), "comm": comm_out,
+            "comm_busy_s": length(all_comm), "comm_exposed_s": _minus(all_comm, compute_u),
+            "gpu_busy_s": length(union(compute + [s for spans in comm.values() for s in spans]))}
 
 
 def main() -> None:
