@@ -67,9 +67,10 @@ def group_ranks(world_size: int, sp_size: int) -> tuple[list[list[int]], list[li
     return sp_groups, dp_groups
 
 
-def ranks_per_node() -> int:
-    """Ranks on this node, from the launcher: LOCAL_SIZE (deepspeed) or LOCAL_WORLD_SIZE (torchrun); else 1."""
-    return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+def ranks_per_node(default: int = 1) -> int:
+    """Ranks on this node, from the launcher: LOCAL_SIZE (deepspeed) or LOCAL_WORLD_SIZE (torchrun); else
+    `default` (no launcher: e.g. the whole world in one process group on this machine)."""
+    return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or default)
 
 
 def single_process_state() -> ParallelState:

@@ -61,11 +61,6 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _launched() -> bool:
-    """Started by a launcher that says how many ranks share this node (deepspeed: LOCAL_SIZE)."""
-    return bool(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE"))
-
-
 def measure_machine(cfg: TrainConfig, world_size: int, device: str) -> Machine:
     """This machine as the plan sees it: GPU memory (total; the free memory is measured after the engine
     is built), host RAM (host_memory_gb, else detected), ranks per host, the installed attention kernels."""
@@ -78,7 +73,7 @@ def measure_machine(cfg: TrainConfig, world_size: int, device: str) -> Machine:
         gpu_name = torch.cuda.get_device_name(index)
     host = cfg.host_memory_gb if cfg.host_memory_gb is not None else detect_host_memory_gb()
     return Machine(gpus=world_size, gpu_memory_gb=gpu_gb, host_memory_gb=host,
-                   gpus_per_host=ranks_per_node() if _launched() else world_size,
+                   gpus_per_host=ranks_per_node(default=world_size),
                    kernels=tuple(available_kernels()), gpu_name=gpu_name,
                    host_memory_source="host_memory_gb" if cfg.host_memory_gb is not None else
                    "detected on this machine")
