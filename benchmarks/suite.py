@@ -118,8 +118,12 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
     "rehearse_two_nodes": ("rank 0 of 16 GPUs on two nodes, sp=16 (KV heads copied), 1M tokens, 50 GB/s between", [
         _rehearse("two_nodes_sp16", "--config", REF, "--gpus", "16", "--sp_size", "16", "--gpus_per_node", "8",
                   "--internode_gbps", "50", "--host_memory_gb", "560", "--warmup_length", "65536")]),
-    "defaults_256k": ("the one-GPU 256K recipe with its defaults through the trainer: one full train step", [
-        _train("defaults_4b_262144", "--config", LONG, "--max_steps", "1")]),
+    "defaults_256k": ("the one-GPU 256K recipe with its defaults through the trainer: two full train steps "
+                      "(the first compiles kernels)", [
+        _train("defaults_4b_262144", "--config", LONG, "--max_steps", "2")]),
+    "norms": ("the lean RMSNorm's kernels alone (torch ops vs Liger's Triton), then their GPU exactness tests", [
+        ("benchmarks/norm_kernels.py", "--out", "norm_kernels_h200.json"),
+        ("-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_gpu_norm.py")]),
     "smoke": ("CPU check of the scripts: tiny preset, 256 tokens", [
         (LC, "--system", "ours", "--model", "tiny", "--lengths", "256", *FWDBWD, "--out", "smoke_long_context.json"),
         (PROFILE, "--model", "tiny", "--length", "128", "--keep-attention-outputs", "true",

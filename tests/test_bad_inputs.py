@@ -21,6 +21,7 @@ import pytest
 from tests.dist_utils import train_command, train_env
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 from ulysses_trainer.attention.kernels import available_kernels
+from ulysses_trainer.levers.lean_norm import available_norm_kernels
 from ulysses_trainer.model.presets import preset_config
 from ulysses_trainer.train.cli import main
 
@@ -192,6 +193,9 @@ for _kernel in ("flash_attention_2", "flash_attention_4"):
     CASES[f"{_kernel}_not_installed"] = (
         lambda f, k=_kernel: ["--attn_implementation", k], 1,
         rf"attn_implementation='{_kernel}' is not installed here \(.*\); installed: sdpa")
+CASES["norm_kernel_triton_not_installed"] = (  # CPU: the fused RMSNorm needs CUDA
+    lambda f: ["--norm_kernel", "triton"], 1,
+    r"norm_kernel='triton' is not installed here \(pip install 'ulysses_trainer\[liger\]'.*\); installed: torch")
 
 
 def _recipe(f: dict[str, Path], text: str) -> Path:
@@ -223,6 +227,8 @@ def _run_main(argv: list[str], world_size: int, monkeypatch, capsys) -> tuple[in
 def test_bad_input_exits_2_with_one_message_and_no_output_dir(name, files, tmp_path, monkeypatch, capsys):
     argv_of, world, pattern = CASES[name]
     if name.startswith("flash_attention") and name.removesuffix("_not_installed") in available_kernels():
+        pytest.skip("installed here")
+    if name.startswith("norm_kernel") and "triton" in available_norm_kernels():
         pytest.skip("installed here")
     out = tmp_path / "out"
     rc, errors = _run_main(argv_of(files) + ["--output_dir", str(out)], world, monkeypatch, capsys)

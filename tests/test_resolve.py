@@ -18,7 +18,13 @@ from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.model.load import model_config_for
 from ulysses_trainer.plan.inputs import ModelShape, Settings
 from ulysses_trainer.plan.resolve import Machine, ZeroSettings, plan_for, resolve_plan
-from ulysses_trainer.plan.step_time import KERNEL_RATES, kernel_rates_from_results, step_time
+from ulysses_trainer.plan.step_time import (
+    KERNEL_RATES,
+    NORM_S_PER_ELEMENT,
+    kernel_rates_from_results,
+    norm_rates_from_results,
+    step_time,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "launch" / "recipes").glob("*.yaml"))
@@ -26,9 +32,10 @@ Q4 = ModelShape.preset("qwen3-4b")
 H200 = dict(gpu_memory_gb=139.8, host_memory_gb=125.9, gpu_name="NVIDIA H200")  # one H200 and its host
 
 
-def _plan(kernels=("sdpa",), **cfg):
+def _plan(kernels=("sdpa",), norm_kernels=("torch",), **cfg):
     base = dict(model_name_or_path="qwen3-4b", max_length=262144, sp_size=1)
-    return resolve_plan(TrainConfig(**(base | cfg)), Q4, Machine(gpus=1, kernels=kernels, **H200), ZeroSettings())
+    machine = Machine(gpus=1, kernels=kernels, norm_kernels=norm_kernels, **H200)
+    return resolve_plan(TrainConfig(**(base | cfg)), Q4, machine, ZeroSettings())
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -95,6 +102,48 @@ def test_auto_takes_flash_attention_4_whenever_installed():
     assert _plan(kernels=("flash_attention_4", "flash_attention_2", "sdpa")).kernel == "flash_attention_4"
     with pytest.raises(ConfigError, match=r"flash_attention_4.*not installed here .*\[fa4\]"):
         _plan(attn_implementation="flash_attention_4")
+
+
+def test_auto_takes_the_fused_norm_kernel_where_installed_and_predicts_it_faster():
+    fused, plain = _plan(norm_kernels=("triton", "torch")), _plan()
+    assert (fused.norm_kernel, plain.norm_kernel) == ("triton", "torch")
+    assert "norm_kernel triton" in fused.decided and "triton norms" in fused.summary()
+    parts = dict(fused.step_parts)
+    assert parts["RMSNorms (triton)"] < dict(plain.step_parts)["RMSNorms (torch)"]
+    assert fused.predicted_step_s < plain.predicted_step_s
+    with pytest.raises(ConfigError, match=r"norm_kernel='triton' is not installed here .*\[liger\]"):
+        _plan(norm_kernel="triton")
+    with pytest.raises(ConfigError, match="set lean_norm true or norm_kernel auto"):
+        _plan(norm_kernels=("triton", "torch"), norm_kernel="triton", lean_norm=False)
+    assert _plan(norm_kernels=("triton", "torch"), lean_norm=False).norm_kernel == "torch"  # HF's norms stay
+
+
+def test_the_norm_split_leaves_the_calibrated_total_unchanged():
+    from ulysses_trainer.plan.inputs import num_params
+
+    s = Settings(max_length=262144, kept_attention_layers=36, optimizer="none")
+    lean, hf = (step_time(Q4, replace(s, lean_norm=v), num_params(Q4)) for v in (True, False))
+    assert lean.total_s == pytest.approx(hf.total_s, rel=1e-12)  # the torch norms were inside the dense rate
+    assert "RMSNorms (torch)" in lean.parts and "RMSNorms (torch)" not in hf.parts
+    assert 0 < lean.parts["RMSNorms (torch)"] < hf.parts["matmuls and the rest"]
+
+
+def test_the_lean_norm_module_refuses_a_kernel_it_cannot_run():
+    import torch
+
+    from ulysses_trainer.levers.lean_norm import LeanRMSNorm, available_norm_kernels
+
+    norm = torch.nn.Module()
+    norm.weight, norm.variance_epsilon = torch.nn.Parameter(torch.ones(8)), 1e-6
+    with pytest.raises(ValueError, match="use one of triton, torch"):
+        LeanRMSNorm(norm, "cuda")
+    if "triton" not in available_norm_kernels() and not torch.cuda.is_available():
+        assert available_norm_kernels() == ["torch"]
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError:
+            with pytest.raises(ValueError, match=r"ulysses_trainer\[liger\]"):
+                LeanRMSNorm(norm, "triton")
 
 
 def test_one_default_per_lever():
@@ -179,6 +228,7 @@ def test_does_not_fit_names_the_limit_and_the_missing_gib(capsys):
 
 def test_step_time_rates_are_the_benchmark_files():
     assert kernel_rates_from_results(ROOT / "benchmarks" / "results") == KERNEL_RATES
+    assert norm_rates_from_results(ROOT / "benchmarks" / "results") == NORM_S_PER_ELEMENT
 
 
 @pytest.mark.parametrize("source, settings, measured", [

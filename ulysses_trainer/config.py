@@ -26,6 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DS_CONFIG = str(REPO_ROOT / "ds_configs" / "zero3.json")
 
 AttnImpl = Literal["auto", "sdpa", "flash_attention_2", "flash_attention_4"]
+NormKernel = Literal["auto", "triton", "torch"]
 LossType = Literal["chunked_nll", "nll"]
 NanPolicy = Literal["skip", "stop"]
 SaveStrategy = Literal["steps", "no"]
@@ -61,6 +62,9 @@ class TrainConfig:
         "(faster, more memory): false, true (all layers), N layers, or auto (what fits on the GPU)")
     tiled_mlp: Union[bool, int, Auto] = _f("auto", "sequence-tiled MLP: false, true, N tiles, or auto")
     lean_norm: bool = _f(True, "RMSNorms keep only their input for backward (no fp32 copies); same results")
+    norm_kernel: NormKernel = _f(
+        "auto", "the lean RMSNorms' kernel: triton (Liger-Kernel's fused RMSNorm, CUDA), torch (torch ops); "
+        "auto = triton where installed")
     optimizer_offload: Union[bool, Auto] = _f(
         "auto", "Adam's fp32 master, m and v on the host (ZeRO-Offload, DeepSpeed's CPU Adam): true, false, or "
         "auto (when it makes the step faster, e.g. by leaving room to keep attention outputs); an "

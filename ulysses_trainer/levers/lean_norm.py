@@ -7,15 +7,41 @@ about 14 bytes x tokens x hidden during the layer's backward — 35 GiB of the 1
 at 1M tokens on one GPU. This one runs the same forward ops (bitwise the same output), saves the
 input (already alive: the layer checkpoint, the projection output or the residual sum) and one fp32
 scale per row, and rebuilds the rest in backward a bounded slab of rows at a time.
+
+Two kernels, the same saved tensors (input, fp32 1/rms per row) and the same math (fp32 rms, the
+normalized tensor cast to the input dtype, then times the weight): `torch` runs it as torch ops (any
+device; bitwise HF's forward), `triton` as Liger-Kernel's fused Triton RMSNorm (CUDA; one read and one
+write per pass instead of a dozen fp32 passes: the norms are most of a layer's elementwise time at
+long lengths; same results to bf16 rounding).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import torch
 from torch import Tensor, nn
 
+from ..plan.resolve import NORM_KERNELS  # the kernel is chosen with the plan (torch-free)
+
 # Backward rebuilds the fp32 copy for at most this many elements at once (64 MiB of fp32 per tensor).
 _BACKWARD_SLAB_ELEMENTS = 16 * 2**20
+
+
+@functools.cache
+def _triton_function():
+    """Liger-Kernel's RMSNorm autograd Function, None where it (or Triton) is not installed."""
+    try:
+        return importlib.import_module("liger_kernel.ops.rms_norm").LigerRMSNormFunction
+    except Exception:  # ImportError, or a Triton that fails to load without a GPU
+        return None
+
+
+def available_norm_kernels() -> list[str]:
+    """Installed RMSNorm kernels, fastest first: triton needs CUDA and liger-kernel."""
+    fused = torch.cuda.is_available() and _triton_function() is not None
+    return ["triton", "torch"] if fused else ["torch"]
 
 
 def rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -63,8 +89,14 @@ class LeanRMSNorm(nn.Module):
     """Drop-in for an HF RMSNorm (Qwen3RMSNorm, LlamaRMSNorm): `weight` and `variance_epsilon` are
     adopted under the same names, so state_dict keys are unchanged."""
 
-    def __init__(self, norm: nn.Module):
+    def __init__(self, norm: nn.Module, kernel: str = "torch"):
         super().__init__()
+        if kernel not in NORM_KERNELS:
+            raise ValueError(f"norm kernel {kernel!r}: use one of {', '.join(NORM_KERNELS)}")
+        if kernel == "triton" and _triton_function() is None:
+            raise ValueError("norm kernel 'triton' needs liger-kernel (pip install 'ulysses_trainer[liger]'); "
+                             "use 'torch'")
+        self.kernel = kernel
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
         assert isinstance(getattr(norm, "weight", None), nn.Parameter) and eps is not None, (
             f"lean_norm replaces HF RMSNorms (a weight and variance_epsilon); {type(norm).__name__} is not "
@@ -73,9 +105,12 @@ class LeanRMSNorm(nn.Module):
         self.variance_epsilon = float(eps)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, kernel={self.kernel}"
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.kernel == "triton" and x.is_cuda:
+            # (x, weight, eps, offset, casting "llama": fp32 rms, cast, then * weight; dx not written into dy)
+            return _triton_function().apply(x, self.weight, self.variance_epsilon, 0.0, "llama", False)
         if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad):
             return rms_norm_forward(x, self.weight, self.variance_epsilon)[0]
         return _LeanRMSNormFunction.apply(x, self.weight, self.variance_epsilon)
@@ -86,10 +121,10 @@ def is_rms_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and not isinstance(module, LeanRMSNorm)
 
 
-def use_lean_norms(model: nn.Module) -> int:
-    """Replace every HF RMSNorm in `model` by a LeanRMSNorm in place; returns how many."""
+def use_lean_norms(model: nn.Module, kernel: str = "torch") -> int:
+    """Replace every HF RMSNorm in `model` by a LeanRMSNorm (running `kernel`) in place; returns how many."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if is_rms_norm(child)]
     for parent, name, child in targets:
-        setattr(parent, name, LeanRMSNorm(child))
+        setattr(parent, name, LeanRMSNorm(child, kernel))
     return len(targets)

@@ -3,7 +3,8 @@
 Order (each step relies on the ones before it):
   1. Ulysses attention: register the SP attention function and switch the model to it.
   2. Loss head: lm_head also returns the chunked (or plain) loss sum, never the L x V logits.
-  3. Lean norms: every RMSNorm keeps only its input for backward, not fp32 copies.
+  3. Lean norms: every RMSNorm keeps only its input for backward, not fp32 copies (fused Triton kernel on
+     CUDA where liger-kernel is installed).
   4. Tiled MLP: each decoder layer's MLP runs by sequence tiles.
   5. Checkpointing (+ offload): each decoder layer keeps only its input (or, with checkpoint_every=k,
      every k-th layer does and backward rebuilds the rest), on device or in pinned host memory, and
@@ -23,7 +24,7 @@ from torch import nn
 
 from ..attention.stash import AttentionStash
 from ..levers.host_pool import HostPool
-from ..levers.lean_norm import use_lean_norms
+from ..levers.lean_norm import available_norm_kernels, use_lean_norms
 from ..levers.offload import LayerCheckpointer
 from ..levers.tiled_mlp import TiledMLP
 from ..parallel.state import ParallelState
@@ -43,6 +44,7 @@ class ParallelizeConfig:
     loss_chunk_size: int = 256
     tiled_mlp: bool | int | str = "auto"  # False | True (auto_num_tiles) | tiles | "auto" (the shape rule)
     lean_norm: bool = True  # RMSNorms save their input only (levers/lean_norm.py)
+    norm_kernel: str = "auto"  # their kernel: triton (Liger's fused RMSNorm) | torch | auto (triton where installed)
     gradient_checkpointing: bool = True
     checkpoint_every: int | str = "auto"  # keep every k-th layer's input; rebuild the others (levers/offload.py)
     activation_offload: bool | int | str = "auto"  # False | True (all kept inputs) | n first | "auto" (apply)
@@ -149,7 +151,8 @@ def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) 
     model.lm_head = LossHead(model.lm_head, cfg.loss_type, cfg.loss_chunk_size)
     # 3. lean norms (before tiling and checkpointing, which only wrap what is there)
     if cfg.lean_norm:
-        use_lean_norms(model)
+        kernel = available_norm_kernels()[0] if cfg.norm_kernel == "auto" else cfg.norm_kernel
+        use_lean_norms(model, kernel)
     # 4. tiled MLP
     tiles = mlp_tiles(cfg.tiled_mlp, cfg.local_seq_len, c.hidden_size, c.intermediate_size)
     if tiles > 1:

@@ -39,6 +39,8 @@ class Measurement:
     peak_host_gb: float | None = None
     attention: str = "sdpa"
     note: str = ""
+    # set (why) where the model is known to over-predict this point, i.e. to err on the safe side
+    over_predicted: str = ""
 
 
 def settings_from_dict(d: dict[str, Any]) -> Settings:
@@ -64,7 +66,7 @@ def load_calibration(path: str | Path = CALIBRATION_FILE) -> list[Measurement]:
                                                             **m["settings"]}),
                                peak_gpu_gb=m["peak_gpu_gb"],
                                peak_host_gb=m.get("peak_host_gb"), attention=m["settings"].get("attention", "sdpa"),
-                               note=m.get("note", "")))
+                               note=m.get("note", ""), over_predicted=m.get("over_predicted", "")))
     return out
 
 

@@ -65,17 +65,19 @@ def _split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return ours, rest
 
 
-def _local_gpus() -> tuple[int, float | None, str | None, tuple[str, ...]]:
-    """(GPUs here, memory of one in GiB, its name, installed attention kernels); (0, None, None, ("sdpa",))
-    without CUDA."""
+def _local_gpus() -> tuple[int, float | None, str | None, tuple[str, ...], tuple[str, ...]]:
+    """(GPUs here, memory of one in GiB, its name, installed attention kernels, installed RMSNorm kernels);
+    (0, None, None, ("sdpa",), ("torch",)) without CUDA."""
     import torch
 
     if not torch.cuda.is_available():
-        return 0, None, None, ("sdpa",)
+        return 0, None, None, ("sdpa",), ("torch",)
     from ..attention.kernels import available_kernels
+    from ..levers.lean_norm import available_norm_kernels
 
     props = torch.cuda.get_device_properties(0)
-    return torch.cuda.device_count(), props.total_memory / GIB, props.name, tuple(available_kernels())
+    return (torch.cuda.device_count(), props.total_memory / GIB, props.name, tuple(available_kernels()),
+            tuple(available_norm_kernels()))
 
 
 def _host_memory(args: argparse.Namespace, cfg: Any, gpus: int, gpu_gb: float, here: bool) -> tuple[float, str]:
@@ -117,7 +119,7 @@ def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argpars
     if not args.config and "max_length" not in overrides:
         raise ConfigError("pass --max_length N (tokens per sequence) or a recipe with --config")
     cfg = build_config(recipe, overrides, recipe_name=f"recipe {args.config}" if args.config else "recipe")
-    local, local_gb, local_name, local_kernels = _local_gpus()
+    local, local_gb, local_name, local_kernels, local_norms = _local_gpus()
     gpus = args.gpus if args.gpus is not None else (cfg.sp_size or 1)
     if gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {gpus}")
@@ -133,7 +135,8 @@ def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argpars
     ds = load_ds_config(cfg.deepspeed)
     machine = Machine(gpus=gpus, gpu_memory_gb=gpu_gb, host_memory_gb=host, gpus_per_host=args.gpus_per_host,
                       kernels=local_kernels if here else ("sdpa", "flash_attention_4", "flash_attention_2"),
-                      kernels_known=here, gpu_name=local_name if here else None,
+                      kernels_known=here, norm_kernels=local_norms if here else ("torch", "triton"),
+                      gpu_name=local_name if here else None,
                       host_memory_source=source)
     return cfg, model_config, ds, machine, args
 

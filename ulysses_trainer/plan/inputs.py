@@ -88,6 +88,7 @@ class Settings:
     checkpoint_every: int = 1  # only every k-th layer keeps its input; backward rebuilds the others
     tiled_mlp: int = 1  # MLP tiles; 1 = untiled
     lean_norm: bool = True  # RMSNorms keep only their input (ours); False: HF's fp32 copies (alst, hf)
+    norm_kernel: str = "torch"  # the lean norms' kernel (levers/lean_norm.py): torch ops or triton (fused)
     # attention/grouped.py: the kernel runs one KV-head group at a time (ours); False: on all heads at once
     grouped_attention: bool = True
     # the first n layers keep their attention output + LSE from the checkpoint's forward (attention/stash.py)

@@ -45,7 +45,9 @@ KEEPING_KERNELS = ("sdpa", "flash_attention_4", STANDIN)  # kernels whose output
 # shrinks: DeepSpeed's own buffers and the CUDA context vary by a GiB or so; more means another tenant
 ENGINE_TOLERANCE_GB = 2.0
 INSTALL_HINT = {"flash_attention_2": "pip install 'ulysses_trainer[flash]' (needs CUDA)",
-                "flash_attention_4": "pip install 'ulysses_trainer[fa4]' (flash_attn.cute; Hopper/Blackwell GPUs)"}
+                "flash_attention_4": "pip install 'ulysses_trainer[fa4]' (flash_attn.cute; Hopper/Blackwell GPUs)",
+                "triton": "pip install 'ulysses_trainer[liger]' (Liger-Kernel's Triton RMSNorm; needs CUDA)"}
+NORM_KERNELS = ("triton", "torch")  # levers/lean_norm.py
 
 
 # --------------------------------------------------------------------------------------------
@@ -63,6 +65,23 @@ def choose_kernel(name: str, installed: tuple[str, ...]) -> str:
     if name not in installed:
         raise ConfigError(f"attn_implementation={name!r} is not installed here ({INSTALL_HINT[name]}); "
                           f"installed: {', '.join(installed)} (or use auto)")
+    return name
+
+
+def choose_norm_kernel(name: str, installed: tuple[str, ...], lean_norm: bool) -> str:
+    """`auto` -> the first installed (fastest first: the fused Triton RMSNorm where installed); a named one must
+    be installed."""
+    if name not in ("auto", *NORM_KERNELS):
+        raise ConfigError(f"norm_kernel={name!r} is unknown; use one of auto, {', '.join(NORM_KERNELS)}")
+    if not lean_norm:  # HF's own norms stay
+        if name == "triton":
+            raise ConfigError("norm_kernel triton is the lean norms' kernel: set lean_norm true or norm_kernel auto")
+        return "torch"
+    if name == "auto":
+        return installed[0] if installed else "torch"
+    if name not in installed:
+        raise ConfigError(f"norm_kernel={name!r} is not installed here ({INSTALL_HINT[name]}); installed: "
+                          f"{', '.join(installed)} (or use auto)")
     return name
 
 
@@ -137,6 +156,8 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
         raise ConfigError(f"sp_size={sp} does not divide the world size {machine.gpus}; use one of "
                           f"{[d for d in range(1, machine.gpus + 1) if machine.gpus % d == 0]}")
     kernel = engine_plan.kernel if engine_plan else choose_kernel(cfg.attn_implementation, machine.kernels)
+    norm = engine_plan.norm_kernel if engine_plan else choose_norm_kernel(cfg.norm_kernel, machine.norm_kernels,
+                                                                          cfg.lean_norm)
     fx = check_levers(cfg, shape, kernel)
     if zero.offload_optimizer is not None:  # the user's ZeRO JSON says where Adam lives: it wins
         if fx.optimizer_offload is not None and fx.optimizer_offload != zero.offload_optimizer:
@@ -152,7 +173,7 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     base = Settings(max_length=cfg.max_length, sp=sp, dp=machine.gpus // sp,
                     micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
                     gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
-                    loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, attention=kernel,
+                    loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, norm_kernel=norm, attention=kernel,
                     pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs, gpus_per_host=machine.ranks_per_host)
     check_settings(shape, replace(base, kept_attention_layers=0))
     can_keep = cfg.gradient_checkpointing and kernel in KEEPING_KERNELS and not cfg.packing and gpu
@@ -160,6 +181,8 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     if cfg.attn_implementation == "auto" and not machine.kernels_known:
         notes.append(f"the kernels installed there are unknown: auto planned as {kernel} (pass "
                      f"--attn_implementation flash_attention_4 where it is installed)")
+    if cfg.norm_kernel == "auto" and cfg.lean_norm and not machine.kernels_known:
+        notes.append(f"norm_kernel auto planned as {norm} (pass --norm_kernel triton where liger-kernel is installed)")
     if cfg.packing and fx.keep is None:
         notes.append("packing: attention outputs are not kept (the kernel runs per document)")
     n = num_params(shape)
@@ -211,7 +234,8 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     return Plan(
         model=str(cfg.model_name_or_path), max_length=cfg.max_length, padded_length=padded_length(s), sp=s.sp,
         dp=s.dp, kernel=kernel, loss_type=s.loss_type, loss_chunk_size=s.loss_chunk_size, tiles=s.tiled_mlp,
-        lean_norm=s.lean_norm, gradient_checkpointing=s.gradient_checkpointing, checkpoint_every=s.checkpoint_every,
+        lean_norm=s.lean_norm, norm_kernel=s.norm_kernel, gradient_checkpointing=s.gradient_checkpointing,
+        checkpoint_every=s.checkpoint_every,
         saved_layers=saved_layers, offload_layers=saved_layers[:s.activation_offload],
         kept_attention_layers=tuple(range(s.kept_attention_layers)), optimizer_offload=s.offload_optimizer,
         num_layers=shape.layers, checkpoint_bytes_per_layer=local_tokens(s) * shape.hidden * s.act_bytes,
@@ -242,6 +266,8 @@ def _decided(cfg: Any, fx: Fixed, s: Settings, kernel: str) -> tuple[str, ...]:
     out = []
     if cfg.attn_implementation == "auto":
         out.append(f"attn_implementation {kernel}")
+    if cfg.norm_kernel == "auto" and s.lean_norm:
+        out.append(f"norm_kernel {s.norm_kernel}")
     for name, fixed, value in (("activation_offload", fx.offload, s.activation_offload),
                                ("keep_attention_outputs", fx.keep, s.kept_attention_layers),
                                ("tiled_mlp", fx.tiles, s.tiled_mlp), ("checkpoint_every", fx.every, s.checkpoint_every),

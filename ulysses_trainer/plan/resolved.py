@@ -26,6 +26,7 @@ class Machine:
     gpus_per_host: int | None = None  # None: all GPUs on one host
     kernels: tuple[str, ...] = ("sdpa",)  # installed attention kernels, fastest first
     kernels_known: bool = True  # False: planning another machine (auto = the first of `kernels`, said)
+    norm_kernels: tuple[str, ...] = ("torch",)  # installed RMSNorm kernels, fastest first
     gpu_name: str | None = None
     gpu_free_after_engine_gb: float | None = None  # measured once the engine holds the model states
     host_memory_source: str = "given"  # how host_memory_gb was obtained (said in the plan)
@@ -94,6 +95,7 @@ class Plan:
     loss_chunk_size: int
     tiles: int  # MLP tiles, 1 = untiled
     lean_norm: bool
+    norm_kernel: str  # the lean norms' kernel: triton | torch
     gradient_checkpointing: bool
     checkpoint_every: int
     saved_layers: tuple[int, ...]  # layers whose input is kept for backward
@@ -129,9 +131,9 @@ class Plan:
         gpu = self.gpu_budget_gb is not None
         adam = "Adam on the host" if self.optimizer_offload else f"Adam on the {'GPU' if gpu else 'device'}"
         step = f"{self.predicted_step_s:.1f} s/step" if gpu else "no step time (no GPU)"
-        return (f"sp {self.sp} x dp {self.dp}, {self.kernel}, tiled_mlp {self.tiles}, checkpoint_every "
-                f"{self.checkpoint_every}, {len(self.offload_layers)}/{len(self.saved_layers)} layer inputs "
-                f"offloaded, {len(self.kept_attention_layers)}/{self.num_layers} attention outputs kept, "
+        return (f"sp {self.sp} x dp {self.dp}, {self.kernel}, {self.norm_kernel} norms, tiled_mlp {self.tiles}, "
+                f"checkpoint_every {self.checkpoint_every}, {len(self.offload_layers)}/{len(self.saved_layers)} "
+                f"layer inputs offloaded, {len(self.kept_attention_layers)}/{self.num_layers} attention outputs kept, "
                 f"{adam}; predicted {step}, peak {self.predicted_peak_gpu_gb:.1f} GiB {'GPU' if gpu else 'device'} "
                 f"(allocated), "
                 f"{self.predicted_host_gb:.1f} GiB host")
@@ -151,7 +153,8 @@ class Plan:
         return {"model": self.model, "max_length": self.max_length, "padded_length": self.padded_length,
                 "sp_size": self.sp, "dp": self.dp, "attn_implementation": self.kernel,
                 "loss_type": self.loss_type, "loss_chunk_size": self.loss_chunk_size, "tiled_mlp": self.tiles,
-                "lean_norm": self.lean_norm, "gradient_checkpointing": self.gradient_checkpointing,
+                "lean_norm": self.lean_norm, "norm_kernel": self.norm_kernel,
+                "gradient_checkpointing": self.gradient_checkpointing,
                 "checkpoint_every": self.checkpoint_every, "saved_layers": list(self.saved_layers),
                 "offload_layers": list(self.offload_layers), "activation_offload": len(self.offload_layers),
                 "keep_attention_outputs": len(self.kept_attention_layers),

@@ -11,6 +11,9 @@ benchmarks/results/:
   parameter and token per forward, 4 per backward, the lm_head's 6 in the chunked loss) at one effective
   rate, fitted to the three warm full-model runs that keep every attention output
   (long_context_ours_fwdbwd_qwen3-4b_*_kept_*_warm.json: measured minus their kernels' time);
+- the RMSNorms (lean norms only): per normed element, forward and backward, by kernel (torch ops or the
+  fused Triton kernel; benchmarks/results/norm_kernels_h200.json); the torch kernel's share is taken out
+  of the dense term above, whose runs used it;
 - activation offload: not charged. The copies run on a side stream under the layers' compute (8-layer
   256K profiles: 43.3 s with offload, 44.1 s without);
 - the optimizer step: fused Adam on the GPU is memory-bound and near free; DeepSpeed's CPU Adam with
@@ -48,6 +51,13 @@ CPU_ADAM_S_PER_PARAM = 1.77e-9  # ZeRO-Offload step on the H200 host, per parame
 GPU_ADAM_BYTES_PER_PARAM = 32  # fused Adam reads/writes weight, grad, m, v (fp32 master): memory-bound
 GPU_BANDWIDTH = 4.0e12  # bytes/s (H200 HBM3e ~4.8 TB/s peak)
 CALIBRATED_GPUS = ("H200",)
+# norm_kernels_h200.json: seconds per normed element (forward, backward) by kernel and row width (a tie test
+# rebuilds it from the file): "hidden" rows (input/post-attention/final norm), "head" rows (q/k norms)
+NORM_S_PER_ELEMENT: dict[str, dict[str, tuple[float, float]]] = {
+    "torch": {"hidden": (1.2392e-11, 4.1904e-11), "head": (1.333e-11, 4.8728e-11)},
+    "triton": {"hidden": (1.145e-12, 3.841e-12), "head": (1.073e-12, 6.496e-12)},
+}
+NORM_SOURCE = "norm_kernels_h200.json"
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,17 @@ def dense_flops(shape: ModelShape, s: Settings) -> float:
     return layers + 6.0 * shape.vocab * shape.hidden * t
 
 
+def norm_seconds(shape: ModelShape, s: Settings, kernel: str) -> float:
+    """The lean RMSNorms of one micro-step on one rank with `kernel`: per layer the input and
+    post-attention norms ([t, hidden]) and the q/k norms ([t x heads, head_dim], before the all-to-all:
+    local tokens, all heads), run forward_passes times forward and once backward; the final norm once."""
+    t = local_tokens(s)
+    (h_f, h_b), (q_f, q_b) = NORM_S_PER_ELEMENT[kernel]["hidden"], NORM_S_PER_ELEMENT[kernel]["head"]
+    hidden, heads = 2 * t * shape.hidden, t * (shape.heads + shape.kv_heads) * shape.head_dim
+    per_layer = hidden * (forward_passes(shape, s) * h_f + h_b) + heads * (forward_passes(shape, s) * q_f + q_b)
+    return shape.layers * per_layer + t * shape.hidden * (h_f + h_b)
+
+
 def communication(shape: ModelShape, s: Settings, compute_s: float, accumulation: int = 1) -> dict:
     """plan/comm_model.py's estimate for the job these settings describe (measured NCCL points if present)."""
     from .comm_model import DEFAULT_COMM_FILE, Job, Overlap, estimate, load_bandwidth
@@ -138,6 +159,9 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     parts = {"attention forward": forwards * fwd * accumulation,
              "attention backward": shape.layers * bwd * accumulation,
              "matmuls and the rest": dense_flops(shape, s) / (DENSE_TFLOPS * 1e12) * accumulation}
+    if s.lean_norm:  # the dense rate was fitted with the torch kernel's norms inside it
+        parts["matmuls and the rest"] -= norm_seconds(shape, s, "torch") * accumulation
+        parts[f"RMSNorms ({s.norm_kernel})"] = norm_seconds(shape, s, s.norm_kernel) * accumulation
     if s.world > 1:  # the collectives' model (the rehearsal's): what of them the compute does not hide
         comm = communication(shape, s, sum(parts.values()), accumulation)
         parts["communication"] = comm["comm_s_estimate"]
@@ -157,6 +181,20 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     elif gpu_name is None:
         notes.append("rates of an H200 assumed")
     return StepTime(total_s=sum(parts.values()), parts=parts, extrapolated=tuple(notes))
+
+
+def norm_rates_from_results(results_dir: str | Path) -> dict[str, dict[str, tuple[float, float]]]:
+    """NORM_S_PER_ELEMENT rebuilt from the benchmark file: per kernel, the widest hidden-norm point and the
+    head-norm points, mean seconds per element (a test ties the table to it)."""
+    points = json.loads((Path(results_dir) / NORM_SOURCE).read_text())["points"]
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for kernel in ("torch", "triton"):
+        rows = {"hidden": [p for p in points if p["kernel"] == kernel and p["width"] > 128],
+                "head": [p for p in points if p["kernel"] == kernel and p["width"] == 128]}
+        out[kernel] = {k: (round(sum(p["fwd_ns_per_element"] for p in v) / len(v) * 1e-9, 15),
+                           round(sum(p["bwd_ns_per_element"] for p in v) / len(v) * 1e-9, 15))
+                       for k, v in rows.items()}
+    return out
 
 
 def kernel_rates_from_results(results_dir: str | Path) -> dict[str, tuple[tuple[int, float, float], ...]]:

@@ -63,8 +63,10 @@ def _device() -> str:
 
 def measure_machine(cfg: TrainConfig, world_size: int, device: str) -> Machine:
     """This machine as the plan sees it: GPU memory (total; the free memory is measured after the engine
-    is built), host RAM (host_memory_gb, else detected), ranks per host, the installed attention kernels."""
+    is built), host RAM (host_memory_gb, else detected), ranks per host, the installed attention and RMSNorm
+    kernels."""
     from ..levers.host_pool import detect_host_memory_gb
+    from ..levers.lean_norm import available_norm_kernels
 
     gpu_gb = gpu_name = None
     if device == "cuda":
@@ -74,7 +76,8 @@ def measure_machine(cfg: TrainConfig, world_size: int, device: str) -> Machine:
     host = cfg.host_memory_gb if cfg.host_memory_gb is not None else detect_host_memory_gb()
     return Machine(gpus=world_size, gpu_memory_gb=gpu_gb, host_memory_gb=host,
                    gpus_per_host=ranks_per_node(default=world_size),
-                   kernels=tuple(available_kernels()), gpu_name=gpu_name,
+                   kernels=tuple(available_kernels()), norm_kernels=tuple(available_norm_kernels()),
+                   gpu_name=gpu_name,
                    host_memory_source="host_memory_gb" if cfg.host_memory_gb is not None else
                    "detected on this machine")
 

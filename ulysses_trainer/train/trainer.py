@@ -89,7 +89,8 @@ class Trainer:
             model = build_model(plan.model_config, dtype, checkpoint_source(cfg.model_name_or_path), seed=cfg.seed)
         pcfg = ParallelizeConfig(attn_implementation=first.kernel, loss_type=first.loss_type,
                                  loss_chunk_size=first.loss_chunk_size, tiled_mlp=first.tiles,
-                                 lean_norm=first.lean_norm, gradient_checkpointing=first.gradient_checkpointing,
+                                 lean_norm=first.lean_norm, norm_kernel=first.norm_kernel,
+                                 gradient_checkpointing=first.gradient_checkpointing,
                                  checkpoint_every=first.checkpoint_every, activation_offload="auto",
                                  keep_attention_outputs="auto" if first.gradient_checkpointing else False,
                                  host_memory_gb=cfg.host_memory_gb,  # None: the pool detects, with a margin
