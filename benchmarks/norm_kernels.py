@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.attention_kernels import _time  # noqa: E402 - median of iters runs after an untimed one
 from ulysses_trainer.levers.lean_norm import LeanRMSNorm  # noqa: E402
 
 # (label, rows, width): what one layer norms, per pass
@@ -34,19 +34,6 @@ class _Norm(torch.nn.Module):  # what LeanRMSNorm adopts from an HF RMSNorm
         super().__init__()
         self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(width, device="cuda", dtype=torch.bfloat16))
         self.variance_epsilon = 1e-6
-
-
-def _time(fn, iters: int) -> float:
-    fn()  # compile / warm
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
 
 
 def _run(norm: LeanRMSNorm, x: torch.Tensor, dy: torch.Tensor):
