@@ -175,7 +175,8 @@ def format_comparison(rows: list[Comparison]) -> str:
             f"{m.source[:34]:<34} {m.system:<6} {m.model:<10} {s.max_length:>9,} {m.attention[:10]:<10} "
             f"{s.activation_offload:>4} {m.peak_gpu_gb:>9.2f} {c.predicted_gpu_gb:>9.2f} {c.gpu_error:>+7.1%} "
             + (f"{m.peak_host_gb:>9.2f} {c.predicted_host_gb:>9.2f} {he:>+7.1%}" if he is not None
-               else f"{'-':>9} {c.predicted_host_gb:>9.2f} {'-':>7}"))
+               else f"{'-':>9} {c.predicted_host_gb:>9.2f} {'-':>7}")
+            + ("  over-predicted, known (calibration.json)" if m.over_predicted else ""))
     if rows:
         worst = max(rows, key=lambda c: abs(c.gpu_error))
         lines.append(f"worst GPU error {worst.gpu_error:+.1%} ({worst.measurement.system}, "
