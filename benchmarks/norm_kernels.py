@@ -18,6 +18,7 @@ import os
 import sys
 
 import torch
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,13 +28,6 @@ from ulysses_trainer.levers.lean_norm import LeanRMSNorm  # noqa: E402
 # (label, rows, width): what one layer norms, per pass
 SHAPES = (("qwen3-4b 262144 hidden", 262144, 2560), ("qwen3-4b 262144 q heads", 262144 * 32, 128),
           ("qwen3-8b 131072 hidden", 131072, 4096), ("qwen3-8b 131072 q heads", 131072 * 32, 128))
-
-
-class _Norm(torch.nn.Module):  # what LeanRMSNorm adopts from an HF RMSNorm
-    def __init__(self, width: int):
-        super().__init__()
-        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(width, device="cuda", dtype=torch.bfloat16))
-        self.variance_epsilon = 1e-6
 
 
 def _run(norm: LeanRMSNorm, x: torch.Tensor, dy: torch.Tensor):
@@ -58,7 +52,9 @@ def _times(norm: LeanRMSNorm, x: torch.Tensor, dy: torch.Tensor, iters: int) -> 
 
 def measure(rows: int, width: int, iters: int) -> list[dict]:
     torch.manual_seed(0)
-    base = _Norm(width)
+    base = Qwen3RMSNorm(width, eps=1e-6).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        base.weight.copy_(1 + 0.1 * torch.randn(width, device="cuda"))
     x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     out, results = {}, []

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..attention.stash import AttentionStash
 from ..levers.host_pool import HostPool
-from ..levers.lean_norm import available_norm_kernels, use_lean_norms
+from ..levers.lean_norm import resolve_norm_kernel, use_lean_norms
 from ..levers.offload import LayerCheckpointer
 from ..levers.tiled_mlp import TiledMLP
 from ..parallel.state import ParallelState
@@ -151,8 +151,7 @@ def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) 
     model.lm_head = LossHead(model.lm_head, cfg.loss_type, cfg.loss_chunk_size)
     # 3. lean norms (before tiling and checkpointing, which only wrap what is there)
     if cfg.lean_norm:
-        kernel = available_norm_kernels()[0] if cfg.norm_kernel == "auto" else cfg.norm_kernel
-        use_lean_norms(model, kernel)
+        use_lean_norms(model, resolve_norm_kernel(cfg.norm_kernel))
     # 4. tiled MLP
     tiles = mlp_tiles(cfg.tiled_mlp, cfg.local_seq_len, c.hidden_size, c.intermediate_size)
     if tiles > 1:

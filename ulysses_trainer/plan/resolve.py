@@ -54,35 +54,34 @@ NORM_KERNELS = ("triton", "torch")  # levers/lean_norm.py
 # Levers: each knob of the training config read once
 
 
-def choose_kernel(name: str, installed: tuple[str, ...]) -> str:
-    """`auto` -> the fastest installed kernel (flash-attn-4 whenever it is there); a named one must be installed."""
+def _installed_choice(field: str, name: str, known: tuple[str, ...], installed: tuple[str, ...],
+                      default: str) -> str:
+    """`auto` -> the first installed (fastest first; `default` if none); a named one must be known and installed."""
     if name == "auto":
-        return installed[0] if installed else "sdpa"
-    if name == STANDIN:
-        return name
-    if name not in KERNELS:
-        raise ConfigError(f"attn_implementation={name!r} is unknown; use one of auto, {', '.join(KERNELS)}")
+        return installed[0] if installed else default
+    if name not in known:
+        raise ConfigError(f"{field}={name!r} is unknown; use one of auto, {', '.join(known)}")
     if name not in installed:
-        raise ConfigError(f"attn_implementation={name!r} is not installed here ({INSTALL_HINT[name]}); "
+        raise ConfigError(f"{field}={name!r} is not installed here ({INSTALL_HINT[name]}); "
                           f"installed: {', '.join(installed)} (or use auto)")
     return name
 
 
-def choose_norm_kernel(name: str, installed: tuple[str, ...], lean_norm: bool) -> str:
-    """`auto` -> the first installed (fastest first: the fused Triton RMSNorm where installed); a named one must
-    be installed."""
-    if name not in ("auto", *NORM_KERNELS):
-        raise ConfigError(f"norm_kernel={name!r} is unknown; use one of auto, {', '.join(NORM_KERNELS)}")
-    if not lean_norm:  # HF's own norms stay
+def choose_kernel(name: str, installed: tuple[str, ...]) -> str:
+    """`auto` -> the fastest installed kernel (flash-attn-4 whenever it is there); a named one must be installed."""
+    if name == STANDIN:
+        return name
+    return _installed_choice("attn_implementation", name, KERNELS, installed, "sdpa")
+
+
+def choose_norm_kernel(name: str, installed: tuple[str, ...], lean_norm: bool = True) -> str:
+    """`auto` -> the fused Triton RMSNorm where installed, else torch ops; a named one must be installed.
+    Without lean norms HF's own norms stay (torch)."""
+    if not lean_norm:
         if name == "triton":
             raise ConfigError("norm_kernel triton is the lean norms' kernel: set lean_norm true or norm_kernel auto")
         return "torch"
-    if name == "auto":
-        return installed[0] if installed else "torch"
-    if name not in installed:
-        raise ConfigError(f"norm_kernel={name!r} is not installed here ({INSTALL_HINT[name]}); installed: "
-                          f"{', '.join(installed)} (or use auto)")
-    return name
+    return _installed_choice("norm_kernel", name, NORM_KERNELS, installed, "torch")
 
 
 def check_levers(cfg: Any, shape: ModelShape | None = None, kernel: str | None = None) -> Fixed:

@@ -123,7 +123,8 @@ def norm_seconds(shape: ModelShape, s: Settings, kernel: str) -> float:
     t = local_tokens(s)
     (h_f, h_b), (q_f, q_b) = NORM_S_PER_ELEMENT[kernel]["hidden"], NORM_S_PER_ELEMENT[kernel]["head"]
     hidden, heads = 2 * t * shape.hidden, t * (shape.heads + shape.kv_heads) * shape.head_dim
-    per_layer = hidden * (forward_passes(shape, s) * h_f + h_b) + heads * (forward_passes(shape, s) * q_f + q_b)
+    passes = forward_passes(shape, s)
+    per_layer = hidden * (passes * h_f + h_b) + heads * (passes * q_f + q_b)
     return shape.layers * per_layer + t * shape.hidden * (h_f + h_b)
 
 
@@ -184,8 +185,8 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
 
 
 def norm_rates_from_results(results_dir: str | Path) -> dict[str, dict[str, tuple[float, float]]]:
-    """NORM_S_PER_ELEMENT rebuilt from the benchmark file: per kernel, the widest hidden-norm point and the
-    head-norm points, mean seconds per element (a test ties the table to it)."""
+    """NORM_S_PER_ELEMENT rebuilt from the benchmark file: per kernel, the mean seconds per element of the
+    hidden-width points and of the head-width (128) points (a test ties the table to it)."""
     points = json.loads((Path(results_dir) / NORM_SOURCE).read_text())["points"]
     out: dict[str, dict[str, tuple[float, float]]] = {}
     for kernel in ("torch", "triton"):
