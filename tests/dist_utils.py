@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
@@ -103,6 +106,52 @@ def train_env() -> dict[str, str]:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
     return env
+
+
+def _oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has ended since boot (/proc/vmstat), None where unreadable."""
+    try:
+        with open("/proc/vmstat") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("oom_kill ")), None)
+    except OSError:
+        return None
+
+
+def _memory_now() -> str:
+    try:
+        with open("/proc/meminfo") as f:
+            mib = {k: int(v.split()[0]) // 1024 for k, v in (line.split(":", 1) for line in f)}
+    except OSError:
+        return "memory: unreadable"
+    return (f"memory now: {mib.get('MemAvailable')} MiB available, {mib.get('Shmem')} MiB in shared memory "
+            f"(/dev/shm), load {os.getloadavg()[0]:.1f}")
+
+
+def run_job(cmd: list[str], timeout: float, cwd: str | None = None, env: dict | None = None):
+    """subprocess.run of a launched job (capture_output, text) that also records whether the kernel
+    OOM-killed a process while it ran (res.oom_kills: None where the counter is unreadable)."""
+    import subprocess
+
+    before = _oom_kills()
+    res = subprocess.run(cmd, cwd=cwd or ROOT, env=env or train_env(), capture_output=True, text=True,
+                         timeout=timeout)
+    after = _oom_kills()
+    res.oom_kills = None if before is None or after is None else after - before
+    return res
+
+
+def job_failure(res) -> str:
+    """Why a launched job failed: every rank's error lines (the first rank to fail is the cause; the others
+    only report the lost peer), native deaths included (the launcher's "exits with return code = -9", "terminate
+    called", "Fatal Python error"), whether the OOM killer ended a process meanwhile, memory now, the log's tail."""
+    log = (res.stdout or "") + (res.stderr or "")
+    errors = [line for line in log.splitlines()
+              if re.search(r"Error|error:|Traceback|exits with|warning:|terminate called|Fatal Python", line)]
+    shown = errors if len(errors) <= 40 else errors[:20] + ["..."] + errors[-20:]
+    oom = getattr(res, "oom_kills", None)
+    return "\n".join([f"{' '.join(map(str, res.args))} exited {res.returncode}", *shown, "----",
+                      f"OOM kills while it ran: {'unknown' if oom is None else oom}", _memory_now(), "----",
+                      log[-4000:]])
 
 
 def zero3_config(world_size: int, **zero: object) -> dict:

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import train_command, train_env
+from tests.dist_utils import job_failure, run_job, train_command
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_STEPS = 4
@@ -47,9 +47,8 @@ SP_ARGS = COMMON + ["--gradient_accumulation_steps", "2", "--per_device_train_ba
 
 def run_train(num_gpus: int, args: list[str], output_dir: Path) -> subprocess.CompletedProcess:
     cmd = train_command(num_gpus, [*args, "--output_dir", str(output_dir)])
-    proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}\n"
-                                  f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    proc = run_job(cmd, timeout=420)
+    assert proc.returncode == 0, job_failure(proc)
     return proc
 
 

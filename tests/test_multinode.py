@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port, train_command, train_env
+from tests.dist_utils import free_port, job_failure, run_job, train_command, train_env
 from ulysses_trainer.parallel.state import group_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,9 +93,8 @@ def test_two_nodes_through_a_hostfile_sp2_inside_dp2_across_equal_one_node_dp2(t
     for p, (stdout, stderr) in zip(nodes, results):
         assert p.returncode == 0, f"{stdout[-2000:]}\n{stderr[-5000:]}"
     one = tmp_path / "one_node"
-    proc = subprocess.run(train_command(2, [*ARGS, "--sp_size", "1", "--output_dir", str(one)]), cwd=ROOT,
-                          env=train_env(), capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    proc = run_job(train_command(2, [*ARGS, "--sp_size", "1", "--output_dir", str(one)]), timeout=420)
+    assert proc.returncode == 0, job_failure(proc)
     two, ref = metrics(out), metrics(one)
     assert [r["step"] for r in two] == [r["step"] for r in ref] == [1, 2]
     assert all(r["num_tokens"] == q["num_tokens"] for r, q in zip(two, ref))  # same global batch

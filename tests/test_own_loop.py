@@ -4,13 +4,12 @@ README's copy of the example."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port, train_env
+from tests.dist_utils import free_port, job_failure, run_job
 from ulysses_trainer import destroy_distributed, fill_zero_config
 from ulysses_trainer.errors import ConfigError
 
@@ -23,9 +22,8 @@ def run_example(num_gpus: int, args: list[str]) -> list[float]:
     deepspeed = Path(sys.executable).with_name("deepspeed")
     cmd = [str(deepspeed) if deepspeed.exists() else "deepspeed", "--master_port", str(free_port()),
            "--num_gpus", str(num_gpus), str(EXAMPLE.relative_to(ROOT)), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}\n"
-                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    proc = run_job(cmd, timeout=300)
+    assert proc.returncode == 0, job_failure(proc)
     return [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", proc.stdout, flags=re.M)]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import train_env
+from tests.dist_utils import free_port, train_env
 from ulysses_trainer.plan.comm_model import (
     A2A_STALL_S_PER_GB,
     Collective,
@@ -314,7 +314,7 @@ def test_comm_bandwidth_benchmark_writes_what_the_rehearsal_reads(tmp_path):
     """benchmarks/comm_bandwidth.py under torchrun (2 ranks, gloo, tiny sizes): every op at every size, in
     the format load_bandwidth reads back as measured."""
     out = tmp_path / "bw.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29731",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "benchmarks/comm_bandwidth.py", "--backend", "gloo", "--sizes", "4096,65536", "--dtype", "float32",
            "--warmup", "1", "--iters", "2", "--out", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.dist_utils import train_command, train_env
+from tests.dist_utils import job_failure, run_job, train_command
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.train import reporters
 from ulysses_trainer.train.cli import main
@@ -97,8 +96,8 @@ def test_real_command_report_to_tensorboard_has_the_losses_of_metrics_jsonl(tmp_
     args = ["--report_to", "tensorboard", "--max_steps", "2", "--max_length", "128", "--bf16", "false",
             "--eval_steps", "2", "--save_strategy", "no", "--output_dir", str(out)]
     cmd = train_command(1, args)
-    proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    proc = run_job(cmd, timeout=300)
+    assert proc.returncode == 0, job_failure(proc)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
