@@ -20,7 +20,9 @@ from ulysses_trainer.plan.inputs import ModelShape, Settings
 from ulysses_trainer.plan.resolve import Machine, ZeroSettings, plan_for, resolve_plan
 from ulysses_trainer.plan.step_time import (
     KERNEL_RATES,
+    MODELLED_FROM_S,
     NORM_S_PER_ELEMENT,
+    format_seconds,
     kernel_rates_from_results,
     norm_rates_from_results,
     step_time,
@@ -246,6 +248,25 @@ def test_step_time_reproduces_the_calibration_runs(source, settings, measured):
     got = step_time(Q4, s, num_params(Q4), gpu_name="NVIDIA H200")
     assert got.total_s == pytest.approx(measured, rel=0.03), source
     assert got.extrapolated == ()
+
+
+def test_a_tiny_step_is_printed_as_a_lower_bound_not_as_zero():
+    """The default tiny preset on one GPU: a few milliseconds predicted, not "0.0 s/step", and a note that fixed
+    per-step costs are left out; the end-of-run line then compares memory but not the step time."""
+    from ulysses_trainer.train.metrics import predicted_vs_measured
+
+    tiny = ModelShape.preset("tiny")
+    p = resolve_plan(TrainConfig(model_name_or_path="tiny", max_length=4096, sp_size=1), tiny,
+                     Machine(gpus=1, kernels=("sdpa",), norm_kernels=("torch",), **H200), ZeroSettings())
+    assert 0 < p.predicted_step_s < MODELLED_FROM_S
+    assert f"predicted {format_seconds(p.predicted_step_s)} s/step" in p.summary() and "0.0 s" not in p.summary()
+    assert any("not modelled, the prediction is a lower bound" in n for n in p.notes)
+    line = predicted_vs_measured(p.predicted_step_s, 0.9, [0.4, 0.1, 0.1], 1.1)
+    assert "no comparison under 1 s" in line and "%," not in line.split("peak")[0] and "(+22.2%)" in line
+    assert [format_seconds(x) for x in (141.74, 1.0, 0.5, 0.0031)] == ["141.7", "1.0", "0.5", "0.0031"]
+    # a real step keeps its signed error
+    assert "(-1.0%, mean of 1 step(s) after the first)" in predicted_vs_measured(157.3, 120.3, [164.6, 155.7], 118.9)
+    assert not any("lower bound" in n for n in _plan().notes)
 
 
 def test_step_time_says_where_it_extrapolates():

@@ -36,7 +36,7 @@ from .resolved import (  # noqa: F401 - the plan's types, re-exported with the f
     offload_sub_group_size,
     read_zero,
 )
-from .step_time import StepTime, step_time
+from .step_time import StepTime, format_seconds, step_time
 
 KERNELS = PLANNED_KERNELS[:3]  # what attn_implementation names (the plan also models the stand-in)
 STANDIN = PLANNED_KERNELS[3]  # benchmarks only (attention/standin.py)
@@ -224,7 +224,8 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     if fx.optimizer_offload is None and len(best) == 2:
         other = best[not s.offload_optimizer]
         notes.append(f"optimizer_offload auto: Adam on the {'host' if s.offload_optimizer else 'GPU'}, predicted "
-                     f"{best[s.offload_optimizer][0]:.1f} s/step against {other[0]:.1f} s with Adam on the "
+                     f"{format_seconds(best[s.offload_optimizer][0])} s/step against {format_seconds(other[0])} s "
+                     f"with Adam on the "
                      f"{'GPU' if s.offload_optimizer else 'host'}")
     gpu_miss, host_miss = shortfall(chosen, budget, machine.host_memory_gb) if gpu else (0, 0)
     limit = None if fits else " and ".join(n for n, m in (("GPU memory", gpu_miss), ("host memory", host_miss)) if m)

@@ -10,6 +10,7 @@ from typing import Any
 from ..errors import ConfigError
 from .inputs import Settings, Zero3Knobs
 from .memory import MemoryEstimate
+from .step_time import format_seconds
 
 # ds_configs/zero3_offload.json: optimizer sub-groups just under 2**28 elements, so that each group's pinned
 # fp32 gradient buffer (rounded up to a power of two) is 1 GiB, not 2 (plan/host_terms.py)
@@ -130,7 +131,7 @@ class Plan:
         """One line: what runs, the predicted step time and peak memory."""
         gpu = self.gpu_budget_gb is not None
         adam = "Adam on the host" if self.optimizer_offload else f"Adam on the {'GPU' if gpu else 'device'}"
-        step = f"{self.predicted_step_s:.1f} s/step" if gpu else "no step time (no GPU)"
+        step = f"{format_seconds(self.predicted_step_s)} s/step" if gpu else "no step time (no GPU)"
         return (f"sp {self.sp} x dp {self.dp}, {self.kernel}, {self.norm_kernel} norms, tiled_mlp {self.tiles}, "
                 f"checkpoint_every {self.checkpoint_every}, {len(self.offload_layers)}/{len(self.saved_layers)} "
                 f"layer inputs offloaded, {len(self.kept_attention_layers)}/{self.num_layers} attention outputs kept, "

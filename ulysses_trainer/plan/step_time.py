@@ -60,6 +60,16 @@ NORM_S_PER_ELEMENT: dict[str, dict[str, tuple[float, float]]] = {
 NORM_SOURCE = "norm_kernels_h200.json"
 
 
+# Below this the fixed costs of a step that the model leaves out (kernel launches, Python, DeepSpeed's
+# per-parameter bookkeeping) dominate: a tiny model's 0.003 s prediction measures 0.1 s
+MODELLED_FROM_S = 1.0
+
+
+def format_seconds(x: float) -> str:
+    """Seconds as printed by the plan: one decimal from 1 s, two significant digits below (never 0.0)."""
+    return f"{x:.1f}" if x >= 1 else f"{x:.2g}"
+
+
 @dataclass(frozen=True)
 class StepTime:
     """Predicted seconds of one optimizer step, by part, and what the prediction extrapolates."""
@@ -181,7 +191,11 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
         notes.append(f"rates measured on an H200, not on {gpu_name}")
     elif gpu_name is None:
         notes.append("rates of an H200 assumed")
-    return StepTime(total_s=sum(parts.values()), parts=parts, extrapolated=tuple(notes))
+    total = sum(parts.values())
+    if total < MODELLED_FROM_S:
+        notes.append(f"a step under {MODELLED_FROM_S:g} s: fixed per-step costs (kernel launches, Python) are not "
+                     f"modelled, the prediction is a lower bound")
+    return StepTime(total_s=total, parts=parts, extrapolated=tuple(notes))
 
 
 def norm_rates_from_results(results_dir: str | Path) -> dict[str, dict[str, tuple[float, float]]]:

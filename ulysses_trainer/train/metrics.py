@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from ..plan.step_time import MODELLED_FROM_S, format_seconds
+
 
 def matmul_params(config) -> int:
     """Parameters that take part in a matmul per token: every layer's linear weights plus lm_head
@@ -36,3 +38,16 @@ def peak_host_mem_gb() -> float:
     """Peak resident set size of this process."""
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / 2**20 if sys.platform != "darwin" else kb / 2**30
+
+
+def predicted_vs_measured(pred_s: float, pred_peak_gb: float, step_times: list[float], peak_gb: float) -> str:
+    """The end-of-run line: the plan's step time and GPU peak next to what the run measured."""
+    steady = step_times[1:] or step_times  # the first step also compiles and autotunes
+    measured = sum(steady) / len(steady)
+    which = f"mean of {len(steady)} step(s){' after the first' if len(step_times) > 1 else ''}"
+    # under MODELLED_FROM_S the fixed per-step costs the model leaves out dominate: a ratio would mislead
+    versus = (f"{(measured - pred_s) / pred_s:+.1%}, {which}" if pred_s >= MODELLED_FROM_S else
+              f"{which}; no comparison under {MODELLED_FROM_S:g} s, where fixed per-step costs dominate")
+    return (f"[ulysses_trainer] predicted vs measured: step {format_seconds(pred_s)} s vs {format_seconds(measured)} s "
+            f"({versus}); peak GPU {pred_peak_gb:.1f} GiB vs {peak_gb:.1f} GiB allocated "
+            f"({(peak_gb - pred_peak_gb) / pred_peak_gb:+.1%})")

@@ -26,7 +26,7 @@ from ..parallel.state import ParallelState, make_parallel_state
 from ..plan.resolve import Plan, resolve_plan
 from . import checkpoint as ckpt
 from .logging import MetricsFile, log_line
-from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, train_flops_per_sequence
+from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, predicted_vs_measured, train_flops_per_sequence
 from .position_loss import write_per_position_loss
 from .prepare import RunPlan
 from .reporters import Reporters, resolve_report_to
@@ -149,13 +149,7 @@ class Trainer:
         r = self.resolved
         if not self.state.is_main or r.predicted_step_s is None or not step_times:
             return
-        steady = step_times[1:] or step_times  # the first step also compiles and autotunes
-        measured = sum(steady) / len(steady)
-        peak = peak_gpu_mem_gb()
-        print(f"[ulysses_trainer] predicted vs measured: step {r.predicted_step_s:.1f} s vs {measured:.1f} s "
-              f"({(measured - r.predicted_step_s) / r.predicted_step_s:+.1%}, mean of {len(steady)} step(s)"
-              f"{' after the first' if len(step_times) > 1 else ''}); peak GPU {r.predicted_peak_gpu_gb:.1f} GiB vs "
-              f"{peak:.1f} GiB allocated ({(peak - r.predicted_peak_gpu_gb) / r.predicted_peak_gpu_gb:+.1%})",
+        print(predicted_vs_measured(r.predicted_step_s, r.predicted_peak_gpu_gb, step_times, peak_gpu_mem_gb()),
               flush=True)
 
     # ------------------------------------------------------------------ data
