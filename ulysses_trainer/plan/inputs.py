@@ -64,6 +64,7 @@ class Zero3Knobs:
     prefetch_bucket_size: int | None = None  # elements; None: 0.9 * hidden**2
     param_persistence_threshold: int | None = None  # elements; None: 10 * hidden
     sub_group_size: int = 1_000_000_000  # elements of one optimizer sub-group
+    max_live_parameters: int = 1_000_000_000  # elements gathered at most (stage3_max_live_parameters)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,9 @@ class Settings:
     # are absent during forward/backward (also true of a run whose steps are all skipped); without
     # ZeRO the .grad tensors are created during backward, so the top layers' backward runs without them
     first_step: bool = False
+    # From the second step on ZeRO-3's prefetcher follows the trace of the first and keeps parameters
+    # gathered up to stage3_max_live_parameters; False: a first step measured alone (no trace yet)
+    zero3_trace: bool = True
     offload_optimizer: bool = False  # ZeRO-Offload: fp32 master, Adam m, v and fp32 grads on the host
     gradient_checkpointing: bool = True
     activation_offload: int = 0  # layers whose checkpointed input lives in pinned host memory
@@ -89,14 +93,16 @@ class Settings:
     tiled_mlp: int = 1  # MLP tiles; 1 = untiled
     lean_norm: bool = True  # RMSNorms keep only their input (ours); False: HF's fp32 copies (alst, hf)
     norm_kernel: str = "torch"  # the lean norms' kernel (levers/lean_norm.py): torch ops or triton (fused)
-    # attention/grouped.py: the kernel runs one KV-head group at a time (ours); False: on all heads at once
+    # attention/grouped.py: the kernel runs one KV-head group at a time (ours; with one KV head per rank only
+    # for layers keeping their output, see layer_terms.attention_runs_grouped); False: on all heads at once
     grouped_attention: bool = True
     # the first n layers keep their attention output + LSE from the checkpoint's forward (attention/stash.py)
     kept_attention_layers: int = 0
     loss_type: Literal["chunked_nll", "nll"] = "chunked_nll"
     loss_chunk_size: int = 256
     # All kernels are modelled alike (flash-style: output + fp32 LSE saved, fp32 dq accumulator in
-    # backward); on the H200, SDPA (cuDNN) and the memory-only stand-in measured the same working set.
+    # backward); on the H200, SDPA (cuDNN) and the memory-only stand-in measured the same working set on the
+    # KV-group path; on all heads with fewer KV than query heads cuDNN's backward takes more (layer_terms.py).
     attention: str = "sdpa"
     pad_to_multiple_of: int | None = None
     pinned_rounding: Literal["exact", "pow2"] = "exact"  # our HostPool vs per-tensor pin_memory()

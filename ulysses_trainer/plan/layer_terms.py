@@ -6,7 +6,7 @@ on top, and the ZeRO-3 / tied-embedding terms alive during it. Notation as in pl
 
 from __future__ import annotations
 
-from .inputs import ModelShape, Settings, kv_repeat, layer_param_numels, local_tokens
+from .inputs import ModelShape, Settings, kv_repeat, layer_param_numels, local_tokens, num_params
 
 FP32 = 4
 # the kernels attention/grouped.py runs group by group (flash_attention_4's group term is cuDNN's, not
@@ -71,53 +71,97 @@ def mlp_backward_extra(shape: ModelShape, s: Settings) -> dict[str, int]:
             f"tiled MLP: one tile of {r} rows (intermediates + grads)": 6 * r * i * e + 2 * r * h * e}
 
 
-def attention_backward_extra(shape: ModelShape, s: Settings) -> dict[str, int]:
-    """Beyond the saved tensors, during attention's backward: the output grad, the all-to-all send and
-    receive buffers (sp > 1), dq, dk, dv, the fp32 dq accumulator and the fp32 softmax row sums of a
-    flash-style kernel, and the residual-stream grad."""
+def attention_groups(shape: ModelShape, sp: int) -> int:
+    """KV-head groups each rank's attention runs one at a time: its KV heads after replication."""
+    return max(1, shape.kv_heads * kv_repeat(shape, sp) // sp)
+
+
+def top_layer_keeps_output(shape: ModelShape, s: Settings) -> bool:
+    """Whether the top layer keeps its attention output: the kept layers are the lowest ones
+    (plan/memory.py kept_attention_at), so only when every layer does."""
+    return s.kept_attention_layers >= shape.layers
+
+
+def attention_runs_grouped(shape: ModelShape, s: Settings, keeps_output: bool) -> bool:
+    """Whether a layer's attention runs one KV-head group at a time (attention/grouped.py), as the kernels
+    choose: flash_attention_4 always (dense rows); sdpa and the stand-in with more than one KV head per rank,
+    or when the layer keeps its output for the recompute (grouped.runs_grouped: keeping needs the
+    explicit-LSE path, even for one group); the baselines (grouped_attention off) and flash_attention_2
+    never: one kernel on all heads (F.sdpa, flash_attn_func)."""
+    if not (s.grouped_attention and s.attention in GROUPED_KERNELS):
+        return False
+    return s.attention == "flash_attention_4" or attention_groups(shape, s.sp) > 1 or keeps_output
+
+
+def sdpa_runs_gqa(shape: ModelShape, s: Settings) -> bool:
+    """Whether ours calls F.sdpa with fewer KV heads than query heads on a rank (enable_gqa, attention/kernels.py),
+    when a layer runs on all heads. The baselines (grouped_attention off) are calibrated as they ran."""
+    return s.attention == "sdpa" and s.grouped_attention and shape.heads > shape.kv_heads * kv_repeat(shape, s.sp)
+
+
+def attention_backward_extra(shape: ModelShape, s: Settings, keeps_output: bool | None = None) -> dict[str, int]:
+    """Beyond the saved tensors, when attention's backward kernel runs: its output grad, the residual-stream
+    grad, and the grads and workspace of the path the layer takes (`keeps_output`: the layer keeps its
+    attention output; default: as the top layer). Gone by then (H200 allocator history, sp=8 rehearsals of
+    Qwen3-8B on both paths, benchmarks/results/rehearsal/memory_variants_8b_sp8.json): o_proj's input grad
+    and the all-to-all's send buffer, which the all-to-all's backward frees once its result exists."""
     t, e, h = local_tokens(s), s.act_bytes, shape.hidden
     q, kp = shape.q_width, shape.kv_width * kv_repeat(shape, s.sp)
+    if keeps_output is None:
+        keeps_output = top_layer_keeps_output(shape, s)
     terms = {
-        "attention backward: d(out) + all-to-all buffers": t * q * e * (3 if s.sp > 1 else 1),
+        # the kernel's d(out) [L, Q/sp]: the all-to-all's result (sp > 1) or o_proj's input grad (sp = 1)
+        "attention backward: d(out)": t * q * e,
+        # all heads: the kernel's own dq, dk, dv; grouped: the full-size buffers the groups' grads fill
         "attention backward: dq, dk, dv": t * (q + 2 * kp) * e,
+        # the grad of the attention block's output: the MLP's input grad + the layer output grad, summed
         "residual-stream grad": t * h * e,
     }
-    groups = attention_groups(shape, s.sp)
-    if not (s.grouped_attention and s.attention in GROUPED_KERNELS and groups > 1):
-        terms["attention backward: fp32 dq accumulator + row sums"] = t * q * FP32 + t * shape.heads * FP32
+    if not attention_runs_grouped(shape, s, keeps_output):
+        # one kernel on all heads (F.sdpa, the stand-in): a flash-style fp32 dq accumulator for every head and
+        # fp32 row sums
+        if not sdpa_runs_gqa(shape, s):
+            terms["attention backward: fp32 dq accumulator + row sums"] = t * q * FP32 + t * shape.heads * FP32
+            return terms
+        # F.sdpa on k, v not repeated (enable_gqa): cuDNN's backward takes twice the accumulator in one fp32
+        # workspace (H200, torch 2.11, cuDNN 9.19: Qwen3-8B at sp=8, 4 query heads per KV head; the stand-in
+        # allocates the flash-style one, 2 [t, Q] x 2 B less)
+        terms["attention backward: cuDNN GQA workspace (2 fp32 dq accumulators + row sums)"] = (
+            2 * t * q * FP32 + t * shape.heads * FP32)
         return terms
-    # one KV-head group at a time (attention/grouped.py): the accumulator and row sums of its query heads,
-    # its KV head repeated for them (k, v) and the kernel's three grads of the group's width
+    # one KV-head group at a time (attention/grouped.py), also with one group (a kept output): the fp32
+    # accumulator and row sums of the group's query heads, its KV head repeated for them (k, v: 2 x [L, gq])
+    # and the kernel's dq, dk, dv at that width (3 x [L, gq]: dk, dv before the sum over the copies)
+    groups = attention_groups(shape, s.sp)
     gq = q // groups
     terms["attention backward, one KV group: fp32 dq accumulator, row sums, repeated k, v, grads"] = (
         t * gq * FP32 + t * (shape.heads // groups) * FP32 + 5 * t * gq * e)
     return terms
 
 
-def attention_groups(shape: ModelShape, sp: int) -> int:
-    """KV-head groups each rank's attention runs one at a time: its KV heads after replication."""
-    return max(1, shape.kv_heads * kv_repeat(shape, sp) // sp)
-
-
 def layer_flow_bytes(shape: ModelShape, s: Settings) -> dict[str, int]:
-    """Alive through the whole layer backward: the incoming output grad, the recomputed layer output
-    (held by the checkpoint function until its backward returns) and the input grad being filled."""
+    """Alive through the whole layer backward: the incoming output grad and the recomputed layer output
+    (held by the checkpoint function until its backward returns). Not the layer's input grad: the input
+    norm's backward and the residual add make it after attention's backward, when both sub-phases below
+    are over (absent at both peaks in the H200 allocator history of the sp=8 rehearsals)."""
     t, e, h = local_tokens(s), s.act_bytes, shape.hidden
-    return {"layer output grad (incoming)": t * h * e, "recomputed layer output": t * h * e,
-            "layer input grad": t * h * e}
+    return {"layer output grad (incoming)": t * h * e, "recomputed layer output": t * h * e}
 
 
-def layer_working_set(shape: ModelShape, s: Settings) -> tuple[int, str, dict[str, int]]:
-    """The one-layer working set during backward recompute: (bytes, sub-phase, breakdown).
+def layer_working_set(shape: ModelShape, s: Settings,
+                      keeps_output: bool | None = None) -> tuple[int, str, dict[str, int]]:
+    """The one-layer working set during backward recompute: (bytes, sub-phase, breakdown). `keeps_output`:
+    the layer keeps its attention output (which sets attention's path; default: as the top layer).
 
     Two sub-phases compete: during the MLP backward everything saved by the layer is alive; during the
-    attention backward the MLP's and post-norm's saved tensors are gone but attention's grads appear.
+    attention backward the MLP's, post-norm's and o_proj's saved tensors are gone (their backward ran first)
+    but attention's grads appear.
     """
     saved = layer_forward_saved(shape, s)
     flow = layer_flow_bytes(shape, s)
     mlp = {**flow, **saved, **mlp_backward_extra(shape, s)}
-    attn_saved = {k: v for k, v in saved.items() if not k.startswith(("post-attention", "MLP"))}
-    attn = {**flow, **attn_saved, **attention_backward_extra(shape, s)}
+    attn_saved = {k: v for k, v in saved.items() if not k.startswith(("post-attention", "MLP", "o_proj"))}
+    attn = {**flow, **attn_saved, **attention_backward_extra(shape, s, keeps_output)}
     if not s.gradient_checkpointing:  # the saved tensors are counted under activations already
         mlp = {k: v for k, v in mlp.items() if k not in saved}
         attn = {k: v for k, v in attn.items() if k not in saved}
@@ -126,16 +170,17 @@ def layer_working_set(shape: ModelShape, s: Settings) -> tuple[int, str, dict[st
 
 
 def unattributed_bytes(shape: ModelShape, s: Settings) -> int:
-    """Measured but not attributed to a tensor above: at the peak of a Qwen3 layer's attention backward
-    the H200 allocator history shows one more fp32 [t, H] (allocated by an RMSNorm upcast) and one more
-    [t, H] in the training dtype than the saved-tensor accounting gives. The same 6 bytes x t x H close
-    the gap for both the plain-HF-based ALST baseline and ours with HF norms (see plan/calibration.json).
-    With lean norms (no upcast) none is left: the 256K H200 runs with lean norms measured 1.6% below the
-    estimate without it (benchmarks/results/*_grouped.json)."""
+    """Measured but not attributed to a tensor above, with HF's norms: at the peak of a Qwen3 layer's
+    attention backward the H200 allocator history showed one more fp32 [t, H] (allocated by an RMSNorm
+    upcast) and one more [t, H] in the training dtype than the saved-tensor accounting gave then; that
+    accounting also counted the layer's input grad, which does not exist yet at that peak (layer_flow_bytes),
+    so a second [t, H] in the training dtype is unattributed as well. The same 8 bytes x t x H close the gap
+    for both the plain-HF-based ALST baseline and ours with HF norms (see plan/calibration.json). With lean
+    norms (no upcast) none is left: the lean-norm points (sp = 1, 2 and 8) are within -2.6% .. +1.2% without it."""
     if s.lean_norm:
         return 0
     t, h = local_tokens(s), shape.hidden
-    return t * h * FP32 + t * h * s.act_bytes
+    return t * h * FP32 + 2 * t * h * s.act_bytes
 
 
 def kept_attention_bytes_per_layer(shape: ModelShape, s: Settings) -> int:
@@ -154,15 +199,21 @@ def tied_embedding_grad_bytes(shape: ModelShape, s: Settings) -> int:
 
 
 def layer_gathered_params_bytes(shape: ModelShape, s: Settings) -> int:
-    """ZeRO-3 during a layer's backward: the layer's parameters gathered in full, the prefetch bucket
-    for the next, and full-size weight grads before reduce-scatter (tiled MLP accumulates its three
-    weight grads over the tiles; otherwise one weight grad at a time)."""
+    """ZeRO-3 during a layer's backward: the parameters gathered in full, and full-size weight grads before
+    reduce-scatter (tiled MLP accumulates its three weight grads over the tiles; otherwise one weight grad
+    at a time). Gathered: the layer's own and the prefetch bucket for the next; from the second step on
+    (the trace exists) the prefetcher keeps parameters gathered up to stage3_max_live_parameters (H200
+    allocator history of Qwen3-4B at sp=2: 1.88 GiB of gathered parameters at step 2's peak, none at step 1's,
+    the whole difference between the two steps' peaks; 1e9 elements in bf16 are 1.86 GiB)."""
     if s.zero_stage == 0:
         return 0
     e = s.act_bytes
     layer = sum(layer_param_numels(shape))
     pre = s.zero3.prefetch_bucket_size
     prefetch = int(0.9 * shape.hidden**2) if pre is None else pre
+    gathered = layer + min(prefetch, layer)
+    if s.zero3_trace:
+        gathered = max(gathered, min(s.zero3.max_live_parameters, num_params(shape)))
     hi = shape.hidden * shape.intermediate
     grads = 3 * hi if s.tiled_mlp > 1 else hi
-    return (layer + min(prefetch, layer) + grads) * e
+    return (gathered + grads) * e

@@ -79,7 +79,8 @@ def read_zero(ds: dict, source: str = "the ZeRO config") -> ZeroSettings:
     return ZeroSettings(stage, offload, Zero3Knobs(
         reduce_bucket_size=num("reduce_bucket_size"), prefetch_bucket_size=num("stage3_prefetch_bucket_size"),
         param_persistence_threshold=num("stage3_param_persistence_threshold"),
-        sub_group_size=sub if sub is not None else 1_000_000_000))
+        sub_group_size=sub if sub is not None else 1_000_000_000,
+        max_live_parameters=num("stage3_max_live_parameters") or 1_000_000_000))
 
 
 @dataclass(frozen=True)

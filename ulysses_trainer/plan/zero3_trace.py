@@ -19,8 +19,10 @@ A tiled MLP (levers/tiled_mlp.py, T tiles) runs gate, up, down T times in forwar
 recompute, and T times forward-then-backward in its backward: at long lengths those T x 3 MLP uses
 lie between a layer's recompute and its attention's backward, so with an 8B model and 12 tiles q, k,
 v, o are gathered a third time there.
-Steady state (the trace exists from the second step on). Not modelled: stage3_max_live_parameters
-forcing earlier releases (the default config's 1e9 does not bind below ~5B-parameter layers), and the
+Steady state (the trace exists from the second step on; the memory the prefetcher then holds, up to
+stage3_max_live_parameters, is plan/layer_terms.layer_gathered_params_bytes). Not modelled here:
+stage3_max_live_parameters forcing earlier releases (the default config's 1e9 does not bind below
+~5B-parameter layers), and the
 prefetcher's own hold on parameters whose reuse it skipped: on the tiny model with the default config
 the gathered bytes that `rehearse --count_collectives` counts equal this model's (tests/test_rehearse.py),
 but with a reuse distance shrunk to 30,000 elements DeepSpeed 0.19.8 kept more than this walk predicts
