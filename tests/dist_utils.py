@@ -15,6 +15,7 @@ import os
 import pickle
 import re
 import socket
+import subprocess
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -130,8 +131,6 @@ def _memory_now() -> str:
 def run_job(cmd: list[str], timeout: float, cwd: str | None = None, env: dict | None = None):
     """subprocess.run of a launched job (capture_output, text) that also records whether the kernel
     OOM-killed a process while it ran (res.oom_kills: None where the counter is unreadable)."""
-    import subprocess
-
     before = _oom_kills()
     res = subprocess.run(cmd, cwd=cwd or ROOT, env=env or train_env(), capture_output=True, text=True,
                          timeout=timeout)

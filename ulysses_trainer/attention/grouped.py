@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..plan.layer_terms import groups_one_at_a_time
 from .stash import AttentionStash
 
 OPS = torch.ops.aten
@@ -119,9 +120,9 @@ def default_backend(device: torch.device) -> Backend | None:
 
 
 def runs_grouped(kv_heads: int, stash: AttentionStash | None) -> bool:
-    """Group by group pays only with more than one KV head; keeping outputs for the recompute needs the
-    explicit-LSE path whatever the count. The stand-in follows the same rule, so it allocates like ours."""
-    return kv_heads > 1 or stash is not None
+    """The planner's rule (plan/layer_terms.py groups_one_at_a_time), so the memory model follows the path taken;
+    the stand-in follows it too, so it allocates like ours."""
+    return groups_one_at_a_time(kv_heads, stash is not None)
 
 
 def _group(t: torch.Tensor, j: int, width: int, layout: str) -> torch.Tensor:

@@ -82,6 +82,12 @@ def top_layer_keeps_output(shape: ModelShape, s: Settings) -> bool:
     return s.kept_attention_layers >= shape.layers
 
 
+def groups_one_at_a_time(kv_heads: int, keeps_output: bool) -> bool:
+    """The sdpa / stand-in rule (attention/grouped.py runs_grouped uses it): group by group pays only with more
+    than one KV head per rank; keeping outputs for the recompute needs the explicit-LSE path whatever the count."""
+    return kv_heads > 1 or keeps_output
+
+
 def attention_runs_grouped(shape: ModelShape, s: Settings, keeps_output: bool) -> bool:
     """Whether a layer's attention runs one KV-head group at a time (attention/grouped.py), as the kernels
     choose: flash_attention_4 always (dense rows); sdpa and the stand-in with more than one KV head per rank,
@@ -90,7 +96,7 @@ def attention_runs_grouped(shape: ModelShape, s: Settings, keeps_output: bool) -
     never: one kernel on all heads (F.sdpa, flash_attn_func)."""
     if not (s.grouped_attention and s.attention in GROUPED_KERNELS):
         return False
-    return s.attention == "flash_attention_4" or attention_groups(shape, s.sp) > 1 or keeps_output
+    return s.attention == "flash_attention_4" or groups_one_at_a_time(attention_groups(shape, s.sp), keeps_output)
 
 
 def sdpa_runs_gqa(shape: ModelShape, s: Settings) -> bool:
