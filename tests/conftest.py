@@ -2,6 +2,7 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -12,6 +13,14 @@ if ROOT not in sys.path:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+# Every run starts from empty caches, as on a new machine: no font cache, HF/datasets cache or compiled
+# kernels that an earlier run left can make a test pass here and fail there. Spawned ranks inherit these.
+CACHE_ROOT = tempfile.mkdtemp(prefix="ulysses-test-caches-")
+for var, sub in (("MPLCONFIGDIR", "matplotlib"), ("HF_HOME", "hf"), ("HF_DATASETS_CACHE", "hf/datasets"),
+                 ("XDG_CACHE_HOME", "xdg"), ("TRITON_CACHE_DIR", "triton"),
+                 ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TORCH_EXTENSIONS_DIR", "torch_extensions")):
+    os.environ[var] = os.path.join(CACHE_ROOT, sub)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,7 +34,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-HARMLESS_QUERIES = {"numactl", "lscpu"}
+# Queries, not runs: DeepSpeed's CPU accelerator asks numactl/lscpu for the core layout, and matplotlib
+# asks fontconfig for the fonts when it builds its font cache (on every new machine, and here every run).
+HARMLESS_QUERIES = {"numactl", "lscpu", "fc-list"}
 
 
 @pytest.fixture(autouse=True)
@@ -40,10 +51,15 @@ def _fast_tier_starts_no_process(request, monkeypatch):
         raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.slow")
 
     def refuse_popen(self, args, *rest, **kwargs):
-        # DeepSpeed's CPU accelerator asks `numactl` for the core layout: a query, not a rank or a run
         if (args[0] if isinstance(args, (list, tuple)) else str(args).split()[0]) in HARMLESS_QUERIES:
             return execute_child(self, args, *rest, **kwargs)
         refuse()
 
     monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse_popen)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    shutil.rmtree(CACHE_ROOT, ignore_errors=True)
