@@ -203,7 +203,7 @@ def test_estimate_overlap_parameters():
 
 
 def _main(argv):
-    from ulysses_trainer.train.rehearse import main
+    from ulysses_trainer.cli.rehearse import main
 
     return main(argv)
 
@@ -277,7 +277,7 @@ def test_out_of_memory_is_a_result_too(tmp_path, monkeypatch, capsys):
     """A length that does not fit: exit 1, and --out still says so (the memory search reads it)."""
     import torch
 
-    from ulysses_trainer.train import rehearse
+    from ulysses_trainer.cli import rehearse
 
     def oom(plan, opts):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -25,8 +25,7 @@ import torch
 
 from .config import REPO_ROOT, TrainConfig, resolve_bf16
 from .errors import ConfigError
-from .plan.resolve import offload_sub_group_size
-from .plan.resolved import check_zero_stage
+from .names import ZERO_AUTO_SIZES, check_zero_stage, offload_sub_group_size
 
 AUTO = "auto"
 
@@ -187,10 +186,7 @@ def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, de
     check_zero_stage(zero, source)
     offload_opt = False
     if isinstance(zero, dict):
-        buckets = {"reduce_bucket_size": lambda h: h * h,
-                   "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-                   "stage3_param_persistence_threshold": lambda h: 10 * h}
-        for key, rule in buckets.items():
+        for key, rule in ZERO_AUTO_SIZES.items():
             if zero.get(key) == AUTO:
                 if hidden_size:
                     zero[key] = rule(hidden_size)

@@ -48,6 +48,7 @@ import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from .. import names as rules
 from .inputs import ModelShape, layer_param_numels
 from .zero3_trace import forward_order, gathers_per_micro_step, numel_of
 
@@ -102,7 +103,7 @@ class Collective:
 
 
 def rebuilt_layers(layers: int, checkpoint_every: int) -> int:
-    """Layers that keep no input and run one more forward in backward (levers/offload.py)."""
+    """Layers that keep no input and run one more forward in backward (levers/recompute.py)."""
     return layers - -(-layers // checkpoint_every)
 
 
@@ -127,7 +128,8 @@ def ulysses_all_to_alls(shape: ModelShape, job: Job) -> list[Collective]:
 
 
 def _persistence(shape: ModelShape, job: Job) -> int:
-    return 10 * shape.hidden if job.param_persistence_threshold is None else job.param_persistence_threshold
+    thr = job.param_persistence_threshold
+    return rules.param_persistence_threshold(shape.hidden) if thr is None else thr
 
 
 def zero3_collectives(shape: ModelShape, job: Job) -> list[Collective]:
@@ -167,7 +169,7 @@ def reduce_buckets(shape: ModelShape, job: Job) -> Counter:
     order = ["final_norm"] + [n for _ in range(shape.layers) for n in names] + ["embed"]
     if not shape.tied_embeddings:
         order.insert(0, "lm_head")
-    size, limit = numel_of(shape), job.reduce_bucket_size or shape.hidden**2
+    size, limit = numel_of(shape), job.reduce_bucket_size or rules.reduce_bucket_size(shape.hidden)
     buckets: Counter = Counter()
     held = 0
     for name in order:

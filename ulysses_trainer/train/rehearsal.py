@@ -1,5 +1,5 @@
 """One rank of an N-GPU job, built and stepped by the trainer's own code on torch's fake process group
-(parallel/fake.py): what a rehearsal measures. The command (`ulysses-trainer rehearse`, train/rehearse.py)
+(parallel/fake.py): what a rehearsal measures. The command (`ulysses-trainer rehearse`, cli/rehearse.py)
 adds the modelled communication."""
 
 from __future__ import annotations

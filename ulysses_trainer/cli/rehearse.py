@@ -27,8 +27,10 @@ from typing import Any
 
 from ..config import REPO_ROOT
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
+from ..names import STANDIN
 from ..plan.comm_model import DEFAULT_COMM_FILE as COMM_FILE
-from .rehearsal import Rehearsal, comm_job, run_rehearsal
+from ..train.rehearsal import Rehearsal, comm_job, run_rehearsal
+from .argv import split_argv
 
 # The measured NCCL points the rehearsal uses when --comm is not given (benchmarks/comm_bandwidth.py)
 DEFAULT_COMM_FILE = Path(COMM_FILE)
@@ -80,21 +82,6 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(this command's flags, training-config overrides `--name value`)."""
-    ours, rest, i = [], [], 0
-    while i < len(argv):
-        arg = argv[i]
-        name = arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") else None
-        bucket = ours if (name in _OWN or not arg.startswith("--")) else rest
-        bucket.append(arg)
-        if name not in _FLAGS and "=" not in arg and i + 1 < len(argv):
-            bucket.append(argv[i + 1])
-            i += 1
-        i += 1
-    return ours, rest
-
-
 def _check_args(args: argparse.Namespace) -> None:
     if args.gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
@@ -122,7 +109,6 @@ def _check_args(args: argparse.Namespace) -> None:
 def load_rehearsal_config(args: argparse.Namespace, overrides: list[str]):
     """The recipe + overrides, then what a rehearsal changes: K steps, no eval, no resume, no saving."""
     from ..config import load_config
-    from ..plan.resolve import STANDIN
 
     cfg = load_config((["--config", args.config] if args.config else []) + overrides)
     # --standin: the plan is resolved (and the model built) with the memory-only kernel in attention's place
@@ -184,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # as launch/train.py, before CUDA starts: long sequences fragment the caching allocator without this
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    ours, overrides = split_argv(argv)
+    ours, overrides = split_argv(argv, _OWN, _FLAGS)
     try:
         args = _parser().parse_args(ours)
     except SystemExit as exc:  # --help
@@ -194,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INVALID
     try:
         from ..plan.comm_model import Overlap, load_bandwidth
-        from .prepare import prepare
+        from ..train.prepare import prepare
 
         _check_args(args)
         cfg = load_rehearsal_config(args, overrides)
@@ -240,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _out_of_memory(plan, opts: Rehearsal, exc: Exception) -> dict[str, Any]:
-    from .metrics import peak_gpu_mem_gb, peak_host_mem_gb
+    from ..train.metrics import peak_gpu_mem_gb, peak_host_mem_gb
 
     return {"status": "oom", "error": str(exc).splitlines()[0][:300], "world_size": plan.world_size,
             "rank": opts.rank, "sp_size": plan.sp_size, "dp_size": plan.dp_size, "max_length": plan.cfg.max_length,
