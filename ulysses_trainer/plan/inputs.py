@@ -179,12 +179,24 @@ def kv_repeat(shape: ModelShape, sp: int) -> int:
     return max(1, sp // shape.kv_heads)
 
 
+def _layer_linear_numels(shape: ModelShape) -> list[int]:
+    """One decoder layer's linear weights: q, k, v, o, gate, up, down."""
+    h, i, q, k = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width
+    return [h * q, h * k, h * k, q * h, h * i, h * i, i * h]
+
+
 def layer_param_numels(shape: ModelShape) -> list[int]:
     """Parameters of one decoder layer, in module order: q, k, v, o, q_norm, k_norm, gate, up, down,
     input_layernorm, post_attention_layernorm."""
-    h, i, q, k, d = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width, shape.head_dim
-    norms = [d, d] if shape.qk_norm else []
-    return [h * q, h * k, h * k, q * h, *norms, h * i, h * i, i * h, h, h]
+    q, k, v, o, gate, up, down = _layer_linear_numels(shape)
+    norms = [shape.head_dim] * 2 if shape.qk_norm else []
+    return [q, k, v, o, *norms, gate, up, down, shape.hidden, shape.hidden]
+
+
+def matmul_params(shape: ModelShape) -> int:
+    """Parameters that take part in a matmul per token: every layer's linear weights plus lm_head (embedding
+    lookups and norms do no matmul); what the model FLOPs count (train/metrics.py)."""
+    return shape.layers * sum(_layer_linear_numels(shape)) + shape.vocab * shape.hidden
 
 
 def param_numels(shape: ModelShape) -> list[int]:
