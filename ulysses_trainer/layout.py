@@ -8,6 +8,7 @@ times before the all-to-all, parallel/ulysses.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -23,6 +24,12 @@ class Layout:
     @property
     def dp(self) -> int:
         return self.world // self.sp
+
+
+def padded_length(length: int, sp_size: int, pad_to_multiple_of: int | None = None) -> int:
+    """Smallest length >= `length` that both sp and pad_to_multiple_of divide (what a sequence is padded to)."""
+    m = math.lcm(sp_size, pad_to_multiple_of or 1)
+    return -(-length // m) * m
 
 
 def _divisors(n: int) -> list[int]:

@@ -4,12 +4,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import ConfigError
 from ..layout import check_heads
+from ..layout import padded_length as layout_padded_length
 from ..names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS, param_persistence_threshold
 
 # --------------------------------------------------------------------------------------------
@@ -164,9 +164,8 @@ def check_settings(shape: ModelShape, s: Settings) -> None:
 
 
 def padded_length(s: Settings) -> int:
-    """Sequence length after padding to a multiple of lcm(sp, pad_to_multiple_of) (parallel/sharding.py)."""
-    m = math.lcm(s.sp, s.pad_to_multiple_of or 1)
-    return -(-s.max_length // m) * m
+    """Sequence length after padding to a multiple of lcm(sp, pad_to_multiple_of) (layout.padded_length)."""
+    return layout_padded_length(s.max_length, s.sp, s.pad_to_multiple_of)
 
 
 def local_tokens(s: Settings) -> int:

@@ -18,9 +18,8 @@ from ..data.documents import build_sequences
 from ..data.tokenizer import check_tokenizer_fits, load_tokenizer
 from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
 from ..errors import ConfigError
-from ..layout import resolve_layout
+from ..layout import padded_length, resolve_layout
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
-from ..parallel.sharding import padded_length
 from ..plan.inputs import ModelShape
 from ..plan.resolve import plan_for
 from ..plan.types import Machine, Plan, ZeroSettings, read_zero
