@@ -22,7 +22,7 @@ def comm_job(plan, gpus_per_node: int, tiles: int, checkpoint_every: int):
     return Job(world_size=plan.world_size, sp_size=plan.sp_size, mlp_tiles=tiles,
                local_tokens=plan.padded_length // plan.sp_size * cfg.per_device_train_batch_size,
                grad_accum=cfg.gradient_accumulation_steps, bytes_per_el=2 if plan.bf16 else 4,
-               gradient_checkpointing=cfg.gradient_checkpointing, checkpoint_every=checkpoint_every,
+               gradient_checkpointing=plan.resolved.gradient_checkpointing, checkpoint_every=checkpoint_every,
                gpus_per_node=gpus_per_node,
                param_persistence_threshold=num("stage3_param_persistence_threshold", 100_000),
                reduce_bucket_size=num("reduce_bucket_size", 500_000_000),
