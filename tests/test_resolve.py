@@ -265,3 +265,10 @@ def test_step_time_says_where_it_extrapolates():
     notes = " ".join(step_time(ModelShape.preset("qwen3-8b"), s, 8_000_000_000).extrapolated)
     assert "held constant at 1,048,576" in notes and "flash_attention_2 not measured" in notes
     assert "communication modelled" in notes and "rates of an H200 assumed" in notes
+
+
+def test_an_offload_beyond_every_layer_is_refused_when_the_thinning_is_auto():
+    # checkpoint_every auto keeps at most every layer's input: more offloaded inputs than layers cannot run
+    with pytest.raises(ConfigError, match=r"activation_offload=40 must be between 0 and 36 layers"):
+        _plan(activation_offload=40)
+    assert len(_plan(activation_offload=36, keep_attention_outputs=0).offload_layers) == 36

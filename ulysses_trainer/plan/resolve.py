@@ -55,11 +55,11 @@ def read_levers(cfg: Any, shape: ModelShape, kernel: str, local: int) -> Fixed:
                           f"flash_attention_4); {kernel} cannot: set keep_attention_outputs false or "
                           f"attn_implementation sdpa")
     c = 1 if not ckpt else (None if every == "auto" else every)
-    if c is not None and isinstance(off, int) and not isinstance(off, bool):
-        saved = saved_layer_count(shape, c)
+    if isinstance(off, int) and not isinstance(off, bool):
+        saved = saved_layer_count(shape, c or 1)  # checkpoint_every auto: at most every layer keeps one
         if off > saved:
             raise ConfigError(f"activation_offload={off} must be between 0 and {saved} layers (the layers that keep "
-                              f"an input: {layers} / checkpoint_every {c}, rounded up); true offloads all of them")
+                              f"an input: {layers} / checkpoint_every {c or 1}, rounded up); true offloads all of them")
     if not ckpt:  # nothing to offload or keep without checkpoints
         off, keep = 0, 0
     return Fixed(offload=None if off == "auto" else ("all" if off is True else int(off)),
