@@ -2,6 +2,7 @@
 model of the job's collectives that it adds (plan/comm_model.py), checked against hand counts."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -249,6 +250,10 @@ def test_rehearse_rank_of_4_in_this_process(rank, tmp_path, monkeypatch, capsys)
     r = json.loads(out.read_text())
     assert (r["world_size"], r["rank"], r["sp_size"], r["dp_size"]) == (4, rank, 4, 1)
     assert r["losses_meaningful"] is False and r["standin"] is False and r["compute_time_real"] is True
+    # every collective left this rank's own values: finite losses, every update ran (and was timed)
+    assert r["collective_fill"] == "local"
+    assert all(math.isfinite(x) for x in r["losses"]) and r["optimizer_update_skipped"] == [False, False]
+    assert r["optimizer_step_s_added"] is None
     assert r["peak_host_mem_gb"] > 0 and r["compute_s"] > 0 and r["predicted_step_s"] >= r["compute_s"]
     assert r["tokens_per_s_predicted"] == pytest.approx(256 / r["predicted_step_s"])
     # ZeRO-3 partitions every tensor over 4 ranks: ceil(numel / 4) elements each, nothing more
