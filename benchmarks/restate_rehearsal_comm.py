@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(path + ".tmp", "w") as f:
             f.write(json.dumps(r, indent=1) + "\n")
         os.replace(path + ".tmp", path)
-        print(f"{path}: comm {r['comm_s_estimate']:.3f} s, predicted {r['predicted_step_s'] or float('nan'):.2f} s/step")
+        predicted = r["predicted_step_s"]
+        print(f"{path}: comm {r['comm_s_estimate']:.3f} s, predicted "
+              f"{'n/a' if predicted is None else f'{predicted:.2f} s/step'}")
     return 0
 
 
