@@ -278,6 +278,25 @@ def test_rehearse_rank_of_4_in_this_process(rank, tmp_path, monkeypatch, capsys)
     assert "losses meaningless" in printed and f"rehearsal rank {rank}/4" in printed
 
 
+def test_a_skipped_update_under_local_fill_is_an_error(tmp_path, monkeypatch, capsys):
+    """With real-looking collective outputs the gradients are finite; a step whose update DeepSpeed still skips
+    would leave the optimizer untimed, so the rehearsal fails (exit 1) naming the step instead of reporting."""
+    from ulysses_trainer.train.trainer import Trainer
+
+    real = Trainer.train_step
+
+    def skipping(self, batches):
+        out = real(self, batches)
+        self.engine.skipped_steps += 1  # as DeepSpeed counts an update it skipped on a non-finite norm
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", skipping)
+    out = tmp_path / "r.json"
+    assert _main(["--config", RECIPE, "--gpus", "2", "--max_length", "128", "--out", str(out)]) == 1
+    assert "rehearsal update skipped (non-finite gradient norm) in step(s) [1, 2]" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_out_of_memory_is_a_result_too(tmp_path, monkeypatch, capsys):
     """A length that does not fit: exit 1, and --out still says so (the memory search reads it)."""
     import torch

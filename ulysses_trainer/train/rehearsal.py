@@ -103,12 +103,13 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
             print(f"[ulysses_trainer] rehearsal step {step + 1}/{opts.steps}: {times[-1]:.3f} s"
                   f"{' (warm-up)' if warmup else ''}; loss {loss:.4g} (meaningless)"
                   f"{', update skipped (non-finite gradient norm)' if skipped[-1] else ''}", flush=True)
-        if any(skipped) and opts.collective_fill == "local":
-            # real-looking values give finite gradients; a skipped update would leave the optimizer untimed
+        if any(skipped) and opts.collective_fill == "local" and not opts.standin:
+            # real-looking values give finite gradients; a skipped update would leave the optimizer untimed (the
+            # stand-in computes no attention, so its outputs, and the gradients after them, are anything)
             raise RuntimeError(f"rehearsal update skipped (non-finite gradient norm) in step(s) "
                                f"{[i + 1 for i, s in enumerate(skipped) if s]} although every collective left "
                                f"finite local values: the step itself produced a non-finite gradient")
-        # bare fake group only: a skipped update ran no optimizer; time one over this rank's partitions
+        # bare fake group or stand-in: a skipped update ran no optimizer; time one over this rank's partitions
         opt_s = None
         if skipped[-1]:
             _sync(plan.device)
