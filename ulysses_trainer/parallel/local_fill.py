@@ -18,6 +18,7 @@ waits on the work or its stream, as DeepSpeed's do. They are the only GPU work t
 torch.distributed calls a Python `ProcessGroup`'s methods from Python (`dist.all_gather_into_tensor` ->
 `_allgather_base`, or `all_gather_single` from torch 2.13 on); each override first calls the fake backend
 through the dispatcher (so `CollectiveLog` still sees every c10d op) and then fills.
+(From torch 2.13 torch's fake backend itself leaves the same local values; the copy then runs twice.)
 """
 
 from __future__ import annotations
