@@ -37,7 +37,7 @@ def test_real_dimensions(name):
 
 
 def test_presets_list():
-    assert set(PRESETS) == set(TABLE) | {"tiny"}
+    assert set(PRESETS) == set(TABLE) | {"tiny", "tiny-moe", "qwen3-30b-a3b", "qwen3-235b-a22b"}
 
 
 def test_parameter_counts_match_the_model_cards():
