@@ -5,7 +5,8 @@ Order (each step relies on the ones before it):
   2. Loss head: lm_head also returns the chunked (or plain) loss sum, never the L x V logits.
   3. Lean norms: every RMSNorm keeps only its input for backward, not fp32 copies (fused Triton kernel on
      CUDA where liger-kernel is installed).
-  4. Tiled MLP: each decoder layer's MLP runs by sequence tiles.
+  4. Tiled MLP: each decoder layer's MLP runs by sequence tiles; a sparse family's MoE block is replaced by
+     levers/sparse_moe.SparseMoE (experts by tiles, router statistics for the load-balancing loss).
   5. Checkpointing (+ offload): each decoder layer keeps only its input (or, with checkpoint_every=k,
      every k-th layer does and backward rebuilds the rest), on device or in pinned host memory, and
      recomputes in backward; there the tiled MLP skips its forward (its backward recomputes each tile).
@@ -26,10 +27,12 @@ from ..attention.stash import AttentionStash
 from ..levers.host_pool import HostPool
 from ..levers.lean_norm import resolve_norm_kernel, use_lean_norms
 from ..levers.offload import LayerCheckpointer
+from ..levers.sparse_moe import RouterStats, SparseMoE
 from ..levers.tiled_mlp import TiledMLP
 from ..parallel.state import ParallelState
 from ..parallel.ulysses import UlyssesAttention
 from ..plan.inputs import auto_num_tiles, default_mlp_tiles
+from .families import family
 from .loss_head import LossHead
 
 
@@ -95,23 +98,44 @@ class SequenceParallelCausalLM(nn.Module):
     """
 
     def __init__(self, causal_lm: nn.Module, state: ParallelState, attention: UlyssesAttention,
-                 checkpointer: LayerCheckpointer | None, tiles: int = 1):
+                 checkpointer: LayerCheckpointer | None, tiles: int = 1, router_stats: RouterStats | None = None,
+                 aux_loss_coef: float = 0.0):
         super().__init__()
         self.causal_lm = causal_lm
         self.state = state
         self.attention = attention
         self.checkpointer = checkpointer
         self.tiles = tiles
+        # a sparse model's load-balancing loss (levers/sparse_moe.py): None without one; after each forward,
+        # `aux_loss` holds it (over the whole sequence, the same on every SP rank) for the trainer to add
+        # aux_loss_coef times (parallel/loss.aux_for_backward)
+        self.router_stats = router_stats
+        self.aux_loss_coef = aux_loss_coef
+        self.aux_loss: torch.Tensor | None = None
 
     @property
     def config(self):
         return self.causal_lm.config
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
-                cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+                cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
+                real_rows: int | None = None) -> torch.Tensor:
+        """`real_rows`: leading positions of each row that are not pads (parallel/sharding.Shard); the router
+        statistics leave pads out."""
+        stats = self.router_stats
+        if stats is not None:
+            b, s = input_ids.shape
+            mask = None
+            if real_rows is not None and real_rows < s:
+                mask = (torch.arange(s, device=input_ids.device) < real_rows).float().repeat(b)  # [b * s]
+            stats.begin(mask)
         out = self.causal_lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                    sp_cu_seqlens=cu_seqlens, sp_max_seqlen=max_seqlen)
-        return self.causal_lm.lm_head(out.last_hidden_state, labels=labels)
+        hidden = out.last_hidden_state
+        if stats is not None:
+            group = self.state.sp_group if self.state.sp_size > 1 else None
+            hidden, self.aux_loss = stats.aux_loss(hidden, group)
+        return self.causal_lm.lm_head(hidden, labels=labels)
 
 
 
@@ -143,6 +167,7 @@ def apply(model: SequenceParallelCausalLM, plan) -> None:
 def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) -> SequenceParallelCausalLM:
     """Apply SP attention, the loss head, lean norms, tiled MLP and checkpointing/offload, in that order."""
     c = model.config
+    fam = family(getattr(c, "model_type", "qwen3"))
     layers = _decoder_layers(model)
     # 1. attention
     attention = UlyssesAttention(state, cfg.attn_implementation, c.num_attention_heads, c.num_key_value_heads)
@@ -152,9 +177,18 @@ def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) 
     # 3. lean norms (before tiling and checkpointing, which only wrap what is there)
     if cfg.lean_norm:
         use_lean_norms(model, resolve_norm_kernel(cfg.norm_kernel))
-    # 4. tiled MLP
-    tiles = mlp_tiles(cfg.tiled_mlp, cfg.local_seq_len, c.hidden_size, c.intermediate_size)
-    if tiles > 1:
+    # 4. tiled MLP (dense), or the sparse block with its router statistics (tiled or not)
+    d = fam.layer_dims(c)
+    # a sparse block's per-row intermediates: top_k experts of width moe_intermediate_size
+    width = d.intermediate * (d.top_k if fam.mlp_kind == "sparse" else 1)
+    tiles = mlp_tiles(cfg.tiled_mlp, cfg.local_seq_len, c.hidden_size, width)
+    stats, coef = None, 0.0
+    if fam.mlp_kind == "sparse":
+        if getattr(c, "output_router_logits", False):
+            stats, coef = RouterStats(d.experts, d.top_k), float(getattr(c, "router_aux_loss_coef", 0.0))
+        for layer in layers:
+            layer.mlp = SparseMoE(layer.mlp, tiles, stats, d.top_k, bool(c.norm_topk_prob))
+    elif tiles > 1:
         for layer in layers:
             layer.mlp = TiledMLP(layer.mlp, tiles)
     # 5. checkpointing (+ offload, set below or by apply)
@@ -172,7 +206,7 @@ def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) 
     if keep not in (False, 0) and cfg.gradient_checkpointing:
         attention.stash = AttentionStash()
     model.train()
-    sp_model = SequenceParallelCausalLM(model, state, attention, checkpointer, tiles)
+    sp_model = SequenceParallelCausalLM(model, state, attention, checkpointer, tiles, stats, coef)
     apply(sp_model, levers_of(cfg, len(layers)))
     return sp_model
 

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .inputs import ModelShape, Settings, layer_param_numels, local_tokens, padded_length
+from .inputs import ModelShape, Settings, active_layer_numel, local_tokens, padded_length
 
 # kernel -> ((length, forward TFLOP/s, backward TFLOP/s), ...): H200, 32 query / 8 KV heads of 128
 KERNEL_RATES: dict[str, tuple[tuple[int, float, float], ...]] = {
@@ -121,7 +121,7 @@ def dense_flops(shape: ModelShape, s: Settings) -> float:
     """Everything but the attention kernel, one micro-step on one rank: 2 FLOPs per parameter and token per
     forward, 4 per backward; the lm_head in the chunked loss: forward + both grads, 6 per parameter."""
     t = local_tokens(s)
-    per_layer = sum(layer_param_numels(shape))
+    per_layer = active_layer_numel(shape)  # a sparse MLP: the router and top_k experts per token
     layers = shape.layers * per_layer * t * (2.0 * forward_passes(shape, s) + 4.0)
     return layers + 6.0 * shape.vocab * shape.hidden * t
 

@@ -7,17 +7,19 @@ import sys
 
 import torch
 
+from ..model.families import family
 from ..plan.step_time import MODELLED_FROM_S, format_seconds
 
 
 def matmul_params(config) -> int:
     """Parameters that take part in a matmul per token: every layer's linear weights plus lm_head
-    (embedding lookups and norms do no matmul)."""
-    h, i, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
-    return n * per_layer + config.vocab_size * h
+    (embedding lookups and norms do no matmul); of a sparse MLP, the router and the top_k experts a token
+    runs through (active FLOPs)."""
+    fam = family(getattr(config, "model_type", "qwen3"))
+    d = fam.layer_dims(config)
+    h = d.hidden
+    per_layer = h * d.q_width + 2 * h * d.kv_width + d.q_width * h + fam.active_mlp_numel(d)
+    return config.num_hidden_layers * per_layer + config.vocab_size * h
 
 
 def train_flops_per_sequence(config, seq_len: int) -> float:

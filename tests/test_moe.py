@@ -1,0 +1,110 @@
+"""Qwen3-MoE (tiny-moe, CPU, fp32): ours against a plain transformers Qwen3MoeForCausalLM, the router's
+load-balancing loss included, and each lever changing memory, not results."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import Qwen3MoeForCausalLM
+
+from ulysses_trainer import ParallelizeConfig, parallelize, shard_batch
+from ulysses_trainer.levers.sparse_moe import SparseMoE
+from ulysses_trainer.model.load import build_model
+from ulysses_trainer.model.presets import preset_config
+from ulysses_trainer.parallel.state import single_process_state
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def tiny_moe(seed: int = 3) -> torch.nn.Module:
+    cfg = preset_config("tiny-moe")
+    cfg.output_router_logits = True
+    model = build_model(cfg, torch.float32, seed=seed)
+    with torch.no_grad():  # transformers initialises the router to zeros: give it something to route with
+        g = torch.Generator().manual_seed(seed)
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.copy_(torch.randn(layer.mlp.gate.weight.shape, generator=g) * 0.5)
+    return model
+
+
+def batch(seed: int = 7, b: int = 2, length: int = 36) -> torch.Tensor:
+    return torch.randint(0, 1000, (b, length), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_reference(model: torch.nn.Module, ids: torch.Tensor):
+    """transformers' own loss: mean token NLL + router_aux_loss_coef x aux (load_balancing_loss_func)."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids, output_router_logits=True)
+    out.loss.backward()
+    return out.loss.detach(), out.aux_loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def ours(model: torch.nn.Module, ids: torch.Tensor, **levers):
+    """parallelize + one forward/backward, the objective as the trainer forms it (one rank, one micro-step)."""
+    sp = parallelize(model, single_process_state(), ParallelizeConfig(attn_implementation="sdpa", **levers))
+    sp.zero_grad(set_to_none=True)
+    shard = shard_batch(ids, sp_size=1, sp_rank=0)
+    loss_sum = sp(**shard.model_inputs())
+    objective = loss_sum / shard.num_valid + sp.aux_loss_coef * sp.aux_loss
+    objective.backward()
+    grads = {n.removeprefix("causal_lm."): p.grad.clone() for n, p in sp.named_parameters()}
+    return objective.detach(), sp.aux_loss.detach(), grads, sp
+
+
+def test_matches_plain_transformers_with_aux_loss():
+    torch.manual_seed(0)
+    model = tiny_moe()
+    ids = batch()
+    ref_loss, ref_aux, ref_grads = hf_reference(copy.deepcopy(model), ids)
+    loss, aux, grads, sp = ours(copy.deepcopy(model), ids, lean_norm=False, gradient_checkpointing=False,
+                                tiled_mlp=False, loss_type="nll")
+    assert isinstance(sp.causal_lm.model.layers[0].mlp, SparseMoE)
+    assert ref_aux > 1.0  # E x sum f P is 1 when balanced: something to get right
+    assert abs(aux - ref_aux) <= 1e-6 * ref_aux
+    assert abs(loss - ref_loss) <= 1e-5 * ref_loss
+    assert grads.keys() == ref_grads.keys()
+    for n, g in ref_grads.items():
+        assert rel(grads[n], g) <= 1e-5, n
+    # the aux loss reaches the router: leaving its term out of the objective changes the router's grads
+    sp = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
+        attn_implementation="sdpa", lean_norm=False, gradient_checkpointing=False, tiled_mlp=False, loss_type="nll"))
+    shard = shard_batch(ids, sp_size=1, sp_rank=0)
+    (sp(**shard.model_inputs()) / shard.num_valid).backward()
+    name = "model.layers.0.mlp.gate.weight"
+    assert rel(dict(sp.named_parameters())["causal_lm." + name].grad, ref_grads[name]) > 1e-4
+
+
+@pytest.mark.parametrize("levers", [
+    dict(tiled_mlp=3),  # tiled experts, checkpointed (the recompute skips the experts' forward)
+    dict(tiled_mlp=5, checkpoint_every=2),  # rebuilds
+    dict(tiled_mlp=False, activation_offload=True, keep_attention_outputs=True),
+    dict(tiled_mlp=4, loss_type="chunked_nll", loss_chunk_size=16, lean_norm=True),
+])
+def test_levers_change_memory_not_results(levers):
+    model = tiny_moe(seed=4)
+    ids = batch(seed=8, length=35)
+    ref_loss, ref_aux, ref_grads = hf_reference(copy.deepcopy(model), ids)
+    loss, aux, grads, _ = ours(copy.deepcopy(model), ids, **levers)
+    assert abs(aux - ref_aux) <= 1e-6 * ref_aux
+    assert abs(loss - ref_loss) <= 1e-5 * ref_loss
+    for n, g in ref_grads.items():
+        assert rel(grads[n], g) <= 1e-5, n
+
+
+def test_pads_are_left_out_of_the_router_statistics():
+    """A shard's pad rows (real_rows) do not count: the aux loss equals transformers' with an attention mask."""
+    model = tiny_moe(seed=5)
+    ids = batch(seed=9, b=1, length=30)
+    sp = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
+        attn_implementation="sdpa", tiled_mlp=False, gradient_checkpointing=False))
+    padded = torch.cat([ids, torch.zeros(1, 6, dtype=ids.dtype)], dim=1)
+    shard = shard_batch(padded, sp_size=1, sp_rank=0)
+    with torch.no_grad():
+        sp(**{**shard.model_inputs(), "real_rows": 30})
+        ref = model(input_ids=padded, attention_mask=(torch.arange(36) < 30).long()[None],
+                    output_router_logits=True).aux_loss
+    assert abs(sp.aux_loss - ref) <= 1e-6 * ref
