@@ -108,3 +108,57 @@ def test_pads_are_left_out_of_the_router_statistics():
         ref = model(input_ids=padded, attention_mask=(torch.arange(36) < 30).long()[None],
                     output_router_logits=True).aux_loss
     assert abs(sp.aux_loss - ref) <= 1e-6 * ref
+
+
+def _sp_rank_step(rank: int, world: int, per_rank_aux: bool):
+    """Inside a rank: tiny-moe under parallelize in a ZeRO-3 engine, one forward + backward of the batch sharded
+    over `world` SP ranks, the objective as the trainer forms it. per_rank_aux: each rank's aux loss from its own
+    tokens only (the wrong loss), for the test that the comparison catches it."""
+    import dataclasses
+
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    from tests.dist_utils import zero3_config
+    from ulysses_trainer import make_parallel_state
+    from ulysses_trainer.parallel.loss import aux_for_backward, global_aux_loss, global_loss, loss_for_backward, \
+        step_token_count
+
+    state = make_parallel_state(world)
+    model = parallelize(tiny_moe(seed=6), state, ParallelizeConfig(attn_implementation="sdpa", tiled_mlp=3))
+    if per_rank_aux:
+        model.state = dataclasses.replace(state, sp_size=1)  # only the aux loss reads it: sums over no group
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                      config=zero3_config(world))
+    shard = shard_batch(batch(seed=10, b=1, length=38), sp_size=world, sp_rank=rank)  # 38: pads at sp=4
+    tokens = step_token_count(shard.num_valid, state)
+    loss_sum = engine(**shard.model_inputs())
+    aux = model.aux_loss
+    engine.backward(loss_for_backward(loss_sum, tokens, state) + aux_for_backward(aux, model.aux_loss_coef, 1),
+                    scale_wrt_gas=False)
+    grads = {n.removeprefix("causal_lm."): safe_get_full_grad(p).numpy().copy()
+             for n, p in engine.module.named_parameters()}
+    aux_mean = global_aux_loss(float(aux.detach()), 1, state)
+    return global_loss(float(loss_sum.detach()), tokens, state) + model.aux_loss_coef * aux_mean, aux_mean, grads
+
+
+def _sp_both(rank: int, world: int):
+    return _sp_rank_step(rank, world, False), _sp_rank_step(rank, world, True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])  # 4 > tiny-moe's 2 KV heads: KV replicated
+def test_sp_zero3_matches_plain_transformers_and_a_per_rank_aux_would_not(world):
+    from tests.dist_utils import run_ranks
+
+    ids = batch(seed=10, b=1, length=38)
+    ref_loss, ref_aux, ref_grads = hf_reference(tiny_moe(seed=6), ids)
+    for (loss, aux, grads), (bad_loss, bad_aux, bad_grads) in run_ranks(world, _sp_both, timeout=600):
+        assert abs(aux - ref_aux) <= 1e-6 * ref_aux
+        assert abs(loss - ref_loss) <= 1e-5 * ref_loss
+        for n, g in ref_grads.items():
+            assert rel(torch.from_numpy(grads[n]), g) <= 1e-5, n
+        # the per-rank aux loss is another loss: its value and the routers' grads miss the tolerance
+        assert abs(bad_aux - ref_aux) > 1e-3 * ref_aux
+        router = "model.layers.0.mlp.gate.weight"
+        assert rel(torch.from_numpy(bad_grads[router]), ref_grads[router]) > 1e-5
