@@ -162,3 +162,35 @@ def test_sp_zero3_matches_plain_transformers_and_a_per_rank_aux_would_not(world)
         assert abs(bad_aux - ref_aux) > 1e-3 * ref_aux
         router = "model.layers.0.mlp.gate.weight"
         assert rel(torch.from_numpy(bad_grads[router]), ref_grads[router]) > 1e-5
+
+
+@pytest.mark.slow
+def test_train_sp1_sp2_sp4_same_losses_and_aux_losses_and_export_generates(tmp_path):
+    """`deepspeed --num_gpus N launch/train.py` on tiny-moe, fp32, 3 steps, world = sp: the same losses and
+    aux losses (1e-4 relative); final/ loads with AutoModelForCausalLM as Qwen3MoeForCausalLM and generates."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.dist_utils import job_failure, run_job, train_command
+
+    args = ["--model_name_or_path", "tiny-moe", "--max_length", "126", "--max_steps", "3", "--bf16", "false",
+            "--seed", "3", "--logging_steps", "1", "--learning_rate", "1e-3"]  # 126: pads at sp=4
+    rows = {}
+    for n in (1, 2, 4):
+        out = tmp_path / f"sp{n}"
+        proc = run_job(train_command(n, [*args, "--output_dir", str(out)]), timeout=420)
+        assert proc.returncode == 0, job_failure(proc)
+        rows[n] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows[1]] == [1, 2, 3]
+    for n in (2, 4):
+        for ref, got in zip(rows[1], rows[n], strict=True):
+            for key in ("loss", "aux_loss"):
+                assert abs(got[key] - ref[key]) <= 1e-4 * abs(ref[key]), (n, ref["step"], key, got[key], ref[key])
+    assert all(r["aux_loss"] > 0 for r in rows[1])
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "sp2" / "final", dtype=torch.float32)
+    assert isinstance(model, Qwen3MoeForCausalLM)
+    ids = torch.tensor([[151643, 40, 1079, 264]])
+    out = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, 9) and torch.equal(out[:, :4], ids)

@@ -118,9 +118,9 @@ def search_fastest(shape: ModelShape, base: Settings, fx: Fixed, keep_max: int, 
     sr = _Search(shape, base, gpu_gb, host_gb, knobs)
     everies = [fx.every] if fx.every is not None else [c for c in EVERY_CHOICES if c <= shape.layers]
     opts = [fx.optimizer_offload] if fx.optimizer_offload is not None else [False, True]
-    rule = default_mlp_tiles(local_tokens(base), shape.intermediate)
+    rule = default_mlp_tiles(local_tokens(base), shape.mlp_row_width)
     if fx.tiles is not None:
-        ladder = [auto_num_tiles(local_tokens(base), shape.hidden, shape.intermediate) if fx.tiles == -1 else fx.tiles]
+        ladder = [auto_num_tiles(local_tokens(base), shape.hidden, shape.mlp_row_width) if fx.tiles == -1 else fx.tiles]
     else:
         top = max(1, min(MAX_TILES, local_tokens(base)))
         ladder = sorted({min(rule, top)} | {t for t in (2, 4, 8, 16, 32, 64) if rule < t <= top})

@@ -68,6 +68,12 @@ class ModelShape:
                          kv_width=self.kv_width, head_dim=self.head_dim, experts=self.experts, top_k=self.top_k)
 
     @property
+    def mlp_row_width(self) -> int:
+        """Intermediate values per token of the MLP, what the tile rules size by: a sparse block's token runs
+        top_k experts of `intermediate` each."""
+        return self.intermediate * (self.top_k if self.sparse else 1)
+
+    @property
     def q_width(self) -> int:
         return self.heads * self.head_dim
 
@@ -124,6 +130,8 @@ class Settings:
     # backward); on the H200, SDPA (cuDNN) and the memory-only stand-in measured the same working set on the
     # KV-group path; on all heads with fewer KV than query heads cuDNN's backward takes more (layer_terms.py).
     attention: str = "sdpa"
+    # a sparse model's experts kernel (transformers' experts_implementation; plan/step_time.EXPERTS_TFLOPS)
+    experts_implementation: str = "grouped_mm"
     pad_to_multiple_of: int | None = None
     pinned_rounding: Literal["exact", "pow2"] = "exact"  # our HostPool vs per-tensor pin_memory()
     prefetch_offloaded: bool = True  # ours fetches the next offloaded layer one layer ahead

@@ -84,6 +84,12 @@ def choose_norm_kernel(name: str, installed: tuple[str, ...], lean_norm: bool = 
     return _installed_choice("norm_kernel", name, NORM_KERNELS, installed, "torch")
 
 
+def choose_experts_implementation(name: str) -> str:
+    """A sparse model's experts kernel: `auto` -> grouped_mm (transformers' default where torch has grouped_mm;
+    the fastest measured, plan/step_time.EXPERTS_TFLOPS); a named one as given."""
+    return "grouped_mm" if name == "auto" else name
+
+
 def check_levers(cfg: Any, shape: ModelShape | None = None, kernel: str | None = None) -> Fixed:
     """Every lever of a TrainConfig checked (ConfigError naming the fix) and read: fixed values or None (auto).
     Without a shape, the checks that need no model only."""
@@ -173,7 +179,8 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
                     micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
                     gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
                     loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, norm_kernel=norm, attention=kernel,
-                    pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs, gpus_per_host=machine.ranks_per_host)
+                    pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs, gpus_per_host=machine.ranks_per_host,
+                    experts_implementation=choose_experts_implementation(getattr(cfg, "experts_implementation", "auto")))
     check_settings(shape, replace(base, kept_attention_layers=0))
     can_keep = cfg.gradient_checkpointing and kernel in KEEPING_KERNELS and not cfg.packing and gpu
     notes: list[str] = [f"host memory {machine.host_memory_gb:.1f} GiB per host ({machine.host_memory_source})"]
@@ -202,8 +209,8 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
         every = fx.every or 1
         saved = saved_layer_count(shape, every)
         tiles = fx.tiles if fx.tiles not in (None, -1) else (
-            auto_num_tiles(local_tokens(base), shape.hidden, shape.intermediate) if fx.tiles == -1
-            else default_mlp_tiles(local_tokens(base), shape.intermediate))
+            auto_num_tiles(local_tokens(base), shape.hidden, shape.mlp_row_width) if fx.tiles == -1
+            else default_mlp_tiles(local_tokens(base), shape.mlp_row_width))
         s = replace(base, checkpoint_every=every, tiled_mlp=tiles, offload_optimizer=bool(fx.optimizer_offload),
                     activation_offload=saved if fx.offload == -1 else (fx.offload or 0),
                     kept_attention_layers=fx.keep or 0)
@@ -246,7 +253,8 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
         step_parts=tuple(st.parts.items()) if st else (), fits=fits, binding_limit=limit,
         missing_gpu_gb=gpu_miss / GIB, missing_host_gb=host_miss / GIB, gpu_budget_gb=budget,
         host_budget_gb=machine.host_memory_gb,
-        decided=decided, notes=tuple(notes), settings=s, estimate=chosen)
+        decided=decided, notes=tuple(notes), settings=s, estimate=chosen,
+        experts_implementation=s.experts_implementation)
 
 
 def plan_for(cfg: Any, model_config: Any, ds: dict, machine: Machine, *, bf16: bool | None = None) -> Plan:

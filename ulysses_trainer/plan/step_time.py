@@ -58,6 +58,11 @@ NORM_S_PER_ELEMENT: dict[str, dict[str, tuple[float, float]]] = {
     "triton": {"hidden": (1.145e-12, 3.841e-12), "head": (1.073e-12, 6.496e-12)},
 }
 NORM_SOURCE = "norm_kernels_h200.json"
+# A sparse block's experts, by transformers' experts_implementation: active TFLOP/s measured on one H200 with
+# transformers 5.17, one Qwen3-30B-A3B sparse block, 131,072 tokens, bf16, forward + backward, untiled:
+# eager 0.377 s, grouped_mm 0.141 s for 6 x 131,072 x 8 x 3 x 2048 x 768 FLOPs (measured inputs, not fitted;
+# batched_mm asked for 768 GiB there and is not planned). Re-measure: benchmarks/suite.py moe_experts.
+EXPERTS_TFLOPS: dict[str, float] = {"eager": 78.8, "grouped_mm": 210.6}
 
 
 # Below this the fixed costs of a step that the model leaves out (kernel launches, Python, DeepSpeed's
@@ -126,6 +131,15 @@ def dense_flops(shape: ModelShape, s: Settings) -> float:
     return layers + 6.0 * shape.vocab * shape.hidden * t
 
 
+def experts_flops(shape: ModelShape, s: Settings) -> float:
+    """A sparse model's experts, one micro-step on one rank: 2 FLOPs per active expert parameter (top_k of them
+    per token) and token per forward, 4 per backward. 0 for a dense model."""
+    if not shape.sparse:
+        return 0.0
+    per_layer = shape.top_k * 3 * shape.hidden * shape.intermediate
+    return shape.layers * per_layer * local_tokens(s) * (2.0 * forward_passes(shape, s) + 4.0)
+
+
 def norm_seconds(shape: ModelShape, s: Settings, kernel: str) -> float:
     """The lean RMSNorms of one micro-step on one rank with `kernel`: per layer the input and
     post-attention norms ([t, hidden]) and the q/k norms ([t x heads, head_dim], before the all-to-all:
@@ -170,6 +184,14 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     parts = {"attention forward": forwards * fwd * accumulation,
              "attention backward": shape.layers * bwd * accumulation,
              "matmuls and the rest": dense_flops(shape, s) / (DENSE_TFLOPS * 1e12) * accumulation}
+    if shape.sparse:  # the experts at their kernel's measured rate, not the dense one
+        ex = experts_flops(shape, s)
+        parts["matmuls and the rest"] -= ex / (DENSE_TFLOPS * 1e12) * accumulation
+        rate = EXPERTS_TFLOPS.get(s.experts_implementation)
+        if rate is None:
+            rate = EXPERTS_TFLOPS["eager"]
+            notes.append(f"experts_implementation {s.experts_implementation} not timed: eager's rate used")
+        parts[f"experts ({s.experts_implementation})"] = ex / (rate * 1e12) * accumulation
     if s.lean_norm:  # the dense rate was fitted with the torch kernel's norms inside it
         parts["matmuls and the rest"] -= norm_seconds(shape, s, "torch") * accumulation
         parts[f"RMSNorms ({s.norm_kernel})"] = norm_seconds(shape, s, s.norm_kernel) * accumulation

@@ -91,6 +91,7 @@ class Trainer:
         pcfg = ParallelizeConfig(attn_implementation=first.kernel, loss_type=first.loss_type,
                                  loss_chunk_size=first.loss_chunk_size, tiled_mlp=first.tiles,
                                  lean_norm=first.lean_norm, norm_kernel=first.norm_kernel,
+                                 experts_implementation=first.experts_implementation,
                                  gradient_checkpointing=first.gradient_checkpointing,
                                  checkpoint_every=first.checkpoint_every, activation_offload="auto",
                                  keep_attention_outputs="auto" if first.gradient_checkpointing else False,
