@@ -10,8 +10,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.model.families import FAMILIES, PRESETS, family
 from ulysses_trainer.model.presets import preset_config
-from ulysses_trainer.plan.inputs import (ModelShape, Settings, layer_param_numels, num_active_params,
-                                         num_params)
+from ulysses_trainer.plan.inputs import ModelShape, Settings, layer_param_numels, num_active_params, num_params
 from ulysses_trainer.plan.layer_terms import layer_forward_saved, mlp_backward_extra
 from ulysses_trainer.plan.step_time import experts_flops
 from ulysses_trainer.plan.zero3_trace import forward_order, gathers_per_micro_step, module_trace
@@ -47,7 +46,7 @@ def test_moe_presets_carry_the_published_dimensions():
 def test_every_preset_belongs_to_one_family_and_unknown_types_are_refused():
     assert set(PRESETS) == {n for f in FAMILIES.values() for n in f.presets}
     assert {preset_config(n).model_type for n in PRESETS} == set(FAMILIES)
-    with pytest.raises(ConfigError, match="model_type 'llama' is not supported; this trainer supports qwen3, qwen3_moe"):
+    with pytest.raises(ConfigError, match="'llama' is not supported; this trainer supports qwen3, qwen3_moe"):
         family("llama")
 
 
@@ -85,3 +84,26 @@ def test_sparse_memory_terms_scale_with_top_k_and_tiles():
     # active FLOPs: top_k experts per token, 2 x fwd passes + 4
     assert experts_flops(shape, Settings(max_length=131072, gradient_checkpointing=False)) == \
         48 * 8 * 3 * 2048 * 768 * 131072 * 6
+
+
+def test_plan_of_the_moe_recipe_and_the_one_line_question(capsys):
+    """`ulysses-trainer plan` for Qwen3-30B-A3B at 1M on 8 H200s: sp 8, experts tiled, grouped_mm, the
+    experts' step time at their own rate, active FLOPs (the plan's numbers are predictions, not measurements)."""
+    import json
+    from pathlib import Path
+
+    from ulysses_trainer.__main__ import main as cli_main
+
+    args = ["plan", "--model", "qwen3-30b-a3b", "--max_length", "1048576", "--gpus", "8", "--gpu_memory_gb", "139.8",
+            "--host_memory_gb", "2000", "--json"]
+    assert cli_main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    plan = data["plan"]
+    assert plan["sp_size"] == 8 and plan["experts_implementation"] == "grouped_mm" and plan["tiled_mlp"] > 1
+    assert data["estimate"]["parameters"] == 30_532_122_624
+    assert any(name.startswith("experts (grouped_mm)") for name in plan["step_parts_s"])
+    recipe = Path(__file__).resolve().parent.parent / "launch" / "recipes" / "moe_8gpu_1m.yaml"
+    assert cli_main(["plan", "--config", str(recipe), "--gpu_memory_gb", "139.8", "--host_memory_gb", "2000",
+                     "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] and data["chosen"]["sp_size"] == 8 and data["chosen"]["max_length"] == 1_048_576

@@ -48,7 +48,8 @@ class TrainConfig:
     """Everything a run needs. The defaults are the embedded CPU run (tiny model, synthetic data)."""
 
     # model
-    model_name_or_path: str = _f("tiny", "a preset (tiny, qwen3-0.6b ... qwen3-32b, tiny-moe, qwen3-30b-a3b, qwen3-235b-a22b) or an HF checkpoint dir")
+    model_name_or_path: str = _f("tiny", "a preset (tiny, qwen3-0.6b ... qwen3-32b, tiny-moe, qwen3-30b-a3b, "
+                                         "qwen3-235b-a22b) or an HF checkpoint dir")
     model_init_kwargs: Union[dict, None] = _f(
         None, "model config overrides, e.g. {rope_parameters: {rope_type: yarn, factor: auto}}")
     attn_implementation: AttnImpl = _f("auto", "attention kernel; auto = fastest installed")

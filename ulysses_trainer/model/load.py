@@ -120,7 +120,8 @@ def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) 
         else _load_checkpoint_config(name_or_path)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"model {name_or_path!r} has model_type {config.model_type!r}; this trainer "
-                          f"supports {', '.join(SUPPORTED_MODEL_TYPES)} (Qwen3 / Qwen3-MoE checkpoints or the presets)")
+                          f"supports {', '.join(SUPPORTED_MODEL_TYPES)} (Qwen3 / Qwen3-MoE checkpoints or the "
+                          f"presets)")
     why = family(config.model_type).check_config(config)
     if why:
         raise ConfigError(f"model {name_or_path!r}: {why}")
@@ -252,7 +253,8 @@ def model_config_for(cfg: TrainConfig) -> PretrainedConfig:
 
 def build_model(config: PretrainedConfig, dtype: torch.dtype, from_pretrained_path: str | None = None,
                 seed: int = 0) -> torch.nn.Module:
-    """The family's causal LM (Qwen3ForCausalLM, Qwen3MoeForCausalLM): random init (seeded, global RNG untouched) for presets, else the checkpoint.
+    """The family's causal LM (Qwen3ForCausalLM, Qwen3MoeForCausalLM): random init (seeded, global RNG untouched)
+    for presets, else the checkpoint.
 
     Built with SDPA; the trainer switches attention afterwards. Under ZeRO-3 call it inside
     deepspeed.zero.Init (presets) or with an HfDeepSpeedConfig alive (checkpoints).
