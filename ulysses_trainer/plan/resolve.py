@@ -181,7 +181,8 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
                     loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, norm_kernel=norm, attention=kernel,
                     pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs,
                     gpus_per_host=machine.ranks_per_host,
-                    experts_implementation=choose_experts_implementation(getattr(cfg, "experts_implementation", "auto")))
+                    experts_implementation=choose_experts_implementation(
+                        getattr(cfg, "experts_implementation", "auto")))
     check_settings(shape, replace(base, kept_attention_layers=0))
     can_keep = cfg.gradient_checkpointing and kernel in KEEPING_KERNELS and not cfg.packing and gpu
     notes: list[str] = [f"host memory {machine.host_memory_gb:.1f} GiB per host ({machine.host_memory_source})"]
