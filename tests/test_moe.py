@@ -199,3 +199,24 @@ def test_train_sp1_sp2_sp4_same_losses_and_aux_losses_and_export_generates(tmp_p
     ids = torch.tensor([[151643, 40, 1079, 264]])
     out = model.generate(ids, max_new_tokens=5, do_sample=False)
     assert out.shape == (1, 9) and torch.equal(out[:, :4], ids)
+
+
+def test_rehearse_rank_0_of_4_counts_what_the_comm_model_says(tmp_path):
+    """The rehearsal runs tiny-moe as rank 0 of 4 (sp=4, tiled experts) in this process: ZeRO-3's gathers and
+    reduce-scatters and the all-reduces (the router statistics' among them) are the ones modelled."""
+    import json
+    from pathlib import Path
+
+    from tests.test_rehearse import _main
+
+    recipe = str(Path(__file__).resolve().parent.parent / "launch/recipes/cpu_default.yaml")
+    out = tmp_path / "r.json"
+    assert _main(["--config", recipe, "--model_name_or_path", "tiny-moe", "--gpus", "4", "--max_length", "256",
+                  "--tiled_mlp", "2", "--warmup_length", "64", "--count_collectives", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert (r["world_size"], r["sp_size"]) == (4, 4) and r["losses_meaningful"] is False
+    counted, modelled = r["collectives_counted"], r["comm"]["by_op"]
+    assert counted["all_to_all"] == modelled["all_to_all"]
+    assert counted["reduce_scatter"]["bytes"] == modelled["reduce_scatter"]["bytes"]
+    assert counted["all_gather"]["bytes"] == modelled["all_gather"]["bytes"]
+    assert counted["all_reduce"]["calls"] == modelled["all_reduce"]["calls"] - 1  # the stop flag is the loop's
