@@ -220,3 +220,27 @@ def test_rehearse_rank_0_of_4_counts_what_the_comm_model_says(tmp_path):
     assert counted["reduce_scatter"]["bytes"] == modelled["reduce_scatter"]["bytes"]
     assert counted["all_gather"]["bytes"] == modelled["all_gather"]["bytes"]
     assert counted["all_reduce"]["calls"] == modelled["all_reduce"]["calls"] - 1  # the stop flag is the loop's
+
+
+def test_yarn_config_reaches_the_moe_model_and_ours_still_matches_transformers():
+    """YaRN through the family's config (model_config_for): the rope is transformers' own, so ours (SP path,
+    tiled experts, checkpointing) and the plain model agree on it; the aux loss is on by default."""
+    from ulysses_trainer.config import TrainConfig
+    from ulysses_trainer.model.load import model_config_for
+
+    cfg = model_config_for(TrainConfig(model_name_or_path="tiny-moe", max_length=163840,
+                                       model_init_kwargs={"rope_parameters": {"rope_type": "yarn", "factor": "auto"}}))
+    assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["factor"] == 4.0
+    assert cfg.output_router_logits is True and cfg.router_aux_loss_coef == 0.001
+    off = model_config_for(TrainConfig(model_name_or_path="tiny-moe", model_init_kwargs={"output_router_logits": False}))
+    assert off.output_router_logits is False
+    model = build_model(cfg, torch.float32, seed=2)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    ids = batch(seed=12, length=33)
+    ref_loss, ref_aux, ref_grads = hf_reference(copy.deepcopy(model), ids)
+    loss, aux, grads, _ = ours(copy.deepcopy(model), ids, tiled_mlp=2)
+    assert abs(loss - ref_loss) <= 1e-5 * ref_loss and abs(aux - ref_aux) <= 1e-6 * ref_aux
+    for n, g in ref_grads.items():
+        assert rel(grads[n], g) <= 1e-5, n
