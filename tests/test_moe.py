@@ -232,7 +232,8 @@ def test_yarn_config_reaches_the_moe_model_and_ours_still_matches_transformers()
                                        model_init_kwargs={"rope_parameters": {"rope_type": "yarn", "factor": "auto"}}))
     assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["factor"] == 4.0
     assert cfg.output_router_logits is True and cfg.router_aux_loss_coef == 0.001
-    off = model_config_for(TrainConfig(model_name_or_path="tiny-moe", model_init_kwargs={"output_router_logits": False}))
+    off = model_config_for(TrainConfig(model_name_or_path="tiny-moe",
+                                       model_init_kwargs={"output_router_logits": False}))
     assert off.output_router_logits is False
     model = build_model(cfg, torch.float32, seed=2)
     with torch.no_grad():

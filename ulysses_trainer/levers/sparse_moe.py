@@ -117,7 +117,10 @@ def route(gate: nn.Module, x2d: Tensor, top_k: int, norm_topk_prob: bool) -> tup
     returning the three (transformers 5.x Qwen3MoeTopKRouter), or a plain Linear (softmax, top-k here)."""
     out = gate(x2d)
     if isinstance(out, tuple):
-        return out
+        logits, weights, idx = out
+        if weights.shape[-1] != idx.shape[-1]:  # a router returning the scores of all experts [N, E]
+            weights = weights.gather(-1, idx)  # [N, k]
+        return logits, weights, idx
     probs = torch.softmax(out, dim=-1, dtype=torch.float)  # [N, E]
     weights, idx = torch.topk(probs, top_k, dim=-1)  # [N, k]
     if norm_topk_prob:

@@ -32,7 +32,7 @@ from ..levers.sparse_moe import RouterStats, SparseMoE
 from ..levers.tiled_mlp import TiledMLP
 from ..parallel.state import ParallelState
 from ..parallel.ulysses import UlyssesAttention
-from ..plan.inputs import auto_num_tiles, default_mlp_tiles
+from ..plan.inputs import ModelShape, auto_num_tiles, default_mlp_tiles
 from .families import family
 from .loss_head import LossHead
 
@@ -183,9 +183,8 @@ def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) 
         use_lean_norms(model, resolve_norm_kernel(cfg.norm_kernel))
     # 4. tiled MLP (dense), or the sparse block with its router statistics (tiled or not)
     d = fam.layer_dims(c)
-    # a sparse block's per-row intermediates: top_k experts of width moe_intermediate_size
-    width = d.intermediate * (d.top_k if fam.mlp_kind == "sparse" else 1)
-    tiles = mlp_tiles(cfg.tiled_mlp, cfg.local_seq_len, c.hidden_size, width)
+    # the tile rules size by a row's intermediates (a sparse block: top_k experts' worth, ModelShape.mlp_row_width)
+    tiles = mlp_tiles(cfg.tiled_mlp, cfg.local_seq_len, c.hidden_size, ModelShape.from_config(c).mlp_row_width)
     stats, coef = None, 0.0
     if fam.mlp_kind == "sparse":
         if getattr(c, "output_router_logits", False):
