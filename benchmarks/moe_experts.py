@@ -59,7 +59,9 @@ def measure(model: str, tokens: int, impl: str, tiles: int, iters: int, device: 
     dy = torch.randn_like(x)
     flops = 6.0 * tokens * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
     row = {"model": model, "tokens": tokens, "experts_implementation": impl, "tiles": tiles,
-           "dtype": str(dtype).removeprefix("torch."), "active_flops": flops}
+           "dtype": str(dtype).removeprefix("torch."), "active_flops": flops,
+           # what transformers' experts dispatch reads at each call: proves the kernel timed is the one named
+           "dispatched": getattr(getattr(block.experts, "config", cfg), "_experts_implementation", None)}
 
     def step():
         xg = x.detach().requires_grad_(True)

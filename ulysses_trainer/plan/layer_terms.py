@@ -63,12 +63,13 @@ def layer_forward_saved(shape: ModelShape, s: Settings) -> dict[str, int]:
 
 
 def sparse_mlp_saved(shape: ModelShape, s: Settings) -> dict[str, int]:
-    """A sparse block's saved tensors (levers/sparse_moe.py): the router's logits [t, E] and fp32 softmax, the
-    routing weights and chosen experts [t, k]; untiled, the experts' permuted token buffer (top_k x t rows of
+    """A sparse block's saved tensors (levers/sparse_moe.py): the router's logits [t, E] and two fp32 softmaxes of
+    them (the router's, for its top-k weights; the statistics', for the probability sums), the routing weights
+    and chosen experts [t, k]; untiled, the experts' permuted token buffer (top_k x t rows of
     H) and each routed row's intermediates (gate_up 2I, act I, product I); tiled, the experts keep only the
     block input, counted with the post-attention norm's output."""
     t, e, h, i, k, n = local_tokens(s), s.act_bytes, shape.hidden, shape.intermediate, shape.top_k, shape.experts
-    terms = {"router logits + fp32 probabilities, routing weights and experts": t * n * (e + FP32) + t * k * (e + 8)}
+    terms = {"router logits + 2 fp32 softmaxes, routing weights and experts": t * n * (e + 2 * FP32) + t * k * (e + 8)}
     if s.experts_implementation == "batched_mm":
         # transformers' batched_mm gathers each row's gate_up weights [rows, 2I, H] (per top-k slot): on the H200,
         # one Qwen3-30B-A3B block at 131,072 rows asked for 768 GiB = 131,072 x 1536 x 2048 x 2 B
