@@ -32,7 +32,7 @@ from ..levers.sparse_moe import RouterStats, SparseMoE
 from ..levers.tiled_mlp import TiledMLP
 from ..parallel.state import ParallelState
 from ..parallel.ulysses import UlyssesAttention
-from ..plan.inputs import ModelShape, auto_num_tiles, default_mlp_tiles
+from ..plan.inputs import ModelShape, auto_num_tiles, choose_experts_implementation, default_mlp_tiles
 from .families import family
 from .loss_head import LossHead
 
@@ -55,9 +55,9 @@ class ParallelizeConfig:
     # layers whose attention output + LSE are kept from the checkpoint's forward to skip the kernel in the
     # recompute (attention/stash.py): False | True (all layers) | n first layers | "auto" (apply)
     keep_attention_outputs: bool | int | str = "auto"
-    # a sparse model's experts kernel (transformers' experts_implementation: eager | batched_mm | grouped_mm);
-    # None: the model's own
-    experts_implementation: str | None = None
+    # a sparse model's experts kernel (transformers' experts_implementation): eager | batched_mm | grouped_mm |
+    # auto (plan.inputs.choose_experts_implementation)
+    experts_implementation: str = "auto"
     host_memory_gb: float | None = None  # None: detected
     local_seq_len: int | None = None  # tokens per rank per row; needed for tiling decisions
     ranks_per_host: int = 1  # ranks sharing this host's RAM (splits the offload budget)
@@ -191,13 +191,12 @@ def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) 
             stats, coef = RouterStats(d.experts, d.top_k), float(getattr(c, "router_aux_loss_coef", 0.0))
         for layer in layers:
             layer.mlp = SparseMoE(layer.mlp, tiles, stats, d.top_k, bool(c.norm_topk_prob))
-        if cfg.experts_implementation is not None:
-            if not hasattr(model, "set_experts_implementation"):  # transformers without the choice: a loop
-                if cfg.experts_implementation != "eager":
-                    raise ConfigError(f"experts_implementation {cfg.experts_implementation} needs a transformers "
-                                      f"with set_experts_implementation; use eager or upgrade transformers")
-            else:
-                model.set_experts_implementation(cfg.experts_implementation)
+        impl = choose_experts_implementation(cfg.experts_implementation)
+        if hasattr(model, "set_experts_implementation"):
+            model.set_experts_implementation(impl)
+        elif impl != "eager":  # a transformers without the choice runs its loop
+            raise ConfigError(f"experts_implementation {impl} needs a transformers with set_experts_implementation; "
+                              f"use eager or upgrade transformers")
     elif tiles > 1:
         for layer in layers:
             layer.mlp = TiledMLP(layer.mlp, tiles)

@@ -154,6 +154,12 @@ class Settings:
         return self.gpus_per_host or self.world
 
 
+def choose_experts_implementation(name: str) -> str:
+    """A sparse model's experts kernel: `auto` -> grouped_mm (transformers' default where torch has grouped_mm;
+    the fastest measured, plan/step_time.EXPERTS_TFLOPS); a named one as given."""
+    return "grouped_mm" if name == "auto" else name
+
+
 def saved_layer_count(shape: ModelShape, checkpoint_every: int) -> int:
     """Layers that keep their input (the block starts 0, k, 2k, ...), the candidates for offload."""
     return -(-shape.layers // checkpoint_every)

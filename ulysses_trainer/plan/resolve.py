@@ -21,6 +21,7 @@ from .inputs import (
     Settings,
     auto_num_tiles,
     check_settings,
+    choose_experts_implementation,
     default_mlp_tiles,
     local_tokens,
     num_params,
@@ -82,12 +83,6 @@ def choose_norm_kernel(name: str, installed: tuple[str, ...], lean_norm: bool = 
             raise ConfigError("norm_kernel triton is the lean norms' kernel: set lean_norm true or norm_kernel auto")
         return "torch"
     return _installed_choice("norm_kernel", name, NORM_KERNELS, installed, "torch")
-
-
-def choose_experts_implementation(name: str) -> str:
-    """A sparse model's experts kernel: `auto` -> grouped_mm (transformers' default where torch has grouped_mm;
-    the fastest measured, plan/step_time.EXPERTS_TFLOPS); a named one as given."""
-    return "grouped_mm" if name == "auto" else name
 
 
 def check_levers(cfg: Any, shape: ModelShape | None = None, kernel: str | None = None) -> Fixed:
