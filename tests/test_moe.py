@@ -135,6 +135,12 @@ def _sp_rank_step(rank: int, world: int, per_rank_aux: bool):
         model.state = dataclasses.replace(state, sp_size=1)  # only the aux loss reads it: sums over no group
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
                                       config=zero3_config(world))
+    # DeepSpeed's default leaf classes name transformers' Qwen3MoeSparseMoeBlock, which SparseMoE replaces: the
+    # router and the experts fetch through their own hooks. With 3 tiles of ~3 rows (6 top-2 slots over 8
+    # experts) every tile leaves experts without a token on this rank; the experts module runs anyway.
+    from deepspeed.utils import z3_leaf_module
+
+    assert not any(z3_leaf_module(layer.mlp) for layer in model.causal_lm.model.layers)
     shard = shard_batch(batch(seed=10, b=1, length=38), sp_size=world, sp_rank=rank)  # 38: pads at sp=4
     tokens = step_token_count(shard.num_valid, state)
     loss_sum = engine(**shard.model_inputs())
