@@ -110,10 +110,10 @@ def test_plan_of_the_moe_recipe_and_the_one_line_question(capsys):
 
 
 def test_logged_flops_count_the_active_experts():
-    from ulysses_trainer.train.metrics import matmul_params
+    from ulysses_trainer.plan.inputs import matmul_params
 
-    c = preset_config("qwen3-30b-a3b")
+    c = ModelShape.preset("qwen3-30b-a3b")
     attn = 2048 * 4096 * 2 + 2 * 2048 * 512
     assert matmul_params(c) == 48 * (attn + 128 * 2048 + 8 * 3 * 2048 * 768) + 151936 * 2048
-    dense = preset_config("qwen3-4b")
+    dense = ModelShape.preset("qwen3-4b")
     assert matmul_params(dense) == 36 * (2560 * 4096 * 2 + 2 * 2560 * 1024 + 3 * 2560 * 9728) + 151936 * 2560

@@ -12,10 +12,10 @@ import sys
 from .errors import EXIT_INVALID, EXIT_OK
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "plan": ("ulysses_trainer.plan.cli", "predict per-GPU and host memory; choose settings that fit "
-                                         "(`plan calibrate`: predicted vs measured)"),
-    "rehearse": ("ulysses_trainer.train.rehearse", "run one rank of an N-GPU job on one device (fake process "
-                                                   "group): its memory and compute, plus modelled communication"),
+    "plan": ("ulysses_trainer.cli.plan", "predict per-GPU and host memory; choose settings that fit "
+                                        "(`plan calibrate`: predicted vs measured)"),
+    "rehearse": ("ulysses_trainer.cli.rehearse", "run one rank of an N-GPU job on one device (fake process "
+                                                 "group): its memory and compute, plus modelled communication"),
 }
 
 

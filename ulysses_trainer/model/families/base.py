@@ -60,6 +60,11 @@ class Family:
             return 3 * d.hidden * d.intermediate
         return d.experts * d.hidden + d.top_k * 3 * d.hidden * d.intermediate
 
+    def mlp_row_width(self, d: LayerDims) -> int:
+        """Intermediate values per token of the MLP, what the tile rules size by: a sparse block's token runs
+        top_k experts of one expert's width each."""
+        return d.intermediate * (d.top_k if self.mlp_kind == "sparse" else 1)
+
     def layer_dims(self, config: Any) -> LayerDims:
         """From a transformers config of this family."""
         d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
