@@ -10,9 +10,8 @@ from typing import Any, Literal
 from ..errors import ConfigError
 from ..layout import check_heads
 from ..layout import padded_length as layout_padded_length
-from ..names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS, param_persistence_threshold
 from ..model.families import Family, LayerDims, family
-
+from ..names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS, param_persistence_threshold
 
 # --------------------------------------------------------------------------------------------
 # Inputs
