@@ -32,6 +32,7 @@ NanPolicy = Literal["skip", "stop"]
 SaveStrategy = Literal["steps", "no"]
 TextFileSplit = Literal["document", "paragraph", "line"]
 SchedulerType = Literal["linear", "cosine", "constant", "constant_with_warmup"]
+MaxLengthPolicy = Literal["truncate", "drop"]
 Auto = Literal["auto"]
 
 
@@ -125,6 +126,14 @@ class TrainConfig:
         None, "evaluate on at most N sequences of max_length (the first N of the eval data); null = all of it")
     resume_from_checkpoint: Union[str, bool, None] = _f(
         None, "checkpoint dir to resume from; true = the latest in output_dir")
+    # conversations and prompt-completion data (TRL SFTConfig names)
+    assistant_only_loss: bool = _f(
+        False, "conversational data: train only on the assistant turns (each up to and including its <|im_end|>)")
+    completion_only_loss: Union[bool, None] = _f(
+        None, "prompt-completion data: train only on the completion; null = true (TRL's default)")
+    max_length_policy: MaxLengthPolicy = _f(
+        "truncate", "a conversation or prompt-completion pair longer than max_length: truncate (keep its first "
+        "max_length tokens, TRL's) or drop it; both are counted (ulysses-trainer data)")
 
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
