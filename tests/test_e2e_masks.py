@@ -15,7 +15,7 @@ import pytest
 
 from tests.test_e2e_train import read_metrics, rel, run_train
 
-STEPS, MAX_LENGTH = 3, 256
+STEPS, MAX_LENGTH = 3, 384
 COMMON = ["--max_length", str(MAX_LENGTH), "--max_steps", str(STEPS), "--learning_rate", "1e-3", "--bf16", "false",
           "--seed", "5", "--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "1",
           "--save_strategy", "no", "--report_to", "none"]
@@ -25,7 +25,7 @@ def agent_conversations(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        listing = " ".join(f"file{rng.randint(0, 99)}.txt" for _ in range(rng.randint(40, 70)))
+        listing = " ".join(f"file{rng.randint(0, 99)}.txt" for _ in range(rng.randint(25, 35)))
         out.append({"messages": [
             {"role": "system", "content": "You are a shell agent."},
             {"role": "user", "content": f"Find the largest file, case {i}."},
@@ -39,7 +39,7 @@ def agent_conversations(n: int, seed: int) -> list[dict]:
 
 def prompt_completions(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    return [{"prompt": "Context: " + " ".join(str(rng.randint(0, 999)) for _ in range(rng.randint(60, 90)))
+    return [{"prompt": "Context: " + " ".join(str(rng.randint(0, 999)) for _ in range(rng.randint(40, 60)))
              + "\nQuestion: the first number?", "completion": f" Answer: {rng.randint(0, 999)}."} for _ in range(n)]
 
 

@@ -27,9 +27,11 @@ import torch
 from ..config import TrainConfig
 from ..errors import ConfigError
 from ..parallel.sharding import IGNORE_INDEX
+from .agent_sessions import agent_sessions
 from .chat import tokenize_segments
 from .formats import (
     ACCEPTED,
+    CONVERSATIONAL,
     LANGUAGE_MODELING,
     check_first_example,
     check_loss_flags,
@@ -46,6 +48,8 @@ _BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "
 _TOKENS_PER_WORD = 1.26  # of the synthetic prose under the Qwen BPE (measured)
 _EVAL_SEED_OFFSET = 1_000_003  # synthetic eval documents differ from the training ones
 _BATCH_DOCS = 64
+SYNTHETIC_STEPS_PER_EPOCH = 4
+AGENT_SESSIONS = "synthetic:agent_sessions"  # dataset_name of the synthetic agent sessions
 
 
 @dataclass
@@ -253,10 +257,11 @@ def _column_bytes(ds: Any, field: str) -> int | None:
 
 
 def default_num_sequences(cfg: TrainConfig, split: str, dp_size: int = 1) -> int:
-    """Rows the synthetic source makes: the run's need (max_steps), else 8 optimizer steps per epoch."""
+    """Rows the synthetic source makes: the run's need (max_steps), else 4 optimizer steps per epoch (so the
+    no-argument run, which num_train_epochs 1 decides, trains 4 steps)."""
     if split == "train":
         per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp_size
-        return per_step * (cfg.max_steps if cfg.max_steps else 8)
+        return per_step * (cfg.max_steps if cfg.max_steps else SYNTHETIC_STEPS_PER_EPOCH)
     return 2 * cfg.per_device_eval_batch_size * dp_size
 
 
@@ -279,7 +284,15 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
             raise ConfigError(f"evaluation needs eval_dataset_name: dataset_name {source} is a local path "
                               f"with no test split")
 
-    if source is None:
+    if source == AGENT_SESSIONS or (source is None and cfg.assistant_only_loss):  # the conversational default
+        rows = num_sequences or default_num_sequences(cfg, split, dp_size)
+        seed = cfg.seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
+        sessions = agent_sessions(seed, mean_tokens=L)
+        segments = example_segments(CONVERSATIONAL, sessions, AGENT_SESSIONS, cfg.assistant_only_loss, None,
+                                    tokenizer.eos_token)
+        return examples_dataset((tokenize_segments(s, tokenizer) for s in segments), cfg, tokenizer, AGENT_SESSIONS,
+                                CONVERSATIONAL, None, rows)
+    if source is None or source == "synthetic:text":
         rows = num_sequences or default_num_sequences(cfg, split, dp_size)
         seed = cfg.seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
         docs = synthetic_documents(seed, mean_words=max(64, math.ceil(L / _TOKENS_PER_WORD)))
