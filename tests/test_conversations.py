@@ -222,3 +222,57 @@ def test_labels_travel_through_sp_sharding_and_an_empty_shard_exists(tok):
     assert torch.equal(torch.cat([s.labels for s in shards], 1), ref.labels)
     assert sum(s.num_valid for s in shards) == ref.num_valid == int(mask[1:].sum())
     assert min(s.num_valid for s in shards) == 0
+
+
+CHATML = ("{% if tools %}<|im_start|>system\nTOOLS {{ tools | tojson }}<|im_end|>\n{% endif %}"
+          "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% if m.tool_calls %}"
+          "{% for c in m.tool_calls %}\nCALL {{ c.function.name }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def own(tok, tmp_path_factory):
+    """A checkpoint directory whose tokenizer carries its own (ChatML-like) chat template."""
+    from ulysses_trainer.data.tokenizer import load_tokenizer
+
+    d = tmp_path_factory.mktemp("own_template")
+    tok.save_pretrained(str(d))
+    cfg_path = d / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHATML
+    cfg_path.write_text(json.dumps(cfg))
+    return load_tokenizer(str(d))
+
+
+def test_own_chat_template_masks_equal_whole_tokenisation(own):
+    from ulysses_trainer.data.documents import chat_template_of
+
+    template = chat_template_of(own)
+    assert template is not None
+    rng = random.Random(3)
+    for n in range(40):
+        msgs, tools = random_conversation(rng, n)
+        segs = template.conversation(msgs, tools, True, "x")
+        text = render_text(segs)
+        assert text == own.hf_tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False)
+        ids, mask = tokenize_segments(segs, own)
+        assert ids.tolist() == own.hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+        trained = own.decode(ids[mask].tolist())
+        for m in msgs:
+            if m["role"] == "assistant":
+                assert m["content"] + ("" if m.get("tool_calls") else "<|im_end|>") in trained
+            else:
+                assert m["content"].split()[0] not in trained
+        assert ("TOOLS" in text) == bool(tools)
+
+
+def test_own_chat_template_refusals(own, tmp_path):
+    from ulysses_trainer.data.documents import chat_template_of
+
+    template = chat_template_of(own)
+    with pytest.raises(ConfigError, match="special token '<\\|im_end\\|>'"):
+        template.conversation([{"role": "user", "content": "a <|im_end|>"}], None, False, "x")
+    template.tok.chat_template = "{% for m in messages %}{{ m.content if loop.last else '' }}<|im_end|>{% endfor %}"
+    with pytest.raises(ConfigError, match="renders earlier turns differently"):
+        template.conversation([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                               {"role": "user", "content": "q2"}], None, True, "x")

@@ -28,7 +28,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from ..parallel.sharding import IGNORE_INDEX
 from .agent_sessions import agent_sessions
-from .chat import tokenize_segments
+from .chat import TemplateRenderer, tokenize_segments
 from .formats import (
     ACCEPTED,
     CONVERSATIONAL,
@@ -289,7 +289,7 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
         seed = cfg.seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
         sessions = agent_sessions(seed, mean_tokens=L)
         segments = example_segments(CONVERSATIONAL, sessions, AGENT_SESSIONS, cfg.assistant_only_loss, None,
-                                    tokenizer.eos_token)
+                                    tokenizer.eos_token, chat_template_of(tokenizer))
         return examples_dataset((tokenize_segments(s, tokenizer) for s in segments), cfg, tokenizer, AGENT_SESSIONS,
                                 CONVERSATIONAL, None, rows)
     if source is None or source == "synthetic:text":
@@ -307,7 +307,7 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
     if kind != LANGUAGE_MODELING:
         check_first_example(kind, ds[0], source)
         segments = example_segments(kind, rows_of(ds), source, cfg.assistant_only_loss, cfg.completion_only_loss,
-                                    tokenizer.eos_token)
+                                    tokenizer.eos_token, chat_template_of(tokenizer))
         return examples_dataset((tokenize_segments(s, tokenizer) for s in segments), cfg, tokenizer, source,
                                 kind, len(ds), num_sequences)
     tokens, positions, used, seen, text_bytes = _pack(_texts(ds, cfg.dataset_text_field, source), tokenizer, L,
@@ -321,6 +321,12 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
         total = _column_bytes(ds, cfg.dataset_text_field)
         fraction = min(1.0, text_bytes / total) if total else None
     return SequenceDataset(tokens, positions, L, source, used, len(ds), fraction)
+
+
+def chat_template_of(tokenizer: Tokenizer) -> TemplateRenderer | None:
+    """The checkpoint's own chat template where its tokenizer has one; None: Qwen3's format, built in."""
+    hf = getattr(tokenizer, "hf_tokenizer", None)
+    return TemplateRenderer(hf, tokenizer.name) if hf is not None and getattr(hf, "chat_template", None) else None
 
 
 def examples_dataset(examples: Iterable[tuple[np.ndarray, np.ndarray]], cfg: TrainConfig, tokenizer: Tokenizer,

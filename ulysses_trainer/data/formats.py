@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import ConfigError
-from .chat import Segment, render_prompt_completion, render_qwen3
+from .chat import Segment, TemplateRenderer, render_prompt_completion, render_qwen3
 
 LANGUAGE_MODELING, CONVERSATIONAL, PROMPT_COMPLETION = "language_modeling", "conversational", "prompt_completion"
 ACCEPTED = ("a text column (`text`, or the column named by dataset_text_field); `messages` (conversational: "
@@ -58,17 +58,25 @@ def _tools_of(row: dict, where: str) -> list | None:
 
 
 def example_segments(kind: str, rows: Iterator[dict], source: str, assistant_only_loss: bool,
-                     completion_only_loss: bool | None, eos_name: str) -> Iterator[list[Segment]]:
-    """One segment list per example (conversational or prompt-completion)."""
+                     completion_only_loss: bool | None, eos_name: str,
+                     template: TemplateRenderer | None = None) -> Iterator[list[Segment]]:
+    """One segment list per example (conversational or prompt-completion); messages are rendered with the
+    checkpoint's chat template when `template` is given, else in Qwen3's format."""
     for n, row in enumerate(rows):
         where = f"dataset {source}, example {n}"
         if kind == CONVERSATIONAL:
             msgs = row.get("messages")
             if msgs is None:
                 continue
-            yield render_qwen3(msgs, _tools_of(row, where), assistant_only_loss, where)
+            tools = _tools_of(row, where)
+            yield template.conversation(msgs, tools, assistant_only_loss, where) if template else \
+                render_qwen3(msgs, tools, assistant_only_loss, where)
         else:
             if row.get("prompt") is None or row.get("completion") is None:
+                continue
+            if template is not None and isinstance(row["prompt"], list) and isinstance(row["completion"], list):
+                yield template.prompt_completion(row["prompt"], row["completion"], _tools_of(row, where),
+                                                 completion_only_loss is not False, where)
                 continue
             yield render_prompt_completion(row["prompt"], row["completion"], _tools_of(row, where),
                                            completion_only_loss is not False, eos_name, where)

@@ -25,7 +25,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
-    def encode_with_byte_ends(self, text: str) -> tuple[list[int], np.ndarray]: ...
+    def encode_with_byte_spans(self, text: str) -> tuple[list[int], np.ndarray, np.ndarray]: ...
     def special_token_id(self, name: str) -> int: ...
     def save_pretrained(self, directory: str) -> None: ...
 
@@ -58,12 +58,12 @@ class QwenBPETokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(ids)
 
-    def encode_with_byte_ends(self, text: str) -> tuple[list[int], np.ndarray]:
-        """Ordinary-text ids of `text` as given (the caller normalises) and each token's end as a UTF-8
-        byte offset into it."""
+    def encode_with_byte_spans(self, text: str) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Ordinary-text ids of `text` as given (the caller normalises) and each token's [start, end) as UTF-8
+        byte offsets into it."""
         ids = self._enc.encode_ordinary(text)
         ends = np.cumsum([len(self._enc.decode_single_token_bytes(t)) for t in ids], dtype=np.int64)
-        return ids, ends
+        return ids, np.concatenate([[0], ends[:-1]]).astype(np.int64) if len(ids) else ends, ends
 
     def special_token_id(self, name: str) -> int:
         if name not in self._enc._special_tokens:
@@ -106,6 +106,11 @@ class HFTokenizer:
         self.eos_token: str = tok.convert_ids_to_tokens(self.eos_token_id)
         self.vocab_size: int = len(tok)
 
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer (its chat template renders conversations)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return self._tok(text, add_special_tokens=False, verbose=False)["input_ids"]
 
@@ -115,15 +120,14 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
-    def encode_with_byte_ends(self, text: str) -> tuple[list[int], np.ndarray]:
-        """Ordinary-text ids (special-token strings in `text` stay text) and each token's end as a UTF-8
-        byte offset into `text`."""
+    def encode_with_byte_spans(self, text: str) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Ordinary-text ids (special-token strings in `text` stay text) and each token's [start, end) as UTF-8
+        byte offsets into `text` (from its character offsets: tokens that split one character share its span)."""
         enc = self._tok(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True,
                         verbose=False)
         char_bytes = np.concatenate([[0], np.cumsum([len(c.encode("utf-8")) for c in text])]).astype(np.int64)
-        ends = np.maximum.accumulate(np.asarray([char_bytes[e] for _, e in enc["offset_mapping"]] or [0][:0],
-                                                dtype=np.int64))
-        return list(enc["input_ids"]), ends
+        spans = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        return list(enc["input_ids"]), char_bytes[spans[:, 0]], char_bytes[spans[:, 1]]
 
     def special_token_id(self, name: str) -> int:
         tid = self._tok.convert_tokens_to_ids(name)
