@@ -141,10 +141,20 @@ class TrainConfig:
     # TRL spellings of settings above (decoded once, here: see TrainConfig.__post_init__)
     gradient_checkpointing_kwargs: Union[dict, None] = _f(
         None, "TRL's: {offload: true} = activation_offload true, {offload: false} = false; use_reentrant is "
-        "accepted (the checkpoints are never reentrant)")
+        "accepted and has no effect (the trainer's own layer checkpoints are used)")
     eval_strategy: Union[EvalStrategy, None] = _f(
         None, "TRL's: no (never evaluate), steps (every eval_steps, default logging_steps); null = eval_steps decides")
     dtype: Union[DType, None] = _f(None, "TRL's model dtype: bfloat16 = bf16 true, float32 = bf16 false, auto")
+    # LoRA through PEFT (TRL's names)
+    use_peft: bool = _f(False, "train LoRA adapters (PEFT) on a frozen model instead of every weight")
+    lora_r: int = _f(16, "LoRA rank")
+    lora_alpha: int = _f(32, "LoRA alpha (the update is scaled by alpha / r)")
+    lora_dropout: float = _f(0.05, "dropout on the LoRA input (0 for runs that must equal another exactly)")
+    lora_target_modules: Union[list, str, None] = _f(
+        None, "module names to adapt, e.g. [q_proj, v_proj] or all-linear; null = PEFT's default for the model")
+    peft_config: Union[dict, None] = _f(
+        None, "a PEFT LoraConfig mapping (r, lora_alpha, target_modules, ...); its keys win over the lora_* fields")
+    merge_lora: bool = _f(False, "final/ holds the merged model (AutoModelForCausalLM loads it) instead of the adapter")
 
     def __post_init__(self) -> None:
         """TRL's spellings become the fields they stand for (the same values again are no conflict)."""
@@ -379,6 +389,10 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             and Path(cfg.dataset_name).exists():
         raise ConfigError(f"eval_steps is set but dataset_name {cfg.dataset_name} is a local path with no "
                           f"test split; set eval_dataset_name to the evaluation data (or eval_steps null)")
+    if cfg.use_peft:
+        from .model.lora import check_lora
+
+        check_lora(cfg)
     from .train.reporters import resolve_report_to
 
     resolve_report_to(cfg.report_to)  # a known name, and its package installed

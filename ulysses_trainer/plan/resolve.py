@@ -23,6 +23,7 @@ from .inputs import (
     check_settings,
     default_mlp_tiles,
     local_tokens,
+    lora_numels,
     num_params,
     padded_length,
     saved_layer_count,
@@ -134,6 +135,14 @@ def check_levers(cfg: Any, shape: ModelShape | None = None, kernel: str | None =
 # The one entry point
 
 
+def lora_trainable(cfg: Any, shape: ModelShape) -> tuple[int, ...] | None:
+    """use_peft: the adapters' tensor sizes (the base weights are frozen); None: every weight trains."""
+    if not cfg.use_peft:
+        return None
+    pc = cfg.peft_config or {}
+    return lora_numels(shape, pc.get("target_modules", cfg.lora_target_modules), int(pc.get("r", cfg.lora_r)))
+
+
 def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettings | None = None, *,
                  bf16: bool | None = None, engine_plan: Plan | None = None) -> Plan:
     """The plan for `cfg` (a TrainConfig) on `machine`. ConfigError for settings that cannot run.
@@ -173,7 +182,8 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
                     micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
                     gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
                     loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, norm_kernel=norm, attention=kernel,
-                    pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs, gpus_per_host=machine.ranks_per_host)
+                    pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs, gpus_per_host=machine.ranks_per_host,
+                    trainable_numels=lora_trainable(cfg, shape))
     check_settings(shape, replace(base, kept_attention_layers=0))
     can_keep = cfg.gradient_checkpointing and kernel in KEEPING_KERNELS and not cfg.packing and gpu
     notes: list[str] = [f"host memory {machine.host_memory_gb:.1f} GiB per host ({machine.host_memory_source})"]

@@ -18,6 +18,7 @@ from transformers import get_scheduler
 from ..config import config_to_dict
 from ..errors import ConfigError
 from ..model.load import build_model, checkpoint_source
+from ..model.lora import add_lora, lora_scaling, merged_state_dict
 from ..model.parallelize import ParallelizeConfig, SequenceParallelCausalLM, apply, parallelize
 from ..parallel.comm import all_reduce
 from ..parallel.loss import global_loss, loss_for_backward, step_token_count
@@ -88,6 +89,9 @@ class Trainer:
         dtype = torch.bfloat16 if plan.bf16 else torch.float32
         with torch.device(self.device):
             model = build_model(plan.model_config, dtype, checkpoint_source(cfg.model_name_or_path), seed=cfg.seed)
+        self.peft_model = None
+        if cfg.use_peft:  # adapters before the mechanisms, which call the wrapped projections as modules
+            model, self.peft_model = add_lora(model, cfg)
         pcfg = ParallelizeConfig(attn_implementation=first.kernel, loss_type=first.loss_type,
                                  loss_chunk_size=first.loss_chunk_size, tiled_mlp=first.tiles,
                                  lean_norm=first.lean_norm, norm_kernel=first.norm_kernel,
@@ -101,7 +105,8 @@ class Trainer:
 
     def _build_engine(self):
         plan, cfg = self.plan, self.cfg
-        optimizer = plan.optimizer.build(self.model.parameters()) if plan.optimizer is not None else None
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        optimizer = plan.optimizer.build(trainable) if plan.optimizer is not None else None
         def schedule(opt):  # DeepSpeed hands over its base optimizer; it steps and saves the schedule
             return get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps,
                                  num_training_steps=plan.total_steps)
@@ -307,7 +312,12 @@ class Trainer:
             return 0
         if not (cfg.save_steps and self.step % cfg.save_steps == 0):
             self._save()
-        ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, plan.tokenizer, self.state.is_main)
+        if self.peft_model is not None and not cfg.merge_lora:
+            ckpt.export_adapter(self.engine, self.peft_model, cfg.output_dir, plan.tokenizer, self.state.is_main)
+        else:
+            merge = (lambda sd: merged_state_dict(sd, lora_scaling(self.peft_model))) if self.peft_model else None
+            ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, plan.tokenizer, self.state.is_main,
+                           transform=merge)
         return 0
 
     def _open_reporters(self) -> None:
