@@ -51,12 +51,13 @@ def test_lora_sp2_equals_sp1_and_exports_load(tmp_path):
 
     adapter = tmp_path / "sp1" / "final"
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 8
-    base = build_model(model_config_for(TrainConfig(max_length=128)), torch.float32, None, seed=9)
+    mc = model_config_for(TrainConfig(max_length=128))
+    base = build_model(mc, torch.float32, None, seed=9)
     with_adapter = PeftModel.from_pretrained(base, str(adapter)).eval()
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "sp2" / "final"), dtype=torch.float32).eval()
     ids = torch.arange(1, 65).unsqueeze(0) * 97 % 151000
     with torch.no_grad():
         a, b = with_adapter(input_ids=ids).logits, merged(input_ids=ids).logits
-        plain = build_model(model_config_for(TrainConfig(max_length=128)), torch.float32, None, seed=9)(input_ids=ids).logits
+        plain = build_model(mc, torch.float32, None, seed=9)(input_ids=ids).logits
     assert (a - b).norm() / a.norm() <= 1e-4
     assert (a - plain).norm() / a.norm() > 1e-4  # the adapters changed the model

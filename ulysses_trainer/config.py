@@ -389,10 +389,6 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             and Path(cfg.dataset_name).exists():
         raise ConfigError(f"eval_steps is set but dataset_name {cfg.dataset_name} is a local path with no "
                           f"test split; set eval_dataset_name to the evaluation data (or eval_steps null)")
-    if cfg.use_peft:
-        from .model.lora import check_lora
-
-        check_lora(cfg)
     from .train.reporters import resolve_report_to
 
     resolve_report_to(cfg.report_to)  # a known name, and its package installed

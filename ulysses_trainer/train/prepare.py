@@ -20,6 +20,7 @@ from ..data.tokenizer import check_tokenizer_fits, load_tokenizer
 from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
 from ..errors import ConfigError
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
+from ..model.lora import check_lora
 from ..parallel.sharding import padded_length
 from ..parallel.state import check_sp_shape, ranks_per_node
 from ..plan.inputs import ModelShape
@@ -84,6 +85,8 @@ def measure_machine(cfg: TrainConfig, world_size: int, device: str) -> Machine:
 
 def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
     validate_config(cfg, world_size)
+    if cfg.use_peft:
+        check_lora(cfg)  # peft installed, a valid LoraConfig
     device = _device()
     bf16 = resolve_bf16(cfg, device == "cuda")
     ds_raw = load_ds_config(cfg.deepspeed)
