@@ -165,7 +165,7 @@ def test_detect_format_and_refusals():
         detect_format(["prompt", "completion"], "completion", "d")
     with pytest.raises(ConfigError, match="no `completion` field.*messages"):
         detect_format(["prompt", "id"], "text", "d")
-    with pytest.raises(ConfigError, match=r"fields \['a', 'b'\]: none of the accepted forms.*prompt` \+ `completion"):
+    with pytest.raises(ConfigError, match=r"are \['a', 'b'\], none of the accepted.*prompt` \+ `completion"):
         detect_format(["a", "b"], "text", "d")
 
 

@@ -38,7 +38,8 @@ def detect_format(columns: list[str], text_field: str, source: str) -> str:
                           f"a prompt-completion dataset needs both. Accepted: {ACCEPTED}")
     if text_field in cols:
         return LANGUAGE_MODELING
-    raise ConfigError(f"dataset {source} has fields {sorted(cols)}: none of the accepted forms. Accepted: {ACCEPTED}")
+    raise ConfigError(f"dataset {source} has no field {text_field!r}; its fields are {sorted(cols)}, none of the "
+                      f"accepted forms. Accepted: {ACCEPTED}")
 
 
 def _tools_of(row: dict, where: str) -> list | None:
