@@ -4,7 +4,7 @@ import json
 import random
 
 from tests.test_conversations import random_conversation
-from ulysses_trainer.train.data_command import main
+from ulysses_trainer.cli.data import main
 
 
 def _run(capsys, argv):

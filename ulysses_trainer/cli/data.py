@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import EXIT_INVALID, EXIT_OK, ConfigError
 from ..parallel.sharding import IGNORE_INDEX
+from .argv import split_argv
 
 USAGE = ("usage: ulysses-trainer data [--config RECIPE.yaml] [--json] [--show N] [--name value ...]\n"
          "  the training sequences as the trainer builds them: the first N (default 3) with trained spans\n"
@@ -23,18 +24,20 @@ USAGE = ("usage: ulysses-trainer data [--config RECIPE.yaml] [--json] [--show N]
 
 def _split(argv: list[str]) -> tuple[bool, int, list[str]]:
     """(--json, --show N, the rest for the config parser)."""
-    as_json, show, rest, i = False, 3, [], 0
-    while i < len(argv):
-        if argv[i] == "--json":
+    ours, rest = split_argv(argv, own={"json", "show"}, flags={"json"})
+    as_json, show, i = False, 3, 0
+    while i < len(ours):
+        name, _, inline = ours[i].partition("=")
+        if name == "--json":
             as_json = True
-        elif argv[i] == "--show" or argv[i].startswith("--show="):
-            text = argv[i].partition("=")[2] if "=" in argv[i] else (argv[i + 1] if i + 1 < len(argv) else "")
-            i += 0 if "=" in argv[i] else 1
+        elif name == "--show":
+            text = inline or (ours[i + 1] if i + 1 < len(ours) and not inline else "")
+            i += 0 if inline else 1
             if not text.isdigit():
                 raise ConfigError(f"--show needs a number of sequences, got {text!r}")
             show = int(text)
         else:
-            rest.append(argv[i])
+            raise ConfigError(f"unexpected argument {ours[i]!r}; arguments are `--name value` pairs")
         i += 1
     return as_json, show, rest
 
