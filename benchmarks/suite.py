@@ -63,6 +63,9 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
     "data_dependence": ("kernel speed on random vs small vs zero data: FA4 and cuDNN attention (1M tokens, 4 q / 1 kv "
                         "heads) and a bf16 matmul 131072x4096->12288; the copy rate of the rehearsal's fill", [
         ("benchmarks/data_dependence.py", "--out", "data_dependence_h200.json")]),
+    "fa4_options": ("flash-attn-4's options at one KV head per rank (1M tokens, 4 q / 1 kv heads, random data): "
+                    "GQA packing forward / backward, K and V expanded to all heads", [
+        ("benchmarks/fa4_options.py", "--out", "fa4_options_h200.json")]),
     "train": ("full ZeRO-3 + AdamW steps: hf and alst to their OOM, ours 32K-128K", [
         _lc("long_context_hf_qwen3-4b.json", "hf", "32768,65536"),
         _lc("long_context_alst_qwen3-4b_a.json", "alst", "32768,65536", "--offload", "true"),
