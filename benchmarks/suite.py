@@ -42,6 +42,8 @@ MOE = "launch/recipes/moe_8gpu_1m.yaml"
 # 1M sp=8 job holds), so the run's peak memory and step time can be held against the plan's for the same shape
 MOE_REDUCED = ("--config", MOE, "--sp_size", "1", "--max_length", "131072", "--max_steps", "3",
                "--model_init_kwargs", '{"num_hidden_layers": 4, "rope_parameters": {"rope_type": "yarn", "factor": 4}}')
+AGENT, ONE_1M = "launch/recipes/agent_sessions_1m.yaml", "launch/recipes/one_gpu_4b_1m.yaml"
+AGENT_DATA = ("--dataset_name", "synthetic:agent_sessions", "--assistant_only_loss", "true")
 SP2_KERNELS = ("--attn_implementation", "sdpa", "--norm_kernel", "torch")  # the real sp=2 runs' (no FA4, no Liger)
 
 
@@ -135,6 +137,14 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
     "defaults_256k": ("the one-GPU 256K recipe with its defaults through the trainer: two full train steps "
                       "(the first compiles kernels)", [
         _train("defaults_4b_262144", "--config", LONG, "--max_steps", "2")]),
+    "agent_sessions_256k": ("masking costs ~nothing: the one-GPU 256K recipe on agent sessions with "
+                            "assistant_only_loss, then on plain text (defaults_256k's run), two steps each", [
+        _train("agent_sessions_4b_262144", "--config", LONG, "--max_steps", "2", *AGENT_DATA),
+        _train("defaults_4b_262144", "--config", LONG, "--max_steps", "2")]),
+    "agent_sessions_1m": ("the agent-sessions recipe at 1M on one GPU, then the plain-text one_gpu_4b_1m recipe "
+                          "with the same settings, two steps each (~40 min a step)", [
+        _train("agent_sessions_4b_1048576", "--config", AGENT, "--max_steps", "2"),
+        _train("text_4b_1048576", "--config", ONE_1M, "--max_steps", "2")]),
     "norms": ("the lean RMSNorm's kernels alone (torch ops vs Liger's Triton), then their GPU exactness tests", [
         ("benchmarks/norm_kernels.py", "--out", "norm_kernels_h200.json"),
         ("-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_gpu_norm.py")]),

@@ -145,8 +145,8 @@ CASES = {
     "dataset_empty": (lambda f: ["--dataset_name", str(f["empty"])], 1,
                       r"dataset .*empty\.jsonl is empty; point dataset_name at data with documents"),
     "text_field_missing": (lambda f: ["--dataset_name", str(f["content"])], 1,
-                           r"dataset .*content\.jsonl has no field 'text'; its fields are \['content'\]; "
-                           r"set dataset_text_field to one of them"),
+                           r"dataset .*content\.jsonl has no field 'text'; its fields are \['content'\], none of "
+                           r"the accepted forms. Accepted: a text column .*dataset_text_field.*`messages`.*`prompt`"),
     "documents_too_short": (lambda f: ["--dataset_name", str(f["short"]), "--max_length", "256"], 1,
                             r"dataset .*short\.jsonl gives 3 tokens \(1 documents \+ eos\) but one sequence "
                             r"needs max_length = 256 tokens"),

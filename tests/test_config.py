@@ -117,8 +117,8 @@ def test_empty_recipe_gives_defaults(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, world, pattern", [
-    ({"max_steps": 0}, 2, r"max_steps must be > 0, got 0; use null"),
-    ({"max_steps": -1}, 2, r"max_steps must be > 0, got -1"),
+    ({"max_steps": 0}, 2, r"max_steps must be > 0, got 0; use -1 \(or null\)"),
+    ({"max_steps": -2}, 2, r"max_steps must be > 0, got -2"),
     ({"max_steps": None, "num_train_epochs": 0}, 2, r"num_train_epochs must be > 0"),
     ({"sp_size": 3}, 4, r"sp_size=3 does not divide the world size 4"),
     ({"learning_rate": -1e-4}, 1, r"learning_rate must be a finite number >= 0"),

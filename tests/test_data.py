@@ -241,7 +241,7 @@ def test_packing_position_ids_restart_at_documents(tok, tmp_path):
 def test_text_field_missing_lists_fields(tok, tmp_path):
     _write_jsonl(tmp_path / "d.jsonl", _docs(3, 10), field="body")
     cfg = TrainConfig(dataset_name=str(tmp_path / "d.jsonl"), max_length=8)
-    with pytest.raises(ConfigError, match=r"has no field 'text'; its fields are \['body', 'id'\]"):
+    with pytest.raises(ConfigError, match=r"no field 'text'; its fields are \['body', 'id'\], none.*text_field"):
         build_sequences(cfg, tok)
 
 

@@ -35,7 +35,7 @@ MAX_STEPS = 4
 MAX_LENGTH = 256
 LR = 1e-3
 CONTRACT_KEYS = {"step", "loss", "grad_norm", "learning_rate", "num_tokens", "epoch", "tokens_per_s",
-                 "tflops_per_gpu", "peak_gpu_mem_gb", "peak_host_mem_gb"}
+                 "tflops_per_gpu", "peak_gpu_mem_gb", "peak_host_mem_gb", "num_loss_tokens"}
 LOG_KEYS = ["loss", "grad_norm", "learning_rate", "num_tokens", "epoch"]
 # The sp runs: dp = 1 everywhere, 2 sequences per optimizer step as 2 micro-steps of 1.
 COMMON = ["--max_length", str(MAX_LENGTH), "--max_steps", str(MAX_STEPS), "--learning_rate", str(LR),
@@ -154,6 +154,7 @@ def test_two_ranks_log_metrics_and_export(runs):
         # Accounting counts sequences and optimizer steps, not ranks x shards x micro-steps:
         # 2 sequences of MAX_LENGTH per step, 4 steps per epoch of the synthetic data, linear decay.
         assert r["num_tokens"] == 2 * MAX_LENGTH * r["step"], r
+        assert r["num_loss_tokens"] == 2 * (MAX_LENGTH - 1) * r["step"], r  # every token but a row's first
         assert r["epoch"] == pytest.approx(r["step"] / MAX_STEPS), r
         assert r["learning_rate"] == pytest.approx(LR * (1 - r["step"] / MAX_STEPS), abs=1e-12), r
         assert r["tokens_per_s"] > 0 and r["tflops_per_gpu"] > 0 and r["peak_host_mem_gb"] > 0, r

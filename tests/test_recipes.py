@@ -14,7 +14,8 @@ from ulysses_trainer.model.load import model_config_for
 
 RECIPES = Path(__file__).resolve().parent.parent / "launch" / "recipes"
 WORLD = {"reference_8gpu_1m.yaml": 8, "one_gpu_4b_long.yaml": 1, "one_gpu_4b_1m.yaml": 1, "cpu_default.yaml": 2,
-         "moe_8gpu_1m.yaml": 8}
+         "moe_8gpu_1m.yaml": 8,
+         "agent_sessions_1m.yaml": 1}
 
 
 def _load(name: str) -> TrainConfig:
@@ -98,3 +99,12 @@ def test_one_gpu_1m_recipe_is_the_measured_run_and_fits_the_plan(capsys):
                      "--gpu_memory_gb", "139.8", "--host_memory_gb", "125.9", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] and out["chosen"]["checkpoint_every"] == 4 and out["chosen"]["activation_offload"] == 7
+
+
+def test_agent_sessions_recipe_is_the_1m_run_on_agent_sessions():
+    """The same model, length and memory settings as one_gpu_4b_1m.yaml; only the data and the mask differ."""
+    agent, text = _load("agent_sessions_1m.yaml"), _load("one_gpu_4b_1m.yaml")
+    assert agent.dataset_name == "synthetic:agent_sessions" and agent.assistant_only_loss and not agent.packing
+    data_fields = {"dataset_name", "assistant_only_loss", "packing", "max_length_policy", "output_dir"}
+    differ = {f.name for f in dataclasses.fields(TrainConfig) if getattr(agent, f.name) != getattr(text, f.name)}
+    assert differ <= data_fields, differ

@@ -12,6 +12,8 @@ import sys
 from .errors import EXIT_INVALID, EXIT_OK
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "data": ("ulysses_trainer.cli.data", "the training sequences as the trainer builds them, trained spans marked, "
+                                        "and their counts (no GPU)"),
     "plan": ("ulysses_trainer.cli.plan", "predict per-GPU and host memory; choose settings that fit "
                                         "(`plan calibrate`: predicted vs measured)"),
     "rehearse": ("ulysses_trainer.cli.rehearse", "run one rank of an N-GPU job on one device (fake process "

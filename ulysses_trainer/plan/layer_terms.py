@@ -226,7 +226,7 @@ def kept_attention_bytes_per_layer(shape: ModelShape, s: Settings) -> int:
 def tied_embedding_grad_bytes(shape: ModelShape, s: Settings) -> int:
     """With tied embeddings the lm_head / embedding weight is used twice, so autograd holds the loss's
     full [V, H] weight grad until the embedding's backward, at the very end of the backward pass."""
-    if not shape.tied_embeddings:
+    if not shape.tied_embeddings or s.trainable_numels is not None:  # LoRA: the embedding is frozen
         return 0
     return shape.vocab * shape.hidden * s.act_bytes
 

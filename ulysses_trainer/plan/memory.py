@@ -41,6 +41,7 @@ from .inputs import (  # noqa: F401 - the planner's inputs, re-exported with the
     _persistence_threshold,
     _shard_numel,
     _sub_group_numels,
+    _trainable_shard_numel,
     check_settings,
     kv_repeat,
     layer_param_numels,
@@ -50,6 +51,7 @@ from .inputs import (  # noqa: F401 - the planner's inputs, re-exported with the
     param_numels,
     pinned_bytes,
     saved_layer_count,
+    trainable_numels,
 )
 from .layer_terms import (  # noqa: F401 - one decoder layer's terms, re-exported with the rest
     FP32,
@@ -85,7 +87,7 @@ def gradients_bytes(shape: ModelShape, s: Settings) -> int:
     tensors unsharded. Under optimizer offload the partition is on the host (see host terms)."""
     if s.offload_optimizer or (s.zero_stage == 0 and s.first_step):
         return 0
-    return _shard_numel(shape, s) * s.act_bytes
+    return _trainable_shard_numel(shape, s) * s.act_bytes
 
 
 def gradients_created_in_backward_bytes(shape: ModelShape, s: Settings) -> int:
@@ -93,7 +95,8 @@ def gradients_created_in_backward_bytes(shape: ModelShape, s: Settings) -> int:
     plus the embedding's dense [V, H] grad being added to the tied / embedding weight's."""
     if s.zero_stage != 0 or not s.first_step:
         return 0
-    return (num_params(shape) + shape.vocab * shape.hidden) * s.act_bytes
+    return (sum(trainable_numels(shape, s)) + (shape.vocab * shape.hidden if s.trainable_numels is None else 0)) \
+        * s.act_bytes
 
 
 def master_weights_bytes(shape: ModelShape, s: Settings) -> int:
@@ -101,7 +104,7 @@ def master_weights_bytes(shape: ModelShape, s: Settings) -> int:
     (DeepSpeed reuses them), when there is no optimizer, or when it is offloaded."""
     if s.optimizer == "none" or s.offload_optimizer or not s.bf16:
         return 0
-    return _shard_numel(shape, s) * FP32
+    return _trainable_shard_numel(shape, s) * FP32
 
 
 def adam_states_bytes(shape: ModelShape, s: Settings) -> int:
@@ -109,7 +112,7 @@ def adam_states_bytes(shape: ModelShape, s: Settings) -> int:
     first optimizer step they do not exist yet (counted in the optimizer-step phase instead)."""
     if s.optimizer == "none" or s.offload_optimizer or s.first_step:
         return 0
-    return _shard_numel(shape, s) * 2 * FP32
+    return _trainable_shard_numel(shape, s) * 2 * FP32
 
 
 def persistent_params_bytes(shape: ModelShape, s: Settings) -> int:
@@ -261,9 +264,9 @@ def optimizer_step_bytes(shape: ModelShape, s: Settings) -> int:
     there. Nothing on the GPU when offloaded."""
     if s.optimizer == "none" or s.offload_optimizer:
         return 0
-    largest = max(_sub_group_numels(shape, s)) if s.zero_stage == 3 else num_params(shape)
+    largest = max(_sub_group_numels(shape, s)) if s.zero_stage == 3 else sum(trainable_numels(shape, s))
     grad = largest * FP32 if (s.bf16 or s.zero_stage == 0) else 0
-    new_states = _shard_numel(shape, s) * 2 * FP32 if s.first_step else 0
+    new_states = _trainable_shard_numel(shape, s) * 2 * FP32 if s.first_step else 0
     return grad + (0 if s.optimizer_fused else largest * FP32) + new_states
 
 

@@ -27,7 +27,16 @@ from ..names import (
     offload_sub_group_size,
 )
 from .fastest_fit import Fixed, search_fastest, shortfall, with_headroom
-from .inputs import ModelShape, Settings, check_settings, local_tokens, num_params, padded_length, saved_layer_count
+from .inputs import (
+    ModelShape,
+    Settings,
+    check_settings,
+    local_tokens,
+    lora_numels,
+    num_params,
+    padded_length,
+    saved_layer_count,
+)
 from .memory import GIB, MemoryEstimate, estimate
 from .step_time import StepTime, format_seconds, step_time
 from .types import Machine, Plan, ZeroSettings, read_zero
@@ -95,15 +104,24 @@ def _check_machine(machine: Machine) -> None:
 # The one entry point
 
 
+def lora_trainable(cfg: Any, shape: ModelShape) -> tuple[int, ...] | None:
+    """use_peft: the adapters' tensor sizes (the base weights are frozen); None: every weight trains."""
+    if not cfg.use_peft:
+        return None
+    pc = cfg.peft_config or {}
+    return lora_numels(shape, pc.get("target_modules", cfg.lora_target_modules), int(pc.get("r", cfg.lora_r)))
+
+
 def _base_settings(cfg: Any, layout: Layout, machine: Machine, zero: ZeroSettings, kernel: str, norm: str,
-                   bf16: bool) -> Settings:
+                   bf16: bool, shape: ModelShape) -> Settings:
     return Settings(max_length=cfg.max_length, sp=layout.sp, dp=layout.dp,
                     micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
                     gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
                     loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, norm_kernel=norm, attention=kernel,
                     pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs, gpus_per_host=machine.ranks_per_host,
                     experts_implementation=choose_experts_implementation(
-                        getattr(cfg, "experts_implementation", "auto")))
+                        getattr(cfg, "experts_implementation", "auto")),
+                    trainable_numels=lora_trainable(cfg, shape))
 
 
 def _first_notes(cfg: Any, machine: Machine, fx: Fixed, kernel: str, norm: str) -> list[str]:
@@ -164,7 +182,7 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
                                                                           cfg.lean_norm)
     gpu = machine.gpu_memory_gb is not None
     bf16 = (cfg.bf16 if isinstance(cfg.bf16, bool) else gpu) if bf16 is None else bf16
-    base = _base_settings(cfg, layout, machine, zero, kernel, norm, bf16)
+    base = _base_settings(cfg, layout, machine, zero, kernel, norm, bf16, shape)
     fx = _with_zero(read_levers(cfg, shape, kernel, local_tokens(base)), zero)
     asked = fx  # what the user (config and ZeRO JSON) fixed: the rest is `auto`, decided below
     if engine_plan is not None:  # the engine fixed these

@@ -179,8 +179,31 @@ def load_checkpoint(engine, path: str) -> dict:
     return client_state or {}
 
 
-def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix: str = "causal_lm.") -> str | None:
-    """Consolidate the ZeRO-3 shards (collective) and write `final/` as HF safetensors on rank 0."""
+def export_adapter(engine, peft_model, output_dir: str, tokenizer, is_main: bool) -> str | None:
+    """LoRA: gather the adapter weights (collective: every rank enters) and write `final/` on rank 0 as PEFT
+    writes an adapter (adapter_config.json + adapter_model.safetensors), which PeftModel.from_pretrained loads."""
+    import deepspeed
+
+    target = os.path.join(output_dir, "final")
+    adapters = [p for p in engine.module.parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters(adapters, modifier_rank=None):
+        if is_main:
+            tmp = target + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            peft_model.save_pretrained(tmp, safe_serialization=True)
+            if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(tmp)
+            _fsync_tree(tmp)
+            shutil.rmtree(target, ignore_errors=True)
+            os.rename(tmp, target)
+    barrier()
+    return target if is_main else None
+
+
+def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix: str = "causal_lm.",
+              transform=None) -> str | None:
+    """Consolidate the ZeRO-3 shards (collective) and write `final/` as HF safetensors on rank 0.
+    transform: applied to the consolidated state dict first (LoRA: merge the adapters into the weights)."""
     from transformers import AutoModelForCausalLM
 
     state = engine._zero3_consolidated_16bit_state_dict()
@@ -189,6 +212,8 @@ def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix:
         barrier()
         return None
     state = {k.removeprefix(prefix): v for k, v in state.items()}
+    if transform is not None:
+        state = transform(state)
     config = copy.deepcopy(config)
     config._attn_implementation = "sdpa"  # the export loads anywhere, without our SP attention
     config.use_cache = True  # training turned the KV cache off; generation from the export wants it

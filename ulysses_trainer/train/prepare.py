@@ -20,6 +20,7 @@ from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
 from ..errors import ConfigError
 from ..layout import padded_length, resolve_layout
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
+from ..model.lora import check_lora
 from ..plan.inputs import ModelShape
 from ..plan.resolve import plan_for
 from ..plan.types import Machine, Plan, ZeroSettings, read_zero
@@ -63,6 +64,8 @@ def _device() -> str:
 
 def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
     validate_config(cfg, world_size)
+    if cfg.use_peft:
+        check_lora(cfg)  # peft installed, a valid LoraConfig
     device = _device()
     bf16 = resolve_bf16(cfg, device == "cuda")
     ds_raw = load_ds_config(cfg.deepspeed)

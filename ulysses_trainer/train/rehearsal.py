@@ -67,7 +67,7 @@ def _warmup_batches(trainer, length: int | None) -> list:
         return trainer._micro_batches(0)
     plan, micro = trainer.plan, trainer.cfg.per_device_train_batch_size
     rows = [plan.train_data[i] for i in range(plan.dp_size * micro)]  # any rows will do
-    cut = [{"input_ids": r["input_ids"][:length], "position_ids": r["position_ids"][:length]} for r in rows]
+    cut = [{k: r[k][:length] for k in ("input_ids", "position_ids", "labels")} for r in rows]
     start = trainer.state.dp_rank * micro
     return [trainer._shard(cut[start:start + micro]) for _ in range(trainer.cfg.gradient_accumulation_steps)]
 

@@ -18,6 +18,7 @@ from transformers import get_scheduler
 from ..config import config_to_dict
 from ..errors import ConfigError
 from ..model.load import build_model, checkpoint_source
+from ..model.lora import add_lora, lora_scaling, merged_state_dict
 from ..model.parallelize import SequenceParallelCausalLM, apply, parallelize
 from ..names import resolve_report_to
 from ..parallel.comm import all_reduce
@@ -75,7 +76,8 @@ class Trainer:
             torch.cuda.set_device(self.device)
         self.stop = StopSignal()
         self.step = 0
-        self.num_tokens = 0
+        self.num_tokens = 0  # real (non-pad) input tokens so far, all ranks (TRL's num_tokens)
+        self.num_loss_tokens = 0  # trained target tokens so far, all ranks
         self.last_aux_loss: float | None = None  # a sparse model's load-balancing loss of the last step
         self.model = self._build_model()
         self.engine = self._build_engine()
@@ -90,13 +92,17 @@ class Trainer:
         dtype = torch.bfloat16 if plan.bf16 else torch.float32
         with torch.device(self.device):
             model = build_model(plan.model_config, dtype, checkpoint_source(cfg.model_name_or_path), seed=cfg.seed)
+        self.peft_model = None
+        if cfg.use_peft:  # adapters before the mechanisms, which call the wrapped projections as modules
+            model, self.peft_model = add_lora(model, cfg)
         # host_memory_gb None: the pool detects, with a margin
         mechanisms = first.model_plan(cfg.host_memory_gb, plan.machine.ranks_per_host, levers=False)
         return parallelize(model, self.state, mechanisms)
 
     def _build_engine(self):
         plan, cfg = self.plan, self.cfg
-        optimizer = plan.optimizer.build(self.model.parameters()) if plan.optimizer is not None else None
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        optimizer = plan.optimizer.build(trainable) if plan.optimizer is not None else None
         def schedule(opt):  # DeepSpeed hands over its base optimizer; it steps and saves the schedule
             return get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps,
                                  num_training_steps=plan.total_steps)
@@ -153,12 +159,24 @@ class Trainer:
         g = torch.Generator().manual_seed(self.cfg.seed + epoch)
         return torch.randperm(len(self.plan.train_data), generator=g)
 
+    def _step_rows(self, step: int) -> torch.Tensor:
+        """Row indices of optimizer step `step`, all dp ranks and micro-steps (the same on every rank)."""
+        plan = self.plan
+        epoch, j = divmod(step, plan.steps_per_epoch)
+        return self._order(epoch)[j * plan.sequences_per_step:(j + 1) * plan.sequences_per_step]
+
+    def _step_real_tokens(self, step: int) -> int:
+        """Non-pad tokens of every sequence in step `step` (every rank holds the whole dataset: no collective)."""
+        data = self.plan.train_data
+        real = getattr(data, "real_tokens", None)
+        rows = self._step_rows(step)
+        return sum(real(int(i)) for i in rows) if real else len(rows) * self.cfg.max_length
+
     def _micro_batches(self, step: int) -> list[Shard]:
         """This rank's shards for optimizer step `step` (deterministic: resume lands on the same data)."""
         plan, cfg = self.plan, self.cfg
         micro = cfg.per_device_train_batch_size
-        epoch, j = divmod(step, plan.steps_per_epoch)
-        order = self._order(epoch)[j * plan.sequences_per_step:(j + 1) * plan.sequences_per_step]
+        order = self._step_rows(step)
         shards = []
         for m in range(cfg.gradient_accumulation_steps):
             start = (m * plan.dp_size + self.state.dp_rank) * micro
@@ -168,8 +186,9 @@ class Trainer:
     def _shard(self, rows: list[dict]) -> Shard:
         ids = torch.stack([r["input_ids"] for r in rows])  # [micro, L]
         pos = torch.stack([r["position_ids"] for r in rows])
+        labels = torch.stack([r["labels"] for r in rows]) if "labels" in rows[0] else None  # IGNORE_INDEX: untrained
         pad = getattr(self.plan.tokenizer, "pad_token_id", None) or 0
-        return shard_batch(ids, position_ids=pos, sp_size=self.state.sp_size, sp_rank=self.state.sp_rank,
+        return shard_batch(ids, position_ids=pos, labels=labels, sp_size=self.state.sp_size, sp_rank=self.state.sp_rank,
                            pad_to_multiple_of=self.cfg.pad_to_multiple_of, pad_token_id=pad).to(self.device)
 
     # ------------------------------------------------------------------ steps
@@ -215,7 +234,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def _client_state(self) -> dict:
-        return {"step": self.step, "num_tokens": self.num_tokens, "rng_cpu": torch.get_rng_state(),
+        return {"step": self.step, "num_tokens": self.num_tokens, "num_loss_tokens": self.num_loss_tokens,
+                "rng_cpu": torch.get_rng_state(),
                 "config": config_to_dict(self.cfg)}
 
     def _save(self) -> None:
@@ -234,6 +254,7 @@ class Trainer:
     def resume(self, path: str) -> None:
         client = ckpt.load_checkpoint(self.engine, path)
         self.step, self.num_tokens = int(client["step"]), int(client["num_tokens"])
+        self.num_loss_tokens = int(client.get("num_loss_tokens", 0))  # checkpoints from before it was kept: 0
         torch.set_rng_state(client["rng_cpu"])
         if self.state.is_main:
             self.metrics.truncate_after(self.step)
@@ -263,13 +284,15 @@ class Trainer:
             loss, grad_norm, tokens = self.train_step(self._micro_batches(self.step))
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 self._non_finite_step(loss, grad_norm, self.engine.skipped_steps > skipped_before, bar)
+            real_tokens = self._step_real_tokens(self.step)
             self.step += 1
-            self.num_tokens += plan.sequences_per_step * cfg.max_length  # real input tokens, all ranks
+            self.num_tokens += real_tokens
+            self.num_loss_tokens += tokens
             dt = time.perf_counter() - t0
             step_times.append(dt)
             bar.update(1)
             if self.step % cfg.logging_steps == 0 or self.step == plan.total_steps:
-                self._log(loss, grad_norm, dt, tokens, flops_per_step, bar)
+                self._log(loss, grad_norm, dt, real_tokens, flops_per_step, bar)
             if cfg.eval_steps and self.step % cfg.eval_steps == 0:
                 self._log_eval(self.evaluate(), bar)
             stop_now = self._stop_agreed()
@@ -294,7 +317,12 @@ class Trainer:
             return 0
         if not (cfg.save_steps and self.step % cfg.save_steps == 0):
             self._save()
-        ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, plan.tokenizer, self.state.is_main)
+        if self.peft_model is not None and not cfg.merge_lora:
+            ckpt.export_adapter(self.engine, self.peft_model, cfg.output_dir, plan.tokenizer, self.state.is_main)
+        else:
+            merge = (lambda sd: merged_state_dict(sd, lora_scaling(self.peft_model))) if self.peft_model else None
+            ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, plan.tokenizer, self.state.is_main,
+                           transform=merge)
         return 0
 
     def _open_reporters(self) -> None:
@@ -338,7 +366,7 @@ class Trainer:
         lr = self.engine.lr_scheduler.get_last_lr()[0]
         epoch = self.step / (self.plan.epoch_steps or self.plan.steps_per_epoch)  # fraction of one data pass
         row = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "learning_rate": lr,
-               "num_tokens": self.num_tokens, "epoch": epoch,
+               "num_tokens": self.num_tokens, "num_loss_tokens": self.num_loss_tokens, "epoch": epoch,
                "tokens_per_s": tokens / dt, "tflops_per_gpu": flops_per_step / dt / self.state.world_size / 1e12,
                "peak_gpu_mem_gb": peak_gpu_mem_gb(), "peak_host_mem_gb": peak_host_mem_gb()}
         if self.last_aux_loss is not None:

@@ -1,0 +1,55 @@
+"""LoRA pieces without processes: the adapters' sizes the plan counts, the merge, the config checks."""
+
+import pytest
+import torch
+
+from ulysses_trainer.config import TrainConfig, build_config
+from ulysses_trainer.errors import ConfigError
+from ulysses_trainer.model.load import build_model, model_config_for
+from ulysses_trainer.model.lora import add_lora, lora_scaling, merged_state_dict
+from ulysses_trainer.plan.inputs import ModelShape, lora_numels
+
+
+@pytest.mark.parametrize("targets", [None, ["q_proj", "k_proj", "down_proj"], "all-linear"])
+def test_plan_counts_the_adapters_peft_makes(targets):
+    cfg = TrainConfig(use_peft=True, lora_r=4, lora_target_modules=targets, lora_dropout=0.0)
+    mc = model_config_for(cfg)
+    _, peft_model = add_lora(build_model(mc, torch.float32, None, seed=0), cfg)
+    trainable = sorted(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert trainable == sorted(lora_numels(ModelShape.from_config(mc), targets, 4))
+    assert all(not p.requires_grad for n, p in peft_model.named_parameters() if "lora_" not in n)
+
+
+def test_plan_with_lora_holds_no_gradient_or_adam_state_for_frozen_weights():
+    from ulysses_trainer.plan.memory import Settings, adam_states_bytes, gradients_bytes, weights_bytes
+
+    shape = ModelShape.preset("qwen3-4b")
+    adapters = lora_numels(shape, None, 16)
+    full, lora = Settings(max_length=4096), Settings(max_length=4096, trainable_numels=adapters)
+    assert weights_bytes(shape, lora) == weights_bytes(shape, full)  # frozen weights are still held
+    assert gradients_bytes(shape, lora) == sum(adapters) * 2
+    assert adam_states_bytes(shape, lora) == sum(adapters) * 8
+    assert adam_states_bytes(shape, full) > 500 * adam_states_bytes(shape, lora)  # 4B weights vs 5.9M adapter elements
+
+
+def test_merged_state_dict_equals_peft_merge():
+    cfg = TrainConfig(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="all-linear")
+    model, peft_model = add_lora(build_model(model_config_for(cfg), torch.float32, None, seed=1), cfg)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)  # B starts at zero: give the adapters an effect
+    merged = merged_state_dict(model.state_dict(), lora_scaling(peft_model))
+    reference = peft_model.merge_and_unload().state_dict()
+    assert set(merged) == set(reference)
+    for k, v in reference.items():
+        assert torch.allclose(merged[k], v, atol=1e-6), k
+
+
+def test_lora_config_refusals():
+    with pytest.raises(ConfigError, match="lora_r must be an integer >= 1"):
+        from ulysses_trainer.model.lora import check_lora
+
+        check_lora(build_config(None, {"use_peft": True, "lora_r": 0}))
+    with pytest.raises(ConfigError, match="not a valid LoraConfig"):
+        check_lora(build_config(None, {"use_peft": True, "peft_config": {"no_such_key": 1}}))

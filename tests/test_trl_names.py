@@ -1,0 +1,52 @@
+"""TRL's spellings of our settings: decoded once, into the fields they stand for; contradictions refused."""
+
+import pytest
+
+from ulysses_trainer.config import TrainConfig, build_config, config_from_dict, config_to_dict, parse_argv
+from ulysses_trainer.errors import ConfigError
+
+
+def _cfg(*argv):
+    _, over = parse_argv(list(argv))
+    return build_config(None, over)
+
+
+def test_max_steps_minus_one_means_epochs_decide():
+    assert TrainConfig().max_steps is None and _cfg("--max_steps", "-1").max_steps is None
+    assert _cfg("--max_steps", "7").max_steps == 7
+    assert _cfg("--max_steps", "-1", "--num_train_epochs", "2").num_train_epochs == 2.0
+
+
+def test_gradient_checkpointing_kwargs_offload():
+    assert _cfg("--gradient_checkpointing_kwargs", "{offload: true}").activation_offload is True
+    assert _cfg("--gradient_checkpointing_kwargs", "{offload: false, use_reentrant: false}").activation_offload is False
+    assert _cfg("--gradient_checkpointing_kwargs", "{offload: true}", "--activation_offload", "true") \
+        .activation_offload is True
+    with pytest.raises(ConfigError, match="asks for activation_offload true but activation_offload is 3"):
+        _cfg("--gradient_checkpointing_kwargs", "{offload: true}", "--activation_offload", "3")
+    with pytest.raises(ConfigError, match="unknown keys \\['foo'\\]"):
+        _cfg("--gradient_checkpointing_kwargs", "{foo: 1}")
+
+
+def test_dtype_and_eval_strategy():
+    assert _cfg("--dtype", "bfloat16").bf16 is True and _cfg("--dtype", "float32").bf16 is False
+    assert _cfg("--dtype", "auto").bf16 == "auto"
+    with pytest.raises(ConfigError, match="set only one of them"):
+        _cfg("--dtype", "float32", "--bf16", "true")
+    with pytest.raises(ConfigError, match="float16 is not supported"):
+        _cfg("--dtype", "float16")
+    assert _cfg("--eval_strategy", "steps", "--logging_steps", "5").eval_steps == 5
+    assert _cfg("--eval_strategy", "steps", "--eval_steps", "3").eval_steps == 3
+    assert _cfg("--eval_strategy", "no", "--eval_steps", "3").eval_steps is None
+
+
+def test_saved_config_round_trips_with_trl_spellings():
+    cfg = _cfg("--gradient_checkpointing_kwargs", "{offload: true}", "--dtype", "bfloat16", "--eval_strategy", "steps")
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def test_unknown_trl_names_point_at_the_setting():
+    for name, ours in (("max_seq_length", "max_length"), ("evaluation_strategy", "eval_strategy"),
+                       ("torch_dtype", "dtype")):
+        with pytest.raises(ConfigError, match=f"spelled '{ours}' here"):
+            _cfg(f"--{name}", "1")

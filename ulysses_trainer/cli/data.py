@@ -1,0 +1,101 @@
+"""`ulysses-trainer data --config RECIPE [--json] [--show N] [--name value ...]`: what the trainer will see.
+
+Builds the training sequences exactly as the trainer does (no GPU, no model) and prints the first N
+with their trained spans marked, then the counts: examples read, used, truncated, dropped, tokens,
+trained tokens, sequences. --json prints
+{"sequences": [{"segments": [{"text", "trained"}], "tokens", "trained_tokens"}], "counts": {...}}.
+A token is "trained" when it is a target of the loss (the first token of an example never is).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from ..errors import EXIT_INVALID, EXIT_OK, ConfigError
+from ..parallel.sharding import IGNORE_INDEX
+from .argv import split_argv
+
+USAGE = ("usage: ulysses-trainer data [--config RECIPE.yaml] [--json] [--show N] [--name value ...]\n"
+         "  the training sequences as the trainer builds them: the first N (default 3) with trained spans\n"
+         "  marked [[like this]], then the counts; --json for the machine-readable form")
+
+
+def _split(argv: list[str]) -> tuple[bool, int, list[str]]:
+    """(--json, --show N, the rest for the config parser)."""
+    ours, rest = split_argv(argv, own={"json", "show"}, flags={"json"})
+    as_json, show, i = False, 3, 0
+    while i < len(ours):
+        name, _, inline = ours[i].partition("=")
+        if name == "--json":
+            as_json = True
+        elif name == "--show":
+            text = inline or (ours[i + 1] if i + 1 < len(ours) and not inline else "")
+            i += 0 if inline else 1
+            if not text.isdigit():
+                raise ConfigError(f"--show needs a number of sequences, got {text!r}")
+            show = int(text)
+        else:
+            raise ConfigError(f"unexpected argument {ours[i]!r}; arguments are `--name value` pairs")
+        i += 1
+    return as_json, show, rest
+
+
+def _targets(row: dict[str, Any]) -> Any:
+    """Tokens that are a loss target: labelled, and not the first of a document (nothing predicts it)."""
+    return (row["labels"] != IGNORE_INDEX) & (row["position_ids"] != 0)
+
+
+def sequence_segments(row: dict[str, Any], real_tokens: int, tokenizer: Any) -> dict[str, Any]:
+    """One row as runs of tokens that are all trained or all not, decoded (pads left out)."""
+    ids = row["input_ids"][:real_tokens].tolist()
+    trained = _targets(row)[:real_tokens].tolist()
+    segments, start = [], 0
+    for j in range(1, len(ids) + 1):
+        if j == len(ids) or trained[j] != trained[start]:
+            segments.append({"text": tokenizer.decode(ids[start:j]), "trained": bool(trained[start])})
+            start = j
+    return {"segments": segments, "tokens": len(ids), "trained_tokens": int(sum(trained))}
+
+
+def describe(argv: list[str]) -> tuple[dict[str, Any], bool]:
+    from ..config import load_config
+    from ..data.documents import build_sequences
+    from ..data.tokenizer import load_tokenizer
+    from ..model.load import checkpoint_source
+
+    as_json, show, rest = _split(argv)
+    cfg = load_config(rest)
+    tokenizer = load_tokenizer(checkpoint_source(cfg.model_name_or_path))
+    ds = build_sequences(cfg, tokenizer, split="train")
+    seqs = [sequence_segments(ds[i], ds.real_tokens(i), tokenizer) for i in range(min(show, len(ds)))]
+    counts = dict(ds.counts or {"documents_used": ds.documents_used, "sequences": len(ds),
+                                "tokens": len(ds) * ds.max_length,
+                                "trained_tokens": sum(int(_targets(ds[i]).sum()) for i in range(len(ds)))})
+    counts.update(kind=ds.kind, source=ds.source, max_length=ds.max_length, examples_total=ds.documents_total)
+    return {"sequences": seqs, "counts": counts}, as_json
+
+
+def _text_report(out: dict[str, Any]) -> str:
+    lines = []
+    for n, s in enumerate(out["sequences"]):
+        lines.append(f"--- sequence {n}: {s['tokens']} tokens, {s['trained_tokens']} trained ([[...]])")
+        lines.append("".join(f"[[{g['text']}]]" if g["trained"] else g["text"] for g in s["segments"]))
+    lines.append("--- counts")
+    lines += [f"  {k}: {v}" for k, v in out["counts"].items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(USAGE)
+        return EXIT_OK
+    try:
+        out, as_json = describe(argv)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    print(json.dumps(out, indent=1, ensure_ascii=False) if as_json else _text_report(out))
+    return EXIT_OK

@@ -1,0 +1,304 @@
+"""Conversations and prompt-completion pairs -> token ids + a trained mask, built segment by segment.
+
+A rendered example is a list of `Segment`s: template text, message text, or a special token (by
+name), each marked trained or not. Tokenising it (`tokenize_segments`) encodes every run of text
+between two special tokens in one piece, exactly as tokenising the whole rendered string at once
+would (special tokens are hard boundaries for the BPE), and marks a token trained when any byte of
+it lies in a trained segment. Message text is always encoded as ordinary text, so a message holding
+"<|im_end|>" cannot inject the special token.
+
+The format without a checkpoint template is Qwen3's ChatML: `<|im_start|>ROLE\\n ... <|im_end|>\\n`
+turns, tool calls in <tool_call> tags, tool results grouped into one user turn in <tool_response>
+tags, reasoning in a <think> block. With assistant_only_loss, an assistant turn's trained part is
+everything after its `<|im_start|>assistant\\n` header up to and including its <|im_end|>.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import unicodedata
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+ROLES = ("system", "user", "assistant", "tool")
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # where datasets keep the thought
+
+
+@dataclass(frozen=True)
+class Segment:
+    text: str  # for a special token: its name, e.g. "<|im_end|>"
+    trained: bool
+    special: bool = False
+    role: str = ""  # the message role it came from ("" for template text)
+
+
+# ---------------------------------------------------------------- message checks
+def _text_of(content: Any, where: str) -> str:
+    """A message's content as text: a string, None (empty) or a list of {"type": "text", "text"} parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise ConfigError(f"{where}: content part {str(part)[:80]!r} is not text; only "
+                                  f"{{'type': 'text', 'text': ...}} parts can be trained on")
+        return "".join(parts)
+    raise ConfigError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def _tool_call_json(call: Any, where: str) -> str:
+    """One tool call as Qwen3 writes it: {"name": ..., "arguments": {...}} (arguments kept as given
+    when they are a JSON string)."""
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ConfigError(f"{where}: a tool call must be {{'function': {{'name': str, 'arguments': ...}}}} "
+                          f"or {{'name': str, 'arguments': ...}}, got {str(call)[:120]!r}")
+    args = fn.get("arguments", {})
+    args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return '{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": ' + args_text + "}"
+
+
+def check_messages(messages: Any, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{where}: messages must be a non-empty list of {{role, content}} mappings")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ConfigError(f"{where}: message {i} is not a {{role, content}} mapping: {str(m)[:80]!r}")
+        if m["role"] not in ROLES:
+            raise ConfigError(f"{where}: message {i} has role {m['role']!r}; accepted roles are "
+                              f"{', '.join(ROLES)}")
+    return messages
+
+
+# ---------------------------------------------------------------- Qwen3 rendering
+def _nfc(text: str) -> str:
+    return unicodedata.normalize("NFC", text)
+
+
+def _tools_preamble(tools: list) -> str:
+    """Our own wording of the tools block in the system turn (the signatures, then how to call)."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("\n\n# Tools\n\nThese functions can be called. Their signatures, one JSON object per line, are "
+            "within <tools></tools>:\n<tools>\n" + lines + "\n</tools>\n\nTo call one, write a JSON object "
+            'with its name and arguments within <tool_call></tool_call> tags:\n<tool_call>\n{"name": '
+            '<function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def render_qwen3(messages: list[dict], tools: list | None, assistant_only: bool, where: str = "conversation",
+                 train_all: bool | None = None, add_generation_prompt: bool = False) -> list[Segment]:
+    """The conversation as Qwen3 ChatML segments. trained = assistant turns (assistant_only) or every
+    segment (train_all, default: not assistant_only)."""
+    everything = (not assistant_only) if train_all is None else train_all
+    segs: list[Segment] = []
+
+    def add(text: str, trained: bool, role: str = "") -> None:
+        if text:
+            segs.append(Segment(_nfc(text), trained or everything, False, role))
+
+    def special(name: str, trained: bool) -> None:
+        segs.append(Segment(name, trained or everything, True))
+
+    msgs = check_messages(messages, where)
+    first_system = msgs[0]["role"] == "system"
+    if tools or first_system:
+        special(IM_START, False)
+        add("system\n", False)
+        if first_system:
+            add(_text_of(msgs[0].get("content"), f"{where}, message 0"), False, "system")
+        if tools:
+            add(_tools_preamble(tools), False)
+        special(IM_END, False)
+        add("\n", False)
+    i = 1 if first_system else 0
+    while i < len(msgs):
+        m, at = msgs[i], f"{where}, message {i}"
+        role = m["role"]
+        if role == "tool":  # consecutive tool results share one user turn
+            special(IM_START, False)
+            add("user", False)
+            while i < len(msgs) and msgs[i]["role"] == "tool":
+                add("\n<tool_response>\n", False)
+                add(_text_of(msgs[i].get("content"), f"{where}, message {i}"), False, "tool")
+                add("\n</tool_response>", False)
+                i += 1
+            special(IM_END, False)
+            add("\n", False)
+            continue
+        special(IM_START, False)
+        add(role + "\n", False)
+        if role == "assistant":
+            reasoning = next((m[k] for k in REASONING_KEYS if isinstance(m.get(k), str) and m[k]), None)
+            content = _text_of(m.get("content"), at)
+            if reasoning is not None:
+                add("<think>\n", True)
+                add(reasoning.strip("\n"), True, "assistant")
+                add("\n</think>\n\n", True)
+                content = content.lstrip("\n")
+            add(content, True, "assistant")
+            for j, call in enumerate(m.get("tool_calls") or []):
+                add("\n" if (j or content) else "", True)
+                add("<tool_call>\n", True)
+                add(_tool_call_json(call, at), True, "assistant")
+                add("\n</tool_call>", True)
+            special(IM_END, True)
+        else:
+            if role == "system":
+                raise ConfigError(f"{at}: a system message must come first")
+            add(_text_of(m.get("content"), at), False, role)
+            special(IM_END, False)
+        add("\n", False)
+        i += 1
+    if add_generation_prompt:
+        special(IM_START, False)
+        add("assistant\n", False)
+    return segs
+
+
+def render_prompt_completion(prompt: Any, completion: Any, tools: list | None, completion_only: bool,
+                             eos_name: str, where: str) -> list[Segment]:
+    """Prompt then completion: strings (then eos, trained with the completion, as TRL appends it) or
+    message lists (the prompt rendered with the assistant header as its generation prompt)."""
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return [Segment(_nfc(prompt), not completion_only, False, "prompt"),
+                Segment(_nfc(completion), True, False, "completion"), Segment(eos_name, True, True)]
+    if isinstance(prompt, list) and isinstance(completion, list):
+        head = render_qwen3(prompt, tools, False, f"{where} (prompt)", train_all=not completion_only,
+                            add_generation_prompt=True)
+        tail = render_qwen3(completion, None, False, f"{where} (completion)", train_all=True)
+        # the completion continues the assistant turn that the generation prompt opened
+        if tail[:2] and tail[0].special and tail[0].text == IM_START and tail[1].text == "assistant\n":
+            tail = tail[2:]
+        return head + [Segment(s.text, s.trained, s.special, s.role or "completion") for s in tail]
+    raise ConfigError(f"{where}: prompt and completion must both be strings or both be message lists, got "
+                      f"{type(prompt).__name__} and {type(completion).__name__}")
+
+
+# ---------------------------------------------------------------- tokenising
+def tokenize_segments(segments: list[Segment], tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [n], trained bool [n]) of the segments: each run of text between special tokens is
+    encoded whole, and a token is trained when any of its bytes belongs to a trained segment."""
+    ids: list[int] = []
+    mask: list[bool] = []
+    run: list[Segment] = []
+
+    def flush() -> None:
+        if not run:
+            return
+        text = "".join(s.text for s in run)
+        toks, starts, ends = tokenizer.encode_with_byte_spans(text)
+        # trained[b] for every byte b of the run
+        per_byte = np.concatenate([np.full(len(s.text.encode("utf-8")), s.trained, bool) for s in run])
+        trained_prefix = np.concatenate([[0], np.cumsum(per_byte)])
+        ids.extend(toks)
+        mask.extend((trained_prefix[ends] - trained_prefix[starts] > 0).tolist())
+        run.clear()
+
+    for s in segments:
+        if s.special:
+            flush()
+            ids.append(tokenizer.special_token_id(s.text))
+            mask.append(s.trained)
+        else:
+            run.append(s)
+    flush()
+    return np.asarray(ids, np.int32), np.asarray(mask, bool)
+
+
+def render_text(segments: list[Segment]) -> str:
+    """The rendered string (special tokens written out)."""
+    return "".join(s.text for s in segments)
+
+
+# ---------------------------------------------------------------- a checkpoint's own chat template
+class TemplateRenderer:
+    """Renders with the checkpoint's chat template (apply_chat_template, tools passed through) and finds the
+    trained spans by rendering prefixes: an assistant turn k spans from the end of messages[:k] rendered
+    with the generation prompt to the end of messages[:k+1] (trailing whitespace after its end token not
+    trained). A template whose full rendering does not start with those prefixes (one that rewrites earlier
+    turns) is refused for assistant_only_loss. Message text holding one of the tokenizer's special-token
+    strings is refused: it would become that token."""
+
+    def __init__(self, hf_tokenizer: Any, name: str) -> None:
+        self.tok, self.name = hf_tokenizer, name
+        specials = sorted({t.content for t in hf_tokenizer.added_tokens_decoder.values() if t.special}, key=len,
+                          reverse=True)
+        self.specials = specials
+        self._split = re.compile("(" + "|".join(re.escape(s) for s in specials) + ")") if specials else None
+
+    def _render(self, msgs: list[dict], tools: list | None, generation_prompt: bool) -> str:
+        try:
+            return self.tok.apply_chat_template(msgs, tools=tools, tokenize=False,
+                                                add_generation_prompt=generation_prompt)
+        except Exception as exc:  # a template's own raise_exception, or a jinja error
+            raise ConfigError(f"the chat template of {self.name} cannot render this conversation: {exc}") from None
+
+    def _check_text(self, value: Any, where: str) -> None:
+        if isinstance(value, str):
+            bad = next((s for s in self.specials if s in value), None)
+            if bad is not None:
+                raise ConfigError(f"{where}: message text holds the special token {bad!r}, which the chat template "
+                                  f"would turn into that token; remove it from the data")
+        elif isinstance(value, dict):
+            for v in value.values():
+                self._check_text(v, where)
+        elif isinstance(value, list):
+            for v in value:
+                self._check_text(v, where)
+
+    def _prefix_span(self, full: str, head: str, upto: str, where: str) -> tuple[int, int]:
+        if not (full.startswith(upto) and upto.startswith(head)):
+            raise ConfigError(f"{where}: the chat template of {self.name} renders earlier turns differently once "
+                              f"later turns follow, so the trained spans cannot be found by construction; "
+                              f"train on the whole conversation (assistant_only_loss false) or use a checkpoint "
+                              f"without a chat template (Qwen3's format is built in)")
+        return len(head), len(upto.rstrip())
+
+    def conversation(self, msgs: list[dict], tools: list | None, assistant_only: bool, where: str) -> list[Segment]:
+        msgs = check_messages(msgs, where)
+        self._check_text(msgs, where)
+        full = self._render(msgs, tools, False)
+        if not assistant_only:
+            return self._segments(full, [(0, len(full))])
+        spans = [self._prefix_span(full, self._render(msgs[:k], tools, True), self._render(msgs[:k + 1], tools, False),
+                                   f"{where}, message {k}")
+                 for k, m in enumerate(msgs) if m["role"] == "assistant"]
+        return self._segments(full, spans)
+
+    def prompt_completion(self, prompt: list, completion: list, tools: list | None, completion_only: bool,
+                          where: str) -> list[Segment]:
+        self._check_text([prompt, completion], where)
+        full = self._render(check_messages(prompt, where) + check_messages(completion, where), tools, False)
+        head = self._render(prompt, tools, True)
+        start, _ = self._prefix_span(full, head, full, where)
+        return self._segments(full, [(start if completion_only else 0, len(full))])
+
+    def _segments(self, text: str, spans: list[tuple[int, int]]) -> list[Segment]:
+        """The rendered text cut at special tokens and span edges, each piece marked trained or not."""
+        trained = np.zeros(len(text) + 1, bool)
+        for s, e in spans:
+            trained[s:e] = True
+        cuts = {0, len(text)} | {i for s, e in spans for i in (s, e)}
+        specials = []
+        for m in self._split.finditer(text) if self._split else ():
+            specials.append((m.start(), m.end()))
+            cuts |= {m.start(), m.end()}
+        special_at = dict(specials)
+        edges = sorted(c for c in cuts if 0 <= c <= len(text))
+        segs = []
+        for a, b in zip(edges, edges[1:]):
+            if a in special_at and special_at[a] == b:
+                segs.append(Segment(text[a:b], bool(trained[a]), True))
+            elif b > a:
+                segs.append(Segment(text[a:b], bool(trained[a]), False))
+        return segs

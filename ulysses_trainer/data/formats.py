@@ -1,0 +1,112 @@
+"""TRL SFTTrainer's dataset types, detected per dataset from its columns, and each example's segments.
+
+  language_modeling   a text column (`text`, or dataset_text_field): documents joined end to end
+  conversational      `messages` (roles system / user / assistant / tool; assistant `tool_calls` and
+                      reasoning), optional `tools` column
+  prompt_completion   `prompt` + `completion`: both strings, or both message lists
+
+Anything else is a ConfigError naming what was found and what is accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import ConfigError
+from .chat import Segment, TemplateRenderer, render_prompt_completion, render_qwen3
+
+LANGUAGE_MODELING, CONVERSATIONAL, PROMPT_COMPLETION = "language_modeling", "conversational", "prompt_completion"
+ACCEPTED = ("a text column (`text`, or the column named by dataset_text_field); `messages` (conversational: "
+            "a list of {role, content}, optional `tools`); or `prompt` + `completion` (strings or message lists)")
+
+
+def detect_format(columns: list[str], text_field: str, source: str) -> str:
+    """The dataset's type, TRL's way: messages, else prompt + completion, else the text column."""
+    cols = set(columns)
+    if "messages" in cols:
+        return CONVERSATIONAL
+    if "prompt" in cols and "completion" in cols:
+        if text_field in ("prompt", "completion"):  # training on one column would drop the other half
+            raise ConfigError(f"dataset {source} is prompt-completion (fields `prompt` and `completion`), which "
+                              f"trains on both; dataset_text_field {text_field!r} would drop the other one. "
+                              f"Remove dataset_text_field (completion_only_loss chooses what is trained)")
+        return PROMPT_COMPLETION
+    if "prompt" in cols or "completion" in cols:
+        has, lacks = ("prompt", "completion") if "prompt" in cols else ("completion", "prompt")
+        raise ConfigError(f"dataset {source} has a `{has}` field but no `{lacks}` field (fields: {sorted(cols)}); "
+                          f"a prompt-completion dataset needs both. Accepted: {ACCEPTED}")
+    if text_field in cols:
+        return LANGUAGE_MODELING
+    raise ConfigError(f"dataset {source} has no field {text_field!r}; its fields are {sorted(cols)}, none of the "
+                      f"accepted forms. Accepted: {ACCEPTED}")
+
+
+def _tools_of(row: dict, where: str) -> list | None:
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if isinstance(tools, str):  # datasets often store the tool list as a JSON string
+        import json
+
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise ConfigError(f"{where}: `tools` is a string that is not JSON") from None
+    if not isinstance(tools, list):
+        raise ConfigError(f"{where}: `tools` must be a list of function signatures, got {type(tools).__name__}")
+    return tools or None
+
+
+def example_segments(kind: str, rows: Iterator[dict], source: str, assistant_only_loss: bool,
+                     completion_only_loss: bool | None, eos_name: str,
+                     template: TemplateRenderer | None = None) -> Iterator[list[Segment]]:
+    """One segment list per example (conversational or prompt-completion); messages are rendered with the
+    checkpoint's chat template when `template` is given, else in Qwen3's format."""
+    for n, row in enumerate(rows):
+        where = f"dataset {source}, example {n}"
+        if kind == CONVERSATIONAL:
+            msgs = row.get("messages")
+            if msgs is None:
+                continue
+            tools = _tools_of(row, where)
+            yield template.conversation(msgs, tools, assistant_only_loss, where) if template else \
+                render_qwen3(msgs, tools, assistant_only_loss, where)
+        else:
+            if row.get("prompt") is None or row.get("completion") is None:
+                continue
+            if template is not None and isinstance(row["prompt"], list) and isinstance(row["completion"], list):
+                yield template.prompt_completion(row["prompt"], row["completion"], _tools_of(row, where),
+                                                 completion_only_loss is not False, where)
+                continue
+            yield render_prompt_completion(row["prompt"], row["completion"], _tools_of(row, where),
+                                           completion_only_loss is not False, eos_name, where)
+
+
+def check_loss_flags(kind: str, assistant_only_loss: bool, source: str) -> None:
+    if assistant_only_loss and kind != CONVERSATIONAL:
+        raise ConfigError(f"assistant_only_loss needs a conversational dataset (`messages`); dataset {source} is "
+                          f"{kind.replace('_', '-')}. Set assistant_only_loss false"
+                          + (" (completion_only_loss trains on the completion)" if kind == PROMPT_COMPLETION else ""))
+
+
+def check_first_example(kind: str, row: dict, source: str) -> None:
+    """The first example's shape, so a wrong column type fails before any tokenising."""
+    where = f"dataset {source}, example 0"
+    if kind == CONVERSATIONAL:
+        msgs = row.get("messages")
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m for m in msgs):
+            raise ConfigError(f"{where}: `messages` must be a list of {{role, content}} mappings, got "
+                              f"{str(msgs)[:100]!r}. Accepted: {ACCEPTED}")
+    elif kind == PROMPT_COMPLETION:
+        p, c = row.get("prompt"), row.get("completion")
+        if not (isinstance(p, str) and isinstance(c, str)) and not (isinstance(p, list) and isinstance(c, list)):
+            raise ConfigError(f"{where}: prompt and completion must both be strings or both be message lists, "
+                              f"got {type(p).__name__} and {type(c).__name__}")
+
+
+def rows_of(ds: Any) -> Iterator[dict]:
+    for batch in ds.iter(batch_size=64):
+        keys = list(batch)
+        for i in range(len(batch[keys[0]]) if keys else 0):
+            yield {k: batch[k][i] for k in keys}
