@@ -19,7 +19,9 @@ from typing import Any, Literal, Union
 import yaml
 
 from .errors import ConfigError
+from .name_hints import suggest
 from .typed_values import NO_MATCH, coerce, describe, literal_choices
+from .yaml_numbers import load_yaml
 
 # ds_configs/ sits next to the package in the repository (and in an sdist checkout).
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -148,9 +150,7 @@ def _check_value(name: str, value: Any, where: str) -> Any:
 
 
 def _unknown(name: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(name, list(FIELDS), n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else "; run with --help for the list of fields"
-    return ConfigError(f"unknown config name {name!r} ({where}){hint}")
+    return ConfigError(f"unknown config name {name!r} ({where}){suggest(name, list(FIELDS))}")
 
 
 # ---------------------------------------------------------------- loading
@@ -168,7 +168,7 @@ def read_recipe(path: str) -> dict[str, Any]:
         raise ConfigError(f"recipe {path!r} not found; pass an existing YAML file to --config "
                           f"(recipes live in launch/recipes/)")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = load_yaml(p.read_text())
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, f"recipe {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -183,7 +183,7 @@ def read_recipe(path: str) -> dict[str, Any]:
 
 def _parse_cli_value(name: str, text: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, f"the value of --{name} ({text!r})") from None
 
