@@ -127,6 +127,13 @@ class TrainConfig:
         None, "evaluate on at most N sequences of max_length (the first N of the eval data); null = all of it")
     resume_from_checkpoint: Union[str, bool, None] = _f(
         None, "checkpoint dir to resume from; true = the latest in output_dir")
+    # resume and data checks
+    allow_config_change: bool = _f(
+        False, "resume even where the config differs from the checkpoint's in a way that changes the results "
+        "(model, max_length, sp/dp layout, data, seed, batch, optimizer); harmless changes always go through")
+    pad_last_sequence: bool = _f(
+        False, "pad the tokens after the last full sequence into one more sequence (pads not trained on) "
+        "instead of dropping them")
 
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
