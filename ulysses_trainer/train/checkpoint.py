@@ -75,24 +75,24 @@ def save_checkpoint(engine, output_dir: str, step: int, client_state: dict, is_m
     is removed, the previous checkpoint and `latest` are untouched, and every rank raises OutputWriteError."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
-    failure: tuple[str, int, str] | None = None
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()
     writer = RecordingWriter(engine.checkpoint_engine, write)
-    engine.checkpoint_engine = writer
+    engine.checkpoint_engine = writer  # for this save only; restored below
+    engine._copy_recovery_script = writer.guard(engine._copy_recovery_script)
     try:
-        engine.save_checkpoint(tmp, tag=TAG, client_state=client_state)
-    except (OSError, RuntimeError) as exc:
-        # the writer catches every shard write, so what escapes comes from DeepSpeed's own small files
-        # (recovery script, the tag's `latest`), after which only its closing barrier is left
-        failure = (tmp, describe_failure(exc, tmp), str(exc).splitlines()[0][:200] if str(exc) else "")
-        barrier()
+        # save_latest=False: the tag's `latest` is written below with the other small files, so that no
+        # write of DeepSpeed's can raise between its collectives (ZeRO-3 all-gathers after the shards)
+        engine.save_checkpoint(tmp, tag=TAG, client_state=client_state, save_latest=False)
     finally:
         engine.checkpoint_engine = writer.inner
-    failure = writer.failure or failure
+        del engine._copy_recovery_script  # the class's method again
+    failure = writer.failure
     if is_main and failure is None:
         try:
+            with open(os.path.join(tmp, LATEST), "w") as f:  # DeepSpeed's own pointer to its tag
+                f.write(TAG)
             if model_config is not None:
                 with open(os.path.join(tmp, MODEL_CONFIG), "w") as f:
                     f.write(model_config.to_json_string())
@@ -115,8 +115,8 @@ def save_checkpoint(engine, output_dir: str, step: int, client_state: dict, is_m
                 if os.path.exists(leftover):
                     os.remove(leftover)
         barrier()
-        raise OutputWriteError(failure_message(f"checkpoint-{step}", failure[0] if failure else tmp, code,
-                                               failure[2] if failure else ""))
+        # the checkpoint's directory is named (rank 0 may not be the rank whose file failed)
+        raise OutputWriteError(failure_message(f"checkpoint-{step}", tmp, code, failure[2] if failure else ""))
     return final
 
 

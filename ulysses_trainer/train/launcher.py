@@ -97,7 +97,7 @@ def main(argv: list[str]) -> int:
     requests = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: requests.append(signum))
-    delivered, killed = set(), False
+    delivered, seen, killed = set(), set(), False
     while True:
         try:
             code = job.wait(timeout=_POLL_S)
@@ -108,7 +108,9 @@ def main(argv: list[str]) -> int:
             os.killpg(job.pid, signal.SIGKILL)
             killed = True
         elif requests and not killed:  # ranks that exist now and were not asked yet (some may still start)
-            for pid in set(_ranks(job.pid)) - delivered:
+            ranks = set(_ranks(job.pid))
+            ready, seen = ranks & seen, seen | ranks  # seen one poll ago: Python's SIGINT handler is in place
+            for pid in ready - delivered:
                 try:
                     os.kill(pid, signal.SIGINT)
                     delivered.add(pid)

@@ -12,6 +12,10 @@ that raised there would leave its peers waiting in a barrier, and they would rep
 by peer" instead of the cause). The ranks then agree on the outcome (one all-reduce) and all stop with
 the same `OutputWriteError`.
 
+DeepSpeed's one other write inside the save, its recovery scripts, is guarded the same way, and its
+`latest` pointer is written by the caller after the save, so nothing can raise between its collectives
+(ZeRO-3 all-gathers after the shards are written).
+
 The file-writing function is a parameter (`RecordingWriter(inner, write=...)`), which is how a test
 puts a failing disk under a save without a real one.
 """
@@ -25,7 +29,7 @@ from typing import Any
 
 # bytes per parameter in one ZeRO checkpoint, all ranks together: fp32 master weights + Adam's m and v
 _OPTIMIZER_BYTES_PER_PARAM = 12
-_CHECKPOINT_OVERHEAD_BYTES = 256 * 1024  # per-rank model-state files, DeepSpeed's recovery scripts, configs
+_CHECKPOINT_OVERHEAD_BYTES = 64 * 1024  # per-rank model-state files, DeepSpeed's recovery scripts, configs
 _CAUSES = (errno.ENOSPC, errno.EROFS, errno.EIO, errno.EACCES, errno.EDQUOT, errno.EPERM)
 
 
@@ -46,7 +50,7 @@ def export_bytes(num_params: int, bf16: bool) -> int:
 def run_bytes(num_params: int, world_size: int, bf16: bool, saving: bool) -> int:
     """What must fit on output_dir's filesystem: one checkpoint (written beside the previous one, which
     stays until the new one is complete) and the final export; a few MB of logs when nothing is saved."""
-    logs = 4 * 2**20
+    logs = 256 * 1024  # config.json, metrics.jsonl, tensorboard events of a short run
     if not saving:
         return logs
     return checkpoint_bytes(num_params, world_size) + export_bytes(num_params, bf16) + logs
@@ -85,9 +89,20 @@ def check_writable(output_dir: str, need_bytes: int) -> str | None:
     return None
 
 
-def describe_failure(exc: BaseException, path: str) -> int:
+def _nbytes(obj: Any) -> int:
+    """Tensor bytes in a (nested) state dict: what a write of it needs on disk, roughly."""
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):
+        return obj.element_size() * obj.numel()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def describe_failure(exc: BaseException, path: str, need_bytes: int = 0) -> int:
     """The errno behind a failed write. torch.save reports a full disk as a C++ iostream error with no
-    errno; the filesystem then says why (no space left, read-only)."""
+    errno ("unexpected pos"); the filesystem then says why: read-only, or less free than the write needed."""
     if isinstance(exc, OSError) and exc.errno:
         return exc.errno
     where = _existing_parent(path)
@@ -97,7 +112,7 @@ def describe_failure(exc: BaseException, path: str) -> int:
         return errno.EIO
     if stat.f_flag & os.ST_RDONLY:
         return errno.EROFS
-    if stat.f_bavail * stat.f_frsize < 1 * 2**20:  # under 1 MB left: the write ran out of space
+    if stat.f_bavail * stat.f_frsize < max(need_bytes, 2**20):  # less left than the write needed
         return errno.ENOSPC
     return errno.EIO
 
@@ -122,9 +137,10 @@ class RecordingWriter:
         self._write = write or inner.save
         self.failure: tuple[str, int, str] | None = None  # (path, errno, detail) of the first failure
 
-    def _record(self, exc: BaseException, path: str) -> None:
+    def _record(self, exc: BaseException, path: str, need_bytes: int = 0) -> None:
         if self.failure is None:
-            self.failure = (path, describe_failure(exc, path), str(exc).splitlines()[0][:200] if str(exc) else "")
+            detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            self.failure = (path, describe_failure(exc, path, need_bytes), f"{os.path.basename(path)}: {detail}")
 
     def save(self, state_dict: Any, path: str) -> None:
         if self.failure is not None:  # the disk already failed: write nothing more, keep the collectives
@@ -132,7 +148,18 @@ class RecordingWriter:
         try:
             self._write(state_dict, path)
         except (OSError, RuntimeError) as exc:  # torch.save raises RuntimeError for iostream failures
-            self._record(exc, path)
+            self._record(exc, path, _nbytes(state_dict))
+
+    def guard(self, fn: Callable[..., None]) -> Callable[..., None]:
+        """`fn` (one of DeepSpeed's own small writes, e.g. its recovery scripts) recorded like a save."""
+        def guarded(path: str, *args: Any, **kwargs: Any) -> None:
+            if self.failure is not None:
+                return
+            try:
+                fn(path, *args, **kwargs)
+            except OSError as exc:
+                self._record(exc, path)
+        return guarded
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         try:

@@ -142,6 +142,10 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
                               f"but one eval round needs {per_round} (dp {dp} x per_device_eval_batch_size "
                               f"{cfg.per_device_eval_batch_size}); add eval data, raise max_eval_samples "
                               f"or lower those")
+    config_changes: dict = {}
+    if resume_path:
+        config_changes = check_resume_config(resume_path, run_record(config_to_dict(cfg), world_size, sp, dp),
+                                             cfg.allow_config_change)
     clear_output_dir = False
     if training:  # after the data: a missing data file is reported as such, not as an output_dir problem
         clear_output_dir = check_output_dir(cfg.output_dir, resume_path, cfg.overwrite_output_dir)
@@ -149,10 +153,6 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
                                                            cfg.save_strategy != "no"))
         if problem:
             raise ConfigError(problem)
-    config_changes: dict = {}
-    if resume_path:
-        config_changes = check_resume_config(resume_path, run_record(config_to_dict(cfg), world_size, sp, dp),
-                                             cfg.allow_config_change)
     steps_per_epoch = len(train) // per_step
     # the log's epoch is a fraction of one pass over the data; a read capped at max_steps' need holds only
     # part of that pass, and the dataset estimates the rest from the share of its text bytes it read

@@ -83,6 +83,7 @@ class Trainer:
         self.stop = StopSignal(on_request=self._say_stopping)
         self.step = 0
         self.num_tokens = 0
+        self._bar = None
         self._write_failure: tuple[str, int, str] | None = None  # rank 0's failed log write, agreed at the step end
         self._report_plan(plan.resolved, before_build=True)  # before memory climbs: the plan and the data
         self._report_data()
@@ -285,6 +286,13 @@ class Trainer:
                 self.metrics.append({"step": self.step, "config_change": {k: list(v) for k, v in changes.items()}})
 
     def train(self) -> int:
+        try:
+            return self._train()
+        finally:  # the bar's line ends before any message (an error line must start its own line)
+            if self._bar is not None:
+                self._bar.close()
+
+    def _train(self) -> int:
         cfg, plan = self.cfg, self.plan
         if self.state.is_main:
             if plan.clear_output_dir:  # overwrite_output_dir: no old checkpoint, row or export survives
@@ -297,8 +305,8 @@ class Trainer:
         self.stop.install()
         saving = cfg.save_strategy != "no"
         flops_per_step = train_flops_per_sequence(plan.model_config, cfg.max_length) * plan.sequences_per_step
-        bar = tqdm(total=plan.total_steps, initial=self.step, disable=not self.state.is_main, unit="it",
-                   dynamic_ncols=True)
+        bar = self._bar = tqdm(total=plan.total_steps, initial=self.step, disable=not self.state.is_main,
+                               unit="it", dynamic_ncols=True)
         step_times: list[float] = []
         while self.step < plan.total_steps:
             t0 = time.perf_counter()
