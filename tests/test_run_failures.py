@@ -127,7 +127,10 @@ def test_ctrl_c_saves_and_waits_and_a_run_interrupted_before_training_leaves_not
               "--bf16", "false", "--lr_scheduler_type", "constant", "--output_dir", str(out)]
 
     early = _ulysses_train(common + ["--max_steps", "40"])
-    time.sleep(1.0)  # the ranks are starting (importing torch): nothing has been written
+    deadline = time.monotonic() + 120
+    while not _ranks_left(str(out)) and time.monotonic() < deadline:  # the command has started the ranks
+        time.sleep(0.1)
+    time.sleep(0.5)  # the ranks are starting (importing torch): nothing has been written
     os.killpg(early.pid, signal.SIGINT)
     text = early.communicate(timeout=300)[0]
     assert early.returncode == 130, text[-3000:]

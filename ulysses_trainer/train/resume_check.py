@@ -17,7 +17,7 @@ from ..errors import ConfigError
 # changes that keep a resumed run's results those of the uninterrupted run (memory levers are tested to
 # change memory only); any field not listed here breaks exactness
 HARMLESS = frozenset({
-    "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "allow_config_change",
+    "output_dir",
     "logging_steps", "save_steps", "save_strategy", "save_total_limit", "eval_steps", "max_eval_samples",
     "per_device_eval_batch_size", "eval_dataset_name", "dataset_test_split", "report_to",
     "plot_per_position_loss", "nan_policy", "deepspeed",
@@ -32,6 +32,8 @@ NOTED = {
     "num_train_epochs": "the schedule is rebuilt for the new number of steps",
 }
 LAYOUT = ("world_size", "sp_size", "dp_size")
+# how this run was started, not what it trains: never compared
+NOT_COMPARED = frozenset({"resume_from_checkpoint", "allow_config_change", "overwrite_output_dir"})
 
 
 def run_record(config: dict[str, Any], world_size: int, sp_size: int, dp_size: int) -> dict[str, Any]:
@@ -58,7 +60,8 @@ def compare(saved: dict[str, Any], ours: dict[str, Any]) -> tuple[dict[str, tupl
     old_cfg, new_cfg = saved.get("config", {}), ours["config"]
     for name in sorted(set(old_cfg) | set(new_cfg)):
         a, b = old_cfg.get(name), new_cfg.get(name)
-        if a == b or name not in new_cfg:  # a field the checkpoint's version had and this one dropped
+        # (a field the checkpoint's version had and this one dropped is skipped too)
+        if a == b or name not in new_cfg or name in NOT_COMPARED:
             continue
         (harmless if name in HARMLESS or name in NOTED else breaking)[name] = (a, b)
     for name in LAYOUT:
