@@ -1,4 +1,4 @@
-"""The benchmark entry point: named cases that reproduce the README's benchmark tables.
+"""The benchmark entry point: named cases that reproduce the benchmark tables of docs/benchmarks.md.
 
     python benchmarks/suite.py                          # list the cases
     python benchmarks/suite.py CASE [CASE ...] [--out DIR] [--dry-run]

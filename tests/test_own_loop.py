@@ -1,5 +1,5 @@
 """Bring your own loop: examples/own_loop.py under the real launcher, the public ZeRO JSON filler, and the
-README's copy of the example."""
+copies of the example in README.md and docs/library-api.md."""
 
 from __future__ import annotations
 
@@ -72,10 +72,12 @@ def test_destroy_distributed_without_a_process_group_is_a_no_op():
     destroy_distributed(together=False)
 
 
-def test_readme_shows_the_example_verbatim():
-    """Every line of the README's "Bring your own loop" code block is a line of examples/own_loop.py."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Bring your own loop", 1)[1].split("\n## ", 1)[0]
+@pytest.mark.parametrize("page, heading", [("README.md", "## Bring your own loop"),
+                                           ("docs/library-api.md", "## The loop")])
+def test_docs_show_the_example_verbatim(page, heading):
+    """Every line of the code block under the page's own-loop heading is a line of examples/own_loop.py."""
+    text = (ROOT / page).read_text()
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
     source = EXAMPLE.read_text().splitlines()
     lines = [line for line in block.splitlines() if line.strip() and line.strip() != "..."]

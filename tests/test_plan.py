@@ -66,7 +66,7 @@ def test_checkpoints_1m_tokens_sp8():
 
 
 def test_pinned_power_of_two_rounding_reproduces_the_448k_host_story():
-    # README: at 448K a Qwen3-4B checkpoint is ~2.3 GB and per-tensor pinning takes a 4 GiB block each
+    # at 448K a Qwen3-4B checkpoint is ~2.3 GB and per-tensor pinning takes a 4 GiB block each
     s = Settings(max_length=448 * 1024, activation_offload=36)
     per = M.checkpoint_bytes_per_layer(Q4, s)
     assert per == 458_752 * 2560 * 2

@@ -1,28 +1,43 @@
-"""The README's measured numbers are the committed result files (a re-run that changes a file must change the
-README, and a hand-edited README number fails here)."""
+"""The documented measured numbers are the committed result files (a re-run that changes a file must change
+docs/benchmarks.md, and a hand-edited number there or in the README's results fails here)."""
 
 import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "defaults_256k"
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"  # the page that holds every benchmark table
 
 
-def _row(readme: str, label: str) -> str:
-    rows = [line for line in readme.splitlines() if line.startswith(f"| {label}")]
-    assert len(rows) == 1, f"README: expected one 256K-defaults row starting '| {label}', found {len(rows)}"
+def _row(page: str, label: str) -> str:
+    rows = [line for line in page.splitlines() if line.startswith(f"| {label}")]
+    assert len(rows) == 1, f"docs/benchmarks.md: expected one 256K-defaults row starting '| {label}', found {len(rows)}"
     return rows[0]
 
 
+def _measured_s(name: str) -> float:
+    steps = [json.loads(line) for line in (RESULTS / f"metrics_defaults_4b_262144_{name}.jsonl").open()]
+    last = steps[-1]
+    return last["num_tokens"] / len(steps) / last["tokens_per_s"]  # tokens per step / rate
+
+
 def test_256k_defaults_table_is_the_metrics_files():
-    readme = (ROOT / "README.md").read_text()
+    page = BENCHMARKS.read_text()
     runs = {"cudnn": "cuDNN (`sdpa`), torch norms", "cudnn_triton_norms": "cuDNN (`sdpa`), Triton norms",
             "fa4": "flash-attn-4, torch norms", "fa4_triton_norms": "flash-attn-4, Triton norms"}
     for name, label in runs.items():
         steps = [json.loads(line) for line in (RESULTS / f"metrics_defaults_4b_262144_{name}.jsonl").open()]
         last = steps[-1]
-        row = _row(readme, label)
-        measured_s = last["num_tokens"] / len(steps) / last["tokens_per_s"]  # tokens per step / rate
+        row = _row(page, label)
+        measured_s = _measured_s(name)
         assert f"**{measured_s:.1f}**" in row, (name, measured_s, row)
         assert f"/ {last['peak_gpu_mem_gb']:.1f} (" in row, (name, last["peak_gpu_mem_gb"], row)
         assert row.rstrip(" |").endswith(f"{steps[0]['loss']:.4f}"), (name, steps[0]["loss"], row)
+
+
+def test_readme_headline_256k_step_times_are_the_metrics_files():
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("- **Qwen3-4B, 262,144 tokens, one GPU**")
+    bullet = " ".join(readme[start:].split("\n- ", 1)[0].split())  # the bullet, its lines joined
+    assert f"{_measured_s('fa4_triton_norms'):.1f} s/step with flash-attn-4 and the Triton norms" in bullet, bullet
+    assert f"({_measured_s('cudnn_triton_norms'):.1f} s with cuDNN)" in bullet, bullet

@@ -1,0 +1,66 @@
+"""The manual and its pages: README.md stays a short manual, every relative link in it and in docs/*.md
+resolves, and docs/ documents every config field and every public name (a renamed one fails here)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+import ulysses_trainer
+from ulysses_trainer.config import FIELDS
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README_MAX_BYTES = 12_500
+# [text](target) and ![alt](target); a target ends at whitespace or ")" (an optional "title" follows)
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+EXTERNAL = ("http://", "https://", "mailto:")
+
+
+def _links(page: Path) -> list[str]:
+    text = FENCE.sub("", page.read_text())  # code blocks hold shell, not links
+    text = re.sub(r"`[^`\n]*`", "", text)  # nor does inline code
+    return LINK.findall(text)
+
+
+def test_link_pattern_finds_links_and_skips_code():
+    page = ROOT / "README.md"
+    assert "docs/configuration.md" in _links(page)
+    sample = "see [a](docs/x.md) and ![p](../img.png \"t\") but not `[b](c.md)`"
+    assert LINK.findall(re.sub(r"`[^`\n]*`", "", sample)) == ["docs/x.md", "../img.png"]
+
+
+def test_readme_is_a_short_manual():
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= README_MAX_BYTES, f"README.md is {size} bytes; move reference material into docs/"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page: Path):
+    broken = []
+    for target in _links(page):
+        if target.startswith(EXTERNAL) or target.startswith("#"):
+            continue
+        path = target.split("#", 1)[0]
+        if not (page.parent / path).exists():
+            broken.append(target)
+    assert not broken, f"{page.relative_to(ROOT)}: links to missing files {broken}"
+
+
+def test_readme_links_every_docs_page():
+    linked = {Path(t.split("#", 1)[0]).name for t in _links(ROOT / "README.md") if t.startswith("docs/")}
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert pages <= linked, f"README.md does not link {sorted(pages - linked)}"
+
+
+def test_configuration_page_names_every_field():
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    missing = [name for name in FIELDS if f"| `{name}` |" not in text]
+    assert not missing, f"docs/configuration.md has no row for {missing}"
+
+
+def test_library_api_page_names_every_public_name():
+    text = (ROOT / "docs" / "library-api.md").read_text()
+    missing = [name for name in ulysses_trainer.__all__ if not re.search(rf"`{name}\b", text)]
+    assert not missing, f"docs/library-api.md does not mention {missing}"
