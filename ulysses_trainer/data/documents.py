@@ -26,6 +26,7 @@ import torch
 
 from ..config import TrainConfig
 from ..errors import ConfigError
+from ..parallel.sharding import IGNORE_INDEX
 from .accounting import DataCounts
 from .synthetic import synthetic_documents
 from .tokenizer import Tokenizer
@@ -35,7 +36,6 @@ _BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "
 _TOKENS_PER_WORD = 1.26  # of the synthetic prose under the Qwen BPE (measured)
 _EVAL_SEED_OFFSET = 1_000_003  # synthetic eval documents differ from the training ones
 _BATCH_DOCS = 64
-IGNORE_INDEX = -100  # the label of a token that is not trained on (as in HF and parallel/sharding.py)
 NO_FIELD = "without the text field (missing or null)"
 EMPTY = "empty text"
 
