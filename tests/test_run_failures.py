@@ -165,3 +165,30 @@ def test_ctrl_c_saves_and_waits_and_a_run_interrupted_before_training_leaves_not
     history = json.loads((out / "config.json").read_text())["history"]
     assert len(history) == 1 and history[0]["until_step"] == step
     assert history[0]["config"]["learning_rate"] == 1e-4
+
+
+def test_a_second_ctrl_c_stops_at_once_and_the_last_checkpoint_resumes(tmp_path):
+    model = write_checkpoint(tmp_path / "model")
+    docs = write_documents(tmp_path / "docs.jsonl", num_docs=80, words_per_doc=31)
+    out = tmp_path / "run"
+    common = ["--model_name_or_path", str(model), "--dataset_name", str(docs), "--max_length", "32",
+              "--bf16", "false", "--save_steps", "1", "--output_dir", str(out)]
+    job = _ulysses_train(common + ["--max_steps", "40"])
+    seen = []
+    for line in job.stdout:  # two Ctrl-C once step 2 has been logged (checkpoint-1 exists by then)
+        seen.append(line)
+        if "'loss'" in line and "'num_tokens': 64.0" in line:
+            os.killpg(job.pid, signal.SIGINT)
+            time.sleep(1.0)  # a second press, not the same one
+            os.killpg(job.pid, signal.SIGINT)
+            break
+    text = "".join(seen) + job.communicate(timeout=300)[0]
+    assert job.returncode == 130, text[-3000:]
+    assert len(re.findall(r"stopped at once \(second Ctrl-C\)", text)) == 1 and "Traceback" not in text
+    assert not _ranks_left(str(out)) and not list(out.glob(".tmp-*"))
+    last = (out / "latest").read_text().strip()
+    assert (out / last / "ds").is_dir()
+    resumed = _run(common + ["--max_steps", str(int(last.split("-")[1]) + 1), "--resume_from_checkpoint", "true"],
+                   2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {out / last}" in resumed.stdout + resumed.stderr
