@@ -28,9 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from benchmarks.systems import SYSTEMS  # noqa: E402
-from ulysses_trainer.attention.kernels import STANDIN, STASH_KERNELS  # noqa: E402
 from ulysses_trainer.model.load import build_model  # noqa: E402
 from ulysses_trainer.model.presets import preset_config  # noqa: E402
+from ulysses_trainer.names import KEEPING_KERNELS, OFFLOAD_SUB_GROUP_SIZE, STANDIN  # noqa: E402
 from ulysses_trainer.train.adam_states import materialize_adam_states  # noqa: E402
 from ulysses_trainer.train.metrics import train_flops_per_sequence  # noqa: E402
 
@@ -65,11 +65,6 @@ def _init_dist():
     init_distributed("nccl" if torch.cuda.is_available() else "gloo")
 
 
-# Optimizer sub-groups with offload: DeepSpeed packs parameters until a group reaches this size, then pins one
-# fp32 grad buffer per group, which PyTorch rounds up to a power of two. 2**28 - 2**25 keeps Qwen3 groups just
-# under 1 GiB (16.5 GiB for 4B; 2**28 itself overshoots to 2 GiB each: 28.1 GiB, measured in the 1M run) and
-# AdamW's per-group host temporaries small (the default 1e9 makes 4 GiB groups).
-OFFLOAD_SUB_GROUP_SIZE = 2**28 - 2**25
 
 
 def _ds_config(bf16: bool, offload_optimizer: bool = False) -> dict:
@@ -116,7 +111,7 @@ def run(args) -> dict:
                      "keep_attention_outputs": _policy(args.keep_attention_outputs)}
                     if args.system == "ours" else {})
             if args.system == "ours":  # the kernels attention/grouped.py runs one KV-head group at a time
-                point["grouped_attention"] = kernel in STASH_KERNELS
+                point["grouped_attention"] = kernel in KEEPING_KERNELS
             net = SYSTEMS[args.system](model, kernel, L, args.offload, under_zero3=args.mode == "train", **ours)
             point.update(ours)
             fwdbwd = args.mode == "fwdbwd"
@@ -201,7 +196,8 @@ def _plan_ours(net, config, L, kernel, *, model: str, offload, keep, every=1, le
     from ulysses_trainer.levers.host_pool import detect_host_memory_gb
     from ulysses_trainer.model.parallelize import apply
     from ulysses_trainer.plan.inputs import ModelShape
-    from ulysses_trainer.plan.resolve import Machine, resolve_plan
+    from ulysses_trainer.plan.resolve import resolve_plan
+    from ulysses_trainer.plan.types import Machine
 
     cfg = TrainConfig(model_name_or_path=model, max_length=L, sp_size=1, bf16=True, attn_implementation=kernel,
                       activation_offload=offload, keep_attention_outputs=keep, tiled_mlp=net.sp.tiles,

@@ -167,10 +167,11 @@ def analyse(trace, start, unit):
 
 
 def build(argv, cpu_small):
+    from ulysses_trainer.cli.argv import split_argv
+    from ulysses_trainer.cli.rehearse import _FLAGS, _OWN, _parser, load_rehearsal_config
     from ulysses_trainer.train.prepare import prepare
-    from ulysses_trainer.train.rehearse import _parser, load_rehearsal_config, split_argv
 
-    ours, overrides = split_argv(argv)
+    ours, overrides = split_argv(argv, _OWN, _FLAGS)
     args = _parser().parse_args(ours)
     cfg = load_rehearsal_config(args, overrides)
     if cpu_small:  # qwen3-8b's head layout (32 q / 8 kv heads) at toy width, few layers

@@ -37,6 +37,7 @@ DS2 = ("-m", "deepspeed.launcher.runner", "--num_gpus", "2")  # the launcher, bo
 RUN = ("--bf16", "true", "--learning_rate", "1e-5", "--warmup_steps", "0", "--lr_scheduler_type", "constant",
        "--save_strategy", "no", "--seed", "42", "--overwrite_output_dir", "true")
 LONG, REF = "launch/recipes/one_gpu_4b_long.yaml", "launch/recipes/reference_8gpu_1m.yaml"
+SP2_KERNELS = ("--attn_implementation", "sdpa", "--norm_kernel", "torch")  # the real sp=2 runs' (no FA4, no Liger)
 
 
 def _train(name: str, *args: str, gpus: int = 1) -> tuple[str, ...]:
@@ -57,6 +58,9 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
         (KERNELS, "--lengths", "131072,262144", "--iters", "2", "--kernels",
          "sdpa_cudnn,ours_grouped_cudnn,flash_attention_4,ours_grouped_fa4",
          "--out", "attention_kernels_h200_fa4.json")]),
+    "data_dependence": ("kernel speed on random vs small vs zero data: FA4 and cuDNN attention (1M tokens, 4 q / 1 kv "
+                        "heads) and a bf16 matmul 131072x4096->12288; the copy rate of the rehearsal's fill", [
+        ("benchmarks/data_dependence.py", "--out", "data_dependence_h200.json")]),
     "train": ("full ZeRO-3 + AdamW steps: hf and alst to their OOM, ours 32K-128K", [
         _lc("long_context_hf_qwen3-4b.json", "hf", "32768,65536"),
         _lc("long_context_alst_qwen3-4b_a.json", "alst", "32768,65536", "--offload", "true"),
@@ -103,12 +107,14 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
     "sp_profile": ("where the sp=2 step of Qwen3-4B at 131K spends its time: NCCL buckets, exposed comm", [
         (*DS2, "benchmarks/profile_train.py", "--out", f"{OUT}/profile_train_sp2_4b_131072.json", "--config", LONG,
          "--max_length", "131072", "--sp_size", "2", *RUN, "--output_dir", f"{OUT}/profile")]),
-    "rehearse_sp2": ("rank 0 of the sp_scale4b / sp_8b sp=2 jobs on one GPU, their settings pinned", [
+    "rehearse_sp2": ("rank 0 of the sp_scale4b / sp_8b sp=2 jobs on one GPU, their settings pinned (cuDNN, torch "
+                     "norms: what the real runs had)", [
         _rehearse("sp2_4b_131k", "--gpus", "2", "--config", LONG, "--max_length", "131072", "--sp_size", "2",
-                  "--keep_attention_outputs", "36", "--activation_offload", "0", "--optimizer_offload", "false"),
+                  "--keep_attention_outputs", "36", "--activation_offload", "0", "--optimizer_offload", "false",
+                  *SP2_KERNELS),
         _rehearse("sp2_8b_262k", "--gpus", "2", "--config", REF, "--max_length", "262144", "--sp_size", "2",
                   "--keep_attention_outputs", "11", "--activation_offload", "0", "--optimizer_offload", "false",
-                  "--warmup_length", "65536")]),
+                  "--warmup_length", "65536", *SP2_KERNELS)]),
     "rehearse_reference": ("rank 0 of the reference run (Qwen3-8B, 1M, sp=8) on one GPU; an 8-GPU node's host RAM", [
         _rehearse("reference_8gpu_1m", "--config", REF, "--gpus", "8", "--host_memory_gb", "560",
                   "--warmup_length", "8192")]),

@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 if __name__ == "__main__":
     try:
-        from ulysses_trainer.train.cli import main
+        from ulysses_trainer.cli.train import main
 
         code = main()
     except KeyboardInterrupt:  # Ctrl-C while torch and DeepSpeed import (main() handles its own)

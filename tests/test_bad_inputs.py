@@ -1,7 +1,7 @@
 """Every bad input ends the run before any heavy work: exit code 2, one `error:` line naming the fix,
 and nothing written to output_dir (it is not even created).
 
-Most cases call the command's own entry point, `ulysses_trainer.train.cli.main(argv)`, in-process
+Most cases call the command's own entry point, `ulysses_trainer.cli.train.main(argv)`, in-process
 (the function `launch/train.py` runs on every rank; WORLD_SIZE/RANK set as the launcher sets them).
 A few run the real command as a subprocess: `python launch/train.py`, and `deepspeed --num_gpus 2
 launch/train.py`, which must also exit 2 with the message printed once, not once per rank.
@@ -21,9 +21,9 @@ import pytest
 from tests.dist_utils import train_command, train_env
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 from ulysses_trainer.attention.kernels import available_kernels
+from ulysses_trainer.cli.train import main
 from ulysses_trainer.levers.lean_norm import available_norm_kernels
 from ulysses_trainer.model.presets import preset_config
-from ulysses_trainer.train.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

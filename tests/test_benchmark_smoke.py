@@ -27,7 +27,7 @@ def _trainer_names() -> set[str]:
 
 
 def test_every_suite_case_calls_an_existing_script_with_flags_it_defines(tmp_path):
-    from ulysses_trainer.train.rehearse import _OWN
+    from ulysses_trainer.cli.rehearse import _OWN
 
     trainer = _trainer_names()
     for case in suite.CASES:

@@ -16,7 +16,7 @@ from tests.test_offload import (
 )
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.host_pool import HostPool
-from ulysses_trainer.levers.offload import LayerCheckpointer
+from ulysses_trainer.levers.recompute import LayerRecompute
 
 N = 5  # odd: the last block is short
 
@@ -39,7 +39,7 @@ def _rebuild_forwards(n: int, k: int) -> int:
 ])
 def test_matches_no_checkpointing(tiny, every, offload):
     model, ids, (ref_loss, ref_grads) = tiny
-    ckpt = LayerCheckpointer(N, offload, HostPool(host_memory_gb=1.0), checkpoint_every=every)
+    ckpt = LayerRecompute(N, offload, HostPool(host_memory_gb=1.0), checkpoint_every=every)
     _wire(model, ckpt)
     try:
         loss, grads = _loss_and_grads(model, ids)
@@ -55,7 +55,7 @@ def test_matches_no_checkpointing(tiny, every, offload):
 def test_rebuilt_layers_start_from_the_block_input(tiny):
     """Corrupting block start 2's host copy changes layer 3's gradients: layer 3's input was rebuilt from it."""
     model, ids, (_, ref_grads) = tiny
-    ckpt = LayerCheckpointer(N, [0, 2, 4], HostPool(host_memory_gb=1.0), checkpoint_every=2)
+    ckpt = LayerRecompute(N, [0, 2, 4], HostPool(host_memory_gb=1.0), checkpoint_every=2)
     _wire(model, ckpt)
     try:
         model.zero_grad(set_to_none=True)
@@ -72,7 +72,7 @@ def test_rebuilt_layers_start_from_the_block_input(tiny):
 
 def test_second_forward_before_backward_raises(tiny):
     model, ids, _ = tiny
-    ckpt = LayerCheckpointer(N, [], checkpoint_every=2)
+    ckpt = LayerRecompute(N, [], checkpoint_every=2)
     _wire(model, ckpt)
     try:
         _backward_after_a_second_forward_raises(model, ids, "ran forward again before its backward")
@@ -82,9 +82,9 @@ def test_second_forward_before_backward_raises(tiny):
 
 def test_only_block_starts_offload():
     with pytest.raises(ConfigError, match=r"offload layers \[1\] keep no input with checkpoint_every=2"):
-        LayerCheckpointer(4, [0, 1], checkpoint_every=2)
+        LayerRecompute(4, [0, 1], checkpoint_every=2)
     with pytest.raises(ConfigError, match="checkpoint_every must be an int >= 1"):
-        LayerCheckpointer(4, [], checkpoint_every=0)
+        LayerRecompute(4, [], checkpoint_every=0)
 
 
 def _sp2_step(rank, world, every: int, offload):
@@ -122,7 +122,7 @@ def test_keeps_one_layer_input_in_k():
     ids = torch.randint(0, 128, (2, 21), generator=torch.Generator().manual_seed(5))
     held = {}
     for every in (1, 3):
-        ckpt = LayerCheckpointer(6, [], checkpoint_every=every)
+        ckpt = LayerRecompute(6, [], checkpoint_every=every)
         _wire(model, ckpt)
         try:
             held[every] = _saved_bytes(model, ids)

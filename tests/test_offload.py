@@ -13,14 +13,14 @@ from torch import nn
 from tests.dist_utils import run_ranks, zero3_config
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.host_pool import GIB, HostPool, detect_host_memory_gb, host_bytes_needed
-from ulysses_trainer.levers.offload import LayerCheckpointer
+from ulysses_trainer.levers.recompute import LayerRecompute
 
 # --------------------------------------------------------------------------------------------
 # Policy and arithmetic
 
 
 def test_configure_sets_thinning_and_the_offloaded_block_starts():
-    ck = LayerCheckpointer(6)
+    ck = LayerRecompute(6)
     ck.configure(2, [0, 2])
     assert (ck.every, ck.saved_layers, ck.offload_layers) == (2, [0, 2, 4], [0, 2])
     ck.configure(1, [])
@@ -119,7 +119,7 @@ def _tiny_qwen3(num_layers: int = 4) -> nn.Module:
     return transformers.Qwen3ForCausalLM(cfg)
 
 
-def _wire(model: nn.Module, ckpt: LayerCheckpointer | None) -> None:
+def _wire(model: nn.Module, ckpt: LayerRecompute | None) -> None:
     for i, layer in enumerate(model.model.layers):
         layer.gradient_checkpointing = ckpt is not None
         if ckpt is not None:
@@ -166,7 +166,7 @@ def tiny():
 ])
 def test_checkpointed_qwen3_matches_plain(tiny, offload, sync_fetches, prefetches):
     model, ids, (ref_loss, ref_grads) = tiny
-    ckpt = LayerCheckpointer(4, offload, HostPool(host_memory_gb=1.0))
+    ckpt = LayerRecompute(4, offload, HostPool(host_memory_gb=1.0))
     _wire(model, ckpt)
     try:
         loss, grads = _loss_and_grads(model, ids)
@@ -184,7 +184,7 @@ def test_checkpointed_qwen3_matches_plain(tiny, offload, sync_fetches, prefetche
 def test_backward_reads_the_host_copy(tiny):
     """Corrupting the host slot between forward and backward must change the gradients."""
     model, ids, (ref_loss, ref_grads) = tiny
-    ckpt = LayerCheckpointer(4, [2], HostPool(host_memory_gb=1.0))
+    ckpt = LayerRecompute(4, [2], HostPool(host_memory_gb=1.0))
     _wire(model, ckpt)
     try:
         model.zero_grad(set_to_none=True)
@@ -203,7 +203,7 @@ def test_backward_reads_the_host_copy(tiny):
 
 def test_second_forward_before_backward_raises_but_skipped_backward_is_fine(tiny):
     model, ids, (ref_loss, ref_grads) = tiny
-    ckpt = LayerCheckpointer(4, [0, 1, 2, 3], HostPool(host_memory_gb=1.0))
+    ckpt = LayerRecompute(4, [0, 1, 2, 3], HostPool(host_memory_gb=1.0))
     _wire(model, ckpt)
     try:
         _backward_after_a_second_forward_raises(model, ids, "overwritten by a later forward")
@@ -247,7 +247,7 @@ def test_tuple_outputs_extra_args_and_frozen_input(offload, input_needs_grad):
         return [t.grad for t in (layer.lin.weight, layer.lin.bias, scale, x)]
 
     ref = run(lambda f, *a: f(*a))
-    ckpt = LayerCheckpointer(1, offload, HostPool(host_memory_gb=1.0))
+    ckpt = LayerRecompute(1, offload, HostPool(host_memory_gb=1.0))
     got = run(ckpt.for_layer(0))
     assert ckpt.recompute_calls == [1]
     for g, r in zip(got, ref):
@@ -266,7 +266,7 @@ def _zero3_loss_and_grads(rank: int, world: int, offload: list[int] | None):
     config = zero3_config(world, reduce_bucket_size=20_000, stage3_prefetch_bucket_size=20_000)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                       config=config)
-    ckpt = None if offload is None else LayerCheckpointer(3, offload, HostPool(host_memory_gb=1.0))
+    ckpt = None if offload is None else LayerRecompute(3, offload, HostPool(host_memory_gb=1.0))
     _wire(engine.module, ckpt)
     engine.train()
     ids = torch.randint(0, 128, (1, 19), generator=torch.Generator().manual_seed(100 + rank))
@@ -293,7 +293,7 @@ def test_checkpoint_offload_under_zero3():
 
 def test_invalid_offload_layers():
     with pytest.raises(ConfigError, match="outside 0..3"):
-        LayerCheckpointer(4, [0, 4])
+        LayerRecompute(4, [0, 4])
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,7 +317,7 @@ def test_gpu_offload_matches_plain_fp32():
     _wire(model, None)
     ref = _loss_and_grads(model, ids)
     for offload in ([], [0, 1, 2, 3]):
-        ckpt = LayerCheckpointer(4, offload, HostPool(host_memory_gb=4.0))
+        ckpt = LayerRecompute(4, offload, HostPool(host_memory_gb=4.0))
         _wire(model, ckpt)
         got = _loss_and_grads(model, ids)
         _wire(model, None)
@@ -330,7 +330,7 @@ def test_gpu_copies_are_pinned_and_off_the_compute_stream(tmp_path):
     layers, seq, hidden = 4, 2048, 256
     model = _cuda_model(hidden, layers, torch.bfloat16)
     ids = torch.randint(0, 1024, (1, seq), device="cuda")
-    ckpt = LayerCheckpointer(layers, range(layers), HostPool(host_memory_gb=4.0))
+    ckpt = LayerRecompute(layers, range(layers), HostPool(host_memory_gb=4.0))
     _wire(model, ckpt)
     _loss_and_grads(model, ids)  # warm up: allocates the pool
     assert ckpt.pool.pinned
@@ -378,7 +378,7 @@ def test_gpu_offload_lowers_peak_memory():
     ids = torch.randint(0, 1024, (1, seq), device="cuda")
     ckpt_bytes = seq * hidden * 2
 
-    def peak(ckpt: LayerCheckpointer) -> int:
+    def peak(ckpt: LayerRecompute) -> int:
         _wire(model, ckpt)
         for _ in range(2):  # the first step allocates the grads and the pool
             model.zero_grad(set_to_none=False)
@@ -390,8 +390,8 @@ def test_gpu_offload_lowers_peak_memory():
         _wire(model, None)
         return torch.cuda.max_memory_allocated() - base
 
-    on_device = peak(LayerCheckpointer(layers, []))
-    offloaded = peak(LayerCheckpointer(layers, range(layers), HostPool(host_memory_gb=8.0)))
+    on_device = peak(LayerRecompute(layers, []))
+    offloaded = peak(LayerRecompute(layers, range(layers), HostPool(host_memory_gb=8.0)))
     # At most two layer inputs are on the device at once with offload (the current and the prefetch).
     expected = (layers - 2) * ckpt_bytes
     print(f"peak extra memory: on device {on_device / 2**20:.0f} MiB, offloaded {offloaded / 2**20:.0f} MiB, "

@@ -13,8 +13,8 @@ import pytest
 from ulysses_trainer.__main__ import main as cli_main
 from ulysses_trainer.plan import memory as M
 from ulysses_trainer.plan.calibration import compare, load_calibration, load_measurements
+from ulysses_trainer.plan.longest_fit import Hardware, choose_settings, largest_max_length
 from ulysses_trainer.plan.memory import GIB, ModelShape, Settings, estimate
-from ulysses_trainer.plan.search import Hardware, choose_settings, largest_max_length
 
 ROOT = Path(__file__).resolve().parent.parent
 Q8 = ModelShape.preset("qwen3-8b")
@@ -215,7 +215,7 @@ def test_calibrated_points_within_ten_percent():
 
 
 def test_load_measurements_reads_benchmark_results(tmp_path):
-    from ulysses_trainer.levers.tiled_mlp import auto_num_tiles
+    from ulysses_trainer.names import auto_num_tiles
 
     doc = {"system": "ours", "model": "qwen3-4b", "settings": {"steps_per_length": 1},
            "points": [{"seq_len": 131072, "status": "ok", "peak_gpu_gb": 70.0, "peak_host_rss_gb": 3.0,

@@ -7,43 +7,67 @@ from transformers import Qwen3ForCausalLM
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.model.load import build_model, checkpoint_source, load_model_config
 from ulysses_trainer.model.presets import PRESETS, preset_config
+from ulysses_trainer.plan.inputs import ModelShape, num_params
 
-# hidden, intermediate, layers, q heads, kv heads, tied (Qwen/Qwen3-*B config.json)
-TABLE = {
-    "qwen3-0.6b": (1024, 3072, 28, 16, 8, True),
-    "qwen3-1.7b": (2048, 6144, 28, 16, 8, True),
-    "qwen3-4b": (2560, 9728, 36, 32, 8, True),
-    "qwen3-8b": (4096, 12288, 36, 32, 8, False),
-    "qwen3-14b": (5120, 17408, 40, 40, 8, False),
-    "qwen3-32b": (5120, 25600, 64, 64, 8, False),
+# Published facts, not the presets' own numbers: the Qwen3 model cards (Qwen/Qwen3-*) and the technical
+# report give, per model, parameters in billions (total, and without the embedding matrices) rounded as written
+# there, layers, attention heads (GQA) for Q and KV, and whether the input and output embeddings are tied.
+PUBLISHED = {
+    "qwen3-0.6b": ("0.6", "0.44", 28, 16, 8, True),
+    "qwen3-1.7b": ("1.7", "1.4", 28, 16, 8, True),
+    "qwen3-4b": ("4.0", "3.6", 36, 32, 8, True),
+    "qwen3-8b": ("8.2", "6.95", 36, 32, 8, False),
+    "qwen3-14b": ("14.8", "13.2", 40, 40, 8, False),
+    "qwen3-32b": ("32.8", "31.2", 64, 64, 8, False),
 }
+# the whole family (config.json of each): vocabulary, head width, RoPE base, trained positions, norm epsilon
+FAMILY = {"vocab_size": 151936, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6}
 
 
-def _params(name: str) -> int:
+def _params(name_or_config) -> int:
+    config = preset_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(preset_config(name))
+        model = Qwen3ForCausalLM(config)
     return sum(p.numel() for p in model.parameters())  # tied weights are counted once
 
 
-@pytest.mark.parametrize("name", list(TABLE))
-def test_real_dimensions(name):
+def _matches(count: int, published: str) -> bool:
+    """count (parameters) rounds to the published figure in billions: within half its last digit."""
+    digits = len(published.partition(".")[2])
+    return abs(count / 1e9 - float(published)) <= 0.5 * 10 ** -digits
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_parameter_counts_are_the_published_ones(name):
+    total, non_embedding, *_ = PUBLISHED[name]
     c = preset_config(name)
-    got = (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
-           c.num_key_value_heads, c.tie_word_embeddings)
-    assert got == TABLE[name]
-    assert (c.vocab_size, c.head_dim, c.max_position_embeddings, c.rms_norm_eps) == (151936, 128, 40960, 1e-6)
+    n = _params(name)
+    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    assert _matches(n, total), (name, n)
+    assert _matches(n - embeddings, non_embedding), (name, n - embeddings)
+    assert num_params(ModelShape.from_config(c)) == n  # the planner counts what the model holds
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_the_published_layout(name):
+    *_, layers, heads, kv_heads, tied = PUBLISHED[name]
+    c = preset_config(name)
+    assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.tie_word_embeddings) == \
+        (layers, heads, kv_heads, tied)
+    assert {k: getattr(c, k) for k in FAMILY} == FAMILY
     assert c.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
     assert c.hidden_act == "silu" and c.attention_bias is False and c.sliding_window is None
 
 
 def test_presets_list():
-    assert set(PRESETS) == set(TABLE) | {"tiny"}
+    assert set(PRESETS) == set(PUBLISHED) | {"tiny"}
 
 
-def test_parameter_counts_match_the_model_cards():
-    assert _params("qwen3-8b") / 1e9 == pytest.approx(8.19, abs=0.01)
-    assert _params("qwen3-4b") / 1e9 == pytest.approx(4.02, abs=0.01)
-    assert _params("qwen3-0.6b") / 1e9 == pytest.approx(0.596, abs=0.005)
+def test_a_wrong_dimension_misses_the_published_count():
+    # what the count test would catch: one digit off in an intermediate size moves Qwen3-8B out of 8.2B
+    c = preset_config("qwen3-8b")
+    c.intermediate_size = 13288
+    assert not _matches(_params(c), PUBLISHED["qwen3-8b"][0])
 
 
 def test_tiny_keeps_the_real_vocabulary_and_replicates_kv_at_sp4():

@@ -9,8 +9,8 @@ import pytest
 
 from ulysses_trainer.config import TrainConfig, load_config, validate_config
 from ulysses_trainer.ds_config import fill_ds_config, load_ds_config, resolve_ds_path
+from ulysses_trainer.layout import resolve_layout
 from ulysses_trainer.model.load import model_config_for
-from ulysses_trainer.parallel.state import check_sp_shape
 
 RECIPES = Path(__file__).resolve().parent.parent / "launch" / "recipes"
 WORLD = {"reference_8gpu_1m.yaml": 8, "one_gpu_4b_long.yaml": 1, "one_gpu_4b_1m.yaml": 1, "cpu_default.yaml": 2}
@@ -30,7 +30,7 @@ def test_recipe_validates_for_its_world_size(name):
     validate_config(cfg, world)
     sp = world if cfg.sp_size is None else cfg.sp_size
     model = model_config_for(cfg)  # presets and YaRN resolve without weights
-    check_sp_shape(sp, world, model.num_attention_heads, model.num_key_value_heads)
+    resolve_layout(sp, world, model.num_attention_heads, model.num_key_value_heads)
     gpu = name != "cpu_default.yaml"
     ds, _ = fill_ds_config(load_ds_config(cfg.deepspeed), cfg, world, world // sp, gpu,
                            total_steps=cfg.max_steps, hidden_size=model.hidden_size,

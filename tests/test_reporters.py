@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from tests.dist_utils import job_failure, run_job, train_command
+from ulysses_trainer import names
+from ulysses_trainer.cli.train import main
 from ulysses_trainer.errors import ConfigError
-from ulysses_trainer.train import reporters
-from ulysses_trainer.train.cli import main
-from ulysses_trainer.train.reporters import Reporters, resolve_report_to
+from ulysses_trainer.names import resolve_report_to
+from ulysses_trainer.train.reporters import Reporters
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("tensorboard", reason="the dev extra installs tensorboard")
@@ -61,7 +62,7 @@ def test_tensorboard_reporter_writes_train_and_eval_rows_and_a_resume_replaces_l
 
 def test_resolve_report_to(monkeypatch):
     installed = {"tensorboard": True, "wandb": False}
-    monkeypatch.setattr(reporters, "_installed", lambda name: installed[name])
+    monkeypatch.setattr(names, "_installed", lambda name: installed[name])
     assert resolve_report_to("auto") == ["tensorboard"]
     assert resolve_report_to("all") == ["tensorboard"]
     assert resolve_report_to("none") == [] and resolve_report_to([]) == []

@@ -3,7 +3,6 @@ every `auto` is decided there (the fastest predicted step that fits), and the dr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from dataclasses import replace
@@ -12,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from ulysses_trainer.__main__ import main as cli_main
-from ulysses_trainer.config import FIELDS, TrainConfig, load_config
+from ulysses_trainer.config import TrainConfig, load_config
 from ulysses_trainer.ds_config import load_ds_config
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.model.load import model_config_for
 from ulysses_trainer.plan.inputs import ModelShape, Settings
-from ulysses_trainer.plan.resolve import Machine, ZeroSettings, plan_for, resolve_plan
+from ulysses_trainer.plan.resolve import plan_for, resolve_plan
 from ulysses_trainer.plan.step_time import (
     KERNEL_RATES,
     MODELLED_FROM_S,
@@ -27,6 +26,7 @@ from ulysses_trainer.plan.step_time import (
     norm_rates_from_results,
     step_time,
 )
+from ulysses_trainer.plan.types import Machine, ZeroSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "launch" / "recipes").glob("*.yaml"))
@@ -148,15 +148,6 @@ def test_the_lean_norm_module_refuses_a_kernel_it_cannot_run():
                 LeanRMSNorm(norm, "triton")
 
 
-def test_one_default_per_lever():
-    from ulysses_trainer.model.parallelize import ParallelizeConfig
-
-    shared = {f.name for f in dataclasses.fields(ParallelizeConfig)} & set(FIELDS)
-    assert {"keep_attention_outputs", "activation_offload", "checkpoint_every", "tiled_mlp"} <= shared
-    for name in shared - {"host_memory_gb"}:
-        assert getattr(ParallelizeConfig(), name) == getattr(TrainConfig(), name), name
-
-
 def test_auto_chooses_the_fastest_plan_that_fits_not_the_first():
     best = _plan()
     assert best.fits and best.optimizer_offload and len(best.kept_attention_layers) == 36
@@ -176,7 +167,7 @@ def test_auto_chooses_the_fastest_plan_that_fits_not_the_first():
 
 def test_the_ds_config_gets_the_plans_optimizer_placement():
     from ulysses_trainer.ds_config import fill_ds_config
-    from ulysses_trainer.plan.resolve import OFFLOAD_SUB_GROUP_SIZE
+    from ulysses_trainer.names import OFFLOAD_SUB_GROUP_SIZE
 
     cfg = TrainConfig()
     ds, _ = fill_ds_config(load_ds_config(cfg.deepspeed), cfg, 1, 1, False, optimizer_offload=True)
@@ -274,3 +265,10 @@ def test_step_time_says_where_it_extrapolates():
     notes = " ".join(step_time(ModelShape.preset("qwen3-8b"), s, 8_000_000_000).extrapolated)
     assert "held constant at 1,048,576" in notes and "flash_attention_2 not measured" in notes
     assert "communication modelled" in notes and "rates of an H200 assumed" in notes
+
+
+def test_an_offload_beyond_every_layer_is_refused_when_the_thinning_is_auto():
+    # checkpoint_every auto keeps at most every layer's input: more offloaded inputs than layers cannot run
+    with pytest.raises(ConfigError, match=r"activation_offload=40 must be between 0 and 36 layers"):
+        _plan(activation_offload=40)
+    assert len(_plan(activation_offload=36, keep_attention_outputs=0).offload_layers) == 36

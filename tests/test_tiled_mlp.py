@@ -11,7 +11,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
 from tests.dist_utils import run_ranks, zero3_config
 from ulysses_trainer.errors import ConfigError
-from ulysses_trainer.levers.tiled_mlp import TiledMLP, auto_num_tiles
+from ulysses_trainer.levers.tiled_mlp import TiledMLP
+from ulysses_trainer.names import auto_num_tiles
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -149,11 +150,11 @@ def _loss_and_grads(model, ids):
 
 @pytest.mark.parametrize("every", [1, 3])  # 3: layers 1, 2 are rebuilt by forwards whose outputs are used
 def test_recompute_skips_the_tiled_forward_and_changes_nothing(every):
-    from ulysses_trainer.levers import offload
+    from ulysses_trainer.levers import recompute
 
     ids = torch.randint(0, 1000, (2, 37), generator=torch.Generator().manual_seed(3))
     ref_model = _checkpointed_tiny(3, every)
-    ref_model.checkpointer.recompute_context = offload._no_context  # the recompute runs the tiles
+    ref_model.checkpointer.recompute_context = recompute._no_context  # the recompute runs the tiles
     model = _checkpointed_tiny(3, every)
     calls = {"n": 0}
     for layer in model.causal_lm.model.layers:

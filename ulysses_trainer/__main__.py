@@ -12,12 +12,12 @@ import sys
 from .errors import EXIT_INVALID, EXIT_OK
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("ulysses_trainer.train.launcher", "`deepspeed launch/train.py` on one node in its own session: Ctrl-C "
-                                                "saves and waits for the ranks; a second Ctrl-C stops at once"),
-    "plan": ("ulysses_trainer.plan.cli", "predict per-GPU and host memory; choose settings that fit "
-                                         "(`plan calibrate`: predicted vs measured)"),
-    "rehearse": ("ulysses_trainer.train.rehearse", "run one rank of an N-GPU job on one device (fake process "
-                                                   "group): its memory and compute, plus modelled communication"),
+    "train": ("ulysses_trainer.cli.launcher", "`deepspeed launch/train.py` on one node in its own session: Ctrl-C "
+                                              "saves and waits for the ranks; a second Ctrl-C stops at once"),
+    "plan": ("ulysses_trainer.cli.plan", "predict per-GPU and host memory; choose settings that fit "
+                                        "(`plan calibrate`: predicted vs measured)"),
+    "rehearse": ("ulysses_trainer.cli.rehearse", "run one rank of an N-GPU job on one device (fake process "
+                                                 "group): its memory and compute, plus modelled communication"),
 }
 
 

@@ -25,8 +25,7 @@ import torch
 
 from .config import REPO_ROOT, TrainConfig, resolve_bf16
 from .errors import ConfigError
-from .plan.resolve import offload_sub_group_size
-from .plan.resolved import check_zero_stage
+from .names import ZERO_AUTO_SIZES, check_zero_stage, offload_sub_group_size
 
 AUTO = "auto"
 
@@ -131,26 +130,8 @@ def _betas_equal(a: Any, b: Any) -> bool:
 _SCHEDULERS = {"WarmupDecayLR": "linear", "WarmupLR": "constant_with_warmup"}
 
 
-def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, device_is_cuda: bool, *,
-                   total_steps: int | None = None, hidden_size: int | None = None,
-                   use_deepspeed_optimizer: bool | None = None, optimizer_offload: bool | None = None,
-                   source: str = "the ZeRO config") -> tuple[dict, OptimizerSpec | None]:
-    """Return (the config for deepspeed.initialize, AdamW settings for the trainer or None).
-
-    OptimizerSpec is None exactly when the returned dict keeps an "optimizer" section for DeepSpeed.
-    `total_steps` (optimizer steps of the run) checks an explicit scheduler total; `hidden_size` fills
-    ZeRO bucket sizes that say "auto" (without it DeepSpeed's defaults are used). `optimizer_offload`
-    (the plan's placement of Adam, plan/resolve.py): True adds ZeRO-Offload of the optimizer where the JSON
-    has no offload_optimizer section (a section in the JSON wins: the plan read it). `source` names the
-    JSON in messages.
-    """
-    ds = copy.deepcopy(ds)
-    f = _Filler(ds, source)
+def _fill_batch(ds: dict, f: _Filler, cfg: TrainConfig, world_size: int, dp_size: int, source: str) -> None:
     micro, gas = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
-    if world_size % dp_size:
-        raise ValueError(f"dp_size {dp_size} must divide world_size {world_size}")  # caller bug
-
-    # batch sizes
     f.fill(ds, "train_micro_batch_size_per_gpu", micro, "train_micro_batch_size_per_gpu",
            "per_device_train_batch_size")
     f.fill(ds, "gradient_accumulation_steps", gas, "gradient_accumulation_steps",
@@ -165,7 +146,9 @@ def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, de
             f"set it to \"auto\"")
     ds["train_batch_size"] = micro * gas * world_size  # DeepSpeed sees every rank as data-parallel
 
-    # clipping and precision
+
+def _fill_precision(ds: dict, f: _Filler, cfg: TrainConfig, device_is_cuda: bool, source: str) -> None:
+    """Clipping and precision: bf16 or fp32, never fp16 or amp."""
     f.fill(ds, "gradient_clipping", cfg.max_grad_norm, "gradient_clipping", "max_grad_norm", equal=_close)
     bf16 = resolve_bf16(cfg, device_is_cuda)
     bf16_key = "bfloat16" if "bfloat16" in ds and "bf16" not in ds else "bf16"
@@ -182,62 +165,85 @@ def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, de
     if "amp" in ds and isinstance(ds["amp"], dict) and ds["amp"].get("enabled"):
         raise ConfigError(f"amp.enabled is true in {source}; use bf16 instead (set amp.enabled false)")
 
-    # ZeRO buckets
+
+def _fill_zero(ds: dict, hidden_size: int | None, optimizer_offload: bool | None, source: str) -> bool:
+    """ZeRO-3's "auto" sizes (names.ZERO_AUTO_SIZES) and the plan's optimizer offload; whether Adam is offloaded."""
     zero = ds.get("zero_optimization", {})
     check_zero_stage(zero, source)
-    offload_opt = False
-    if isinstance(zero, dict):
-        buckets = {"reduce_bucket_size": lambda h: h * h,
-                   "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-                   "stage3_param_persistence_threshold": lambda h: 10 * h}
-        for key, rule in buckets.items():
-            if zero.get(key) == AUTO:
-                if hidden_size:
-                    zero[key] = rule(hidden_size)
-                else:
-                    del zero[key]  # DeepSpeed's default
-        if optimizer_offload and zero.get("offload_optimizer") is None:
-            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-            zero["sub_group_size"] = offload_sub_group_size(zero.get("sub_group_size"))
-        off = zero.get("offload_optimizer")
-        offload_opt = isinstance(off, dict) and off.get("device", "none") not in ("none", None)
+    if not isinstance(zero, dict):
+        return False
+    for key, rule in ZERO_AUTO_SIZES.items():
+        if zero.get(key) == AUTO:
+            if hidden_size:
+                zero[key] = rule(hidden_size)
+            else:
+                del zero[key]  # DeepSpeed's default
+    if optimizer_offload and zero.get("offload_optimizer") is None:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zero["sub_group_size"] = offload_sub_group_size(zero.get("sub_group_size"))
+    off = zero.get("offload_optimizer")
+    return isinstance(off, dict) and off.get("device", "none") not in ("none", None)
 
+
+def _fill_optimizer(ds: dict, f: _Filler, spec: OptimizerSpec, source: str) -> None:
+    """An "optimizer" section must be AdamW, its settings the training config's."""
+    opt = ds.get("optimizer")
+    if opt is None:
+        return
+    if not isinstance(opt, dict) or str(opt.get("type", "")).lower() not in ("adamw", "adam"):
+        kind = opt.get("type") if isinstance(opt, dict) else opt
+        raise ConfigError(f"optimizer type {json.dumps(kind)} in {source} is not supported; use "
+                          f"\"AdamW\" (its settings come from learning_rate, adam_beta1/2, adam_epsilon, "
+                          f"weight_decay)")
+    if str(opt["type"]).lower() == "adam" and opt.get("params", {}).get("adam_w_mode") is False:
+        raise ConfigError(f"optimizer Adam with adam_w_mode false in {source} is not supported; "
+                          f"use AdamW")
+    params = opt.setdefault("params", {})
+    f.fill(params, "lr", spec.lr, "optimizer.params.lr", "learning_rate", equal=_close)
+    f.fill(params, "betas", list(spec.betas), "optimizer.params.betas", "[adam_beta1, adam_beta2]",
+           fix="set adam_beta1 and adam_beta2 in the recipe", equal=_betas_equal)
+    f.fill(params, "eps", spec.eps, "optimizer.params.eps", "adam_epsilon", equal=_close)
+    f.fill(params, "weight_decay", spec.weight_decay, "optimizer.params.weight_decay", "weight_decay",
+           equal=_close)
+
+
+def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, device_is_cuda: bool, *,
+                   total_steps: int | None = None, hidden_size: int | None = None,
+                   use_deepspeed_optimizer: bool | None = None, optimizer_offload: bool | None = None,
+                   source: str = "the ZeRO config") -> tuple[dict, OptimizerSpec | None]:
+    """Return (the config for deepspeed.initialize, AdamW settings for the trainer or None).
+
+    OptimizerSpec is None exactly when the returned dict keeps an "optimizer" section for DeepSpeed.
+    `total_steps` (optimizer steps of the run) checks an explicit scheduler total; `hidden_size` fills
+    ZeRO bucket sizes that say "auto" (without it DeepSpeed's defaults are used). `optimizer_offload`
+    (the plan's placement of Adam, plan/resolve.py): True adds ZeRO-Offload of the optimizer where the JSON
+    has no offload_optimizer section (a section in the JSON wins: the plan read it). `source` names the
+    JSON in messages.
+    """
+    ds = copy.deepcopy(ds)
+    f = _Filler(ds, source)
+    if world_size % dp_size:
+        raise ValueError(f"dp_size {dp_size} must divide world_size {world_size}")  # caller bug
+    _fill_batch(ds, f, cfg, world_size, dp_size, source)
+    _fill_precision(ds, f, cfg, device_is_cuda, source)
+    offload_opt = _fill_zero(ds, hidden_size, optimizer_offload, source)
     # scheduler: always the trainer's; an explicit section must agree with the recipe
     sched = ds.pop("scheduler", None)
     if sched is not None:
         _check_scheduler(sched, cfg, total_steps, source, f)
-
-    # optimizer
     spec = OptimizerSpec(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
                          weight_decay=cfg.weight_decay)
-    opt = ds.get("optimizer")
-    if opt is not None:
-        if not isinstance(opt, dict) or str(opt.get("type", "")).lower() not in ("adamw", "adam"):
-            kind = opt.get("type") if isinstance(opt, dict) else opt
-            raise ConfigError(f"optimizer type {json.dumps(kind)} in {source} is not supported; use "
-                              f"\"AdamW\" (its settings come from learning_rate, adam_beta1/2, adam_epsilon, "
-                              f"weight_decay)")
-        if str(opt["type"]).lower() == "adam" and opt.get("params", {}).get("adam_w_mode") is False:
-            raise ConfigError(f"optimizer Adam with adam_w_mode false in {source} is not supported; "
-                              f"use AdamW")
-        params = opt.setdefault("params", {})
-        f.fill(params, "lr", spec.lr, "optimizer.params.lr", "learning_rate", equal=_close)
-        f.fill(params, "betas", list(spec.betas), "optimizer.params.betas", "[adam_beta1, adam_beta2]",
-               fix="set adam_beta1 and adam_beta2 in the recipe", equal=_betas_equal)
-        f.fill(params, "eps", spec.eps, "optimizer.params.eps", "adam_epsilon", equal=_close)
-        f.fill(params, "weight_decay", spec.weight_decay, "optimizer.params.weight_decay", "weight_decay",
-               equal=_close)
+    _fill_optimizer(ds, f, spec, source)
     use_ds = use_deepspeed_optimizer
     if use_ds is None:
         use_ds = device_is_cuda and deepspeed_adam_buildable(offload_opt)
-    if opt is not None and use_ds:
+    if ds.get("optimizer") is not None and use_ds:
         out_spec = None
     else:
         ds.pop("optimizer", None)
         out_spec = spec
         if offload_opt:  # a client optimizer with ZeRO-Offload: DeepSpeed refuses unless told
             ds["zero_force_ds_cpu_optimizer"] = False
-
     # quiet DeepSpeed's own step logging: the trainer logs
     ds.setdefault("steps_per_print", 2**31 - 1)
     ds.setdefault("wall_clock_breakdown", False)

@@ -13,10 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-# the kernel names, the stand-in (benchmarks only: attention/standin.py) and the kernels that can keep their
-# outputs for the recompute live with the plan, which decides between them (torch-free)
-from ..plan.resolve import KEEPING_KERNELS as STASH_KERNELS  # noqa: F401
-from ..plan.resolve import KERNELS, STANDIN, choose_kernel  # noqa: F401
+from ..names import STANDIN
 from .grouped import BACKENDS, default_backend, grouped_attention, runs_grouped
 from .standin import standin_attention
 
@@ -39,11 +36,6 @@ def available_kernels() -> list[str]:
             found.append("flash_attention_2")
     found.append("sdpa")
     return found
-
-
-def resolve_kernel(name: str) -> str:
-    """`auto` -> the fastest installed kernel (flash-attn-4 whenever installed); a named one must be installed."""
-    return choose_kernel(name, tuple(available_kernels()))
 
 
 def _single_doc_per_row(cu_seqlens: torch.Tensor | None, b: int) -> bool:

@@ -23,7 +23,7 @@ import importlib
 import torch
 from torch import Tensor, nn
 
-from ..plan.resolve import NORM_KERNELS, choose_norm_kernel  # the kernel is chosen with the plan (torch-free)
+from ..names import NORM_KERNELS
 
 # Backward rebuilds the fp32 copy for at most this many elements at once (64 MiB of fp32 per tensor).
 _BACKWARD_SLAB_ELEMENTS = 16 * 2**20
@@ -42,11 +42,6 @@ def available_norm_kernels() -> list[str]:
     """Installed RMSNorm kernels, fastest first: triton needs CUDA and liger-kernel."""
     fused = torch.cuda.is_available() and _triton_function() is not None
     return ["triton", "torch"] if fused else ["torch"]
-
-
-def resolve_norm_kernel(name: str) -> str:
-    """`auto` -> the fastest installed RMSNorm kernel here; a named one must be installed (plan/resolve.py)."""
-    return choose_norm_kernel(name, tuple(available_norm_kernels()))
 
 
 def rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:

@@ -16,7 +16,6 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from ..plan.inputs import auto_num_tiles  # noqa: F401 - the tile rule lives with the planner (torch-free)
 
 
 def _set_grad_ready(params: list[nn.Parameter], ready: bool) -> None:
@@ -106,7 +105,7 @@ class TiledMLP(nn.Module):
         """Inside, forward skips the tiles and returns zeros (with the same backward): for a checkpoint's
         recompute, which needs the graph, not the value. The value feeds only the residual add, whose
         backward does not read it; this MLP's backward recomputes each tile from the saved input anyway.
-        Saves one MLP forward per layer and step (levers/offload.py enters it; parallelize wires it)."""
+        Saves one MLP forward per layer and step (levers/recompute.py enters it; parallelize wires it)."""
         self.output_unused = True
         try:
             yield

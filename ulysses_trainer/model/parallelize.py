@@ -1,4 +1,4 @@
-"""`parallelize(model, state, cfg)` installs the mechanisms on an HF causal LM; `apply(model, plan)` sets them.
+"""`parallelize(model, state, plan)` installs the mechanisms on an HF causal LM; `apply(model, plan)` sets them.
 
 Order (each step relies on the ones before it):
   1. Ulysses attention: register the SP attention function and switch the model to it.
@@ -10,61 +10,72 @@ Order (each step relies on the ones before it):
      every k-th layer does and backward rebuilds the rest), on device or in pinned host memory, and
      recomputes in backward; there the tiled MLP skips its forward (its backward recomputes each tile).
   6. The attention-output stash: kept outputs let the recompute skip the kernel.
-Which layers offload, keep their attention outputs, and the thinning are set by `apply` from a plan
-(`ulysses_trainer.plan.resolve_plan`, which the trainer runs once the engine holds the model states) or,
-for fixed values in ParallelizeConfig, by `parallelize` itself.
+`plan` is a ModelPlan (model_plan.py): every value concrete. The trainer takes it from its resolved plan
+(plan/resolve.py) and sets the levers with `apply` once the engine holds the model states; a loop of your own
+passes a ParallelizeConfig, whose `auto` values are decided once, by ParallelizeConfig.resolve.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..attention.kernels import available_kernels
 from ..attention.stash import AttentionStash
+from ..config import FIELDS
 from ..levers.host_pool import HostPool
-from ..levers.lean_norm import resolve_norm_kernel, use_lean_norms
-from ..levers.offload import LayerCheckpointer
+from ..levers.lean_norm import available_norm_kernels, use_lean_norms
+from ..levers.recompute import LayerRecompute
 from ..levers.tiled_mlp import TiledMLP
+from ..model_plan import ModelPlan
+from ..names import auto_num_tiles, choose_kernel, choose_norm_kernel, default_mlp_tiles
 from ..parallel.state import ParallelState
 from ..parallel.ulysses import UlyssesAttention
-from ..plan.inputs import auto_num_tiles, default_mlp_tiles
 from .loss_head import LossHead
+
+
+def _default(name: str) -> Any:
+    """The training config's default for a field of the same name (one copy of each default)."""
+    return field(default=FIELDS[name].default)
 
 
 @dataclass
 class ParallelizeConfig:
-    """The mechanisms, and lever values for a loop of your own. Defaults are the training config's; a lever
-    left at `auto` is installed unset (no input offloaded, no attention output kept, every layer keeps its
-    input) until `apply(model, plan)` sets it from a resolved plan."""
+    """The mechanisms and lever values for a loop of your own, with the training config's names and defaults.
+    A lever left at `auto` is installed unset (no input offloaded, no attention output kept, every layer keeps
+    its input) until `apply(model, plan)` sets it from a resolved plan."""
 
-    attn_implementation: str = "auto"
-    loss_type: str = "chunked_nll"
-    loss_chunk_size: int = 256
-    tiled_mlp: bool | int | str = "auto"  # False | True (auto_num_tiles) | tiles | "auto" (the shape rule)
-    lean_norm: bool = True  # RMSNorms save their input only (levers/lean_norm.py)
-    norm_kernel: str = "auto"  # their kernel: triton (Liger's fused RMSNorm) | torch | auto (triton where installed)
-    gradient_checkpointing: bool = True
-    checkpoint_every: int | str = "auto"  # keep every k-th layer's input; rebuild the others (levers/offload.py)
-    activation_offload: bool | int | str = "auto"  # False | True (all kept inputs) | n first | "auto" (apply)
+    attn_implementation: str = _default("attn_implementation")
+    loss_type: str = _default("loss_type")
+    loss_chunk_size: int = _default("loss_chunk_size")
+    tiled_mlp: bool | int | str = _default("tiled_mlp")  # False | True (auto_num_tiles) | tiles | "auto" (the rule)
+    lean_norm: bool = _default("lean_norm")  # RMSNorms save their input only (levers/lean_norm.py)
+    norm_kernel: str = _default("norm_kernel")  # triton (Liger's fused RMSNorm) | torch | auto (triton where installed)
+    gradient_checkpointing: bool = _default("gradient_checkpointing")
+    checkpoint_every: int | str = _default("checkpoint_every")  # keep every k-th layer's input; rebuild the others
+    activation_offload: bool | int | str = _default("activation_offload")  # False | True (all kept) | n | "auto"
     # layers whose attention output + LSE are kept from the checkpoint's forward to skip the kernel in the
     # recompute (attention/stash.py): False | True (all layers) | n first layers | "auto" (apply)
-    keep_attention_outputs: bool | int | str = "auto"
-    host_memory_gb: float | None = None  # None: detected
+    keep_attention_outputs: bool | int | str = _default("keep_attention_outputs")
+    host_memory_gb: float | None = _default("host_memory_gb")  # None: detected
     local_seq_len: int | None = None  # tokens per rank per row; needed for tiling decisions
     ranks_per_host: int = 1  # ranks sharing this host's RAM (splits the offload budget)
 
-
-@dataclass(frozen=True)
-class Levers:
-    """What `apply` sets (a resolved plan has these fields too)."""
-
-    checkpoint_every: int = 1
-    offload_layers: tuple[int, ...] = ()
-    kept_attention_layers: tuple[int, ...] = ()
-    checkpoint_bytes_per_layer: int = 0  # > 0: pin the host pool for the offloaded inputs now
-    tiles: int | None = None  # None: whatever parallelize installed
+    def resolve(self, config: Any) -> ModelPlan:
+        """The ModelPlan of these settings for an HF model config: `auto` decided with the kernels installed
+        here and the tile rules. ValueError/TypeError (ConfigError for kernels) for values that cannot run."""
+        levers = levers_of(self, config.num_hidden_layers)
+        norm = choose_norm_kernel(self.norm_kernel, tuple(available_norm_kernels())) if self.lean_norm else "torch"
+        return replace(levers, kernel=choose_kernel(self.attn_implementation, tuple(available_kernels())),
+                       loss_type=self.loss_type, loss_chunk_size=self.loss_chunk_size,
+                       tiles=mlp_tiles(self.tiled_mlp, self.local_seq_len, config.hidden_size,
+                                       config.intermediate_size),
+                       lean_norm=self.lean_norm, norm_kernel=norm, gradient_checkpointing=self.gradient_checkpointing,
+                       attention_stash=self.gradient_checkpointing and self.keep_attention_outputs not in (False, 0),
+                       host_memory_gb=self.host_memory_gb, ranks_per_host=self.ranks_per_host)
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -75,7 +86,7 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def mlp_tiles(setting: bool | int | str, local_seq_len: int | None, hidden: int, intermediate: int) -> int:
     """Tile count for the MLP (1 = untiled). Same on every rank: it depends on shapes only.
-    auto: plan.inputs.default_mlp_tiles; True: plan.inputs.auto_num_tiles (the lever's own count)."""
+    auto: names.default_mlp_tiles; True: names.auto_num_tiles (the lever's own count)."""
     if setting is False or setting == 0:
         return 1
     if local_seq_len is None:
@@ -95,7 +106,7 @@ class SequenceParallelCausalLM(nn.Module):
     """
 
     def __init__(self, causal_lm: nn.Module, state: ParallelState, attention: UlyssesAttention,
-                 checkpointer: LayerCheckpointer | None, tiles: int = 1):
+                 checkpointer: LayerRecompute | None, tiles: int = 1):
         super().__init__()
         self.causal_lm = causal_lm
         self.state = state
@@ -115,13 +126,13 @@ class SequenceParallelCausalLM(nn.Module):
 
 
 
-def apply(model: SequenceParallelCausalLM, plan) -> None:
+def apply(model: SequenceParallelCausalLM, plan: Any) -> None:
     """Set the levers parallelize installed: the thinning, the offloaded layer inputs (their pinned pool is
     allocated now when the plan gives the bytes, so a shortage is an error before step 1, not mid-run) and
-    the layers keeping their attention outputs. `plan`: a resolved Plan (plan/resolve.py) or Levers."""
+    the layers keeping their attention outputs. `plan`: a resolved Plan (plan/types.py) or a ModelPlan."""
     ck, stash = model.checkpointer, model.attention.stash
-    tiles = getattr(plan, "tiles", None)
-    if tiles is not None and tiles != model.tiles:
+    tiles = plan.tiles
+    if tiles != model.tiles:
         raise ValueError(f"the plan has {tiles} MLP tiles but parallelize installed {model.tiles}; tiles are "
                          f"installed with the model: pass tiled_mlp={tiles} to ParallelizeConfig")
     offload, kept = tuple(plan.offload_layers), tuple(plan.kept_attention_layers)
@@ -140,44 +151,46 @@ def apply(model: SequenceParallelCausalLM, plan) -> None:
     stash.set_layers(kept)
 
 
-def parallelize(model: nn.Module, state: ParallelState, cfg: ParallelizeConfig) -> SequenceParallelCausalLM:
+def parallelize(model: nn.Module, state: ParallelState,
+                plan: ModelPlan | ParallelizeConfig) -> SequenceParallelCausalLM:
     """Apply SP attention, the loss head, lean norms, tiled MLP and checkpointing/offload, in that order."""
+    if isinstance(plan, ParallelizeConfig):
+        plan = plan.resolve(model.config)
     c = model.config
     layers = _decoder_layers(model)
     # 1. attention
-    attention = UlyssesAttention(state, cfg.attn_implementation, c.num_attention_heads, c.num_key_value_heads)
+    attention = UlyssesAttention(state, plan.kernel, c.num_attention_heads, c.num_key_value_heads)
     model.set_attn_implementation(attention.register())
     # 2. loss head
-    model.lm_head = LossHead(model.lm_head, cfg.loss_type, cfg.loss_chunk_size)
+    model.lm_head = LossHead(model.lm_head, plan.loss_type, plan.loss_chunk_size)
     # 3. lean norms (before tiling and checkpointing, which only wrap what is there)
-    if cfg.lean_norm:
-        use_lean_norms(model, resolve_norm_kernel(cfg.norm_kernel))
+    if plan.lean_norm:
+        use_lean_norms(model, plan.norm_kernel)
     # 4. tiled MLP
-    tiles = mlp_tiles(cfg.tiled_mlp, cfg.local_seq_len, c.hidden_size, c.intermediate_size)
+    tiles = plan.tiles
     if tiles > 1:
         for layer in layers:
             layer.mlp = TiledMLP(layer.mlp, tiles)
-    # 5. checkpointing (+ offload, set below or by apply)
+    # 5. checkpointing (+ offload, set by apply)
     checkpointer = None
-    if cfg.gradient_checkpointing:
-        pool = HostPool(host_memory_gb=cfg.host_memory_gb, ranks_per_host=cfg.ranks_per_host)
-        checkpointer = LayerCheckpointer(len(layers), [], pool)
+    if plan.gradient_checkpointing:
+        pool = HostPool(host_memory_gb=plan.host_memory_gb, ranks_per_host=plan.ranks_per_host)
+        checkpointer = LayerRecompute(len(layers), [], pool)
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = True  # HF decoder layers call _gradient_checkpointing_func
             layer._gradient_checkpointing_func = checkpointer.for_layer(i)
         if tiles > 1:  # the recompute needs the tiled MLP's graph, not its output (TiledMLP.unused_output)
             checkpointer.recompute_context = lambda i: layers[i].mlp.unused_output()
     # 6. the stash for kept attention outputs (only a recompute can reuse them)
-    keep = cfg.keep_attention_outputs
-    if keep not in (False, 0) and cfg.gradient_checkpointing:
+    if plan.attention_stash and plan.gradient_checkpointing:
         attention.stash = AttentionStash()
     model.train()
     sp_model = SequenceParallelCausalLM(model, state, attention, checkpointer, tiles)
-    apply(sp_model, levers_of(cfg, len(layers)))
+    apply(sp_model, plan)
     return sp_model
 
 
-def levers_of(cfg: ParallelizeConfig, num_layers: int) -> Levers:
+def levers_of(cfg: ParallelizeConfig, num_layers: int) -> ModelPlan:
     """The fixed levers of a ParallelizeConfig (`auto` ones unset: left to apply(plan)). ValueError/TypeError
     for values that cannot run."""
     every = 1 if cfg.checkpoint_every == "auto" else cfg.checkpoint_every
@@ -190,8 +203,9 @@ def levers_of(cfg: ParallelizeConfig, num_layers: int) -> Levers:
                                    ("keep_attention_outputs", keep, (False, 0, "auto"))):
             if v not in off_value:
                 raise ValueError(f"{name} needs gradient_checkpointing=True (it acts on the recompute), got {v!r}")
-    return Levers(checkpoint_every=every, offload_layers=tuple(saved[:_count(off, "activation_offload", len(saved))]),
-                  kept_attention_layers=tuple(range(_count(keep, "keep_attention_outputs", num_layers))))
+    return ModelPlan(checkpoint_every=every,
+                     offload_layers=tuple(saved[:_count(off, "activation_offload", len(saved))]),
+                     kept_attention_layers=tuple(range(_count(keep, "keep_attention_outputs", num_layers))))
 
 
 def _count(value: bool | int | str, name: str, most: int) -> int:

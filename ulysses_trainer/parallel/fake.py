@@ -1,9 +1,10 @@
 """One rank of an N-rank job in one process: torch's fake process group (for `ulysses-trainer rehearse`).
 
-The fake backend answers every collective at once without moving data: an all-to-all or all-gather
-leaves its output buffer as it was allocated, a reduction leaves its input as it was. Shapes, buffers
-and the order of calls are the real job's, so memory and kernel time are this rank's own; the values
-that collectives would have filled are meaningless.
+The fake backend answers every collective at once without moving data. Shapes, buffers and the order of
+calls are the real job's, so memory and kernel time are this rank's own. What the collectives' outputs hold
+is `fill`: "local" (default, parallel/local_fill.py) leaves this rank's own values in them, as real-looking
+as one process can make them; "none" is the bare fake group (an all-to-all or all-gather leaves its output
+as it was allocated), for comparison only: kernels run faster on zeros than on real data.
 """
 
 from __future__ import annotations
@@ -43,17 +44,24 @@ def _without_rank0_trace_check() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fake_process_group(rank: int, world_size: int, gpus_per_node: int, device: str) -> Iterator[None]:
-    """Within the block this process is `rank` of `world_size` on the fake backend, and DeepSpeed's comm
-    layer uses that group. The launcher's variables are set for the block and restored after it."""
+def fake_process_group(rank: int, world_size: int, gpus_per_node: int, device: str,
+                       fill: str = "local") -> Iterator[None]:
+    """Within the block this process is `rank` of `world_size` on the fake backend, its collectives' outputs
+    filled as `fill` says (module docstring), and DeepSpeed's comm layer uses that group. The launcher's
+    variables are set for the block and restored after it."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from .local_fill import BACKEND, FILLS
+
+    if fill not in FILLS:
+        raise ValueError(f"collective fill {fill!r}: pick one of {', '.join(FILLS)}")
     if dist.is_initialized():
         raise RuntimeError("a process group already exists; a rehearsal needs a process of its own")
     saved = {k: os.environ.get(k) for k in rank_environment(rank, world_size, gpus_per_node)}
     os.environ.update(rank_environment(rank, world_size, gpus_per_node))
     try:
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        dist.init_process_group(BACKEND if fill == "local" else "fake", store=FakeStore(), rank=rank,
+                                world_size=world_size)
         # DeepSpeed adopts an initialised group; the backend name only matters were it to create one
         init_distributed("nccl" if device == "cuda" else "gloo")
         with _without_rank0_trace_check():

@@ -5,10 +5,11 @@ Pure tensor code (no process group), so it is tested without ranks.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
+
+from ..layout import padded_length
 
 IGNORE_INDEX = -100  # a label that is not trained on (torch cross_entropy's default ignore_index)
 
@@ -36,12 +37,6 @@ class Shard:
     def to(self, device) -> Shard:
         return Shard(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device),
                      self.cu_seqlens.to(device), self.max_seqlen, self.packed)
-
-
-def padded_length(length: int, sp_size: int, pad_to_multiple_of: int | None = None) -> int:
-    """Smallest length >= `length` that both sp and pad_to_multiple_of divide."""
-    m = math.lcm(sp_size, pad_to_multiple_of or 1)
-    return math.ceil(length / m) * m
 
 
 def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -15,30 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import ConfigError
-
-
-def check_sp_shape(sp_size: int, world_size: int, num_heads: int | None = None,
-                   num_kv_heads: int | None = None) -> None:
-    """Raise ConfigError (naming sizes that would work) if sp cannot run this world/model."""
-    if sp_size < 1:
-        raise ConfigError(f"sp_size must be >= 1, got {sp_size}")
-    if world_size % sp_size != 0:
-        ok = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ConfigError(
-            f"sp_size={sp_size} does not divide the world size {world_size}; use one of {ok} "
-            f"(world = dp x sp) or launch {sp_size * max(1, world_size // sp_size)} ranks")
-    if num_heads is None:
-        return
-    ok = [d for d in range(1, num_heads + 1) if num_heads % d == 0
-          and (num_kv_heads is None or num_kv_heads % d == 0 or d % num_kv_heads == 0)]
-    if num_heads % sp_size != 0:
-        raise ConfigError(
-            f"sp_size={sp_size} does not divide the model's {num_heads} query heads; "
-            f"sp_size values that work for this model: {ok}")
-    if num_kv_heads is not None and num_kv_heads % sp_size != 0 and sp_size % num_kv_heads != 0:
-        raise ConfigError(
-            f"sp_size={sp_size} neither divides nor is a multiple of the model's {num_kv_heads} KV heads; "
-            f"sp_size values that work for this model: {ok}")
+from ..layout import resolve_layout
 
 
 @dataclass(frozen=True)
@@ -89,9 +66,8 @@ def make_parallel_state(sp_size: int | None = None) -> ParallelState:
                               f"{sp_size} ...` or set sp_size 1")
         return single_process_state()
     world, rank = dist.get_world_size(), dist.get_rank()
-    sp = world if sp_size is None else sp_size
-    check_sp_shape(sp, world)
-    dp = world // sp
+    layout = resolve_layout(sp_size, world)
+    sp, dp = layout.sp, layout.dp
     sp_group = dp_group = None
     sp_ranks, dp_ranks = group_ranks(world, sp)
     for ranks in sp_ranks:  # consecutive ranks: inside a node when sp divides the ranks per node

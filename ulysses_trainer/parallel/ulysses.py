@@ -12,10 +12,12 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..attention.kernels import KERNEL_FUNCTIONS, STASH_KERNELS, resolve_kernel
+from ..attention.kernels import KERNEL_FUNCTIONS
 from ..attention.stash import AttentionStash
+from ..layout import resolve_layout
+from ..names import KEEPING_KERNELS
 from .comm import heads_to_seq, seq_to_heads
-from .state import ParallelState, check_sp_shape
+from .state import ParallelState
 
 
 def _no_mask(*args, **kwargs) -> None:
@@ -27,9 +29,13 @@ class UlyssesAttention:
     """The attention function registered under `self.name` (one per SP setup)."""
 
     def __init__(self, state: ParallelState, kernel: str, num_heads: int, num_kv_heads: int):
-        check_sp_shape(state.sp_size, state.world_size, num_heads, num_kv_heads)
+        """`kernel`: a planned kernel name (ModelPlan.kernel), not `auto`."""
+        resolve_layout(state.sp_size, state.world_size, num_heads, num_kv_heads)
+        if kernel not in KERNEL_FUNCTIONS:
+            raise ValueError(f"attention kernel {kernel!r} is not one of {', '.join(KERNEL_FUNCTIONS)}; the plan "
+                             f"decides `auto` (ParallelizeConfig.resolve for a loop of your own)")
         self.state = state
-        self.kernel = resolve_kernel(kernel)
+        self.kernel = kernel
         self.attend = KERNEL_FUNCTIONS[self.kernel]
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.kv_repeat = max(1, state.sp_size // num_kv_heads)
@@ -64,7 +70,7 @@ class UlyssesAttention:
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         keep = {}
         layer = getattr(module, "layer_idx", None)
-        if self.stash is not None and self.kernel in STASH_KERNELS and self.stash.wants(layer, module.training):
+        if self.stash is not None and self.kernel in KEEPING_KERNELS and self.stash.wants(layer, module.training):
             keep = {"stash": self.stash, "layer": layer}  # the recompute reuses the kernel's outputs
         out = self.attend(q, k, v, scale=scale, cu_seqlens=sp_cu_seqlens, max_seqlen=sp_max_seqlen, **keep)
         # [b, s, h/sp, d] -> [b, s/sp, h, d]: what HF attention functions return

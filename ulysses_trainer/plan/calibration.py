@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS, STANDIN, auto_num_tiles
 from .memory import GIB, ModelShape, Settings, Zero3Knobs, estimate
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 SYSTEMS = ("ours", "alst", "hf")
 # benchmarks/long_context.py leaves these ZeRO-3 sizes unset: DeepSpeed's defaults apply
 DEEPSPEED_DEFAULT_KNOBS = Zero3Knobs(reduce_bucket_size=500_000_000, prefetch_bucket_size=50_000_000,
-                                     param_persistence_threshold=100_000, sub_group_size=1_000_000_000)
-STANDIN = "standin_memory_only"
+                                     param_persistence_threshold=100_000, sub_group_size=DEFAULT_SUB_GROUP_SIZE)
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def benchmark_settings(system: str, shape: ModelShape, point: dict[str, Any], st
         raise ConfigError(f"unknown system {system!r} in a results file; expected one of {SYSTEMS}")
     length = int(point["seq_len"])
     attention = point.get("attention") or "sdpa"
-    if attention not in ("sdpa", "flash_attention_2", "flash_attention_4", STANDIN):
+    if attention not in PLANNED_KERNELS:
         attention = STANDIN if "standin" in attention else "sdpa"
     first = point.get("first_step", steps < 2 or attention == STANDIN)
     base = Settings(max_length=length, attention=attention, first_step=first, lean_norm=False,
@@ -89,8 +89,6 @@ def benchmark_settings(system: str, shape: ModelShape, point: dict[str, Any], st
     if mode == "fwdbwd":
         base = replace(base, zero_stage=0, optimizer="none")
     if system == "ours":
-        from ..levers.tiled_mlp import auto_num_tiles
-
         # points measured before lean norms existed carry no "lean_norm" key: HF norms
         return replace(base, activation_offload=int(point.get("offloaded_layers") or 0),
                        lean_norm=bool(point.get("lean_norm", False)),

@@ -48,6 +48,7 @@ import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from .. import names as rules
 from .inputs import ModelShape, layer_param_numels
 from .zero3_trace import forward_order, gathers_per_micro_step, numel_of
 
@@ -102,7 +103,7 @@ class Collective:
 
 
 def rebuilt_layers(layers: int, checkpoint_every: int) -> int:
-    """Layers that keep no input and run one more forward in backward (levers/offload.py)."""
+    """Layers that keep no input and run one more forward in backward (levers/recompute.py)."""
     return layers - -(-layers // checkpoint_every)
 
 
@@ -127,7 +128,8 @@ def ulysses_all_to_alls(shape: ModelShape, job: Job) -> list[Collective]:
 
 
 def _persistence(shape: ModelShape, job: Job) -> int:
-    return 10 * shape.hidden if job.param_persistence_threshold is None else job.param_persistence_threshold
+    thr = job.param_persistence_threshold
+    return rules.param_persistence_threshold(shape.hidden) if thr is None else thr
 
 
 def zero3_collectives(shape: ModelShape, job: Job) -> list[Collective]:
@@ -167,7 +169,7 @@ def reduce_buckets(shape: ModelShape, job: Job) -> Counter:
     order = ["final_norm"] + [n for _ in range(shape.layers) for n in names] + ["embed"]
     if not shape.tied_embeddings:
         order.insert(0, "lm_head")
-    size, limit = numel_of(shape), job.reduce_bucket_size or shape.hidden**2
+    size, limit = numel_of(shape), job.reduce_bucket_size or rules.reduce_bucket_size(shape.hidden)
     buckets: Counter = Counter()
     held = 0
     for name in order:
@@ -288,13 +290,14 @@ def load_bandwidth(path: str | None, internode_gbps: float = DEFAULT_INTERNODE_G
 
 
 # What a real multi-GPU step took beyond the rehearsal's measured compute and the collectives' wire time, per GB
-# of all-to-all input per rank. Calibrated on the two real sp=2 runs on 2 H200s (benchmarks/results/sp2/) and
-# their rehearsals: Qwen3-4B 131K 3.51 s over 145 GB (0.0242), Qwen3-8B 262K 9.01 s over 290 GB (0.0311); the
-# mean (either alone predicts the other within 5%). What it is, is not settled: the streams waiting at each
-# all-to-all and NCCL kernels sharing SMs, or the rehearsal's kernels running faster on the zeros and garbage
-# the fake group leaves in gathered weights (less power, higher clocks). The planner's kernel rates come from
-# real runs, so its step time leaves this out. Measured at sp=2 only: larger sp is extrapolated.
-A2A_STALL_S_PER_GB = 0.0276
+# of all-to-all input per rank: the streams waiting at each all-to-all, NCCL's kernels sharing the SMs. Calibrated
+# on the two real sp=2 runs on 2 H200s (benchmarks/results/sp2/) against their rehearsals with collective_fill
+# local (benchmarks/results/rehearsal/rehearse_sp2_*.json): Qwen3-4B 131K 0.52 s over 145 GB (0.0036), Qwen3-8B
+# 262K 1.83 s over 290 GB (0.0063); the mean (either alone predicts the other within 2%). (With the bare fake
+# group the same difference was 0.0276 s/GB: mostly its kernels running faster on zero-filled buffers.) The
+# planner's kernel rates come from single-GPU runs, so its step time leaves this out. Measured at sp=2 only:
+# larger sp is extrapolated.
+A2A_STALL_S_PER_GB = 0.0049
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,10 @@ attention outputs). Torch-free; plan/resolve.py checks the levers and calls it."
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
-from .inputs import ModelShape, Settings, Zero3Knobs, auto_num_tiles, default_mlp_tiles, local_tokens, saved_layer_count
+from ..names import default_mlp_tiles
+from .inputs import ModelShape, Settings, Zero3Knobs, local_tokens, saved_layer_count
 from .memory import GIB, MemoryEstimate, estimate
 
 EVERY_CHOICES = (1, 2, 3, 4, 6, 9, 12)  # checkpoint_every values the search tries, cheapest first
@@ -21,13 +22,15 @@ MAX_TILES = 64  # beyond this a tile is a few thousand rows and the MLP term is 
 class Fixed:
     """The levers the user fixed (None = auto, to be searched)."""
 
-    offload: int | None
+    offload: int | Literal["all"] | None  # offloaded layer inputs; "all": every layer that keeps one
     keep: int | None
     tiles: int | None
     every: int | None
     optimizer_offload: bool | None
 
-
+    def offload_for(self, saved: int) -> int | None:
+        """The fixed offload count where `saved` layers keep an input (None: auto)."""
+        return saved if self.offload == "all" else self.offload
 
 
 def shortfall(e: MemoryEstimate, gpu_gb: float, host_gb: float) -> tuple[int, int]:
@@ -57,7 +60,7 @@ class _Search:
         """The estimate with the fewest offloaded inputs that fits (GPU memory falls and host memory grows
         with each one: the fewest that fit the GPU are the best chance for the host), or None."""
         if fixed is not None:
-            e = self.est(activation_offload=saved if fixed == -1 else fixed, **kw)
+            e = self.est(activation_offload=fixed, **kw)
             return e if self.fits(e) else None
         lo, hi = 0, saved
         e_hi = self.est(activation_offload=hi, **kw)
@@ -88,22 +91,23 @@ def _candidates(sr: _Search, fx: Fixed, keep_max: int, every: int, opt: bool, ti
     inputs for no kept outputs plus as many kept outputs as fit without more offload, and the most kept
     outputs that fit with any offload (time is near linear in both, so the best lies at one of the ends)."""
     saved = saved_layer_count(sr.shape, every)
-    if fx.offload is not None and fx.offload > saved:
+    fixed = fx.offload_for(saved)
+    if fixed is not None and fixed > saved:
         return []  # a thinning that keeps fewer inputs than the fixed offload asks for
     kw = {"checkpoint_every": every, "offload_optimizer": opt, "tiled_mlp": tiles, "zero3": sr.knobs[opt]}
     if fx.keep is not None:
-        e = sr.fewest_offloaded(fx.offload, saved, kept_attention_layers=fx.keep, **kw)
+        e = sr.fewest_offloaded(fixed, saved, kept_attention_layers=fx.keep, **kw)
         return [e] if e is not None else []
-    base = sr.fewest_offloaded(fx.offload, saved, kept_attention_layers=0, **kw)
+    base = sr.fewest_offloaded(fixed, saved, kept_attention_layers=0, **kw)
     if base is None:
         return []
     a0 = base.settings.activation_offload
     k_lo = sr.most_kept(0, keep_max, lambda k: sr.fits(sr.est(activation_offload=a0, kept_attention_layers=k, **kw)))
-    k_hi = sr.most_kept(k_lo, keep_max, lambda k: sr.fewest_offloaded(fx.offload, saved, kept_attention_layers=k,
+    k_hi = sr.most_kept(k_lo, keep_max, lambda k: sr.fewest_offloaded(fixed, saved, kept_attention_layers=k,
                                                                       **kw) is not None)
     out = [sr.est(activation_offload=a0, kept_attention_layers=k_lo, **kw)]
     if k_hi > k_lo:
-        out.append(sr.fewest_offloaded(fx.offload, saved, kept_attention_layers=k_hi, **kw))
+        out.append(sr.fewest_offloaded(fixed, saved, kept_attention_layers=k_hi, **kw))
     return out
 
 
@@ -120,7 +124,7 @@ def search_fastest(shape: ModelShape, base: Settings, fx: Fixed, keep_max: int, 
     opts = [fx.optimizer_offload] if fx.optimizer_offload is not None else [False, True]
     rule = default_mlp_tiles(local_tokens(base), shape.intermediate)
     if fx.tiles is not None:
-        ladder = [auto_num_tiles(local_tokens(base), shape.hidden, shape.intermediate) if fx.tiles == -1 else fx.tiles]
+        ladder = [fx.tiles]
     else:
         top = max(1, min(MAX_TILES, local_tokens(base)))
         ladder = sorted({min(rule, top)} | {t for t in (2, 4, 8, 16, 32, 64) if rule < t <= top})

@@ -6,7 +6,7 @@ from __future__ import annotations
 from .inputs import ModelShape, Settings, _shard_numel, _sub_group_numels, local_tokens, pinned_bytes
 from .layer_terms import FP32
 
-PAGE = 4096  # HostPool slots are page-aligned (levers/offload.py)
+PAGE = 4096  # HostPool slots are page-aligned (levers/recompute.py)
 
 
 def host_pool_bytes(shape: ModelShape, s: Settings) -> int:

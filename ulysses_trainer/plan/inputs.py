@@ -4,14 +4,13 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import ConfigError
-
-KERNELS = ("sdpa", "flash_attention_2", "flash_attention_4", "standin_memory_only")
-
+from ..layout import check_heads
+from ..layout import padded_length as layout_padded_length
+from ..names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS, param_persistence_threshold
 
 # --------------------------------------------------------------------------------------------
 # Inputs
@@ -63,8 +62,8 @@ class Zero3Knobs:
     reduce_bucket_size: int | None = None  # elements; None: hidden**2 (what "auto" is filled with)
     prefetch_bucket_size: int | None = None  # elements; None: 0.9 * hidden**2
     param_persistence_threshold: int | None = None  # elements; None: 10 * hidden
-    sub_group_size: int = 1_000_000_000  # elements of one optimizer sub-group
-    max_live_parameters: int = 1_000_000_000  # elements gathered at most (stage3_max_live_parameters)
+    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE  # elements of one optimizer sub-group
+    max_live_parameters: int = DEFAULT_SUB_GROUP_SIZE  # elements gathered at most (stage3_max_live_parameters)
 
 
 @dataclass(frozen=True)
@@ -139,10 +138,7 @@ def check_settings(shape: ModelShape, s: Settings) -> None:
 
     need(s.max_length >= 2, f"max_length must be >= 2 tokens, got {s.max_length}")
     need(s.sp >= 1 and s.dp >= 1, f"sp and dp must be >= 1, got sp={s.sp}, dp={s.dp}")
-    need(shape.heads % s.sp == 0, f"sp={s.sp} does not divide the model's {shape.heads} query heads; "
-                                  f"pick sp among {[d for d in range(1, shape.heads + 1) if shape.heads % d == 0]}")
-    need(shape.kv_heads % s.sp == 0 or s.sp % shape.kv_heads == 0,
-         f"sp={s.sp} neither divides nor is a multiple of the model's {shape.kv_heads} KV heads")
+    check_heads(s.sp, shape.heads, shape.kv_heads)
     need(s.micro_batch >= 1, f"per_device_train_batch_size must be >= 1, got {s.micro_batch}")
     need(s.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {s.checkpoint_every}")
     need(0 <= s.kept_attention_layers <= shape.layers and (s.kept_attention_layers == 0 or s.gradient_checkpointing),
@@ -157,7 +153,7 @@ def check_settings(shape: ModelShape, s: Settings) -> None:
          "activation_offload needs gradient_checkpointing: true (it offloads the checkpoints)")
     need(s.tiled_mlp >= 1, f"tiled_mlp must be >= 1 tiles, got {s.tiled_mlp}")
     need(s.loss_chunk_size >= 1, f"loss_chunk_size must be >= 1, got {s.loss_chunk_size}")
-    need(s.attention in KERNELS, f"attention kernel {s.attention!r} is unknown; use one of {KERNELS}")
+    need(s.attention in PLANNED_KERNELS, f"attention kernel {s.attention!r} is unknown; use one of {PLANNED_KERNELS}")
     need(s.zero_stage in (0, 3), f"zero_stage {s.zero_stage} is not modelled; use 3 (or 0 for plain torch)")
     need(not (s.offload_optimizer and s.zero_stage != 3), "optimizer offload needs ZeRO stage 3")
     need(0 <= s.allocator_slack < 1, f"allocator_slack must be in [0, 1), got {s.allocator_slack}")
@@ -168,9 +164,8 @@ def check_settings(shape: ModelShape, s: Settings) -> None:
 
 
 def padded_length(s: Settings) -> int:
-    """Sequence length after padding to a multiple of lcm(sp, pad_to_multiple_of) (parallel/sharding.py)."""
-    m = math.lcm(s.sp, s.pad_to_multiple_of or 1)
-    return -(-s.max_length // m) * m
+    """Sequence length after padding to a multiple of lcm(sp, pad_to_multiple_of) (layout.padded_length)."""
+    return layout_padded_length(s.max_length, s.sp, s.pad_to_multiple_of)
 
 
 def local_tokens(s: Settings) -> int:
@@ -183,12 +178,24 @@ def kv_repeat(shape: ModelShape, sp: int) -> int:
     return max(1, sp // shape.kv_heads)
 
 
+def _layer_linear_numels(shape: ModelShape) -> list[int]:
+    """One decoder layer's linear weights: q, k, v, o, gate, up, down."""
+    h, i, q, k = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width
+    return [h * q, h * k, h * k, q * h, h * i, h * i, i * h]
+
+
 def layer_param_numels(shape: ModelShape) -> list[int]:
     """Parameters of one decoder layer, in module order: q, k, v, o, q_norm, k_norm, gate, up, down,
     input_layernorm, post_attention_layernorm."""
-    h, i, q, k, d = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width, shape.head_dim
-    norms = [d, d] if shape.qk_norm else []
-    return [h * q, h * k, h * k, q * h, *norms, h * i, h * i, i * h, h, h]
+    q, k, v, o, gate, up, down = _layer_linear_numels(shape)
+    norms = [shape.head_dim] * 2 if shape.qk_norm else []
+    return [q, k, v, o, *norms, gate, up, down, shape.hidden, shape.hidden]
+
+
+def matmul_params(shape: ModelShape) -> int:
+    """Parameters that take part in a matmul per token: every layer's linear weights plus lm_head (embedding
+    lookups and norms do no matmul); what the model FLOPs count (train/metrics.py)."""
+    return shape.layers * sum(_layer_linear_numels(shape)) + shape.vocab * shape.hidden
 
 
 def param_numels(shape: ModelShape) -> list[int]:
@@ -216,7 +223,7 @@ def _shard_numel(shape: ModelShape, s: Settings) -> int:
 
 def _persistence_threshold(shape: ModelShape, s: Settings) -> int:
     t = s.zero3.param_persistence_threshold
-    return 10 * shape.hidden if t is None else t
+    return param_persistence_threshold(shape.hidden) if t is None else t
 
 
 def _sub_group_numels(shape: ModelShape, s: Settings) -> list[int]:
@@ -238,32 +245,3 @@ def pinned_bytes(nbytes: int, rounding: str) -> int:
     if nbytes <= 0:
         return 0
     return nbytes if rounding == "exact" else 1 << (nbytes - 1).bit_length()
-
-# --------------------------------------------------------------------------------------------
-# MLP tiles (levers/tiled_mlp.py runs them; the counts are shape rules, decided here without torch)
-
-# A gated MLP keeps about this many [rows, intermediate] tensors alive per tile (gate, up, act, product).
-_INTERMEDIATES_PER_ROW = 4
-
-
-def auto_num_tiles(seq_len: int, hidden_size: int, intermediate_size: int) -> int:
-    """Tiles such that one tile's intermediates are about the size of the MLP input.
-
-    One tile of r rows keeps ~4 * r * intermediate values; the input holds seq_len * hidden. Setting
-    them equal gives tiles = 4 * intermediate / hidden (16 for Qwen3-4B): the MLP then no longer
-    dominates the layer, and more tiles would only shrink it further below the other [seq, hidden]
-    tensors while making each matmul smaller. Capped at seq_len so that no tile is empty. A pure
-    function of the shapes, so every rank gets the same count for the same shapes.
-    """
-    if seq_len < 1 or hidden_size < 1 or intermediate_size < 1:
-        raise ValueError(f"shapes must be >= 1, got seq_len={seq_len}, hidden_size={hidden_size}, "
-                         f"intermediate_size={intermediate_size}")
-    tiles = math.ceil(_INTERMEDIATES_PER_ROW * intermediate_size / hidden_size)
-    return max(1, min(tiles, seq_len))
-
-
-def default_mlp_tiles(local_tokens: int, intermediate_size: int) -> int:
-    """`tiled_mlp: auto`: tile once the MLP's four intermediate-width bf16 tensors would pass 1 GiB, and then
-    keep each tile's near 1 GiB (bigger tiles run faster matmuls; smaller ones save nothing that matters)."""
-    return max(1, math.ceil(local_tokens * intermediate_size * _INTERMEDIATES_PER_ROW * 2 / 2**30))
-

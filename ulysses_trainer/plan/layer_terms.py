@@ -6,12 +6,13 @@ on top, and the ZeRO-3 / tied-embedding terms alive during it. Notation as in pl
 
 from __future__ import annotations
 
+from ..names import KEEPING_KERNELS, groups_one_at_a_time, prefetch_bucket_size
 from .inputs import ModelShape, Settings, kv_repeat, layer_param_numels, local_tokens, num_params
 
 FP32 = 4
 # the kernels attention/grouped.py runs group by group (flash_attention_4's group term is cuDNN's, not
 # measured: its copies of the group's q, out, d(out) slices stand where cuDNN's repeated k, v are)
-GROUPED_KERNELS = ("sdpa", "flash_attention_4", "standin_memory_only")
+GROUPED_KERNELS = KEEPING_KERNELS
 
 def rmsnorm_saved_bytes(tokens: int, width: int, e: int, lean: bool = False) -> int:
     """What autograd keeps for an RMSNorm on [tokens, width], not its output (the consumer keeps it) nor
@@ -80,12 +81,6 @@ def top_layer_keeps_output(shape: ModelShape, s: Settings) -> bool:
     """Whether the top layer keeps its attention output: the kept layers are the lowest ones
     (plan/memory.py kept_attention_at), so only when every layer does."""
     return s.kept_attention_layers >= shape.layers
-
-
-def groups_one_at_a_time(kv_heads: int, keeps_output: bool) -> bool:
-    """The sdpa / stand-in rule (attention/grouped.py runs_grouped uses it): group by group pays only with more
-    than one KV head per rank; keeping outputs for the recompute needs the explicit-LSE path whatever the count."""
-    return kv_heads > 1 or keeps_output
 
 
 def attention_runs_grouped(shape: ModelShape, s: Settings, keeps_output: bool) -> bool:
@@ -216,7 +211,7 @@ def layer_gathered_params_bytes(shape: ModelShape, s: Settings) -> int:
     e = s.act_bytes
     layer = sum(layer_param_numels(shape))
     pre = s.zero3.prefetch_bucket_size
-    prefetch = int(0.9 * shape.hidden**2) if pre is None else pre
+    prefetch = prefetch_bucket_size(shape.hidden) if pre is None else pre
     gathered = layer + min(prefetch, layer)
     if s.zero3_trace:
         gathered = max(gathered, min(s.zero3.max_live_parameters, num_params(shape)))

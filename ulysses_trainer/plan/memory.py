@@ -32,9 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from ..names import reduce_bucket_size
 from .host_terms import PAGE, host_optimizer_bytes, host_pool_bytes  # noqa: F401 - re-exported
 from .inputs import (  # noqa: F401 - the planner's inputs, re-exported with the terms
-    KERNELS,
     ModelShape,
     Settings,
     Zero3Knobs,
@@ -125,7 +125,7 @@ def reduce_bucket_bytes(shape: ModelShape, s: Settings) -> int:
     if s.zero_stage == 0 or s.optimizer == "none":
         return 0
     n = s.zero3.reduce_bucket_size
-    return (shape.hidden**2 if n is None else n) * s.act_bytes
+    return (reduce_bucket_size(shape.hidden) if n is None else n) * s.act_bytes
 
 
 # --------------------------------------------------------------------------------------------

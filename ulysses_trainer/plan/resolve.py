@@ -1,10 +1,11 @@
 """One resolved plan: every setting of a run decided once, from the training config, the model's shape and
 the machine. `resolve_plan` is the one function the trainer and `ulysses-trainer plan` call.
 
-Every lever is checked here (ConfigError, exit 2, naming the fix); every `auto` is decided here: of all
-the settings that fit the GPU and host memory (plan/memory.py), the one with the shortest predicted step
-(plan/step_time.py). The search (plan/fastest_fit.py) covers the optimizer's placement (GPU or host), the
-checkpoint thinning, the MLP tiles, the offloaded layer inputs and the kept attention outputs.
+Every lever is checked here against the model (ConfigError, exit 2, naming the fix; config.check_levers has
+checked the values themselves); every `auto` is decided here: of all the settings that fit the GPU and host
+memory (plan/memory.py), the one with the shortest predicted step (plan/step_time.py). The search
+(plan/fastest_fit.py) covers the optimizer's placement (GPU or host), the checkpoint thinning, the MLP tiles,
+the offloaded layer inputs and the kept attention outputs.
 Torch-free: the caller measures the machine (GPU memory, host RAM, installed kernels) and passes it in.
 """
 
@@ -13,125 +14,135 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from ..config import check_levers
 from ..errors import ConfigError
-from .fastest_fit import Fixed, search_fastest, shortfall, with_headroom
-from .inputs import KERNELS as PLANNED_KERNELS
-from .inputs import (
-    ModelShape,
-    Settings,
+from ..layout import Layout, resolve_layout
+from ..names import (
+    KEEPING_KERNELS,
     auto_num_tiles,
-    check_settings,
+    choose_kernel,
+    choose_norm_kernel,
     default_mlp_tiles,
-    local_tokens,
-    num_params,
-    padded_length,
-    saved_layer_count,
-)
-from .memory import GIB, estimate
-from .resolved import (  # noqa: F401 - the plan's types, re-exported with the function that makes them
-    OFFLOAD_SUB_GROUP_SIZE,
-    Machine,
-    Plan,
-    ZeroSettings,
     offload_sub_group_size,
-    read_zero,
 )
+from .fastest_fit import Fixed, search_fastest, shortfall, with_headroom
+from .inputs import ModelShape, Settings, check_settings, local_tokens, num_params, padded_length, saved_layer_count
+from .memory import GIB, MemoryEstimate, estimate
 from .step_time import StepTime, format_seconds, step_time
+from .types import Machine, Plan, ZeroSettings, read_zero
 
-KERNELS = PLANNED_KERNELS[:3]  # what attn_implementation names (the plan also models the stand-in)
-STANDIN = PLANNED_KERNELS[3]  # benchmarks only (attention/standin.py)
-KEEPING_KERNELS = ("sdpa", "flash_attention_4", STANDIN)  # kernels whose outputs can be kept (attention/grouped.py)
 # the engine's measured memory use may exceed the model states' prediction by this much before the plan
 # shrinks: DeepSpeed's own buffers and the CUDA context vary by a GiB or so; more means another tenant
 ENGINE_TOLERANCE_GB = 2.0
-INSTALL_HINT = {"flash_attention_2": "pip install 'ulysses_trainer[flash]' (needs CUDA)",
-                "flash_attention_4": "pip install 'ulysses_trainer[fa4]' (flash_attn.cute; Hopper/Blackwell GPUs)",
-                "triton": "pip install 'ulysses_trainer[liger]' (Liger-Kernel's Triton RMSNorm; needs CUDA)"}
-NORM_KERNELS = ("triton", "torch")  # levers/lean_norm.py
 
 
 # --------------------------------------------------------------------------------------------
 # Levers: each knob of the training config read once
 
 
-def _installed_choice(field: str, name: str, known: tuple[str, ...], installed: tuple[str, ...],
-                      default: str) -> str:
-    """`auto` -> the first installed (fastest first; `default` if none); a named one must be known and installed."""
-    if name == "auto":
-        return installed[0] if installed else default
-    if name not in known:
-        raise ConfigError(f"{field}={name!r} is unknown; use one of auto, {', '.join(known)}")
-    if name not in installed:
-        raise ConfigError(f"{field}={name!r} is not installed here ({INSTALL_HINT[name]}); "
-                          f"installed: {', '.join(installed)} (or use auto)")
-    return name
-
-
-def choose_kernel(name: str, installed: tuple[str, ...]) -> str:
-    """`auto` -> the fastest installed kernel (flash-attn-4 whenever it is there); a named one must be installed."""
-    if name == STANDIN:
-        return name
-    return _installed_choice("attn_implementation", name, KERNELS, installed, "sdpa")
-
-
-def choose_norm_kernel(name: str, installed: tuple[str, ...], lean_norm: bool = True) -> str:
-    """`auto` -> the fused Triton RMSNorm where installed, else torch ops; a named one must be installed.
-    Without lean norms HF's own norms stay (torch)."""
-    if not lean_norm:
-        if name == "triton":
-            raise ConfigError("norm_kernel triton is the lean norms' kernel: set lean_norm true or norm_kernel auto")
-        return "torch"
-    return _installed_choice("norm_kernel", name, NORM_KERNELS, installed, "torch")
-
-
-def check_levers(cfg: Any, shape: ModelShape | None = None, kernel: str | None = None) -> Fixed:
-    """Every lever of a TrainConfig checked (ConfigError naming the fix) and read: fixed values or None (auto).
-    Without a shape, the checks that need no model only."""
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ConfigError(msg)
-
+def read_levers(cfg: Any, shape: ModelShape, kernel: str, local: int) -> Fixed:
+    """Every lever of a TrainConfig checked against the model (ConfigError naming the fix) and read: fixed
+    values or None (auto). `local`: tokens per rank (what `tiled_mlp: true` sizes its tiles by)."""
+    check_levers(cfg)
     ckpt, off, keep, tiled, every = (cfg.gradient_checkpointing, cfg.activation_offload, cfg.keep_attention_outputs,
                                      cfg.tiled_mlp, cfg.checkpoint_every)
-    is_int = [isinstance(v, int) and not isinstance(v, bool) for v in (off, keep, tiled, every)]
-    need(not is_int[0] or off >= 0, f"activation_offload must be >= 0 layers (or true/false/auto), got {off}")
-    need(not is_int[1] or keep >= 0, f"keep_attention_outputs must be >= 0 layers (or true/false/auto), got {keep}")
-    need(not is_int[2] or tiled >= 1, f"tiled_mlp must be >= 1 tiles (or true/false/auto), got {tiled}")
-    need(not is_int[3] or every >= 1,
-         f"checkpoint_every must be >= 1 layers (1 = every layer) or auto, got {every}")
-    need(ckpt or keep in (False, 0, "auto"),
-         "keep_attention_outputs needs gradient_checkpointing: true (only a recompute reuses them)")
-    need(ckpt or every in (1, "auto"), "checkpoint_every > 1 needs gradient_checkpointing: true (it thins the "
-                                       "checkpoints); set checkpoint_every 1 or gradient_checkpointing true")
-    need(ckpt or off in (False, 0, "auto"),
-         f"activation_offload {str(off).lower()} needs gradient_checkpointing: true (it offloads the layer "
-         f"checkpoints); set activation_offload false or gradient_checkpointing true")
-    if shape is None:
-        return Fixed(None, None, None, None, None)
     layers = shape.layers
-    need(not is_int[1] or keep <= layers, f"keep_attention_outputs={keep} exceeds the model's {layers} layers; "
-                                          f"give 0..{layers}, true (all of them) or auto")
-    if kernel is not None and kernel not in KEEPING_KERNELS and keep not in (False, 0, "auto"):
+    if isinstance(keep, int) and not isinstance(keep, bool) and keep > layers:
+        raise ConfigError(f"keep_attention_outputs={keep} exceeds the model's {layers} layers; "
+                          f"give 0..{layers}, true (all of them) or auto")
+    if kernel not in KEEPING_KERNELS and keep not in (False, 0, "auto"):
         raise ConfigError(f"keep_attention_outputs needs a kernel that can keep its outputs (sdpa, "
                           f"flash_attention_4); {kernel} cannot: set keep_attention_outputs false or "
                           f"attn_implementation sdpa")
-    c = every if is_int[3] else None
-    if not ckpt:
-        c = 1
-    if c is not None and is_int[0]:
-        saved = saved_layer_count(shape, c)
-        need(off <= saved, f"activation_offload={off} must be between 0 and {saved} layers (the layers that keep an "
-                           f"input: {layers} / checkpoint_every {c}, rounded up); true offloads all of them")
+    c = 1 if not ckpt else (None if every == "auto" else every)
+    if isinstance(off, int) and not isinstance(off, bool):
+        saved = saved_layer_count(shape, c or 1)  # checkpoint_every auto: at most every layer keeps one
+        if off > saved:
+            raise ConfigError(f"activation_offload={off} must be between 0 and {saved} layers (the layers that keep "
+                              f"an input: {layers} / checkpoint_every {c or 1}, rounded up); true offloads all of them")
     if not ckpt:  # nothing to offload or keep without checkpoints
         off, keep = 0, 0
-    return Fixed(offload=None if off == "auto" else (0 if off is False else -1 if off is True else off),
-                  keep=None if keep == "auto" else (layers if keep is True else int(keep)),
-                  tiles=None if tiled == "auto" else (1 if tiled is False else -1 if tiled is True else tiled),
-                  every=c, optimizer_offload=None if cfg.optimizer_offload == "auto" else cfg.optimizer_offload)
+    return Fixed(offload=None if off == "auto" else ("all" if off is True else int(off)),
+                 keep=None if keep == "auto" else (layers if keep is True else int(keep)),
+                 tiles=None if tiled == "auto" else (1 if tiled is False else auto_num_tiles(
+                     local, shape.hidden, shape.intermediate) if tiled is True else tiled),
+                 every=c, optimizer_offload=None if cfg.optimizer_offload == "auto" else cfg.optimizer_offload)
+
+
+def _with_zero(fx: Fixed, zero: ZeroSettings) -> Fixed:
+    """The user's ZeRO JSON says where Adam lives (when it has an offload_optimizer section): it wins."""
+    if zero.offload_optimizer is None:
+        return fx
+    if fx.optimizer_offload is not None and fx.optimizer_offload != zero.offload_optimizer:
+        raise ConfigError(f"optimizer_offload {str(fx.optimizer_offload).lower()} but the ZeRO JSON "
+                          f"{'has' if zero.offload_optimizer else 'has no'} offload_optimizer: set "
+                          f"optimizer_offload auto (the JSON wins) or edit the JSON")
+    return replace(fx, optimizer_offload=zero.offload_optimizer)
+
+
+def _check_machine(machine: Machine) -> None:
+    if machine.gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, got {machine.gpus}")
+    if machine.gpus_per_host is not None and (machine.gpus_per_host < 1 or machine.gpus % machine.gpus_per_host):
+        raise ConfigError(f"--gpus_per_host {machine.gpus_per_host} must divide --gpus {machine.gpus}")
+    if (machine.gpu_memory_gb is not None and not machine.gpu_memory_gb > 0) or not machine.host_memory_gb > 0:
+        raise ConfigError(f"--gpu_memory_gb and --host_memory_gb must be > 0, got {machine.gpu_memory_gb} "
+                          f"and {machine.host_memory_gb}")
 
 
 # --------------------------------------------------------------------------------------------
 # The one entry point
+
+
+def _base_settings(cfg: Any, layout: Layout, machine: Machine, zero: ZeroSettings, kernel: str, norm: str,
+                   bf16: bool) -> Settings:
+    return Settings(max_length=cfg.max_length, sp=layout.sp, dp=layout.dp,
+                    micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
+                    gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
+                    loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, norm_kernel=norm, attention=kernel,
+                    pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs, gpus_per_host=machine.ranks_per_host)
+
+
+def _first_notes(cfg: Any, machine: Machine, fx: Fixed, kernel: str, norm: str) -> list[str]:
+    notes = [f"host memory {machine.host_memory_gb:.1f} GiB per host ({machine.host_memory_source})"]
+    if cfg.attn_implementation == "auto" and not machine.kernels_known:
+        notes.append(f"the kernels installed there are unknown: auto planned as {kernel} (pass "
+                     f"--attn_implementation flash_attention_4 where it is installed)")
+    if cfg.norm_kernel == "auto" and cfg.lean_norm and not machine.kernels_known:
+        notes.append(f"norm_kernel auto planned as {norm} (pass --norm_kernel triton where liger-kernel is installed)")
+    if cfg.packing and fx.keep is None:
+        notes.append("packing: attention outputs are not kept (the kernel runs per document)")
+    return notes
+
+
+def _gpu_budget(machine: Machine, base: Settings, engine_plan: Plan | None, notes: list[str]) -> float | None:
+    """The GPU memory to plan with: the machine's, or what the engine left when that is less than expected."""
+    budget = machine.gpu_memory_gb
+    if budget is not None and engine_plan is not None and machine.gpu_free_after_engine_gb is not None:
+        held = sum(t.gpu for t in engine_plan.estimate.terms if t.phase == "static" and t.name != "Adam m, v")
+        measured = machine.gpu_free_after_engine_gb + (held + int(base.cuda_context_gb * GIB)) / GIB
+        if measured < machine.gpu_memory_gb - ENGINE_TOLERANCE_GB:  # else the planned budget stands
+            budget = measured
+            notes.append(f"GPU budget {budget:.1f} GiB: measured {machine.gpu_free_after_engine_gb:.1f} GiB free "
+                         f"after the engine was built")
+    return budget
+
+
+def _cheapest(shape: ModelShape, base: Settings, fx: Fixed) -> MemoryEstimate:
+    """The CPU run: nothing is short of memory; the autos take their cheapest values."""
+    every = fx.every or 1
+    tiles = fx.tiles if fx.tiles is not None else default_mlp_tiles(local_tokens(base), shape.intermediate)
+    s = replace(base, checkpoint_every=every, tiled_mlp=tiles, offload_optimizer=bool(fx.optimizer_offload),
+                activation_offload=fx.offload_for(saved_layer_count(shape, every)) or 0,
+                kept_attention_layers=fx.keep or 0)
+    return estimate(shape, s)
+
+
+def _placement_note(best: dict, s: Settings) -> str:
+    other = best[not s.offload_optimizer]
+    return (f"optimizer_offload auto: Adam on the {'host' if s.offload_optimizer else 'GPU'}, predicted "
+            f"{format_seconds(best[s.offload_optimizer][0])} s/step against {format_seconds(other[0])} s "
+            f"with Adam on the {'GPU' if s.offload_optimizer else 'host'}")
 
 
 def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettings | None = None, *,
@@ -143,93 +154,55 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     take), and the settings the engine fixed (optimizer placement, kernel, tiles) stay.
     """
     zero = zero or ZeroSettings()
-    if machine.gpus < 1:
-        raise ConfigError(f"--gpus must be >= 1, got {machine.gpus}")
-    if machine.gpus_per_host is not None and (machine.gpus_per_host < 1 or machine.gpus % machine.gpus_per_host):
-        raise ConfigError(f"--gpus_per_host {machine.gpus_per_host} must divide --gpus {machine.gpus}")
-    if (machine.gpu_memory_gb is not None and not machine.gpu_memory_gb > 0) or not machine.host_memory_gb > 0:
-        raise ConfigError(f"--gpu_memory_gb and --host_memory_gb must be > 0, got {machine.gpu_memory_gb} "
-                          f"and {machine.host_memory_gb}")
-    sp = cfg.sp_size or machine.gpus
-    if sp < 1 or machine.gpus % sp:
-        raise ConfigError(f"sp_size={sp} does not divide the world size {machine.gpus}; use one of "
-                          f"{[d for d in range(1, machine.gpus + 1) if machine.gpus % d == 0]}")
+    _check_machine(machine)
+    layout = resolve_layout(cfg.sp_size, machine.gpus)
     kernel = engine_plan.kernel if engine_plan else choose_kernel(cfg.attn_implementation, machine.kernels)
     norm = engine_plan.norm_kernel if engine_plan else choose_norm_kernel(cfg.norm_kernel, machine.norm_kernels,
                                                                           cfg.lean_norm)
-    fx = check_levers(cfg, shape, kernel)
-    if zero.offload_optimizer is not None:  # the user's ZeRO JSON says where Adam lives: it wins
-        if fx.optimizer_offload is not None and fx.optimizer_offload != zero.offload_optimizer:
-            raise ConfigError(f"optimizer_offload {str(fx.optimizer_offload).lower()} but the ZeRO JSON "
-                              f"{'has' if zero.offload_optimizer else 'has no'} offload_optimizer: set "
-                              f"optimizer_offload auto (the JSON wins) or edit the JSON")
-        fx = replace(fx, optimizer_offload=zero.offload_optimizer)
+    gpu = machine.gpu_memory_gb is not None
+    bf16 = (cfg.bf16 if isinstance(cfg.bf16, bool) else gpu) if bf16 is None else bf16
+    base = _base_settings(cfg, layout, machine, zero, kernel, norm, bf16)
+    fx = _with_zero(read_levers(cfg, shape, kernel, local_tokens(base)), zero)
     asked = fx  # what the user (config and ZeRO JSON) fixed: the rest is `auto`, decided below
     if engine_plan is not None:  # the engine fixed these
         fx = replace(fx, optimizer_offload=engine_plan.optimizer_offload, tiles=engine_plan.tiles)
-    gpu = machine.gpu_memory_gb is not None
-    bf16 = (cfg.bf16 if isinstance(cfg.bf16, bool) else gpu) if bf16 is None else bf16
-    base = Settings(max_length=cfg.max_length, sp=sp, dp=machine.gpus // sp,
-                    micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
-                    gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
-                    loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, norm_kernel=norm, attention=kernel,
-                    pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs, gpus_per_host=machine.ranks_per_host)
     check_settings(shape, replace(base, kept_attention_layers=0))
-    can_keep = cfg.gradient_checkpointing and kernel in KEEPING_KERNELS and not cfg.packing and gpu
-    notes: list[str] = [f"host memory {machine.host_memory_gb:.1f} GiB per host ({machine.host_memory_source})"]
-    if cfg.attn_implementation == "auto" and not machine.kernels_known:
-        notes.append(f"the kernels installed there are unknown: auto planned as {kernel} (pass "
-                     f"--attn_implementation flash_attention_4 where it is installed)")
-    if cfg.norm_kernel == "auto" and cfg.lean_norm and not machine.kernels_known:
-        notes.append(f"norm_kernel auto planned as {norm} (pass --norm_kernel triton where liger-kernel is installed)")
-    if cfg.packing and fx.keep is None:
-        notes.append("packing: attention outputs are not kept (the kernel runs per document)")
-    n = num_params(shape)
+    notes = _first_notes(cfg, machine, fx, kernel, norm)
     gas = cfg.gradient_accumulation_steps
+    n = num_params(shape)
 
     def time_of(s: Settings) -> StepTime:
         return step_time(shape, s, n, accumulation=gas, gpu_name=machine.gpu_name)
 
-    budget = machine.gpu_memory_gb
-    if gpu and engine_plan is not None and machine.gpu_free_after_engine_gb is not None:
-        held = sum(t.gpu for t in engine_plan.estimate.terms if t.phase == "static" and t.name != "Adam m, v")
-        measured = machine.gpu_free_after_engine_gb + (held + int(base.cuda_context_gb * GIB)) / GIB
-        if measured < machine.gpu_memory_gb - ENGINE_TOLERANCE_GB:  # else the planned budget stands
-            budget = measured
-            notes.append(f"GPU budget {budget:.1f} GiB: measured {machine.gpu_free_after_engine_gb:.1f} GiB free "
-                         f"after the engine was built")
-    if not gpu:  # the CPU run: nothing is short of memory; the autos take their cheapest values
-        every = fx.every or 1
-        saved = saved_layer_count(shape, every)
-        tiles = fx.tiles if fx.tiles not in (None, -1) else (
-            auto_num_tiles(local_tokens(base), shape.hidden, shape.intermediate) if fx.tiles == -1
-            else default_mlp_tiles(local_tokens(base), shape.intermediate))
-        s = replace(base, checkpoint_every=every, tiled_mlp=tiles, offload_optimizer=bool(fx.optimizer_offload),
-                    activation_offload=saved if fx.offload == -1 else (fx.offload or 0),
-                    kept_attention_layers=fx.keep or 0)
-        chosen, fits, best = estimate(shape, s), True, {}
+    budget = _gpu_budget(machine, base, engine_plan, notes)
+    if not gpu:
+        chosen, fits, best = _cheapest(shape, base, fx), True, {}
     else:
+        can_keep = cfg.gradient_checkpointing and kernel in KEEPING_KERNELS and not cfg.packing
         added = replace(zero.knobs, sub_group_size=offload_sub_group_size(zero.knobs.sub_group_size))
         knobs = {False: zero.knobs, True: zero.knobs if zero.offload_optimizer else added}
         chosen, fits, best = search_fastest(shape, base, fx, shape.layers if can_keep else 0, budget,
-                                     machine.host_memory_gb, knobs, lambda s: time_of(s).total_s)
+                                            machine.host_memory_gb, knobs, lambda s: time_of(s).total_s)
         if fits and fx.offload is None:
             chosen = with_headroom(shape, chosen, budget, machine.host_memory_gb)
-    s = chosen.settings
-    st = time_of(s) if gpu else None
+    st = time_of(chosen.settings) if gpu else None
     if st is not None:
         notes.extend(st.extrapolated)
     if engine_plan is not None:  # the placement was weighed before the engine was built
         notes.extend(n for n in engine_plan.notes if n.startswith("optimizer_offload auto"))
     if fx.optimizer_offload is None and len(best) == 2:
-        other = best[not s.offload_optimizer]
-        notes.append(f"optimizer_offload auto: Adam on the {'host' if s.offload_optimizer else 'GPU'}, predicted "
-                     f"{format_seconds(best[s.offload_optimizer][0])} s/step against {format_seconds(other[0])} s "
-                     f"with Adam on the "
-                     f"{'GPU' if s.offload_optimizer else 'host'}")
+        notes.append(_placement_note(best, chosen.settings))
     gpu_miss, host_miss = shortfall(chosen, budget, machine.host_memory_gb) if gpu else (0, 0)
     limit = None if fits else " and ".join(n for n, m in (("GPU memory", gpu_miss), ("host memory", host_miss)) if m)
-    decided = _decided(cfg, asked, s, kernel)
+    return _assemble(cfg, shape, machine, chosen, st, kernel, fits=fits, limit=limit, misses=(gpu_miss, host_miss),
+                     budget=budget, decided=_decided(cfg, asked, chosen.settings, kernel), notes=notes)
+
+
+def _assemble(cfg: Any, shape: ModelShape, machine: Machine, chosen: MemoryEstimate, st: StepTime | None,
+              kernel: str, *, fits: bool, limit: str | None, misses: tuple[int, int], budget: float | None,
+              decided: tuple[str, ...], notes: list[str]) -> Plan:
+    """The Plan of the chosen settings: layers as indices, memory in GiB."""
+    s = chosen.settings
     saved_layers = tuple(range(0, shape.layers, s.checkpoint_every)) if s.gradient_checkpointing else ()
     return Plan(
         model=str(cfg.model_name_or_path), max_length=cfg.max_length, padded_length=padded_length(s), sp=s.sp,
@@ -244,7 +217,7 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
         predicted_peak_gpu_gb=chosen.gpu_peak / GIB, predicted_gpu_required_gb=chosen.gpu_required / GIB,
         predicted_host_gb=chosen.host_per_host / GIB, predicted_step_s=None if st is None else st.total_s,
         step_parts=tuple(st.parts.items()) if st else (), fits=fits, binding_limit=limit,
-        missing_gpu_gb=gpu_miss / GIB, missing_host_gb=host_miss / GIB, gpu_budget_gb=budget,
+        missing_gpu_gb=misses[0] / GIB, missing_host_gb=misses[1] / GIB, gpu_budget_gb=budget,
         host_budget_gb=machine.host_memory_gb,
         decided=decided, notes=tuple(notes), settings=s, estimate=chosen)
 

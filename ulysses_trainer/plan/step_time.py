@@ -2,8 +2,10 @@
 
 Torch-free, like the memory model. Calibrated on one H200 (Qwen3-4B, 131K-256K tokens) from
 benchmarks/results/:
-- attention: each kernel's measured TFLOP/s by length (attention_kernels_h200*.json), interpolated in
-  log(length) and held constant outside the measured lengths (the prediction then says it extrapolates);
+- attention: each kernel's measured TFLOP/s by length (attention_kernels_h200*.json at 32K-256K, and at 1M with
+  one rank's 4 query heads over 1 KV head on random data, data_dependence_h200.json: FA4 656/609 TFLOP/s forward/
+  backward there against 663/617 at 256K), interpolated in log(length) and held constant outside the measured
+  lengths (the prediction then says it extrapolates);
   a forward costs 2 L^2 h d FLOPs (causal), a backward 2.5 times that. A checkpointed layer runs the
   kernel's forward twice (once more per layer rebuilt under checkpoint_every), unless it keeps its
   attention output for the recompute (attention/stash.py);
@@ -34,17 +36,23 @@ from .inputs import ModelShape, Settings, layer_param_numels, local_tokens, padd
 
 # kernel -> ((length, forward TFLOP/s, backward TFLOP/s), ...): H200, 32 query / 8 KV heads of 128
 KERNEL_RATES: dict[str, tuple[tuple[int, float, float], ...]] = {
-    # attention_kernels_h200.json, "sdpa_cudnn" (ours runs cuDNN per KV group: same rate, the _fa4 file)
-    "sdpa": ((32768, 618.57, 521.87), (65536, 550.4, 536.3), (131072, 554.3, 531.1), (262144, 511.3, 534.36)),
-    # attention_kernels_h200_fa4.json, "ours_grouped_fa4"
-    "flash_attention_4": ((131072, 673.32, 614.2), (262144, 662.61, 617.05)),
+    # attention_kernels_h200.json, "sdpa_cudnn" (ours runs cuDNN per KV group: same rate, the _fa4 file); 1M:
+    # data_dependence_h200.json, "ours_grouped_cudnn" on random data (4 query heads / 1 KV head: sp=8 of 32/8)
+    "sdpa": ((32768, 618.57, 521.87), (65536, 550.4, 536.3), (131072, 554.3, 531.1), (262144, 511.3, 534.36),
+             (1048576, 496.95, 533.95)),
+    # attention_kernels_h200_fa4.json, "ours_grouped_fa4"; 1M: data_dependence_h200.json, random data
+    "flash_attention_4": ((131072, 673.32, 614.2), (262144, 662.61, 617.05), (1048576, 656.38, 609.32)),
     # not measured: torch's flash kernel (FA2-based, attention_kernels_h200.json "sdpa_flash_expanded_kv")
     "flash_attention_2": ((32768, 339.46, 318.84), (65536, 324.57, 325.7), (131072, 318.11, 325.13),
                           (262144, 309.29, 325.77)),
 }
-KERNEL_SOURCES = {"sdpa": ("attention_kernels_h200.json", "sdpa_cudnn"),
-                  "flash_attention_4": ("attention_kernels_h200_fa4.json", "ours_grouped_fa4"),
-                  "flash_attention_2": ("attention_kernels_h200.json", "sdpa_flash_expanded_kv")}
+# kernel -> the (file, row) pairs its points come from; data_dependence's rows: the random-data ones (on zeros the
+# kernels run 20-27% faster, which no real step sees)
+KERNEL_SOURCES = {"sdpa": (("attention_kernels_h200.json", "sdpa_cudnn"),
+                           ("data_dependence_h200.json", "ours_grouped_cudnn")),
+                  "flash_attention_4": (("attention_kernels_h200_fa4.json", "ours_grouped_fa4"),
+                                        ("data_dependence_h200.json", "ours_grouped_fa4")),
+                  "flash_attention_2": (("attention_kernels_h200.json", "sdpa_flash_expanded_kv"),)}
 MEASURED_HEAD_SHAPE = (32, 8, 128)  # heads, KV heads, head_dim of the kernel benchmarks
 DENSE_TFLOPS = 376.0  # effective rate of everything but attention (fitted, see the module docstring)
 CPU_ADAM_S_PER_PARAM = 1.77e-9  # ZeRO-Offload step on the H200 host, per parameter updated on a host
@@ -215,9 +223,11 @@ def norm_rates_from_results(results_dir: str | Path) -> dict[str, dict[str, tupl
 def kernel_rates_from_results(results_dir: str | Path) -> dict[str, tuple[tuple[int, float, float], ...]]:
     """KERNEL_RATES rebuilt from the benchmark files (a test ties the table to them)."""
     out = {}
-    for kernel, (name, row) in KERNEL_SOURCES.items():
-        data = json.loads((Path(results_dir) / name).read_text())
-        pts = sorted((p["seq_len"], p["fwd_tflops"], 2.5 * p["fwd_tflops"] * p["fwd_s"] / p["bwd_s"])
-                     for p in data["points"] if p["kernel"] == row)
-        out[kernel] = tuple((n, round(f, 2), round(b, 2)) for n, f, b in pts)
+    for kernel, sources in KERNEL_SOURCES.items():
+        pts = []
+        for name, row in sources:
+            data = json.loads((Path(results_dir) / name).read_text())
+            pts += [(p["seq_len"], p["fwd_tflops"], 2.5 * p["fwd_tflops"] * p["fwd_s"] / p["bwd_s"])
+                    for p in data["points"] if p["kernel"] == row and p.get("data", "random") == "random"]
+        out[kernel] = tuple((n, round(f, 2), round(b, 2)) for n, f, b in sorted(pts))
     return out

@@ -10,7 +10,7 @@ below stage3_param_persistence_threshold stay gathered and are never fetched.
 
 The module order is that of a Qwen3 decoder under this trainer (reentrant checkpointing: backward
 re-runs each layer's forward just before that layer's backward; checkpoint_every=k first rebuilds
-the block's lower layers from its kept input, levers/offload.py):
+the block's lower layers from its kept input, levers/recompute.py):
   forward:  embed, per layer [input_norm, q, q_norm, k, k_norm, v, o, post_attention_norm, gate, up,
             down], final norm, lm_head (the loss head; a tied one is the embedding)
   backward: lm_head, final norm, per layer from the top [rebuilds, recompute forward, backward in
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from .. import names
 from .inputs import ModelShape, layer_param_numels
 
 Param = tuple[int, str]  # (layer index or -1, tensor name)
@@ -86,7 +87,7 @@ def gathers_per_micro_step(shape: ModelShape, gradient_checkpointing: bool = Tru
                            persistence_threshold: int | None = None, max_reuse_distance: int = 1_000_000_000,
                            mlp_tiles: int = 1) -> Counter:
     """Tensor name -> all-gathers per micro-step, summed over layers ("q": every layer's q_proj)."""
-    thr = 10 * shape.hidden if persistence_threshold is None else persistence_threshold
+    thr = names.param_persistence_threshold(shape.hidden) if persistence_threshold is None else persistence_threshold
     size = numel_of(shape)
     trace = module_trace(shape, gradient_checkpointing, checkpoint_every, mlp_tiles)
     prefix = [0]

@@ -7,26 +7,17 @@ import sys
 
 import torch
 
+from ..plan.inputs import ModelShape, matmul_params
 from ..plan.step_time import MODELLED_FROM_S, format_seconds
-
-
-def matmul_params(config) -> int:
-    """Parameters that take part in a matmul per token: every layer's linear weights plus lm_head
-    (embedding lookups and norms do no matmul)."""
-    h, i, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
-    return n * per_layer + config.vocab_size * h
 
 
 def train_flops_per_sequence(config, seq_len: int) -> float:
     """Forward+backward model FLOPs for one sequence (3x forward), causal attention as half of full
     attention, recompute not counted."""
-    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    dense = 6.0 * matmul_params(config) * seq_len
+    shape = ModelShape.from_config(config)
+    dense = 6.0 * matmul_params(shape) * seq_len
     # QK^T and PV: 2 matmuls x 2 FLOPs x L^2 x heads x d, halved for causal, x3 for fwd+bwd
-    attn = 3 * 2 * 2 * seq_len**2 * config.num_attention_heads * d / 2 * config.num_hidden_layers
+    attn = 3 * 2 * 2 * seq_len**2 * shape.heads * shape.head_dim / 2 * shape.layers
     return dense + attn
 
 

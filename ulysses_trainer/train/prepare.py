@@ -13,17 +13,17 @@ from typing import Any
 
 import torch
 
-from ..attention.kernels import available_kernels
 from ..config import TrainConfig, config_to_dict, resolve_bf16, validate_config
 from ..data.documents import build_sequences
 from ..data.tokenizer import check_tokenizer_fits, load_tokenizer
 from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
 from ..errors import ConfigError
+from ..layout import padded_length, resolve_layout
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
-from ..parallel.sharding import padded_length
-from ..parallel.state import check_sp_shape, ranks_per_node
 from ..plan.inputs import ModelShape, num_params
-from ..plan.resolve import Machine, Plan, ZeroSettings, plan_for, read_zero
+from ..plan.resolve import plan_for
+from ..plan.types import Machine, Plan, ZeroSettings, read_zero
+from ..probe import this_machine
 from .checkpoint import check_checkpoint_model, check_output_dir, find_checkpoint
 from .output_guard import check_writable, run_bytes
 from .resume_check import check_resume_config, run_record
@@ -64,27 +64,6 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def measure_machine(cfg: TrainConfig, world_size: int, device: str) -> Machine:
-    """This machine as the plan sees it: GPU memory (total; the free memory is measured after the engine
-    is built), host RAM (host_memory_gb, else detected), ranks per host, the installed attention and RMSNorm
-    kernels."""
-    from ..levers.host_pool import detect_host_memory_gb
-    from ..levers.lean_norm import available_norm_kernels
-
-    gpu_gb = gpu_name = None
-    if device == "cuda":
-        index = int(os.environ.get("LOCAL_RANK", 0))
-        gpu_gb = torch.cuda.get_device_properties(index).total_memory / 2**30
-        gpu_name = torch.cuda.get_device_name(index)
-    host = cfg.host_memory_gb if cfg.host_memory_gb is not None else detect_host_memory_gb()
-    return Machine(gpus=world_size, gpu_memory_gb=gpu_gb, host_memory_gb=host,
-                   gpus_per_host=ranks_per_node(default=world_size),
-                   kernels=tuple(available_kernels()), norm_kernels=tuple(available_norm_kernels()),
-                   gpu_name=gpu_name,
-                   host_memory_source="host_memory_gb" if cfg.host_memory_gb is not None else
-                   "detected on this machine")
-
-
 def check_host_fits(resolved: Plan, machine: Machine, device: str) -> None:
     """On CPU the model, activations and optimizer live in host RAM: refuse a plan whose peak exceeds it
     (a run that would otherwise climb into the OOM killer), with the plan's numbers and what to change."""
@@ -113,10 +92,9 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     if resume_path:
         check_checkpoint_model(resume_path, model_config)
     check_local_weights(cfg.model_name_or_path)
-    check_sp_shape(cfg.sp_size or world_size, world_size, model_config.num_attention_heads,
-                   model_config.num_key_value_heads)
+    resolve_layout(cfg.sp_size, world_size, model_config.num_attention_heads, model_config.num_key_value_heads)
     shape = ModelShape.from_config(model_config)
-    machine = measure_machine(cfg, world_size, device)
+    machine = this_machine(world_size, cfg.host_memory_gb, device == "cuda")
     zero = read_zero(ds_raw, str(cfg.deepspeed))
     resolved = plan_for(cfg, model_config, ds_raw, machine, bf16=bf16)  # every lever checked and decided here
     kernel, sp, dp = resolved.kernel, resolved.sp, resolved.dp

@@ -1,5 +1,5 @@
 """One rank of an N-GPU job, built and stepped by the trainer's own code on torch's fake process group
-(parallel/fake.py): what a rehearsal measures. The command (`ulysses-trainer rehearse`, train/rehearse.py)
+(parallel/fake.py): what a rehearsal measures. The command (`ulysses-trainer rehearse`, cli/rehearse.py)
 adds the modelled communication."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def comm_job(plan, gpus_per_node: int, tiles: int, checkpoint_every: int):
     return Job(world_size=plan.world_size, sp_size=plan.sp_size, mlp_tiles=tiles,
                local_tokens=plan.padded_length // plan.sp_size * cfg.per_device_train_batch_size,
                grad_accum=cfg.gradient_accumulation_steps, bytes_per_el=2 if plan.bf16 else 4,
-               gradient_checkpointing=cfg.gradient_checkpointing, checkpoint_every=checkpoint_every,
+               gradient_checkpointing=plan.resolved.gradient_checkpointing, checkpoint_every=checkpoint_every,
                gpus_per_node=gpus_per_node,
                param_persistence_threshold=num("stage3_param_persistence_threshold", 100_000),
                reduce_bucket_size=num("reduce_bucket_size", 500_000_000),
@@ -57,6 +57,7 @@ class Rehearsal:
     gpus_per_node: int = 8
     count_collectives: bool = False
     warmup_length: int | None = None  # tokens of the warm-up step's sequences; None: max_length
+    collective_fill: str = "local"  # what collectives leave in their outputs (parallel/fake.py)
 
 
 def _warmup_batches(trainer, length: int | None) -> list:
@@ -83,7 +84,7 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
     from .trainer import Trainer
 
     cuda = plan.device == "cuda"
-    with fake_process_group(opts.rank, plan.world_size, opts.gpus_per_node, plan.device):
+    with fake_process_group(opts.rank, plan.world_size, opts.gpus_per_node, plan.device, opts.collective_fill):
         trainer = Trainer(plan)
         engine = trainer.engine
         adam_bytes = materialize_adam_states(engine)  # held from step 1 on, as in every real step after the first
@@ -102,7 +103,13 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
             print(f"[ulysses_trainer] rehearsal step {step + 1}/{opts.steps}: {times[-1]:.3f} s"
                   f"{' (warm-up)' if warmup else ''}; loss {loss:.4g} (meaningless)"
                   f"{', update skipped (non-finite gradient norm)' if skipped[-1] else ''}", flush=True)
-        # a skipped update ran no optimizer: time one over this rank's partitions, to add to the step
+        if any(skipped) and opts.collective_fill == "local" and not opts.standin:
+            # real-looking values give finite gradients; a skipped update would leave the optimizer untimed (the
+            # stand-in computes no attention, so its outputs, and the gradients after them, are anything)
+            raise RuntimeError(f"rehearsal update skipped (non-finite gradient norm) in step(s) "
+                               f"{[i + 1 for i, s in enumerate(skipped) if s]} although every collective left "
+                               f"finite local values: the step itself produced a non-finite gradient")
+        # bare fake group or stand-in: a skipped update ran no optimizer; time one over this rank's partitions
         opt_s = None
         if skipped[-1]:
             _sync(plan.device)
@@ -120,7 +127,8 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
             counted = log.ops
         ck = trainer.model.checkpointer
         stash = trainer.model.attention.stash
-        out = {"step_s": times, "losses": losses, "optimizer_update_skipped": skipped,
+        out = {"collective_fill": opts.collective_fill, "step_s": times, "losses": losses,
+               "optimizer_update_skipped": skipped,
                "optimizer_step_s_added": opt_s, "adam_state_bytes": adam_bytes, "collectives_counted": counted,
                **memory, "offloaded_layers": len(ck.offload_layers) if ck is not None else 0,
                "kept_attention_layers": len(stash.layers) if stash is not None else 0,

@@ -7,40 +7,12 @@ before the run starts) and only rank 0 logs.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any
 
 from ..errors import ConfigError
 
-REPORTERS = ("tensorboard", "wandb")
 TENSORBOARD_DIR = "runs"  # output_dir/runs/, as the HF Trainer's default logging_dir
-
-
-def _installed(package: str) -> bool:
-    return importlib.util.find_spec(package) is not None
-
-
-def resolve_report_to(value: str | list) -> list[str]:
-    """The reporters to open. `auto`: tensorboard when its package is installed, else none; `all`: every
-    installed one; `none`: none; a name or a list of names: those, each of which must be installed."""
-    if value == "auto":
-        return ["tensorboard"] if _installed("tensorboard") else []
-    if value == "all":
-        return [r for r in REPORTERS if _installed(r)]
-    names = [value] if isinstance(value, str) else list(value)
-    if names == ["none"] or not names:
-        return []
-    bad = [n for n in names if n not in REPORTERS]
-    if bad:
-        raise ConfigError(f"report_to {bad[0]!r} is not supported; use none, tensorboard, wandb, a list of them "
-                          f"(e.g. [tensorboard, wandb]), all, or auto (tensorboard when installed)")
-    for name in names:
-        if not _installed(name):
-            raise ConfigError(f"report_to {name} needs the {name} package: pip install {name}"
-                              + (" (WANDB_MODE=offline logs without an account)" if name == "wandb" else "")
-                              + f", or drop {name} from report_to")
-    return list(dict.fromkeys(names))
 
 
 def tag(key: str) -> str:

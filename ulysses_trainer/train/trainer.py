@@ -19,19 +19,21 @@ from transformers import get_scheduler
 from ..config import config_to_dict
 from ..errors import ConfigError
 from ..model.load import build_model, checkpoint_source
-from ..model.parallelize import ParallelizeConfig, SequenceParallelCausalLM, apply, parallelize
+from ..model.parallelize import SequenceParallelCausalLM, apply, parallelize
+from ..names import resolve_report_to
 from ..parallel.comm import all_reduce
 from ..parallel.loss import global_loss, loss_for_backward, step_token_count
 from ..parallel.sharding import Shard, shard_batch
 from ..parallel.state import ParallelState, make_parallel_state
-from ..plan.resolve import Plan, resolve_plan
+from ..plan.resolve import resolve_plan
+from ..plan.types import Plan
 from . import checkpoint as ckpt
 from .logging import MetricsFile, log_line
 from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, predicted_vs_measured, train_flops_per_sequence
 from .output_guard import OutputWriteError, describe_failure, failure_message
 from .position_loss import write_per_position_loss
 from .prepare import RunPlan
-from .reporters import Reporters, resolve_report_to
+from .reporters import Reporters
 from .resume_check import notes as resume_notes
 from .resume_check import run_record
 from .schedule import set_peak_learning_rate
@@ -100,16 +102,9 @@ class Trainer:
         dtype = torch.bfloat16 if plan.bf16 else torch.float32
         with torch.device(self.device):
             model = build_model(plan.model_config, dtype, checkpoint_source(cfg.model_name_or_path), seed=cfg.seed)
-        pcfg = ParallelizeConfig(attn_implementation=first.kernel, loss_type=first.loss_type,
-                                 loss_chunk_size=first.loss_chunk_size, tiled_mlp=first.tiles,
-                                 lean_norm=first.lean_norm, norm_kernel=first.norm_kernel,
-                                 gradient_checkpointing=first.gradient_checkpointing,
-                                 checkpoint_every=first.checkpoint_every, activation_offload="auto",
-                                 keep_attention_outputs="auto" if first.gradient_checkpointing else False,
-                                 host_memory_gb=cfg.host_memory_gb,  # None: the pool detects, with a margin
-                                 local_seq_len=plan.padded_length // plan.sp_size,
-                                 ranks_per_host=plan.machine.ranks_per_host)
-        return parallelize(model, self.state, pcfg)
+        # host_memory_gb None: the pool detects, with a margin
+        mechanisms = first.model_plan(cfg.host_memory_gb, plan.machine.ranks_per_host, levers=False)
+        return parallelize(model, self.state, mechanisms)
 
     def _build_engine(self):
         plan, cfg = self.plan, self.cfg

@@ -3,18 +3,14 @@ decides; the trainer, `ulysses-trainer plan` and the rehearsal read the Plan). T
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
+from ..model_plan import ModelPlan
+from ..names import DEFAULT_SUB_GROUP_SIZE, check_zero_stage
 from .inputs import Settings, Zero3Knobs
 from .memory import MemoryEstimate
 from .step_time import format_seconds
-
-# ds_configs/zero3_offload.json: optimizer sub-groups just under 2**28 elements, so that each group's pinned
-# fp32 gradient buffer (rounded up to a power of two) is 1 GiB, not 2 (plan/host_terms.py)
-OFFLOAD_SUB_GROUP_SIZE = 2**28 - 2**25
 
 
 @dataclass(frozen=True)
@@ -37,12 +33,6 @@ class Machine:
         return self.gpus_per_host or self.gpus
 
 
-def offload_sub_group_size(sub_group_size: Any) -> int:
-    """sub_group_size when the plan adds optimizer offload to a ZeRO JSON without it (ds_config.py fills it)."""
-    sub = 1_000_000_000 if sub_group_size in (None, "auto") else int(float(sub_group_size))
-    return min(sub, OFFLOAD_SUB_GROUP_SIZE)
-
-
 @dataclass(frozen=True)
 class ZeroSettings:
     """What the run's ZeRO JSON fixes: its stage, optimizer placement (None: not said) and bucket sizes."""
@@ -50,17 +40,6 @@ class ZeroSettings:
     stage: int = 3
     offload_optimizer: bool | None = None
     knobs: Zero3Knobs = field(default_factory=Zero3Knobs)
-
-
-def check_zero_stage(zero: Any, source: str) -> None:
-    """ZeRO-3 only: the sequence-parallel model, the collective checkpoint and the final export all
-    assume partitioned parameters (stage 1 or 2 would train and then fail at the export)."""
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
-    if stage != 3:
-        have = "has no zero_optimization section" if not zero else f"has zero_optimization.stage {json.dumps(stage)}"
-        raise ConfigError(f"{source} {have}, but this trainer needs ZeRO stage 3 (its sequence-parallel model "
-                          f"and the final HF export assume partitioned parameters); set "
-                          f"\"zero_optimization\": {{\"stage\": 3}} as in ds_configs/zero3.json")
 
 
 def read_zero(ds: dict, source: str = "the ZeRO config") -> ZeroSettings:
@@ -79,8 +58,8 @@ def read_zero(ds: dict, source: str = "the ZeRO config") -> ZeroSettings:
     return ZeroSettings(stage, offload, Zero3Knobs(
         reduce_bucket_size=num("reduce_bucket_size"), prefetch_bucket_size=num("stage3_prefetch_bucket_size"),
         param_persistence_threshold=num("stage3_param_persistence_threshold"),
-        sub_group_size=sub if sub is not None else 1_000_000_000,
-        max_live_parameters=num("stage3_max_live_parameters") or 1_000_000_000))
+        sub_group_size=sub if sub is not None else DEFAULT_SUB_GROUP_SIZE,
+        max_live_parameters=num("stage3_max_live_parameters") or DEFAULT_SUB_GROUP_SIZE))
 
 
 @dataclass(frozen=True)
@@ -127,6 +106,19 @@ class Plan:
     @property
     def world(self) -> int:
         return self.sp * self.dp
+
+    def model_plan(self, host_memory_gb: float | None, ranks_per_host: int, *, levers: bool = True) -> ModelPlan:
+        """What parallelize installs for this plan. levers False: the mechanisms only (no input offloaded, no
+        attention output kept yet: the trainer sets those with apply once the engine is built); the stash is
+        installed wherever checkpoints are, so that plan may keep outputs."""
+        return ModelPlan(
+            kernel=self.kernel, loss_type=self.loss_type, loss_chunk_size=self.loss_chunk_size, tiles=self.tiles,
+            lean_norm=self.lean_norm, norm_kernel=self.norm_kernel, gradient_checkpointing=self.gradient_checkpointing,
+            checkpoint_every=self.checkpoint_every, offload_layers=self.offload_layers if levers else (),
+            kept_attention_layers=self.kept_attention_layers if levers else (),
+            attention_stash=self.gradient_checkpointing,
+            checkpoint_bytes_per_layer=self.checkpoint_bytes_per_layer if levers else 0,
+            host_memory_gb=host_memory_gb, ranks_per_host=ranks_per_host)
 
     def summary(self) -> str:
         """One line: what runs, the predicted step time and peak memory."""

@@ -2,14 +2,18 @@
 
     ulysses-trainer rehearse --config RECIPE.yaml --gpus N [--rank R] [--steps K] [--warmup_length N]
         [--standin] [--comm FILE] [--gpus_per_node G] [--internode_gbps X] [--a2a_hidden F]
-        [--zero3_hidden F] [--count_collectives] [--json] [--out FILE] [--name value ...]
+        [--zero3_hidden F] [--collective_fill local|none] [--count_collectives] [--json] [--out FILE]
+        [--name value ...]
 
 The process plays rank R (default 0) of the N-rank job on torch's fake process group (parallel/fake.py)
 and builds what the trainer builds (prepare, Trainer: the model, parallelize, the ZeRO-3 engine with
 partitions for N ranks), then runs K train steps (default 2: one warm-up, then the timed ones). Real:
 this rank's memory (GPU peak, host peak RSS) and its kernels' time. Not run: communication, which is
 added from the model of the job's collectives (plan/comm_model.py) at measured or assumed bandwidths.
-The losses are meaningless: inputs that collectives would have filled hold whatever the buffers held.
+Each collective's output holds this rank's own values (`--collective_fill local`, the default: an all-gather
+its input in every slot, an all-to-all its input, a reduce-scatter its slice), so kernels see real-looking data
+and every update is finite and timed; `none` leaves the buffers as allocated (zeros or stale memory), on which
+an H200 runs ~20% faster: for comparison only. The losses are meaningless either way.
 Any other `--name value` overrides the recipe, as for launch/train.py.
 """
 
@@ -27,16 +31,18 @@ from typing import Any
 
 from ..config import REPO_ROOT
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
+from ..names import STANDIN
 from ..plan.comm_model import DEFAULT_COMM_FILE as COMM_FILE
-from .rehearsal import Rehearsal, comm_job, run_rehearsal
+from ..train.rehearsal import Rehearsal, comm_job, run_rehearsal
+from .argv import split_argv
 
 # The measured NCCL points the rehearsal uses when --comm is not given (benchmarks/comm_bandwidth.py)
 DEFAULT_COMM_FILE = Path(COMM_FILE)
 _FLAGS = {"json", "standin", "count_collectives", "help"}  # take no value
 _OWN = {"config", "gpus", "rank", "steps", "warmup_length", "out", "comm", "gpus_per_node", "internode_gbps",
-        "a2a_hidden", "zero3_hidden", "a2a_stall_s_per_gb", *_FLAGS}
-MEANINGLESS = ("losses are meaningless: collectives on the fake process group move no data, so the buffers "
-               "they would fill hold whatever was there")
+        "a2a_hidden", "zero3_hidden", "a2a_stall_s_per_gb", "collective_fill", *_FLAGS}
+MEANINGLESS = ("losses are meaningless: collectives on the fake process group move no data; what they would "
+               "fill holds this rank's own values (collective_fill local) or whatever was there (none)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,6 +51,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from ..parallel.local_fill import FILLS
     from ..plan.comm_model import A2A_STALL_S_PER_GB, DEFAULT_INTERNODE_GBPS
 
     ap = _Parser(prog="ulysses-trainer rehearse", description=__doc__,
@@ -72,27 +79,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--a2a_stall_s_per_gb", type=float, default=A2A_STALL_S_PER_GB,
                     help=f"seconds a real run stalls per GB of all-to-all input per rank, beyond the wire time "
                          f"(default {A2A_STALL_S_PER_GB:g}, calibrated on real sp=2 runs on 2 H200s)")
+    ap.add_argument("--collective_fill", choices=FILLS, default="local",
+                    help="what collectives leave in their outputs: local = this rank's own values (default), "
+                         "none = the fake group's untouched buffers (kernels run faster on them: comparison only)")
     ap.add_argument("--count_collectives", action="store_true",
                     help="run one more (untimed, slower) step that records every collective issued, to set "
                          "beside the model's counts")
     ap.add_argument("--json", action="store_true", help="print the result as JSON after the summary line")
     ap.add_argument("--out", help="also write the JSON result to this file")
     return ap
-
-
-def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(this command's flags, training-config overrides `--name value`)."""
-    ours, rest, i = [], [], 0
-    while i < len(argv):
-        arg = argv[i]
-        name = arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") else None
-        bucket = ours if (name in _OWN or not arg.startswith("--")) else rest
-        bucket.append(arg)
-        if name not in _FLAGS and "=" not in arg and i + 1 < len(argv):
-            bucket.append(argv[i + 1])
-            i += 1
-        i += 1
-    return ours, rest
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -122,7 +117,6 @@ def _check_args(args: argparse.Namespace) -> None:
 def load_rehearsal_config(args: argparse.Namespace, overrides: list[str]):
     """The recipe + overrides, then what a rehearsal changes: K steps, no eval, no resume, no saving."""
     from ..config import load_config
-    from ..plan.resolve import STANDIN
 
     cfg = load_config((["--config", args.config] if args.config else []) + overrides)
     # --standin: the plan is resolved (and the model built) with the memory-only kernel in attention's place
@@ -148,7 +142,8 @@ def rehearse(plan, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:
             "dp_size": plan.dp_size, "max_length": plan.cfg.max_length, "padded_length": plan.padded_length,
             "local_tokens": job.local_tokens, "model": plan.cfg.model_name_or_path,
             "attention_kernel": measured["attention_kernel"], "standin": opts.standin, "bf16": plan.bf16,
-            "gpus_per_node": opts.gpus_per_node, "losses_meaningful": False, "note": MEANINGLESS,
+            "gpus_per_node": opts.gpus_per_node, "collective_fill": opts.collective_fill,
+            "losses_meaningful": False, "note": MEANINGLESS,
             "compute_time_real": not opts.standin, "compute_s": compute_s,
             "compute_s_measured_with_standin": compute if opts.standin else None,
             "warmup_length": opts.warmup_length or plan.cfg.max_length,
@@ -170,7 +165,7 @@ def summary_line(r: dict[str, Any]) -> str:
             f" (reserved {f(r['peak_gpu_reserved_gb'], ' GB')}), peak host {f(r['peak_host_mem_gb'], ' GB')}; "
             f"compute {f(r['compute_s'], ' s')} + comm {f(r['comm_s_estimate'], ' s', '.3f')} (modelled) = "
             f"{f(r['predicted_step_s'], ' s/step')}, {f(r['tokens_per_s_predicted'], ' tokens/s', ',.0f')} "
-            f"predicted; losses meaningless")
+            f"predicted; collective fill {r['collective_fill']}; losses meaningless")
     counted = r.get("collectives_counted")
     if counted:
         modelled = r["comm"]["by_op"]
@@ -184,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # as launch/train.py, before CUDA starts: long sequences fragment the caching allocator without this
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    ours, overrides = split_argv(argv)
+    ours, overrides = split_argv(argv, _OWN, _FLAGS)
     try:
         args = _parser().parse_args(ours)
     except SystemExit as exc:  # --help
@@ -194,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INVALID
     try:
         from ..plan.comm_model import Overlap, load_bandwidth
-        from .prepare import prepare
+        from ..train.prepare import prepare
 
         _check_args(args)
         cfg = load_rehearsal_config(args, overrides)
@@ -211,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
           f"dp {plan.dp_size}) on torch's fake process group; memory and compute are this rank's, communication "
           f"is modelled ({bandwidth.source}); {MEANINGLESS}", flush=True)
     opts = Rehearsal(rank=args.rank, steps=args.steps, standin=args.standin, gpus_per_node=args.gpus_per_node,
-                     count_collectives=args.count_collectives, warmup_length=args.warmup_length)
+                     count_collectives=args.count_collectives, warmup_length=args.warmup_length,
+                     collective_fill=args.collective_fill)
     try:
         with warnings.catch_warnings():
             # DeepSpeed calls torch's older collective names, and each call would print a deprecation warning
@@ -240,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _out_of_memory(plan, opts: Rehearsal, exc: Exception) -> dict[str, Any]:
-    from .metrics import peak_gpu_mem_gb, peak_host_mem_gb
+    from ..train.metrics import peak_gpu_mem_gb, peak_host_mem_gb
 
     return {"status": "oom", "error": str(exc).splitlines()[0][:300], "world_size": plan.world_size,
             "rank": opts.rank, "sp_size": plan.sp_size, "dp_size": plan.dp_size, "max_length": plan.cfg.max_length,

@@ -21,13 +21,20 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from ..config import build_config, parse_argv, read_recipe, validate_config
+from ..ds_config import load_ds_config
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
-from .memory import GIB, MemoryEstimate, ModelShape, Settings, local_tokens
-from .resolve import Machine, Plan, plan_for, read_zero
-from .search import Choice, Hardware, largest_max_length
+from ..model.load import model_config_for
+from ..plan.longest_fit import Choice, Hardware, largest_max_length
+from ..plan.memory import GIB, MemoryEstimate, ModelShape, Settings, local_tokens
+from ..plan.resolve import plan_for
+from ..plan.types import Machine, Plan, read_zero
+from ..probe import host_memory, installed_kernels, local_gpus
+from .argv import split_argv
 
-_OWN = {"config", "model", "gpus", "gpu_memory_gb", "host_memory_gb", "sp", "gpus_per_host", "json",
-        "offload_optimizer", "results_dir", "help"}
+_FLAGS = {"json", "help"}  # take no value
+_OWN = {"config", "model", "gpus", "gpu_memory_gb", "host_memory_gb", "sp", "gpus_per_host", "offload_optimizer",
+        "results_dir", *_FLAGS}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,48 +56,13 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(our flags, training-config overrides): `--name value` pairs whose name is not ours go to the config."""
-    ours, rest, i = [], [], 0
-    while i < len(argv):
-        arg = argv[i]
-        name = arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") else None
-        takes_value = "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--")
-        bucket = ours if (name in _OWN or not arg.startswith("--")) else rest
-        bucket.append(arg)
-        if takes_value and name != "json":
-            bucket.append(argv[i + 1])
-            i += 1
-        i += 1
-    return ours, rest
-
-
-def _local_gpus() -> tuple[int, float | None, str | None, tuple[str, ...], tuple[str, ...]]:
-    """(GPUs here, memory of one in GiB, its name, installed attention kernels, installed RMSNorm kernels);
-    (0, None, None, ("sdpa",), ("torch",)) without CUDA."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return 0, None, None, ("sdpa",), ("torch",)
-    from ..attention.kernels import available_kernels
-    from ..levers.lean_norm import available_norm_kernels
-
-    props = torch.cuda.get_device_properties(0)
-    return (torch.cuda.device_count(), props.total_memory / GIB, props.name, tuple(available_kernels()),
-            tuple(available_norm_kernels()))
-
-
 def _host_memory(args: argparse.Namespace, cfg: Any, gpus: int, gpu_gb: float, here: bool) -> tuple[float, str]:
     """(host RAM per host in GiB, where it comes from). Detected only when planning for this machine; for
     another machine (--gpus or --gpu_memory_gb other than this one's) an assumption that the plan states."""
     if args.host_memory_gb is not None:
         return args.host_memory_gb, "--host_memory_gb"
-    if cfg.host_memory_gb is not None:
-        return cfg.host_memory_gb, "host_memory_gb"
-    if here:
-        from ..levers.host_pool import detect_host_memory_gb
-
-        return detect_host_memory_gb(), "detected on this machine"
+    if cfg.host_memory_gb is not None or here:
+        return host_memory(cfg.host_memory_gb)
     per_host = args.gpus_per_host or gpus
     return ASSUMED_HOST_PER_GPU * gpu_gb * per_host, (
         f"ASSUMED: {ASSUMED_HOST_PER_GPU:g} x GPU memory per GPU of a host, as typical GPU servers have; pass "
@@ -98,15 +70,14 @@ def _host_memory(args: argparse.Namespace, cfg: Any, gpus: int, gpu_gb: float, h
 
 
 ASSUMED_HOST_PER_GPU = 2.0  # host RAM per GiB of GPU memory assumed for a machine that is not this one
+# planning another machine: its installed kernels are unknown, so auto plans the first (and says so)
+ELSEWHERE_KERNELS = ("sdpa", "flash_attention_4", "flash_attention_2")
+ELSEWHERE_NORM_KERNELS = ("torch", "triton")
 
 
 def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argparse.Namespace]:
     """Parse the command line into (training config, HF model config, ZeRO JSON, machine, our flags)."""
-    from ..config import build_config, parse_argv, read_recipe, validate_config
-    from ..ds_config import load_ds_config
-    from ..model.load import model_config_for
-
-    ours, rest = _split_argv(argv)
+    ours, rest = split_argv(argv, _OWN, _FLAGS)
     args = _parser().parse_args(ours)
     _, overrides = parse_argv(rest)
     recipe = read_recipe(args.config) if args.config else {}
@@ -119,7 +90,8 @@ def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argpars
     if not args.config and "max_length" not in overrides:
         raise ConfigError("pass --max_length N (tokens per sequence) or a recipe with --config")
     cfg = build_config(recipe, overrides, recipe_name=f"recipe {args.config}" if args.config else "recipe")
-    local, local_gb, local_name, local_kernels, local_norms = _local_gpus()
+    local = local_gpus()
+    local_gb = local.memory_gb
     gpus = args.gpus if args.gpus is not None else (cfg.sp_size or 1)
     if gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {gpus}")
@@ -128,15 +100,14 @@ def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argpars
     if gpu_gb is None:
         raise ConfigError("no CUDA device here to read the GPU memory from: pass --gpu_memory_gb "
                           "(per-GPU memory in GiB, e.g. 79.2 for an 80 GB H100, 139.8 for an H200)")
-    here = local_gb is not None and (args.gpus is None or args.gpus <= local) and \
+    here = local_gb is not None and (args.gpus is None or args.gpus <= local.count) and \
         (args.gpu_memory_gb is None or abs(args.gpu_memory_gb - local_gb) < 0.5)
     host, source = _host_memory(args, cfg, gpus, gpu_gb, here)
     model_config = model_config_for(cfg)
     ds = load_ds_config(cfg.deepspeed)
+    kernels, norms = installed_kernels() if here else (ELSEWHERE_KERNELS, ELSEWHERE_NORM_KERNELS)
     machine = Machine(gpus=gpus, gpu_memory_gb=gpu_gb, host_memory_gb=host, gpus_per_host=args.gpus_per_host,
-                      kernels=local_kernels if here else ("sdpa", "flash_attention_4", "flash_attention_2"),
-                      kernels_known=here, norm_kernels=local_norms if here else ("torch", "triton"),
-                      gpu_name=local_name if here else None,
+                      kernels=kernels, kernels_known=here, norm_kernels=norms, gpu_name=local.name if here else None,
                       host_memory_source=source)
     return cfg, model_config, ds, machine, args
 
@@ -242,7 +213,7 @@ def _rebuild_cost(every: int) -> str:
 
 
 def run_calibrate(argv: list[str]) -> int:
-    from .calibration import compare, format_comparison, load_calibration, load_measurements
+    from ..plan.calibration import compare, format_comparison, load_calibration, load_measurements
 
     ap = argparse.ArgumentParser(prog="ulysses-trainer plan calibrate",
                                  description="predicted vs measured peak memory")

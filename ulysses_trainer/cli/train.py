@@ -69,12 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         from ..config import load_config
-        from .prepare import prepare, world_size_from_env
+        from ..train.prepare import prepare, world_size_from_env
 
         cfg = load_config(argv)
         plan = prepare(cfg, world_size_from_env())
-        from .output_guard import OutputWriteError
-        from .trainer import NonFiniteError, Trainer
+        from ..train.output_guard import OutputWriteError
+        from ..train.trainer import NonFiniteError, Trainer
     except ConfigError as exc:
         _report(f"error: {exc}")
         return EXIT_INVALID

@@ -7,7 +7,7 @@ activation memory; offloading them to pinned host memory frees the device for lo
 - Which layers offload is the plan's decision (plan/resolve.py): the earliest ones, whose backward runs
   last, so the host->device prefetch has the most time; the later layers stay on the device.
 - `HostPool` (levers/host_pool.py) is one page-locked host buffer carved into per-layer slots.
-- `LayerCheckpointer.for_layer(i)` is the function that a Hugging Face decoder layer
+- `LayerRecompute.for_layer(i)` is the function that a Hugging Face decoder layer
   (transformers' GradientCheckpointingLayer) calls as `_gradient_checkpointing_func(run_fn, hidden)`.
 
 Copies run on a side CUDA stream, never on the compute stream: device->host in forward, overlapped
@@ -102,7 +102,7 @@ class _CheckpointFunction(torch.autograd.Function):
     """Forward without a graph, saving only the layer input (device or host); backward recomputes."""
 
     @staticmethod
-    def forward(ctx, ckpt: LayerCheckpointer, layer: int, run_fn: Callable, holder: _Holder,
+    def forward(ctx, ckpt: LayerRecompute, layer: int, run_fn: Callable, holder: _Holder,
                 _anchor: Tensor, hidden: Tensor, *args: Any) -> Tensor:
         ctx.ckpt, ctx.layer, ctx.run_fn, ctx.args = ckpt, layer, run_fn, args
         ctx.autocast = _autocast_state(hidden.device.type)
@@ -122,7 +122,7 @@ class _CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        ckpt: LayerCheckpointer = ctx.ckpt
+        ckpt: LayerRecompute = ctx.ckpt
         if ctx.layer in ckpt._states:
             x = ckpt._take_input(ctx.layer, ctx.generation)
         elif ckpt.rebuilds(ctx.layer):
@@ -146,7 +146,7 @@ class _CheckpointFunction(torch.autograd.Function):
         return (None, None, None, None, None, x.grad if x.requires_grad else None, *arg_grads)
 
 
-class LayerCheckpointer:
+class LayerRecompute:
     """Checkpoint functions for the decoder layers; the offload_layers keep their input on the host.
 
     Wiring, per decoder layer i::

@@ -1,0 +1,64 @@
+"""The run's layout: world = dp x sp, and the head-count rule. Decided once here (torch-free) for the config's
+checks, the plan, the trainer's preparation, the process groups and the Ulysses attention.
+
+Rules: sp divides the world (dp = world / sp); sp divides the model's query heads (each rank attends to
+heads / sp of them); sp divides the KV heads or is a multiple of them (then each KV head is copied sp / kv
+times before the all-to-all, parallel/ulysses.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """world ranks in dp groups of sp consecutive ranks."""
+
+    world: int
+    sp: int
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.sp
+
+
+def padded_length(length: int, sp_size: int, pad_to_multiple_of: int | None = None) -> int:
+    """Smallest length >= `length` that both sp and pad_to_multiple_of divide (what a sequence is padded to)."""
+    m = math.lcm(sp_size, pad_to_multiple_of or 1)
+    return -(-length // m) * m
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_heads(sp: int, num_heads: int, num_kv_heads: int | None = None) -> None:
+    """ConfigError (naming sp values that work) unless sp splits the model's query and KV heads."""
+    ok = [d for d in _divisors(num_heads) if num_kv_heads is None or num_kv_heads % d == 0 or d % num_kv_heads == 0]
+    if num_heads % sp != 0:
+        raise ConfigError(f"sp_size={sp} does not divide the model's {num_heads} query heads; "
+                          f"sp_size values that work for this model: {ok}")
+    if num_kv_heads is not None and num_kv_heads % sp != 0 and sp % num_kv_heads != 0:
+        raise ConfigError(f"sp_size={sp} neither divides nor is a multiple of the model's {num_kv_heads} KV heads; "
+                          f"sp_size values that work for this model: {ok}")
+
+
+def resolve_layout(sp_size: int | None, world: int, num_heads: int | None = None,
+                   num_kv_heads: int | None = None) -> Layout:
+    """The layout for `sp_size` (None: the whole world, dp = 1) on `world` ranks; ConfigError naming sizes that
+    work. With the model's head counts, the head rule is checked too."""
+    if world < 1:
+        raise ConfigError(f"world size must be >= 1, got {world}")
+    sp = world if sp_size is None else sp_size
+    if sp < 1:
+        raise ConfigError(f"sp_size must be >= 1, got {sp}")
+    if world % sp != 0:
+        raise ConfigError(f"sp_size={sp} does not divide the world size {world}; use one of {_divisors(world)} "
+                          f"(world = dp x sp) or launch {sp * max(1, world // sp)} ranks")
+    if num_heads is not None:
+        check_heads(sp, num_heads, num_kv_heads)
+    return Layout(world, sp)

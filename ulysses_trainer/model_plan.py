@@ -1,0 +1,28 @@
+"""What `parallelize(model, state, plan)` installs on a model and which layers `apply(model, plan)` sets: every
+value concrete (a kernel name, a tile count, layer indices), no `auto` left. The trainer takes it from its
+resolved plan (plan/types.Plan.model_plan); a loop of your own from ParallelizeConfig.resolve. Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """The mechanisms (kernel, loss head, norms, tiles, checkpointing) and the levers set on them."""
+
+    kernel: str = "sdpa"  # attention kernel (names.ATTENTION_KERNELS, or the stand-in)
+    loss_type: str = "chunked_nll"
+    loss_chunk_size: int = 256
+    tiles: int = 1  # MLP tiles, 1 = untiled
+    lean_norm: bool = True  # RMSNorms keep only their input for backward (levers/lean_norm.py)
+    norm_kernel: str = "torch"  # their kernel: triton | torch
+    gradient_checkpointing: bool = True
+    checkpoint_every: int = 1  # every k-th layer keeps its input; backward rebuilds the others
+    offload_layers: tuple[int, ...] = ()  # layers whose kept input lives in pinned host memory
+    kept_attention_layers: tuple[int, ...] = ()  # layers keeping their attention output for the recompute
+    # the attention-output stash is installed (the levers may name kept layers later, apply)
+    attention_stash: bool = False
+    checkpoint_bytes_per_layer: int = 0  # > 0: pin the host pool for the offloaded inputs now
+    host_memory_gb: float | None = None  # host RAM the offload may pin; None: detected
+    ranks_per_host: int = 1  # ranks sharing this host's RAM (splits the offload budget)

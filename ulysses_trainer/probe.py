@@ -1,0 +1,60 @@
+"""The one machine probe: this machine's GPUs, installed attention and RMSNorm kernels and host RAM, as the
+plan sees them (plan/types.Machine). The trainer's preparation and `ulysses-trainer plan` both read it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .plan.types import Machine
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class LocalGpus:
+    """The GPUs here; count 0 (memory and name None) without CUDA."""
+
+    count: int
+    memory_gb: float | None
+    name: str | None
+
+
+def local_gpus(index: int = 0) -> LocalGpus:
+    """How many CUDA devices there are, and the memory (GiB) and name of device `index`."""
+    if not torch.cuda.is_available():
+        return LocalGpus(0, None, None)
+    props = torch.cuda.get_device_properties(index)
+    return LocalGpus(torch.cuda.device_count(), props.total_memory / GIB, props.name)
+
+
+def installed_kernels() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(attention kernels, RMSNorm kernels) installed here, fastest first."""
+    from .attention.kernels import available_kernels
+    from .levers.lean_norm import available_norm_kernels
+
+    return tuple(available_kernels()), tuple(available_norm_kernels())
+
+
+def host_memory(given_gb: float | None) -> tuple[float, str]:
+    """(host RAM in GiB the run may use, where the figure comes from): host_memory_gb, else detected here."""
+    if given_gb is not None:
+        return given_gb, "host_memory_gb"
+    from .levers.host_pool import detect_host_memory_gb
+
+    return detect_host_memory_gb(), "detected on this machine"
+
+
+def this_machine(world_size: int, host_memory_gb: float | None, cuda: bool) -> Machine:
+    """This machine for a run of `world_size` ranks: GPU memory (total; the free memory is measured after the
+    engine is built) of this rank's device, host RAM, ranks per host, the installed kernels."""
+    from .parallel.state import ranks_per_node
+
+    gpu = local_gpus(int(os.environ.get("LOCAL_RANK", 0))) if cuda else LocalGpus(0, None, None)
+    host, source = host_memory(host_memory_gb)
+    kernels, norms = installed_kernels()
+    return Machine(gpus=world_size, gpu_memory_gb=gpu.memory_gb, host_memory_gb=host,
+                   gpus_per_host=ranks_per_node(default=world_size), kernels=kernels, norm_kernels=norms,
+                   gpu_name=gpu.name, host_memory_source=source)
