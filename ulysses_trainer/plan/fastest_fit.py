@@ -122,7 +122,7 @@ def search_fastest(shape: ModelShape, base: Settings, fx: Fixed, keep_max: int, 
     sr = _Search(shape, base, gpu_gb, host_gb, knobs)
     everies = [fx.every] if fx.every is not None else [c for c in EVERY_CHOICES if c <= shape.layers]
     opts = [fx.optimizer_offload] if fx.optimizer_offload is not None else [False, True]
-    rule = default_mlp_tiles(local_tokens(base), shape.intermediate)
+    rule = default_mlp_tiles(local_tokens(base), shape.mlp_row_width)
     if fx.tiles is not None:
         ladder = [fx.tiles]
     else:
