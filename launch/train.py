@@ -14,7 +14,7 @@ if __name__ == "__main__":
         code = main()
     except KeyboardInterrupt:  # Ctrl-C while torch and DeepSpeed import (main() handles its own)
         if os.environ.get("RANK", "0") == "0":
-            print("[ulysses_trainer] interrupted (Ctrl-C) before training started; nothing saved", file=sys.stderr)
+            print("[ulysses_trainer] interrupted before training: nothing written", file=sys.stderr)
         code = 130
     # Every file is closed and the process group destroyed by now. Skip interpreter finalization: C++
     # threads torn down there can still abort the process (exit -6 after a finished run; seen once with

@@ -298,7 +298,7 @@ def test_ctrl_c_while_checking_inputs_is_one_line_and_exit_130(tmp_path, monkeyp
     rc = main(["--output_dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert rc == 130
-    assert err.strip() == "[ulysses_trainer] interrupted (Ctrl-C) before training started; nothing saved"
+    assert err.strip() == "[ulysses_trainer] interrupted before training: nothing written"
 
 
 def test_help_lists_config_and_prints_only_on_rank_0(monkeypatch, capsys):

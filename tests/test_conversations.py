@@ -179,7 +179,8 @@ def test_datasets_build_rows_with_labels(tok, tmp_path):
     _write(tmp_path / "c.jsonl", [{"messages": m} for m, _ in convs])  # arguments dicts: one tool, one key
     cfg = TrainConfig(dataset_name=str(tmp_path / "c.jsonl"), max_length=512, assistant_only_loss=True)
     ds = build_sequences(cfg, tok)
-    assert ds.kind == "conversational" and len(ds) == ds.counts["sequences"] == 12 - ds.counts["dropped_too_long"]
+    counts = ds.counts.to_dict()
+    assert ds.kind == "conversational" and len(ds) == counts["sequences"] == 12 - counts["dropped_too_long"]
     for i in range(len(ds)):
         r = ds[i]
         n = ds.real_tokens(i)
@@ -190,7 +191,7 @@ def test_datasets_build_rows_with_labels(tok, tmp_path):
         want[0] = IGNORE_INDEX
         assert r["labels"][:n].tolist() == want.tolist()
         assert (r["labels"][n:] == IGNORE_INDEX).all()
-    assert ds.counts["trained_tokens"] == sum(int((ds[i]["labels"] != IGNORE_INDEX).sum()) for i in range(len(ds)))
+    assert counts["trained_tokens"] == sum(int((ds[i]["labels"] != IGNORE_INDEX).sum()) for i in range(len(ds)))
     with pytest.raises(ConfigError, match="assistant_only_loss needs a conversational"):
         _write(tmp_path / "t.jsonl", [{"text": "a b c"}])
         build_sequences(TrainConfig(dataset_name=str(tmp_path / "t.jsonl"), assistant_only_loss=True), tok)

@@ -77,7 +77,9 @@ def test_cpu_default_recipe_is_the_no_argument_run():
     default = load_config([])
     # the JSON path is written repo-relative in the recipe; both name the same file
     assert resolve_ds_path(cfg.deepspeed).resolve() == resolve_ds_path(default.deepspeed).resolve()
-    assert dataclasses.replace(cfg, deepspeed=default.deepspeed) == default
+    # its own output_dir, so that it runs after the no-argument job without being refused
+    assert cfg.output_dir == "out/cpu_default" and default.output_dir == "out/default"
+    assert dataclasses.replace(cfg, deepspeed=default.deepspeed, output_dir=default.output_dir) == default
     plan = prepare(cfg, 2)
     assert (plan.sp_size, plan.dp_size, plan.device, plan.bf16) == (2, 1, "cpu", False)
     assert len(plan.train_data) >= plan.sequences_per_step * plan.total_steps

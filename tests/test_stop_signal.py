@@ -31,3 +31,13 @@ def test_install_routes_sigterm_and_sigint_to_the_handler():
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def test_the_first_request_is_announced_once():
+    said = []
+    now = [0.0]
+    stop = StopSignal(clock=lambda: now[0], on_request=lambda: said.append("saving"))
+    stop._handle(signal.SIGINT, None)
+    now[0] += 0.01
+    stop._handle(signal.SIGTERM, None)  # the relayed copy: no second line
+    assert said == ["saving"]

@@ -48,5 +48,5 @@ def test_saved_config_round_trips_with_trl_spellings():
 def test_unknown_trl_names_point_at_the_setting():
     for name, ours in (("max_seq_length", "max_length"), ("evaluation_strategy", "eval_strategy"),
                        ("torch_dtype", "dtype")):
-        with pytest.raises(ConfigError, match=f"spelled '{ours}' here"):
+        with pytest.raises(ConfigError, match=f"setting for that is {ours}"):
             _cfg(f"--{name}", "1")

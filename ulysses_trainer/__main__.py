@@ -1,7 +1,7 @@
 """`ulysses-trainer SUBCOMMAND ...` (also `python -m ulysses_trainer SUBCOMMAND ...`).
 
 Subcommands register in SUBCOMMANDS as "name": ("module", "one-line help"); each module has
-main(argv) -> exit code. Training itself is launched with `deepspeed launch/train.py`.
+main(argv) -> exit code. Training is `deepspeed launch/train.py` or `ulysses-trainer train`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from .errors import EXIT_INVALID, EXIT_OK
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "data": ("ulysses_trainer.cli.data", "the training sequences as the trainer builds them, trained spans marked, "
                                         "and their counts (no GPU)"),
+    "train": ("ulysses_trainer.cli.launcher", "`deepspeed launch/train.py` on one node in its own session: Ctrl-C "
+                                              "saves and waits for the ranks; a second Ctrl-C stops at once"),
     "plan": ("ulysses_trainer.cli.plan", "predict per-GPU and host memory; choose settings that fit "
                                         "(`plan calibrate`: predicted vs measured)"),
     "rehearse": ("ulysses_trainer.cli.rehearse", "run one rank of an N-GPU job on one device (fake process "

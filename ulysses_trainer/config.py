@@ -20,8 +20,10 @@ import yaml
 
 from .errors import ConfigError
 from .layout import resolve_layout
+from .name_hints import suggest
 from .names import resolve_report_to
 from .typed_values import NO_MATCH, coerce, describe, literal_choices
+from .yaml_numbers import load_yaml
 
 # ds_configs/ sits next to the package in the repository (and in an sdist checkout).
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -163,6 +165,14 @@ class TrainConfig:
         None, "a PEFT LoraConfig mapping (r, lora_alpha, target_modules, ...); its keys win over the lora_* fields")
     merge_lora: bool = _f(False, "final/ holds the merged model (AutoModelForCausalLM loads it) instead of the adapter")
 
+    # resume and data checks
+    allow_config_change: bool = _f(
+        False, "resume even where the config differs from the checkpoint's in a way that changes the results "
+        "(model, max_length, sp/dp layout, data, seed, batch, optimizer); harmless changes always go through")
+    pad_last_sequence: bool = _f(
+        False, "pad the tokens after the last full sequence into one more sequence (pads not trained on) "
+        "instead of dropping them")
+
     def __post_init__(self) -> None:
         """TRL's spellings become the fields they stand for (the same values again are no conflict)."""
         if self.max_steps == -1:
@@ -217,17 +227,8 @@ def _check_value(name: str, value: Any, where: str) -> Any:
     return out
 
 
-# Names users bring from TRL / transformers that we spell otherwise (checked before close spellings).
-RENAMED = {"max_seq_length": "max_length", "evaluation_strategy": "eval_strategy", "torch_dtype": "dtype",
-           "fp32": "bf16 false", "activation_offloading": "activation_offload"}
-
-
 def _unknown(name: str, where: str) -> ConfigError:
-    if name in RENAMED:
-        return ConfigError(f"unknown config name {name!r} ({where}); it is spelled {RENAMED[name]!r} here")
-    close = difflib.get_close_matches(name, list(FIELDS), n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else "; run with --help for the list of fields"
-    return ConfigError(f"unknown config name {name!r} ({where}){hint}")
+    return ConfigError(f"unknown config name {name!r} ({where}){suggest(name, list(FIELDS))}")
 
 
 # ---------------------------------------------------------------- loading
@@ -245,7 +246,7 @@ def read_recipe(path: str) -> dict[str, Any]:
         raise ConfigError(f"recipe {path!r} not found; pass an existing YAML file to --config "
                           f"(recipes live in launch/recipes/)")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = load_yaml(p.read_text())
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, f"recipe {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -260,7 +261,7 @@ def read_recipe(path: str) -> dict[str, Any]:
 
 def _parse_cli_value(name: str, text: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, f"the value of --{name} ({text!r})") from None
 

@@ -43,6 +43,8 @@ def coerce(value: Any, tp: Any) -> Any:
     if tp is bool:
         return value if isinstance(value, bool) else NO_MATCH
     if tp is int:
+        if isinstance(value, float) and value.is_integer():  # `max_steps: 1e4` means 10000
+            return int(value)
         return value if isinstance(value, int) and not isinstance(value, bool) else NO_MATCH
     if tp is float:
         if isinstance(value, bool):

@@ -70,9 +70,9 @@ def describe(argv: list[str]) -> tuple[dict[str, Any], bool]:
     tokenizer = load_tokenizer(checkpoint_source(cfg.model_name_or_path))
     ds = build_sequences(cfg, tokenizer, split="train")
     seqs = [sequence_segments(ds[i], ds.real_tokens(i), tokenizer) for i in range(min(show, len(ds)))]
-    counts = dict(ds.counts or {"documents_used": ds.documents_used, "sequences": len(ds),
-                                "tokens": len(ds) * ds.max_length,
-                                "trained_tokens": sum(int(_targets(ds[i]).sum()) for i in range(len(ds)))})
+    counts = ds.counts.to_dict()
+    if "trained_tokens" not in counts:  # text: every token but a row's first is a target, pads excepted
+        counts["trained_tokens"] = sum(int(_targets(ds[i]).sum()) for i in range(len(ds)))
     counts.update(kind=ds.kind, source=ds.source, max_length=ds.max_length, examples_total=ds.documents_total)
     return {"sequences": seqs, "counts": counts}, as_json
 

@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.warmup_length is not None and not 2 <= args.warmup_length <= cfg.max_length:
             raise ConfigError(f"--warmup_length must be between 2 and max_length {cfg.max_length}, "
                               f"got {args.warmup_length}")
-        plan = prepare(cfg, args.gpus)
+        plan = prepare(cfg, args.gpus, training=False)  # the rehearsal writes nothing into output_dir
         comm_file = args.comm or (str(DEFAULT_COMM_FILE) if DEFAULT_COMM_FILE.is_file() else None)
         bandwidth = load_bandwidth(comm_file, args.internode_gbps)
     except ConfigError as exc:

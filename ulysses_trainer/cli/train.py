@@ -1,7 +1,8 @@
 """`deepspeed launch/train.py [--config RECIPE.yaml] [--name value ...]`: parse, check, train.
 
 Exit codes: 0 success or clean stop on SIGTERM; 2 invalid input, reported before any heavy work with
-nothing written; 130 Ctrl-C before training started (nothing written); 1 any other failure.
+nothing written; 130 Ctrl-C before training started (nothing written); 1 any other failure (a
+failed write into output_dir, a non-finite step, a second Ctrl-C).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..parallel.init import destroy_distributed, init_distributed
 # A non-main rank waits this long before reporting its error itself: the launcher ends it as soon as
 # rank 0 (which fails the same way and prints) exits, so the message appears once, not per rank.
 _PEER_REPORT_DELAY_S = 5.0
+INTERRUPTED_BEFORE_TRAINING = "[ulysses_trainer] interrupted before training: nothing written"
 
 
 def _rank() -> int:
@@ -36,11 +38,16 @@ def _report(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _quiet_wait() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    time.sleep(_PEER_REPORT_DELAY_S)
+
+
 def interrupted() -> int:
     """Ctrl-C before training started: one line from rank 0 instead of a traceback per rank."""
     if _rank() == 0:
-        print("[ulysses_trainer] interrupted (Ctrl-C) before training started; nothing saved", file=sys.stderr,
-              flush=True)
+        print(INTERRUPTED_BEFORE_TRAINING, file=sys.stderr, flush=True)
     return EXIT_INTERRUPTED
 
 
@@ -66,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = load_config(argv)
         plan = prepare(cfg, world_size_from_env())
+        from ..train.output_guard import OutputWriteError
         from ..train.trainer import NonFiniteError, Trainer
     except ConfigError as exc:
         _report(f"error: {exc}")
@@ -81,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # found only once the engine exists (e.g. host RAM for offload)
         _report(f"error: {exc}")
         code = EXIT_INVALID
-    except NonFiniteError as exc:  # every rank sees the same global loss and norm
+    except (NonFiniteError, OutputWriteError) as exc:  # every rank sees the same loss, norm or failed write
         _report(f"error: {exc}")
         code = EXIT_FAILURE
     except KeyboardInterrupt as exc:  # before the stop handler exists (engine build), or a second signal
@@ -91,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             code = interrupted()
     except Exception:
+        if _rank() != 0:  # usually a peer's failure seen here ("Connection closed by peer"): let the rank
+            _quiet_wait()  # that failed first report, the launcher ends this one meanwhile
         traceback.print_exc()
         code = EXIT_FAILURE
     destroy_distributed(together=False)

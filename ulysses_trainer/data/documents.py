@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ import torch
 from ..config import TrainConfig
 from ..errors import ConfigError
 from ..parallel.sharding import IGNORE_INDEX
+from .accounting import DataCounts
 from .agent_sessions import agent_sessions
 from .chat import TemplateRenderer, tokenize_segments
 from .formats import (
@@ -50,6 +51,8 @@ _EVAL_SEED_OFFSET = 1_000_003  # synthetic eval documents differ from the traini
 _BATCH_DOCS = 64
 SYNTHETIC_STEPS_PER_EPOCH = 4
 AGENT_SESSIONS = "synthetic:agent_sessions"  # dataset_name of the synthetic agent sessions
+NO_FIELD = "without the text field (missing or null)"
+EMPTY = "empty text"
 
 
 @dataclass
@@ -67,7 +70,8 @@ class SequenceDataset:
     trained: np.ndarray | None = None  # bool [n_rows * L]: token is a trained target; None = every token
     lengths: np.ndarray | None = None  # real (non-pad) tokens per row; None = every row is full
     kind: str = LANGUAGE_MODELING
-    counts: dict | None = None  # what building the rows saw (RowCounts.as_dict)
+    pad_from: int | None = None  # index into tokens where the last row's padding starts (pad_last_sequence)
+    counts: DataCounts = field(default_factory=DataCounts)  # what reading and building saw
 
     def real_tokens(self, i: int) -> int:
         """Tokens of row i that are not padding."""
@@ -86,6 +90,9 @@ class SequenceDataset:
             else torch.from_numpy(self.positions[sl].astype(np.int64))
         labels = ids if self.trained is None else \
             torch.where(torch.from_numpy(self.trained[sl]), ids, IGNORE_INDEX)
+        if self.pad_from is not None and sl.stop > self.pad_from:  # the padded last row: pads are not trained
+            labels = labels.clone()
+            labels[max(0, self.pad_from - sl.start):] = IGNORE_INDEX
         return {"input_ids": ids, "position_ids": pos, "labels": labels}
 
     @property
@@ -192,7 +199,7 @@ def load_text_dataset(source: str, split: str, text_file_split: str = "document"
                           f"({type(exc).__name__}: {str(exc).strip()[:300]})") from None
 
 
-def _texts(ds: Any, field: str, source: str) -> Iterator[str]:
+def _texts(ds: Any, field: str, source: str, counts: DataCounts) -> Iterator[str]:
     if len(ds) == 0:
         raise ConfigError(f"dataset {source} is empty; point dataset_name at data with documents")
     if field not in ds.column_names:
@@ -200,19 +207,27 @@ def _texts(ds: Any, field: str, source: str) -> Iterator[str]:
                           f"set dataset_text_field to one of them")
     for batch in ds.select_columns([field]).iter(batch_size=256):
         for text in batch[field]:
-            if text is None:
+            counts.read()
+            if text is None:  # a jsonl record without the field reads as null
+                counts.skip(NO_FIELD)
                 continue
             if not isinstance(text, str):
                 raise ConfigError(f"dataset {source}: field {field!r} holds {type(text).__name__} values, "
                                   f"not text; set dataset_text_field to a text column. Accepted: {ACCEPTED}")
+            if not text:  # an empty document adds nothing, not even an eos
+                counts.skip(EMPTY)
+                continue
             yield text
 
 
 # ---------------------------------------------------------------- building
 def _pack(docs: Iterable[str], tokenizer: Tokenizer, max_length: int, packing: bool,
-          max_rows: int | None) -> tuple[np.ndarray, np.ndarray | None, int, int, int]:
-    """(tokens, positions or None, documents used, tokens seen, text bytes used) of whole rows, stopping
-    at max_rows."""
+          max_rows: int | None, counts: DataCounts | None = None,
+          pad_last: bool = False) -> tuple[np.ndarray, np.ndarray | None, int, int, int, int | None]:
+    """(tokens, positions or None, documents used, tokens seen, text bytes used, pad start or None) of whole
+    rows, stopping at max_rows. pad_last: the tokens after the last full row become one more row, padded
+    (eos as the pad id; its labels are masked)."""
+    counts = counts if counts is not None else DataCounts()
     chunks: list[np.ndarray] = []
     pos_chunks: list[np.ndarray] = []
     seen = used = text_bytes = 0
@@ -222,8 +237,8 @@ def _pack(docs: Iterable[str], tokenizer: Tokenizer, max_length: int, packing: b
         raw = list(islice(it, _BATCH_DOCS))
         if not raw:
             break
-        batch = [d for d in raw if d]  # an empty document adds nothing, not even an eos
-        for doc, ids in zip(batch, tokenizer.encode_batch(batch)):
+        batch = [d for d in raw if d]  # (the sources skip and count empty documents themselves)
+        for k, (doc, ids) in enumerate(zip(batch, tokenizer.encode_batch(batch))):
             text_bytes += len(doc.encode("utf-8"))
             row = np.asarray(ids + [tokenizer.eos_token_id], dtype=np.int32)
             chunks.append(row)
@@ -231,19 +246,36 @@ def _pack(docs: Iterable[str], tokenizer: Tokenizer, max_length: int, packing: b
                 pos_chunks.append(np.arange(len(row), dtype=np.int32))
             seen += len(row)
             used += 1
+            counts.use(len(row))
             if need is not None and seen >= need:
+                counts.documents_read -= len(batch) - k - 1  # pulled from the source with the batch, not used
                 break
     rows = seen // max_length if max_rows is None else min(seen // max_length, max_rows)
     n = rows * max_length
+    tail = seen - n if (max_rows is None or rows < max_rows) else 0
+    pad_from = None
+    if pad_last and tail and rows * max_length < seen:
+        pad = max_length - tail
+        chunks.append(np.full(pad, tokenizer.eos_token_id, np.int32))
+        pad_from, rows, n = seen, rows + 1, (rows + 1) * max_length
+        counts.finish(rows, max_length, tail, "padded", pad)
+    else:
+        stopped_early = max_rows is not None and rows == max_rows
+        counts.finish(rows, max_length, 0 if stopped_early else tail,
+                      "not read" if stopped_early else ("dropped" if tail else "none"))
     tokens = np.concatenate(chunks)[:n] if chunks else np.zeros(0, np.int32)
     positions = None
     if packing:
-        doc_pos = np.concatenate(pos_chunks)[:n] if pos_chunks else np.zeros(0, np.int32)
+        doc_pos = np.concatenate(pos_chunks) if pos_chunks else np.zeros(0, np.int32)
+        if pad_from is not None:  # the pads continue the last document's positions (they are masked)
+            last = doc_pos[-1] + 1 if len(doc_pos) else 0
+            doc_pos = np.concatenate([doc_pos, np.arange(last, last + n - len(doc_pos), dtype=np.int32)])
+        doc_pos = doc_pos[:n]
         j = np.arange(n, dtype=np.int64)
         starts = (doc_pos == 0) | (j % max_length == 0)  # a new segment: document start or row start
         seg_start = np.maximum.accumulate(np.where(starts, j, 0))
         positions = (j - seg_start).astype(np.int32)
-    return tokens, positions, used, seen, text_bytes
+    return tokens, positions, used, seen, text_bytes, pad_from
 
 
 def _column_bytes(ds: Any, field: str) -> int | None:
@@ -296,8 +328,9 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
         rows = num_sequences or default_num_sequences(cfg, split, dp_size)
         seed = cfg.seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
         docs = synthetic_documents(seed, mean_words=max(64, math.ceil(L / _TOKENS_PER_WORD)))
-        tokens, positions, used, _, _ = _pack(docs, tokenizer, L, cfg.packing, rows)
-        return SequenceDataset(tokens, positions, L, "synthetic", used, None)
+        counts = DataCounts(source="synthetic")
+        tokens, positions, used, _, _, _ = _pack(_counted(docs, counts), tokenizer, L, cfg.packing, rows, counts)
+        return SequenceDataset(tokens, positions, L, "synthetic", used, None, counts=counts)
 
     ds = load_text_dataset(source, hf_split, cfg.text_file_split)
     if len(ds) == 0:
@@ -310,8 +343,10 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
                                     tokenizer.eos_token, chat_template_of(tokenizer))
         return examples_dataset((tokenize_segments(s, tokenizer) for s in segments), cfg, tokenizer, source,
                                 kind, len(ds), num_sequences)
-    tokens, positions, used, seen, text_bytes = _pack(_texts(ds, cfg.dataset_text_field, source), tokenizer, L,
-                                                      cfg.packing, num_sequences)
+    counts = DataCounts(source=source, documents_total=len(ds))
+    tokens, positions, used, seen, text_bytes, pad_from = _pack(
+        _texts(ds, cfg.dataset_text_field, source, counts), tokenizer, L, cfg.packing, num_sequences, counts,
+        pad_last=cfg.pad_last_sequence)
     if len(tokens) == 0:
         raise ConfigError(
             f"dataset {source} gives {seen} tokens ({used} documents + eos) but one sequence needs "
@@ -320,7 +355,8 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
     if used < len(ds):  # stopped early: the epoch is estimated from the share of the text read
         total = _column_bytes(ds, cfg.dataset_text_field)
         fraction = min(1.0, text_bytes / total) if total else None
-    return SequenceDataset(tokens, positions, L, source, used, len(ds), fraction)
+    return SequenceDataset(tokens, positions, L, source, used, len(ds), fraction, pad_from=pad_from,
+                           counts=counts)
 
 
 def chat_template_of(tokenizer: Tokenizer) -> TemplateRenderer | None:
@@ -343,4 +379,11 @@ def examples_dataset(examples: Iterable[tuple[np.ndarray, np.ndarray]], cfg: Tra
     if total is not None and counts.examples_read < total:  # stopped early: the epoch is estimated by count
         fraction = counts.examples_read / total
     return SequenceDataset(tokens, positions, cfg.max_length, source, counts.examples_used, total, fraction,
-                           trained=trained, lengths=lengths, kind=kind, counts=counts.as_dict())
+                           trained=trained, lengths=lengths, kind=kind,
+                           counts=DataCounts.of_examples(counts, source, total, cfg.max_length))
+
+
+def _counted(docs: Iterable[str], counts: DataCounts) -> Iterator[str]:
+    for doc in docs:
+        counts.read()
+        yield doc

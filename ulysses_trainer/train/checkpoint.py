@@ -12,15 +12,20 @@ import glob
 import json
 import os
 import shutil
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..errors import ConfigError
+from ..parallel.comm import all_reduce
 from ..parallel.init import barrier
+from .output_guard import OutputWriteError, RecordingWriter, describe_failure, failure_message
 
 TAG = "ds"  # DeepSpeed's tag directory inside each checkpoint-<step>/
 LATEST = "latest"
 MODEL_CONFIG = "model_config.json"  # the HF config of the model a checkpoint holds (checked on resume)
+RUN_CONFIG = "run_config.json"  # the training config and layout that wrote it (compared on resume)
 # what a run writes into output_dir: a directory holding any of these holds a previous run
 RUN_FILES = ("config.json", "metrics.jsonl", LATEST, "final", "per_position_loss.png", "checkpoint-*",
              ".tmp-checkpoint-*", "final.tmp")
@@ -54,28 +59,64 @@ def _write_atomic(path: str, text: str) -> None:
     _fsync_dir(os.path.dirname(path) or ".")
 
 
+def agree_on_failure(code: int) -> int:
+    """Collective: the largest errno any rank saw (0: every rank succeeded). Takes the place of a barrier,
+    so that every rank learns of a failure on any one of them and all stop together."""
+    return int(all_reduce(torch.tensor([float(code)]), "max").item())
+
+
 def save_checkpoint(engine, output_dir: str, step: int, client_state: dict, is_main: bool,
-                    model_config=None) -> str:
+                    model_config=None, run_config: dict | None = None,
+                    write: Callable[[Any, str], None] | None = None) -> str:
     """Collective: every rank writes its ZeRO shards; rank 0 syncs, renames, then moves `latest`.
-    `model_config` (the HF config) is saved beside the shards so a resume can check the model size."""
+    `model_config` (the HF config) and `run_config` (the training config and layout) are saved beside
+    the shards so a resume can check them without loading the shards. `write(state_dict, path)` replaces
+    DeepSpeed's file writer (tests: a disk that fails). A failed write on any rank: the temporary directory
+    is removed, the previous checkpoint and `latest` are untouched, and every rank raises OutputWriteError."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()
-    engine.save_checkpoint(tmp, tag=TAG, client_state=client_state)
-    barrier()
-    if is_main:
-        if model_config is not None:
-            with open(os.path.join(tmp, MODEL_CONFIG), "w") as f:
-                f.write(model_config.to_json_string())
-        _fsync_tree(tmp)
-        if os.path.exists(final):  # the same step saved again after a resume
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(output_dir)
-        _write_atomic(os.path.join(output_dir, LATEST), f"checkpoint-{step}\n")
-    barrier()
+    writer = RecordingWriter(engine.checkpoint_engine, write)
+    engine.checkpoint_engine = writer  # for this save only; restored below
+    engine._copy_recovery_script = writer.guard(engine._copy_recovery_script)
+    try:
+        # save_latest=False: the tag's `latest` is written below with the other small files, so that no
+        # write of DeepSpeed's can raise between its collectives (ZeRO-3 all-gathers after the shards)
+        engine.save_checkpoint(tmp, tag=TAG, client_state=client_state, save_latest=False)
+    finally:
+        engine.checkpoint_engine = writer.inner
+        del engine._copy_recovery_script  # the class's method again
+    failure = writer.failure
+    if is_main and failure is None:
+        try:
+            with open(os.path.join(tmp, LATEST), "w") as f:  # DeepSpeed's own pointer to its tag
+                f.write(TAG)
+            if model_config is not None:
+                with open(os.path.join(tmp, MODEL_CONFIG), "w") as f:
+                    f.write(model_config.to_json_string())
+            if run_config is not None:
+                with open(os.path.join(tmp, RUN_CONFIG), "w") as f:
+                    json.dump(run_config, f, indent=1)
+            _fsync_tree(tmp)
+            if os.path.exists(final):  # the same step saved again after a resume
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(output_dir)
+            _write_atomic(os.path.join(output_dir, LATEST), f"checkpoint-{step}\n")
+        except OSError as exc:
+            failure = (tmp, describe_failure(exc, tmp), str(exc))
+    code = agree_on_failure(failure[1] if failure else 0)
+    if code:
+        if is_main:  # a half-written checkpoint must not survive (and `latest` never pointed at it)
+            shutil.rmtree(tmp, ignore_errors=True)
+            for leftover in (os.path.join(output_dir, LATEST + ".tmp"),):
+                if os.path.exists(leftover):
+                    os.remove(leftover)
+        barrier()
+        # the checkpoint's directory is named (rank 0 may not be the rank whose file failed)
+        raise OutputWriteError(failure_message(f"checkpoint-{step}", tmp, code, failure[2] if failure else ""))
     return final
 
 
@@ -103,6 +144,8 @@ def previous_run(output_dir: str) -> list[str]:
         return []
     found = {os.path.basename(p) for pattern in RUN_FILES for p in glob.glob(os.path.join(glob.escape(output_dir),
                                                                                           pattern))}
+    if found == {"config.json"}:  # a run stopped before its first step trained nothing: nothing to keep
+        return []
     return sorted(found)
 
 
@@ -202,15 +245,29 @@ def export_adapter(engine, peft_model, output_dir: str, tokenizer, is_main: bool
 
 def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix: str = "causal_lm.",
               transform=None) -> str | None:
-    """Consolidate the ZeRO-3 shards (collective) and write `final/` as HF safetensors on rank 0.
-    transform: applied to the consolidated state dict first (LoRA: merge the adapters into the weights)."""
-    from transformers import AutoModelForCausalLM
+    """Consolidate the ZeRO-3 shards (collective) and write `final/` as HF safetensors on rank 0; a failed
+    write raises OutputWriteError on every rank (the checkpoints stay). transform: applied to the
+    consolidated state dict first (LoRA: merge the adapters into the weights)."""
 
     state = engine._zero3_consolidated_16bit_state_dict()
     target = os.path.join(output_dir, "final")
-    if not is_main:
-        barrier()
-        return None
+    tmp = target + ".tmp"
+    failure: tuple[int, str] | None = None
+    if is_main:
+        try:
+            _write_export(state, config, tmp, target, tokenizer, prefix, transform)
+        except (OSError, RuntimeError) as exc:
+            failure = (describe_failure(exc, tmp), str(exc).splitlines()[0][:200] if str(exc) else "")
+            shutil.rmtree(tmp, ignore_errors=True)
+    code = agree_on_failure(failure[0] if failure else 0)  # in place of a barrier: all ranks learn the outcome
+    if code:
+        raise OutputWriteError(failure_message("the final export", tmp, code, failure[1] if failure else ""))
+    return target if is_main else None
+
+
+def _write_export(state: dict, config, tmp: str, target: str, tokenizer, prefix: str, transform=None) -> None:
+    from transformers import AutoModelForCausalLM
+
     state = {k.removeprefix(prefix): v for k, v in state.items()}
     if transform is not None:
         state = transform(state)
@@ -226,7 +283,6 @@ def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix:
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     assert not missing, f"export lacks weights for {missing[:3]}"
-    tmp = target + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
@@ -234,5 +290,3 @@ def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix:
     _fsync_tree(tmp)
     shutil.rmtree(target, ignore_errors=True)
     os.rename(tmp, target)
-    barrier()
-    return target

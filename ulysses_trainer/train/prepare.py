@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..config import TrainConfig, resolve_bf16, validate_config
+from ..config import TrainConfig, config_to_dict, resolve_bf16, validate_config
 from ..data.documents import build_sequences
 from ..data.tokenizer import check_tokenizer_fits, load_tokenizer
 from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
@@ -21,11 +21,13 @@ from ..errors import ConfigError
 from ..layout import padded_length, resolve_layout
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
 from ..model.lora import check_lora
-from ..plan.inputs import ModelShape
+from ..plan.inputs import ModelShape, num_params
 from ..plan.resolve import plan_for
 from ..plan.types import Machine, Plan, ZeroSettings, read_zero
 from ..probe import this_machine
 from .checkpoint import check_checkpoint_model, check_output_dir, find_checkpoint
+from .output_guard import check_writable, run_bytes
+from .resume_check import check_resume_config, run_record
 
 
 @dataclass
@@ -56,13 +58,32 @@ class RunPlan:
     machine: Machine | None = None
     zero: ZeroSettings | None = None
     shape: ModelShape | None = None
+    config_changes: dict = field(default_factory=dict)  # resume: {name: (checkpoint's, this run's)} let through
 
 
 def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
+def check_host_fits(resolved: Plan, machine: Machine, device: str) -> None:
+    """On CPU the model, activations and optimizer live in host RAM: refuse a plan whose peak exceeds it
+    (a run that would otherwise climb into the OOM killer), with the plan's numbers and what to change."""
+    if device != "cpu":
+        return
+    ranks = machine.ranks_per_host
+    need = resolved.predicted_peak_gpu_gb * ranks + resolved.predicted_host_gb
+    have = resolved.host_budget_gb
+    if need > have:
+        raise ConfigError(f"the plan needs {need:.1f} GiB of host memory on this CPU machine ({ranks} rank(s) x "
+                          f"{resolved.predicted_peak_gpu_gb:.1f} GiB peak + {resolved.predicted_host_gb:.1f} GiB "
+                          f"host terms) but it has {have:.1f} GiB; lower max_length (now {resolved.max_length}) "
+                          f"or use a smaller model (now {resolved.model}), or run on GPUs; set host_memory_gb if "
+                          f"the detected size is wrong")
+
+
+def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan:
+    """Every check and decision before heavy work. training=False (the rehearsal): output_dir is neither
+    checked nor written, and the host-memory check is left to the rehearsal itself."""
     validate_config(cfg, world_size)
     if cfg.use_peft:
         check_lora(cfg)  # peft installed, a valid LoraConfig
@@ -70,7 +91,6 @@ def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
     bf16 = resolve_bf16(cfg, device == "cuda")
     ds_raw = load_ds_config(cfg.deepspeed)
     resume_path = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
-    clear_output_dir = check_output_dir(cfg.output_dir, resume_path, cfg.overwrite_output_dir)
     model_config = model_config_for(cfg)
     if resume_path:
         check_checkpoint_model(resume_path, model_config)
@@ -81,6 +101,8 @@ def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
     zero = read_zero(ds_raw, str(cfg.deepspeed))
     resolved = plan_for(cfg, model_config, ds_raw, machine, bf16=bf16)  # every lever checked and decided here
     kernel, sp, dp = resolved.kernel, resolved.sp, resolved.dp
+    if training:
+        check_host_fits(resolved, machine, device)
     tokenizer = load_tokenizer(checkpoint_source(cfg.model_name_or_path))
     check_tokenizer_fits(tokenizer, model_config)
     per_step = dp * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
@@ -101,6 +123,17 @@ def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
                               f"but one eval round needs {per_round} (dp {dp} x per_device_eval_batch_size "
                               f"{cfg.per_device_eval_batch_size}); add eval data, raise max_eval_samples "
                               f"or lower those")
+    config_changes: dict = {}
+    if resume_path:
+        config_changes = check_resume_config(resume_path, run_record(config_to_dict(cfg), world_size, sp, dp),
+                                             cfg.allow_config_change)
+    clear_output_dir = False
+    if training:  # after the data: a missing data file is reported as such, not as an output_dir problem
+        clear_output_dir = check_output_dir(cfg.output_dir, resume_path, cfg.overwrite_output_dir)
+        problem = check_writable(cfg.output_dir, run_bytes(num_params(shape), world_size, bf16,
+                                                           cfg.save_strategy != "no"))
+        if problem:
+            raise ConfigError(problem)
     steps_per_epoch = len(train) // per_step
     # the log's epoch is a fraction of one pass over the data; a read capped at max_steps' need holds only
     # part of that pass, and the dataset estimates the rest from the share of its text bytes it read
@@ -118,7 +151,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> RunPlan:
                    total_steps=total, sequences_per_step=per_step,
                    padded_length=padded_length(cfg.max_length, sp, cfg.pad_to_multiple_of),
                    resume_path=resume_path, clear_output_dir=clear_output_dir, resolved=resolved, machine=machine,
-                   zero=zero, shape=shape)
+                   zero=zero, shape=shape, config_changes=config_changes)
 
 
 def world_size_from_env() -> int:

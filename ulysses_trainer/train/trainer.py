@@ -6,6 +6,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -30,9 +31,13 @@ from ..plan.types import Plan
 from . import checkpoint as ckpt
 from .logging import MetricsFile, log_line
 from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, predicted_vs_measured, train_flops_per_sequence
+from .output_guard import OutputWriteError, describe_failure, failure_message
 from .position_loss import write_per_position_loss
 from .prepare import RunPlan
 from .reporters import Reporters
+from .resume_check import notes as resume_notes
+from .resume_check import run_record
+from .schedule import set_peak_learning_rate
 
 
 class NonFiniteError(RuntimeError):
@@ -50,9 +55,11 @@ class StopSignal:
 
     RELAY_WINDOW_S = 2.0
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 on_request: Callable[[], None] | None = None) -> None:
         self.requested = False
         self._clock, self._first = clock, 0.0
+        self._on_request = on_request  # says once what the stop will do ("interrupted: saving step N")
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -64,6 +71,8 @@ class StopSignal:
             raise KeyboardInterrupt(f"second signal {signum}: stopping now")
         if not self.requested:
             self.requested, self._first = True, now
+            if self._on_request is not None:
+                self._on_request()
 
 
 class Trainer:
@@ -74,11 +83,15 @@ class Trainer:
             if plan.device == "cuda" else torch.device("cpu")
         if plan.device == "cuda":
             torch.cuda.set_device(self.device)
-        self.stop = StopSignal()
+        self.stop = StopSignal(on_request=self._say_stopping)
         self.step = 0
         self.num_tokens = 0  # real (non-pad) input tokens so far, all ranks (TRL's num_tokens)
         self.num_loss_tokens = 0  # trained target tokens so far, all ranks
         self.last_aux_loss: float | None = None  # a sparse model's load-balancing loss of the last step
+        self._bar = None
+        self._write_failure: tuple[str, int, str] | None = None  # rank 0's failed log write, agreed at the step end
+        self._report_plan(plan.resolved, before_build=True)  # before memory climbs: the plan and the data
+        self._report_data()
         self.model = self._build_model()
         self.engine = self._build_engine()
         self.metrics = MetricsFile(self.cfg.output_dir)
@@ -111,7 +124,8 @@ class Trainer:
                                                lr_scheduler=schedule)
         self.resolved = self._resolve_after_engine()
         apply(self.model, self.resolved)
-        self._report_plan()
+        if self.resolved != self.plan.resolved:  # the GPU holds less than the memory model expected
+            self._report_plan(self.resolved, before_build=False)
         return engine
 
     def _resolve_after_engine(self) -> Plan:
@@ -125,11 +139,33 @@ class Trainer:
         machine = replace(plan.machine, gpu_free_after_engine_gb=free / 2**30)
         return resolve_plan(self.cfg, plan.shape, machine, plan.zero, bf16=plan.bf16, engine_plan=plan.resolved)
 
-    def _report_plan(self) -> None:
-        r = self.resolved
+    def _report_data(self) -> None:
         if not self.state.is_main:
             return
-        print(f"[ulysses_trainer] plan: {r.summary()}", flush=True)
+        for what, data in (("data", self.plan.train_data), ("eval data", self.plan.eval_data)):
+            counts = getattr(data, "counts", None)
+            if counts is not None:
+                print(f"[ulysses_trainer] {what}: {counts.summary()}", flush=True)
+
+    def _data_record(self) -> dict:
+        return {what: data.counts.to_dict() for what, data in (("train", self.plan.train_data),
+                                                                ("eval", self.plan.eval_data))
+                if getattr(data, "counts", None) is not None}
+
+    def _say_stopping(self) -> None:
+        """The first stop request, from the signal handler: one line from rank 0."""
+        if self.state.is_main:
+            nxt = self.step + 1
+            line = f"interrupted: saving step {nxt}" if self.cfg.save_strategy != "no" else \
+                f"interrupted: stopping after step {nxt}, not saving (save_strategy no)"
+            print(f"[ulysses_trainer] {line} (a second Ctrl-C stops at once; the last checkpoint stays)",
+                  file=sys.stderr, flush=True)
+
+    def _report_plan(self, r: Plan, before_build: bool) -> None:
+        if not self.state.is_main:
+            return
+        print(f"[ulysses_trainer] plan{'' if before_build else ' with the free GPU memory measured'}: "
+              f"{r.summary()}", flush=True)
         if r.decided:
             print(f"[ulysses_trainer] auto chose: {', '.join(r.decided)}", flush=True)
         for note in r.notes:
@@ -186,10 +222,14 @@ class Trainer:
     def _shard(self, rows: list[dict]) -> Shard:
         ids = torch.stack([r["input_ids"] for r in rows])  # [micro, L]
         pos = torch.stack([r["position_ids"] for r in rows])
-        labels = torch.stack([r["labels"] for r in rows]) if "labels" in rows[0] else None  # IGNORE_INDEX: untrained
         pad = getattr(self.plan.tokenizer, "pad_token_id", None) or 0
-        return shard_batch(ids, position_ids=pos, labels=labels, sp_size=self.state.sp_size, sp_rank=self.state.sp_rank,
-                           pad_to_multiple_of=self.cfg.pad_to_multiple_of, pad_token_id=pad).to(self.device)
+        # rows with labels (masked conversations, a padded last sequence) mask what is not trained; the others
+        # train on every token
+        labels = torch.stack([r.get("labels", r["input_ids"]) for r in rows]) if any("labels" in r for r in rows) \
+            else None
+        return shard_batch(ids, position_ids=pos, labels=labels, sp_size=self.state.sp_size,
+                           sp_rank=self.state.sp_rank, pad_to_multiple_of=self.cfg.pad_to_multiple_of,
+                           pad_token_id=pad).to(self.device)
 
     # ------------------------------------------------------------------ steps
     def train_step(self, shards: list[Shard]) -> tuple[float, float, int]:
@@ -242,8 +282,11 @@ class Trainer:
         if not self._params_finite():  # never write a non-finite state over a good checkpoint
             raise NonFiniteError(f"the parameters are not finite at step {self.step}; not saving (the last "
                                  f"checkpoint stays intact). Check the model weights or lower learning_rate")
+        plan = self.plan
         ckpt.save_checkpoint(self.engine, self.cfg.output_dir, self.step, self._client_state(),
-                             self.state.is_main, model_config=self.plan.model_config)
+                             self.state.is_main, model_config=plan.model_config,
+                             run_config=run_record(config_to_dict(self.cfg), plan.world_size, plan.sp_size,
+                                                   plan.dp_size))
 
     def _params_finite(self) -> bool:
         """Every rank's parameter partitions (ZeRO-3 keeps them in ds_tensor) are finite (collective)."""
@@ -256,27 +299,40 @@ class Trainer:
         self.step, self.num_tokens = int(client["step"]), int(client["num_tokens"])
         self.num_loss_tokens = int(client.get("num_loss_tokens", 0))  # checkpoints from before it was kept: 0
         torch.set_rng_state(client["rng_cpu"])
+        changes = self.plan.config_changes
+        if "learning_rate" in changes:  # the checkpoint's schedule carries its own peak: give it the new one
+            set_peak_learning_rate(self.engine.lr_scheduler, self.cfg.learning_rate)
         if self.state.is_main:
             self.metrics.truncate_after(self.step)
             self.reporters.resume_at(self.step)
             print(f"[ulysses_trainer] resumed from {path} at step {self.step}", flush=True)
+            if changes:
+                for line in resume_notes(changes):
+                    print(f"[ulysses_trainer] config change at step {self.step}: {line}", flush=True)
+                self.metrics.append({"step": self.step, "config_change": {k: list(v) for k, v in changes.items()}})
 
     def train(self) -> int:
+        try:
+            return self._train()
+        finally:  # the bar's line ends before any message (an error line must start its own line)
+            if self._bar is not None:
+                self._bar.close()
+
+    def _train(self) -> int:
         cfg, plan = self.cfg, self.plan
         if self.state.is_main:
             if plan.clear_output_dir:  # overwrite_output_dir: no old checkpoint, row or export survives
                 ckpt.clear_previous_run(cfg.output_dir)
             os.makedirs(cfg.output_dir, exist_ok=True)
-            with open(os.path.join(cfg.output_dir, "config.json"), "w") as f:
-                json.dump(config_to_dict(cfg), f, indent=1)
         if plan.resume_path:  # found and checked by prepare()
             self.resume(plan.resume_path)
+        self._write_run_config()
         self._open_reporters()
         self.stop.install()
         saving = cfg.save_strategy != "no"
         flops_per_step = train_flops_per_sequence(plan.model_config, cfg.max_length) * plan.sequences_per_step
-        bar = tqdm(total=plan.total_steps, initial=self.step, disable=not self.state.is_main, unit="it",
-                   dynamic_ncols=True)
+        bar = self._bar = tqdm(total=plan.total_steps, initial=self.step, disable=not self.state.is_main,
+                               unit="it", dynamic_ncols=True)
         step_times: list[float] = []
         while self.step < plan.total_steps:
             t0 = time.perf_counter()
@@ -325,6 +381,39 @@ class Trainer:
                            transform=merge)
         return 0
 
+    def _write_run_config(self) -> None:
+        """config.json: this run's config, layout and data accounting; on resume the earlier runs' configs
+        stay in its `history` with the step each change took effect. Rank 0 writes; all ranks agree on it."""
+        failure = None
+        if self.state.is_main:
+            path = os.path.join(self.cfg.output_dir, "config.json")
+            record = {**run_record(config_to_dict(self.cfg), self.plan.world_size, self.plan.sp_size,
+                                   self.plan.dp_size), "data": self._data_record(), "history": []}
+            try:
+                with open(path) as f:
+                    previous = json.load(f)
+            except (OSError, ValueError):
+                previous = None
+            if self.plan.resume_path and isinstance(previous, dict):
+                history = previous.pop("history", []) if isinstance(previous.get("history"), list) else []
+                record["history"] = history + [{"until_step": self.step, **previous,
+                                                "changes_at_resume": {k: list(v) for k, v in
+                                                                      self.plan.config_changes.items()}}]
+            try:
+                with open(path, "w") as f:
+                    json.dump(record, f, indent=1)
+            except OSError as exc:
+                failure = (path, describe_failure(exc, path), str(exc))
+        self._agree_on_write(failure)
+
+    def _agree_on_write(self, failure: tuple[str, int, str] | None) -> None:
+        """Collective: a failed write on rank 0 stops every rank together with its cause."""
+        code = ckpt.agree_on_failure(failure[1] if failure else 0)
+        if code:
+            where = failure[0] if failure else self.cfg.output_dir
+            raise OutputWriteError(failure_message(os.path.basename(where), where, code,
+                                                   failure[2] if failure else ""))
+
     def _open_reporters(self) -> None:
         """Rank 0 starts the report_to reporters; if that fails (e.g. no wandb login) every rank stops
         here, before the first step, with rank 0's message."""
@@ -359,8 +448,15 @@ class Trainer:
                       f"optimizer state kept as they were")
 
     def _stop_agreed(self) -> bool:
-        """Every rank must agree to stop at the same step (the save is collective)."""
-        return bool(all_reduce(torch.tensor([float(self.stop.requested)]), "max").item() > 0)
+        """Every rank must agree to stop at the same step (the save is collective). The same all-reduce
+        carries a failed metrics write on rank 0, so that every rank stops with its cause."""
+        failed = self._write_failure[1] if self._write_failure else 0
+        stop, code = all_reduce(torch.tensor([float(self.stop.requested), float(failed)]), "max").tolist()
+        if code:
+            where = self._write_failure[0] if self._write_failure else self.cfg.output_dir
+            raise OutputWriteError(failure_message(os.path.basename(where), where, int(code),
+                                                   self._write_failure[2] if self._write_failure else ""))
+        return stop > 0
 
     def _log(self, loss, grad_norm, dt, tokens, flops_per_step, bar) -> None:
         lr = self.engine.lr_scheduler.get_last_lr()[0]
@@ -373,12 +469,19 @@ class Trainer:
             row["aux_loss"] = self.last_aux_loss
         if self.state.is_main:
             bar.write(log_line(row))
-            self.metrics.append(row)
+            self._append_row(row)
             self.reporters.log(row)
+
+    def _append_row(self, row: dict) -> None:
+        try:
+            self.metrics.append(row)
+        except OSError as exc:  # rank 0 only: the ranks agree on it at the step's end (_stop_agreed)
+            if self._write_failure is None:
+                self._write_failure = (self.metrics.path, describe_failure(exc, self.metrics.path), str(exc))
 
     def _log_eval(self, eval_loss: float, bar) -> None:
         if self.state.is_main:
             bar.write(str({"eval_loss": round(eval_loss, 4), "step": self.step}))
             row = {"step": self.step, "eval_loss": eval_loss}
-            self.metrics.append(row)
+            self._append_row(row)
             self.reporters.log(row)

@@ -1,0 +1,194 @@
+"""docs/reliability.md's run-time rows through the real commands on CPU (2 ranks): a read-only and a full
+output_dir (a small tmpfs mounted for the test), resuming the last good checkpoint to the same losses, a
+changed config on resume, and Ctrl-C through `ulysses-trainer train` (during training and before it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import free_port, train_command, train_env
+from tests.tiny_checkpoint import write_checkpoint, write_documents
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args: list[str], ranks: int) -> subprocess.CompletedProcess:
+    cmd = train_command(2, args) if ranks == 2 else [sys.executable, "launch/train.py", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+
+
+def _lines(proc, pattern: str) -> list[str]:
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if re.search(pattern, line)]
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2200k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _remount(mnt: Path, opts: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{opts}", str(mnt)], check=True)
+
+
+def test_read_only_and_full_output_dir_then_resume_the_last_good_checkpoint(tmp_path, small_fs):
+    model = write_checkpoint(tmp_path / "model")
+    docs = write_documents(tmp_path / "docs.jsonl", num_docs=40, words_per_doc=31)
+    out = small_fs / "run"
+    common = ["--model_name_or_path", str(model), "--dataset_name", str(docs), "--max_length", "32",
+              "--bf16", "false", "--max_steps", "2", "--save_steps", "1", "--output_dir", str(out)]
+
+    _remount(small_fs, "ro")  # read-only: refused before the model is built
+    ro = _run(common, 1)
+    assert ro.returncode == 2, ro.stderr[-3000:]
+    errors = _lines(ro, r"^error:")
+    assert len(errors) == 1 and re.search(r"output_dir .*run is not writable \(.*mnt: Read-only file system\)",
+                                          errors[0])
+    assert not _lines(ro, "Loading weights|plan:") and "Traceback" not in ro.stderr
+    _remount(small_fs, "rw")
+
+    # 2.2 MB: checkpoint-1 (1.2 MB) fits, checkpoint-2 does not
+    full = _run(common, 2)
+    assert full.returncode == 1, full.stderr[-3000:]
+    errors = _lines(full, r"^error:")
+    assert len(errors) == 1, full.stderr[-3000:]
+    assert re.search(r"cannot write checkpoint-2 to .*run/\.tmp-checkpoint-2: No space left on device", errors[0])
+    assert "Traceback" not in full.stderr and not _lines(full, "Connection closed")
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith((".tmp", "checkpoint"))) == ["checkpoint-1"]
+    assert (out / "latest").read_text().strip() == "checkpoint-1"
+    logged = {r["step"]: r["loss"] for r in _rows(out) if "loss" in r}
+    assert sorted(logged) == [1, 2]
+
+    # a resume that changes the results is refused, naming both values; nothing is touched
+    before = (out / "metrics.jsonl").read_bytes()
+    changed = _run(common + ["--resume_from_checkpoint", "true", "--max_length", "64"], 1)
+    assert changed.returncode == 2, changed.stderr[-3000:]
+    errors = _lines(changed, r"^error:")
+    assert len(errors) == 1 and "max_length: 32 in the checkpoint, 64 now" in errors[0]
+    assert "allow_config_change true" in errors[0] and (out / "metrics.jsonl").read_bytes() == before
+
+    _remount(small_fs, "size=8m")  # space freed: the last good checkpoint resumes to the same losses
+    resumed = _run(common + ["--resume_from_checkpoint", "true"], 2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = {r["step"]: r["loss"] for r in _rows(out) if "loss" in r}
+    assert again == logged  # bitwise: step 2 retrained from checkpoint-1
+    assert (out / "latest").read_text().strip() == "checkpoint-2" and (out / "final").is_dir()
+    record = json.loads((out / "config.json").read_text())
+    assert record["layout"] == {"world_size": 2, "sp_size": 2, "dp_size": 1}
+    assert record["data"]["train"]["sequences"] == 2 and len(record["history"]) == 1
+    assert _lines(resumed, r"\[ulysses_trainer\] data: .*docs\.jsonl: 2 of 40 documents read, 2 used, skipped: none")
+
+
+def _ulysses_train(args: list[str]) -> subprocess.Popen:
+    """`ulysses-trainer train` in its own process group, as a terminal runs it (Ctrl-C = SIGINT to the group)."""
+    cmd = [sys.executable, "-m", "ulysses_trainer", "train", "--num_gpus", "2", "--master_port", str(free_port()),
+           *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _ranks_left(marker: str) -> list[int]:
+    out = []
+    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmd.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "--local_rank" in text and marker in text:
+            out.append(int(cmd.parent.name))
+    return out
+
+
+def test_ctrl_c_saves_and_waits_and_a_run_interrupted_before_training_leaves_nothing(tmp_path):
+    model = write_checkpoint(tmp_path / "model")
+    docs = write_documents(tmp_path / "docs.jsonl", num_docs=80, words_per_doc=31)
+    out = tmp_path / "run"
+    common = ["--model_name_or_path", str(model), "--dataset_name", str(docs), "--max_length", "32",
+              "--bf16", "false", "--lr_scheduler_type", "constant", "--output_dir", str(out)]
+
+    early = _ulysses_train(common + ["--max_steps", "40"])
+    deadline = time.monotonic() + 120
+    while not _ranks_left(str(out)) and time.monotonic() < deadline:  # the command has started the ranks
+        time.sleep(0.1)
+    time.sleep(0.5)  # the ranks are starting (importing torch): nothing has been written
+    os.killpg(early.pid, signal.SIGINT)
+    text = early.communicate(timeout=300)[0]
+    assert early.returncode == 130, text[-3000:]
+    assert len(re.findall(r"interrupted before training: nothing written", text)) == 1, text[-3000:]
+    assert "Traceback" not in text and not out.exists() and not _ranks_left(str(out))
+
+    job = _ulysses_train(common + ["--max_steps", "40"])
+    seen = []
+    for line in job.stdout:  # Ctrl-C once the first step has been logged
+        seen.append(line)
+        if "'loss'" in line:
+            os.killpg(job.pid, signal.SIGINT)
+            break
+    text = "".join(seen) + job.communicate(timeout=300)[0]
+    assert job.returncode == 0, text[-3000:]
+    assert not _ranks_left(str(out))  # the command returned after the ranks had finished
+    said = re.findall(r"interrupted: saving step (\d+)", text)
+    assert len(said) == 1 and "Traceback" not in text, text[-3000:]
+    step = int(said[0])
+    assert f"stop signal: saved step {step}, exiting" in text
+    assert (out / "latest").read_text().strip() == f"checkpoint-{step}" and not list(out.glob(".tmp-*"))
+
+    # a harmless change on resume goes through and is recorded where it took effect
+    resumed = _run(common + ["--max_steps", str(step + 1), "--resume_from_checkpoint", "true",
+                             "--learning_rate", "5e-5"], 2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = _rows(out)
+    change = [r for r in rows if "config_change" in r]
+    assert change == [{"step": step, "config_change": {"learning_rate": [1e-4, 5e-5],
+                                                       "max_steps": [40, step + 1]}}]
+    assert [r["learning_rate"] for r in rows if r.get("step") == step + 1 and "loss" in r] == [5e-5]
+    history = json.loads((out / "config.json").read_text())["history"]
+    assert len(history) == 1 and history[0]["until_step"] == step
+    assert history[0]["config"]["learning_rate"] == 1e-4
+
+
+def test_a_second_ctrl_c_stops_at_once_and_the_last_checkpoint_resumes(tmp_path):
+    model = write_checkpoint(tmp_path / "model")
+    docs = write_documents(tmp_path / "docs.jsonl", num_docs=80, words_per_doc=31)
+    out = tmp_path / "run"
+    common = ["--model_name_or_path", str(model), "--dataset_name", str(docs), "--max_length", "32",
+              "--bf16", "false", "--save_steps", "1", "--output_dir", str(out)]
+    job = _ulysses_train(common + ["--max_steps", "40"])
+    seen = []
+    for line in job.stdout:  # two Ctrl-C once step 2 has been logged (checkpoint-1 exists by then)
+        seen.append(line)
+        if "'loss'" in line and "'num_tokens': 64.0" in line:
+            os.killpg(job.pid, signal.SIGINT)
+            time.sleep(1.0)  # a second press, not the same one
+            os.killpg(job.pid, signal.SIGINT)
+            break
+    text = "".join(seen) + job.communicate(timeout=300)[0]
+    assert job.returncode == 130, text[-3000:]
+    assert len(re.findall(r"stopped at once \(second Ctrl-C\)", text)) == 1 and "Traceback" not in text
+    assert not _ranks_left(str(out)) and not list(out.glob(".tmp-*"))
+    last = (out / "latest").read_text().strip()
+    assert (out / last / "ds").is_dir()
+    resumed = _run(common + ["--max_steps", str(int(last.split("-")[1]) + 1), "--resume_from_checkpoint", "true"],
+                   2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {out / last}" in resumed.stdout + resumed.stderr

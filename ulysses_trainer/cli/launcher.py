@@ -1,0 +1,131 @@
+"""`ulysses-trainer train [--num_gpus N] [--master_port P] [--config RECIPE] [--name value ...]`: the
+`deepspeed` command on one node, with Ctrl-C that waits for the save.
+
+Under a bare `deepspeed`, Ctrl-C reaches every process of the terminal's group: DeepSpeed's runner dies
+at once with a KeyboardInterrupt traceback (the prompt returns while the ranks still save), and its
+per-node launcher relays SIGTERM and kills the ranks 30 s later. Here the job runs in its own session,
+so the terminal's Ctrl-C reaches only this process, which then:
+- first Ctrl-C (or SIGTERM): sends SIGINT to the rank processes only (not to DeepSpeed's launcher). They
+  stop at the next step boundary and save; rank 0 says `interrupted: saving step N`. This command returns
+  when the launcher has seen every rank finish, with its exit code (0 after a clean stop). Before
+  training started the ranks say `interrupted before training: nothing written` (exit 130).
+- second Ctrl-C: SIGKILL to the whole job at once. The save in progress is lost, its temporary directory
+  is removed; the previous checkpoint and `latest` are intact (a checkpoint is renamed into place only
+  when complete). Exit 130.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from ..errors import EXIT_INTERRUPTED, EXIT_INVALID, ConfigError
+
+_POLL_S = 0.2
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the deepspeed runner's options, the trainer's arguments)."""
+    ours, rest, i = [], [], 0
+    while i < len(argv):
+        name = argv[i].split("=", 1)[0]
+        if name in ("--num_gpus", "--master_port", "--num_nodes", "--hostfile", "--include", "--exclude"):
+            step = 1 if "=" in argv[i] else 2
+            ours += argv[i:i + step]
+            i += step
+        else:
+            rest.append(argv[i])
+            i += 1
+    return ours, rest
+
+
+def _session_members(sid: int) -> list[tuple[int, bytes]]:
+    """(pid, command line) of the processes whose process group is `sid` (Linux /proc)."""
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) != sid:  # fields after the command: state, ppid, pgrp, ...
+                continue
+            pid = int(stat.split("/")[2])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                out.append((pid, f.read()))
+        except (OSError, ValueError, IndexError):  # the process ended meanwhile
+            continue
+    return out
+
+
+def _ranks(sid: int) -> list[int]:
+    # the per-node launcher passes --local_rank=N to the ranks only
+    return [pid for pid, cmd in _session_members(sid) if b"--local_rank" in cmd]
+
+
+def _remove_unfinished_saves(output_dir: str | None) -> None:
+    if output_dir:
+        for tmp in glob.glob(os.path.join(glob.escape(output_dir), ".tmp-checkpoint-*")):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _output_dir(rest: list[str]) -> str | None:
+    from ..config import load_config
+
+    try:
+        return load_config(rest).output_dir
+    except (ConfigError, SystemExit):  # the ranks report bad input themselves
+        return None
+
+
+def main(argv: list[str]) -> int:
+    ours, rest = _split(argv)
+    if "--help" in rest or "-h" in rest:
+        print(__doc__)
+        return 0
+    from ..config import REPO_ROOT
+
+    deepspeed = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    if not os.path.exists(deepspeed):
+        print("error: the deepspeed command is not installed here (pip install deepspeed)", file=sys.stderr)
+        return EXIT_INVALID
+    cmd = [deepspeed, *ours, str(REPO_ROOT / "launch" / "train.py"), *rest]
+    job = subprocess.Popen(cmd, start_new_session=True)  # the terminal's Ctrl-C reaches only this process
+    requests = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: requests.append(signum))
+    delivered, seen, killed = set(), set(), False
+    while True:
+        try:
+            code = job.wait(timeout=_POLL_S)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if len(requests) >= 2 and not killed:  # second Ctrl-C: stop now
+            os.killpg(job.pid, signal.SIGKILL)
+            killed = True
+        elif requests and not killed:  # ranks that exist now and were not asked yet (some may still start)
+            ranks = set(_ranks(job.pid))
+            ready, seen = ranks & seen, seen | ranks  # seen one poll ago: Python's SIGINT handler is in place
+            for pid in ready - delivered:
+                try:
+                    os.kill(pid, signal.SIGINT)
+                    delivered.add(pid)
+                except ProcessLookupError:
+                    pass
+    while _session_members(job.pid):  # the runner returned; its launcher and ranks may still be ending
+        if len(requests) >= 2 and not killed:
+            os.killpg(job.pid, signal.SIGKILL)
+            killed = True
+        time.sleep(_POLL_S)
+    if killed:
+        _remove_unfinished_saves(_output_dir(rest))
+        print("[ulysses_trainer] stopped at once (second Ctrl-C): the save in progress is discarded, the last "
+              "checkpoint is intact", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    if requests and code != 0:  # interrupted before training (the ranks said so), or a failure while stopping
+        return EXIT_INTERRUPTED if code in (1, EXIT_INTERRUPTED) else code
+    return code

@@ -1,0 +1,79 @@
+"""What happened to the data on its way to sequences: documents read, used, skipped (why, how many),
+tokens, sequences, and what was dropped or padded at the end.
+
+A loader fills one DataCounts as it goes (`skip(reason)`, `use(tokens)`), the builder records the tail
+(`finish`); the trainer prints `summary()` before training and stores `to_dict()` in config.json.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class DataCounts:
+    source: str = ""
+    documents_read: int = 0
+    documents_used: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> documents
+    tokens: int = 0  # tokens of the used documents (eos included)
+    sequences: int = 0
+    max_length: int = 0
+    tail_tokens: int = 0  # tokens after the last full sequence
+    tail: str = "none"  # what happened to them: "dropped" | "padded" | "none" | "not read" (stopped early)
+    pad_tokens: int = 0
+    documents_total: int | None = None  # rows in the source, when known
+    details: dict[str, int] = field(default_factory=dict)  # whole examples: read, used, truncated, trained tokens
+
+    @classmethod
+    def of_examples(cls, rows: Any, source: str, total: int | None, max_length: int) -> DataCounts:
+        """The counts of rows built from whole examples (data/rows.RowCounts): an example is a document here."""
+        skipped = dict(rows.skipped)
+        if rows.dropped_too_long:
+            skipped["longer than max_length (max_length_policy drop)"] = rows.dropped_too_long
+        return cls(source=source, documents_read=rows.examples_read, documents_used=rows.examples_used,
+                   skipped=skipped, tokens=rows.tokens, sequences=rows.sequences, max_length=max_length,
+                   tail="none", pad_tokens=rows.pad_tokens, documents_total=total,
+                   details={k: v for k, v in vars(rows).items()
+                            if k not in ("skipped", "sequences", "tokens", "pad_tokens")})
+
+    def read(self) -> None:
+        self.documents_read += 1
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def use(self, tokens: int) -> None:
+        self.documents_used += 1
+        self.tokens += tokens
+
+    def finish(self, sequences: int, max_length: int, tail_tokens: int, tail: str, pad_tokens: int = 0) -> None:
+        self.sequences, self.max_length = sequences, max_length
+        self.tail_tokens, self.tail, self.pad_tokens = tail_tokens, tail, pad_tokens
+
+    def summary(self) -> str:
+        """One line for the log."""
+        skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items())) or "none"
+        total = f" of {self.documents_total}" if self.documents_total is not None and \
+            self.documents_total != self.documents_read else ""
+        if self.tail == "dropped":
+            end = f"last {self.tail_tokens} tokens dropped (set pad_last_sequence true to keep them)"
+        elif self.tail == "padded":
+            end = f"last sequence padded with {self.pad_tokens} pad tokens (not trained on)"
+        elif self.tail == "not read":
+            end = "reading stopped once the run's sequences existed"
+        else:
+            end = "nothing dropped"
+        if self.details:
+            end += f"; {self.details.get('trained_tokens', 0)} trained tokens, " \
+                   f"{self.details.get('truncated', 0)} truncated to max_length, {self.pad_tokens} pad tokens"
+        return (f"{self.source}: {self.documents_read}{total} documents read, {self.documents_used} used, "
+                f"skipped: {skipped}; {self.tokens} tokens -> {self.sequences} sequences of {self.max_length}; "
+                f"{end}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "documents_read": self.documents_read, "documents_used": self.documents_used,
+                "documents_total": self.documents_total, "skipped": dict(self.skipped), "tokens": self.tokens,
+                "sequences": self.sequences, "max_length": self.max_length, "tail_tokens": self.tail_tokens,
+                "tail": self.tail, "pad_tokens": self.pad_tokens, **self.details}
