@@ -4,7 +4,7 @@ the machine. `resolve_plan` is the one function the trainer and `ulysses-trainer
 Every lever is checked here against the model (ConfigError, exit 2, naming the fix; config.check_levers has
 checked the values themselves); every `auto` is decided here: of all the settings that fit the GPU and host
 memory (plan/memory.py), the one with the shortest predicted step (plan/step_time.py). The search
-(plan/fastest_fit.py) covers the optimizer's placement (GPU or host), the checkpoint thinning, the MLP tiles,
+(plan/fit_search.fastest_fit) covers the optimizer's placement (GPU or host), the checkpoint thinning, the MLP tiles,
 the offloaded layer inputs and the kept attention outputs.
 Torch-free: the caller measures the machine (GPU memory, host RAM, installed kernels) and passes it in.
 """
@@ -25,7 +25,7 @@ from ..names import (
     default_mlp_tiles,
     offload_sub_group_size,
 )
-from .fastest_fit import Fixed, search_fastest, shortfall, with_headroom
+from .fit_search import Fixed, fastest_fit, shortfall, with_headroom
 from .inputs import ModelShape, Settings, check_settings, local_tokens, num_params, padded_length, saved_layer_count
 from .memory import GIB, MemoryEstimate, estimate
 from .step_time import StepTime, format_seconds, step_time
@@ -181,8 +181,8 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
         can_keep = cfg.gradient_checkpointing and kernel in KEEPING_KERNELS and not cfg.packing
         added = replace(zero.knobs, sub_group_size=offload_sub_group_size(zero.knobs.sub_group_size))
         knobs = {False: zero.knobs, True: zero.knobs if zero.offload_optimizer else added}
-        chosen, fits, best = search_fastest(shape, base, fx, shape.layers if can_keep else 0, budget,
-                                            machine.host_memory_gb, knobs, lambda s: time_of(s).total_s)
+        chosen, fits, best = fastest_fit(shape, base, fx, shape.layers if can_keep else 0, budget,
+                                         machine.host_memory_gb, knobs, lambda s: time_of(s).total_s)
         if fits and fx.offload is None:
             chosen = with_headroom(shape, chosen, budget, machine.host_memory_gb)
     st = time_of(chosen.settings) if gpu else None
