@@ -195,12 +195,12 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     gpu_miss, host_miss = shortfall(chosen, budget, machine.host_memory_gb) if gpu else (0, 0)
     limit = None if fits else " and ".join(n for n, m in (("GPU memory", gpu_miss), ("host memory", host_miss)) if m)
     return _assemble(cfg, shape, machine, chosen, st, kernel, fits=fits, limit=limit, misses=(gpu_miss, host_miss),
-                     budget=budget, decided=_decided(cfg, asked, chosen.settings, kernel), notes=notes)
+                     budget=budget, fixed=asked, notes=notes)
 
 
 def _assemble(cfg: Any, shape: ModelShape, machine: Machine, chosen: MemoryEstimate, st: StepTime | None,
               kernel: str, *, fits: bool, limit: str | None, misses: tuple[int, int], budget: float | None,
-              decided: tuple[str, ...], notes: list[str]) -> Plan:
+              fixed: Fixed, notes: list[str]) -> Plan:
     """The Plan of the chosen settings: layers as indices, memory in GiB."""
     s = chosen.settings
     saved_layers = tuple(range(0, shape.layers, s.checkpoint_every)) if s.gradient_checkpointing else ()
@@ -219,7 +219,7 @@ def _assemble(cfg: Any, shape: ModelShape, machine: Machine, chosen: MemoryEstim
         step_parts=tuple(st.parts.items()) if st else (), fits=fits, binding_limit=limit,
         missing_gpu_gb=misses[0] / GIB, missing_host_gb=misses[1] / GIB, gpu_budget_gb=budget,
         host_budget_gb=machine.host_memory_gb,
-        decided=decided, notes=tuple(notes), settings=s, estimate=chosen)
+        decided=_decided(cfg, fixed, s, kernel), notes=tuple(notes), settings=s, estimate=chosen, fixed=fixed)
 
 
 def plan_for(cfg: Any, model_config: Any, ds: dict, machine: Machine, *, bf16: bool | None = None) -> Plan:
