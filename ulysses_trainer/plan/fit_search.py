@@ -66,6 +66,9 @@ class Rung:
 
 @dataclass
 class Search:
+    """The candidates and the fit test of one search: the base settings, what the user fixed, the budgets
+    (GiB per GPU, GiB per host), and the closest miss of all estimates seen."""
+
     shape: ModelShape
     base: Settings
     fixed: Fixed
