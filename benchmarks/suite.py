@@ -37,6 +37,11 @@ DS2 = ("-m", "deepspeed.launcher.runner", "--num_gpus", "2")  # the launcher, bo
 RUN = ("--bf16", "true", "--learning_rate", "1e-5", "--warmup_steps", "0", "--lr_scheduler_type", "constant",
        "--save_strategy", "no", "--seed", "42", "--overwrite_output_dir", "true")
 LONG, REF = "launch/recipes/one_gpu_4b_long.yaml", "launch/recipes/reference_8gpu_1m.yaml"
+MOE = "launch/recipes/moe_8gpu_1m.yaml"
+# Qwen3-30B-A3B's layer shape at reduced depth on one GPU: 4 of its 48 layers, 131,072 tokens (what one GPU of the
+# 1M sp=8 job holds), so the run's peak memory and step time can be held against the plan's for the same shape
+MOE_REDUCED = ("--config", MOE, "--sp_size", "1", "--max_length", "131072", "--max_steps", "3",
+               "--model_init_kwargs", '{"num_hidden_layers": 4, "rope_parameters": {"rope_type": "yarn", "factor": 4}}')
 SP2_KERNELS = ("--attn_implementation", "sdpa", "--norm_kernel", "torch")  # the real sp=2 runs' (no FA4, no Liger)
 
 
@@ -61,6 +66,9 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
     "data_dependence": ("kernel speed on random vs small vs zero data: FA4 and cuDNN attention (1M tokens, 4 q / 1 kv "
                         "heads) and a bf16 matmul 131072x4096->12288; the copy rate of the rehearsal's fill", [
         ("benchmarks/data_dependence.py", "--out", "data_dependence_h200.json")]),
+    "fa4_options": ("flash-attn-4's options at one KV head per rank (1M tokens, 4 q / 1 kv heads, random data): "
+                    "GQA packing forward / backward, K and V expanded to all heads", [
+        ("benchmarks/fa4_options.py", "--out", "fa4_options_h200.json")]),
     "train": ("full ZeRO-3 + AdamW steps: hf and alst to their OOM, ours 32K-128K", [
         _lc("long_context_hf_qwen3-4b.json", "hf", "32768,65536"),
         _lc("long_context_alst_qwen3-4b_a.json", "alst", "32768,65536", "--offload", "true"),
@@ -130,10 +138,26 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
     "norms": ("the lean RMSNorm's kernels alone (torch ops vs Liger's Triton), then their GPU exactness tests", [
         ("benchmarks/norm_kernels.py", "--out", "norm_kernels_h200.json"),
         ("-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_gpu_norm.py")]),
+    "moe_experts": ("one Qwen3-30B-A3B sparse block alone, 131,072 rows, bf16 fwd+bwd: eager / grouped_mm / "
+                    "batched_mm x 1, 4, 8 tiles (plan/step_time.EXPERTS_TFLOPS)", [
+        ("benchmarks/moe_experts.py", "--out", "moe_experts_h200.json")]),
+    "moe_reduced": ("Qwen3-30B-A3B's layer at 4 layers deep, 131,072 tokens, one GPU, the trainer: tokens/s and "
+                    "peak memory in metrics.jsonl, the end-of-run 'predicted vs measured' line against the plan", [
+        _train("moe_reduced_4l_131072", *MOE_REDUCED)]),
+    "rehearse_moe_1m": ("rank 0 of Qwen3-30B-A3B at 1,048,576 tokens on 8 GPUs (sp=8) on one GPU; the node's host "
+                        "RAM", [
+        _rehearse("moe_8gpu_1m", "--config", MOE, "--gpus", "8", "--host_memory_gb", "560",
+                  "--warmup_length", "8192")]),
+    "rehearse_moe_longest": ("memory only (stand-in attention): Qwen3-30B-A3B at the plan's longest on 8 GPUs "
+                             "(5,865,472 tokens with 560 GB host), rank 0", [
+        _rehearse("moe_longest_5865472", "--config", MOE, "--gpus", "8", "--max_length", "5865472",
+                  "--host_memory_gb", "560", "--standin", "--steps", "1")]),
     "smoke": ("CPU check of the scripts: tiny preset, 256 tokens", [
         (LC, "--system", "ours", "--model", "tiny", "--lengths", "256", *FWDBWD, "--out", "smoke_long_context.json"),
         (PROFILE, "--model", "tiny", "--length", "128", "--keep-attention-outputs", "true",
-         "--out", "smoke_profile.json")]),
+         "--out", "smoke_profile.json"),
+        ("benchmarks/moe_experts.py", "--model", "tiny-moe", "--tokens", "256", "--device", "cpu", "--tiles", "1,3",
+         "--iters", "1", "--out", "smoke_moe_experts.json")]),
 }
 
 

@@ -60,7 +60,7 @@ def test_the_published_layout(name):
 
 
 def test_presets_list():
-    assert set(PRESETS) == set(PUBLISHED) | {"tiny"}
+    assert set(PRESETS) == set(PUBLISHED) | {"tiny", "tiny-moe", "qwen3-30b-a3b", "qwen3-235b-a22b"}
 
 
 def test_a_wrong_dimension_misses_the_published_count():

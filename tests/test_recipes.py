@@ -13,7 +13,8 @@ from ulysses_trainer.layout import resolve_layout
 from ulysses_trainer.model.load import model_config_for
 
 RECIPES = Path(__file__).resolve().parent.parent / "launch" / "recipes"
-WORLD = {"reference_8gpu_1m.yaml": 8, "one_gpu_4b_long.yaml": 1, "one_gpu_4b_1m.yaml": 1, "cpu_default.yaml": 2}
+WORLD = {"reference_8gpu_1m.yaml": 8, "one_gpu_4b_long.yaml": 1, "one_gpu_4b_1m.yaml": 1, "cpu_default.yaml": 2,
+         "moe_8gpu_1m.yaml": 8}
 
 
 def _load(name: str) -> TrainConfig:
@@ -37,6 +38,15 @@ def test_recipe_validates_for_its_world_size(name):
                            use_deepspeed_optimizer=False, source=name)
     assert ds["zero_optimization"]["stage"] == 3
     assert ds["train_batch_size"] == cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world
+
+
+def test_moe_recipe_is_qwen3_30b_a3b_at_1m_sp8_with_the_aux_loss():
+    cfg = _load("moe_8gpu_1m.yaml")
+    model = model_config_for(cfg)
+    assert (cfg.model_name_or_path, cfg.max_length, cfg.sp_size) == ("qwen3-30b-a3b", 1048576, 8)
+    assert (model.model_type, model.num_experts, model.num_experts_per_tok) == ("qwen3_moe", 128, 8)
+    assert model.output_router_logits is True and model.router_aux_loss_coef == 0.001
+    assert model.rope_parameters["rope_type"] == "yarn" and model.rope_parameters["factor"] == 4.0
 
 
 def test_reference_recipe_is_the_reference_run():

@@ -29,6 +29,7 @@ DEFAULT_DS_CONFIG = str(REPO_ROOT / "ds_configs" / "zero3.json")
 
 AttnImpl = Literal["auto", "sdpa", "flash_attention_2", "flash_attention_4"]
 NormKernel = Literal["auto", "triton", "torch"]
+ExpertsImpl = Literal["auto", "eager", "batched_mm", "grouped_mm"]
 LossType = Literal["chunked_nll", "nll"]
 NanPolicy = Literal["skip", "stop"]
 SaveStrategy = Literal["steps", "no"]
@@ -49,7 +50,8 @@ class TrainConfig:
     """Everything a run needs. The defaults are the embedded CPU run (tiny model, synthetic data)."""
 
     # model
-    model_name_or_path: str = _f("tiny", "a preset (tiny, qwen3-0.6b ... qwen3-32b) or an HF checkpoint dir")
+    model_name_or_path: str = _f("tiny", "a preset (tiny, qwen3-0.6b ... qwen3-32b, tiny-moe, qwen3-30b-a3b, "
+                                         "qwen3-235b-a22b) or an HF checkpoint dir")
     model_init_kwargs: Union[dict, None] = _f(
         None, "model config overrides, e.g. {rope_parameters: {rope_type: yarn, factor: auto}}")
     attn_implementation: AttnImpl = _f("auto", "attention kernel; auto = fastest installed")
@@ -67,6 +69,9 @@ class TrainConfig:
     norm_kernel: NormKernel = _f(
         "auto", "the lean RMSNorms' kernel: triton (Liger-Kernel's fused RMSNorm, CUDA), torch (torch ops); "
         "auto = triton where installed")
+    experts_implementation: ExpertsImpl = _f(
+        "auto", "a sparse (MoE) model's experts kernel, transformers' experts_implementation: grouped_mm, eager "
+        "(a loop over experts), batched_mm (gathers each token's expert weights: far more memory); auto = grouped_mm")
     optimizer_offload: Union[bool, Auto] = _f(
         "auto", "Adam's fp32 master, m and v on the host (ZeRO-Offload, DeepSpeed's CPU Adam): true, false, or "
         "auto (when it makes the step faster, e.g. by leaving room to keep attention outputs); an "

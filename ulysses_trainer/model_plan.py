@@ -26,3 +26,4 @@ class ModelPlan:
     checkpoint_bytes_per_layer: int = 0  # > 0: pin the host pool for the offloaded inputs now
     host_memory_gb: float | None = None  # host RAM the offload may pin; None: detected
     ranks_per_host: int = 1  # ranks sharing this host's RAM (splits the offload budget)
+    experts_implementation: str = "grouped_mm"  # a sparse model's experts kernel (transformers' name)

@@ -168,3 +168,10 @@ def resolve_report_to(value: str | list) -> list[str]:
                               + (" (WANDB_MODE=offline logs without an account)" if name == "wandb" else "")
                               + f", or drop {name} from report_to")
     return list(dict.fromkeys(names))
+
+
+def choose_experts_implementation(name: str) -> str:
+    """A sparse model's experts kernel (transformers' experts_implementation): `auto` -> grouped_mm
+    (transformers' default where torch has grouped_mm; the fastest measured, plan/step_time.EXPERTS_TFLOPS);
+    a named one as given."""
+    return "grouped_mm" if name == "auto" else name

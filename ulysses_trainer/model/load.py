@@ -22,9 +22,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..config import TrainConfig
 from ..errors import ConfigError
+from .families import MODEL_TYPES, family
 from .presets import PRESETS, is_preset, preset_config
 
-SUPPORTED_MODEL_TYPES = ("qwen3",)
+SUPPORTED_MODEL_TYPES = MODEL_TYPES
 _YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
 _ROPE_KEYS = ("rope_parameters", "rope_scaling")  # rope_scaling: the pre-5.0 name
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -119,7 +120,11 @@ def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) 
         else _load_checkpoint_config(name_or_path)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"model {name_or_path!r} has model_type {config.model_type!r}; this trainer "
-                          f"supports {', '.join(SUPPORTED_MODEL_TYPES)} (Qwen3 checkpoints or the presets)")
+                          f"supports {', '.join(SUPPORTED_MODEL_TYPES)} (Qwen3 / Qwen3-MoE checkpoints or the "
+                          f"presets)")
+    why = family(config.model_type).check_config(config)
+    if why:
+        raise ConfigError(f"model {name_or_path!r}: {why}")
     overrides = {k: v for k, v in (model_init_kwargs or {}).items() if k not in _ROPE_KEYS}
     if overrides:
         config = _override(config, overrides)
@@ -239,13 +244,17 @@ def model_config_for(cfg: TrainConfig) -> PretrainedConfig:
         raise ConfigError("model_init_kwargs sets both rope_parameters and rope_scaling; "
                           "keep rope_parameters")
     config = load_model_config(cfg.model_name_or_path, kwargs)
+    if family(config.model_type).mlp_kind == "sparse" and "output_router_logits" not in kwargs:
+        # the load-balancing loss is on unless model_init_kwargs turns it off (checkpoints often save false)
+        config.output_router_logits = True
     resolve_rope_parameters(config, kwargs.get(both[0]) if both else None, cfg.max_length)
     return config
 
 
 def build_model(config: PretrainedConfig, dtype: torch.dtype, from_pretrained_path: str | None = None,
                 seed: int = 0) -> torch.nn.Module:
-    """Qwen3ForCausalLM: random init (seeded, global RNG untouched) for presets, else the checkpoint.
+    """The family's causal LM (Qwen3ForCausalLM, Qwen3MoeForCausalLM): random init (seeded, global RNG untouched)
+    for presets, else the checkpoint.
 
     Built with SDPA; the trainer switches attention afterwards. Under ZeRO-3 call it inside
     deepspeed.zero.Init (presets) or with an HfDeepSpeedConfig alive (checkpoints).

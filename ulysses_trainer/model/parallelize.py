@@ -5,7 +5,8 @@ Order (each step relies on the ones before it):
   2. Loss head: lm_head also returns the chunked (or plain) loss sum, never the L x V logits.
   3. Lean norms: every RMSNorm keeps only its input for backward, not fp32 copies (fused Triton kernel on
      CUDA where liger-kernel is installed).
-  4. Tiled MLP: each decoder layer's MLP runs by sequence tiles.
+  4. Tiled MLP: each decoder layer's MLP runs by sequence tiles; a sparse family's MoE block is replaced by
+     levers/sparse_moe.SparseMoE (experts by tiles, router statistics for the load-balancing loss).
   5. Checkpointing (+ offload): each decoder layer keeps only its input (or, with checkpoint_every=k,
      every k-th layer does and backward rebuilds the rest), on device or in pinned host memory, and
      recomputes in backward; there the tiled MLP skips its forward (its backward recomputes each tile).
@@ -26,14 +27,17 @@ from torch import nn
 from ..attention.kernels import available_kernels
 from ..attention.stash import AttentionStash
 from ..config import FIELDS
+from ..errors import ConfigError
 from ..levers.host_pool import HostPool
 from ..levers.lean_norm import available_norm_kernels, use_lean_norms
 from ..levers.recompute import LayerRecompute
+from ..levers.sparse_moe import RouterStats, SparseMoE
 from ..levers.tiled_mlp import TiledMLP
 from ..model_plan import ModelPlan
-from ..names import auto_num_tiles, choose_kernel, choose_norm_kernel, default_mlp_tiles
+from ..names import auto_num_tiles, choose_experts_implementation, choose_kernel, choose_norm_kernel, default_mlp_tiles
 from ..parallel.state import ParallelState
 from ..parallel.ulysses import UlyssesAttention
+from .families import family
 from .loss_head import LossHead
 
 
@@ -60,6 +64,8 @@ class ParallelizeConfig:
     # layers whose attention output + LSE are kept from the checkpoint's forward to skip the kernel in the
     # recompute (attention/stash.py): False | True (all layers) | n first layers | "auto" (apply)
     keep_attention_outputs: bool | int | str = _default("keep_attention_outputs")
+    # a sparse model's experts kernel (transformers' experts_implementation): eager | batched_mm | grouped_mm | auto
+    experts_implementation: str = _default("experts_implementation")
     host_memory_gb: float | None = _default("host_memory_gb")  # None: detected
     local_seq_len: int | None = None  # tokens per rank per row; needed for tiling decisions
     ranks_per_host: int = 1  # ranks sharing this host's RAM (splits the offload budget)
@@ -71,11 +77,17 @@ class ParallelizeConfig:
         norm = choose_norm_kernel(self.norm_kernel, tuple(available_norm_kernels())) if self.lean_norm else "torch"
         return replace(levers, kernel=choose_kernel(self.attn_implementation, tuple(available_kernels())),
                        loss_type=self.loss_type, loss_chunk_size=self.loss_chunk_size,
-                       tiles=mlp_tiles(self.tiled_mlp, self.local_seq_len, config.hidden_size,
-                                       config.intermediate_size),
+                       tiles=mlp_tiles(self.tiled_mlp, self.local_seq_len, config.hidden_size, _row_width(config)),
+                       experts_implementation=choose_experts_implementation(self.experts_implementation),
                        lean_norm=self.lean_norm, norm_kernel=norm, gradient_checkpointing=self.gradient_checkpointing,
                        attention_stash=self.gradient_checkpointing and self.keep_attention_outputs not in (False, 0),
                        host_memory_gb=self.host_memory_gb, ranks_per_host=self.ranks_per_host)
+
+
+def _row_width(config: Any) -> int:
+    """The MLP's intermediate values per token that the tile rules size by (a sparse block: top_k experts')."""
+    fam = family(getattr(config, "model_type", "qwen3"))
+    return fam.mlp_row_width(fam.layer_dims(config))
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -106,23 +118,44 @@ class SequenceParallelCausalLM(nn.Module):
     """
 
     def __init__(self, causal_lm: nn.Module, state: ParallelState, attention: UlyssesAttention,
-                 checkpointer: LayerRecompute | None, tiles: int = 1):
+                 checkpointer: LayerRecompute | None, tiles: int = 1, router_stats: RouterStats | None = None,
+                 aux_loss_coef: float = 0.0):
         super().__init__()
         self.causal_lm = causal_lm
         self.state = state
         self.attention = attention
         self.checkpointer = checkpointer
         self.tiles = tiles
+        # a sparse model's load-balancing loss (levers/sparse_moe.py): None without one; after each forward,
+        # `aux_loss` holds it (over the whole sequence, the same on every SP rank) for the trainer to add
+        # aux_loss_coef times (parallel/loss.aux_for_backward)
+        self.router_stats = router_stats
+        self.aux_loss_coef = aux_loss_coef
+        self.aux_loss: torch.Tensor | None = None
 
     @property
     def config(self):
         return self.causal_lm.config
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
-                cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+                cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
+                real_rows: int | None = None) -> torch.Tensor:
+        """`real_rows`: leading positions of each row that are not pads (parallel/sharding.Shard); the router
+        statistics leave pads out."""
+        stats = self.router_stats
+        if stats is not None:
+            b, s = input_ids.shape
+            mask = None
+            if real_rows is not None and real_rows < s:
+                mask = (torch.arange(s, device=input_ids.device) < real_rows).float().repeat(b)  # [b * s]
+            stats.begin(mask)
         out = self.causal_lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                    sp_cu_seqlens=cu_seqlens, sp_max_seqlen=max_seqlen)
-        return self.causal_lm.lm_head(out.last_hidden_state, labels=labels)
+        hidden = out.last_hidden_state
+        if stats is not None:
+            group = self.state.sp_group if self.state.sp_size > 1 else None
+            hidden, self.aux_loss = stats.aux_loss(hidden, group)
+        return self.causal_lm.lm_head(hidden, labels=labels)
 
 
 
@@ -157,6 +190,7 @@ def parallelize(model: nn.Module, state: ParallelState,
     if isinstance(plan, ParallelizeConfig):
         plan = plan.resolve(model.config)
     c = model.config
+    fam = family(getattr(c, "model_type", "qwen3"))
     layers = _decoder_layers(model)
     # 1. attention
     attention = UlyssesAttention(state, plan.kernel, c.num_attention_heads, c.num_key_value_heads)
@@ -166,9 +200,21 @@ def parallelize(model: nn.Module, state: ParallelState,
     # 3. lean norms (before tiling and checkpointing, which only wrap what is there)
     if plan.lean_norm:
         use_lean_norms(model, plan.norm_kernel)
-    # 4. tiled MLP
+    # 4. tiled MLP (dense), or the sparse block with its router statistics (tiled or not)
     tiles = plan.tiles
-    if tiles > 1:
+    stats, coef = None, 0.0
+    if fam.mlp_kind == "sparse":
+        d = fam.layer_dims(c)
+        if getattr(c, "output_router_logits", False):
+            stats, coef = RouterStats(d.experts, d.top_k), float(getattr(c, "router_aux_loss_coef", 0.0))
+        for layer in layers:
+            layer.mlp = SparseMoE(layer.mlp, tiles, stats, d.top_k, bool(c.norm_topk_prob))
+        if hasattr(model, "set_experts_implementation"):
+            model.set_experts_implementation(plan.experts_implementation)
+        elif plan.experts_implementation != "eager":  # a transformers without the choice runs its loop
+            raise ConfigError(f"experts_implementation {plan.experts_implementation} needs a transformers with "
+                              f"set_experts_implementation; use eager or upgrade transformers")
+    elif tiles > 1:
         for layer in layers:
             layer.mlp = TiledMLP(layer.mlp, tiles)
     # 5. checkpointing (+ offload, set by apply)
@@ -185,7 +231,7 @@ def parallelize(model: nn.Module, state: ParallelState,
     if plan.attention_stash and plan.gradient_checkpointing:
         attention.stash = AttentionStash()
     model.train()
-    sp_model = SequenceParallelCausalLM(model, state, attention, checkpointer, tiles)
+    sp_model = SequenceParallelCausalLM(model, state, attention, checkpointer, tiles, stats, coef)
     apply(sp_model, plan)
     return sp_model
 

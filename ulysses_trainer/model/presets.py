@@ -1,65 +1,27 @@
-"""Qwen3 presets with the real dimensions (random weights), plus `tiny` for CPU tests.
+"""Presets with the real dimensions (random weights), plus `tiny` / `tiny-moe` for CPU tests.
 
-Checked against the Qwen/Qwen3-*B config.json files on the Hub (and the Qwen3 technical report):
-all share vocab 151,936, head_dim 128, rope_theta 1e6, max_position_embeddings 40,960,
-rms_norm_eps 1e-6, no attention bias, SiLU MLP. The Hub
-configs set eos_token_id 151645 (<|im_end|>, the chat models); the presets use 151643
-(<|endoftext|>), the document separator of the pretraining-style data the builder makes.
+The dimensions live with their family (model/families/); this builds the transformers config.
 """
 
 from __future__ import annotations
 
-from transformers import Qwen3Config
+import transformers
+from transformers import PretrainedConfig
 
 from ..errors import ConfigError
+from .families import PRESETS, preset_family
+from .families.qwen3 import ENDOFTEXT_ID, MAX_POSITIONS, ROPE_THETA, VOCAB_SIZE
 
-# name: (hidden, intermediate, layers, q heads, kv heads, tied embeddings)
-_DIMS: dict[str, tuple[int, int, int, int, int, bool]] = {
-    "qwen3-0.6b": (1024, 3072, 28, 16, 8, True),
-    "qwen3-1.7b": (2048, 6144, 28, 16, 8, True),
-    "qwen3-4b": (2560, 9728, 36, 32, 8, True),
-    "qwen3-8b": (4096, 12288, 36, 32, 8, False),
-    "qwen3-14b": (5120, 17408, 40, 40, 8, False),
-    "qwen3-32b": (5120, 25600, 64, 64, 8, False),
-    # CPU preset: real vocabulary; 8 q / 2 kv heads so sp=4 exercises KV replication
-    "tiny": (64, 128, 2, 8, 2, True),
-}
-PRESETS: tuple[str, ...] = ("tiny", *[n for n in _DIMS if n != "tiny"])
-
-VOCAB_SIZE = 151936
-MAX_POSITIONS = 40960
-ROPE_THETA = 1_000_000.0
-ENDOFTEXT_ID = 151643
+__all__ = ["ENDOFTEXT_ID", "MAX_POSITIONS", "PRESETS", "ROPE_THETA", "VOCAB_SIZE", "is_preset", "preset_config"]
 
 
 def is_preset(name: str) -> bool:
-    return name.lower() in _DIMS
+    return preset_family(name) is not None
 
 
-def preset_config(name: str) -> Qwen3Config:
-    """A fresh Qwen3Config for a preset name (case-insensitive)."""
-    key = name.lower()
-    if key not in _DIMS:
+def preset_config(name: str) -> PretrainedConfig:
+    """A fresh config of the preset's family for a preset name (case-insensitive)."""
+    fam = preset_family(name)
+    if fam is None:
         raise ConfigError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}")
-    hidden, inter, layers, heads, kv, tied = _DIMS[key]
-    return Qwen3Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=16 if key == "tiny" else 128,
-        hidden_act="silu",
-        max_position_embeddings=MAX_POSITIONS,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tied,
-        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
-        attention_bias=False,
-        use_sliding_window=False,
-        max_window_layers=layers,
-        use_cache=False,
-        bos_token_id=ENDOFTEXT_ID,
-        eos_token_id=ENDOFTEXT_ID,
-        pad_token_id=ENDOFTEXT_ID,
-    )
+    return getattr(transformers, fam.config_class)(**fam.presets[name.lower()])

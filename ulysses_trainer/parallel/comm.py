@@ -93,3 +93,29 @@ def gather_sequence(x: torch.Tensor, sp: int, group) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(sp)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=0)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over a group; the backward of a sum is the sum of the grads over the same group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = _on_comm_device(x.contiguous().clone())
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+        return y.to(x.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = _on_comm_device(grad.contiguous().clone())
+        dist.all_reduce(g, op=dist.ReduceOp.SUM, group=ctx.group)
+        return g.to(grad.device), None
+
+
+def all_reduce_sum_differentiable(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum a tensor over a group (world when None) with autograd: every rank's backward gets the sum of all
+    ranks' grads of the result. A collective in forward and in backward: every rank of the group calls it.
+    Identity without a process group or with a group of one."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return x
+    return _AllReduceSum.apply(x, group)

@@ -33,3 +33,20 @@ def global_loss(local_loss_sum: float, step_tokens: int, state: ParallelState) -
     """The logged loss: token-weighted mean over the step on all ranks (collective)."""
     t = all_reduce_sum(torch.tensor([local_loss_sum], dtype=torch.float64))
     return float(t.item()) / max(step_tokens, 1)
+
+
+def aux_for_backward(aux_loss: torch.Tensor, coef: float, accumulation: int) -> torch.Tensor:
+    """A sparse model's load-balancing term to add to loss_for_backward's, for one micro-step.
+
+    The step minimises mean(token losses) + coef x (aux averaged over dp ranks and micro-steps), as TRL adds
+    coef x aux to each forward's loss. Each SP rank holds the same aux (its statistics are sums over the SP
+    group, whose backward sums the grads over the group: sp x); DeepSpeed averages over all world = sp x dp
+    ranks. So each rank adds coef / accumulation x aux: (1 / (sp dp)) x sum over dp of sp x coef / acc x grad.
+    """
+    return aux_loss * (coef / max(accumulation, 1))
+
+
+def global_aux_loss(local_aux_sum: float, micro_steps: int, state: ParallelState) -> float:
+    """The logged aux_loss: mean over dp ranks and micro-steps (SP ranks hold the same value; collective)."""
+    t = all_reduce_sum(torch.tensor([local_aux_sum], dtype=torch.float64))
+    return float(t.item()) / (state.world_size * max(micro_steps, 1))

@@ -24,6 +24,7 @@ class Shard:
     cu_seqlens: torch.Tensor  # int32 document starts over the flattened full [b * L_pad] batch, + end
     max_seqlen: int
     packed: bool  # more than one document in some row: kernels need the varlen / per-document path
+    real_rows: int | None = None  # leading positions of each row that are not pads (None: all)
 
     @property
     def num_valid(self) -> int:
@@ -32,11 +33,11 @@ class Shard:
     def model_inputs(self) -> dict:
         """Keyword arguments for SequenceParallelCausalLM.forward."""
         return {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids,
-                "cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen}
+                "cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen, "real_rows": self.real_rows}
 
     def to(self, device) -> Shard:
         return Shard(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device),
-                     self.cu_seqlens.to(device), self.max_seqlen, self.packed)
+                     self.cu_seqlens.to(device), self.max_seqlen, self.packed, self.real_rows)
 
 
 def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -92,4 +93,5 @@ def shard_batch(input_ids: torch.Tensor, *, sp_size: int, sp_rank: int,
     local = total // sp_size
     sl = slice(sp_rank * local, (sp_rank + 1) * local)  # [b, L_pad] -> [b, L_pad/sp]
     return Shard(input_ids[:, sl].contiguous(), shifted[:, sl].contiguous(),
-                 position_ids[:, sl].contiguous(), cu, max_len, packed)
+                 position_ids[:, sl].contiguous(), cu, max_len, packed,
+                 real_rows=max(0, min(local, length - sp_rank * local)))

@@ -100,7 +100,7 @@ def benchmark_settings(system: str, shape: ModelShape, point: dict[str, Any], st
                        # runs, which did not record it)
                        zero3=replace(DEEPSPEED_DEFAULT_KNOBS, sub_group_size=int(point.get("sub_group_size", 2**28)))
                        if point.get("offload_optimizer") else DEEPSPEED_DEFAULT_KNOBS,
-                       tiled_mlp=auto_num_tiles(length, shape.hidden, shape.intermediate))
+                       tiled_mlp=auto_num_tiles(length, shape.hidden, shape.mlp_row_width))
     if system == "alst":  # every checkpoint offloaded per tensor (pinned, power-of-two), no prefetch;
         # DeepSpeed TiledMLP with ceil(L / H) shards; TiledFusedLogitsLoss with 1024-row shards
         return replace(base, activation_offload=shape.layers, pinned_rounding="pow2", prefetch_offloaded=False,

@@ -107,7 +107,7 @@ class Search:
         top = self.top_tiles()
         if every_count:
             return list(range(1, top + 1))
-        rule = default_mlp_tiles(local_tokens(self.base), self.shape.intermediate)
+        rule = default_mlp_tiles(local_tokens(self.base), self.shape.mlp_row_width)
         return sorted({min(rule, top)} | {t for t in (2, 4, 8, 16, 32, 64) if rule < t <= top})
 
     # ---------------------------------------------------------------- the fit test

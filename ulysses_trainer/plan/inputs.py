@@ -10,6 +10,7 @@ from typing import Any, Literal
 from ..errors import ConfigError
 from ..layout import check_heads
 from ..layout import padded_length as layout_padded_length
+from ..model.families import Family, LayerDims, family
 from ..names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS, param_persistence_threshold
 
 # --------------------------------------------------------------------------------------------
@@ -18,7 +19,8 @@ from ..names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS, param_persistence_t
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The dimensions the memory model needs (a Qwen3 / Llama-style decoder with q/k RMSNorm)."""
+    """The dimensions the memory model needs, and the model's family (model/families/: module order, MLP kind,
+    q/k norms). `intermediate` is the dense MLP's width, or one expert's for a sparse family."""
 
     vocab: int
     hidden: int
@@ -29,22 +31,45 @@ class ModelShape:
     head_dim: int
     tied_embeddings: bool
     qk_norm: bool = True
+    model_type: str = "qwen3"
+    experts: int = 0  # sparse MLP: experts per layer, and how many each token runs through
+    top_k: int = 0
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
-        """From a transformers config (Qwen3Config or alike)."""
-        d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(vocab=config.vocab_size, hidden=config.hidden_size, intermediate=config.intermediate_size,
+        """From a transformers config of a supported family (model/families/)."""
+        fam = family(getattr(config, "model_type", "qwen3"))
+        d = fam.layer_dims(config)
+        return cls(vocab=config.vocab_size, hidden=d.hidden, intermediate=d.intermediate,
                    layers=config.num_hidden_layers, heads=config.num_attention_heads,
-                   kv_heads=config.num_key_value_heads, head_dim=d,
-                   tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                   qk_norm=getattr(config, "model_type", "qwen3") == "qwen3")
+                   kv_heads=config.num_key_value_heads, head_dim=d.head_dim,
+                   tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)), qk_norm=fam.qk_norm,
+                   model_type=fam.model_type, experts=d.experts, top_k=d.top_k)
 
     @classmethod
     def preset(cls, name: str) -> ModelShape:
         from ..model.presets import preset_config
 
         return cls.from_config(preset_config(name))
+
+    @property
+    def family(self) -> Family:
+        return family(self.model_type)
+
+    @property
+    def sparse(self) -> bool:
+        """A sparse MoE MLP (router + experts) in every layer."""
+        return self.family.mlp_kind == "sparse"
+
+    @property
+    def dims(self) -> LayerDims:
+        return LayerDims(hidden=self.hidden, intermediate=self.intermediate, q_width=self.q_width,
+                         kv_width=self.kv_width, head_dim=self.head_dim, experts=self.experts, top_k=self.top_k)
+
+    @property
+    def mlp_row_width(self) -> int:
+        """Intermediate values per token of the MLP, what the tile rules size by (Family.mlp_row_width)."""
+        return self.family.mlp_row_width(self.dims)
 
     @property
     def q_width(self) -> int:
@@ -103,6 +128,8 @@ class Settings:
     # backward); on the H200, SDPA (cuDNN) and the memory-only stand-in measured the same working set on the
     # KV-group path; on all heads with fewer KV than query heads cuDNN's backward takes more (layer_terms.py).
     attention: str = "sdpa"
+    # a sparse model's experts kernel (transformers' experts_implementation; plan/step_time.EXPERTS_TFLOPS)
+    experts_implementation: str = "grouped_mm"
     pad_to_multiple_of: int | None = None
     pinned_rounding: Literal["exact", "pow2"] = "exact"  # our HostPool vs per-tensor pin_memory()
     prefetch_offloaded: bool = True  # ours fetches the next offloaded layer one layer ahead
@@ -178,24 +205,34 @@ def kv_repeat(shape: ModelShape, sp: int) -> int:
     return max(1, sp // shape.kv_heads)
 
 
-def _layer_linear_numels(shape: ModelShape) -> list[int]:
-    """One decoder layer's linear weights: q, k, v, o, gate, up, down."""
-    h, i, q, k = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width
-    return [h * q, h * k, h * k, q * h, h * i, h * i, i * h]
+def layer_params(shape: ModelShape) -> list[tuple[str, int]]:
+    """(name, numel) of one decoder layer's parameters: the family's attention (dense Qwen3: q, k, v, o,
+    q_norm, k_norm), its MLP (gate, up, down; sparse: router, experts' gate_up and down), then
+    input_layernorm and post_attention_layernorm."""
+    fam, d = shape.family, shape.dims
+    attn = sorted(fam.attention_params(d), key=lambda kv: kv[0].endswith("_norm"))  # projections, then q/k norms
+    return [*attn, *fam.mlp_params(d), ("input_norm", shape.hidden), ("post_attention_norm", shape.hidden)]
 
 
 def layer_param_numels(shape: ModelShape) -> list[int]:
-    """Parameters of one decoder layer, in module order: q, k, v, o, q_norm, k_norm, gate, up, down,
-    input_layernorm, post_attention_layernorm."""
-    q, k, v, o, gate, up, down = _layer_linear_numels(shape)
-    norms = [shape.head_dim] * 2 if shape.qk_norm else []
-    return [q, k, v, o, *norms, gate, up, down, shape.hidden, shape.hidden]
+    """Parameters of one decoder layer, in layer_params' order (dense Qwen3: q, k, v, o, q_norm, k_norm, gate,
+    up, down, input_layernorm, post_attention_layernorm)."""
+    return [n for _, n in layer_params(shape)]
+
+
+def active_layer_numel(shape: ModelShape) -> int:
+    """Parameters of one layer that one token's forward runs through (a sparse MLP: the router and top_k experts)."""
+    fam, d = shape.family, shape.dims
+    return sum(n for _, n in fam.attention_params(d)) + fam.active_mlp_numel(d) + 2 * shape.hidden
 
 
 def matmul_params(shape: ModelShape) -> int:
     """Parameters that take part in a matmul per token: every layer's linear weights plus lm_head (embedding
-    lookups and norms do no matmul); what the model FLOPs count (train/metrics.py)."""
-    return shape.layers * sum(_layer_linear_numels(shape)) + shape.vocab * shape.hidden
+    lookups and norms do no matmul); of a sparse MLP, the router and the top_k experts a token runs through
+    (active FLOPs); what the model FLOPs count (train/metrics.py)."""
+    fam, d = shape.family, shape.dims
+    linear = sum(n for name, n in fam.attention_params(d) if not name.endswith("_norm")) + fam.active_mlp_numel(d)
+    return shape.layers * linear + shape.vocab * shape.hidden
 
 
 def param_numels(shape: ModelShape) -> list[int]:
@@ -212,6 +249,13 @@ def param_numels(shape: ModelShape) -> list[int]:
 def num_params(shape: ModelShape) -> int:
     """N: parameters, tied embeddings counted once."""
     return sum(param_numels(shape))
+
+
+def num_active_params(shape: ModelShape) -> int:
+    """Parameters one token's forward uses (tied embeddings counted once): N for a dense model; a sparse one
+    counts top_k of its experts."""
+    head = 0 if shape.tied_embeddings else shape.vocab * shape.hidden
+    return shape.vocab * shape.hidden + shape.layers * active_layer_numel(shape) + shape.hidden + head
 
 
 def _shard_numel(shape: ModelShape, s: Settings) -> int:

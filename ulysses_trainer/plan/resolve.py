@@ -20,6 +20,7 @@ from ..layout import Layout, resolve_layout
 from ..names import (
     KEEPING_KERNELS,
     auto_num_tiles,
+    choose_experts_implementation,
     choose_kernel,
     choose_norm_kernel,
     default_mlp_tiles,
@@ -65,7 +66,7 @@ def read_levers(cfg: Any, shape: ModelShape, kernel: str, local: int) -> Fixed:
     return Fixed(offload=None if off == "auto" else ("all" if off is True else int(off)),
                  keep=None if keep == "auto" else (layers if keep is True else int(keep)),
                  tiles=None if tiled == "auto" else (1 if tiled is False else auto_num_tiles(
-                     local, shape.hidden, shape.intermediate) if tiled is True else tiled),
+                     local, shape.hidden, shape.mlp_row_width) if tiled is True else tiled),
                  every=c, optimizer_offload=None if cfg.optimizer_offload == "auto" else cfg.optimizer_offload)
 
 
@@ -100,7 +101,9 @@ def _base_settings(cfg: Any, layout: Layout, machine: Machine, zero: ZeroSetting
                     micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
                     gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
                     loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, norm_kernel=norm, attention=kernel,
-                    pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs, gpus_per_host=machine.ranks_per_host)
+                    pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs, gpus_per_host=machine.ranks_per_host,
+                    experts_implementation=choose_experts_implementation(
+                        getattr(cfg, "experts_implementation", "auto")))
 
 
 def _first_notes(cfg: Any, machine: Machine, fx: Fixed, kernel: str, norm: str) -> list[str]:
@@ -131,7 +134,7 @@ def _gpu_budget(machine: Machine, base: Settings, engine_plan: Plan | None, note
 def _cheapest(shape: ModelShape, base: Settings, fx: Fixed) -> MemoryEstimate:
     """The CPU run: nothing is short of memory; the autos take their cheapest values."""
     every = fx.every or 1
-    tiles = fx.tiles if fx.tiles is not None else default_mlp_tiles(local_tokens(base), shape.intermediate)
+    tiles = fx.tiles if fx.tiles is not None else default_mlp_tiles(local_tokens(base), shape.mlp_row_width)
     s = replace(base, checkpoint_every=every, tiled_mlp=tiles, offload_optimizer=bool(fx.optimizer_offload),
                 activation_offload=fx.offload_for(saved_layer_count(shape, every)) or 0,
                 kept_attention_layers=fx.keep or 0)
@@ -219,7 +222,8 @@ def _assemble(cfg: Any, shape: ModelShape, machine: Machine, chosen: MemoryEstim
         step_parts=tuple(st.parts.items()) if st else (), fits=fits, binding_limit=limit,
         missing_gpu_gb=misses[0] / GIB, missing_host_gb=misses[1] / GIB, gpu_budget_gb=budget,
         host_budget_gb=machine.host_memory_gb,
-        decided=_decided(cfg, fixed, s, kernel), notes=tuple(notes), settings=s, estimate=chosen, fixed=fixed)
+        decided=_decided(cfg, fixed, s, kernel), notes=tuple(notes), settings=s, estimate=chosen, fixed=fixed,
+        experts_implementation=s.experts_implementation)
 
 
 def plan_for(cfg: Any, model_config: Any, ds: dict, machine: Machine, *, bf16: bool | None = None) -> Plan:

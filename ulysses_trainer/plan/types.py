@@ -106,6 +106,7 @@ class Plan:
     # the levers as the config and the ZeRO JSON fixed them (None: auto, decided by the search); the longest
     # length `plan` reports searches the same autos
     fixed: Fixed = field(compare=False, repr=False)
+    experts_implementation: str = "grouped_mm"  # a sparse model's experts kernel (unused by a dense one)
 
     @property
     def world(self) -> int:
@@ -122,7 +123,8 @@ class Plan:
             kept_attention_layers=self.kept_attention_layers if levers else (),
             attention_stash=self.gradient_checkpointing,
             checkpoint_bytes_per_layer=self.checkpoint_bytes_per_layer if levers else 0,
-            host_memory_gb=host_memory_gb, ranks_per_host=ranks_per_host)
+            host_memory_gb=host_memory_gb, ranks_per_host=ranks_per_host,
+            experts_implementation=self.experts_implementation)
 
     def summary(self) -> str:
         """One line: what runs, the predicted step time and peak memory."""
@@ -152,6 +154,7 @@ class Plan:
                 "sp_size": self.sp, "dp": self.dp, "attn_implementation": self.kernel,
                 "loss_type": self.loss_type, "loss_chunk_size": self.loss_chunk_size, "tiled_mlp": self.tiles,
                 "lean_norm": self.lean_norm, "norm_kernel": self.norm_kernel,
+                "experts_implementation": self.experts_implementation,
                 "gradient_checkpointing": self.gradient_checkpointing,
                 "checkpoint_every": self.checkpoint_every, "saved_layers": list(self.saved_layers),
                 "offload_layers": list(self.offload_layers), "activation_offload": len(self.offload_layers),

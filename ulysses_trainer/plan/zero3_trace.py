@@ -8,7 +8,8 @@ parameter count, and stops once the sum reaches the distance). A released parame
 at its next use; the trace ends with the micro-step, so the last use always releases. Parameters at or
 below stage3_param_persistence_threshold stay gathered and are never fetched.
 
-The module order is that of a Qwen3 decoder under this trainer (reentrant checkpointing: backward
+The module order is the family's (model/families/), here that of a Qwen3 decoder under this trainer
+(reentrant checkpointing: backward
 re-runs each layer's forward just before that layer's backward; checkpoint_every=k first rebuilds
 the block's lower layers from its kept input, levers/recompute.py):
   forward:  embed, per layer [input_norm, q, q_norm, k, k_norm, v, o, post_attention_norm, gate, up,
@@ -18,7 +19,8 @@ the block's lower layers from its kept input, levers/recompute.py):
 A tiled MLP (levers/tiled_mlp.py, T tiles) runs gate, up, down T times in forward, not at all in the
 recompute, and T times forward-then-backward in its backward: at long lengths those T x 3 MLP uses
 lie between a layer's recompute and its attention's backward, so with an 8B model and 12 tiles q, k,
-v, o are gathered a third time there.
+v, o are gathered a third time there. A sparse MLP (levers/sparse_moe.py) runs its router once on all the
+rows (forward, recompute, backward) and the experts module (gate_up and down) once per tile.
 Steady state (the trace exists from the second step on; the memory the prefetcher then holds, up to
 stage3_max_live_parameters, is plan/layer_terms.layer_gathered_params_bytes). Not modelled here:
 stage3_max_live_parameters forcing earlier releases (the default config's 1e9 does not bind below
@@ -34,27 +36,33 @@ from __future__ import annotations
 from collections import Counter
 
 from .. import names
-from .inputs import ModelShape, layer_param_numels
+from .inputs import ModelShape, layer_param_numels, layer_params
 
 Param = tuple[int, str]  # (layer index or -1, tensor name)
 
 
 def layer_names(shape: ModelShape) -> list[str]:
     """Tensor names in layer_param_numels' order."""
-    norms = ["q_norm", "k_norm"] if shape.qk_norm else []
-    return ["q", "k", "v", "o", *norms, "gate", "up", "down", "input_norm", "post_attention_norm"]
+    return [n for n, _ in layer_params(shape)]
+
+
+def _mlp_names(shape: ModelShape) -> tuple[list[str], list[str]]:
+    """(the MLP's tensors used once per pass, those used once per tile)."""
+    names = [n for n, _ in shape.family.mlp_params(shape.dims)]
+    return (names[:1], names[1:]) if shape.sparse else ([], names)
 
 
 def forward_order(shape: ModelShape) -> list[str]:
-    qk = ["q", "q_norm", "k", "k_norm"] if shape.qk_norm else ["q", "k"]
-    return ["input_norm", *qk, "v", "o", "post_attention_norm", "gate", "up", "down"]
+    qk = [n for n, _ in shape.family.attention_params(shape.dims)]
+    once, tiled = _mlp_names(shape)
+    return ["input_norm", *qk, "post_attention_norm", *once, *tiled]
 
 
 def module_trace(shape: ModelShape, gradient_checkpointing: bool = True, checkpoint_every: int = 1,
                  mlp_tiles: int = 1) -> list[Param]:
     """The parameters in the order modules fetch them in one micro-step (one module uses one tensor here)."""
-    attn = forward_order(shape)[:-3]  # input_norm .. post_attention_norm
-    mlp = ["gate", "up", "down"]
+    _, mlp = _mlp_names(shape)
+    attn = forward_order(shape)[:-len(mlp)]  # input_norm .. post_attention_norm, a sparse MLP's router
     tiled = mlp_tiles > 1  # levers/tiled_mlp.py: forward runs the tiles; backward re-runs each before its backward
     at = lambda i, names: [(i, n) for n in names]  # noqa: E731
     forward = lambda i: at(i, attn + mlp * mlp_tiles)  # noqa: E731

@@ -21,7 +21,7 @@ from ..model.load import build_model, checkpoint_source
 from ..model.parallelize import SequenceParallelCausalLM, apply, parallelize
 from ..names import resolve_report_to
 from ..parallel.comm import all_reduce
-from ..parallel.loss import global_loss, loss_for_backward, step_token_count
+from ..parallel.loss import aux_for_backward, global_aux_loss, global_loss, loss_for_backward, step_token_count
 from ..parallel.sharding import Shard, shard_batch
 from ..parallel.state import ParallelState, make_parallel_state
 from ..plan.resolve import resolve_plan
@@ -76,6 +76,7 @@ class Trainer:
         self.stop = StopSignal()
         self.step = 0
         self.num_tokens = 0
+        self.last_aux_loss: float | None = None  # a sparse model's load-balancing loss of the last step
         self.model = self._build_model()
         self.engine = self._build_engine()
         self.metrics = MetricsFile(self.cfg.output_dir)
@@ -174,13 +175,22 @@ class Trainer:
     # ------------------------------------------------------------------ steps
     def train_step(self, shards: list[Shard]) -> tuple[float, float, int]:
         tokens = step_token_count(sum(s.num_valid for s in shards), self.state)
-        local_sum = 0.0
+        local_sum, aux_sum, coef = 0.0, 0.0, self.model.aux_loss_coef
         for shard in shards:
             loss_sum = self.engine(**shard.model_inputs())
             local_sum += float(loss_sum.detach())
-            self.engine.backward(loss_for_backward(loss_sum, tokens, self.state), scale_wrt_gas=False)
+            objective = loss_for_backward(loss_sum, tokens, self.state)
+            aux = self.model.aux_loss  # a sparse model's load-balancing loss (None for dense)
+            if aux is not None:
+                aux_sum += float(aux.detach())
+                objective = objective + aux_for_backward(aux, coef, len(shards))
+            self.engine.backward(objective, scale_wrt_gas=False)
             self.engine.step()  # DeepSpeed applies the optimizer only at the accumulation boundary
         loss = global_loss(local_sum, tokens, self.state)
+        self.last_aux_loss = None
+        if self.model.router_stats is not None:  # logged beside loss, which includes coef x aux (as TRL)
+            self.last_aux_loss = global_aux_loss(aux_sum, len(shards), self.state)
+            loss += coef * self.last_aux_loss
         grad_norm = self.engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         return loss, grad_norm, tokens
@@ -331,6 +341,8 @@ class Trainer:
                "num_tokens": self.num_tokens, "epoch": epoch,
                "tokens_per_s": tokens / dt, "tflops_per_gpu": flops_per_step / dt / self.state.world_size / 1e12,
                "peak_gpu_mem_gb": peak_gpu_mem_gb(), "peak_host_mem_gb": peak_host_mem_gb()}
+        if self.last_aux_loss is not None:
+            row["aux_loss"] = self.last_aux_loss
         if self.state.is_main:
             bar.write(log_line(row))
             self.metrics.append(row)

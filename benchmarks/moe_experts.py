@@ -1,0 +1,113 @@
+"""One sparse MoE block (levers/sparse_moe.SparseMoE around transformers' Qwen3MoeSparseMoeBlock) alone,
+forward + backward, by experts_implementation and tile count: seconds, active TFLOP/s and peak memory.
+
+    python benchmarks/moe_experts.py --out moe_experts_h200.json               # Qwen3-30B-A3B's block, 131,072 rows
+    python benchmarks/moe_experts.py --model tiny-moe --tokens 512 --device cpu --out smoke_moe_experts.json
+
+Inputs are random (never zeros: kernels run faster on zeros), the router's weights too, so the routing
+spreads rows over the experts as a trained router roughly does. Active FLOPs: 6 x rows x top_k x 3 x H x I
+(forward 2, backward 4 per active expert parameter and row). A tile count of 1 is the untiled block; an
+implementation that runs out of memory is recorded with the error, not skipped. plan/step_time.EXPERTS_TFLOPS
+holds the H200 rates this measures; the memory model's sparse terms (plan/layer_terms.sparse_mlp_saved) are
+compared with the measured peak above the block's input by whoever updates them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ulysses_trainer.levers.sparse_moe import SparseMoE  # noqa: E402
+from ulysses_trainer.model.presets import preset_config  # noqa: E402
+
+
+def _time(fn, iters: int, device: torch.device) -> float:
+    """Median seconds of iters calls after one untimed call (compilation, autotuning)."""
+    ts = []
+    for _ in range(iters + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts[1:])
+
+
+def measure(model: str, tokens: int, impl: str, tiles: int, iters: int, device: torch.device,
+            dtype: torch.dtype) -> dict:
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = preset_config(model)
+    cfg._experts_implementation = impl  # read by transformers' experts dispatch (set_experts_implementation's field)
+    torch.manual_seed(0)
+    with torch.device(device):
+        block = Qwen3MoeSparseMoeBlock(cfg).to(dtype)
+        for p in block.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+    moe = SparseMoE(block, tiles, None, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    x = torch.randn(1, tokens, cfg.hidden_size, device=device, dtype=dtype)
+    dy = torch.randn_like(x)
+    flops = 6.0 * tokens * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    row = {"model": model, "tokens": tokens, "experts_implementation": impl, "tiles": tiles,
+           "dtype": str(dtype).removeprefix("torch."), "active_flops": flops,
+           # what transformers' experts dispatch reads at each call: proves the kernel timed is the one named
+           "dispatched": getattr(getattr(block.experts, "config", cfg), "_experts_implementation", None)}
+
+    def step():
+        xg = x.detach().requires_grad_(True)
+        moe(xg).backward(dy)
+        for p in moe.parameters():
+            p.grad = None
+
+    try:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        s = _time(step, iters, device)
+        row.update(fwd_bwd_s=s, active_tflops=flops / s / 1e12)
+        if device.type == "cuda":
+            row["peak_above_start_gb"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+    except torch.OutOfMemoryError as exc:
+        row["error"] = f"out of memory: {str(exc).splitlines()[0]}"
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--tokens", type=int, default=131072)
+    ap.add_argument("--impls", default="eager,grouped_mm,batched_mm")
+    ap.add_argument("--tiles", default="1,4,8", help="tile counts, comma-separated (1 = untiled)")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for impl in args.impls.split(","):
+        for tiles in (int(t) for t in args.tiles.split(",")):
+            rows.append(measure(args.model, args.tokens, impl, tiles, args.iters, device, dtype))
+            print(json.dumps(rows[-1]), flush=True)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    import transformers
+
+    with open(args.out, "w") as f:
+        json.dump({"gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__, "rows": rows},
+                  f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

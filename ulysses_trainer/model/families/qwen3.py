@@ -1,0 +1,50 @@
+"""Qwen3 (dense): q/k RMSNorm attention and a gated SiLU MLP in every layer.
+
+Presets checked against the Qwen/Qwen3-*B config.json files on the Hub (and the Qwen3 technical report):
+all share vocab 151,936, head_dim 128, rope_theta 1e6, max_position_embeddings 40,960,
+rms_norm_eps 1e-6, no attention bias, SiLU MLP. The Hub configs set eos_token_id 151645 (<|im_end|>,
+the chat models); the presets use 151643 (<|endoftext|>), the document separator of the
+pretraining-style data the builder makes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Family
+
+VOCAB_SIZE = 151936
+MAX_POSITIONS = 40960
+ROPE_THETA = 1_000_000.0
+ENDOFTEXT_ID = 151643
+
+# name: (hidden, intermediate, layers, q heads, kv heads, tied embeddings)
+_DIMS: dict[str, tuple[int, int, int, int, int, bool]] = {
+    # CPU preset: real vocabulary; 8 q / 2 kv heads so sp=4 exercises KV replication
+    "tiny": (64, 128, 2, 8, 2, True),
+    "qwen3-0.6b": (1024, 3072, 28, 16, 8, True),
+    "qwen3-1.7b": (2048, 6144, 28, 16, 8, True),
+    "qwen3-4b": (2560, 9728, 36, 32, 8, True),
+    "qwen3-8b": (4096, 12288, 36, 32, 8, False),
+    "qwen3-14b": (5120, 17408, 40, 40, 8, False),
+    "qwen3-32b": (5120, 25600, 64, 64, 8, False),
+}
+
+
+def common_kwargs(layers: int) -> dict[str, Any]:
+    """What every Qwen3-family preset shares (the published configs)."""
+    return dict(vocab_size=VOCAB_SIZE, hidden_act="silu", max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}, attention_bias=False,
+                use_sliding_window=False, max_window_layers=layers, use_cache=False, bos_token_id=ENDOFTEXT_ID,
+                eos_token_id=ENDOFTEXT_ID, pad_token_id=ENDOFTEXT_ID)
+
+
+def _preset(name: str) -> dict[str, Any]:
+    hidden, inter, layers, heads, kv, tied = _DIMS[name]
+    return dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv, head_dim=16 if name == "tiny" else 128, tie_word_embeddings=tied,
+                **common_kwargs(layers))
+
+
+QWEN3 = Family(model_type="qwen3", config_class="Qwen3Config", causal_lm_class="Qwen3ForCausalLM",
+               mlp_kind="dense", qk_norm=True, presets={n: _preset(n) for n in _DIMS})
