@@ -28,7 +28,7 @@ from ..model.load import model_config_for
 from ..plan.longest_fit import Choice, Hardware, largest_max_length
 from ..plan.memory import GIB, MemoryEstimate, ModelShape, Settings, local_tokens
 from ..plan.resolve import plan_for
-from ..plan.types import Machine, Plan, read_zero
+from ..plan.types import Machine, Plan
 from ..probe import host_memory, installed_kernels, local_gpus
 from .argv import split_argv
 
@@ -144,11 +144,11 @@ def run_plan(argv: list[str]) -> int:
     max_length that fits. Exit 0 when it fits, 1 when it does not (the binding limit is named)."""
     cfg, model_config, ds, machine, args = build_plan_inputs(argv)
     plan = plan_for(cfg, model_config, ds, machine)  # the trainer's own call (train/prepare.py)
-    shape, zero = ModelShape.from_config(model_config), read_zero(ds, str(cfg.deepspeed))
     hw = Hardware(machine.gpus, machine.gpu_memory_gb, machine.host_memory_gb, machine.gpus_per_host)
     base = replace(plan.settings, max_length=cfg.max_length, activation_offload=0, kept_attention_layers=0)
-    fixed_opt = None if cfg.optimizer_offload == "auto" and zero.offload_optimizer is None else plan.optimizer_offload
-    longest, best = largest_max_length(shape, base, hw, offload_optimizer=fixed_opt)
+    # Adam's placement as the config and the ZeRO JSON fixed it (decoded once, in plan/resolve.read_levers)
+    longest, best = largest_max_length(ModelShape.from_config(model_config), base, hw,
+                                       offload_optimizer=plan.fixed.optimizer_offload)
     if args.json:
         out = {"model": plan.model, "hardware": {**machine.__dict__, "kernels": list(machine.kernels)},
                "fits": plan.fits, "plan": plan.to_dict(), "chosen": _settings_summary(plan.settings),

@@ -4,7 +4,7 @@ the machine. `resolve_plan` is the one function the trainer and `ulysses-trainer
 Every lever is checked here against the model (ConfigError, exit 2, naming the fix; config.check_levers has
 checked the values themselves); every `auto` is decided here: of all the settings that fit the GPU and host
 memory (plan/memory.py), the one with the shortest predicted step (plan/step_time.py). The search
-(plan/fastest_fit.py) covers the optimizer's placement (GPU or host), the checkpoint thinning, the MLP tiles,
+(plan/fit_search.fastest_fit) covers the optimizer's placement (GPU or host), the checkpoint thinning, the MLP tiles,
 the offloaded layer inputs and the kept attention outputs.
 Torch-free: the caller measures the machine (GPU memory, host RAM, installed kernels) and passes it in.
 """
@@ -26,7 +26,7 @@ from ..names import (
     default_mlp_tiles,
     offload_sub_group_size,
 )
-from .fastest_fit import Fixed, search_fastest, shortfall, with_headroom
+from .fit_search import Fixed, fastest_fit, shortfall, with_headroom
 from .inputs import (
     ModelShape,
     Settings,
@@ -202,8 +202,8 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
         can_keep = cfg.gradient_checkpointing and kernel in KEEPING_KERNELS and not cfg.packing
         added = replace(zero.knobs, sub_group_size=offload_sub_group_size(zero.knobs.sub_group_size))
         knobs = {False: zero.knobs, True: zero.knobs if zero.offload_optimizer else added}
-        chosen, fits, best = search_fastest(shape, base, fx, shape.layers if can_keep else 0, budget,
-                                            machine.host_memory_gb, knobs, lambda s: time_of(s).total_s)
+        chosen, fits, best = fastest_fit(shape, base, fx, shape.layers if can_keep else 0, budget,
+                                         machine.host_memory_gb, knobs, lambda s: time_of(s).total_s)
         if fits and fx.offload is None:
             chosen = with_headroom(shape, chosen, budget, machine.host_memory_gb)
     st = time_of(chosen.settings) if gpu else None
@@ -216,12 +216,12 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     gpu_miss, host_miss = shortfall(chosen, budget, machine.host_memory_gb) if gpu else (0, 0)
     limit = None if fits else " and ".join(n for n, m in (("GPU memory", gpu_miss), ("host memory", host_miss)) if m)
     return _assemble(cfg, shape, machine, chosen, st, kernel, fits=fits, limit=limit, misses=(gpu_miss, host_miss),
-                     budget=budget, decided=_decided(cfg, asked, chosen.settings, kernel), notes=notes)
+                     budget=budget, fixed=asked, notes=notes)
 
 
 def _assemble(cfg: Any, shape: ModelShape, machine: Machine, chosen: MemoryEstimate, st: StepTime | None,
               kernel: str, *, fits: bool, limit: str | None, misses: tuple[int, int], budget: float | None,
-              decided: tuple[str, ...], notes: list[str]) -> Plan:
+              fixed: Fixed, notes: list[str]) -> Plan:
     """The Plan of the chosen settings: layers as indices, memory in GiB."""
     s = chosen.settings
     saved_layers = tuple(range(0, shape.layers, s.checkpoint_every)) if s.gradient_checkpointing else ()
@@ -240,7 +240,7 @@ def _assemble(cfg: Any, shape: ModelShape, machine: Machine, chosen: MemoryEstim
         step_parts=tuple(st.parts.items()) if st else (), fits=fits, binding_limit=limit,
         missing_gpu_gb=misses[0] / GIB, missing_host_gb=misses[1] / GIB, gpu_budget_gb=budget,
         host_budget_gb=machine.host_memory_gb,
-        decided=decided, notes=tuple(notes), settings=s, estimate=chosen,
+        decided=_decided(cfg, fixed, s, kernel), notes=tuple(notes), settings=s, estimate=chosen, fixed=fixed,
         experts_implementation=s.experts_implementation)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..model_plan import ModelPlan
 from ..names import DEFAULT_SUB_GROUP_SIZE, check_zero_stage
+from .fit_search import Fixed
 from .inputs import Settings, Zero3Knobs
 from .memory import MemoryEstimate
 from .step_time import format_seconds
@@ -102,6 +103,9 @@ class Plan:
     notes: tuple[str, ...]  # extrapolations, assumptions, alternatives weighed
     settings: Settings = field(compare=False, repr=False)
     estimate: MemoryEstimate = field(compare=False, repr=False)
+    # the levers as the config and the ZeRO JSON fixed them (None: auto, decided by the search); the longest
+    # length `plan` reports searches the same autos
+    fixed: Fixed = field(compare=False, repr=False)
     experts_implementation: str = "grouped_mm"  # a sparse model's experts kernel (unused by a dense one)
 
     @property

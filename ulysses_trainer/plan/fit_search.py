@@ -1,0 +1,281 @@
+"""One search over the settings that fit the GPU and host memory, with two goals. Torch-free.
+
+The candidates (`Search.rungs`, `Search.tile_ladder`): checkpoint_every cheapest first (rebuilding a layer runs
+its whole forward again), then the optimizer's placement (GPU before host), the MLP tiles, the fewest offloaded
+layer inputs, the kept attention outputs; a lever the user fixed takes only its value. The fit test
+(`Search.est`, `Search.fits`): GPU need and host RAM per host against the budgets; the closest miss is kept.
+
+- `fastest_fit` (what the plan runs; plan/resolve.py decodes the levers and calls it): at the first
+  checkpoint_every where anything fits, per placement the first tile count where anything fits, the settings
+  with the shortest predicted step.
+- `cheapest_fit` (memory only; plan/longest_fit.py bisects the length over it): the first settings that fit in
+  the cost order: the smallest checkpoint_every, then Adam on the GPU, then the fewest offloaded inputs, then
+  the fewest tiles for that count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from ..names import default_mlp_tiles
+from .inputs import ModelShape, Settings, Zero3Knobs, local_tokens, saved_layer_count
+from .memory import GIB, MemoryEstimate, estimate
+
+EVERY_CHOICES = (1, 2, 3, 4, 6, 9, 12)  # checkpoint_every values the search tries, cheapest first
+# offload is not charged in the step time, so a plan that ties on time takes more inputs to the host until the
+# GPU need is under this share of the budget (where the host has room): the fewest that fit left 0.5% headroom
+GPU_HEADROOM = 0.92
+MAX_TILES = 64  # beyond this a tile is a few thousand rows and the MLP term is negligible
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """The levers the user fixed (None = auto, to be searched)."""
+
+    offload: int | Literal["all"] | None  # offloaded layer inputs; "all": every layer that keeps one
+    keep: int | None
+    tiles: int | None
+    every: int | None
+    optimizer_offload: bool | None
+
+    def offload_for(self, saved: int) -> int | None:
+        """The fixed offload count where `saved` layers keep an input (None: auto)."""
+        return saved if self.offload == "all" else self.offload
+
+
+def shortfall(e: MemoryEstimate, gpu_gb: float, host_gb: float) -> tuple[int, int]:
+    """(bytes missing on the GPU, bytes missing on the host); (0, 0) when it fits."""
+    return max(0, e.gpu_required - int(gpu_gb * GIB)), max(0, e.host_per_host - int(host_gb * GIB))
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One (checkpoint_every, optimizer placement) of the search and the offload it may take there."""
+
+    every: int
+    opt: bool
+    saved: int  # layers that keep an input at this checkpoint_every
+    offload: int | None  # the fixed offload count, None: searched
+    knobs: Zero3Knobs  # the ZeRO-3 sizes with this placement (an added offload shrinks the sub-groups)
+
+    def kw(self) -> dict[str, Any]:
+        return {"checkpoint_every": self.every, "offload_optimizer": self.opt, "zero3": self.knobs}
+
+
+@dataclass
+class Search:
+    """The candidates and the fit test of one search: the base settings, what the user fixed, the budgets
+    (GiB per GPU, GiB per host), and the closest miss of all estimates seen."""
+
+    shape: ModelShape
+    base: Settings
+    fixed: Fixed
+    gpu_gb: float
+    host_gb: float
+    knobs: dict[bool, Zero3Knobs]  # per optimizer placement
+    closest: MemoryEstimate | None = None
+
+    # ---------------------------------------------------------------- the candidates
+
+    def rungs(self) -> Iterator[list[Rung]]:
+        """Per checkpoint_every, cheapest first, the rungs of each placement to try there (GPU first)."""
+        fx, layers = self.fixed, self.shape.layers
+        if not self.base.gradient_checkpointing:
+            everies = [1]
+        else:
+            everies = [fx.every] if fx.every is not None else [c for c in EVERY_CHOICES if c <= layers]
+        opts = [fx.optimizer_offload] if fx.optimizer_offload is not None else [False, True]
+        if self.base.zero_stage != 3:
+            opts = [False]  # no ZeRO, no ZeRO-Offload
+        for every in everies:
+            saved = saved_layer_count(self.shape, every)
+            offload = fx.offload_for(saved) if self.base.gradient_checkpointing else 0
+            if offload is not None and offload > saved and fx.every is None and every > 1:
+                continue  # a thinning the search tries keeps fewer inputs than the fixed offload asks for
+            yield [Rung(every, opt, saved, offload, self.knobs[opt]) for opt in opts]
+
+    def top_tiles(self) -> int:
+        return max(1, min(MAX_TILES, local_tokens(self.base)))
+
+    def tile_ladder(self, *, every_count: bool) -> list[int]:
+        """The tile counts to try, ascending. every_count False: the shape rule (`default_mlp_tiles`), more only
+        by powers of two (tiles are a memory lever; at 256K the tiled MLP measured no slower); True: each count."""
+        if self.fixed.tiles is not None:
+            return [self.fixed.tiles]
+        top = self.top_tiles()
+        if every_count:
+            return list(range(1, top + 1))
+        rule = default_mlp_tiles(local_tokens(self.base), self.shape.mlp_row_width)
+        return sorted({min(rule, top)} | {t for t in (2, 4, 8, 16, 32, 64) if rule < t <= top})
+
+    # ---------------------------------------------------------------- the fit test
+
+    def est(self, **kw: Any) -> MemoryEstimate:
+        """The estimate of the base settings with `kw` changed (kept when it is the closest miss so far)."""
+        return self._seen(estimate(self.shape, replace(self.base, **kw)))
+
+    def _seen(self, e: MemoryEstimate) -> MemoryEstimate:
+        if self.closest is None or sum(shortfall(e, self.gpu_gb, self.host_gb)) < \
+                sum(shortfall(self.closest, self.gpu_gb, self.host_gb)):
+            self.closest = e
+        return e
+
+    def fits(self, e: MemoryEstimate) -> bool:
+        return e.fits(self.gpu_gb, self.host_gb)
+
+    def fewest_offloaded(self, r: Rung, **kw: Any) -> MemoryEstimate | None:
+        """The estimate with the fewest offloaded inputs that fits (GPU memory falls and host memory grows
+        with each one: the fewest that fit the GPU are the best chance for the host), or None."""
+        kw |= r.kw()
+        if r.offload is not None:
+            e = self.est(activation_offload=r.offload, **kw)
+            return e if self.fits(e) else None
+        lo, hi = 0, r.saved
+        e_hi = self.est(activation_offload=hi, **kw)
+        if e_hi.gpu_required > self.gpu_gb * GIB:
+            return None
+        while lo < hi:  # invariant: hi fits the GPU
+            mid = (lo + hi) // 2
+            e = self.est(activation_offload=mid, **kw)
+            if e.gpu_required <= self.gpu_gb * GIB:
+                hi, e_hi = mid, e
+            else:
+                lo = mid + 1
+        return e_hi if self.fits(e_hi) else None
+
+    def fewest_tiles(self, ladder: list[int], at_top: MemoryEstimate) -> MemoryEstimate:
+        """The estimate with the fewest tiles of `ladder` (ascending) that fits, given `at_top` (its last) fits.
+        Untiled is tried on its own; from 2 tiles on, memory only falls as tiles grow, so bisect."""
+        if len(ladder) == 1:
+            return at_top
+        first = self._seen(estimate(self.shape, replace(at_top.settings, tiled_mlp=ladder[0])))
+        if self.fits(first):
+            return first
+        lo, hi, best = 1, len(ladder) - 1, at_top  # ladder[lo] untested or failing, ladder[hi] fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            e = self._seen(estimate(self.shape, replace(at_top.settings, tiled_mlp=ladder[mid])))
+            if self.fits(e):
+                hi, best = mid, e
+            else:
+                lo = mid + 1
+        return best
+
+    @staticmethod
+    def most_kept(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
+        """The largest k in [lo, hi] with ok(k), given ok(lo) (ok is monotone: more kept, more memory)."""
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+# -------------------------------------------------------------------- goal 1: the fastest that fits
+
+
+def _timed_candidates(sr: Search, r: Rung, tiles: int, keep_max: int) -> list[MemoryEstimate]:
+    """The settings worth timing at one rung and tile count: the fewest offloaded inputs for no kept outputs
+    plus as many kept outputs as fit without more offload, and the most kept outputs that fit with any offload
+    (time is near linear in both, so the best lies at one of the ends)."""
+    if sr.fixed.keep is not None:
+        e = sr.fewest_offloaded(r, kept_attention_layers=sr.fixed.keep, tiled_mlp=tiles)
+        return [e] if e is not None else []
+    base = sr.fewest_offloaded(r, kept_attention_layers=0, tiled_mlp=tiles)
+    if base is None:
+        return []
+    a0, kw = base.settings.activation_offload, {"tiled_mlp": tiles} | r.kw()
+    k_lo = sr.most_kept(0, keep_max, lambda k: sr.fits(sr.est(activation_offload=a0, kept_attention_layers=k, **kw)))
+    k_hi = sr.most_kept(k_lo, keep_max,
+                        lambda k: sr.fewest_offloaded(r, kept_attention_layers=k, tiled_mlp=tiles) is not None)
+    out = [sr.est(activation_offload=a0, kept_attention_layers=k_lo, **kw)]
+    if k_hi > k_lo:
+        out.append(sr.fewest_offloaded(r, kept_attention_layers=k_hi, tiled_mlp=tiles))
+    return out
+
+
+def fastest_fit(shape: ModelShape, base: Settings, fx: Fixed, keep_max: int, gpu_gb: float, host_gb: float,
+                knobs: dict[bool, Zero3Knobs], time_of: Callable[[Settings], float]
+                ) -> tuple[MemoryEstimate, bool, dict[bool, tuple[float, MemoryEstimate]]]:
+    """(the fastest estimate that fits, True) or (the closest miss, False); and the best per optimizer placement.
+
+    The search stops at the first checkpoint_every where anything fits: rebuilding a layer costs more than the
+    kept attention output or the offload the freed memory could buy; and per placement at the first tile count
+    of the ladder where anything fits."""
+    sr = Search(shape, base, fx, gpu_gb, host_gb, knobs)
+    ladder = sr.tile_ladder(every_count=False)
+    best: dict[bool, tuple[float, MemoryEstimate]] = {}
+    for rungs in sr.rungs():
+        for r in rungs:
+            for tiles in ladder:
+                found = _timed_candidates(sr, r, tiles, keep_max)
+                for e in found:
+                    key = (time_of(e.settings), e.settings.activation_offload)
+                    if r.opt not in best or key < (best[r.opt][0], best[r.opt][1].settings.activation_offload):
+                        best[r.opt] = (key[0], e)
+                if found:
+                    break
+        if best:
+            break
+    if not best:
+        assert sr.closest is not None
+        return sr.closest, False, {}
+    winner = min(best.values(), key=lambda te: (te[0], te[1].settings.offload_optimizer))
+    return winner[1], True, best
+
+
+def with_headroom(shape: ModelShape, chosen: MemoryEstimate, gpu_gb: float, host_gb: float) -> MemoryEstimate:
+    """`chosen` with the fewest more offloaded inputs that bring the GPU need under GPU_HEADROOM of the
+    budget, or as many more as the host holds: the same predicted step, less risk of running out."""
+    s, saved = chosen.settings, saved_layer_count(shape, chosen.settings.checkpoint_every)
+    best = chosen
+    for a in range(s.activation_offload + 1, saved + 1):
+        if best.gpu_required <= GPU_HEADROOM * gpu_gb * GIB:
+            break
+        e = estimate(shape, replace(s, activation_offload=a))
+        if not e.fits(gpu_gb, host_gb):
+            break
+        best = e
+    return best
+
+
+# -------------------------------------------------------------------- goal 2: the cheapest that fits
+
+
+def cheapest_fit(shape: ModelShape, base: Settings, fx: Fixed, gpu_gb: float, host_gb: float
+                 ) -> tuple[MemoryEstimate, bool]:
+    """(the first estimate that fits in the cost order, True) or (the closest miss, False). Memory only; the
+    ZeRO-3 sizes are the base's for both placements and the kept attention outputs are the base's.
+
+    At each rung the fewest offloaded inputs are searched at the most tiles (GPU memory falls as tiles grow,
+    host memory does not depend on them), then the fewest tiles for that count."""
+    sr = Search(shape, base, replace(fx, keep=base.kept_attention_layers), gpu_gb, host_gb,
+                {False: base.zero3, True: base.zero3})
+    ladder = sr.tile_ladder(every_count=True)
+    for rungs in sr.rungs():
+        for r in rungs:
+            at_top = sr.fewest_offloaded(r, tiled_mlp=ladder[-1])
+            if at_top is not None:
+                return sr.fewest_tiles(ladder, at_top), True
+    return _closest_in_cost_order(sr, ladder[-1]), False
+
+
+def _closest_in_cost_order(sr: Search, tiles: int) -> MemoryEstimate:
+    """When nothing fits: of the settings at `tiles` along the cost order, each rung's offload counts from
+    none up to the first where the host is short (more only need more host memory), the fewest bytes missing."""
+    closest: MemoryEstimate | None = None
+    for rungs in sr.rungs():
+        for r in rungs:
+            for k in [r.offload] if r.offload is not None else range(r.saved + 1):
+                e = estimate(sr.shape, replace(sr.base, activation_offload=k, tiled_mlp=tiles, **r.kw()))
+                if closest is None or sum(shortfall(e, sr.gpu_gb, sr.host_gb)) < \
+                        sum(shortfall(closest, sr.gpu_gb, sr.host_gb)):
+                    closest = e
+                if e.host_per_host > sr.host_gb * GIB:
+                    break
+    assert closest is not None
+    return closest
