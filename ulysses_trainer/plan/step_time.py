@@ -22,6 +22,10 @@ benchmarks/results/:
   ZeRO-Offload (fp32 master, m, v on the host, gradients copied down, weights up) measured 7.1 s for
   Qwen3-4B on the H200 host (a 163 s train step against 155.9 s forward+backward with the same
   settings): 1.77 ns per parameter on one host, scaled by the parameters each host updates.
+- a sparse (MoE) model: its sparse blocks at the block's measured rate by tile count (moe/moe_experts_h200.json,
+  see experts_calls for what a tiled, checkpointed step runs of it) and its once-per-step part (embedding, final
+  norm, chunked loss) at the cost the 1- and 8-layer profiles measure (profile_262144_l{1,8}_*), both taken out of
+  the dense rate, which then covers the attention projections and the router;
 The model predicts a warm step: the first step also compiles and autotunes kernels (~10 s measured).
 """
 
@@ -66,11 +70,23 @@ NORM_S_PER_ELEMENT: dict[str, dict[str, tuple[float, float]]] = {
     "triton": {"hidden": (1.145e-12, 3.841e-12), "head": (1.073e-12, 6.496e-12)},
 }
 NORM_SOURCE = "norm_kernels_h200.json"
-# A sparse block's experts, by transformers' experts_implementation: active TFLOP/s measured on one H200 with
-# transformers 5.17, one Qwen3-30B-A3B sparse block, 131,072 tokens, bf16, forward + backward, untiled:
-# eager 0.377 s, grouped_mm 0.141 s for 6 x 131,072 x 8 x 3 x 2048 x 768 FLOPs (measured inputs, not fitted;
-# batched_mm asked for 768 GiB there and is not planned). Re-measure: benchmarks/suite.py moe_experts.
-EXPERTS_TFLOPS: dict[str, float] = {"eager": 78.8, "grouped_mm": 210.6}
+# A sparse block (router, routing, permutation, experts), by transformers' experts_implementation and tile count:
+# (tiles, active TFLOP/s) of one Qwen3-30B-A3B block, 131,072 rows, bf16, forward + backward, one H200,
+# transformers 5.17 (moe/moe_experts_h200.json; active FLOPs 6 x rows x top_k x 3 x H x I; batched_mm ran out
+# of memory at every tile count and is not planned). Re-measure: benchmarks/suite.py moe_experts.
+EXPERTS_TFLOPS: dict[str, tuple[tuple[int, float], ...]] = {
+    "eager": ((1, 79.83), (4, 26.35), (8, 13.45)),
+    "grouped_mm": ((1, 217.37), (4, 158.15), (8, 150.62)),
+}
+EXPERTS_SOURCE = "moe/moe_experts_h200.json"
+EXPERTS_MEASURED_ROWS = 131072
+# A sparse model's once-per-step part (embedding, final norm, chunked lm_head + loss), from the 1- and 8-layer
+# profiles of Qwen3-4B at 262,144 tokens (the 1-layer run's kernel time minus one layer's share of the
+# difference): the lm_head's 6 V H t FLOPs at the matmuls' measured rate, everything else per logit (t x V).
+# A dense model keeps its lm_head inside DENSE_TFLOPS, which was fitted with it.
+LOSS_SOURCES = ("profile_262144_l1_offtrue_tiledauto_fixed.json", "profile_262144_l8_offtrue_tiledauto_fixed.json")
+LOSS_MATMUL_TFLOPS = 775.9
+LOSS_S_PER_LOGIT = 2.6794e-11
 
 
 # Below this the fixed costs of a step that the model leaves out (kernel launches, Python, DeepSpeed's
@@ -148,6 +164,55 @@ def experts_flops(shape: ModelShape, s: Settings) -> float:
     return shape.layers * per_layer * local_tokens(s) * (2.0 * forward_passes(shape, s) + 4.0)
 
 
+def experts_rate(impl: str, tiles: int) -> tuple[float, bool]:
+    """(active TFLOP/s of the sparse block at `tiles`, extrapolated?): the seconds per FLOP interpolated linearly
+    in the tile count between measured counts (a tiled block's time grows about linearly with its tiles), held at
+    the last measured count beyond it."""
+    pts = EXPERTS_TFLOPS[impl]
+    if tiles >= pts[-1][0]:
+        return pts[-1][1], tiles != pts[-1][0]
+    for (k0, r0), (k1, r1) in zip(pts, pts[1:]):
+        if k0 <= tiles <= k1:
+            w = (tiles - k0) / (k1 - k0)
+            return 1.0 / ((1 - w) / r0 + w / r1), False
+    return pts[0][1], True
+
+
+def experts_calls(shape: ModelShape, s: Settings) -> float:
+    """One layer's sparse block in one micro-step, in measured block calls (forward + backward at the step's tile
+    count). Untiled, a call is 6 FLOPs per active parameter and row and each further forward adds 2 of them;
+    tiled, a call is 8 (its forward runs without a graph, its backward recomputes each tile) and a checkpoint's
+    recompute skips the experts (SparseMoE.unused_output), while checkpoint_every's rebuilds run them."""
+    fp = forward_passes(shape, s)
+    if s.tiled_mlp == 1:
+        return (2.0 * fp + 4.0) / 6.0
+    return (2.0 * (fp - (1.0 if s.gradient_checkpointing else 0.0)) + 6.0) / 8.0
+
+
+def experts_seconds(shape: ModelShape, s: Settings) -> tuple[float, list[str]]:
+    """(seconds of the sparse blocks in one micro-step on one rank, notes): the measured block rate at the step's
+    tile count, per layer experts_calls of it."""
+    notes = []
+    impl = s.experts_implementation
+    if impl not in EXPERTS_TFLOPS:
+        notes.append(f"experts_implementation {impl} not timed: eager's rate used")
+        impl = "eager"
+    rate, extra = experts_rate(impl, s.tiled_mlp)
+    if extra:
+        notes.append(f"experts rate measured at 1-{EXPERTS_TFLOPS[impl][-1][0]} tiles, held at {s.tiled_mlp}")
+    if local_tokens(s) != EXPERTS_MEASURED_ROWS:
+        notes.append(f"experts rate measured at {EXPERTS_MEASURED_ROWS:,} rows per rank, used at {local_tokens(s):,}")
+    call = 6.0 * local_tokens(s) * shape.top_k * 3 * shape.hidden * shape.intermediate
+    return shape.layers * experts_calls(shape, s) * call / (rate * 1e12), notes
+
+
+def loss_seconds(shape: ModelShape, s: Settings) -> float:
+    """A sparse model's once-per-step part on one rank (embedding, final norm, chunked lm_head + loss): the lm_head's
+    6 V H t FLOPs at LOSS_MATMUL_TFLOPS plus LOSS_S_PER_LOGIT per logit."""
+    logits = local_tokens(s) * shape.vocab
+    return logits * (6.0 * shape.hidden / (LOSS_MATMUL_TFLOPS * 1e12) + LOSS_S_PER_LOGIT)
+
+
 def norm_seconds(shape: ModelShape, s: Settings, kernel: str) -> float:
     """The lean RMSNorms of one micro-step on one rank with `kernel`: per layer the input and
     post-attention norms ([t, hidden]) and the q/k norms ([t x heads, head_dim], before the all-to-all:
@@ -192,14 +257,14 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     parts = {"attention forward": forwards * fwd * accumulation,
              "attention backward": shape.layers * bwd * accumulation,
              "matmuls and the rest": dense_flops(shape, s) / (DENSE_TFLOPS * 1e12) * accumulation}
-    if shape.sparse:  # the experts at their kernel's measured rate, not the dense one
-        ex = experts_flops(shape, s)
-        parts["matmuls and the rest"] -= ex / (DENSE_TFLOPS * 1e12) * accumulation
-        rate = EXPERTS_TFLOPS.get(s.experts_implementation)
-        if rate is None:
-            rate = EXPERTS_TFLOPS["eager"]
-            notes.append(f"experts_implementation {s.experts_implementation} not timed: eager's rate used")
-        parts[f"experts ({s.experts_implementation})"] = ex / (rate * 1e12) * accumulation
+    if shape.sparse:  # measured parts in place of the dense rate: the sparse blocks, the loss
+        dense_rate = DENSE_TFLOPS * 1e12
+        lm_head = 6.0 * shape.vocab * shape.hidden * local_tokens(s)
+        parts["matmuls and the rest"] -= (experts_flops(shape, s) + lm_head) / dense_rate * accumulation
+        ex, ex_notes = experts_seconds(shape, s)
+        notes.extend(ex_notes)
+        parts[f"experts ({s.experts_implementation})"] = ex * accumulation
+        parts["lm_head and loss"] = loss_seconds(shape, s) * accumulation
     if s.lean_norm:  # the dense rate was fitted with the torch kernel's norms inside it
         rest = parts["matmuls and the rest"] - norm_seconds(shape, s, "torch") * accumulation
         if rest < 0:  # a narrow model (Qwen3-30B-A3B: hidden 2048) has more norm than matmul time per token
@@ -257,3 +322,31 @@ def kernel_rates_from_results(results_dir: str | Path) -> dict[str, tuple[tuple[
                     for p in data["points"] if p["kernel"] == row and p.get("data", "random") == "random"]
         out[kernel] = tuple((n, round(f, 2), round(b, 2)) for n, f, b in sorted(pts))
     return out
+
+
+def experts_rates_from_results(results_dir: str | Path) -> dict[str, tuple[tuple[int, float], ...]]:
+    """EXPERTS_TFLOPS rebuilt from the benchmark file: per implementation, its timed (tiles, active TFLOP/s) rows
+    (those that ran out of memory have no rate and are left out; a test ties the table to it)."""
+    rows = json.loads((Path(results_dir) / EXPERTS_SOURCE).read_text())["rows"]
+    out: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        if "active_tflops" in r:
+            out.setdefault(r["experts_implementation"], []).append((r["tiles"], round(r["active_tflops"], 2)))
+    return {k: tuple(sorted(v)) for k, v in out.items()}
+
+
+def loss_rates_from_results(results_dir: str | Path) -> tuple[float, float]:
+    """(LOSS_MATMUL_TFLOPS, LOSS_S_PER_LOGIT) rebuilt from the 1- and 8-layer profiles: the once-per-step kernel
+    time is the 1-layer run's minus one layer's (the runs' difference / 7); its matmuls are the lm_head's
+    6 V H t FLOPs, the rest (elementwise, reductions, copies) is divided by the t x V logits."""
+    one, eight = (json.loads((Path(results_dir) / n).read_text()) for n in LOSS_SOURCES)
+    assert one["model"] == eight["model"] == "qwen3-4b" and one["length"] == eight["length"]
+    per = eight["layers"] - one["layers"]
+
+    def fixed(bucket: str) -> float:
+        a, b = one["seconds_by_bucket"].get(bucket, 0.0), eight["seconds_by_bucket"].get(bucket, 0.0)
+        return a - (b - a) / per * one["layers"]
+
+    vocab, hidden, t = 151936, 2560, one["length"]  # Qwen3-4B
+    rest = sum(fixed(b) for b in one["seconds_by_bucket"] if b != "matmul" and not b.startswith("attention"))
+    return round(6.0 * vocab * hidden * t / fixed("matmul") / 1e12, 1), float(f"{rest / (t * vocab):.5g}")

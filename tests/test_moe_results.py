@@ -1,0 +1,85 @@
+"""docs/moe.md's GPU numbers are the committed result files, the step-time tables are rebuilt from them, and the
+plan for the committed reduced-depth Qwen3-30B-A3B run (its config.json) is within 10% of its measured step after
+the first and 5% of its measured peak."""
+
+import json
+from pathlib import Path
+
+from ulysses_trainer.config import TrainConfig
+from ulysses_trainer.ds_config import load_ds_config
+from ulysses_trainer.model.load import model_config_for
+from ulysses_trainer.plan.resolve import plan_for
+from ulysses_trainer.plan.step_time import (
+    EXPERTS_TFLOPS,
+    LOSS_MATMUL_TFLOPS,
+    LOSS_S_PER_LOGIT,
+    experts_rate,
+    experts_rates_from_results,
+    loss_rates_from_results,
+)
+from ulysses_trainer.plan.types import Machine
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+MOE = RESULTS / "moe"
+PAGE = ROOT / "docs" / "moe.md"
+RUN = "moe_reduced_4l_131072"
+
+
+def _measured() -> tuple[float, float, float]:
+    """(mean step s after the first, mean tokens/s after the first, peak GPU GiB after the first)."""
+    steps = [json.loads(line) for line in (MOE / f"{RUN}_metrics.jsonl").open()]
+    tokens = [b["num_tokens"] - a["num_tokens"] for a, b in zip(steps, steps[1:])]
+    later = steps[1:]
+    step_s = sum(n / r["tokens_per_s"] for n, r in zip(tokens, later)) / len(later)
+    return step_s, sum(r["tokens_per_s"] for r in later) / len(later), max(r["peak_gpu_mem_gb"] for r in later)
+
+
+def _plan():
+    cfg = TrainConfig(**json.loads((MOE / f"{RUN}_config.json").read_text()))
+    # the run's machine: one H200, its host (detected 124.8 GiB, the log says), cuDNN and Triton norms installed
+    machine = Machine(gpus=1, gpu_memory_gb=139.8, host_memory_gb=124.8, gpu_name="NVIDIA H200", kernels=("sdpa",),
+                      norm_kernels=("triton", "torch"))
+    return plan_for(cfg, model_config_for(cfg), load_ds_config(cfg.deepspeed), machine)
+
+
+def test_step_time_tables_are_the_result_files():
+    assert experts_rates_from_results(RESULTS) == EXPERTS_TFLOPS
+    assert loss_rates_from_results(RESULTS) == (LOSS_MATMUL_TFLOPS, LOSS_S_PER_LOGIT)
+    # between measured tile counts the seconds per FLOP are interpolated; beyond 8 held (and said)
+    r4, r6, r8 = (experts_rate("grouped_mm", k)[0] for k in (4, 6, 8))
+    assert r8 < r6 < r4 and experts_rate("grouped_mm", 16) == (r8, True)
+
+
+def test_the_reduced_run_is_the_plan_it_logged_and_within_the_targets():
+    plan = _plan()
+    log = (MOE / f"{RUN}.log").read_text()
+    logged = next(line for line in log.splitlines() if "] plan: " in line).split("] plan: ", 1)[1]
+    assert plan.summary().split("; predicted")[0] == logged.split("; predicted")[0]  # same levers as the run
+    step_s, _, peak = _measured()
+    assert abs(step_s / plan.predicted_step_s - 1) <= 0.10, (step_s, plan.predicted_step_s)
+    assert abs(peak / plan.predicted_peak_gpu_gb - 1) <= 0.05, (peak, plan.predicted_peak_gpu_gb)
+
+
+def test_moe_page_numbers_are_the_result_files():
+    page = PAGE.read_text()
+    section = page[page.index("## Measured on one H200"):page.index("## What is predicted, not measured")]
+    rows = json.loads((MOE / "moe_experts_h200.json").read_text())["rows"]
+    for r in rows:
+        if "active_tflops" not in r:
+            continue
+        row = (f"| {r['experts_implementation']} | {r['tiles']} | {r['fwd_bwd_s']:.3f} | {r['active_tflops']:.0f} | "
+               f"{r['peak_above_start_gb']:.1f} |")
+        assert row in section, row
+    oom = [r for r in rows if "error" in r]
+    assert all(r["error"].startswith("out of memory") for r in oom)
+    assert "| batched_mm | " + ", ".join(str(r["tiles"]) for r in oom) + " | out of memory" in section
+    step_s, rate, peak = _measured()
+    plan = _plan()
+    assert f"| step | {step_s:.2f} s ({rate:,.0f} tokens/s) | {plan.predicted_step_s:.2f} s |" in section
+    assert f"| peak GPU (allocated) | {peak:.1f} GiB | {plan.predicted_peak_gpu_gb:.1f} GiB |" in section
+    assert "python benchmarks/suite.py moe_experts" in section and "python benchmarks/suite.py moe_reduced" in section
+    parts = dict(plan.step_parts)
+    attention = parts["attention forward"] + parts["attention backward"]
+    assert f"attention is {attention:.2f} s, the sparse blocks\n{parts['experts (grouped_mm)']:.2f} s" in section
+    assert f"chunked loss {parts['lm_head and loss']:.2f} s" in section
