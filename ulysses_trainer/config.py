@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -18,10 +17,10 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from .config_checks import check_levers as check_levers  # re-exported: callers import them from here
+from .config_checks import validate_config as validate_config
 from .errors import ConfigError
-from .layout import resolve_layout
 from .name_hints import suggest
-from .names import resolve_report_to
 from .typed_values import NO_MATCH, coerce, describe, literal_choices
 from .yaml_numbers import load_yaml
 
@@ -339,101 +338,6 @@ def load_config(argv: list[str]) -> TrainConfig:
     recipe = read_recipe(recipe_path) if recipe_path else {}
     return build_config(recipe, overrides, recipe_name=f"recipe {recipe_path}")
 
-
-# ---------------------------------------------------------------- validation
-def _need(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(msg)
-
-
-def _check_schedule(cfg: TrainConfig) -> None:
-    """Steps, batch sizes, intervals and the optimizer's numbers."""
-    if cfg.max_steps is not None:
-        _need(cfg.max_steps > 0, f"max_steps must be > 0, got {cfg.max_steps}; "
-                                 f"use -1 (or null) to train for num_train_epochs instead")
-    else:
-        _need(cfg.num_train_epochs > 0 and math.isfinite(cfg.num_train_epochs),
-              f"num_train_epochs must be > 0 when max_steps is null, got {cfg.num_train_epochs}")
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "logging_steps", "loss_chunk_size"):
-        _need(getattr(cfg, name) >= 1, f"{name} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("save_steps", "eval_steps", "save_total_limit", "max_eval_samples"):
-        v = getattr(cfg, name)
-        _need(v is None or v >= 1, f"{name} must be >= 1 (or null), got {v}")
-    _need(cfg.warmup_steps >= 0, f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
-    for name in ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon"):
-        v = getattr(cfg, name)
-        _need(math.isfinite(v) and v >= 0, f"{name} must be a finite number >= 0, got {v}")
-    for name in ("adam_beta1", "adam_beta2"):
-        v = getattr(cfg, name)
-        _need(0.0 <= v < 1.0, f"{name} must be in [0, 1), got {v}")
-    _need(0 <= cfg.seed < 2**32, f"seed must be in [0, 2**32), got {cfg.seed}")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def check_levers(cfg: TrainConfig) -> None:
-    """The memory levers' own values and how they combine (the checks that need no model; plan/resolve.py
-    checks them against the model's layers and decides their `auto`)."""
-    ckpt, off, keep, tiled, every = (cfg.gradient_checkpointing, cfg.activation_offload, cfg.keep_attention_outputs,
-                                     cfg.tiled_mlp, cfg.checkpoint_every)
-    _need(not _is_int(off) or off >= 0, f"activation_offload must be >= 0 layers (or true/false/auto), got {off}")
-    _need(not _is_int(keep) or keep >= 0,
-          f"keep_attention_outputs must be >= 0 layers (or true/false/auto), got {keep}")
-    _need(not _is_int(tiled) or tiled >= 1, f"tiled_mlp must be >= 1 tiles (or true/false/auto), got {tiled}")
-    _need(not _is_int(every) or every >= 1,
-          f"checkpoint_every must be >= 1 layers (1 = every layer) or auto, got {every}")
-    _need(ckpt or keep in (False, 0, "auto"),
-          "keep_attention_outputs needs gradient_checkpointing: true (only a recompute reuses them)")
-    _need(ckpt or every in (1, "auto"), "checkpoint_every > 1 needs gradient_checkpointing: true (it thins the "
-                                        "checkpoints); set checkpoint_every 1 or gradient_checkpointing true")
-    _need(ckpt or off in (False, 0, "auto"),
-          f"activation_offload {str(off).lower()} needs gradient_checkpointing: true (it offloads the layer "
-          f"checkpoints); set activation_offload false or gradient_checkpointing true")
-
-
-def _check_length(cfg: TrainConfig, sp: int) -> None:
-    """max_length is reachable: sequences are padded to a multiple of lcm(pad_to_multiple_of, sp)."""
-    if cfg.pad_to_multiple_of is None:
-        return
-    # Sequences hold exactly max_length tokens and are padded to a multiple of lcm(pad, sp): max_length
-    # itself must be such a multiple, else every sequence grows past max_length (memory plans break).
-    m = cfg.pad_to_multiple_of
-    _need(m >= 1, f"pad_to_multiple_of must be >= 1 (or null), got {m}")
-    unit = math.lcm(m, sp)
-    if cfg.max_length % unit:
-        lo, hi = cfg.max_length // unit * unit, (cfg.max_length // unit + 1) * unit
-        choices = f"max_length {lo} or {hi}" if lo > 0 else f"max_length {hi}"
-        raise ConfigError(
-            f"max_length {cfg.max_length} is not reachable with pad_to_multiple_of {m} and sp_size {sp} "
-            f"(sequences would be padded to a multiple of {unit}); use {choices}, "
-            f"or set pad_to_multiple_of null")
-
-
-def _check_io(cfg: TrainConfig) -> None:
-    """Evaluation data, reporters and model overrides."""
-    if cfg.eval_steps is not None and cfg.eval_dataset_name is None and cfg.dataset_name is not None \
-            and Path(cfg.dataset_name).exists():
-        raise ConfigError(f"eval_steps is set but dataset_name {cfg.dataset_name} is a local path with no "
-                          f"test split; set eval_dataset_name to the evaluation data (or eval_steps null)")
-    resolve_report_to(cfg.report_to)  # a known name, and its package installed
-    if cfg.model_init_kwargs is not None:
-        bad = sorted(set(cfg.model_init_kwargs) & {"torch_dtype", "dtype", "attn_implementation"})
-        _need(not bad, f"model_init_kwargs may not set {bad}: use the bf16 and attn_implementation fields")
-
-
-def validate_config(cfg: TrainConfig, world_size: int) -> None:
-    """Cross-field checks that need no model or data; raise ConfigError naming the fix."""
-    _check_schedule(cfg)
-    _need(cfg.host_memory_gb is None or cfg.host_memory_gb > 0,
-          f"host_memory_gb must be > 0 (or null to detect), got {cfg.host_memory_gb}")
-    check_levers(cfg)
-    _need(cfg.max_length >= 2, f"max_length must be >= 2 tokens (one input and its target), got {cfg.max_length}")
-    layout = resolve_layout(cfg.sp_size, world_size)
-    _check_length(cfg, layout.sp)
-    _check_io(cfg)
 
 
 def resolve_bf16(cfg: TrainConfig, device_is_cuda: bool) -> bool:
