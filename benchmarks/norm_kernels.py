@@ -7,7 +7,7 @@ Shapes: the hidden-size norms (input and post-attention: [tokens, hidden]) and t
 ([tokens x heads, 128]) of Qwen3-4B at 262,144 tokens and of Qwen3-8B at 131,072 tokens per GPU. Times are
 medians of `--iters` runs after one untimed call (Triton compiles); backward = forward+backward minus
 forward with grad. Also the agreement of the two kernels (bf16; torch's forward is bitwise HF's) and the
-memory each adds on top of its input. plan/step_time.py reads the seconds per element.
+memory each adds on top of its input. plan/rates.py holds the seconds per element.
 """
 
 from __future__ import annotations

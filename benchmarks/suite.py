@@ -149,7 +149,7 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
         ("benchmarks/norm_kernels.py", "--out", "norm_kernels_h200.json"),
         ("-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_gpu_norm.py")]),
     "moe_experts": ("one Qwen3-30B-A3B sparse block alone, 131,072 rows, bf16 fwd+bwd: eager / grouped_mm / "
-                    "batched_mm x 1, 4, 8 tiles (plan/step_time.EXPERTS_TFLOPS)", [
+                    "batched_mm x 1, 4, 8 tiles (plan/rates.EXPERTS_TFLOPS)", [
         ("benchmarks/moe_experts.py", "--out", "moe_experts_h200.json")]),
     "moe_reduced": ("Qwen3-30B-A3B's layer at 4 layers deep, 131,072 tokens, one GPU, the trainer: tokens/s and "
                     "peak memory in metrics.jsonl, the end-of-run 'predicted vs measured' line against the plan", [

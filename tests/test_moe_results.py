@@ -8,14 +8,16 @@ from pathlib import Path
 from ulysses_trainer.config import TrainConfig
 from ulysses_trainer.ds_config import load_ds_config
 from ulysses_trainer.model.load import model_config_for
-from ulysses_trainer.plan.resolve import plan_for
-from ulysses_trainer.plan.step_time import (
+from ulysses_trainer.plan.rates import (
     EXPERTS_TFLOPS,
     LOSS_MATMUL_TFLOPS,
     LOSS_S_PER_LOGIT,
-    experts_rate,
     experts_rates_from_results,
     loss_rates_from_results,
+)
+from ulysses_trainer.plan.resolve import plan_for
+from ulysses_trainer.plan.step_time import (
+    experts_rate,
 )
 from ulysses_trainer.plan.types import Machine
 

@@ -16,14 +16,16 @@ from ulysses_trainer.ds_config import load_ds_config
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.model.load import model_config_for
 from ulysses_trainer.plan.inputs import ModelShape, Settings
-from ulysses_trainer.plan.resolve import plan_for, resolve_plan
-from ulysses_trainer.plan.step_time import (
+from ulysses_trainer.plan.rates import (
     KERNEL_RATES,
-    MODELLED_FROM_S,
     NORM_S_PER_ELEMENT,
-    format_seconds,
     kernel_rates_from_results,
     norm_rates_from_results,
+)
+from ulysses_trainer.plan.resolve import plan_for, resolve_plan
+from ulysses_trainer.plan.step_time import (
+    MODELLED_FROM_S,
+    format_seconds,
     step_time,
 )
 from ulysses_trainer.plan.types import Machine, ZeroSettings

@@ -172,6 +172,6 @@ def resolve_report_to(value: str | list) -> list[str]:
 
 def choose_experts_implementation(name: str) -> str:
     """A sparse model's experts kernel (transformers' experts_implementation): `auto` -> grouped_mm
-    (transformers' default where torch has grouped_mm; the fastest measured, plan/step_time.EXPERTS_TFLOPS);
+    (transformers' default where torch has grouped_mm; the fastest measured, plan/rates.EXPERTS_TFLOPS);
     a named one as given."""
     return "grouped_mm" if name == "auto" else name

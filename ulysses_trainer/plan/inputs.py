@@ -128,7 +128,7 @@ class Settings:
     # backward); on the H200, SDPA (cuDNN) and the memory-only stand-in measured the same working set on the
     # KV-group path; on all heads with fewer KV than query heads cuDNN's backward takes more (layer_terms.py).
     attention: str = "sdpa"
-    # a sparse model's experts kernel (transformers' experts_implementation; plan/step_time.EXPERTS_TFLOPS)
+    # a sparse model's experts kernel (transformers' experts_implementation; plan/rates.EXPERTS_TFLOPS)
     experts_implementation: str = "grouped_mm"
     pad_to_multiple_of: int | None = None
     pinned_rounding: Literal["exact", "pow2"] = "exact"  # our HostPool vs per-tensor pin_memory()

@@ -31,63 +31,24 @@ The model predicts a warm step: the first step also compiles and autotunes kerne
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .inputs import ModelShape, Settings, active_layer_numel, local_tokens, padded_length
-
-# kernel -> ((length, forward TFLOP/s, backward TFLOP/s), ...): H200, 32 query / 8 KV heads of 128
-KERNEL_RATES: dict[str, tuple[tuple[int, float, float], ...]] = {
-    # attention_kernels_h200.json, "sdpa_cudnn" (ours runs cuDNN per KV group: same rate, the _fa4 file); 1M:
-    # data_dependence_h200.json, "ours_grouped_cudnn" on random data (4 query heads / 1 KV head: sp=8 of 32/8)
-    "sdpa": ((32768, 618.57, 521.87), (65536, 550.4, 536.3), (131072, 554.3, 531.1), (262144, 511.3, 534.36),
-             (1048576, 496.95, 533.95)),
-    # attention_kernels_h200_fa4.json, "ours_grouped_fa4"; 1M: data_dependence_h200.json, random data
-    "flash_attention_4": ((131072, 673.32, 614.2), (262144, 662.61, 617.05), (1048576, 656.38, 609.32)),
-    # not measured: torch's flash kernel (FA2-based, attention_kernels_h200.json "sdpa_flash_expanded_kv")
-    "flash_attention_2": ((32768, 339.46, 318.84), (65536, 324.57, 325.7), (131072, 318.11, 325.13),
-                          (262144, 309.29, 325.77)),
-}
-# kernel -> the (file, row) pairs its points come from; data_dependence's rows: the random-data ones (on zeros the
-# kernels run 20-27% faster, which no real step sees)
-KERNEL_SOURCES = {"sdpa": (("attention_kernels_h200.json", "sdpa_cudnn"),
-                           ("data_dependence_h200.json", "ours_grouped_cudnn")),
-                  "flash_attention_4": (("attention_kernels_h200_fa4.json", "ours_grouped_fa4"),
-                                        ("data_dependence_h200.json", "ours_grouped_fa4")),
-                  "flash_attention_2": (("attention_kernels_h200.json", "sdpa_flash_expanded_kv"),)}
-MEASURED_HEAD_SHAPE = (32, 8, 128)  # heads, KV heads, head_dim of the kernel benchmarks
-DENSE_TFLOPS = 376.0  # effective rate of everything but attention (fitted, see the module docstring)
-CPU_ADAM_S_PER_PARAM = 1.77e-9  # ZeRO-Offload step on the H200 host, per parameter updated on a host
-GPU_ADAM_BYTES_PER_PARAM = 32  # fused Adam reads/writes weight, grad, m, v (fp32 master): memory-bound
-GPU_BANDWIDTH = 4.0e12  # bytes/s (H200 HBM3e ~4.8 TB/s peak)
-CALIBRATED_GPUS = ("H200",)
-# norm_kernels_h200.json: seconds per normed element (forward, backward) by kernel and row width (a tie test
-# rebuilds it from the file): "hidden" rows (input/post-attention/final norm), "head" rows (q/k norms)
-NORM_S_PER_ELEMENT: dict[str, dict[str, tuple[float, float]]] = {
-    "torch": {"hidden": (1.2392e-11, 4.1904e-11), "head": (1.333e-11, 4.8728e-11)},
-    "triton": {"hidden": (1.145e-12, 3.841e-12), "head": (1.073e-12, 6.496e-12)},
-}
-NORM_SOURCE = "norm_kernels_h200.json"
-# A sparse block (router, routing, permutation, experts), by transformers' experts_implementation and tile count:
-# (tiles, active TFLOP/s) of one Qwen3-30B-A3B block, 131,072 rows, bf16, forward + backward, one H200,
-# transformers 5.17 (moe/moe_experts_h200.json; active FLOPs 6 x rows x top_k x 3 x H x I; batched_mm ran out
-# of memory at every tile count and is not planned). Re-measure: benchmarks/suite.py moe_experts.
-EXPERTS_TFLOPS: dict[str, tuple[tuple[int, float], ...]] = {
-    "eager": ((1, 79.83), (4, 26.35), (8, 13.45)),
-    "grouped_mm": ((1, 217.37), (4, 158.15), (8, 150.62)),
-}
-EXPERTS_SOURCE = "moe/moe_experts_h200.json"
-EXPERTS_MEASURED_ROWS = 131072
-# A sparse model's once-per-step part (embedding, final norm, chunked lm_head + loss), from the 1- and 8-layer
-# profiles of Qwen3-4B at 262,144 tokens (the 1-layer run's kernel time minus one layer's share of the
-# difference): the lm_head's 6 V H t FLOPs at the matmuls' measured rate, everything else per logit (t x V).
-# A dense model keeps its lm_head inside DENSE_TFLOPS, which was fitted with it.
-LOSS_SOURCES = ("profile_262144_l1_offtrue_tiledauto_fixed.json", "profile_262144_l8_offtrue_tiledauto_fixed.json")
-LOSS_MATMUL_TFLOPS = 775.9
-LOSS_S_PER_LOGIT = 2.6794e-11
-
+from .rates import (
+    CALIBRATED_GPUS,
+    CPU_ADAM_S_PER_PARAM,
+    DENSE_TFLOPS,
+    EXPERTS_MEASURED_ROWS,
+    EXPERTS_TFLOPS,
+    GPU_ADAM_BYTES_PER_PARAM,
+    GPU_BANDWIDTH,
+    KERNEL_RATES,
+    LOSS_MATMUL_TFLOPS,
+    LOSS_S_PER_LOGIT,
+    MEASURED_HEAD_SHAPE,
+    NORM_S_PER_ELEMENT,
+)
 
 # Below this the fixed costs of a step that the model leaves out (kernel launches, Python, DeepSpeed's
 # per-parameter bookkeeping) dominate: a tiny model's 0.003 s prediction measures 0.1 s
@@ -295,58 +256,3 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
         notes.append(f"a step under {MODELLED_FROM_S:g} s: fixed per-step costs (kernel launches, Python) are not "
                      f"modelled, the prediction is a lower bound")
     return StepTime(total_s=total, parts=parts, extrapolated=tuple(notes))
-
-
-def norm_rates_from_results(results_dir: str | Path) -> dict[str, dict[str, tuple[float, float]]]:
-    """NORM_S_PER_ELEMENT rebuilt from the benchmark file: per kernel, the mean seconds per element of the
-    hidden-width points and of the head-width (128) points (a test ties the table to it)."""
-    points = json.loads((Path(results_dir) / NORM_SOURCE).read_text())["points"]
-    out: dict[str, dict[str, tuple[float, float]]] = {}
-    for kernel in ("torch", "triton"):
-        rows = {"hidden": [p for p in points if p["kernel"] == kernel and p["width"] > 128],
-                "head": [p for p in points if p["kernel"] == kernel and p["width"] == 128]}
-        out[kernel] = {k: (round(sum(p["fwd_ns_per_element"] for p in v) / len(v) * 1e-9, 15),
-                           round(sum(p["bwd_ns_per_element"] for p in v) / len(v) * 1e-9, 15))
-                       for k, v in rows.items()}
-    return out
-
-
-def kernel_rates_from_results(results_dir: str | Path) -> dict[str, tuple[tuple[int, float, float], ...]]:
-    """KERNEL_RATES rebuilt from the benchmark files (a test ties the table to them)."""
-    out = {}
-    for kernel, sources in KERNEL_SOURCES.items():
-        pts = []
-        for name, row in sources:
-            data = json.loads((Path(results_dir) / name).read_text())
-            pts += [(p["seq_len"], p["fwd_tflops"], 2.5 * p["fwd_tflops"] * p["fwd_s"] / p["bwd_s"])
-                    for p in data["points"] if p["kernel"] == row and p.get("data", "random") == "random"]
-        out[kernel] = tuple((n, round(f, 2), round(b, 2)) for n, f, b in sorted(pts))
-    return out
-
-
-def experts_rates_from_results(results_dir: str | Path) -> dict[str, tuple[tuple[int, float], ...]]:
-    """EXPERTS_TFLOPS rebuilt from the benchmark file: per implementation, its timed (tiles, active TFLOP/s) rows
-    (those that ran out of memory have no rate and are left out; a test ties the table to it)."""
-    rows = json.loads((Path(results_dir) / EXPERTS_SOURCE).read_text())["rows"]
-    out: dict[str, list[tuple[int, float]]] = {}
-    for r in rows:
-        if "active_tflops" in r:
-            out.setdefault(r["experts_implementation"], []).append((r["tiles"], round(r["active_tflops"], 2)))
-    return {k: tuple(sorted(v)) for k, v in out.items()}
-
-
-def loss_rates_from_results(results_dir: str | Path) -> tuple[float, float]:
-    """(LOSS_MATMUL_TFLOPS, LOSS_S_PER_LOGIT) rebuilt from the 1- and 8-layer profiles: the once-per-step kernel
-    time is the 1-layer run's minus one layer's (the runs' difference / 7); its matmuls are the lm_head's
-    6 V H t FLOPs, the rest (elementwise, reductions, copies) is divided by the t x V logits."""
-    one, eight = (json.loads((Path(results_dir) / n).read_text()) for n in LOSS_SOURCES)
-    assert one["model"] == eight["model"] == "qwen3-4b" and one["length"] == eight["length"]
-    per = eight["layers"] - one["layers"]
-
-    def fixed(bucket: str) -> float:
-        a, b = one["seconds_by_bucket"].get(bucket, 0.0), eight["seconds_by_bucket"].get(bucket, 0.0)
-        return a - (b - a) / per * one["layers"]
-
-    vocab, hidden, t = 151936, 2560, one["length"]  # Qwen3-4B
-    rest = sum(fixed(b) for b in one["seconds_by_bucket"] if b != "matmul" and not b.startswith("attention"))
-    return round(6.0 * vocab * hidden * t / fixed("matmul") / 1e12, 1), float(f"{rest / (t * vocab):.5g}")
