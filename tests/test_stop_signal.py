@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from ulysses_trainer.train.trainer import StopSignal
+from ulysses_trainer.train.stop_signal import StopSignal
 
 
 def test_relayed_copy_is_the_same_request_and_a_later_signal_stops_now():

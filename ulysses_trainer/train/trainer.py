@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import sys
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
 import deepspeed
@@ -24,13 +21,16 @@ from ..model.parallelize import SequenceParallelCausalLM, apply, parallelize
 from ..names import resolve_report_to
 from ..parallel.comm import all_reduce
 from ..parallel.loss import aux_for_backward, global_aux_loss, global_loss, loss_for_backward, step_token_count
-from ..parallel.sharding import Shard, shard_batch
+from ..parallel.sharding import Shard
 from ..parallel.state import ParallelState, make_parallel_state
 from ..plan.resolve import resolve_plan
 from ..plan.types import Plan
 from . import checkpoint as ckpt
+from . import data_order as order
+from . import run_report as report
 from .logging import MetricsFile, log_line
-from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, predicted_vs_measured, train_flops_per_sequence
+from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, train_flops_per_sequence
+from .non_finite import NonFiniteError, non_finite_step
 from .output_guard import OutputWriteError, describe_failure, failure_message
 from .position_loss import write_per_position_loss
 from .prepare import RunPlan
@@ -38,41 +38,7 @@ from .reporters import Reporters
 from .resume_check import notes as resume_notes
 from .resume_check import run_record
 from .schedule import set_peak_learning_rate
-
-
-class NonFiniteError(RuntimeError):
-    """A non-finite loss or gradient norm that the run cannot skip (nan_policy=stop), or a non-finite
-    state about to be saved. The run ends with exit code 1 and the last checkpoint untouched."""
-
-
-class StopSignal:
-    """SIGTERM/SIGINT: stop at the next step boundary and save; a second signal stops at once.
-
-    A second signal within RELAY_WINDOW_S of the first is the same request: on Ctrl-C (or a signal
-    sent to the whole job) each rank gets the signal itself and, milliseconds later, the SIGTERM that
-    the deepspeed launcher relays to its ranks.
-    """
-
-    RELAY_WINDOW_S = 2.0
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic,
-                 on_request: Callable[[], None] | None = None) -> None:
-        self.requested = False
-        self._clock, self._first = clock, 0.0
-        self._on_request = on_request  # says once what the stop will do ("interrupted: saving step N")
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        now = self._clock()
-        if self.requested and now - self._first > self.RELAY_WINDOW_S:
-            raise KeyboardInterrupt(f"second signal {signum}: stopping now")
-        if not self.requested:
-            self.requested, self._first = True, now
-            if self._on_request is not None:
-                self._on_request()
+from .stop_signal import StopSignal
 
 
 class Trainer:
@@ -90,8 +56,9 @@ class Trainer:
         self.last_aux_loss: float | None = None  # a sparse model's load-balancing loss of the last step
         self._bar = None
         self._write_failure: tuple[str, int, str] | None = None  # rank 0's failed log write, agreed at the step end
-        self._report_plan(plan.resolved, before_build=True)  # before memory climbs: the plan and the data
-        self._report_data()
+        if self.state.is_main:  # before memory climbs: the plan and the data
+            report.report_plan(plan.resolved, before_build=True)
+            report.report_data(plan)
         self.model = self._build_model()
         self.engine = self._build_engine()
         self.metrics = MetricsFile(self.cfg.output_dir)
@@ -125,7 +92,8 @@ class Trainer:
         self.resolved = self._resolve_after_engine()
         apply(self.model, self.resolved)
         if self.resolved != self.plan.resolved:  # the GPU holds less than the memory model expected
-            self._report_plan(self.resolved, before_build=False)
+            if self.state.is_main:
+                report.report_plan(self.resolved, before_build=False)
         return engine
 
     def _resolve_after_engine(self) -> Plan:
@@ -139,97 +107,18 @@ class Trainer:
         machine = replace(plan.machine, gpu_free_after_engine_gb=free / 2**30)
         return resolve_plan(self.cfg, plan.shape, machine, plan.zero, bf16=plan.bf16, engine_plan=plan.resolved)
 
-    def _report_data(self) -> None:
-        if not self.state.is_main:
-            return
-        for what, data in (("data", self.plan.train_data), ("eval data", self.plan.eval_data)):
-            counts = getattr(data, "counts", None)
-            if counts is not None:
-                print(f"[ulysses_trainer] {what}: {counts.summary()}", flush=True)
-
-    def _data_record(self) -> dict:
-        return {what: data.counts.to_dict() for what, data in (("train", self.plan.train_data),
-                                                                ("eval", self.plan.eval_data))
-                if getattr(data, "counts", None) is not None}
-
     def _say_stopping(self) -> None:
         """The first stop request, from the signal handler: one line from rank 0."""
         if self.state.is_main:
-            nxt = self.step + 1
-            line = f"interrupted: saving step {nxt}" if self.cfg.save_strategy != "no" else \
-                f"interrupted: stopping after step {nxt}, not saving (save_strategy no)"
-            print(f"[ulysses_trainer] {line} (a second Ctrl-C stops at once; the last checkpoint stays)",
-                  file=sys.stderr, flush=True)
-
-    def _report_plan(self, r: Plan, before_build: bool) -> None:
-        if not self.state.is_main:
-            return
-        print(f"[ulysses_trainer] plan{'' if before_build else ' with the free GPU memory measured'}: "
-              f"{r.summary()}", flush=True)
-        if r.decided:
-            print(f"[ulysses_trainer] auto chose: {', '.join(r.decided)}", flush=True)
-        for note in r.notes:
-            print(f"[ulysses_trainer] plan note: {note}", flush=True)
-        if not r.fits:
-            print(f"[ulysses_trainer] warning: the plan does not fit: {r.shortage()} (the memory model errs on "
-                  f"the high side; the run may still fit)", flush=True)
-        if r.gradient_checkpointing:
-            n, saved, off = r.num_layers, len(r.saved_layers), len(r.offload_layers)
-            kept = f"1 in {r.checkpoint_every} layers keeps its input" if r.checkpoint_every > 1 else \
-                "every layer keeps its input"
-            print(f"[ulysses_trainer] checkpoints: {kept} ({saved}/{n}), {off} in pinned host memory "
-                  f"({r.checkpoint_bytes_per_layer * off / 2**30:.2f} GiB)", flush=True)
-            print(f"[ulysses_trainer] attention outputs kept for the recompute: {len(r.kept_attention_layers)}/{n} "
-                  "layers", flush=True)
-
-    def _report_predicted_vs_measured(self, step_times: list[float]) -> None:
-        """End of run: the plan's step time and GPU peak next to what the run measured."""
-        r = self.resolved
-        if not self.state.is_main or r.predicted_step_s is None or not step_times:
-            return
-        print(predicted_vs_measured(r.predicted_step_s, r.predicted_peak_gpu_gb, step_times, peak_gpu_mem_gb()),
-              flush=True)
+            report.say_stopping(self.step + 1, self.cfg.save_strategy)
 
     # ------------------------------------------------------------------ data
-    def _order(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.cfg.seed + epoch)
-        return torch.randperm(len(self.plan.train_data), generator=g)
-
-    def _step_rows(self, step: int) -> torch.Tensor:
-        """Row indices of optimizer step `step`, all dp ranks and micro-steps (the same on every rank)."""
-        plan = self.plan
-        epoch, j = divmod(step, plan.steps_per_epoch)
-        return self._order(epoch)[j * plan.sequences_per_step:(j + 1) * plan.sequences_per_step]
-
-    def _step_real_tokens(self, step: int) -> int:
-        """Non-pad tokens of every sequence in step `step` (every rank holds the whole dataset: no collective)."""
-        data = self.plan.train_data
-        real = getattr(data, "real_tokens", None)
-        rows = self._step_rows(step)
-        return sum(real(int(i)) for i in rows) if real else len(rows) * self.cfg.max_length
-
     def _micro_batches(self, step: int) -> list[Shard]:
         """This rank's shards for optimizer step `step` (deterministic: resume lands on the same data)."""
-        plan, cfg = self.plan, self.cfg
-        micro = cfg.per_device_train_batch_size
-        order = self._step_rows(step)
-        shards = []
-        for m in range(cfg.gradient_accumulation_steps):
-            start = (m * plan.dp_size + self.state.dp_rank) * micro
-            shards.append(self._shard([plan.train_data[int(i)] for i in order[start:start + micro]]))
-        return shards
+        return [self._shard(rows) for rows in order.micro_batch_rows(self.plan, self.state.dp_rank, step)]
 
     def _shard(self, rows: list[dict]) -> Shard:
-        ids = torch.stack([r["input_ids"] for r in rows])  # [micro, L]
-        pos = torch.stack([r["position_ids"] for r in rows])
-        pad = getattr(self.plan.tokenizer, "pad_token_id", None) or 0
-        # rows with labels (masked conversations, a padded last sequence) mask what is not trained; the others
-        # train on every token
-        labels = torch.stack([r.get("labels", r["input_ids"]) for r in rows]) if any("labels" in r for r in rows) \
-            else None
-        return shard_batch(ids, position_ids=pos, labels=labels, sp_size=self.state.sp_size,
-                           sp_rank=self.state.sp_rank, pad_to_multiple_of=self.cfg.pad_to_multiple_of,
-                           pad_token_id=pad).to(self.device)
+        return order.shard_rows(rows, self.plan, self.state, self.device)
 
     # ------------------------------------------------------------------ steps
     def train_step(self, shards: list[Shard]) -> tuple[float, float, int]:
@@ -340,7 +229,7 @@ class Trainer:
             loss, grad_norm, tokens = self.train_step(self._micro_batches(self.step))
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 self._non_finite_step(loss, grad_norm, self.engine.skipped_steps > skipped_before, bar)
-            real_tokens = self._step_real_tokens(self.step)
+            real_tokens = order.step_real_tokens(plan, self.step)
             self.step += 1
             self.num_tokens += real_tokens
             self.num_loss_tokens += tokens
@@ -363,7 +252,8 @@ class Trainer:
                 return 0
         bar.close()
         self.reporters.close()  # (a stopped run's rows are flushed as they are logged)
-        self._report_predicted_vs_measured(step_times)
+        if self.state.is_main:
+            report.report_predicted_vs_measured(self.resolved, step_times)
         if cfg.plot_per_position_loss:
             write_per_position_loss(self.engine, self.model, self._micro_batches(self.step - 1)[-1], self.state,
                                     cfg.loss_chunk_size, cfg.max_length,
@@ -387,18 +277,7 @@ class Trainer:
         failure = None
         if self.state.is_main:
             path = os.path.join(self.cfg.output_dir, "config.json")
-            record = {**run_record(config_to_dict(self.cfg), self.plan.world_size, self.plan.sp_size,
-                                   self.plan.dp_size), "data": self._data_record(), "history": []}
-            try:
-                with open(path) as f:
-                    previous = json.load(f)
-            except (OSError, ValueError):
-                previous = None
-            if self.plan.resume_path and isinstance(previous, dict):
-                history = previous.pop("history", []) if isinstance(previous.get("history"), list) else []
-                record["history"] = history + [{"until_step": self.step, **previous,
-                                                "changes_at_resume": {k: list(v) for k, v in
-                                                                      self.plan.config_changes.items()}}]
+            record = report.run_config_record(self.plan, self.step, path)
             try:
                 with open(path, "w") as f:
                     json.dump(record, f, indent=1)
@@ -427,25 +306,11 @@ class Trainer:
             raise error or ConfigError("report_to: rank 0 could not start its reporters (see its error)")
 
     def _non_finite_step(self, loss: float, grad_norm: float, update_discarded: bool, bar) -> None:
-        """nan_policy for a step whose global loss or gradient norm is not finite (same on every rank).
-
-        DeepSpeed's ZeRO optimizer discards an update whose gradient norm is not finite (it clears the
-        reduced gradients and leaves parameters, optimizer moments and its step count alone; engine
-        .skipped_steps counts it). `skip` relies on that and only checks it happened; the schedule then
-        moves on with the step counter and the data position.
-        """
-        what = f"step {self.step + 1}: loss {loss}, grad_norm {grad_norm}"
-        if self.cfg.nan_policy == "stop":
-            raise NonFiniteError(f"{what}; stopping without saving (nan_policy=stop; the last checkpoint is "
-                                 f"intact). Lower learning_rate, check the data, or set nan_policy skip")
-        if not update_discarded:
-            raise NonFiniteError(f"{what}, but DeepSpeed applied the update (it discards only updates whose "
-                                 f"gradient norm is not finite), so it cannot be skipped; stopping without "
-                                 f"saving")
+        """nan_policy for a step whose global loss or gradient norm is not finite (same on every rank)."""
+        warning = non_finite_step(self.step + 1, loss, grad_norm, self.cfg.nan_policy, update_discarded)
         self.engine.lr_scheduler.step()
         if self.state.is_main:
-            bar.write(f"[ulysses_trainer] warning: {what}; update skipped (nan_policy=skip): parameters and "
-                      f"optimizer state kept as they were")
+            bar.write(warning)
 
     def _stop_agreed(self) -> bool:
         """Every rank must agree to stop at the same step (the save is collective). The same all-reduce

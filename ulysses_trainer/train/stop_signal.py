@@ -1,0 +1,37 @@
+"""SIGTERM/SIGINT during training: a stop request at the next step boundary, a second signal at once."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+
+
+class StopSignal:
+    """SIGTERM/SIGINT: stop at the next step boundary and save; a second signal stops at once.
+
+    A second signal within RELAY_WINDOW_S of the first is the same request: on Ctrl-C (or a signal
+    sent to the whole job) each rank gets the signal itself and, milliseconds later, the SIGTERM that
+    the deepspeed launcher relays to its ranks.
+    """
+
+    RELAY_WINDOW_S = 2.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 on_request: Callable[[], None] | None = None) -> None:
+        self.requested = False
+        self._clock, self._first = clock, 0.0
+        self._on_request = on_request  # says once what the stop will do ("interrupted: saving step N")
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        now = self._clock()
+        if self.requested and now - self._first > self.RELAY_WINDOW_S:
+            raise KeyboardInterrupt(f"second signal {signum}: stopping now")
+        if not self.requested:
+            self.requested, self._first = True, now
+            if self._on_request is not None:
+                self._on_request()
