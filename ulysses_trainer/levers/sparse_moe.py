@@ -22,14 +22,12 @@ gradient autograd would give through the all-reduce, computed where the graph ex
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
 from ..parallel.comm import all_reduce_sum_differentiable
+from .tiled_mlp import TiledBlock
 
 
 class RouterStats:
@@ -186,9 +184,13 @@ def _set_grad_ready(params: list[nn.Parameter], ready: bool) -> None:
         p.ds_grad_is_ready = ready
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(TiledBlock, nn.Module):
     """Drop-in for transformers' Qwen3MoeSparseMoeBlock: the router on all rows, the experts by `num_tiles`
-    sequence tiles (1: one call, no recompute of its own), the router statistics into `stats`."""
+    sequence tiles (1: one call, no recompute of its own), the router statistics into `stats`.
+
+    unused_output (TiledBlock): inside, the experts' forward returns zeros with the same backward (a
+    checkpoint's recompute needs their graph, not their value). The router still runs: its weights and
+    probability sums carry gradients."""
 
     def __init__(self, block: nn.Module, num_tiles: int, stats: RouterStats | None, top_k: int,
                  norm_topk_prob: bool):
@@ -205,20 +207,6 @@ class SparseMoE(nn.Module):
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.stats = stats
         self.output_unused = False
-
-    @contextlib.contextmanager
-    def unused_output(self) -> Iterator[None]:
-        """As TiledMLP.unused_output: inside, the experts' forward returns zeros with the same backward (a
-        checkpoint's recompute needs their graph, not their value). The router still runs: its weights and
-        probability sums carry gradients."""
-        self.output_unused = True
-        try:
-            yield
-        finally:
-            self.output_unused = False
-
-    def extra_repr(self) -> str:
-        return f"num_tiles={self.num_tiles}"
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape

@@ -77,7 +77,30 @@ class _TiledMLPFunction(torch.autograd.Function):
         return grad_x, None
 
 
-class TiledMLP(nn.Module):
+class TiledBlock:
+    """What a tiled MLP block (TiledMLP, levers/sparse_moe.SparseMoE) has beside its forward: `num_tiles` and
+    the unused_output switch, which its forward reads from `output_unused`."""
+
+    num_tiles: int
+    output_unused: bool
+
+    @contextlib.contextmanager
+    def unused_output(self) -> Iterator[None]:
+        """Inside, forward skips the tiles and returns zeros (with the same backward): for a checkpoint's
+        recompute, which needs the graph, not the value. The value feeds only the residual add, whose
+        backward does not read it; this MLP's backward recomputes each tile from the saved input anyway.
+        Saves one MLP forward per layer and step (levers/recompute.py enters it; parallelize wires it)."""
+        self.output_unused = True
+        try:
+            yield
+        finally:
+            self.output_unused = False
+
+    def extra_repr(self) -> str:
+        return f"num_tiles={self.num_tiles}"
+
+
+class TiledMLP(TiledBlock, nn.Module):
     """Drop-in for an HF gated MLP (Qwen3MLP, LlamaMLP) that tiles along the rows.
 
     It adopts the MLP's gate_proj, up_proj, down_proj and act_fn as its own children under the same
@@ -99,21 +122,6 @@ class TiledMLP(nn.Module):
         self.act_fn = mlp.act_fn
         self.num_tiles = num_tiles
         self.output_unused = False  # see unused_output()
-
-    @contextlib.contextmanager
-    def unused_output(self) -> Iterator[None]:
-        """Inside, forward skips the tiles and returns zeros (with the same backward): for a checkpoint's
-        recompute, which needs the graph, not the value. The value feeds only the residual add, whose
-        backward does not read it; this MLP's backward recomputes each tile from the saved input anyway.
-        Saves one MLP forward per layer and step (levers/recompute.py enters it; parallelize wires it)."""
-        self.output_unused = True
-        try:
-            yield
-        finally:
-            self.output_unused = False
-
-    def extra_repr(self) -> str:
-        return f"num_tiles={self.num_tiles}"
 
     def tile_forward(self, x: Tensor) -> Tensor:
         """The untiled gated MLP on some rows."""
