@@ -231,14 +231,8 @@ def export_adapter(engine, peft_model, output_dir: str, tokenizer, is_main: bool
     adapters = [p for p in engine.module.parameters() if p.requires_grad]
     with deepspeed.zero.GatheredParameters(adapters, modifier_rank=None):
         if is_main:
-            tmp = target + ".tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            peft_model.save_pretrained(tmp, safe_serialization=True)
-            if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-                tokenizer.save_pretrained(tmp)
-            _fsync_tree(tmp)
-            shutil.rmtree(target, ignore_errors=True)
-            os.rename(tmp, target)
+            _replace_dir(target + ".tmp", target, lambda d: peft_model.save_pretrained(d, safe_serialization=True),
+                         tokenizer)
     barrier()
     return target if is_main else None
 
@@ -283,8 +277,14 @@ def _write_export(state: dict, config, tmp: str, target: str, tokenizer, prefix:
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     assert not missing, f"export lacks weights for {missing[:3]}"
+    _replace_dir(tmp, target, lambda d: model.save_pretrained(d, safe_serialization=True), tokenizer)
+
+
+def _replace_dir(tmp: str, target: str, write: Callable[[str], None], tokenizer) -> None:
+    """`write` (and the tokenizer) into a fresh `tmp`, synced to disk, then renamed over `target`: a reader
+    sees the old directory or the whole new one, never half of it."""
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    write(tmp)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(tmp)
     _fsync_tree(tmp)
