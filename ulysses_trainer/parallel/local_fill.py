@@ -97,36 +97,49 @@ class _Common(dist.ProcessGroup):
         return work
 
 
+def _gathered(out: torch.Tensor, inp: torch.Tensor, pg: dist.ProcessGroup) -> None:
+    _fill_gathered(out, inp, pg.size(), pg.rank())
+
+
+def _own_slice(out: torch.Tensor, inp: torch.Tensor, pg: dist.ProcessGroup) -> None:
+    _fill_own_slice(out, inp, pg.size(), pg.rank())
+
+
+def _like(out: torch.Tensor, inp: torch.Tensor, pg: dist.ProcessGroup) -> None:
+    _fill_like(out, inp)
+
+
+def _filled(work, fill, out, inp, pg: dist.ProcessGroup):
+    """After the fake backend's collective (`work`, returned): `fill(out, inp, group)`."""
+    fill(out, inp, pg)
+    return work
+
+
+def _filled_each(work, fill, outs, inps, pg: dist.ProcessGroup):
+    """As _filled, for a coalesced call's lists of outputs and inputs."""
+    for out, inp in zip(outs, inps):
+        fill(out, inp, pg)
+    return work
+
+
 class _TensorNames(_Common):
     """torch < 2.13: dist.all_gather_into_tensor -> _allgather_base, all_to_all_single -> alltoall_base,
     reduce_scatter_tensor -> _reduce_scatter_base, the coalescing manager -> *_tensor_coalesced."""
 
     def _allgather_base(self, out, inp, *opts):
-        work = super()._allgather_base(out, inp, *opts)
-        _fill_gathered(out, inp, self.size(), self.rank())
-        return work
+        return _filled(super()._allgather_base(out, inp, *opts), _gathered, out, inp, self)
 
     def allgather_into_tensor_coalesced(self, outs, inps, *opts):
-        work = super().allgather_into_tensor_coalesced(outs, inps, *opts)
-        for out, inp in zip(outs, inps):
-            _fill_gathered(out, inp, self.size(), self.rank())
-        return work
+        return _filled_each(super().allgather_into_tensor_coalesced(outs, inps, *opts), _gathered, outs, inps, self)
 
     def alltoall_base(self, out, inp, *rest):
-        work = super().alltoall_base(out, inp, *rest)
-        _fill_like(out, inp)
-        return work
+        return _filled(super().alltoall_base(out, inp, *rest), _like, out, inp, self)
 
     def _reduce_scatter_base(self, out, inp, *opts):
-        work = super()._reduce_scatter_base(out, inp, *opts)
-        _fill_own_slice(out, inp, self.size(), self.rank())
-        return work
+        return _filled(super()._reduce_scatter_base(out, inp, *opts), _own_slice, out, inp, self)
 
     def reduce_scatter_tensor_coalesced(self, outs, inps, *opts):
-        work = super().reduce_scatter_tensor_coalesced(outs, inps, *opts)
-        for out, inp in zip(outs, inps):
-            _fill_own_slice(out, inp, self.size(), self.rank())
-        return work
+        return _filled_each(super().reduce_scatter_tensor_coalesced(outs, inps, *opts), _own_slice, outs, inps, self)
 
 
 class _SingleNames(_Common):
@@ -134,31 +147,19 @@ class _SingleNames(_Common):
     would recurse), so only these are overridden."""
 
     def all_gather_single(self, out, inp, *opts):
-        work = super().all_gather_single(out, inp, *opts)
-        _fill_gathered(out, inp, self.size(), self.rank())
-        return work
+        return _filled(super().all_gather_single(out, inp, *opts), _gathered, out, inp, self)
 
     def all_gather_single_coalesced(self, outs, inps, *opts):
-        work = super().all_gather_single_coalesced(outs, inps, *opts)
-        for out, inp in zip(outs, inps):
-            _fill_gathered(out, inp, self.size(), self.rank())
-        return work
+        return _filled_each(super().all_gather_single_coalesced(outs, inps, *opts), _gathered, outs, inps, self)
 
     def all_to_all_single(self, out, inp, *rest):
-        work = super().all_to_all_single(out, inp, *rest)
-        _fill_like(out, inp)
-        return work
+        return _filled(super().all_to_all_single(out, inp, *rest), _like, out, inp, self)
 
     def reduce_scatter_single(self, out, inp, *opts):
-        work = super().reduce_scatter_single(out, inp, *opts)
-        _fill_own_slice(out, inp, self.size(), self.rank())
-        return work
+        return _filled(super().reduce_scatter_single(out, inp, *opts), _own_slice, out, inp, self)
 
     def reduce_scatter_single_coalesced(self, outs, inps, *opts):
-        work = super().reduce_scatter_single_coalesced(outs, inps, *opts)
-        for out, inp in zip(outs, inps):
-            _fill_own_slice(out, inp, self.size(), self.rank())
-        return work
+        return _filled_each(super().reduce_scatter_single_coalesced(outs, inps, *opts), _own_slice, outs, inps, self)
 
 
 _Names = _SingleNames if hasattr(dist.ProcessGroup, "all_gather_single") else _TensorNames
