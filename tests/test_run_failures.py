@@ -119,12 +119,17 @@ def _ranks_left(marker: str) -> list[int]:
     return out
 
 
-def test_ctrl_c_saves_and_waits_and_a_run_interrupted_before_training_leaves_nothing(tmp_path):
+def _tiny_run(tmp_path: Path, *options: str) -> tuple[Path, list[str]]:
+    """The output dir and the arguments of a 32-token run of a tiny checkpoint on 80 documents, plus `options`."""
     model = write_checkpoint(tmp_path / "model")
     docs = write_documents(tmp_path / "docs.jsonl", num_docs=80, words_per_doc=31)
     out = tmp_path / "run"
-    common = ["--model_name_or_path", str(model), "--dataset_name", str(docs), "--max_length", "32",
-              "--bf16", "false", "--lr_scheduler_type", "constant", "--output_dir", str(out)]
+    return out, ["--model_name_or_path", str(model), "--dataset_name", str(docs), "--max_length", "32",
+                 "--bf16", "false", *options, "--output_dir", str(out)]
+
+
+def test_ctrl_c_saves_and_waits_and_a_run_interrupted_before_training_leaves_nothing(tmp_path):
+    out, common = _tiny_run(tmp_path, "--lr_scheduler_type", "constant")
 
     early = _ulysses_train(common + ["--max_steps", "40"])
     deadline = time.monotonic() + 120
@@ -168,11 +173,7 @@ def test_ctrl_c_saves_and_waits_and_a_run_interrupted_before_training_leaves_not
 
 
 def test_a_second_ctrl_c_stops_at_once_and_the_last_checkpoint_resumes(tmp_path):
-    model = write_checkpoint(tmp_path / "model")
-    docs = write_documents(tmp_path / "docs.jsonl", num_docs=80, words_per_doc=31)
-    out = tmp_path / "run"
-    common = ["--model_name_or_path", str(model), "--dataset_name", str(docs), "--max_length", "32",
-              "--bf16", "false", "--save_steps", "1", "--output_dir", str(out)]
+    out, common = _tiny_run(tmp_path, "--save_steps", "1")
     job = _ulysses_train(common + ["--max_steps", "40"])
     seen = []
     for line in job.stdout:  # two Ctrl-C once step 2 has been logged (checkpoint-1 exists by then)
