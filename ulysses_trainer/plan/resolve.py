@@ -119,8 +119,7 @@ def _base_settings(cfg: Any, layout: Layout, machine: Machine, zero: ZeroSetting
                     gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
                     loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, norm_kernel=norm, attention=kernel,
                     pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs, gpus_per_host=machine.ranks_per_host,
-                    experts_implementation=choose_experts_implementation(
-                        getattr(cfg, "experts_implementation", "auto")),
+                    experts_implementation=choose_experts_implementation(cfg.experts_implementation),
                     trainable_numels=lora_trainable(cfg, shape))
 
 
