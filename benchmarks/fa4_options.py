@@ -12,6 +12,10 @@ entry points so only the option differs:
 - `bwd_pack_gqa_true`: the backward with the 4 query heads packed over their KV head;
 - `expanded_kv`: K and V copied to 4 heads (plain multi-head attention), dK / dV summed back over the group
   (what a kernel without GQA support would run; the copies and the sum are timed with it).
+- `fwd_tile_*` / `fwd_smem_pv` / `fwd_no_wg_overlap`: the forward's tile shape and pipeline flags (its own
+  arguments); `bwd_*`: the Hopper backward's tile table with one or two fields changed (m/n block, pipeline
+  stages, swapped operands, warp-group layout), for that call only. A tile variant times only the half it
+  changes; the other half is the trainer's row.
 A variant the library refuses is recorded with its error. TFLOP/s count causal attention as half of full
 attention and the backward as 2.5 x the forward, as attention_kernels.py does.
 """
@@ -19,6 +23,8 @@ attention and the backward as 2.5 x the forward, as attention_kernels.py does.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -29,12 +35,55 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from attention_kernels import _time  # noqa: E402 - the same timing as the kernel table
 
+# forward tiles go through the entry point's own arguments (tile_mn, mma_pv_is_rs, intra_wg_overlap)
+FWD_TILES = {
+    "fwd_tile_128x96": {"tile_mn": (128, 96)},
+    "fwd_tile_128x160": {"tile_mn": (128, 160)},
+    "fwd_tile_128x176": {"tile_mn": (128, 176)},
+    "fwd_tile_192x128_smem_pv": {"tile_mn": (192, 128), "mma_pv_is_rs": False},
+    "fwd_smem_pv": {"mma_pv_is_rs": False},
+    "fwd_no_wg_overlap": {"intra_wg_overlap": False},
+}
+# on Hopper the backward takes its tiles from the library's table (_tile_size_bwd_sm90), not from its
+# arguments: these variants replace fields of the table's answer for the duration of the call only
+BWD_TILES = {
+    "bwd_m80_dq_swap": {"m_block_size": 80, "dQ_swapAB": True},  # the table's non-causal choice
+    "bwd_m96_dq_swap": {"m_block_size": 96, "dQ_swapAB": True},
+    "bwd_n96": {"n_block_size": 96},
+    "bwd_pds_1_stage": {"num_stages_PdS": 1},
+    "bwd_q_1_stage": {"num_stages_Q": 1},
+    "bwd_dq_single_wg": {"dQ_single_wg": True},
+    "bwd_sdp_no_swap": {"SdP_swapAB": False, "AtomLayoutMSdP": 1},
+    "bwd_ndkv_1": {"AtomLayoutNdKV": 1},
+}
+# the best forward tile with the best backward table
+BOTH = {"fwd192_smem_pv_bwd_m80": ("fwd_tile_192x128_smem_pv", "bwd_m80_dq_swap")}
+
+
+@contextlib.contextmanager
+def _bwd_table(fields: dict | None):
+    """The library's Hopper backward table with `fields` replaced, inside the block only."""
+    if not fields:
+        yield
+        return
+    import flash_attn.cute.interface as fa
+
+    table = fa._tile_size_bwd_sm90
+    fa._tile_size_bwd_sm90 = lambda *a, **kw: dataclasses.replace(table(*a, **kw), **fields)
+    try:
+        yield
+    finally:
+        fa._tile_size_bwd_sm90 = table
+
 
 def _variant(name: str):
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
-    fwd_kw = {"fwd_pack_gqa_true": {"pack_gqa": True}, "fwd_pack_gqa_false": {"pack_gqa": False}}.get(name, {})
-    bwd_kw = {"bwd_pack_gqa_true": {"pack_gqa": True}}.get(name, {})
+    fwd_name, bwd_name = BOTH.get(name, (name, name))
+    fwd_kw = {"fwd_pack_gqa_true": {"pack_gqa": True}, "fwd_pack_gqa_false": {"pack_gqa": False},
+              **FWD_TILES}.get(fwd_name, {})
+    bwd_kw = {"bwd_pack_gqa_true": {"pack_gqa": True}}.get(bwd_name, {})
+    bwd_fields = BWD_TILES.get(bwd_name)
     expand = name == "expanded_kv"
 
     def fwd(q, k, v, scale):
@@ -46,8 +95,9 @@ def _variant(name: str):
     def bwd(g, q, k, v, out, lse, scale):
         if expand:
             k, v = (t.expand(-1, -1, q.shape[2], -1).contiguous() for t in (k, v))
-        dq, dk, dv = _flash_attn_bwd(q, k, v, out, g, lse.contiguous(), softmax_scale=scale, causal=True,
-                                     **bwd_kw)[:3]
+        with _bwd_table(bwd_fields):
+            dq, dk, dv = _flash_attn_bwd(q, k, v, out, g, lse.contiguous(), softmax_scale=scale, causal=True,
+                                         **bwd_kw)[:3]
         if expand:  # [b, s, r, d] -> [b, s, 1, d]: the group's gradients summed onto its KV head
             dk, dv = dk.sum(2, keepdim=True), dv.sum(2, keepdim=True)
         return dq, dk, dv
@@ -55,10 +105,11 @@ def _variant(name: str):
     return fwd, bwd
 
 
-VARIANTS = ("trainer", "fwd_pack_gqa_true", "fwd_pack_gqa_false", "bwd_pack_gqa_true", "expanded_kv")
+VARIANTS = ("trainer", "fwd_pack_gqa_true", "fwd_pack_gqa_false", "bwd_pack_gqa_true", "expanded_kv",
+            *FWD_TILES, *BWD_TILES, *BOTH)
 
 
-def point(name: str, a, ref: dict | None) -> tuple[dict, dict]:
+def point(name: str, a, ref: dict | None, ref_row: dict | None) -> tuple[dict, dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     L, h, d = a.length, a.heads, 128
     q = torch.randn((1, L, h, d), device="cuda", dtype=torch.bfloat16, generator=g)
@@ -66,11 +117,14 @@ def point(name: str, a, ref: dict | None) -> tuple[dict, dict]:
     dout = torch.randn((1, L, h, d), device="cuda", dtype=torch.bfloat16, generator=g)
     scale = d ** -0.5
     fwd, bwd = _variant(name)
-    t_f = _time(lambda: fwd(q, k, v, scale), a.iters)
+    # a tile variant changes one half: the other half is the trainer's call, timed once in its row
+    same_fwd, same_bwd = ref_row is not None and name in BWD_TILES, ref_row is not None and name in FWD_TILES
+    t_f = ref_row["fwd_s"] if same_fwd else _time(lambda: fwd(q, k, v, scale), a.iters)
     out, lse = fwd(q, k, v, scale)
-    t_b = _time(lambda: bwd(dout, q, k, v, out, lse, scale), a.iters)
+    t_b = ref_row["bwd_s"] if same_bwd else _time(lambda: bwd(dout, q, k, v, out, lse, scale), a.iters)
     row = {"variant": name, "seq_len": L, "heads": h, "kv_heads": 1, "head_dim": d, "data": "random",
-           "fwd_s": t_f, "bwd_s": t_b, "fwd_bwd_s": t_f + t_b}
+           "fwd_s": t_f, "bwd_s": t_b, "fwd_bwd_s": t_f + t_b,
+           "timed": "backward" if same_fwd else "forward" if same_bwd else "both"}
     flops = 2.0 * L * L * h * d  # causal forward: half of 4 L^2 h d
     row["fwd_bwd_tflops"] = 3.5 * flops / (t_f + t_b) / 1e12
     dq, dk, dv = bwd(dout, q, k, v, out, lse, scale)
@@ -89,14 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    rows, ref = [], None
+    rows, ref, ref_row = [], None, None
     for name in a.variants.split(","):
         try:
-            row, outputs = point(name, a, ref)
+            row, outputs = point(name, a, ref, ref_row)
         except Exception as e:  # a variant the library refuses: recorded, the others still run
-            row, outputs = {"variant": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}, None
+            first = (str(e).strip().splitlines() or [""])[0][:300]  # an assertion may carry no message
+            row, outputs = {"variant": name, "error": f"{type(e).__name__}: {first}"}, None
         if name == "trainer":
-            ref = outputs
+            ref, ref_row = outputs, row
         print(json.dumps(row), flush=True)
         rows.append(row)
         torch.cuda.empty_cache()

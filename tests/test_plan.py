@@ -439,3 +439,21 @@ def test_cli_keeps_attention_outputs_in_what_is_left(capsys):
     assert cli_main(args + ["--max_length", "1048576"]) == 0
     plan = json.loads(capsys.readouterr().out)["plan"]
     assert plan["keep_attention_outputs"] <= 3 and plan["predicted_gpu_required_gb"] <= 139.8
+
+
+def test_cli_longest_does_not_depend_on_the_length_asked(capsys):
+    """The longest length is a property of the model, machine and fixed levers: asking for a short, a long or an
+    unfitting max_length reports the same one; the plan at that length fits and one unit more does not. (The
+    search once took the ZeRO-3 sub-groups of whatever placement the asked length's plan chose, so a plan that
+    did not fit reported a longer "largest" than one that did.)"""
+    base = ["plan", "--config", "launch/recipes/moe_8gpu_1m.yaml", "--gpu_memory_gb", "139.8",
+            "--host_memory_gb", "560", "--attn_implementation", "sdpa", "--json"]
+
+    def ask(n: int) -> dict:
+        cli_main(base + ["--max_length", str(n)])
+        return json.loads(capsys.readouterr().out)
+
+    found = {ask(n)["largest_max_length"] for n in (1_048_576, 5_865_472, 6_774_784)}
+    assert len(found) == 1, found
+    longest = found.pop()
+    assert ask(longest)["fits"] and not ask(longest + 8192)["fits"]

@@ -145,10 +145,14 @@ def run_plan(argv: list[str]) -> int:
     cfg, model_config, ds, machine, args = build_plan_inputs(argv)
     plan = plan_for(cfg, model_config, ds, machine)  # the trainer's own call (train/prepare.py)
     hw = Hardware(machine.gpus, machine.gpu_memory_gb, machine.host_memory_gb, machine.gpus_per_host)
-    base = replace(plan.settings, max_length=cfg.max_length, activation_offload=0, kept_attention_layers=0)
+    # the plan's layout, kernels and loss, none of its length-dependent choices: the longest does not depend
+    # on the max_length asked (the ZeRO-3 sizes per placement as the plan's own search had them)
+    knobs = plan.zero3_by_placement
+    base = replace(plan.settings, max_length=cfg.max_length, activation_offload=0, kept_attention_layers=0,
+                   zero3=knobs[False])
     # Adam's placement as the config and the ZeRO JSON fixed it (decoded once, in plan/resolve.read_levers)
     longest, best = largest_max_length(ModelShape.from_config(model_config), base, hw,
-                                       offload_optimizer=plan.fixed.optimizer_offload)
+                                       offload_optimizer=plan.fixed.optimizer_offload, knobs=knobs)
     if args.json:
         out = {"model": plan.model, "hardware": {**machine.__dict__, "kernels": list(machine.kernels)},
                "fits": plan.fits, "plan": plan.to_dict(), "chosen": _settings_summary(plan.settings),

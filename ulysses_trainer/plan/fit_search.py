@@ -246,15 +246,16 @@ def with_headroom(shape: ModelShape, chosen: MemoryEstimate, gpu_gb: float, host
 # -------------------------------------------------------------------- goal 2: the cheapest that fits
 
 
-def cheapest_fit(shape: ModelShape, base: Settings, fx: Fixed, gpu_gb: float, host_gb: float
-                 ) -> tuple[MemoryEstimate, bool]:
+def cheapest_fit(shape: ModelShape, base: Settings, fx: Fixed, gpu_gb: float, host_gb: float,
+                 knobs: dict[bool, Zero3Knobs] | None = None) -> tuple[MemoryEstimate, bool]:
     """(the first estimate that fits in the cost order, True) or (the closest miss, False). Memory only; the
-    ZeRO-3 sizes are the base's for both placements and the kept attention outputs are the base's.
+    ZeRO-3 sizes per placement are `knobs` (fastest_fit's; None: the base's for both), the kept attention
+    outputs the base's.
 
     At each rung the fewest offloaded inputs are searched at the most tiles (GPU memory falls as tiles grow,
     host memory does not depend on them), then the fewest tiles for that count."""
     sr = Search(shape, base, replace(fx, keep=base.kept_attention_layers), gpu_gb, host_gb,
-                {False: base.zero3, True: base.zero3})
+                knobs or {False: base.zero3, True: base.zero3})
     ladder = sr.tile_ladder(every_count=True)
     for rungs in sr.rungs():
         for r in rungs:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
 from .fit_search import Fixed, cheapest_fit
-from .inputs import ModelShape, Settings
+from .inputs import ModelShape, Settings, Zero3Knobs
 from .memory import MemoryEstimate
 
 
@@ -50,25 +50,27 @@ class Choice:
 
 def choose_settings(shape: ModelShape, base: Settings, hw: Hardware, *, offload_layers: int | None = None,
                     tiles: int | None = None, offload_optimizer: bool | None = None,
-                    every: int | None = None) -> Choice:
+                    every: int | None = None, knobs: dict[bool, Zero3Knobs] | None = None) -> Choice:
     """The cheapest settings that fit, starting from `base` (layout, loss, kernel...): the cost order of
     plan/fit_search.cheapest_fit.
 
     offload_layers / tiles / offload_optimizer / every (checkpoint_every): None = search ("auto"), else
-    fixed. When nothing fits, the returned Choice has fits=False and holds the settings that came
-    closest (the fewest bytes missing).
+    fixed. knobs: the ZeRO-3 sizes per optimizer placement (Plan.zero3_by_placement; None: the base's).
+    When nothing fits, the returned Choice has fits=False and holds the settings that came closest (the
+    fewest bytes missing).
     """
     hw.check()
     base = replace(base, gpus_per_host=hw.gpus_per_host or hw.gpus)
     fx = Fixed(offload=offload_layers, keep=None, tiles=tiles, every=every, optimizer_offload=offload_optimizer)
-    e, fits = cheapest_fit(shape, base, fx, hw.gpu_memory_gb, hw.host_memory_gb)
+    e, fits = cheapest_fit(shape, base, fx, hw.gpu_memory_gb, hw.host_memory_gb, knobs)
     return Choice(e.settings, e, fits)
 
 
 def largest_max_length(shape: ModelShape, base: Settings, hw: Hardware, *, unit: int | None = None,
                        offload_layers: int | None = None, tiles: int | None = None,
                        offload_optimizer: bool | None = None, every: int | None = None,
-                       limit: int = 1 << 27) -> tuple[int, Choice | None]:
+                       knobs: dict[bool, Zero3Knobs] | None = None, limit: int = 1 << 27
+                       ) -> tuple[int, Choice | None]:
     """The longest max_length (a multiple of `unit`, default 1024 x sp) for which some settings fit,
     and those settings. (0, None) when not even one unit fits. Memory grows with the length, so the
     answer is found by doubling, then bisecting over multiples of the unit."""
@@ -78,7 +80,7 @@ def largest_max_length(shape: ModelShape, base: Settings, hw: Hardware, *, unit:
 
     def at(n: int) -> Choice:
         return choose_settings(shape, replace(base, max_length=n * unit), hw, offload_layers=offload_layers,
-                               tiles=tiles, offload_optimizer=offload_optimizer, every=every)
+                               tiles=tiles, offload_optimizer=offload_optimizer, every=every, knobs=knobs)
 
     if not at(1).fits:
         return 0, None

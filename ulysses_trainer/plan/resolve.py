@@ -24,7 +24,6 @@ from ..names import (
     choose_kernel,
     choose_norm_kernel,
     default_mlp_tiles,
-    offload_sub_group_size,
 )
 from .fit_search import Fixed, fastest_fit, shortfall, with_headroom
 from .inputs import (
@@ -174,6 +173,7 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     take), and the settings the engine fixed (optimizer placement, kernel, tiles) stay.
     """
     zero = zero or ZeroSettings()
+    knobs = zero.placement_knobs()
     _check_machine(machine)
     layout = resolve_layout(cfg.sp_size, machine.gpus)
     kernel = engine_plan.kernel if engine_plan else choose_kernel(cfg.attn_implementation, machine.kernels)
@@ -199,8 +199,6 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
         chosen, fits, best = _cheapest(shape, base, fx), True, {}
     else:
         can_keep = cfg.gradient_checkpointing and kernel in KEEPING_KERNELS and not cfg.packing
-        added = replace(zero.knobs, sub_group_size=offload_sub_group_size(zero.knobs.sub_group_size))
-        knobs = {False: zero.knobs, True: zero.knobs if zero.offload_optimizer else added}
         chosen, fits, best = fastest_fit(shape, base, fx, shape.layers if can_keep else 0, budget,
                                          machine.host_memory_gb, knobs, lambda s: time_of(s).total_s)
         if fits and fx.offload is None:
@@ -215,12 +213,12 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     gpu_miss, host_miss = shortfall(chosen, budget, machine.host_memory_gb) if gpu else (0, 0)
     limit = None if fits else " and ".join(n for n, m in (("GPU memory", gpu_miss), ("host memory", host_miss)) if m)
     return _assemble(cfg, shape, machine, chosen, st, kernel, fits=fits, limit=limit, misses=(gpu_miss, host_miss),
-                     budget=budget, fixed=asked, notes=notes)
+                     budget=budget, fixed=asked, notes=notes, knobs=knobs)
 
 
 def _assemble(cfg: Any, shape: ModelShape, machine: Machine, chosen: MemoryEstimate, st: StepTime | None,
               kernel: str, *, fits: bool, limit: str | None, misses: tuple[int, int], budget: float | None,
-              fixed: Fixed, notes: list[str]) -> Plan:
+              fixed: Fixed, notes: list[str], knobs: dict) -> Plan:
     """The Plan of the chosen settings: layers as indices, memory in GiB."""
     s = chosen.settings
     saved_layers = tuple(range(0, shape.layers, s.checkpoint_every)) if s.gradient_checkpointing else ()
@@ -240,6 +238,7 @@ def _assemble(cfg: Any, shape: ModelShape, machine: Machine, chosen: MemoryEstim
         missing_gpu_gb=misses[0] / GIB, missing_host_gb=misses[1] / GIB, gpu_budget_gb=budget,
         host_budget_gb=machine.host_memory_gb,
         decided=_decided(cfg, fixed, s, kernel), notes=tuple(notes), settings=s, estimate=chosen, fixed=fixed,
+        zero3_by_placement=knobs,
         experts_implementation=s.experts_implementation)
 
 

@@ -3,11 +3,11 @@ decides; the trainer, `ulysses-trainer plan` and the rehearsal read the Plan). T
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..model_plan import ModelPlan
-from ..names import DEFAULT_SUB_GROUP_SIZE, check_zero_stage
+from ..names import DEFAULT_SUB_GROUP_SIZE, check_zero_stage, offload_sub_group_size
 from .fit_search import Fixed
 from .inputs import Settings, Zero3Knobs
 from .memory import MemoryEstimate
@@ -41,6 +41,12 @@ class ZeroSettings:
     stage: int = 3
     offload_optimizer: bool | None = None
     knobs: Zero3Knobs = field(default_factory=Zero3Knobs)
+
+    def placement_knobs(self) -> dict[bool, Zero3Knobs]:
+        """The ZeRO-3 sizes with Adam on the GPU (False) and on the host (True): offload the JSON did not ask
+        for gets the smaller sub-groups ds_config.py fills in. Every search over the placement uses these."""
+        added = replace(self.knobs, sub_group_size=offload_sub_group_size(self.knobs.sub_group_size))
+        return {False: self.knobs, True: self.knobs if self.offload_optimizer else added}
 
 
 def read_zero(ds: dict, source: str = "the ZeRO config") -> ZeroSettings:
@@ -106,6 +112,8 @@ class Plan:
     # the levers as the config and the ZeRO JSON fixed them (None: auto, decided by the search); the longest
     # length `plan` reports searches the same autos
     fixed: Fixed = field(compare=False, repr=False)
+    # the ZeRO-3 sizes per optimizer placement (ZeroSettings.placement_knobs): the longest-length search's too
+    zero3_by_placement: dict[bool, Zero3Knobs] = field(default_factory=dict, compare=False, repr=False)
     experts_implementation: str = "grouped_mm"  # a sparse model's experts kernel (unused by a dense one)
 
     @property
