@@ -193,3 +193,29 @@ def test_a_second_ctrl_c_stops_at_once_and_the_last_checkpoint_resumes(tmp_path)
                    2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {out / last}" in resumed.stdout + resumed.stderr
+
+
+@pytest.mark.parametrize("delay_s", [0.1, 0.8, 1.6])
+def test_ctrl_c_at_any_moment_of_startup_says_one_line(tmp_path, delay_s):
+    """Ctrl-C while the command or its ranks import torch, transformers or DeepSpeed: one line, exit 130, no
+    output_dir, no traceback (a KeyboardInterrupt inside a library's import used to surface as that library's
+    error, e.g. transformers' ModuleNotFoundError, or abort the process)."""
+    out, common = _tiny_run(tmp_path)
+    job = _ulysses_train(common + ["--max_steps", "40"])
+    time.sleep(delay_s)
+    os.killpg(job.pid, signal.SIGINT)
+    text = job.communicate(timeout=300)[0]
+    assert job.returncode == 130, text[-3000:]
+    assert len(re.findall(r"interrupted before training: nothing written", text)) == 1, text[-3000:]
+    assert "Traceback" not in text and "Error" not in text.replace("[ERROR]", ""), text[-3000:]
+    assert not out.exists() and not _ranks_left(str(out))
+
+
+def test_the_commands_import_no_torch_before_they_handle_ctrl_c():
+    """`ulysses-trainer`, its launcher and launch/train.py's entry load torch only inside the code that turns a
+    Ctrl-C into one line (the package's API loads on first use)."""
+    code = ("import sys, ulysses_trainer.__main__, ulysses_trainer.cli.launcher, ulysses_trainer.cli.train; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "from ulysses_trainer import parallelize, shard_batch; assert 'torch' in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=train_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

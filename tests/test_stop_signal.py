@@ -1,11 +1,12 @@
 """StopSignal: the first SIGTERM/SIGINT asks for a stop at the step boundary; the launcher's relayed
 copy of the same signal does not escalate; a later second signal stops at once."""
 
+import os
 import signal
 
 import pytest
 
-from ulysses_trainer.train.stop_signal import StopSignal
+from ulysses_trainer.train.stop_signal import InterruptRecorder, StopSignal
 
 
 def test_relayed_copy_is_the_same_request_and_a_later_signal_stops_now():
@@ -41,3 +42,26 @@ def test_the_first_request_is_announced_once():
     now[0] += 0.01
     stop._handle(signal.SIGTERM, None)  # the relayed copy: no second line
     assert said == ["saving"]
+
+
+def test_interrupt_recorder_raises_outside_held_and_after_held():
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        seen = InterruptRecorder().install()
+        with pytest.raises(KeyboardInterrupt):  # inside `held` only remembered, raised when it ends
+            with seen.held():
+                os.kill(os.getpid(), signal.SIGINT)
+                assert seen.received  # the handler ran and did not raise here
+        fresh = InterruptRecorder().install()
+        with pytest.raises(KeyboardInterrupt):  # outside: as Python's default, and remembered
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):  # the handler runs between bytecodes
+                pass
+        assert fresh.received
+        quiet = InterruptRecorder().install()
+        with quiet.held():
+            pass
+        assert not quiet.received
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

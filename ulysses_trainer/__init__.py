@@ -16,15 +16,30 @@ The library API, for users who bring their own loop (examples/own_loop.py runs i
     destroy_distributed()                                 # before exit: gloo aborts otherwise
 """
 
-from .ds_config import fill_zero_config
-from .model.parallelize import ParallelizeConfig, SequenceParallelCausalLM, parallelize
-from .parallel.init import destroy_distributed, init_distributed
-from .parallel.loss import global_loss, loss_for_backward, step_token_count
-from .parallel.sharding import Shard, shard_batch
-from .parallel.state import ParallelState, make_parallel_state
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "ParallelState", "ParallelizeConfig", "SequenceParallelCausalLM", "Shard", "destroy_distributed",
-    "fill_zero_config", "global_loss", "init_distributed", "loss_for_backward", "make_parallel_state", "parallelize",
-    "shard_batch", "step_token_count",
-]
+# The API loads on first use (PEP 562): `ulysses-trainer` and `launch/train.py` import the package without
+# torch, so a Ctrl-C during torch's import lands in code that says one line instead of a traceback.
+_WHERE = {
+    "fill_zero_config": ".ds_config",
+    "ParallelizeConfig": ".model.parallelize", "SequenceParallelCausalLM": ".model.parallelize",
+    "parallelize": ".model.parallelize",
+    "destroy_distributed": ".parallel.init", "init_distributed": ".parallel.init",
+    "global_loss": ".parallel.loss", "loss_for_backward": ".parallel.loss", "step_token_count": ".parallel.loss",
+    "Shard": ".parallel.sharding", "shard_batch": ".parallel.sharding",
+    "ParallelState": ".parallel.state", "make_parallel_state": ".parallel.state",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'ulysses_trainer' has no attribute {name!r}")
+    value = getattr(import_module(_WHERE[name], __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from .errors import EXIT_INVALID, EXIT_OK
+from .errors import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "data": ("ulysses_trainer.cli.data", "the training sequences as the trainer builds them, trained spans marked, "
@@ -38,8 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"error: unknown subcommand {name!r}; use one of: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         return EXIT_INVALID
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    return module.main(rest)
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        return module.main(rest)
+    except KeyboardInterrupt:  # Ctrl-C while torch imports or before a subcommand handles signals itself
+        what = "interrupted before training: nothing written" if name == "train" else "interrupted"
+        print(f"[ulysses_trainer] {what}", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

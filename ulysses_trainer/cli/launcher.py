@@ -93,10 +93,10 @@ def main(argv: list[str]) -> int:
         print("error: the deepspeed command is not installed here (pip install deepspeed)", file=sys.stderr)
         return EXIT_INVALID
     cmd = [deepspeed, *ours, str(REPO_ROOT / "launch" / "train.py"), *rest]
-    job = subprocess.Popen(cmd, start_new_session=True)  # the terminal's Ctrl-C reaches only this process
-    requests = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    requests: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):  # from here on a Ctrl-C is a request, never a traceback
         signal.signal(sig, lambda signum, frame: requests.append(signum))
+    job = subprocess.Popen(cmd, start_new_session=True)  # the terminal's Ctrl-C reaches only this process
     delivered, seen, killed = set(), set(), False
     while True:
         try:

@@ -15,7 +15,7 @@ import time
 import traceback
 
 from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, ConfigError
-from ..parallel.init import destroy_distributed, init_distributed
+from ..train.stop_signal import InterruptRecorder
 
 # A non-main rank waits this long before reporting its error itself: the launcher ends it as soon as
 # rank 0 (which fails the same way and prints) exits, so the message appears once, not per rank.
@@ -58,6 +58,8 @@ def _free_port() -> int:
 
 
 def _init_distributed(device: str) -> None:
+    from ..parallel.init import init_distributed
+
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         # `python launch/train.py` without a launcher: a one-rank group (DeepSpeed would try MPI)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -67,19 +69,27 @@ def _init_distributed(device: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    seen = InterruptRecorder().install()  # until the trainer's own handler: Ctrl-C raises, and is remembered
     try:
-        from ..config import load_config
-        from ..train.prepare import prepare, world_size_from_env
+        with seen.held():  # torch and transformers import here: a Ctrl-C waits for them to finish
+            from ..config import load_config
+            from ..parallel.init import destroy_distributed
+            from ..train.prepare import prepare, world_size_from_env
 
         cfg = load_config(argv)
         plan = prepare(cfg, world_size_from_env())
-        from ..train.output_guard import OutputWriteError
-        from ..train.trainer import NonFiniteError, Trainer
+        with seen.held():
+            from ..train.output_guard import OutputWriteError
+            from ..train.trainer import NonFiniteError, Trainer
     except ConfigError as exc:
         _report(f"error: {exc}")
         return EXIT_INVALID
     except KeyboardInterrupt:  # Ctrl-C while checking inputs: nothing was written
         return interrupted()
+    except Exception:
+        if seen.received:  # the Ctrl-C, turned into another error by a library on its way up
+            return interrupted()
+        raise
 
     try:
         _init_distributed(plan.device)
@@ -99,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             code = interrupted()
     except Exception:
+        if seen.received:  # before the trainer's handler replaced `seen`: the Ctrl-C, as another error
+            destroy_distributed(together=False)
+            return interrupted()
         if _rank() != 0:  # usually a peer's failure seen here ("Connection closed by peer"): let the rank
             _quiet_wait()  # that failed first report, the launcher ends this one meanwhile
         traceback.print_exc()

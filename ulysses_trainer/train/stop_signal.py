@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 class StopSignal:
@@ -35,3 +36,35 @@ class StopSignal:
             self.requested, self._first = True, now
             if self._on_request is not None:
                 self._on_request()
+
+
+class InterruptRecorder:
+    """Before the trainer's StopSignal: Ctrl-C / SIGTERM raise KeyboardInterrupt as Python's default does, and
+    are remembered, because a library may turn the KeyboardInterrupt into another error on its way up
+    (transformers' lazy imports re-raise it as ModuleNotFoundError): the entry point then still reports an
+    interruption, not that error."""
+
+    def __init__(self) -> None:
+        self.received, self._held = False, False
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Inside the block a signal is only remembered, and raised as KeyboardInterrupt when it ends: for
+        imports, where a KeyboardInterrupt inside a C extension's initialization can abort the process."""
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
+        if self.received:
+            raise KeyboardInterrupt
+
+    def install(self) -> InterruptRecorder:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+        if not self._held:
+            raise KeyboardInterrupt
