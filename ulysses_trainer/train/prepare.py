@@ -65,17 +65,19 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def check_host_fits(resolved: Plan, machine: Machine, device: str) -> None:
+def check_host_fits(resolved: Plan, machine: Machine, device: str, ranks_here: int | None = None) -> None:
     """On CPU the model, activations and optimizer live in host RAM: refuse a plan whose peak exceeds it
-    (a run that would otherwise climb into the OOM killer), with the plan's numbers and what to change."""
+    (a run that would otherwise climb into the OOM killer), with the plan's numbers and what to change.
+    ranks_here: the ranks this machine runs (default: every rank of a host; a rehearsal runs one)."""
     if device != "cpu":
         return
-    ranks = machine.ranks_per_host
-    need = resolved.predicted_peak_gpu_gb * ranks + resolved.predicted_host_gb
+    ranks = machine.ranks_per_host if ranks_here is None else ranks_here
+    host_terms = resolved.predicted_host_gb * ranks / machine.ranks_per_host  # the plan's host RAM is per host
+    need = resolved.predicted_peak_gpu_gb * ranks + host_terms
     have = resolved.host_budget_gb
     if need > have:
         raise ConfigError(f"the plan needs {need:.1f} GiB of host memory on this CPU machine ({ranks} rank(s) x "
-                          f"{resolved.predicted_peak_gpu_gb:.1f} GiB peak + {resolved.predicted_host_gb:.1f} GiB "
+                          f"{resolved.predicted_peak_gpu_gb:.1f} GiB peak + {host_terms:.1f} GiB "
                           f"host terms) but it has {have:.1f} GiB; lower max_length (now {resolved.max_length}) "
                           f"or use a smaller model (now {resolved.model}), or run on GPUs; set host_memory_gb if "
                           f"the detected size is wrong")
@@ -83,7 +85,7 @@ def check_host_fits(resolved: Plan, machine: Machine, device: str) -> None:
 
 def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan:
     """Every check and decision before heavy work. training=False (the rehearsal): output_dir is neither
-    checked nor written, and the host-memory check is left to the rehearsal itself."""
+    checked nor written, and on CPU host memory is checked for the one rank it runs."""
     validate_config(cfg, world_size)
     if cfg.use_peft:
         check_lora(cfg)  # peft installed, a valid LoraConfig
@@ -101,8 +103,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     zero = read_zero(ds_raw, str(cfg.deepspeed))
     resolved = plan_for(cfg, model_config, ds_raw, machine, bf16=bf16)  # every lever checked and decided here
     kernel, sp, dp = resolved.kernel, resolved.sp, resolved.dp
-    if training:
-        check_host_fits(resolved, machine, device)
+    check_host_fits(resolved, machine, device, ranks_here=None if training else 1)  # a rehearsal runs one rank
     tokenizer = load_tokenizer(checkpoint_source(cfg.model_name_or_path))
     check_tokenizer_fits(tokenizer, model_config)
     per_step = dp * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
