@@ -158,8 +158,13 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
                         "RAM", [
         _rehearse("moe_8gpu_1m", "--config", MOE, "--gpus", "8", "--host_memory_gb", "560",
                   "--warmup_length", "8192")]),
-    "rehearse_moe_longest": ("memory only (stand-in attention): Qwen3-30B-A3B at 5,865,472 tokens on 8 GPUs "
-                             "with 560 GB host, rank 0 (the plan's longest: 4,628,480 with flash-attn-4)", [
+    "rehearse_moe_longest": ("memory only (flash-attn-4's stand-in): Qwen3-30B-A3B at the plan's longest with "
+                             "flash-attn-4 on 8 GPUs with 560 GB host (4,628,480 tokens), rank 0", [
+        _rehearse("moe_longest_4628480", "--config", MOE, "--gpus", "8", "--max_length", "4628480",
+                  "--host_memory_gb", "560", "--attn_implementation", "flash_attention_4", "--standin",
+                  "--steps", "1")]),
+    "rehearse_moe_all_heads_5865472": ("memory only (the all-heads stand-in): Qwen3-30B-A3B at 5,865,472 tokens on "
+                                       "8 GPUs with 560 GB host, rank 0", [
         _rehearse("moe_longest_5865472", "--config", MOE, "--gpus", "8", "--max_length", "5865472",
                   "--host_memory_gb", "560", "--standin", "--steps", "1")]),
     "smoke": ("CPU check of the scripts: tiny preset, 256 tokens", [

@@ -457,3 +457,19 @@ def test_cli_longest_does_not_depend_on_the_length_asked(capsys):
     assert len(found) == 1, found
     longest = found.pop()
     assert ask(longest)["fits"] and not ask(longest + 8192)["fits"]
+
+
+def test_the_fa4_stand_in_is_planned_as_flash_attention_4():
+    """A memory-only rehearsal of a flash-attn-4 run: its stand-in takes the same per-layer path (every layer
+    group by group, even one KV head per rank), so the plan holds the same bytes; the plain stand-in (ours' rule:
+    all heads at once there) holds other bytes, which is why the rehearsal picks by the run's kernel."""
+    from ulysses_trainer.model.presets import preset_config
+    from ulysses_trainer.names import STANDIN, STANDIN_FA4
+
+    moe = ModelShape.from_config(preset_config("qwen3-30b-a3b"))
+    for shape in (Q8, moe):
+        s = Settings(max_length=4_194_304, sp=8, tiled_mlp=32, checkpoint_every=2, activation_offload=18)
+        fa4, twin, plain = (estimate(shape, replace(s, attention=k)) for k in ("flash_attention_4", STANDIN_FA4,
+                                                                             STANDIN))
+        assert twin.gpu_peak == fa4.gpu_peak and twin.host_per_host == fa4.host_per_host
+        assert plain.gpu_peak != fa4.gpu_peak

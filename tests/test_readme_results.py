@@ -41,3 +41,20 @@ def test_readme_headline_256k_step_times_are_the_metrics_files():
     bullet = " ".join(readme[start:].split("\n- ", 1)[0].split())  # the bullet, its lines joined
     assert f"{_measured_s('fa4_triton_norms'):.1f} s/step with flash-attn-4 and the Triton norms" in bullet, bullet
     assert f"({_measured_s('cudnn_triton_norms'):.1f} s with cuDNN)" in bullet, bullet
+
+
+def test_fa4_tile_table_is_the_result_file():
+    """docs/rehearsal.md's flash-attn-4 tile rows are benchmarks/results/fa4_tiles_h200.json's, and the gain it
+    states is the best pair against the mean of the trainer's two rows."""
+    page = " ".join((ROOT / "docs" / "rehearsal.md").read_text().replace("**", "").split())
+    rows = json.loads((ROOT / "benchmarks" / "results" / "fa4_tiles_h200.json").read_text())["rows"]
+    timed = [r for r in rows if "error" not in r]
+    others = [r for r in timed if r["variant"] != "trainer"]
+    assert all(f"{r['fwd_bwd_s']:.3f} | {r['fwd_bwd_tflops']:.0f} |" in page for r in others)
+    trainer = [r["fwd_bwd_s"] for r in timed if r["variant"] == "trainer"]
+    best = min(timed, key=lambda r: r["fwd_bwd_s"])
+    assert best["variant"] == "fwd192_smem_pv_bwd_m80"
+    mean = sum(trainer) / len(trainer)
+    assert f"{100 * (1 - best['fwd_bwd_s'] / mean):.1f}% faster" in page
+    assert f"({best['fwd_bwd_s']:.3f} against {mean:.3f} s)" in page
+    assert all(max(r["max_abs_diff_vs_trainer"].values()) <= 0.016 for r in timed if "max_abs_diff_vs_trainer" in r)

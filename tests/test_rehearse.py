@@ -334,6 +334,37 @@ def test_rehearse_command_standin_with_dp(tmp_path):
 
 
 @pytest.mark.slow
+def test_rehearse_standin_takes_flash_attn_4s_path_when_the_run_names_it(tmp_path):
+    """`--standin --attn_implementation flash_attention_4` (flash-attn-4 need not be installed: nothing of it
+    runs): the stand-in on its path, every layer group by group; the JSON names it."""
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "ulysses_trainer", "rehearse", "--config", RECIPE, "--gpus", "4", "--rank", "1",
+           "--sp_size", "4", "--max_length", "512", "--standin", "--steps", "1", "--attn_implementation",
+           "flash_attention_4", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["standin"] is True and r["attention_kernel"] == "standin_memory_only_fa4"
+
+
+def test_the_fa4_stand_in_runs_group_by_group_with_one_kv_head(monkeypatch):
+    """Where ours' rule runs all heads at once (one KV head per rank, nothing kept), flash-attn-4's stand-in
+    still goes through the groups, as flash-attn-4 does."""
+    import torch
+
+    from ulysses_trainer.attention import standin
+
+    calls = []
+    real = standin.grouped_attention
+    monkeypatch.setattr(standin, "grouped_attention", lambda *a, **k: calls.append(a[4].name) or real(*a, **k))
+    q, k, v = torch.randn(1, 16, 4, 8), torch.randn(1, 16, 1, 8), torch.randn(1, 16, 1, 8)
+    standin.standin_attention(q, k, v, scale=0.35)
+    assert calls == []  # ours' rule: one group and nothing kept -> all heads at once
+    out = standin.standin_attention_fa4(q, k, v, scale=0.35)
+    assert calls == ["standin"] and out.shape == q.shape
+
+
+@pytest.mark.slow
 def test_comm_bandwidth_benchmark_writes_what_the_rehearsal_reads(tmp_path):
     """benchmarks/comm_bandwidth.py under torchrun (2 ranks, gloo, tiny sizes): every op at every size, in
     the format load_bandwidth reads back as measured."""

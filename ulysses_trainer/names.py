@@ -18,8 +18,10 @@ from .errors import ConfigError
 
 ATTENTION_KERNELS = ("sdpa", "flash_attention_2", "flash_attention_4")  # what attn_implementation names
 STANDIN = "standin_memory_only"  # benchmarks and rehearsals only (attention/standin.py): memory real, time not
-PLANNED_KERNELS = (*ATTENTION_KERNELS, STANDIN)  # what the memory model plans
-KEEPING_KERNELS = ("sdpa", "flash_attention_4", STANDIN)  # kernels whose outputs can be kept (attention/grouped.py)
+STANDIN_FA4 = "standin_memory_only_fa4"  # the same, on flash-attn-4's path (every layer group by group)
+STANDINS = (STANDIN, STANDIN_FA4)
+PLANNED_KERNELS = (*ATTENTION_KERNELS, *STANDINS)  # what the memory model plans
+KEEPING_KERNELS = ("sdpa", "flash_attention_4", *STANDINS)  # kernels whose outputs can be kept (attention/grouped.py)
 NORM_KERNELS = ("triton", "torch")  # the lean RMSNorms' kernels (levers/lean_norm.py)
 INSTALL_HINT = {"flash_attention_2": "pip install 'ulysses_trainer[flash]' (needs CUDA)",
                 "flash_attention_4": "pip install 'ulysses_trainer[fa4]' (flash_attn.cute; Hopper/Blackwell GPUs)",
@@ -41,7 +43,7 @@ def _installed_choice(field: str, name: str, known: tuple[str, ...], installed: 
 
 def choose_kernel(name: str, installed: tuple[str, ...]) -> str:
     """`auto` -> the fastest installed kernel (flash-attn-4 whenever it is there); a named one must be installed."""
-    if name == STANDIN:
+    if name in STANDINS:
         return name
     return _installed_choice("attn_implementation", name, ATTENTION_KERNELS, installed, "sdpa")
 

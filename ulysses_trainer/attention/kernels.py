@@ -13,9 +13,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..names import STANDIN
+from ..names import STANDIN, STANDIN_FA4
 from .grouped import BACKENDS, default_backend, grouped_attention, runs_grouped
-from .standin import standin_attention
+from .standin import standin_attention, standin_attention_fa4
 
 
 def _has(module: str) -> bool:
@@ -108,4 +108,5 @@ KERNEL_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "flash_attention_2": flash2_attention,
     "flash_attention_4": flash4_attention,
     STANDIN: standin_attention,
+    STANDIN_FA4: standin_attention_fa4,
 }

@@ -3,7 +3,8 @@ takes too long. It allocates and keeps exactly what the real kernel path does an
 math. Results computed with it are meaningless; only memory is. Never picked by `auto`.
 
 `standin_attention` mirrors ours (attention/grouped.py: one KV-head group at a time, out + fp32
-log-sum-exp kept, an fp32 dq accumulator per group in backward); `standin_attention_full_heads`
+log-sum-exp kept, an fp32 dq accumulator per group in backward), `standin_attention_fa4` flash-attn-4's
+path through the same groups (every layer, even one KV head per rank); `standin_attention_full_heads`
 mirrors a kernel called on all heads at once (F.sdpa in the HF and ALST baselines).
 """
 
@@ -38,6 +39,14 @@ def standin_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None
     """q [b, s, hq, d], k/v [b, s, hkv, d] -> [b, s, hq, d]; memory-faithful to ours, numerically meaningless."""
     if not runs_grouped(k.shape[2], stash):  # ours runs F.sdpa on all heads then (attention/kernels.py)
         return _StandInFullHeads.apply(q, k, v)
+    return grouped_attention(q, k, v, scale, BACKENDS["standin"], stash, layer)
+
+
+def standin_attention_fa4(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None, stash=None,
+                          layer=None) -> torch.Tensor:
+    """As standin_attention, on flash-attn-4's path (attention/kernels.py flash4_attention): dense rows one
+    KV-head group at a time whatever the count, so a memory-only run at a length flash-attn-4 cannot reach in
+    time allocates per layer what the plan counts for it (its group term is the same as the stand-in's)."""
     return grouped_attention(q, k, v, scale, BACKENDS["standin"], stash, layer)
 
 

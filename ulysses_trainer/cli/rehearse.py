@@ -31,7 +31,7 @@ from typing import Any
 
 from ..config import REPO_ROOT
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
-from ..names import STANDIN
+from ..names import STANDIN, STANDIN_FA4
 from ..plan.comm_model import DEFAULT_COMM_FILE as COMM_FILE
 from ..train.rehearsal import Rehearsal, comm_job, run_rehearsal
 from .argv import split_argv
@@ -65,7 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="tokens per sequence in the warm-up step (default max_length): it compiles kernels and "
                          "lets DeepSpeed record its module order as well at a fraction of the time")
     ap.add_argument("--standin", action="store_true",
-                    help="memory only: the attention stand-in replaces the kernel (memory real, time not)")
+                    help="memory only: the attention stand-in replaces the kernel (memory real, time not); with "
+                         "--attn_implementation flash_attention_4 it takes that kernel's path (every layer group "
+                         "by group)")
     ap.add_argument("--comm", help=f"measured bandwidth JSON (default {DEFAULT_COMM_FILE.relative_to(REPO_ROOT)} "
                                    f"if present, else an assumed NVLink figure)")
     ap.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node of the job (default 8)")
@@ -120,7 +122,10 @@ def load_rehearsal_config(args: argparse.Namespace, overrides: list[str]):
 
     cfg = load_config((["--config", args.config] if args.config else []) + overrides)
     # --standin: the plan is resolved (and the model built) with the memory-only kernel in attention's place
-    kernel = STANDIN if args.standin else cfg.attn_implementation
+    # (on flash-attn-4's path when the run names it: its layers always go group by group)
+    kernel = cfg.attn_implementation
+    if args.standin:
+        kernel = STANDIN_FA4 if cfg.attn_implementation == "flash_attention_4" else STANDIN
     return dataclasses.replace(cfg, max_steps=args.steps, eval_steps=None, resume_from_checkpoint=None,
                                save_steps=None, plot_per_position_loss=False, attn_implementation=kernel)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS, STANDIN, auto_num_tiles
+from ..names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS, STANDIN, STANDINS, auto_num_tiles
 from .memory import GIB, ModelShape, Settings, Zero3Knobs, estimate
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
@@ -83,7 +83,7 @@ def benchmark_settings(system: str, shape: ModelShape, point: dict[str, Any], st
     attention = point.get("attention") or "sdpa"
     if attention not in PLANNED_KERNELS:
         attention = STANDIN if "standin" in attention else "sdpa"
-    first = point.get("first_step", steps < 2 or attention == STANDIN)
+    first = point.get("first_step", steps < 2 or attention in STANDINS)
     base = Settings(max_length=length, attention=attention, first_step=first, lean_norm=False,
                     grouped_attention=False, zero3=DEEPSPEED_DEFAULT_KNOBS)
     if mode == "fwdbwd":

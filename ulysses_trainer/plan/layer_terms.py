@@ -6,7 +6,7 @@ on top, and the ZeRO-3 / tied-embedding terms alive during it. Notation as in pl
 
 from __future__ import annotations
 
-from ..names import KEEPING_KERNELS, groups_one_at_a_time, prefetch_bucket_size
+from ..names import KEEPING_KERNELS, STANDIN_FA4, groups_one_at_a_time, prefetch_bucket_size
 from .inputs import ModelShape, Settings, kv_repeat, layer_param_numels, local_tokens, num_params
 
 FP32 = 4
@@ -117,13 +117,14 @@ def top_layer_keeps_output(shape: ModelShape, s: Settings) -> bool:
 
 def attention_runs_grouped(shape: ModelShape, s: Settings, keeps_output: bool) -> bool:
     """Whether a layer's attention runs one KV-head group at a time (attention/grouped.py), as the kernels
-    choose: flash_attention_4 always (dense rows); sdpa and the stand-in with more than one KV head per rank,
-    or when the layer keeps its output for the recompute (grouped.runs_grouped: keeping needs the
+    choose: flash_attention_4 (and its stand-in) always (dense rows); sdpa and the stand-in with more than
+    one KV head per rank, or when the layer keeps its output for the recompute (grouped.runs_grouped: keeping needs the
     explicit-LSE path, even for one group); the baselines (grouped_attention off) and flash_attention_2
     never: one kernel on all heads (F.sdpa, flash_attn_func)."""
     if not (s.grouped_attention and s.attention in GROUPED_KERNELS):
         return False
-    return s.attention == "flash_attention_4" or groups_one_at_a_time(attention_groups(shape, s.sp), keeps_output)
+    return s.attention in ("flash_attention_4", STANDIN_FA4) or \
+        groups_one_at_a_time(attention_groups(shape, s.sp), keeps_output)
 
 
 def sdpa_runs_gqa(shape: ModelShape, s: Settings) -> bool:
