@@ -110,6 +110,30 @@ def test_pads_are_left_out_of_the_router_statistics():
     assert abs(sp.aux_loss - ref) <= 1e-6 * ref
 
 
+def test_rows_of_different_lengths_leave_their_own_pads_out():
+    """One conversation per row, each padded to the row's length: per-row real lengths (the trainer's rows carry
+    them) keep every row's pads out of the router statistics, as transformers' per-row attention mask does; a
+    single count for the batch (the longest row's) would count the shorter row's pads."""
+    model = tiny_moe(seed=6)
+    ids = batch(seed=10, b=2, length=32)
+    mask = torch.stack([torch.arange(32) < 32, torch.arange(32) < 21]).long()  # row 1: 11 pads
+    ids = torch.where(mask.bool(), ids, 0)
+    sp = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
+        attn_implementation="sdpa", tiled_mlp=False, gradient_checkpointing=False))
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
+        shard = shard_batch(ids, sp_size=1, sp_rank=0, real_lengths=[32, 21])
+        assert shard.real_rows == (32, 21)
+        sp(**shard.model_inputs())
+        per_row = float(sp.aux_loss)
+        sp(**{**shard.model_inputs(), "real_rows": 32})
+        one_count = float(sp.aux_loss)
+    assert abs(per_row - ref) <= 1e-6 * ref
+    assert abs(one_count - ref) > 1e-4 * ref
+    with pytest.raises(ValueError, match="one count in"):
+        shard_batch(ids, sp_size=1, sp_rank=0, real_lengths=[32])
+
+
 def _sp_rank_step(rank: int, world: int, per_rank_aux: bool):
     """Inside a rank: tiny-moe under parallelize in a ZeRO-3 engine, one forward + backward of the batch sharded
     over `world` SP ranks, the objective as the trainer forms it. per_rank_aux: each rank's aux loss from its own

@@ -146,6 +146,8 @@ def test_data_accounting_counts_skipped_records_and_the_tail(tmp_path):
     assert (last["labels"][:12] == last["input_ids"][:12]).all() and (last["labels"][12:] == -100).all()
     assert (padded[2]["labels"] == padded[2]["input_ids"]).all()  # full rows train on every token
     assert (padded[2]["input_ids"] == data[2]["input_ids"]).all()
+    # the padded row's real length travels with it: num_tokens and the router statistics leave its pads out
+    assert (last["real_tokens"], padded.real_tokens(3), padded[2]["real_tokens"]) == (12, 12, 16)
 
 
 def _main(argv, monkeypatch, capsys) -> tuple[int, list[str]]:

@@ -57,7 +57,8 @@ EMPTY = "empty text"
 @dataclass
 class SequenceDataset:
     """Rows of exactly max_length tokens. Indexing gives {"input_ids", "position_ids", "labels"}:
-    LongTensor[L] (labels: the token where it is trained, IGNORE_INDEX elsewhere; not yet shifted)."""
+    LongTensor[L] (labels: the token where it is trained, IGNORE_INDEX elsewhere; not yet shifted), and
+    "real_tokens": int, the row's tokens before its padding."""
 
     tokens: np.ndarray  # int32 [n_rows * L]
     positions: np.ndarray | None  # int32 [n_rows * L] with packing, else None (0..L-1 per row)
@@ -74,7 +75,12 @@ class SequenceDataset:
 
     def real_tokens(self, i: int) -> int:
         """Tokens of row i that are not padding."""
-        return self.max_length if self.lengths is None else int(self.lengths[i % len(self)])
+        i %= len(self)
+        if self.lengths is not None:
+            return int(self.lengths[i])
+        if self.pad_from is not None:  # the padded last row (pad_last_sequence)
+            return max(0, min(self.max_length, self.pad_from - i * self.max_length))
+        return self.max_length
 
     def __len__(self) -> int:
         return len(self.tokens) // self.max_length
@@ -92,7 +98,7 @@ class SequenceDataset:
         if self.pad_from is not None and sl.stop > self.pad_from:  # the padded last row: pads are not trained
             labels = labels.clone()
             labels[max(0, self.pad_from - sl.start):] = IGNORE_INDEX
-        return {"input_ids": ids, "position_ids": pos, "labels": labels}
+        return {"input_ids": ids, "position_ids": pos, "labels": labels, "real_tokens": self.real_tokens(i)}
 
     @property
     def epoch_sequences(self) -> float:

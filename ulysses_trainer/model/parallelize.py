@@ -139,15 +139,18 @@ class SequenceParallelCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
                 cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                real_rows: int | None = None) -> torch.Tensor:
-        """`real_rows`: leading positions of each row that are not pads (parallel/sharding.Shard); the router
-        statistics leave pads out."""
+                real_rows: int | tuple[int, ...] | None = None) -> torch.Tensor:
+        """`real_rows`: leading positions of each row that are not pads, one count for all rows or one per
+        row (parallel/sharding.Shard); the router statistics leave pads out."""
         stats = self.router_stats
         if stats is not None:
             b, s = input_ids.shape
             mask = None
-            if real_rows is not None and real_rows < s:
-                mask = (torch.arange(s, device=input_ids.device) < real_rows).float().repeat(b)  # [b * s]
+            if real_rows is not None:
+                counts = torch.as_tensor(real_rows if isinstance(real_rows, (tuple, list)) else [real_rows] * b,
+                                         device=input_ids.device)
+                if bool((counts < s).any()):  # [b, s] -> [b * s]: 1 where the position is a real token
+                    mask = (torch.arange(s, device=input_ids.device)[None, :] < counts[:, None]).float().reshape(-1)
             stats.begin(mask)
         out = self.causal_lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                    sp_cu_seqlens=cu_seqlens, sp_max_seqlen=max_seqlen)

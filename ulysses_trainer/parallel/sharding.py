@@ -5,6 +5,7 @@ Pure tensor code (no process group), so it is tested without ranks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,8 @@ class Shard:
     cu_seqlens: torch.Tensor  # int32 document starts over the flattened full [b * L_pad] batch, + end
     max_seqlen: int
     packed: bool  # more than one document in some row: kernels need the varlen / per-document path
-    real_rows: int | None = None  # leading positions of each row that are not pads (None: all)
+    # leading positions of each row that are not pads: one count for every row, or one per row (None: all)
+    real_rows: int | tuple[int, ...] | None = None
 
     @property
     def num_valid(self) -> int:
@@ -62,11 +64,14 @@ def document_layout(position_ids: torch.Tensor) -> tuple[torch.Tensor, int, bool
 
 def shard_batch(input_ids: torch.Tensor, *, sp_size: int, sp_rank: int,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                pad_to_multiple_of: int | None = None, pad_token_id: int = 0) -> Shard:
+                pad_to_multiple_of: int | None = None, pad_token_id: int = 0,
+                real_lengths: Sequence[int] | None = None) -> Shard:
     """Shift, pad and slice a batch [b, L] for SP rank `sp_rank` of `sp_size`.
 
     position_ids restart at 0 at each packed document; default: 0..L-1 per row. labels default to
-    input_ids (causal LM); IGNORE_INDEX (-100) entries are not trained on.
+    input_ids (causal LM); IGNORE_INDEX (-100) entries are not trained on. real_lengths: each row's tokens
+    before its own padding (a conversation shorter than the row), default L; the router statistics leave
+    every pad out (Shard.real_rows).
     """
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)  # [L] -> [1, L]
@@ -92,6 +97,16 @@ def shard_batch(input_ids: torch.Tensor, *, sp_size: int, sp_rank: int,
 
     local = total // sp_size
     sl = slice(sp_rank * local, (sp_rank + 1) * local)  # [b, L_pad] -> [b, L_pad/sp]
+
+    def here(real: int) -> int:  # of a row's first `real` tokens, how many fall in this rank's slice
+        return max(0, min(local, real - sp_rank * local))
+
+    if real_lengths is None:
+        real_rows: int | tuple[int, ...] = here(length)
+    else:
+        if len(real_lengths) != b or not all(0 <= n <= length for n in real_lengths):
+            raise ValueError(f"real_lengths must give one count in [0, {length}] per row of {b}, got {real_lengths}")
+        counts = tuple(here(int(n)) for n in real_lengths)
+        real_rows = counts[0] if len(set(counts)) == 1 else counts
     return Shard(input_ids[:, sl].contiguous(), shifted[:, sl].contiguous(),
-                 position_ids[:, sl].contiguous(), cu, max_len, packed,
-                 real_rows=max(0, min(local, length - sp_rank * local)))
+                 position_ids[:, sl].contiguous(), cu, max_len, packed, real_rows=real_rows)

@@ -50,6 +50,9 @@ def shard_rows(rows: list[dict], plan: RunPlan, state: ParallelState, device: to
     # train on every token
     labels = torch.stack([r.get("labels", r["input_ids"]) for r in rows]) if any("labels" in r for r in rows) \
         else None
+    # a row shorter than max_length (one conversation per row, the padded last sequence): its pads stay out of
+    # the router statistics, as transformers' attention mask keeps them out
+    real = [int(r.get("real_tokens", ids.shape[1])) for r in rows]
     return shard_batch(ids, position_ids=pos, labels=labels, sp_size=state.sp_size,
                        sp_rank=state.sp_rank, pad_to_multiple_of=plan.cfg.pad_to_multiple_of,
-                       pad_token_id=pad).to(device)
+                       pad_token_id=pad, real_lengths=real).to(device)
