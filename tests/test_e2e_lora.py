@@ -61,3 +61,33 @@ def test_lora_sp2_equals_sp1_and_exports_load(tmp_path):
         plain = build_model(mc, torch.float32, None, seed=9)(input_ids=ids).logits
     assert (a - b).norm() / a.norm() <= 1e-4
     assert (a - plain).norm() / a.norm() > 1e-4  # the adapters changed the model
+
+
+@pytest.mark.slow
+def test_lora_on_qwen3_moe_sp2_equals_sp1_and_the_merged_export_loads(tmp_path):
+    """tiny-moe with LoRA on the attention projections (the default targets; a sparse block has no Linear to
+    adapt): sp=1 and sp=2 log the same losses, aux losses and gradient norms; the merged export loads as
+    Qwen3MoeForCausalLM and differs from the base model."""
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_trainer.config import TrainConfig
+    from ulysses_trainer.model.load import build_model, model_config_for
+
+    args = ["--model_name_or_path", "tiny-moe", "--max_length", "128", "--max_steps", "2", "--bf16", "false",
+            "--seed", "9", "--learning_rate", "1e-2", "--use_peft", "true", "--lora_r", "8", "--lora_dropout", "0",
+            "--report_to", "none"]
+    run_train(1, args + ["--sp_size", "1"], tmp_path / "sp1")
+    run_train(2, args + ["--sp_size", "2", "--merge_lora", "true"], tmp_path / "sp2")
+    ref, got = read_metrics(tmp_path / "sp1")[0], read_metrics(tmp_path / "sp2")[0]
+    assert len(ref) == len(got) == 2
+    for a, b in zip(got, ref):
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert rel(a[key], b[key]) <= 1e-5, (key, a, b)
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "sp2" / "final"), dtype=torch.float32).eval()
+    assert type(merged).__name__ == "Qwen3MoeForCausalLM"
+    plain = build_model(model_config_for(TrainConfig(model_name_or_path="tiny-moe", max_length=128)), torch.float32,
+                        None, seed=9)
+    ids = torch.arange(1, 65).unsqueeze(0) * 97 % 1000
+    with torch.no_grad():
+        a, b = merged(input_ids=ids).logits, plain(input_ids=ids).logits
+    assert (a - b).norm() / b.norm() > 1e-4  # the merged adapters changed the attention projections

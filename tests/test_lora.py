@@ -20,6 +20,27 @@ def test_plan_counts_the_adapters_peft_makes(targets):
     assert all(not p.requires_grad for n, p in peft_model.named_parameters() if "lora_" not in n)
 
 
+@pytest.mark.parametrize("targets", [None, ["q_proj", "o_proj"], "all-linear"])
+def test_plan_counts_the_adapters_peft_makes_on_qwen3_moe(targets):
+    """A sparse block has no Linear (fused experts, a router module): every target is an attention projection."""
+    cfg = TrainConfig(model_name_or_path="tiny-moe", use_peft=True, lora_r=4, lora_target_modules=targets,
+                      lora_dropout=0.0)
+    mc = model_config_for(cfg)
+    _, peft_model = add_lora(build_model(mc, torch.float32, None, seed=0), cfg)
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert adapted <= {"q_proj", "k_proj", "v_proj", "o_proj"}
+    trainable = sorted(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert trainable == sorted(lora_numels(ModelShape.from_config(mc), targets, 4))
+
+
+def test_a_target_the_family_lacks_is_refused_naming_what_it_has():
+    moe = ModelShape.preset("tiny-moe")
+    with pytest.raises(ConfigError, match="no such Linear .*fused 3-D.*q_proj, k_proj, v_proj, o_proj"):
+        lora_numels(moe, ["q_proj", "gate_proj"], 4)
+    with pytest.raises(ConfigError, match="no such Linear; target some of q_proj, .*down_proj"):
+        lora_numels(ModelShape.preset("tiny"), ["qproj"], 4)
+
+
 def test_plan_with_lora_holds_no_gradient_or_adam_state_for_frozen_weights():
     from ulysses_trainer.plan.memory import Settings, adam_states_bytes, gradients_bytes, weights_bytes
 

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 MlpKind = Literal["dense", "sparse"]
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+DENSE_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+# LoRA with no target_modules: PEFT's default for Qwen3, given explicitly (PEFT has none for Qwen3-MoE)
+LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,12 @@ class Family:
             return [("gate", h * i), ("up", h * i), ("down", i * h)]
         return [("router", d.experts * h), ("experts_gate_up", d.experts * 2 * i * h),
                 ("experts_down", d.experts * h * i)]
+
+    def lora_linears(self) -> tuple[str, ...]:
+        """A decoder layer's nn.Linear modules, what LoRA can adapt ("all-linear"), in module order: the attention
+        projections, and a dense MLP's three. A sparse block has none: its experts are fused 3-D weights and its
+        router is not a Linear."""
+        return ATTENTION_LINEARS + (DENSE_MLP_LINEARS if self.mlp_kind == "dense" else ())
 
     def active_mlp_numel(self, d: LayerDims) -> int:
         """MLP parameters one token runs through: all of a dense MLP; the router and top_k of the experts."""
