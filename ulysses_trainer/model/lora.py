@@ -14,34 +14,32 @@ import torch
 
 from ..config import TrainConfig
 from ..errors import ConfigError
-from .families import family
-from .families.base import LORA_DEFAULT_TARGETS
+from .families import Family, family
 
 ADAPTER = "default"  # PEFT's adapter name
 
 
-def lora_kwargs(cfg: TrainConfig, linears: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """LoraConfig keyword arguments: the lora_* fields, then peft_config's keys over them. linears: the model
-    family's Linear names, what "all-linear" means here (PEFT's own reading also wraps a sparse block's fused
-    experts and router, which the trainer's sparse block calls directly)."""
+def lora_kwargs(cfg: TrainConfig, fam: Family | None = None) -> dict[str, Any]:
+    """LoraConfig keyword arguments: the lora_* fields, then peft_config's keys over them. fam: the model's
+    family, which names the targets (Family.lora_targets: the default and "all-linear" as the plan counts
+    them; PEFT's own all-linear would also wrap a sparse block's fused experts and router, which the
+    trainer's sparse block calls directly); None: as given (checked before the model is known)."""
     kw: dict[str, Any] = {"r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
                           "target_modules": cfg.lora_target_modules, "task_type": "CAUSAL_LM"}
     kw.update(cfg.peft_config or {})
-    if kw.get("target_modules") is None:  # the plan's default, given to PEFT (it has no default for Qwen3-MoE)
-        kw["target_modules"] = list(LORA_DEFAULT_TARGETS)
-    elif kw["target_modules"] == "all-linear" and linears is not None:
-        kw["target_modules"] = list(linears)
+    if fam is not None:
+        kw["target_modules"] = list(fam.lora_targets(kw.get("target_modules")))
     kw.pop("peft_type", None)
     return kw
 
 
-def check_lora(cfg: TrainConfig, linears: tuple[str, ...] | None = None) -> Any:
+def check_lora(cfg: TrainConfig, fam: Family | None = None) -> Any:
     """The LoraConfig, or a ConfigError naming the fix (peft missing, a bad key or value)."""
     try:
         from peft import LoraConfig
     except ImportError:
         raise ConfigError("use_peft needs the peft package: pip install peft") from None
-    kw = lora_kwargs(cfg, linears)
+    kw = lora_kwargs(cfg, fam)
     if not (isinstance(kw["r"], int) and kw["r"] >= 1):
         raise ConfigError(f"lora_r must be an integer >= 1, got {kw['r']!r}")
     if not 0 <= float(kw.get("lora_dropout", 0.0)) < 1:
@@ -58,7 +56,7 @@ def add_lora(model: torch.nn.Module, cfg: TrainConfig) -> tuple[torch.nn.Module,
 
     with torch.random.fork_rng(devices=[]):  # lora_A's random init: the same on every rank, from the seed
         torch.manual_seed(cfg.seed)
-        peft_model = get_peft_model(model, check_lora(cfg, family(model.config.model_type).lora_linears()))
+        peft_model = get_peft_model(model, check_lora(cfg, family(model.config.model_type)))
     return peft_model.base_model.model, peft_model
 
 

@@ -11,7 +11,6 @@ from ..errors import ConfigError
 from ..layout import check_heads
 from ..layout import padded_length as layout_padded_length
 from ..model.families import Family, LayerDims, family
-from ..model.families.base import LORA_DEFAULT_TARGETS
 from ..names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS, param_persistence_threshold
 
 # --------------------------------------------------------------------------------------------
@@ -269,27 +268,10 @@ def _shard_numel(shape: ModelShape, s: Settings) -> int:
     return sum(-(-n // s.world) for n in param_numels(shape))
 
 
-def lora_targets(shape: ModelShape, target_modules: Any) -> tuple[str, ...]:
-    """The layer's Linear names LoRA adapts: target_modules as PEFT takes it (names, "all-linear", or None: the
-    default, LORA_DEFAULT_TARGETS). A name the family has no Linear for is a ConfigError naming those it has."""
-    linears = shape.family.lora_linears()
-    if target_modules is None:
-        return LORA_DEFAULT_TARGETS
-    if target_modules == "all-linear":
-        return linears
-    names = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)
-    unknown = [n for n in names if n not in linears]
-    if unknown:
-        why = " (its experts are fused 3-D weights and its router is not a Linear)" if shape.sparse else ""
-        raise ConfigError(f"lora_target_modules {', '.join(map(str, unknown))}: a {shape.model_type} layer has no "
-                          f"such Linear{why}; target some of {', '.join(linears)}, or all-linear")
-    return names
-
-
 def lora_numels(shape: ModelShape, target_modules: Any, r: int) -> tuple[int, ...]:
     """The LoRA adapters' tensors (A [r, in], B [out, r] per adapted projection and layer); target_modules
-    as lora_targets reads it."""
-    names = lora_targets(shape, target_modules)
+    as the family reads it (Family.lora_targets)."""
+    names = shape.family.lora_targets(target_modules)
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     dims = {"q_proj": (shape.hidden, q), "k_proj": (shape.hidden, kv), "v_proj": (shape.hidden, kv),
             "o_proj": (q, shape.hidden), "gate_proj": (shape.hidden, shape.intermediate),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ...errors import ConfigError
+
 MlpKind = Literal["dense", "sparse"]
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 DENSE_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -63,6 +65,24 @@ class Family:
         projections, and a dense MLP's three. A sparse block has none: its experts are fused 3-D weights and its
         router is not a Linear."""
         return ATTENTION_LINEARS + (DENSE_MLP_LINEARS if self.mlp_kind == "dense" else ())
+
+    def lora_targets(self, target_modules: Any) -> tuple[str, ...]:
+        """The Linear names LoRA adapts, from target_modules as PEFT takes it (names, "all-linear", or None: the
+        default); the plan counts these and PEFT gets them. A name this family has no Linear for is a
+        ConfigError naming those it has."""
+        linears = self.lora_linears()
+        if target_modules is None:
+            return LORA_DEFAULT_TARGETS
+        if target_modules == "all-linear":
+            return linears
+        names = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)
+        unknown = [n for n in names if n not in linears]
+        if unknown:
+            why = " (its experts are fused 3-D weights and its router is not a Linear)" \
+                if self.mlp_kind == "sparse" else ""
+            raise ConfigError(f"lora_target_modules {', '.join(map(str, unknown))}: a {self.model_type} layer has "
+                              f"no such Linear{why}; target some of {', '.join(linears)}, or all-linear")
+        return names
 
     def active_mlp_numel(self, d: LayerDims) -> int:
         """MLP parameters one token runs through: all of a dense MLP; the router and top_k of the experts."""
