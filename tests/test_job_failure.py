@@ -9,13 +9,12 @@ import pytest
 from tests.dist_utils import free_port, job_failure, run_job, train_env
 
 RANK1_DIES = """
-import os, signal
-import torch
+import os, signal, time
 from ulysses_trainer.parallel.init import init_distributed
 init_distributed("gloo")
 if int(os.environ["RANK"]) == 1:
     os.kill(os.getpid(), signal.SIGKILL)  # what the OOM killer does
-torch.distributed.all_reduce(torch.ones(4))
+time.sleep(120)  # rank 0 waits (no collective that could fail first): the launcher sees rank 1's death alone
 """
 
 
