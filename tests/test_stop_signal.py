@@ -62,6 +62,11 @@ def test_interrupt_recorder_raises_outside_held_and_after_held():
         with quiet.held():
             pass
         assert not quiet.received
+        mine = signal.signal(signal.SIGINT, signal.default_int_handler)  # what a caller of main() had
+        again = InterruptRecorder().install()
+        again.restore()  # the entry point gives the caller its handlers back
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, mine)
     finally:
         for s, h in old.items():
             signal.signal(s, h)

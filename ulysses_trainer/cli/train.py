@@ -71,6 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     seen = InterruptRecorder().install()  # until the trainer's own handler: Ctrl-C raises, and is remembered
     try:
+        return _main(argv, seen)
+    finally:
+        seen.restore()
+
+
+def _main(argv: list[str], seen: InterruptRecorder) -> int:
+    try:
         with seen.held():  # torch and transformers import here: a Ctrl-C waits for them to finish
             from ..config import load_config
             from ..parallel.init import destroy_distributed

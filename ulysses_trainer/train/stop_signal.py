@@ -46,6 +46,7 @@ class InterruptRecorder:
 
     def __init__(self) -> None:
         self.received, self._held = False, False
+        self._before: dict[int, object] = {}
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -61,8 +62,13 @@ class InterruptRecorder:
 
     def install(self) -> InterruptRecorder:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+            self._before[sig] = signal.signal(sig, self._handle)
         return self
+
+    def restore(self) -> None:
+        """The handlers from before install (a caller of the entry point in its own process keeps its own)."""
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
         self.received = True
