@@ -146,11 +146,10 @@ class SequenceParallelCausalLM(nn.Module):
         if stats is not None:
             b, s = input_ids.shape
             mask = None
-            if real_rows is not None:
-                counts = torch.as_tensor(real_rows if isinstance(real_rows, (tuple, list)) else [real_rows] * b,
-                                         device=input_ids.device)
-                if bool((counts < s).any()):  # [b, s] -> [b * s]: 1 where the position is a real token
-                    mask = (torch.arange(s, device=input_ids.device)[None, :] < counts[:, None]).float().reshape(-1)
+            rows = tuple(real_rows) if isinstance(real_rows, (tuple, list)) else (real_rows,) * b
+            if real_rows is not None and min(rows) < s:  # decided on the host: no device sync for rows without pads
+                counts = torch.tensor(rows, device=input_ids.device)[:, None]
+                mask = (torch.arange(s, device=input_ids.device)[None, :] < counts).float().reshape(-1)  # [b*s]
             stats.begin(mask)
         out = self.causal_lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                    sp_cu_seqlens=cu_seqlens, sp_max_seqlen=max_seqlen)
