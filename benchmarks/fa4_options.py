@@ -5,9 +5,11 @@
 What the 1M reference run's rank runs in every layer: causal bf16 attention of 4 query heads over 1 KV head
 (sp = 8 of Qwen3-8B's 32 / 8 heads), head_dim 128, forward and backward, on random normal data (never zeros:
 kernels run faster on zeros). The trainer calls flash-attn-4's explicit-LSE forward and backward
-(attention/grouped.py `_fa4_fwd` / `_fa4_bwd`, the library's defaults). Variants, each through the same two
-entry points so only the option differs:
-- `trainer`: the defaults (forward pack_gqa auto, backward pack_gqa False);
+(attention/grouped.py `_fa4_fwd` / `_fa4_bwd`). Variants, each through the same two entry points so only the
+option differs:
+- `library`: the library's defaults (forward pack_gqa auto, backward pack_gqa False), what every other row
+  is compared with (the tile rows of fa4_tiles_h200.json call this row `trainer`: it was the trainer's call then);
+- `trainer`: the trainer's own calls (on Hopper at head_dim 128 its tiles, grouped.py FA4_SM90_FWD / _BWD);
 - `fwd_pack_gqa_true` / `fwd_pack_gqa_false`: the forward with GQA packing forced on / off;
 - `bwd_pack_gqa_true`: the backward with the 4 query heads packed over their KV head;
 - `expanded_kv`: K and V copied to 4 heads (plain multi-head attention), dK / dV summed back over the group
@@ -15,7 +17,7 @@ entry points so only the option differs:
 - `fwd_tile_*` / `fwd_smem_pv` / `fwd_no_wg_overlap`: the forward's tile shape and pipeline flags (its own
   arguments); `bwd_*`: the Hopper backward's tile table with one or two fields changed (m/n block, pipeline
   stages, swapped operands, warp-group layout), for that call only. A tile variant times only the half it
-  changes; the other half is the trainer's row.
+  changes; the other half is the library row's.
 A variant the library refuses is recorded with its error. TFLOP/s count causal attention as half of full
 attention and the backward as 2.5 x the forward, as attention_kernels.py does.
 """
@@ -32,6 +34,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention_kernels import _time  # noqa: E402 - the same timing as the kernel table
 
@@ -79,6 +82,12 @@ def _bwd_table(fields: dict | None):
 def _variant(name: str):
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
+    if name == "trainer":  # the trainer's own calls, with its tiles (attention/grouped.py)
+        from ulysses_trainer.attention.grouped import _fa4_bwd, _fa4_fwd
+
+        return (lambda q, k, v, scale: _fa4_fwd(q, k, v, scale)[:2],
+                lambda g, q, k, v, out, lse, scale: _fa4_bwd(g, q, k, v, out, lse, (), scale))
+
     fwd_name, bwd_name = BOTH.get(name, (name, name))
     fwd_kw = {"fwd_pack_gqa_true": {"pack_gqa": True}, "fwd_pack_gqa_false": {"pack_gqa": False},
               **FWD_TILES}.get(fwd_name, {})
@@ -105,7 +114,7 @@ def _variant(name: str):
     return fwd, bwd
 
 
-VARIANTS = ("trainer", "fwd_pack_gqa_true", "fwd_pack_gqa_false", "bwd_pack_gqa_true", "expanded_kv",
+VARIANTS = ("library", "trainer", "fwd_pack_gqa_true", "fwd_pack_gqa_false", "bwd_pack_gqa_true", "expanded_kv",
             *FWD_TILES, *BWD_TILES, *BOTH)
 
 
@@ -117,7 +126,7 @@ def point(name: str, a, ref: dict | None, ref_row: dict | None) -> tuple[dict, d
     dout = torch.randn((1, L, h, d), device="cuda", dtype=torch.bfloat16, generator=g)
     scale = d ** -0.5
     fwd, bwd = _variant(name)
-    # a tile variant changes one half: the other half is the trainer's call, timed once in its row
+    # a tile variant changes one half: the other half is the library's call, timed once in its row
     same_fwd, same_bwd = ref_row is not None and name in BWD_TILES, ref_row is not None and name in FWD_TILES
     t_f = ref_row["fwd_s"] if same_fwd else _time(lambda: fwd(q, k, v, scale), a.iters)
     out, lse = fwd(q, k, v, scale)
@@ -129,8 +138,8 @@ def point(name: str, a, ref: dict | None, ref_row: dict | None) -> tuple[dict, d
     row["fwd_bwd_tflops"] = 3.5 * flops / (t_f + t_b) / 1e12
     dq, dk, dv = bwd(dout, q, k, v, out, lse, scale)
     outputs = {"out": out, "dq": dq, "dk": dk, "dv": dv}
-    if ref is not None:  # the same inputs and incoming gradient as the trainer's call: equal to bf16 rounding
-        row["max_abs_diff_vs_trainer"] = {n: float((x.float() - ref[n].float()).abs().max())
+    if ref is not None:  # the same inputs and incoming gradient as the library's call: equal to bf16 rounding
+        row["max_abs_diff_vs_library"] = {n: float((x.float() - ref[n].float()).abs().max())
                                           for n, x in outputs.items()}
     return row, outputs
 
@@ -150,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # a variant the library refuses: recorded, the others still run
             first = (str(e).strip().splitlines() or [""])[0][:300]  # an assertion may carry no message
             row, outputs = {"variant": name, "error": f"{type(e).__name__}: {first}"}, None
-        if name == "trainer":
+        if name == "library":  # the reference every other row is compared with
             ref, ref_row = outputs, row
         print(json.dumps(row), flush=True)
         rows.append(row)

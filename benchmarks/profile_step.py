@@ -47,7 +47,7 @@ def bucket(name: str) -> str:
     return "elementwise and other"
 
 
-def summarize(events, device: str) -> dict:
+def summarize(events, device: str, top_n: int = 25) -> dict:
     """Time per bucket, seconds, and the top names by time: on a GPU the kernels and copies themselves
     (an op's own entry would count its kernels twice), on CPU the ops' self time."""
     per: dict[str, float] = {}
@@ -65,7 +65,7 @@ def summarize(events, device: str) -> dict:
         per[bucket(name)] = per.get(bucket(name), 0.0) + t
     top = sorted(((t, k) for k, t in by_name.items()), reverse=True)
     return {"seconds_by_bucket": dict(sorted(per.items(), key=lambda kv: -kv[1])),
-            "total_s": sum(per.values()), "top": [{"name": k[:120], "s": t} for t, k in top[:25]]}
+            "total_s": sum(per.values()), "top": [{"name": k[:120], "s": t} for t, k in top[:top_n]]}
 
 
 def union(spans) -> list[tuple[float, float]]:

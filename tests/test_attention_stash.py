@@ -216,3 +216,35 @@ def test_kept_bytes_are_the_plans_term():
     model(**shard_batch(torch.randint(0, 1000, (1, length)), sp_size=1, sp_rank=0).model_inputs())
     per = kept_attention_bytes_per_layer(ModelShape.from_config(model.config), Settings(max_length=length, bf16=False))
     assert model.attention.stash.held_bytes() == 2 * per
+
+
+def test_fa4_backward_tiles_are_scoped_to_the_call_and_to_head_dim_128(monkeypatch):
+    """flash-attn-4's Hopper backward reads its tiles from the library's table: the trainer's tiles replace the
+    table's fields inside the call only (restored after it, also when the call raises), for head_dim 128 only."""
+    import dataclasses
+    import sys
+    import types
+
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        m_block_size: int = 64
+        dQ_swapAB: bool = False
+        n_block_size: int = 128
+
+    def table(head_dim, head_dim_v, causal, local, sparse_block_size_q=None):
+        return Cfg()
+
+    fa = types.ModuleType("flash_attn.cute.interface")
+    fa._tile_size_bwd_sm90 = table
+    top, cute = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.cute")
+    top.cute, cute.interface = cute, fa
+    for name, mod in (("flash_attn", top), ("flash_attn.cute", cute), ("flash_attn.cute.interface", fa)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    with grouped._sm90_bwd_tiles(grouped.FA4_SM90_BWD):
+        assert fa._tile_size_bwd_sm90(128, 128, True, False) == Cfg(m_block_size=80, dQ_swapAB=True)
+        assert fa._tile_size_bwd_sm90(64, 64, True, False) == Cfg()  # other head sizes: the library's choice
+    assert fa._tile_size_bwd_sm90 is table
+    with pytest.raises(RuntimeError), grouped._sm90_bwd_tiles(grouped.FA4_SM90_BWD):
+        raise RuntimeError("the kernel failed")
+    assert fa._tile_size_bwd_sm90 is table
+    assert not grouped._tuned(torch.zeros(1, 2, 1, 128))  # a CPU tensor: no Hopper tiles

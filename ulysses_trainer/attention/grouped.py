@@ -10,11 +10,13 @@ The backends are attention ops that return the log-sum-exp and take it back in b
 `cudnn` and `flash` on CUDA, `cpu` (the CPU flash kernel: what the tests run), `standin`, the memory-only
 stand-in of attention/standin.py (allocates what cuDNN would, computes nothing), and `fa4`, flash-attn-4's
 forward and backward (flash_attn.cute; Hopper/Blackwell), which take [b, s, h, d] and a group's single KV
-head as it is (no repeat).
+head as it is (no repeat), with tiles chosen for head_dim 128 on Hopper (FA4_SM90_FWD / FA4_SM90_BWD).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,22 +87,67 @@ def _standin_bwd(g, q, k, v, out, lse, aux, scale):
     return dq, dk, dv
 
 
-def _fa4_fwd(q, k, v, scale):
+# flash-attn-4's Hopper tiles for head_dim 128, causal, chosen by measurement at the shape of the reference run's
+# rank (1M tokens, 4 query heads over one KV head, random data; benchmarks/fa4_options.py,
+# benchmarks/results/fa4_tiles_h200.json): forward 192 x 128 with P.V read from shared memory, backward 80-row
+# query blocks with dQ swapped (the library's own non-causal choice), 6.151 s fwd+bwd against the library's
+# causal defaults' 6.238. Other head sizes and devices keep the library's choice.
+FA4_SM90_FWD = {"tile_mn": (192, 128), "mma_pv_is_rs": False}
+FA4_SM90_BWD = {"m_block_size": 80, "dQ_swapAB": True}
+
+
+def _tuned(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.shape[-1] == 128 and torch.cuda.get_device_capability(q.device)[0] == 9
+
+
+@contextlib.contextmanager
+def _sm90_bwd_tiles(fields: dict):
+    """The library's Hopper backward takes its tiles from its table (`_tile_size_bwd_sm90`), not from its
+    arguments: for the call inside this block only, the table answers with `fields` replaced for head_dim 128
+    (autograd runs the backward on one thread per device, so nothing else calls the table meanwhile)."""
+    import flash_attn.cute.interface as fa
+
+    table = fa._tile_size_bwd_sm90
+
+    def tuned(head_dim, head_dim_v, *args, **kwargs):
+        cfg = table(head_dim, head_dim_v, *args, **kwargs)
+        return dataclasses.replace(cfg, **fields) if head_dim == head_dim_v == 128 else cfg
+
+    fa._tile_size_bwd_sm90 = tuned
+    try:
+        yield
+    finally:
+        fa._tile_size_bwd_sm90 = table
+
+
+def _fa4_fwd(q, k, v, scale, tuned: bool = True):
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    out, lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)[:2]
+    kw = FA4_SM90_FWD if tuned and _tuned(q) else {}
+    out, lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True, **kw)[:2]
     return out, lse, ()  # out [b, s, r, d], lse [b, r, s] fp32
 
 
-def _fa4_bwd(g, q, k, v, out, lse, aux, scale):
+def _fa4_bwd(g, q, k, v, out, lse, aux, scale, tuned: bool = True):
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    dq, dk, dv = _flash_attn_bwd(q, k, v, out, g, lse.contiguous(), softmax_scale=scale, causal=True)[:3]
+    tiles = _sm90_bwd_tiles(FA4_SM90_BWD) if tuned and _tuned(q) else contextlib.nullcontext()
+    with tiles:
+        dq, dk, dv = _flash_attn_bwd(q, k, v, out, g, lse.contiguous(), softmax_scale=scale, causal=True)[:3]
     return dq, dk, dv
+
+
+def _fa4_library_fwd(q, k, v, scale):
+    return _fa4_fwd(q, k, v, scale, tuned=False)
+
+
+def _fa4_library_bwd(g, q, k, v, out, lse, aux, scale):
+    return _fa4_bwd(g, q, k, v, out, lse, aux, scale, tuned=False)
 
 
 BACKENDS = {
     "fa4": Backend("fa4", _fa4_fwd, _fa4_bwd, layout="bshd"),
+    "fa4_library": Backend("fa4_library", _fa4_library_fwd, _fa4_library_bwd, layout="bshd"),  # for comparison
     "cudnn": Backend("cudnn", _cudnn_fwd, _cudnn_bwd),
     "flash": Backend("flash", _flash_fwd, _flash_bwd),
     "cpu": Backend("cpu", _cpu_fwd, _cpu_bwd),

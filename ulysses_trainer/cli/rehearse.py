@@ -180,7 +180,9 @@ def summary_line(r: dict[str, Any]) -> str:
     return line
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, around_step=None) -> int:
+    """The command; `around_step` (train/rehearsal.py's Rehearsal field) is for a caller that wraps the steps
+    (benchmarks/profile_rehearsal.py)."""
     argv = sys.argv[1:] if argv is None else argv
     # as launch/train.py, before CUDA starts: long sequences fragment the caching allocator without this
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
           f"is modelled ({bandwidth.source}); {MEANINGLESS}", flush=True)
     opts = Rehearsal(rank=args.rank, steps=args.steps, standin=args.standin, gpus_per_node=args.gpus_per_node,
                      count_collectives=args.count_collectives, warmup_length=args.warmup_length,
-                     collective_fill=args.collective_fill)
+                     collective_fill=args.collective_fill, around_step=around_step)
     try:
         with warnings.catch_warnings():
             # DeepSpeed calls torch's older collective names, and each call would print a deprecation warning
