@@ -52,6 +52,21 @@ def _train(name: str, *args: str, gpus: int = 1) -> tuple[str, ...]:
     return (*launch, "launch/train.py", *RUN, "--output_dir", f"{OUT}/{name}", *args)
 
 
+PROF_REHEARSAL = "benchmarks/profile_rehearsal.py"
+# the reference rehearsal's arguments (rehearse_reference's), for the scripts that wrap it
+REF_REHEARSAL = ("--bf16", "true", "--seed", "42", "--save_strategy", "no", "--config", REF, "--gpus", "8",
+                 "--host_memory_gb", "560", "--warmup_length", "8192")
+
+
+def _reduced(layers: int) -> tuple[str, ...]:
+    """The reference recipe at `layers` of its 36 layers, its defaults' levers pinned (auto would re-plan them for
+    the shallower model): every attention output kept, no offload, 12 MLP tiles, Adam on the GPU."""
+    rope = '"rope_parameters": {"rope_type": "yarn", "factor": 4, "rope_theta": 1000000.0}'
+    return ("--model_init_kwargs", f'{{"num_hidden_layers": {layers}, {rope}}}', "--attn_implementation",
+            "flash_attention_4", "--norm_kernel", "triton", "--tiled_mlp", "12", "--activation_offload", "0",
+            "--keep_attention_outputs", str(layers), "--optimizer_offload", "false")
+
+
 def _rehearse(name: str, *args: str) -> tuple[str, ...]:
     return ("-m", "ulysses_trainer", "rehearse", "--bf16", "true", "--seed", "42", "--save_strategy", "no",
             "--out", f"{OUT}/rehearse_{name}.json", *args)
@@ -128,6 +143,19 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
     "rehearse_reference": ("rank 0 of the reference run (Qwen3-8B, 1M, sp=8) on one GPU; an 8-GPU node's host RAM", [
         _rehearse("reference_8gpu_1m", "--config", REF, "--gpus", "8", "--host_memory_gb", "560",
                   "--warmup_length", "8192")]),
+    "rehearse_reference_library_tiles": ("the same rehearsal with flash-attn-4's own tiles instead of the trainer's "
+                                         "(run it next to rehearse_reference, on the same machine)", [
+        (PROF_REHEARSAL, "--no_profile", "--fa4_tiles", "library", "--out",
+         "rehearse_reference_8gpu_1m_library_tiles.json", "--", *REF_REHEARSAL)]),
+    "profile_reference": ("the reference rehearsal's kernels under torch.profiler at 4 and 8 of its 36 layers (one "
+                          "layer = the difference / 4), and at 4 with the library's flash-attn-4 tiles", [
+        (PROF_REHEARSAL, "--fa4_tiles", tiles, "--out", f"profile_rehearsal_ref_l{n}_{tiles}.json", "--",
+         *REF_REHEARSAL, "--steps", "3", *_reduced(n))
+        for n, tiles in ((4, "trainer"), (8, "trainer"), (4, "library"))]),
+    "fa4_tuned": ("flash-attn-4 through the trainer's calls (its tiles) against the library's defaults, 4 query "
+                  "heads over 1 KV head, at 1M and 256K tokens", [
+        ("benchmarks/fa4_options.py", "--length", str(n), "--iters", it, "--variants", "library,trainer",
+         "--out", f"fa4_tuned_h200_{name}.json") for n, it, name in ((1048576, "2", "1m"), (262144, "3", "256k"))]),
     "rehearse_longest": ("memory only (stand-in attention): Qwen3-8B at 5,242,880 tokens on 8 GPUs, rank 0", [
         _rehearse("longest_8b_5242880", "--config", REF, "--gpus", "8", "--max_length", "5242880",
                   "--host_memory_gb", "560", "--standin", "--steps", "1")]),

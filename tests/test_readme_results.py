@@ -58,3 +58,58 @@ def test_fa4_tile_table_is_the_result_file():
     assert f"{100 * (1 - best['fwd_bwd_s'] / mean):.1f}% faster" in page
     assert f"({best['fwd_bwd_s']:.3f} against {mean:.3f} s)" in page
     assert all(max(r["max_abs_diff_vs_trainer"].values()) <= 0.016 for r in timed if "max_abs_diff_vs_trainer" in r)
+
+
+REHEARSAL = ROOT / "benchmarks" / "results" / "rehearsal"
+
+
+def _page(name: str) -> str:
+    return " ".join((ROOT / name).read_text().replace("**", "").split())
+
+
+def test_reference_rehearsal_figures_are_the_result_files():
+    """The README's and docs/rehearsal.md's reference-run figures are the committed rehearsals': the trainer's
+    flash-attn-4 tiles and, on the same machine, the library's; both on local fill with every update run."""
+    ours = json.loads((REHEARSAL / "rehearse_reference_8gpu_1m.json").read_text())
+    lib = json.loads((REHEARSAL / "rehearse_reference_8gpu_1m_library_tiles.json").read_text())
+    assert lib["fa4_tiles"] == "library" and lib["rehearsal"]["attention_kernel"] == "flash_attention_4"
+    lib = lib["rehearsal"]
+    for r in (ours, lib):
+        assert r["collective_fill"] == "local" and not any(r["optimizer_update_skipped"])
+    assert ours["comm_s_estimate"] == lib["comm_s_estimate"]  # the same job: only the kernel's tiles differ
+    readme, page = _page("README.md"), _page("docs/rehearsal.md")
+    assert f"{ours['predicted_step_s']:.1f} s/step" in readme
+    assert f"compute {ours['compute_s']:.2f} s" in page and f"= {ours['predicted_step_s']:.1f} s/step" in page
+    assert f"compute {lib['compute_s']:.2f} s, {lib['predicted_step_s']:.1f} s/step" in page
+    assert f"take {lib['compute_s'] - ours['compute_s']:.1f} s off the step" in page
+
+
+def test_reference_step_table_is_the_profiles():
+    """docs/rehearsal.md's term-by-term table: one layer = (8-layer profile - 4-layer profile) / 4 per bucket;
+    the once-per-step row is the 4-layer run's rest outside attention; the sum is the unprofiled step within 1%."""
+    l4, l8 = (json.loads((REHEARSAL / f"profile_rehearsal_ref_l{n}_trainer.json").read_text())["seconds_by_bucket"]
+              for n in (4, 8))
+    per = {k: (l8[k] - l4[k]) / 4 for k in l4}
+    attention = ("attention forward", "attention backward")
+    rest = [k for k in per if k not in (*attention, "matmul")]
+    page = (ROOT / "docs" / "rehearsal.md").read_text()
+    for label, s in (("forward", per["attention forward"]), ("backward", per["attention backward"]),
+                     ("matmul", per["matmul"]), ("rest", sum(per[k] for k in rest))):
+        assert f"| {s:.3f} | {36 * s:.1f} |" in page, (label, s)
+    once = sum(l4[k] - 4 * per[k] for k in per if k not in attention)
+    assert f"| | {once:.1f} |" in page
+    total = 36 * sum(per.values()) + once
+    assert f"| {sum(per.values()):.3f} | **{total:.1f}** |" in page
+    step = json.loads((REHEARSAL / "rehearse_reference_8gpu_1m.json").read_text())["compute_s"]
+    assert abs(total / step - 1) < 0.01
+
+
+def test_trainer_fa4_tiles_table_is_the_result_files():
+    page = (ROOT / "docs" / "rehearsal.md").read_text()
+    for name in ("fa4_tuned_h200_1m.json", "fa4_tuned_h200_256k.json"):
+        rows = {r["variant"]: r for r in json.loads((ROOT / "benchmarks" / "results" / name).read_text())["rows"]}
+        lib, ours = rows["library"], rows["trainer"]
+        assert max(ours["max_abs_diff_vs_library"].values()) <= 0.016  # the same attention to bf16 rounding
+        cell = lambda r: f"{r['fwd_s']:.3f} + {r['bwd_s']:.3f} = {r['fwd_s'] + r['bwd_s']:.3f}"  # noqa: E731
+        gain = 100 * (1 - ours["fwd_bwd_s"] / lib["fwd_bwd_s"])
+        assert f"| {lib['seq_len']:,} | {cell(lib)} | {cell(ours)} | {gain:.1f}% |" in page
