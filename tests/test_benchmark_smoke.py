@@ -34,6 +34,10 @@ def test_every_suite_case_calls_an_existing_script_with_flags_it_defines(tmp_pat
         for _, *argv in suite.commands(case, str(tmp_path)):
             if argv[:2] == ["-m", "deepspeed.launcher.runner"]:  # the launcher's own flags, then the script
                 argv = argv[next(i for i, a in enumerate(argv) if a.endswith(".py")):]
+            if argv[0] == "benchmarks/profile_rehearsal.py":  # its own flags, then `--` and the rehearsal's
+                wrapped = argv[argv.index("--") + 1:]
+                assert {a for a in wrapped if a.startswith("--")} <= trainer | {f"--{n}" for n in _OWN}, wrapped
+                argv = argv[:argv.index("--")]
             used = {a for a in argv if a.startswith("--")}
             if argv[:2] == ["-m", "pytest"]:
                 assert (ROOT / argv[-1]).is_file(), (case, argv)
@@ -44,7 +48,7 @@ def test_every_suite_case_calls_an_existing_script_with_flags_it_defines(tmp_pat
                 defined = trainer | {"--out"}
             else:
                 source = (ROOT / argv[0]).read_text()
-                defined = set(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', source))
+                defined = set(re.findall(r'add_argument\(\s*"(--[a-z0-9_-]+)"', source))
             assert used <= defined, (case, argv[0], used - defined)
             for flag in ("--out", "--output_dir"):
                 if flag in argv:
@@ -85,3 +89,21 @@ def test_profile_step_buckets_attention_and_matmuls(tmp_path):
     got = json.loads(out.read_text())["seconds_by_bucket"]
     for name in ("attention forward", "attention backward", "matmul"):
         assert got.get(name, 0) > 0, got
+
+
+def test_profile_rehearsal_buckets_a_rehearsed_step(tmp_path):
+    """benchmarks/profile_rehearsal.py on CPU: the tiny recipe's rank 3 of 4, the last of 3 steps under the
+    profiler (its kernels in buckets), the rehearsal's own result inside; --no_profile profiles nothing."""
+    from benchmarks import profile_rehearsal
+
+    args = ["--", "--config", "launch/recipes/cpu_default.yaml", "--gpus", "4", "--rank", "3", "--steps", "3"]
+    out = tmp_path / "p.json"
+    assert profile_rehearsal.main(["--out", str(out), "--top", "5", *args]) == 0
+    got = json.loads(out.read_text())
+    assert len(got["step_s"]) == 3 and got["profiled_step"] == 3 and len(got["top"]) == 5
+    assert got["seconds_by_bucket"]["matmul"] > 0 and got["total_s"] > 0
+    assert got["rehearsal"]["rank"] == 3 and got["rehearsal"]["collective_fill"] == "local"
+    assert not (tmp_path / "p.json.rehearsal.json").exists()
+    assert profile_rehearsal.main(["--out", str(out), "--no_profile", *args]) == 0
+    got = json.loads(out.read_text())
+    assert "seconds_by_bucket" not in got and got["top"] == []

@@ -296,7 +296,11 @@ def load_bandwidth(path: str | None, internode_gbps: float = DEFAULT_INTERNODE_G
     for op in points:
         points[op].sort()
     missing = [op for op in OPS if op not in points]
-    source = f"measured: {path} ({data.get('device')}, world {data.get('world_size')}, {data.get('backend')})"
+    # a file of this checkout is named from its root (a result written here reads the same on any machine)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(DEFAULT_COMM_FILE)))
+    full = os.path.abspath(path)
+    shown = os.path.relpath(full, repo) if full.startswith(repo + os.sep) else path
+    source = f"measured: {shown} ({data.get('device')}, world {data.get('world_size')}, {data.get('backend')})"
     if missing:
         source += f"; assumed {DEFAULT_BUSBW_GBPS:g} GB/s for {', '.join(missing)}"
     return Bandwidth(source=source, points=points, internode_gbps=internode_gbps, device=data.get("device"),
