@@ -46,12 +46,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from ulysses_trainer.cli import rehearse
 
-    steps = int(rest[rest.index("--steps") + 1]) if "--steps" in rest else 2
     cuda = torch.cuda.is_available()
     found: dict = {}
 
     @contextlib.contextmanager
-    def around_step(step: int):
+    def around_step(step: int, steps: int):
         if a.no_profile or step != steps - 1:
             yield
             return
@@ -71,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         result = json.load(f)
     os.remove(result_path)
     top = found.pop("top", [])
-    out = {"fa4_tiles": a.fa4_tiles, "rehearse_args": rest, "profiled_step": steps,
+    profiled = None if a.no_profile else len(result["step_s"])  # 1-based: the last
+    out = {"fa4_tiles": a.fa4_tiles, "rehearse_args": rest, "profiled_step": profiled,
            "step_s": result["step_s"], **found, "top": top, "rehearsal": result}
     with open(a.out + ".tmp", "w") as f:
         json.dump(out, f, indent=1)

@@ -60,9 +60,9 @@ class Rehearsal:
     count_collectives: bool = False
     warmup_length: int | None = None  # tokens of the warm-up step's sequences; None: max_length
     collective_fill: str = "local"  # what collectives leave in their outputs (parallel/fake.py)
-    # a context each train step runs in, given the step's index (a profiler around the last one, say); inside
-    # the timed span, so what it costs shows in that step's time
-    around_step: Callable[[int], contextlib.AbstractContextManager] | None = None
+    # a context each train step runs in, given the step's index and the step count (a profiler around the last
+    # one, say); inside the timed span, so what it costs shows in that step's time
+    around_step: Callable[[int, int], contextlib.AbstractContextManager] | None = None
 
 
 def _warmup_batches(trainer, length: int | None) -> list:
@@ -100,7 +100,7 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
             t0 = time.perf_counter()
             before = engine.skipped_steps
             batches = _warmup_batches(trainer, opts.warmup_length) if warmup else trainer._micro_batches(step)
-            with opts.around_step(step) if opts.around_step else contextlib.nullcontext():
+            with opts.around_step(step, opts.steps) if opts.around_step else contextlib.nullcontext():
                 loss, grad_norm, _ = trainer.train_step(batches)
                 _sync(plan.device)
             times.append(time.perf_counter() - t0)
