@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -63,28 +62,12 @@ BWD_TILES = {
 BOTH = {"fwd192_smem_pv_bwd_m80": ("fwd_tile_192x128_smem_pv", "bwd_m80_dq_swap")}
 
 
-@contextlib.contextmanager
-def _bwd_table(fields: dict | None):
-    """The library's Hopper backward table with `fields` replaced, inside the block only."""
-    if not fields:
-        yield
-        return
-    import flash_attn.cute.interface as fa
-
-    table = fa._tile_size_bwd_sm90
-    fa._tile_size_bwd_sm90 = lambda *a, **kw: dataclasses.replace(table(*a, **kw), **fields)
-    try:
-        yield
-    finally:
-        fa._tile_size_bwd_sm90 = table
-
-
 def _variant(name: str):
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
-    if name == "trainer":  # the trainer's own calls, with its tiles (attention/grouped.py)
-        from ulysses_trainer.attention.grouped import _fa4_bwd, _fa4_fwd
+    from ulysses_trainer.attention.grouped import _fa4_bwd, _fa4_fwd, _sm90_bwd_tiles
 
+    if name == "trainer":  # the trainer's own calls, with its tiles (attention/grouped.py)
         return (lambda q, k, v, scale: _fa4_fwd(q, k, v, scale)[:2],
                 lambda g, q, k, v, out, lse, scale: _fa4_bwd(g, q, k, v, out, lse, (), scale))
 
@@ -104,7 +87,8 @@ def _variant(name: str):
     def bwd(g, q, k, v, out, lse, scale):
         if expand:
             k, v = (t.expand(-1, -1, q.shape[2], -1).contiguous() for t in (k, v))
-        with _bwd_table(bwd_fields):
+        # the trainer's own scoped table override (head_dim 128, this shape's), with this variant's fields
+        with _sm90_bwd_tiles(bwd_fields) if bwd_fields else contextlib.nullcontext():
             dq, dk, dv = _flash_attn_bwd(q, k, v, out, g, lse.contiguous(), softmax_scale=scale, causal=True,
                                          **bwd_kw)[:3]
         if expand:  # [b, s, r, d] -> [b, s, 1, d]: the group's gradients summed onto its KV head
