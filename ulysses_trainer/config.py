@@ -130,6 +130,9 @@ class TrainConfig:
                                              "forward of the last sequence)")
     save_strategy: SaveStrategy = _f("steps", "no = write no checkpoint and no final export (benchmarks, dry runs)")
     save_total_limit: Union[int, None] = _f(None, "keep at most N checkpoints; null = all")
+    max_shard_size: str = _f("5GB", "final/'s safetensors files are at most this size each, with "
+                                     "model.safetensors.index.json when there are several (transformers' "
+                                     "save_pretrained max_shard_size: 5GB, 500MB, ...)")
     eval_steps: Union[int, None] = _f(None, "evaluate every N steps; null = never")
     report_to: Union[str, list] = _f(
         "auto", "also log the metrics to: none, tensorboard (output_dir/runs/), wandb, a list of them, all "

@@ -6,6 +6,7 @@ nothing of config.py, so the config part stays below it)."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,18 @@ def _check_io(cfg: Any) -> None:
     if cfg.model_init_kwargs is not None:
         bad = sorted(set(cfg.model_init_kwargs) & {"torch_dtype", "dtype", "attn_implementation"})
         _need(not bad, f"model_init_kwargs may not set {bad}: use the bf16 and attn_implementation fields")
+    _need(shard_bytes(cfg.max_shard_size) > 0,
+          f"max_shard_size must be a size like 5GB or 500MB, got {cfg.max_shard_size!r}")
+
+
+def shard_bytes(size: Any) -> int:
+    """max_shard_size in bytes as transformers' save_pretrained reads it ("5GB" = 5e9); 0 when malformed."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*", str(size).upper())
+    if isinstance(size, bool) or not m:
+        return 0
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30, "TIB": 2**40}[m.group(2)]
+    return int(float(m.group(1)) * scale)
 
 
 def validate_config(cfg: Any, world_size: int) -> None:

@@ -72,11 +72,12 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
                  "pytorch_model.bin.index.json")
 
 
-def check_local_weights(name_or_path: str) -> None:
+def check_local_weights(name_or_path: str, model_config: PretrainedConfig | None = None) -> None:
     """A local checkpoint directory must hold readable weights: checked before any model is built.
 
-    Reads only the safetensors headers (a truncated or foreign file fails there); presets and Hub ids
-    pass untouched.
+    Reads only the safetensors headers (a truncated or foreign file fails there); with `model_config`, every
+    tensor must load into that model and every parameter of it be loaded (model/checkpoint_keys.py). Presets
+    and Hub ids pass untouched.
     """
     source = checkpoint_source(name_or_path)
     p = Path(source) if source is not None else None
@@ -96,7 +97,10 @@ def check_local_weights(name_or_path: str) -> None:
                 from None
         absent = [f.name for f in files if not f.is_file()]
         if absent:
-            raise ConfigError(f"{p / found[0]} lists weight files missing from {p}: {absent[:3]}; "
+            lost = sorted(k for k, f in weight_map.items() if f in absent)
+            more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
+            raise ConfigError(f"{p / found[0]} lists weight files missing from {p}: {absent[:3]} "
+                              f"({len(absent)} files holding {len(lost)} tensors: {', '.join(lost[:3])}{more}); "
                               f"copy the whole checkpoint")
     for f in files:
         if f.suffix != ".safetensors":
@@ -109,6 +113,16 @@ def check_local_weights(name_or_path: str) -> None:
         except Exception as exc:  # truncated, not safetensors, unreadable
             raise ConfigError(f"cannot read the weights {f}: {exc}; re-download or re-save the checkpoint") \
                 from None
+    if model_config is not None and all(f.suffix == ".safetensors" for f in files):
+        from .checkpoint_keys import check_checkpoint_tensors
+
+        check_checkpoint_tensors(p, files, model_config)
+
+
+def source_config(name_or_path: str) -> PretrainedConfig:
+    """The preset's or checkpoint's own config, as transformers loads it (no overrides, nothing for training)."""
+    return preset_config(name_or_path) if checkpoint_source(name_or_path) is None \
+        else _load_checkpoint_config(name_or_path)
 
 
 def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) -> PretrainedConfig:
@@ -116,8 +130,7 @@ def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) 
 
     rope_parameters / rope_scaling in model_init_kwargs are left for resolve_rope_parameters.
     """
-    config = preset_config(name_or_path) if checkpoint_source(name_or_path) is None \
-        else _load_checkpoint_config(name_or_path)
+    config = source_config(name_or_path)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"model {name_or_path!r} has model_type {config.model_type!r}; this trainer "
                           f"supports {', '.join(SUPPORTED_MODEL_TYPES)} (Qwen3 / Qwen3-MoE checkpoints or the "
@@ -266,9 +279,15 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype, from_pretrained_pa
     else:
         local = Path(from_pretrained_path).exists()
         try:
-            model = AutoModelForCausalLM.from_pretrained(from_pretrained_path, config=config, dtype=dtype,
-                                                         attn_implementation="sdpa", local_files_only=local)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                from_pretrained_path, config=config, dtype=dtype, attn_implementation="sdpa",
+                local_files_only=local, output_loading_info=True)
         except OSError as exc:
             raise ConfigError(f"cannot load weights from {from_pretrained_path!r}: {exc}") from None
+        from .checkpoint_keys import info_problems, refusal
+
+        problems = info_problems(info)  # a Hub id or .bin weights are checked here, after the load
+        if problems:
+            raise refusal(from_pretrained_path, config.model_type, problems)
     model.config.use_cache = False
     return model

@@ -238,10 +238,12 @@ def export_adapter(engine, peft_model, output_dir: str, tokenizer, is_main: bool
 
 
 def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix: str = "causal_lm.",
-              transform=None) -> str | None:
-    """Consolidate the ZeRO-3 shards (collective) and write `final/` as HF safetensors on rank 0; a failed
-    write raises OutputWriteError on every rank (the checkpoints stay). transform: applied to the
-    consolidated state dict first (LoRA: merge the adapters into the weights)."""
+              transform=None, config_json: dict | None = None, max_shard_size: int | str = "5GB") -> str | None:
+    """Consolidate the ZeRO-3 shards (collective) and write `final/` as HF safetensors on rank 0, sharded as
+    save_pretrained shards (model.safetensors.index.json beside several files; a Qwen3-MoE in the Hub's
+    per-expert layout); a failed write raises OutputWriteError on every rank (the checkpoints stay).
+    transform: applied to the consolidated state dict first (LoRA: merge the adapters into the weights);
+    config_json: written as final/config.json (model/export_config.py), else transformers' rendering of config."""
 
     state = engine._zero3_consolidated_16bit_state_dict()
     target = os.path.join(output_dir, "final")
@@ -249,7 +251,7 @@ def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix:
     failure: tuple[int, str] | None = None
     if is_main:
         try:
-            _write_export(state, config, tmp, target, tokenizer, prefix, transform)
+            _write_export(state, config, tmp, target, tokenizer, prefix, transform, config_json, max_shard_size)
         except (OSError, RuntimeError) as exc:
             failure = (describe_failure(exc, tmp), str(exc).splitlines()[0][:200] if str(exc) else "")
             shutil.rmtree(tmp, ignore_errors=True)
@@ -259,7 +261,8 @@ def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix:
     return target if is_main else None
 
 
-def _write_export(state: dict, config, tmp: str, target: str, tokenizer, prefix: str, transform=None) -> None:
+def _write_export(state: dict, config, tmp: str, target: str, tokenizer, prefix: str, transform=None,
+                  config_json: dict | None = None, max_shard_size: int | str = "5GB") -> None:
     from transformers import AutoModelForCausalLM
 
     state = {k.removeprefix(prefix): v for k, v in state.items()}
@@ -277,7 +280,14 @@ def _write_export(state: dict, config, tmp: str, target: str, tokenizer, prefix:
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     assert not missing, f"export lacks weights for {missing[:3]}"
-    _replace_dir(tmp, target, lambda d: model.save_pretrained(d, safe_serialization=True), tokenizer)
+
+    def write(d: str) -> None:
+        model.save_pretrained(d, max_shard_size=max_shard_size)
+        if config_json is not None:  # the user's config, not transformers' rendering of the training one
+            with open(os.path.join(d, "config.json"), "w") as f:
+                f.write(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+
+    _replace_dir(tmp, target, write, tokenizer)
 
 
 def _replace_dir(tmp: str, target: str, write: Callable[[str], None], tokenizer) -> None:

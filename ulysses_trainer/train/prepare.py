@@ -96,7 +96,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     model_config = model_config_for(cfg)
     if resume_path:
         check_checkpoint_model(resume_path, model_config)
-    check_local_weights(cfg.model_name_or_path)
+    check_local_weights(cfg.model_name_or_path, model_config)
     resolve_layout(cfg.sp_size, world_size, model_config.num_attention_heads, model_config.num_key_value_heads)
     shape = ModelShape.from_config(model_config)
     machine = this_machine(world_size, cfg.host_memory_gb, device == "cuda")

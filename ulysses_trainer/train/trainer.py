@@ -14,7 +14,9 @@ from tqdm import tqdm
 from transformers import get_scheduler
 
 from ..config import config_to_dict
+from ..config_checks import shard_bytes
 from ..errors import ConfigError
+from ..model.export_config import export_config_json
 from ..model.load import build_model, checkpoint_source
 from ..model.lora import add_lora, lora_scaling, merged_state_dict
 from ..model.parallelize import SequenceParallelCausalLM, apply, parallelize
@@ -268,7 +270,8 @@ class Trainer:
         else:
             merge = (lambda sd: merged_state_dict(sd, lora_scaling(self.peft_model))) if self.peft_model else None
             ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, plan.tokenizer, self.state.is_main,
-                           transform=merge)
+                           transform=merge, config_json=export_config_json(cfg, plan.model_config, plan.bf16),
+                           max_shard_size=shard_bytes(cfg.max_shard_size))
         return 0
 
     def _write_run_config(self) -> None:
