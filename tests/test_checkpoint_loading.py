@@ -104,7 +104,7 @@ def test_a_dropped_expert_and_an_extra_tensor_are_refused(good, tmp_path, monkey
     def edit(k, v):
         if k == "model.layers.0.mlp.experts.3.up_proj.weight":
             return []
-        extra = [("model.layers.0.mlp.shared_expert.weight", v.clone())] if k.endswith("layers.0.mlp.gate.weight") else []
+        extra = [("model.layers.0.mlp.shared_expert.weight", v.clone())] if k.endswith("0.mlp.gate.weight") else []
         return [(k, v), *extra]
 
     error = _refused(_edit(good["moe"], tmp_path / "dropped", edit), good, tmp_path, monkeypatch, capsys)
