@@ -1,0 +1,142 @@
+"""final/ is the user's model: the checkpoint's config.json apart from what training changed (the dtype trained in,
+YaRN as trained, model_init_kwargs), `output_router_logits` as the user had it, safetensors sharded as
+save_pretrained shards them with model.safetensors.index.json, a Qwen3-MoE in the Hub's per-expert layout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_utils import ROOT, job_failure, train_env
+from tests.tiny_checkpoint import MOE_HUB_CONFIG, write_documents, write_moe_checkpoint
+from ulysses_trainer.config import TrainConfig
+from ulysses_trainer.config_checks import shard_bytes
+from ulysses_trainer.errors import ConfigError
+from ulysses_trainer.model.export_config import export_config_json
+from ulysses_trainer.model.load import model_config_for
+
+INDEX = "model.safetensors.index.json"
+WRITTEN_BY = ("transformers_version",)  # the version that wrote the file: the exporter's
+
+
+def _cfg(path: Path, **kw) -> TrainConfig:
+    return TrainConfig(model_name_or_path=str(path), max_length=kw.pop("max_length", 64), **kw)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> Path:
+    return write_moe_checkpoint(tmp_path_factory.mktemp("ckpt") / "moe")
+
+
+def _without(d: dict, *keys: str) -> dict:
+    return {k: v for k, v in d.items() if k not in keys}
+
+
+def test_exported_config_is_the_checkpoints_own_with_the_trained_dtype(moe):
+    cfg = _cfg(moe)
+    trained = model_config_for(cfg)
+    assert trained.output_router_logits is True and trained.use_cache is False  # what the run trains with
+    out = export_config_json(cfg, trained, bf16=False)
+    assert _without(out, *WRITTEN_BY) == {**_without(MOE_HUB_CONFIG, *WRITTEN_BY), "torch_dtype": "float32"}
+    assert export_config_json(cfg, trained, bf16=True)["torch_dtype"] == "bfloat16"
+
+
+def test_yarn_and_model_init_kwargs_are_exported_as_trained(moe):
+    from transformers import AutoConfig
+
+    cfg = _cfg(moe, max_length=2048, model_init_kwargs={"rope_parameters": {"rope_type": "yarn", "factor": "auto"},
+                                                        "output_router_logits": True, "router_aux_loss_coef": 0.01})
+    trained = model_config_for(cfg)
+    out = export_config_json(cfg, trained, bf16=True)
+    assert out["rope_parameters"] == {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                      "original_max_position_embeddings": 512}
+    assert "rope_scaling" not in out and out["max_position_embeddings"] == 2048
+    assert out["output_router_logits"] is True and out["router_aux_loss_coef"] == 0.01
+    assert out["use_cache"] is True and out["num_experts"] == 4 and "num_local_experts" not in out
+    d = moe.parent / "yarn_config"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(out))
+    reloaded = AutoConfig.from_pretrained(d)  # transformers reads it back to the trained rope
+    assert dict(reloaded.rope_parameters) == {**out["rope_parameters"]}
+    assert reloaded.max_position_embeddings == 2048
+
+
+def test_a_presets_export_keeps_its_output_router_logits():
+    from ulysses_trainer.model.presets import PRESETS, preset_config
+
+    name = next(p for p in PRESETS if preset_config(p).model_type == "qwen3_moe")
+    cfg = TrainConfig(model_name_or_path=name, max_length=64)
+    out = export_config_json(cfg, model_config_for(cfg), bf16=True)
+    assert out["output_router_logits"] is preset_config(name).output_router_logits
+    assert out["dtype"] == "bfloat16" and "torch_dtype" not in out
+
+
+@pytest.mark.parametrize("size,ok", [("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("40KiB", 40 * 1024), ("5", 0),
+                                     ("lots", 0), (True, 0)])
+def test_max_shard_size_reads_as_transformers_reads_it(size, ok):
+    from transformers.utils.hub import convert_file_size_to_int
+
+    assert shard_bytes(size) == ok
+    if ok:
+        assert convert_file_size_to_int(size) == ok
+
+
+def test_a_malformed_max_shard_size_is_refused():
+    from ulysses_trainer.config_checks import validate_config
+
+    with pytest.raises(ConfigError, match="max_shard_size must be a size like 5GB"):
+        validate_config(TrainConfig(max_shard_size="5 gigs"), 1)
+
+
+@pytest.mark.slow
+def test_per_expert_moe_trains_and_exports_sharded_as_the_hub_stores_it(moe, tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    docs = write_documents(tmp_path / "docs.jsonl", num_docs=8, words_per_doc=31)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "launch/train.py", "--model_name_or_path", str(moe), "--dataset_name",
+                           str(docs), "--max_length", "32", "--max_steps", "1", "--learning_rate", "1e-2",
+                           "--max_shard_size", "40KB", "--output_dir", str(out)],
+                          cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, job_failure(proc)
+    final = out / "final"
+
+    # sharded with the index, every tensor in the Hub's names (experts one by one, the router as mlp.gate)
+    index = json.loads((final / INDEX).read_text())["weight_map"]
+    files = sorted(set(index.values()))
+    assert len(files) > 1 and all((final / f).is_file() for f in files)
+    assert not (final / "model.safetensors").exists()
+    assert set(index) == set(json.loads((moe / INDEX).read_text())["weight_map"])
+
+    # config.json: the checkpoint's, apart from the dtype trained in (fp32 on CPU)
+    written = json.loads((final / "config.json").read_text())
+    original = json.loads((moe / "config.json").read_text())
+    assert _without(written, *WRITTEN_BY) == {**_without(original, *WRITTEN_BY), "torch_dtype": "float32"}
+    assert written["output_router_logits"] is False
+
+    # plain transformers reloads it to the trained model: the same logits as the weights of the run's own
+    # last checkpoint (its ZeRO-3 fp32 state), which differ from the checkpoint trained from
+    exported = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    state = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoint-1"), tag="ds")
+    state = {k.removeprefix("causal_lm."): v for k, v in state.items()}
+    rebuilt = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(final), dtype=torch.float32,
+                                               attn_implementation="sdpa")
+    missing, unexpected = rebuilt.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    before = AutoModelForCausalLM.from_pretrained(moe, dtype=torch.float32).eval()
+    ids = torch.randint(0, 32, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want, start = (m.eval()(input_ids=ids).logits for m in (exported, rebuilt, before))
+    assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
+    assert (got - start).abs().max() > 1e-3  # the step changed the model
+
+    # the tokenizer travels as loaded
+    text = "alpha bravo zulu"
+    assert AutoTokenizer.from_pretrained(final)(text)["input_ids"] == AutoTokenizer.from_pretrained(moe)(text)[
+        "input_ids"]
