@@ -14,8 +14,8 @@ from .errors import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "data": ("ulysses_trainer.cli.data", "the training sequences as the trainer builds them, trained spans marked, "
                                         "and their counts (no GPU)"),
-    "train": ("ulysses_trainer.cli.launcher", "`deepspeed launch/train.py` on one node in its own session: Ctrl-C "
-                                              "saves and waits for the ranks; a second Ctrl-C stops at once"),
+    "train": ("ulysses_trainer.cli.launcher", "`deepspeed` on one node in its own session: Ctrl-C saves and waits "
+                                              "for the ranks; a second Ctrl-C stops at once"),
     "plan": ("ulysses_trainer.cli.plan", "predict per-GPU and host memory; choose settings that fit "
                                         "(`plan calibrate`: predicted vs measured)"),
     "rehearse": ("ulysses_trainer.cli.rehearse", "run one rank of an N-GPU job on one device (fake process "

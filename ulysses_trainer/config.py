@@ -24,9 +24,11 @@ from .name_hints import suggest
 from .typed_values import NO_MATCH, coerce, describe, literal_choices
 from .yaml_numbers import load_yaml
 
-# ds_configs/ sits next to the package in the repository (and in an sdist checkout).
+# the checkout's root (recipes, benchmarks); an installed package has only PACKAGE_DIR, which ships the ZeRO
+# JSONs as package data (ulysses_trainer/ds_configs/, the same files as the checkout's ds_configs/)
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DS_CONFIG = str(REPO_ROOT / "ds_configs" / "zero3.json")
+PACKAGE_DIR = Path(__file__).resolve().parent
+DEFAULT_DS_CONFIG = "ds_configs/zero3.json"  # a shipped name: the working directory's file, else the package's
 
 AttnImpl = Literal["auto", "sdpa", "flash_attention_2", "flash_attention_4"]
 NormKernel = Literal["auto", "triton", "torch"]

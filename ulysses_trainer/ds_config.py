@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .config import REPO_ROOT, TrainConfig, resolve_bf16
+from .config import PACKAGE_DIR, TrainConfig, resolve_bf16
 from .errors import ConfigError
 from .names import ZERO_AUTO_SIZES, check_zero_stage, offload_sub_group_size
 
@@ -47,11 +47,12 @@ class OptimizerSpec:
 
 
 def resolve_ds_path(path: str) -> Path:
-    """The JSON path as given, else relative to the repository (recipes say ds_configs/zero3.json)."""
+    """The JSON path as given, else the package's copy of a shipped one (recipes say ds_configs/zero3.json):
+    the same file in a checkout and in an installed package."""
     p = Path(path)
     if p.is_file() or p.is_absolute():
         return p
-    alt = REPO_ROOT / p
+    alt = PACKAGE_DIR / p
     return alt if alt.is_file() else p
 
 

@@ -81,22 +81,29 @@ def _output_dir(rest: list[str]) -> str | None:
         return None
 
 
+def _package_parent() -> str:
+    """Where this ulysses_trainer is imported from: the ranks (`python -m`) import the same copy from any
+    working directory (a checkout run as `python -m ulysses_trainer`, a --target install)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def main(argv: list[str]) -> int:
     ours, rest = _split(argv)
     if "--help" in rest or "-h" in rest:
         print(__doc__)
         return 0
-    from ..config import REPO_ROOT
-
     deepspeed = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
     if not os.path.exists(deepspeed):
         print("error: the deepspeed command is not installed here (pip install deepspeed)", file=sys.stderr)
         return EXIT_INVALID
-    cmd = [deepspeed, *ours, str(REPO_ROOT / "launch" / "train.py"), *rest]
+    # the package's own rank entry (cli/rank.py), so an installed package needs no checkout
+    cmd = [deepspeed, *ours, "--module", "ulysses_trainer.cli.rank", *rest]
     requests: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):  # from here on a Ctrl-C is a request, never a traceback
         signal.signal(sig, lambda signum, frame: requests.append(signum))
-    job = subprocess.Popen(cmd, start_new_session=True)  # the terminal's Ctrl-C reaches only this process
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_package_parent(),
+                                                                  os.environ.get("PYTHONPATH")) if p))
+    job = subprocess.Popen(cmd, start_new_session=True, env=env)  # the terminal's Ctrl-C reaches only this process
     delivered, seen, killed = set(), set(), False
     while True:
         try:

@@ -54,9 +54,9 @@ from .zero3_trace import forward_order, gathers_per_micro_step, numel_of
 
 # Assumed when no measured file is given: NCCL bus bandwidth of large messages over H200 NVLink
 # (nccl-tests reach ~350-450 GB/s on 8x H100/H200), one per-op latency, and 400 Gb/s IB per GPU.
-# the NCCL points measured on 2 H200s (benchmarks/comm_bandwidth.py), where the checkout has them
-DEFAULT_COMM_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                 "benchmarks", "results", "comm_bandwidth_h200_x2.json")
+# the NCCL points measured on 2 H200s (benchmarks/comm_bandwidth.py): package data, a copy of
+# benchmarks/results/comm_bandwidth_h200_x2.json (a test ties the two), so an installed package plans the same
+DEFAULT_COMM_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "comm_bandwidth_h200_x2.json")
 DEFAULT_BUSBW_GBPS = 350.0
 DEFAULT_LATENCY_S = 20e-6
 DEFAULT_INTERNODE_GBPS = 50.0
@@ -296,7 +296,7 @@ def load_bandwidth(path: str | None, internode_gbps: float = DEFAULT_INTERNODE_G
     for op in points:
         points[op].sort()
     missing = [op for op in OPS if op not in points]
-    # a file of this checkout is named from its root (a result written here reads the same on any machine)
+    # a file of this checkout or package is named from above the package (reads the same in either, anywhere)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(DEFAULT_COMM_FILE)))
     full = os.path.abspath(path)
     shown = os.path.relpath(full, repo) if full.startswith(repo + os.sep) else path
