@@ -17,7 +17,7 @@ from ..errors import ConfigError
 # changes that keep a resumed run's results those of the uninterrupted run (memory levers are tested to
 # change memory only); any field not listed here breaks exactness
 HARMLESS = frozenset({
-    "output_dir",
+    "output_dir", "max_shard_size",
     "logging_steps", "save_steps", "save_strategy", "save_total_limit", "eval_steps", "max_eval_samples",
     "per_device_eval_batch_size", "eval_dataset_name", "dataset_test_split", "report_to",
     "plot_per_position_loss", "nan_policy", "deepspeed",
