@@ -37,6 +37,7 @@ SaveStrategy = Literal["steps", "no"]
 TextFileSplit = Literal["document", "paragraph", "line"]
 SchedulerType = Literal["linear", "cosine", "constant", "constant_with_warmup"]
 MaxLengthPolicy = Literal["truncate", "drop"]
+PackingStrategy = Literal["bfd", "wrapped", "next_fit"]
 EvalStrategy = Literal["no", "steps"]
 DType = Literal["auto", "bfloat16", "float32", "float16"]
 Auto = Literal["auto"]
@@ -100,6 +101,10 @@ class TrainConfig:
         None, "evaluation data (same forms as dataset_name); null = dataset_test_split of dataset_name")
     max_length: int = _f(4096, "tokens per training sequence (documents are joined end to end)")
     packing: bool = _f(False, "keep document boundaries: position_ids restart at each document")
+    packing_strategy: PackingStrategy = _f(
+        "bfd", "with packing: bfd (best-fit decreasing: whole documents, fullest sequences; TRL's default), "
+        "wrapped (documents joined and cut at max_length; TRL's), next_fit (whole documents in their order, a "
+        "new sequence when the next does not fit)")
     pad_to_multiple_of: Union[int, None] = _f(None, "pad sequences to a multiple of this; null = sp's need")
     # optimisation
     learning_rate: float = _f(1e-4, "peak learning rate (AdamW)")
