@@ -90,7 +90,8 @@ class TrainConfig:
     # data
     dataset_name: Union[str, None] = _f(
         None, "HF dataset name, local file or directory (parquet/jsonl/json/txt/arrow), synthetic:text or "
-        "synthetic:agent_sessions; null = synthetic:text, or synthetic:agent_sessions with assistant_only_loss")
+        "synthetic:agent_sessions (or synthetic:agent_sessions_mixed: 4K-400K tokens, median 60K); null = "
+        "synthetic:text, or synthetic:agent_sessions with assistant_only_loss")
     dataset_text_field: str = _f("text", "column holding the document text")
     text_file_split: TextFileSplit = _f(
         "document", "a .txt file is one document (newlines kept); paragraph = split at blank lines, line = "

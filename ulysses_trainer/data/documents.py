@@ -28,7 +28,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from ..parallel.sharding import IGNORE_INDEX
 from .accounting import DataCounts
-from .agent_sessions import agent_sessions
+from .agent_sessions import agent_sessions, mixed_agent_sessions
 from .chat import TemplateRenderer, tokenize_segments
 from .formats import (
     ACCEPTED,
@@ -50,6 +50,7 @@ _EVAL_SEED_OFFSET = 1_000_003  # synthetic eval documents differ from the traini
 _BATCH_DOCS = 64
 SYNTHETIC_STEPS_PER_EPOCH = 4
 AGENT_SESSIONS = "synthetic:agent_sessions"  # dataset_name of the synthetic agent sessions
+MIXED_SESSIONS = "synthetic:agent_sessions_mixed"  # ... of mixed lengths (4K-400K tokens, median 60K)
 NO_FIELD = "without the text field (missing or null)"
 EMPTY = "empty text"
 
@@ -231,13 +232,14 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
             raise ConfigError(f"evaluation needs eval_dataset_name: dataset_name {source} is a local path "
                               f"with no test split")
 
-    if source == AGENT_SESSIONS or (source is None and cfg.assistant_only_loss):  # the conversational default
+    if source in (AGENT_SESSIONS, MIXED_SESSIONS) or (source is None and cfg.assistant_only_loss):
+        source = source or AGENT_SESSIONS  # the conversational default
         rows = num_sequences or default_num_sequences(cfg, split, dp_size)
         seed = cfg.seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
-        sessions = agent_sessions(seed, mean_tokens=L)
-        segments = example_segments(CONVERSATIONAL, sessions, AGENT_SESSIONS, cfg.assistant_only_loss, None,
+        sessions = mixed_agent_sessions(seed) if source == MIXED_SESSIONS else agent_sessions(seed, mean_tokens=L)
+        segments = example_segments(CONVERSATIONAL, sessions, source, cfg.assistant_only_loss, None,
                                     tokenizer.eos_token, chat_template_of(tokenizer))
-        return examples_dataset((tokenize_segments(s, tokenizer) for s in segments), cfg, tokenizer, AGENT_SESSIONS,
+        return examples_dataset((tokenize_segments(s, tokenizer) for s in segments), cfg, tokenizer, source,
                                 CONVERSATIONAL, None, rows)
     if source is None or source == "synthetic:text":
         rows = num_sequences or default_num_sequences(cfg, split, dp_size)
