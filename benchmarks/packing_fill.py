@@ -22,8 +22,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ulysses_trainer.data.agent_sessions import TOOLS, agent_session, mixed_session_tokens  # noqa: E402
-from ulysses_trainer.data.agent_sessions import _CHARS_PER_TOKEN  # noqa: E402
+from ulysses_trainer.data.agent_sessions import (  # noqa: E402
+    _CHARS_PER_TOKEN,  # noqa: E402
+    TOOLS,
+    agent_session,
+    mixed_session_tokens,
+)
 
 STRATEGIES = ("next_fit", "bfd", "wrapped")
 

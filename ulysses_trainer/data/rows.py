@@ -50,6 +50,8 @@ Example = tuple[np.ndarray, np.ndarray]  # (token ids, trained: bool per token)
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     """Bins (lists of indices into lengths, longest first) of total <= capacity: each length, longest first
     (ties in input order), goes to the bin with the least room that still holds it (ties: the older bin)."""
+    if any(n > capacity for n in lengths):
+        raise ValueError(f"a length over the capacity {capacity}: truncate or drop it first")
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     bins: list[list[int]] = []
     room: list[tuple[int, int]] = []  # (room left, bin index), sorted
