@@ -168,3 +168,16 @@ def test_wrapped_splits_and_the_others_keep_documents_whole():
             t, p = tokens[r * 32:r * 32 + n], positions[r * 32:r * 32 + n]
             docs += [d.tolist() for d in np.split(t, np.flatnonzero(p == 0)[1:])]
         assert sorted(docs) == sorted(list(range(1, n + 1)) for n in (20, 30, 14)) and c.split == 0
+
+
+def test_fill_ratio_in_the_counts_and_the_data_line():
+    from ulysses_trainer.data.accounting import DataCounts
+
+    ex = [(np.ones(n, np.int32), np.ones(n, bool)) for n in (15, 35, 50, 65, 40)]
+    for strategy in ("bfd", "next_fit"):
+        *_, c = build_rows(ex, 100, True, "truncate", 0, strategy=strategy)
+        counts = DataCounts.of_examples(c, "t", None, 100)
+        assert counts.to_dict()["fill_ratio"] == round(c.tokens / (c.sequences * 100), 4)
+        assert f"fill {100 * c.tokens / (c.sequences * 100):.1f}% (real tokens / sequence tokens)" in counts.summary()
+    bfd = DataCounts.of_examples(build_rows(ex, 100, True, "truncate", 0)[-1], "t", None, 100)  # bfd: the default
+    assert bfd.fill_ratio == round(205 / 300, 4)  # 65 + 35, 50 + 40, 15
