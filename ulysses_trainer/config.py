@@ -150,7 +150,8 @@ class TrainConfig:
     completion_only_loss: Union[bool, None] = _f(
         None, "prompt-completion data: train only on the completion; null = true (TRL's default)")
     max_length_policy: MaxLengthPolicy = _f(
-        "truncate", "a conversation or prompt-completion pair longer than max_length: truncate (keep its first "
+        "truncate", "a conversation or prompt-completion pair (or a text document packed whole: packing_strategy bfd, "
+        "next_fit) longer than max_length: truncate (keep its first "
         "max_length tokens, TRL's) or drop it; both are counted (ulysses-trainer data)")
     # TRL spellings of settings above (decoded once, here: see TrainConfig.__post_init__)
     gradient_checkpointing_kwargs: Union[dict, None] = _f(
