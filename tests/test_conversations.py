@@ -199,7 +199,7 @@ def test_datasets_build_rows_with_labels(tok, tmp_path):
 
 def test_rows_pack_truncate_drop():
     ex = [(np.arange(1, n + 1, dtype=np.int32), np.ones(n, bool)) for n in (3, 4, 9, 2)]
-    t, m, p, lengths, c = build_rows(ex, 8, True, "truncate", 0)
+    t, m, p, lengths, c = build_rows(ex, 8, True, "truncate", 0, strategy="next_fit")
     assert lengths.tolist() == [7, 8, 2] and c.truncated == 1 and c.sequences == 3
     assert p[:8].tolist() == [0, 1, 2, 0, 1, 2, 3, 4] and t[7] == 0 and not m[7]
     assert not m[0] and not m[3] and m[1:3].all()  # an example's first token is nobody's target

@@ -185,7 +185,8 @@ def test_txt_file_is_one_document_with_its_newlines(tok, tmp_path):
     (tmp_path / "tail.txt").write_text("the next book")
     n = len(tok.encode(text)) + 1  # one eos, after the whole file
     L = n + 3  # the first row holds the book and 3 tokens of the next file
-    ds = build_sequences(TrainConfig(dataset_name=str(tmp_path), max_length=L, packing=True), tok)
+    ds = build_sequences(TrainConfig(dataset_name=str(tmp_path), max_length=L, packing=True,
+                                     packing_strategy="wrapped"), tok)
     ids, pos = ds[0]["input_ids"].tolist(), ds[0]["position_ids"].tolist()
     assert ids[:n] == tok.encode(text) + [tok.eos_token_id]
     assert tok.decode(ids[:n - 1]) == text  # newlines kept and tokenized, not replaced by eos
@@ -217,11 +218,12 @@ def test_raw_arrow_file(tok, tmp_path):
     assert flat == _stream(tok, docs)[: len(ds) * 32]
 
 
-def test_packing_position_ids_restart_at_documents(tok, tmp_path):
+def test_wrapped_packing_position_ids_restart_at_documents_and_rows(tok, tmp_path):
     docs = _docs(8, 25, seed=3)
     _write_jsonl(tmp_path / "d.jsonl", docs)
     L = 48
-    ds = build_sequences(TrainConfig(dataset_name=str(tmp_path / "d.jsonl"), max_length=L, packing=True), tok)
+    ds = build_sequences(TrainConfig(dataset_name=str(tmp_path / "d.jsonl"), max_length=L, packing=True,
+                                     packing_strategy="wrapped"), tok)
     lengths = [len(tok.encode(d)) + 1 for d in docs]  # + eos
     # expected: positions count up within each document and restart at each document and each row
     expected, stream_pos = [], []

@@ -15,7 +15,7 @@ from ulysses_trainer.model.load import model_config_for
 RECIPES = Path(__file__).resolve().parent.parent / "launch" / "recipes"
 WORLD = {"reference_8gpu_1m.yaml": 8, "one_gpu_4b_long.yaml": 1, "one_gpu_4b_1m.yaml": 1, "cpu_default.yaml": 2,
          "moe_8gpu_1m.yaml": 8,
-         "agent_sessions_1m.yaml": 1}
+         "agent_sessions_1m.yaml": 1, "one_gpu_4b_sessions.yaml": 1, "sessions_8gpu_1m.yaml": 8}
 
 
 def _load(name: str) -> TrainConfig:
@@ -110,3 +110,12 @@ def test_agent_sessions_recipe_is_the_1m_run_on_agent_sessions():
     data_fields = {"dataset_name", "assistant_only_loss", "packing", "max_length_policy", "output_dir"}
     differ = {f.name for f in dataclasses.fields(TrainConfig) if getattr(agent, f.name) != getattr(text, f.name)}
     assert differ <= data_fields, differ
+
+
+@pytest.mark.parametrize("name, model, length, sp", [("one_gpu_4b_sessions.yaml", "qwen3-4b", 262144, 1),
+                                                     ("sessions_8gpu_1m.yaml", "qwen3-8b", 1048576, 8)])
+def test_mixed_sessions_recipes_pack_whole_sessions_best_fit(name, model, length, sp):
+    cfg = _load(name)
+    assert (cfg.model_name_or_path, cfg.max_length, cfg.sp_size) == (model, length, sp)
+    assert cfg.dataset_name == "synthetic:agent_sessions_mixed" and cfg.assistant_only_loss
+    assert cfg.packing and cfg.packing_strategy == "bfd"

@@ -47,7 +47,10 @@ def test_planner_and_trainer_make_the_same_plan_for_every_recipe(recipe, capsys)
     cfg = load_config(["--config", str(recipe)])  # the trainer's reading of the recipe
     gpus = cfg.sp_size or 1
     machine = Machine(gpus=gpus, gpu_memory_gb=139.8, host_memory_gb=125.9, host_memory_source="--host_memory_gb")
-    trainer = plan_for(cfg, model_config_for(cfg), load_ds_config(cfg.deepspeed), machine)  # train/prepare.py's call
+    from ulysses_trainer.cli.plan import data_attention  # packed recipes: the data's attention, as prepare's
+
+    trainer = plan_for(cfg, model_config_for(cfg), load_ds_config(cfg.deepspeed), machine,  # train/prepare.py's call
+                       attention=data_attention(cfg, gpus))
     rc = cli_main(["plan", "--config", str(recipe), "--gpus", str(gpus), "--gpu_memory_gb", "139.8",
                    "--host_memory_gb", "125.9", "--json"])
     planner = json.loads(capsys.readouterr().out)["plan"]

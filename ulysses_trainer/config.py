@@ -39,6 +39,7 @@ SaveStrategy = Literal["steps", "no"]
 TextFileSplit = Literal["document", "paragraph", "line"]
 SchedulerType = Literal["linear", "cosine", "constant", "constant_with_warmup"]
 MaxLengthPolicy = Literal["truncate", "drop"]
+PackingStrategy = Literal["bfd", "wrapped", "next_fit"]
 EvalStrategy = Literal["no", "steps"]
 DType = Literal["auto", "bfloat16", "float32", "float16"]
 Auto = Literal["auto"]
@@ -91,7 +92,8 @@ class TrainConfig:
     # data
     dataset_name: Union[str, None] = _f(
         None, "HF dataset name, local file or directory (parquet/jsonl/json/txt/arrow), synthetic:text or "
-        "synthetic:agent_sessions; null = synthetic:text, or synthetic:agent_sessions with assistant_only_loss")
+        "synthetic:agent_sessions (or synthetic:agent_sessions_mixed: 4K-400K tokens, median 60K); null = "
+        "synthetic:text, or synthetic:agent_sessions with assistant_only_loss")
     dataset_text_field: str = _f("text", "column holding the document text")
     text_file_split: TextFileSplit = _f(
         "document", "a .txt file is one document (newlines kept); paragraph = split at blank lines, line = "
@@ -102,6 +104,10 @@ class TrainConfig:
         None, "evaluation data (same forms as dataset_name); null = dataset_test_split of dataset_name")
     max_length: int = _f(4096, "tokens per training sequence (documents are joined end to end)")
     packing: bool = _f(False, "keep document boundaries: position_ids restart at each document")
+    packing_strategy: PackingStrategy = _f(
+        "bfd", "with packing: bfd (best-fit decreasing: whole documents, fullest sequences; TRL's default), "
+        "wrapped (documents joined and cut at max_length; TRL's), next_fit (whole documents in their order, a "
+        "new sequence when the next does not fit)")
     pad_to_multiple_of: Union[int, None] = _f(None, "pad sequences to a multiple of this; null = sp's need")
     # optimisation
     learning_rate: float = _f(1e-4, "peak learning rate (AdamW)")
@@ -149,7 +155,8 @@ class TrainConfig:
     completion_only_loss: Union[bool, None] = _f(
         None, "prompt-completion data: train only on the completion; null = true (TRL's default)")
     max_length_policy: MaxLengthPolicy = _f(
-        "truncate", "a conversation or prompt-completion pair longer than max_length: truncate (keep its first "
+        "truncate", "a conversation or prompt-completion pair (or a text document packed whole: packing_strategy bfd, "
+        "next_fit) longer than max_length: truncate (keep its first "
         "max_length tokens, TRL's) or drop it; both are counted (ulysses-trainer data)")
     # TRL spellings of settings above (decoded once, here: see TrainConfig.__post_init__)
     gradient_checkpointing_kwargs: Union[dict, None] = _f(

@@ -8,7 +8,10 @@
 Any other `--name value` is a training-config override (as for launch/train.py), e.g.
 `--tiled_mlp 8 --activation_offload 4 --loss_type nll --per_device_train_batch_size 2`. Levers left at
 `auto` are chosen by the search (the fastest predicted step that fits); fixed ones are planned as given.
-Memory is in GiB (2**30 bytes). Exit 0: it fits; 1: it does not (the binding limit and the missing GiB
+With `packing: true` and a dataset (`dataset_name` in the recipe or `--dataset_name ...`) the plan builds the
+training sequences as the trainer does (the rows of max_steps, else all) and times attention from their document
+lengths (sum of l_i^2, causal varlen); without data it times one document of max_length, the worst case, and
+says so. Memory is in GiB (2**30 bytes). Exit 0: it fits; 1: it does not (the binding limit and the missing GiB
 are named); 2: invalid input.
 """
 
@@ -22,6 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..config import build_config, parse_argv, read_recipe, validate_config
+from ..data.attention_share import AttentionShare, timed_from_data
 from ..ds_config import load_ds_config
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
 from ..model.load import model_config_for
@@ -143,7 +147,8 @@ def run_plan(argv: list[str]) -> int:
     """`ulysses-trainer plan`: the plan the trainer would run (the same resolve_plan), then the longest
     max_length that fits. Exit 0 when it fits, 1 when it does not (the binding limit is named)."""
     cfg, model_config, ds, machine, args = build_plan_inputs(argv)
-    plan = plan_for(cfg, model_config, ds, machine)  # the trainer's own call (train/prepare.py)
+    # the trainer's own call (train/prepare.py)
+    plan = plan_for(cfg, model_config, ds, machine, attention=data_attention(cfg, machine.gpus))
     hw = Hardware(machine.gpus, machine.gpu_memory_gb, machine.host_memory_gb, machine.gpus_per_host)
     # the plan's layout, kernels and loss, none of its length-dependent choices: the longest does not depend
     # on the max_length asked (the ZeRO-3 sizes per placement as the plan's own search had them)
@@ -165,6 +170,24 @@ def run_plan(argv: list[str]) -> int:
         print(f"error: does not fit: {_shortage(plan)}", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
+
+
+def data_attention(cfg: Any, gpus: int) -> AttentionShare | None:
+    """The packed data's attention cost, from the sequences the trainer would build (the rows max_steps needs,
+    else all); None without packing or without a dataset (the plan then times one document per row)."""
+    if not timed_from_data(cfg):
+        return None
+    from ..data.documents import build_sequences
+    from ..data.tokenizer import load_tokenizer
+    from ..layout import resolve_layout
+    from ..model.load import checkpoint_source
+
+    dp = resolve_layout(cfg.sp_size, gpus).dp
+    rows = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp * cfg.max_steps \
+        if cfg.max_steps else None
+    data = build_sequences(cfg, load_tokenizer(checkpoint_source(cfg.model_name_or_path)), split="train",
+                           dp_size=dp, num_sequences=rows)
+    return AttentionShare.of(data)
 
 
 def _shortage(plan: Plan) -> str:

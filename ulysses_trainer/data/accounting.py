@@ -38,6 +38,12 @@ class DataCounts:
                    details={k: v for k, v in vars(rows).items()
                             if k not in ("skipped", "sequences", "tokens", "pad_tokens")})
 
+    @property
+    def fill_ratio(self) -> float:
+        """Real tokens / sequence tokens of the rows built (1.0: no pads)."""
+        room = self.sequences * self.max_length
+        return round(1.0 - self.pad_tokens / room, 4) if room else 0.0
+
     def read(self) -> None:
         self.documents_read += 1
 
@@ -68,6 +74,7 @@ class DataCounts:
         if self.details:
             end += f"; {self.details.get('trained_tokens', 0)} trained tokens, " \
                    f"{self.details.get('truncated', 0)} truncated to max_length, {self.pad_tokens} pad tokens"
+        end += f"; fill {100 * self.fill_ratio:.1f}% (real tokens / sequence tokens)"
         return (f"{self.source}: {self.documents_read}{total} documents read, {self.documents_used} used, "
                 f"skipped: {skipped}; {self.tokens} tokens -> {self.sequences} sequences of {self.max_length}; "
                 f"{end}")
@@ -76,4 +83,4 @@ class DataCounts:
         return {"source": self.source, "documents_read": self.documents_read, "documents_used": self.documents_used,
                 "documents_total": self.documents_total, "skipped": dict(self.skipped), "tokens": self.tokens,
                 "sequences": self.sequences, "max_length": self.max_length, "tail_tokens": self.tail_tokens,
-                "tail": self.tail, "pad_tokens": self.pad_tokens, **self.details}
+                "tail": self.tail, "pad_tokens": self.pad_tokens, "fill_ratio": self.fill_ratio, **self.details}

@@ -7,11 +7,14 @@ files state facts (a service's port and owner) once; later the user asks for fac
 and thousands of tokens earlier, and the assistant answers them. With assistant_only_loss the
 answers are trained while the tool output is not, so the loss can fall only if attention reaches
 back to the tool result. No network, no third-party text: everything derives from one seed.
+`agent_sessions` makes sessions of about max_length tokens (one per sequence); `mixed_agent_sessions`
+makes sessions of mixed lengths (4K-400K tokens, median 60K), the case packing is for.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Iterator
 
@@ -94,3 +97,24 @@ def agent_sessions(seed: int, mean_tokens: int) -> Iterator[dict]:
     while True:
         target = int(mean_tokens * rng.uniform(0.6, 0.95) * _CHARS_PER_TOKEN)
         yield {"messages": agent_session(rng, target), "tools": TOOLS}
+
+
+# Mixed lengths, as real agent logs come: log-normal session lengths, median 60K tokens, sigma 1.0 (the
+# longest ~3% would pass 400K), kept to 4K-400K tokens by drawing again outside that range.
+MIXED_MEDIAN_TOKENS, MIXED_SIGMA = 60_000, 1.0
+MIXED_MIN_TOKENS, MIXED_MAX_TOKENS = 4_096, 409_600
+
+
+def mixed_session_tokens(rng: random.Random) -> int:
+    """One session's target length in tokens, from the heavy-tailed mixed distribution."""
+    while True:
+        n = int(rng.lognormvariate(math.log(MIXED_MEDIAN_TOKENS), MIXED_SIGMA))
+        if MIXED_MIN_TOKENS <= n <= MIXED_MAX_TOKENS:
+            return n
+
+
+def mixed_agent_sessions(seed: int) -> Iterator[dict]:
+    """An endless deterministic stream of {"messages", "tools"} sessions of mixed lengths (mixed_session_tokens)."""
+    rng = random.Random(seed)
+    while True:
+        yield {"messages": agent_session(rng, int(mixed_session_tokens(rng) * _CHARS_PER_TOKEN)), "tools": TOOLS}

@@ -28,7 +28,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from ..parallel.sharding import IGNORE_INDEX
 from .accounting import DataCounts
-from .agent_sessions import agent_sessions
+from .agent_sessions import agent_sessions, mixed_agent_sessions
 from .chat import TemplateRenderer, tokenize_segments
 from .formats import (
     ACCEPTED,
@@ -50,6 +50,7 @@ _EVAL_SEED_OFFSET = 1_000_003  # synthetic eval documents differ from the traini
 _BATCH_DOCS = 64
 SYNTHETIC_STEPS_PER_EPOCH = 4
 AGENT_SESSIONS = "synthetic:agent_sessions"  # dataset_name of the synthetic agent sessions
+MIXED_SESSIONS = "synthetic:agent_sessions_mixed"  # ... of mixed lengths (4K-400K tokens, median 60K)
 NO_FIELD = "without the text field (missing or null)"
 EMPTY = "empty text"
 
@@ -231,19 +232,22 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
             raise ConfigError(f"evaluation needs eval_dataset_name: dataset_name {source} is a local path "
                               f"with no test split")
 
-    if source == AGENT_SESSIONS or (source is None and cfg.assistant_only_loss):  # the conversational default
+    if source in (AGENT_SESSIONS, MIXED_SESSIONS) or (source is None and cfg.assistant_only_loss):
+        source = source or AGENT_SESSIONS  # the conversational default
         rows = num_sequences or default_num_sequences(cfg, split, dp_size)
         seed = cfg.seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
-        sessions = agent_sessions(seed, mean_tokens=L)
-        segments = example_segments(CONVERSATIONAL, sessions, AGENT_SESSIONS, cfg.assistant_only_loss, None,
+        sessions = mixed_agent_sessions(seed) if source == MIXED_SESSIONS else agent_sessions(seed, mean_tokens=L)
+        segments = example_segments(CONVERSATIONAL, sessions, source, cfg.assistant_only_loss, None,
                                     tokenizer.eos_token, chat_template_of(tokenizer))
-        return examples_dataset((tokenize_segments(s, tokenizer) for s in segments), cfg, tokenizer, AGENT_SESSIONS,
+        return examples_dataset((tokenize_segments(s, tokenizer) for s in segments), cfg, tokenizer, source,
                                 CONVERSATIONAL, None, rows)
     if source is None or source == "synthetic:text":
         rows = num_sequences or default_num_sequences(cfg, split, dp_size)
         seed = cfg.seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
         docs = synthetic_documents(seed, mean_words=max(64, math.ceil(L / _TOKENS_PER_WORD)))
         counts = DataCounts(source="synthetic")
+        if _whole_documents(cfg):
+            return _documents_as_examples(_counted(docs, counts), cfg, tokenizer, "synthetic", None, rows, counts)
         tokens, positions, used, _, _, _ = _pack(_counted(docs, counts), tokenizer, L, cfg.packing, rows, counts)
         return SequenceDataset(tokens, positions, L, "synthetic", used, None, counts=counts)
 
@@ -259,6 +263,9 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
         return examples_dataset((tokenize_segments(s, tokenizer) for s in segments), cfg, tokenizer, source,
                                 kind, len(ds), num_sequences)
     counts = DataCounts(source=source, documents_total=len(ds))
+    if _whole_documents(cfg):
+        return _documents_as_examples(_texts(ds, cfg.dataset_text_field, source, counts), cfg, tokenizer, source,
+                                      len(ds), num_sequences, counts, _column_bytes(ds, cfg.dataset_text_field))
     tokens, positions, used, seen, text_bytes, pad_from = _pack(
         _texts(ds, cfg.dataset_text_field, source, counts), tokenizer, L, cfg.packing, num_sequences, counts,
         pad_last=cfg.pad_last_sequence)
@@ -284,7 +291,8 @@ def examples_dataset(examples: Iterable[tuple[np.ndarray, np.ndarray]], cfg: Tra
                      source: str, kind: str, total: int | None, num_sequences: int | None) -> SequenceDataset:
     """Rows of whole examples (one per row, or packed) with their trained masks."""
     tokens, trained, positions, lengths, counts = build_rows(
-        examples, cfg.max_length, cfg.packing, cfg.max_length_policy, tokenizer.eos_token_id, num_sequences)
+        examples, cfg.max_length, cfg.packing, cfg.max_length_policy, tokenizer.eos_token_id, num_sequences,
+        cfg.packing_strategy)
     if counts.sequences == 0:
         why = f"{counts.dropped_too_long} longer than max_length {cfg.max_length} were dropped " \
               f"(max_length_policy drop)" if counts.dropped_too_long else "none holds a token"
@@ -296,6 +304,37 @@ def examples_dataset(examples: Iterable[tuple[np.ndarray, np.ndarray]], cfg: Tra
     return SequenceDataset(tokens, positions, cfg.max_length, source, counts.examples_used, total, fraction,
                            trained=trained, lengths=lengths, kind=kind,
                            counts=DataCounts.of_examples(counts, source, total, cfg.max_length))
+
+
+def _whole_documents(cfg: TrainConfig) -> bool:
+    """Text documents packed whole (bfd, next_fit) go through the examples' row builder; `wrapped` and
+    packing false join and cut them."""
+    return cfg.packing and cfg.packing_strategy != "wrapped"
+
+
+def _documents_as_examples(docs: Iterable[str], cfg: TrainConfig, tokenizer: Tokenizer, source: str,
+                           total: int | None, num_sequences: int | None, read: DataCounts,
+                           total_bytes: int | None = None) -> SequenceDataset:
+    """Text documents (+ eos, every token trained) packed whole; `read` holds what the source skipped."""
+    text_bytes = 0
+
+    def examples() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        nonlocal text_bytes
+        it = iter(docs)
+        while batch := list(islice(it, _BATCH_DOCS)):
+            for doc, ids in zip(batch, tokenizer.encode_batch(batch)):
+                text_bytes += len(doc.encode("utf-8"))
+                row = np.asarray(ids + [tokenizer.eos_token_id], dtype=np.int32)
+                yield row, np.ones(len(row), bool)
+
+    ds = examples_dataset(examples(), cfg, tokenizer, source, LANGUAGE_MODELING, total, num_sequences)
+    ds.counts.skipped.update(read.skipped)
+    ds.counts.documents_read += sum(read.skipped.values())
+    if total is None or ds.counts.documents_read >= total:
+        ds.fraction_read = None
+    else:  # stopped early: the epoch is estimated by bytes (documents differ in length), else by count
+        ds.fraction_read = min(1.0, text_bytes / total_bytes) if total_bytes else ds.counts.documents_read / total
+    return ds
 
 
 def _counted(docs: Iterable[str], counts: DataCounts) -> Iterator[str]:

@@ -1,20 +1,27 @@
-"""Tokenised examples (conversations, prompt-completion pairs) -> rows of exactly max_length tokens.
+"""Tokenised examples (conversations, prompt-completion pairs, text documents) -> rows of exactly max_length tokens.
 
-One example per row (the rest padded), or, with packing, as many whole examples as fit, each
-starting at position 0 (the boundary the sharding masks). Pads carry no label and continue the last
-example's positions, so causal attention keeps real tokens blind to them. An example longer than
-max_length follows max_length_policy: `truncate` keeps its first max_length tokens (TRL's), `drop`
-leaves it out; both are counted.
+One example per row (the rest padded), or, with packing, several per row by packing_strategy:
+- `bfd` (best-fit decreasing, TRL's default): whole examples, longest first, each into the fullest row
+  it still fits; the rows come out nearly full whatever the order of the lengths.
+- `next_fit`: whole examples in their order; a new row when the next does not fit.
+- `wrapped` (TRL's other value): examples joined end to end and cut at max_length; an example cut by a
+  row edge goes on as a fresh segment of the next row (the only strategy that splits an example).
+Each example (segment) starts at position 0, the boundary the sharding masks. Pads carry no label and
+continue the last example's positions, so causal attention keeps real tokens blind to them. An example
+longer than max_length follows max_length_policy (not under `wrapped`, which splits it): `truncate`
+keeps its first max_length tokens (TRL's), `drop` leaves it out; both are counted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import bisect
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 POLICIES = ("truncate", "drop")
+STRATEGIES = ("bfd", "wrapped", "next_fit")
 
 
 @dataclass
@@ -26,6 +33,7 @@ class RowCounts:
     truncated: int = 0
     dropped_too_long: int = 0
     without_trained_tokens: int = 0
+    split: int = 0  # examples cut by a row edge (packing_strategy wrapped)
     sequences: int = 0
     tokens: int = 0  # real tokens in the rows (pads excluded)
     trained_tokens: int = 0  # tokens that are a trained target (an example's first token never is)
@@ -36,36 +44,118 @@ class RowCounts:
         return dict(vars(self))
 
 
-def build_rows(examples: Iterable[tuple[np.ndarray, np.ndarray]], max_length: int, packing: bool, policy: str,
-               pad_token_id: int, max_rows: int | None = None
+Example = tuple[np.ndarray, np.ndarray]  # (token ids, trained: bool per token)
+
+
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins (lists of indices into lengths, longest first) of total <= capacity: each length, longest first
+    (ties in input order), goes to the bin with the least room that still holds it (ties: the older bin)."""
+    if any(n > capacity for n in lengths):
+        raise ValueError(f"a length over the capacity {capacity}: truncate or drop it first")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (room left, bin index), sorted
+    for i in order:
+        n = lengths[i]
+        k = bisect.bisect_left(room, (n, -1))
+        if k == len(room):
+            bins.append([i])
+            bisect.insort(room, (capacity - n, len(bins) - 1))
+        else:
+            left, b = room.pop(k)
+            bins[b].append(i)
+            bisect.insort(room, (left - n, b))
+    return bins
+
+
+class _Rows:
+    """Rows being written: whole rows of L tokens with their trained mask and positions."""
+
+    def __init__(self, L: int, pad_token_id: int, counts: RowCounts) -> None:
+        self.L, self.pad, self.counts = L, pad_token_id, counts
+        self.t: list[np.ndarray] = []
+        self.m: list[np.ndarray] = []
+        self.p: list[np.ndarray] = []
+        self.lengths: list[int] = []
+
+    def add(self, parts: list[Example]) -> None:
+        """One row of these segments (each starting at position 0), padded to L."""
+        t = np.concatenate([ids.astype(np.int32) for ids, _ in parts])
+        m = np.concatenate([tr for _, tr in parts])
+        p = np.concatenate([np.arange(len(ids), dtype=np.int32) for ids, _ in parts])
+        n_pad = self.L - len(t)
+        self.t.append(np.concatenate([t, np.full(n_pad, self.pad, np.int32)]))
+        self.m.append(np.concatenate([m, np.zeros(n_pad, bool)]))
+        self.p.append(np.concatenate([p, p[-1] + 1 + np.arange(n_pad, dtype=np.int32)]))
+        self.lengths.append(len(t))
+        self.counts.pad_tokens += n_pad
+        self.counts.sequences += 1
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+
+def _target(trained: np.ndarray) -> np.ndarray:
+    target = trained.copy()
+    target[0] = False  # the first token of an example (segment) is nobody's target
+    return target
+
+
+def _use(counts: RowCounts, target: np.ndarray) -> None:
+    counts.examples_used += 1
+    counts.tokens += len(target)
+    counts.trained_tokens += int(target.sum())
+    if not target.any():
+        counts.without_trained_tokens += 1
+
+
+def _admitted(examples: Iterable[Example], L: int, policy: str, counts: RowCounts, truncate: bool
+              ) -> Iterator[Example]:
+    """The examples that go into rows (empty ones and, under `drop`, too long ones counted and left out);
+    examples_read counts an example when it is yielded or left out."""
+    for ids, trained in examples:
+        if len(ids) == 0:
+            counts.examples_read += 1
+            counts.skipped["empty"] = counts.skipped.get("empty", 0) + 1
+            continue
+        if len(ids) > L and truncate and policy == "drop":
+            counts.examples_read += 1
+            counts.dropped_too_long += 1
+            continue
+        counts.examples_read += 1
+        if len(ids) > L and truncate:
+            counts.truncated += 1
+            ids, trained = ids[:L], trained[:L]
+        yield ids, trained
+
+
+def build_rows(examples: Iterable[Example], max_length: int, packing: bool, policy: str,
+               pad_token_id: int, max_rows: int | None = None, strategy: str = "bfd"
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, RowCounts]:
     """(tokens int32 [n*L], trained bool [n*L], positions int32 [n*L] or None without packing,
-    real tokens per row int64 [n], counts) from (ids, trained) per example."""
+    real tokens per row int64 [n], counts) from (ids, trained) per example; max_rows stops reading once
+    that many rows exist (bfd: once the examples read fill them)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"packing strategy must be one of {STRATEGIES}, got {strategy!r}")
     L = max_length
     counts = RowCounts()
-    rows_t: list[np.ndarray] = []
-    rows_m: list[np.ndarray] = []
-    rows_p: list[np.ndarray] = []
-    lengths: list[int] = []
-    cur_t: list[np.ndarray] = []
-    cur_m: list[np.ndarray] = []
-    cur_p: list[np.ndarray] = []
+    rows = _Rows(L, pad_token_id, counts)
+    if packing and strategy == "bfd":
+        _bfd(_admitted(examples, L, policy, counts, truncate=True), rows, max_rows)
+    elif packing and strategy == "wrapped":
+        _wrapped(_admitted(examples, L, policy, counts, truncate=False), rows, max_rows)
+    else:
+        _in_order(examples, rows, policy, packing, max_rows)
+    cat = (lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dt))  # noqa: E731
+    positions = cat(rows.p, np.int32) if packing else None
+    return cat(rows.t, np.int32), cat(rows.m, bool), positions, np.asarray(rows.lengths, np.int64), counts
+
+
+def _in_order(examples: Iterable[Example], rows: _Rows, policy: str, packing: bool, max_rows: int | None) -> None:
+    """One example per row, or (next_fit) as many as fit in their order."""
+    L, counts = rows.L, rows.counts
+    cur: list[Example] = []
     used = 0
-
-    def close() -> None:
-        nonlocal used
-        if not cur_t:
-            return
-        t, m, p = np.concatenate(cur_t), np.concatenate(cur_m), np.concatenate(cur_p)
-        n_pad = L - len(t)
-        rows_t.append(np.concatenate([t, np.full(n_pad, pad_token_id, np.int32)]))
-        rows_m.append(np.concatenate([m, np.zeros(n_pad, bool)]))
-        rows_p.append(np.concatenate([p, p[-1] + 1 + np.arange(n_pad, dtype=np.int32)]))
-        lengths.append(len(t))
-        counts.pad_tokens += n_pad
-        cur_t.clear(), cur_m.clear(), cur_p.clear()
-        used = 0
-
     for ids, trained in examples:
         if len(ids) == 0:
             counts.examples_read += 1
@@ -76,27 +166,69 @@ def build_rows(examples: Iterable[tuple[np.ndarray, np.ndarray]], max_length: in
             counts.dropped_too_long += 1
             continue
         new_row = not packing or used + min(len(ids), L) > L
-        if new_row and max_rows is not None and len(rows_t) + bool(cur_t) >= max_rows:
+        if new_row and max_rows is not None and len(rows) + bool(cur) >= max_rows:
             break  # the rows asked for are full: this example is not read
         counts.examples_read += 1
         if len(ids) > L:
             counts.truncated += 1
             ids, trained = ids[:L], trained[:L]
-        counts.examples_used += 1
-        target = trained.copy()
-        target[0] = False  # the first token of an example is nobody's target
-        counts.trained_tokens += int(target.sum())
-        counts.tokens += len(ids)
-        if not target.any():
-            counts.without_trained_tokens += 1
-        if new_row:
-            close()
-        cur_t.append(ids.astype(np.int32))
-        cur_m.append(target)
-        cur_p.append(np.arange(len(ids), dtype=np.int32))
+        target = _target(trained)
+        _use(counts, target)
+        if new_row and cur:
+            rows.add(cur)
+            cur, used = [], 0
+        cur.append((ids, target))
         used += len(ids)
-    close()
-    counts.sequences = len(rows_t)
-    cat = (lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dt))  # noqa: E731
-    positions = cat(rows_p, np.int32) if packing else None
-    return cat(rows_t, np.int32), cat(rows_m, bool), positions, np.asarray(lengths, np.int64), counts
+    if cur:
+        rows.add(cur)
+
+
+def _bfd(examples: Iterator[Example], rows: _Rows, max_rows: int | None) -> None:
+    """Best-fit decreasing over the examples read: all of them, or (max_rows) until they fill max_rows rows;
+    the rows beyond max_rows are left out with their examples (counted as not read)."""
+    L, counts = rows.L, rows.counts
+    held: list[Example] = []
+    total = 0
+    for ex in examples:
+        held.append(ex)
+        total += len(ex[0])
+        if max_rows is not None and total >= max_rows * L:
+            break  # enough tokens for max_rows full rows: bfd makes at least that many
+    bins = best_fit_decreasing([len(ids) for ids, _ in held], L)
+    if max_rows is not None and len(bins) > max_rows:
+        counts.examples_read -= sum(len(b) for b in bins[max_rows:])
+        bins = bins[:max_rows]
+    for b in bins:
+        parts = [(held[i][0], _target(held[i][1])) for i in b]
+        for _, target in parts:
+            _use(counts, target)
+        rows.add(parts)
+
+
+def _wrapped(examples: Iterator[Example], rows: _Rows, max_rows: int | None) -> None:
+    """Examples joined and cut at L: a cut example continues as a new segment (position 0) of the next row;
+    the last row is padded. Tokens and trained tokens count what the rows hold."""
+    L, counts = rows.L, rows.counts
+    full = (lambda: max_rows is not None and len(rows) >= max_rows)  # noqa: E731
+    cur: list[Example] = []
+    used = 0
+    for ids, trained in examples:
+        if full():
+            counts.examples_read -= 1  # pulled, but the rows asked for are full: not read
+            break
+        counts.examples_used += 1
+        counts.without_trained_tokens += not _target(trained).any()
+        counts.split += len(ids) > L - used
+        start = 0
+        while start < len(ids) and not full():
+            n = min(len(ids) - start, L - used)
+            target = _target(trained[start:start + n])
+            counts.tokens += n
+            counts.trained_tokens += int(target.sum())
+            cur.append((ids[start:start + n], target))
+            used, start = used + n, start + n
+            if used == L:
+                rows.add(cur)
+                cur, used = [], 0
+    if cur and not full():
+        rows.add(cur)

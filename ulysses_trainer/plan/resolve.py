@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..config import check_levers
+from ..data.attention_share import AttentionShare
 from ..errors import ConfigError
 from ..layout import Layout, resolve_layout
 from ..names import (
@@ -122,8 +123,15 @@ def _base_settings(cfg: Any, layout: Layout, machine: Machine, zero: ZeroSetting
                     trainable_numels=lora_trainable(cfg, shape))
 
 
-def _first_notes(cfg: Any, machine: Machine, fx: Fixed, kernel: str, norm: str) -> list[str]:
+WORST_CASE = ("packing: attention timed as one document of max_length, the worst case (`ulysses-trainer plan "
+              "--dataset_name ...` times it from the data's document lengths)")
+
+
+def _first_notes(cfg: Any, machine: Machine, fx: Fixed, kernel: str, norm: str,
+                 attention: AttentionShare | None = None) -> list[str]:
     notes = [f"host memory {machine.host_memory_gb:.1f} GiB per host ({machine.host_memory_source})"]
+    if cfg.packing:
+        notes.append(attention.describe() + "; memory as a dense row of the same length" if attention else WORST_CASE)
     if cfg.attn_implementation == "auto" and not machine.kernels_known:
         notes.append(f"the kernels installed there are unknown: auto planned as {kernel} (pass "
                      f"--attn_implementation flash_attention_4 where it is installed)")
@@ -165,12 +173,14 @@ def _placement_note(best: dict, s: Settings) -> str:
 
 
 def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettings | None = None, *,
-                 bf16: bool | None = None, engine_plan: Plan | None = None) -> Plan:
+                 bf16: bool | None = None, engine_plan: Plan | None = None,
+                 attention: AttentionShare | None = None) -> Plan:
     """The plan for `cfg` (a TrainConfig) on `machine`. ConfigError for settings that cannot run.
 
     engine_plan: the plan the engine was built with; with machine.gpu_free_after_engine_gb set, the GPU
     budget becomes what the measurement leaves (free memory plus what the model states were predicted to
     take), and the settings the engine fixed (optimizer placement, kernel, tiles) stay.
+    attention: the packed data's attention cost (data/attention_share.py); None: one document per row.
     """
     zero = zero or ZeroSettings()
     knobs = zero.placement_knobs()
@@ -182,12 +192,14 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     gpu = machine.gpu_memory_gb is not None
     bf16 = (cfg.bf16 if isinstance(cfg.bf16, bool) else gpu) if bf16 is None else bf16
     base = _base_settings(cfg, layout, machine, zero, kernel, norm, bf16, shape)
+    if cfg.packing and attention is not None:
+        base = replace(base, attention_fraction=attention.mean)
     fx = _with_zero(read_levers(cfg, shape, kernel, local_tokens(base)), zero)
     asked = fx  # what the user (config and ZeRO JSON) fixed: the rest is `auto`, decided below
     if engine_plan is not None:  # the engine fixed these
         fx = replace(fx, optimizer_offload=engine_plan.optimizer_offload, tiles=engine_plan.tiles)
     check_settings(shape, replace(base, kept_attention_layers=0))
-    notes = _first_notes(cfg, machine, fx, kernel, norm)
+    notes = _first_notes(cfg, machine, fx, kernel, norm, attention)
     gas = cfg.gradient_accumulation_steps
     n = num_params(shape)
 
@@ -213,12 +225,13 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     gpu_miss, host_miss = shortfall(chosen, budget, machine.host_memory_gb) if gpu else (0, 0)
     limit = None if fits else " and ".join(n for n, m in (("GPU memory", gpu_miss), ("host memory", host_miss)) if m)
     return _assemble(cfg, shape, machine, chosen, st, kernel, fits=fits, limit=limit, misses=(gpu_miss, host_miss),
-                     budget=budget, fixed=asked, notes=notes, knobs=knobs)
+                     budget=budget, fixed=asked, notes=notes, knobs=knobs,
+                     attention_from="" if not cfg.packing else "data" if attention else "one document (worst case)")
 
 
 def _assemble(cfg: Any, shape: ModelShape, machine: Machine, chosen: MemoryEstimate, st: StepTime | None,
               kernel: str, *, fits: bool, limit: str | None, misses: tuple[int, int], budget: float | None,
-              fixed: Fixed, notes: list[str], knobs: dict) -> Plan:
+              fixed: Fixed, notes: list[str], knobs: dict, attention_from: str = "") -> Plan:
     """The Plan of the chosen settings: layers as indices, memory in GiB."""
     s = chosen.settings
     saved_layers = tuple(range(0, shape.layers, s.checkpoint_every)) if s.gradient_checkpointing else ()
@@ -239,14 +252,16 @@ def _assemble(cfg: Any, shape: ModelShape, machine: Machine, chosen: MemoryEstim
         host_budget_gb=machine.host_memory_gb,
         decided=_decided(cfg, fixed, s, kernel), notes=tuple(notes), settings=s, estimate=chosen, fixed=fixed,
         zero3_by_placement=knobs,
-        experts_implementation=s.experts_implementation)
+        experts_implementation=s.experts_implementation, attention_fraction=s.attention_fraction,
+        attention_from=attention_from)
 
 
-def plan_for(cfg: Any, model_config: Any, ds: dict, machine: Machine, *, bf16: bool | None = None) -> Plan:
+def plan_for(cfg: Any, model_config: Any, ds: dict, machine: Machine, *, bf16: bool | None = None,
+             attention: AttentionShare | None = None) -> Plan:
     """resolve_plan from what the trainer loads: the HF model config and the ZeRO JSON (a dict). The trainer
-    (train/prepare.py) and `ulysses-trainer plan` both call this."""
+    (train/prepare.py) and `ulysses-trainer plan` both call this; attention: the packed data's attention cost."""
     return resolve_plan(cfg, ModelShape.from_config(model_config), machine, read_zero(ds, str(cfg.deepspeed)),
-                        bf16=bf16)
+                        bf16=bf16, attention=attention)
 
 
 def _kept_bytes(shape: ModelShape, s: Settings) -> int:

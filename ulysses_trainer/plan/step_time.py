@@ -6,8 +6,9 @@ benchmarks/results/:
   one rank's 4 query heads over 1 KV head on random data, data_dependence_h200.json: FA4 656/609 TFLOP/s forward/
   backward there against 663/617 at 256K), interpolated in log(length) and held constant outside the measured
   lengths (the prediction then says it extrapolates);
-  a forward costs 2 L^2 h d FLOPs (causal), a backward 2.5 times that. A checkpointed layer runs the
-  kernel's forward twice (once more per layer rebuilt under checkpoint_every), unless it keeps its
+  a forward costs 2 L^2 h d FLOPs (causal), a backward 2.5 times that; packed rows cost their documents'
+  sum(l_i^2) instead of L^2 (Settings.attention_fraction, at the rate of the row's length L). A checkpointed
+  layer runs the kernel's forward twice (once more per layer rebuilt under checkpoint_every), unless it keeps its
   attention output for the recompute (attention/stash.py);
 - everything else in the layers and the loss (matmuls, norms, rope, elementwise): dense FLOPs (2 per
   parameter and token per forward, 4 per backward, the lm_head's 6 in the chunked loss) at one effective
@@ -70,9 +71,10 @@ class StepTime:
 
 
 def attention_flops_forward(shape: ModelShape, s: Settings) -> float:
-    """One layer's causal attention forward on one rank: 2 x L^2 x heads/sp x d per sequence."""
+    """One layer's causal attention forward on one rank: 2 x L^2 x heads/sp x d per sequence (x the packed
+    rows' attention_fraction: their documents' sum(l_i^2) / L^2)."""
     length = padded_length(s)
-    return 2.0 * s.micro_batch * length * length * (shape.heads // s.sp) * shape.head_dim
+    return 2.0 * s.micro_batch * length * length * (shape.heads // s.sp) * shape.head_dim * s.attention_fraction
 
 
 def _rate(kernel: str, length: int) -> tuple[float, float, bool]:

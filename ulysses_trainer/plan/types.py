@@ -115,6 +115,10 @@ class Plan:
     # the ZeRO-3 sizes per optimizer placement (ZeroSettings.placement_knobs): the longest-length search's too
     zero3_by_placement: dict[bool, Zero3Knobs] = field(default_factory=dict, compare=False, repr=False)
     experts_implementation: str = "grouped_mm"  # a sparse model's experts kernel (unused by a dense one)
+    # packed rows: attention timed as this share of one document of max_length (sum(l_i^2) / L^2), taken from
+    # "data" or "one document (worst case)"; "" without packing
+    attention_fraction: float = 1.0
+    attention_from: str = ""
 
     @property
     def world(self) -> int:
@@ -142,9 +146,14 @@ class Plan:
         return (f"sp {self.sp} x dp {self.dp}, {self.kernel}, {self.norm_kernel} norms, tiled_mlp {self.tiles}, "
                 f"checkpoint_every {self.checkpoint_every}, {len(self.offload_layers)}/{len(self.saved_layers)} "
                 f"layer inputs offloaded, {len(self.kept_attention_layers)}/{self.num_layers} attention outputs kept, "
-                f"{adam}; predicted {step}, peak {self.predicted_peak_gpu_gb:.1f} GiB {'GPU' if gpu else 'device'} "
-                f"(allocated), "
+                f"{adam}{self._attention()}; predicted {step}, peak {self.predicted_peak_gpu_gb:.1f} GiB "
+                f"{'GPU' if gpu else 'device'} (allocated), "
                 f"{self.predicted_host_gb:.1f} GiB host")
+
+    def _attention(self) -> str:
+        if self.attention_from == "data":
+            return f", packed attention {self.attention_fraction:.1%} of one document"
+        return ", packed attention timed as one document (worst case)" if self.attention_from else ""
 
     def shortage(self) -> str:
         """What does not fit, in GiB, per limit (empty when it fits)."""
@@ -178,4 +187,5 @@ class Plan:
                 "step_parts_s": dict(self.step_parts), "fits": self.fits, "binding_limit": self.binding_limit,
                 "missing_gpu_gb": self.missing_gpu_gb, "missing_host_gb": self.missing_host_gb,
                 "gpu_budget_gb": self.gpu_budget_gb,
-                "host_budget_gb": self.host_budget_gb, "decided": list(self.decided), "notes": list(self.notes)}
+                "host_budget_gb": self.host_budget_gb, "decided": list(self.decided), "notes": list(self.notes),
+                "attention_fraction": self.attention_fraction, "attention_from": self.attention_from}

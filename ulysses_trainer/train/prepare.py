@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..config import TrainConfig, config_to_dict, resolve_bf16, validate_config
+from ..data.attention_share import AttentionShare, timed_from_data
 from ..data.documents import build_sequences
 from ..data.tokenizer import check_tokenizer_fits, load_tokenizer
 from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
@@ -110,6 +111,9 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     # with max_steps set, tokenizing stops once the run's sequences exist (a PG-19-sized set is not read whole)
     wanted = cfg.max_steps * per_step if cfg.max_steps is not None else None
     train = build_sequences(cfg, tokenizer, split="train", dp_size=dp, num_sequences=wanted)
+    if timed_from_data(cfg):  # attention timed from the packed rows' documents (the plan above: one a row)
+        resolved = plan_for(cfg, model_config, ds_raw, machine, bf16=bf16, attention=AttentionShare.of(train))
+        check_host_fits(resolved, machine, device, ranks_here=None if training else 1)
     if len(train) < per_step:
         raise ConfigError(f"the data makes {len(train)} sequences of {cfg.max_length} tokens but one optimizer "
                           f"step needs {per_step} (dp {dp} x batch {cfg.per_device_train_batch_size} x "

@@ -1,0 +1,183 @@
+"""Packing changes how documents share a sequence, not the results: rows built by each packing_strategy, run
+sharded at sp=1, 2 and 4 (ranks as threads, real all-to-alls), give the loss and gradients of every document
+run on its own through plain HF (fp32, 1e-5), with every token trained or with assistant-only masks.
+
+The documents are laid out to hit the shard edges at sp=4 (8 tokens a shard): one crosses an edge, one is a
+single token, one is exactly one shard, and a padded row has shards of pads only.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_sp_exact import VOCAB, build_model
+from tests.threaded_ranks import run_threads
+from ulysses_trainer.data.documents import SequenceDataset
+from ulysses_trainer.data.rows import best_fit_decreasing, build_rows
+
+L = 32
+LENGTHS = [13, 10, 8, 8, 8, 7, 5, 3, 1, 1, 6]  # bfd -> [13, 10, 8, 1], [8, 8, 7, 6, 3], [5, 1] + 26 pads
+
+
+def _examples(masks: str, lengths=LENGTHS, seed=0) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = random.Random(seed)
+    out = []
+    for n in lengths:
+        ids = np.array([rng.randrange(1, VOCAB) for _ in range(n)], np.int32)
+        if masks == "all":
+            trained = np.ones(n, bool)
+        else:  # assistant-only: trained runs between untrained ones (a prompt, a tool result)
+            trained = np.array([(j // 3) % 2 == 1 for j in range(n)], bool)
+        out.append((ids, trained))
+    return out
+
+
+def _rows(strategy: str, masks: str) -> tuple[SequenceDataset, list[list[tuple[np.ndarray, np.ndarray]]]]:
+    """The dataset rows, and each row's documents (segments) as (ids, trained) as the reference sees them."""
+    tokens, trained, positions, lengths, counts = build_rows(_examples(masks), L, True, "truncate", 0,
+                                                             strategy=strategy)
+    ds = SequenceDataset(tokens, positions, L, "test", counts.examples_used, None, trained=trained, lengths=lengths)
+    docs = []
+    for i in range(len(ds)):
+        n, pos = int(lengths[i]), positions[i * L:(i + 1) * L]
+        starts = [j for j in range(n) if pos[j] == 0] + [n]
+        docs.append([(tokens[i * L + a:i * L + e], trained[i * L + a:i * L + e]) for a, e in zip(starts, starts[1:])])
+    return ds, docs
+
+
+def _reference(docs: list[list[tuple[np.ndarray, np.ndarray]]]) -> tuple[float, dict[str, torch.Tensor], int]:
+    """Every document on its own through plain HF: summed CE over its trained targets / their count."""
+    model = build_model(2)
+    total, count = torch.zeros(()), 0
+    for row in docs:
+        for ids, trained in row:
+            target = torch.from_numpy(trained[1:].copy())
+            if len(ids) < 2 or not target.any():
+                continue
+            x = torch.from_numpy(ids.astype(np.int64))[None]
+            logits = model(input_ids=x).logits.float()[0, :-1]
+            total = total + F.cross_entropy(logits[target], x[0, 1:][target], reduction="sum")
+            count += int(target.sum())
+    (total / count).backward()
+    return float(total.detach() / count), {n: p.grad.detach().clone() for n, p in model.named_parameters()}, count
+
+
+def _rank(models, batch, rank, world):
+    from ulysses_trainer import (
+        ParallelizeConfig,
+        global_loss,
+        make_parallel_state,
+        parallelize,
+        shard_batch,
+        step_token_count,
+    )
+
+    state = make_parallel_state(world)
+    model = parallelize(models[rank], state, ParallelizeConfig(attn_implementation="sdpa", loss_chunk_size=5,
+                                                               tiled_mlp=False, gradient_checkpointing=False))
+    shard = shard_batch(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                        sp_size=state.sp_size, sp_rank=state.sp_rank)
+    count = step_token_count(shard.num_valid, state)
+    local = model(**shard.model_inputs())
+    (local / count).backward()
+    grads = {n.removeprefix("causal_lm."): p.grad.detach().clone() for n, p in model.named_parameters()}
+    return float(global_loss(local.detach(), count, state)), grads, int(count), shard.num_valid
+
+
+def test_bfd_layout_hits_the_shard_edges():
+    ds, docs = _rows("bfd", "all")
+    assert [[len(d) for d, _ in row] for row in docs] == [[13, 10, 8, 1], [8, 8, 7, 6, 3], [5, 1]]
+    assert ds.lengths.tolist() == [32, 32, 6]
+    starts = [0, 8]  # row 1: two documents of exactly one sp=4 shard each, at the shard edges
+    assert [int(p) for p in ds.positions[L:2 * L][starts]] == [0, 0] and ds.positions[L + 16] == 0
+
+
+@pytest.mark.parametrize("sp", [1, 2, 4])
+@pytest.mark.parametrize("strategy, masks", [("bfd", "all"), ("bfd", "assistant"), ("wrapped", "assistant"),
+                                             ("next_fit", "assistant")])
+def test_packed_loss_is_the_sum_over_documents_run_alone(sp, strategy, masks):
+    ds, docs = _rows(strategy, masks)
+    ref_loss, ref_grads, ref_count = _reference(docs)
+    rows = [ds[i] for i in range(len(ds))]
+    batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "position_ids", "labels")}
+    models = [build_model(2) for _ in range(sp)]  # built here: the seed is process-wide
+    out = run_threads(sp, lambda rank, world: _rank(models, batch, rank, world))
+    if sp == 4 and strategy != "wrapped":  # the padded row's last shards are pads only, and still take part
+        from ulysses_trainer import shard_batch
+
+        last = rows[-1]
+        assert [shard_batch(last["input_ids"], position_ids=last["position_ids"], labels=last["labels"], sp_size=4,
+                            sp_rank=k).num_valid for k in range(1, 4)] == [0, 0, 0]
+    for loss, _, count, _ in out:
+        assert count == ref_count
+        assert abs(loss - ref_loss) / abs(ref_loss) <= 1e-5, (loss, ref_loss)
+    for name, ref in ref_grads.items():
+        got = sum(grads[name] for _, grads, _, _ in out)
+        assert torch.linalg.norm(got - ref) / torch.linalg.norm(ref) <= 1e-5, name
+
+
+def test_best_fit_decreasing_places_each_document_once_within_capacity():
+    rng = random.Random(7)
+    lengths = [min(399, int(rng.lognormvariate(3.5, 1.0))) + 1 for _ in range(2000)]
+    bins = best_fit_decreasing(lengths, 400)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 400 for b in bins)
+    lower = -(-sum(lengths) // 400)
+    assert len(bins) <= lower * 1.02 + 1  # best-fit decreasing is within 11/9 OPT + 1; here near the bound
+
+
+def test_bfd_fills_rows_that_in_order_packing_leaves_part_empty():
+    rng = random.Random(3)
+    ex = [(np.ones(n, np.int32), np.ones(n, bool)) for n in (rng.choice([15, 35, 50, 65]) for _ in range(300))]
+    fills = {}
+    for strategy in ("bfd", "next_fit", "wrapped"):
+        *_, lengths, c = build_rows(ex, 100, True, "truncate", 0, strategy=strategy)
+        assert c.examples_used == 300
+        fills[strategy] = c.tokens / (c.sequences * 100)
+        if strategy != "wrapped":
+            assert c.tokens == sum(len(i) for i, _ in ex) and c.split == 0  # whole documents
+    assert fills["next_fit"] < fills["bfd"] <= fills["wrapped"]
+    assert fills["bfd"] > 0.95
+
+
+def test_bfd_stops_reading_once_the_rows_asked_for_are_full():
+    ex = [(np.ones(n, np.int32), np.ones(n, bool)) for n in (5, 30, 20, 12, 40, 7)]
+    *_, lengths, c = build_rows(iter(ex), 32, True, "truncate", 0, max_rows=2, strategy="bfd")
+    # reads 5+30+20+12 = 67 >= 2 x 32 tokens, packs [30], [20, 12], [5]: the third row is left out, unread
+    assert lengths.tolist() == [30, 32] and c.examples_read == 3 and c.examples_used == 3 and c.sequences == 2
+    *_, lengths, c = build_rows(iter(ex), 32, True, "truncate", 0, max_rows=2, strategy="wrapped")
+    assert lengths.tolist() == [32, 32] and c.examples_read == 4 and c.tokens == 64 and c.split == 2
+
+
+def test_wrapped_splits_and_the_others_keep_documents_whole():
+    ex = [(np.arange(1, n + 1, dtype=np.int32), np.ones(n, bool)) for n in (20, 30, 14)]
+    tokens, trained, positions, lengths, c = build_rows(ex, 32, True, "drop", 0, strategy="wrapped")
+    assert lengths.tolist() == [32, 32] and c.split == 1 and c.dropped_too_long == 0
+    assert tokens[:64].tolist() == list(range(1, 21)) + list(range(1, 31)) + list(range(1, 15))
+    assert positions[:64].tolist() == list(range(20)) + list(range(12)) + list(range(18)) + list(range(14))
+    assert not trained[32] and trained[33]  # a cut document's continuation starts a segment: no target at its start
+    for strategy in ("bfd", "next_fit"):
+        tokens, _, positions, lengths, c = build_rows(ex, 32, True, "drop", 0, strategy=strategy)
+        docs = []
+        for r, n in enumerate(lengths.tolist()):
+            t, p = tokens[r * 32:r * 32 + n], positions[r * 32:r * 32 + n]
+            docs += [d.tolist() for d in np.split(t, np.flatnonzero(p == 0)[1:])]
+        assert sorted(docs) == sorted(list(range(1, n + 1)) for n in (20, 30, 14)) and c.split == 0
+
+
+def test_fill_ratio_in_the_counts_and_the_data_line():
+    from ulysses_trainer.data.accounting import DataCounts
+
+    ex = [(np.ones(n, np.int32), np.ones(n, bool)) for n in (15, 35, 50, 65, 40)]
+    for strategy in ("bfd", "next_fit"):
+        *_, c = build_rows(ex, 100, True, "truncate", 0, strategy=strategy)
+        counts = DataCounts.of_examples(c, "t", None, 100)
+        assert counts.to_dict()["fill_ratio"] == round(c.tokens / (c.sequences * 100), 4)
+        assert f"fill {100 * c.tokens / (c.sequences * 100):.1f}% (real tokens / sequence tokens)" in counts.summary()
+    bfd = DataCounts.of_examples(build_rows(ex, 100, True, "truncate", 0)[-1], "t", None, 100)  # bfd: the default
+    assert bfd.fill_ratio == round(205 / 300, 4)  # 65 + 35, 50 + 40, 15

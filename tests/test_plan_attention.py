@@ -1,0 +1,93 @@
+"""The plan from the data: packed rows cost their documents' sum(l_i^2) of attention, not max_length^2; memory
+stays that of a dense row; without data (or without packing) the plan times one document and says so."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ulysses_trainer.__main__ import main as cli_main
+from ulysses_trainer.config import TrainConfig
+from ulysses_trainer.data.attention_share import AttentionShare, row_fractions, segment_lengths
+from ulysses_trainer.data.documents import SequenceDataset
+from ulysses_trainer.plan.inputs import ModelShape, Settings
+from ulysses_trainer.plan.memory import estimate
+from ulysses_trainer.plan.resolve import WORST_CASE, resolve_plan
+from ulysses_trainer.plan.step_time import step_time
+from ulysses_trainer.plan.types import Machine, ZeroSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+Q4 = ModelShape.preset("qwen3-4b")
+H200 = dict(gpu_memory_gb=139.8, host_memory_gb=1000.0, gpu_name="NVIDIA H200")
+
+
+def test_segments_and_fractions_by_hand():
+    pos = np.array([0, 1, 2, 0, 1, 2, 3, 4] + [0] * 8, np.int32)  # row 0: documents 3 + 5; row 1: 8 one-token
+    assert segment_lengths(pos[:8]).tolist() == [3, 5]
+    assert row_fractions(pos, 8, 2).tolist() == [(9 + 25) / 64, 8 / 64]
+    assert row_fractions(None, 8, 3).tolist() == [1.0, 1.0, 1.0]  # no packing: one span per row
+    ds = SequenceDataset(np.zeros(16, np.int32), pos, 8, "t", 10, None)
+    share = AttentionShare.of(ds)
+    assert (share.rows, share.low, share.high) == (2, 8 / 64, 34 / 64) and share.mean == pytest.approx(21 / 64)
+
+
+def test_attention_time_scales_with_the_fraction_and_memory_does_not_move():
+    s = Settings(max_length=262144, attention="flash_attention_4", gradient_checkpointing=True)
+    packed = replace(s, attention_fraction=0.3)
+    n = 4_000_000_000
+    full, part = step_time(Q4, s, n).parts, step_time(Q4, packed, n).parts
+    for k in ("attention forward", "attention backward"):
+        assert part[k] == pytest.approx(0.3 * full[k], rel=1e-12) and full[k] > 0
+    assert {k: v for k, v in part.items() if "attention" not in k} == \
+        {k: v for k, v in full.items() if "attention" not in k}
+    assert estimate(Q4, packed).gpu_peak == estimate(Q4, s).gpu_peak  # a packed row: a dense row's tensors
+    assert estimate(Q4, packed).host_per_host == estimate(Q4, s).host_per_host
+
+
+def _plan(attention=None, **cfg):
+    base = dict(model_name_or_path="qwen3-4b", max_length=262144, sp_size=1, packing=True,
+                keep_attention_outputs=False, activation_offload=True, tiled_mlp=8, checkpoint_every=1,
+                optimizer_offload=False)
+    machine = Machine(gpus=1, kernels=("flash_attention_4",), norm_kernels=("torch",), **H200)
+    return resolve_plan(TrainConfig(**(base | cfg)), Q4, machine, ZeroSettings(), attention=attention)
+
+
+def test_the_plan_line_says_the_packed_attention_fraction():
+    worst, packed = _plan(), _plan(AttentionShare(0.25, 0.1, 0.4, 8))
+    assert worst.attention_from == "one document (worst case)" and worst.attention_fraction == 1.0
+    assert WORST_CASE in worst.notes and "worst case" in worst.summary()
+    assert packed.attention_from == "data" and packed.attention_fraction == 0.25
+    assert "packed attention 25.0% of one document" in packed.summary()
+    assert any("25.0% of one document of max_length" in n and "8 sequences" in n for n in packed.notes)
+    wp, pp = dict(worst.step_parts), dict(packed.step_parts)
+    assert pp["attention backward"] == pytest.approx(0.25 * wp["attention backward"])
+    assert packed.predicted_step_s < worst.predicted_step_s
+    assert packed.predicted_peak_gpu_gb == worst.predicted_peak_gpu_gb  # memory: as a dense row
+    dense = _plan(packing=False)  # no packing: one span per row, nothing to say
+    assert dense.attention_from == "" and dense.attention_fraction == 1.0 and "packed" not in dense.summary()
+    assert _plan(AttentionShare(0.25, 0.1, 0.4, 8), packing=False).attention_fraction == 1.0
+
+
+def test_plan_command_takes_the_attention_from_the_data(capsys):
+    from ulysses_trainer.config import load_config
+    from ulysses_trainer.data.documents import build_sequences
+    from ulysses_trainer.data.tokenizer import QwenBPETokenizer
+
+    recipe = str(ROOT / "launch" / "recipes" / "one_gpu_4b_sessions.yaml")
+    args = ["plan", "--config", recipe, "--gpus", "1", "--gpu_memory_gb", "139.8", "--host_memory_gb", "1000",
+            "--max_steps", "2", "--json"]
+    assert cli_main(args) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    cfg = load_config(["--config", recipe, "--max_steps", "2"])
+    want = AttentionShare.of(build_sequences(cfg, QwenBPETokenizer(), num_sequences=2))
+    assert plan["attention_from"] == "data" and plan["attention_fraction"] == pytest.approx(want.mean)
+    assert 0 < plan["attention_fraction"] < 1
+    assert cli_main(args[:-1] + ["--dataset_name", "null", "--json"]) == 0  # no data: the worst case, said
+    worst = json.loads(capsys.readouterr().out)["plan"]
+    assert worst["attention_fraction"] == 1.0 and worst["attention_from"] == "one document (worst case)"
+    assert WORST_CASE in worst["notes"]
+    assert plan["predicted_step_s"] < worst["predicted_step_s"]
