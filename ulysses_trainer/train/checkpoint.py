@@ -238,13 +238,13 @@ def export_adapter(engine, peft_model, output_dir: str, tokenizer, is_main: bool
 
 
 def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix: str = "causal_lm.",
-              transform=None) -> str | None:
+              transform=None, name: str = "final") -> str | None:
     """Consolidate the ZeRO-3 shards (collective) and write `final/` as HF safetensors on rank 0; a failed
     write raises OutputWriteError on every rank (the checkpoints stay). transform: applied to the
     consolidated state dict first (LoRA: merge the adapters into the weights)."""
 
     state = engine._zero3_consolidated_16bit_state_dict()
-    target = os.path.join(output_dir, "final")
+    target = os.path.join(output_dir, name)  # name: final, or final/base (a preset adapter's base)
     tmp = target + ".tmp"
     failure: tuple[int, str] | None = None
     if is_main:

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from transformers import get_scheduler
 
 from ..config import config_to_dict
+from ..data.formats import CONVERSATIONAL, PROMPT_COMPLETION
 from ..errors import ConfigError
 from ..model.load import build_model, checkpoint_source
 from ..model.lora import add_lora, lora_scaling, merged_state_dict
@@ -28,6 +29,7 @@ from ..plan.types import Plan
 from . import checkpoint as ckpt
 from . import data_order as order
 from . import run_report as report
+from .chat_export import ExportFiles, adapter_base
 from .logging import MetricsFile, log_line
 from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, train_flops_per_sequence
 from .non_finite import NonFiniteError, non_finite_step
@@ -263,11 +265,19 @@ class Trainer:
             return 0
         if not (cfg.save_steps and self.step % cfg.save_steps == 0):
             self._save()
+        source = checkpoint_source(cfg.model_name_or_path)
+        chat = getattr(plan.train_data, "kind", None) in (CONVERSATIONAL, PROMPT_COMPLETION)
+        files = ExportFiles(plan.tokenizer, chat, source_dir=source if source and os.path.isdir(source) else None)
         if self.peft_model is not None and not cfg.merge_lora:
-            ckpt.export_adapter(self.engine, self.peft_model, cfg.output_dir, plan.tokenizer, self.state.is_main)
+            base = adapter_base(cfg.model_name_or_path, source, cfg.output_dir)
+            ckpt.export_adapter(self.engine, self.peft_model, cfg.output_dir,
+                                ExportFiles(plan.tokenizer, chat, adapter_base=base), self.state.is_main)
+            if source is None:  # a preset's base exists nowhere else: final/base, which the adapter names
+                ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, files, self.state.is_main,
+                               transform=lambda sd: merged_state_dict(sd, 0.0), name=os.path.join("final", "base"))
         else:
             merge = (lambda sd: merged_state_dict(sd, lora_scaling(self.peft_model))) if self.peft_model else None
-            ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, plan.tokenizer, self.state.is_main,
+            ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, files, self.state.is_main,
                            transform=merge)
         return 0
 
