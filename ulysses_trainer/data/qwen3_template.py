@@ -82,7 +82,9 @@ For each function call, return a json object with function name and arguments wi
 {%- for call in (m.tool_calls or []) -%}
 {%- set f = call.function if call.function else call -%}
 {%- if body or not loop.first %}{{ '\n' }}{% endif -%}
-<tool_call>{{ '\n' }}{"name": "{{ f.name }}", "arguments": {{ f.arguments if f.arguments is string else f.arguments | tojson }}{{ '}\n' }}</tool_call>
+<tool_call>{{ '\n' }}{"name": "{{ f.name }}", "arguments":{{- ' ' -}}
+{{- f.arguments if f.arguments is string else f.arguments | tojson -}}
+{{- '}\n' }}</tool_call>
 {%- endfor -%}
 <|im_end|>{{ '\n' }}
 {%- elif m.role == 'tool' -%}
