@@ -2,8 +2,8 @@
 with Qwen3's added tokens (<think>, <tool_call>, ... not special), eos <|im_end|>, pad <|endoftext|>, a chat
 template, and (optionally) the `tiny` preset's weights.
 
-Qwen3's shipped template is read from the shared fixtures (ULYSSES_FIXTURES, else ../shared/fixtures beside
-the repo, else /work/shared/fixtures); tests that need it skip when it is absent.
+Qwen3's shipped template is read from a fixtures folder that is not shipped (ULYSSES_FIXTURES, else a
+`shared/fixtures` folder beside the repository); tests that need it skip when it is absent.
 """
 
 from __future__ import annotations
