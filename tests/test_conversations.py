@@ -140,7 +140,14 @@ def test_qwen3_format_tool_calls_responses_and_think():
                     '<tool_call>\n{"name": "read", "arguments": {"p": "a"}}\n</tool_call>\n<tool_call>\n'
                     '{"name": "stat", "arguments": {"p": "a"}}\n</tool_call><|im_end|>\n<|im_start|>user\n'
                     "<tool_response>\nA\n</tool_response>\n<tool_response>\nB\n</tool_response><|im_end|>\n"
-                    "<|im_start|>assistant\ndone<|im_end|>\n")
+                    "<|im_start|>assistant\n<think>\n\n</think>\n\ndone<|im_end|>\n")
+    # Qwen3's inference rendering (training whole conversations): a think block only after the last query
+    two = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
+           {"role": "user", "content": "q2"}, {"role": "assistant", "content": "<think>r2</think>a2"}]
+    assert render_text(render_qwen3(two, None, False)) == (
+        "<|im_start|>user\nq1<|im_end|>\n<|im_start|>assistant\na1<|im_end|>\n<|im_start|>user\nq2<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nr2\n</think>\n\na2<|im_end|>\n")
+    assert render_text(render_qwen3(two, None, True)).count("<think>") == 2  # TRL's training variant: every turn
 
 
 def test_prompt_completion_masks(tok):
@@ -152,9 +159,11 @@ def test_prompt_completion_masks(tok):
     assert all_mask.all()
     conv = render_prompt_completion([{"role": "user", "content": "Q?"}], [{"role": "assistant", "content": "A!"}],
                                     None, True, tok.eos_token, "x")
-    assert render_text(conv) == "<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\nA!<|im_end|>\n"
+    # as Qwen3's template renders prompt + completion: the last assistant turn opens with an (empty) think block
+    assert render_text(conv) == ("<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+                                 "A!<|im_end|>\n")
     ids, mask = tokenize_segments(conv, tok)
-    assert tok.decode(ids[mask].tolist()) == "A!<|im_end|>\n"
+    assert tok.decode(ids[mask].tolist()) == "<think>\n\n</think>\n\nA!<|im_end|>\n"
 
 
 def test_detect_format_and_refusals():

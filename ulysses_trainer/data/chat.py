@@ -7,9 +7,11 @@ would (special tokens are hard boundaries for the BPE), and marks a token traine
 it lies in a trained segment. Message text is always encoded as ordinary text, so a message holding
 "<|im_end|>" cannot inject the special token.
 
-The format without a checkpoint template is Qwen3's ChatML: `<|im_start|>ROLE\\n ... <|im_end|>\\n`
-turns, tool calls in <tool_call> tags, tool results grouped into one user turn in <tool_response>
-tags, reasoning in a <think> block. With assistant_only_loss, an assistant turn's trained part is
+The format without a checkpoint template, and for a checkpoint that ships Qwen3's own template, is
+Qwen3's ChatML written here byte for byte as that template renders it: `<|im_start|>ROLE\\n ...
+<|im_end|>\\n` turns, tool calls in <tool_call> tags, tool results grouped into one user turn in
+<tool_response> tags, reasoning in a <think> block. With assistant_only_loss it is TRL's training
+variant (every assistant turn keeps its think block), and an assistant turn's trained part is
 everything after its `<|im_start|>assistant\\n` header up to and including its <|im_end|>.
 """
 
@@ -58,15 +60,15 @@ def _text_of(content: Any, where: str) -> str:
 
 
 def _tool_call_json(call: Any, where: str) -> str:
-    """One tool call as Qwen3 writes it: {"name": ..., "arguments": {...}} (arguments kept as given
-    when they are a JSON string)."""
-    fn = call.get("function", call) if isinstance(call, dict) else None
+    """One tool call as Qwen3 writes it: {"name": "NAME", "arguments": ...}, the name as given and the
+    arguments as given when they are a JSON string, else as JSON."""
+    fn = call.get("function") or call if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise ConfigError(f"{where}: a tool call must be {{'function': {{'name': str, 'arguments': ...}}}} "
                           f"or {{'name': str, 'arguments': ...}}, got {str(call)[:120]!r}")
     args = fn.get("arguments", {})
     args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return '{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": ' + args_text + "}"
+    return '{"name": "' + fn["name"] + '", "arguments": ' + args_text + "}"
 
 
 def check_messages(messages: Any, where: str) -> list[dict]:
@@ -81,25 +83,71 @@ def check_messages(messages: Any, where: str) -> list[dict]:
     return messages
 
 
+def normalize_messages(messages: Any, where: str, empty: str | None = "") -> list[dict]:
+    """Copies of the messages as every template expects them: content a string (text parts joined; None
+    becomes `empty`), and the reasoning under `reasoning_content` when the data names it `reasoning` or
+    `thinking`. Done before any template sees them, so no template drops a message's text."""
+    out = []
+    for i, m in enumerate(check_messages(messages, where)):
+        m = dict(m)
+        content = m.get("content")
+        m["content"] = empty if content is None else _text_of(content, f"{where}, message {i}")
+        if not isinstance(m.get("reasoning_content"), str):
+            alt = next((m[k] for k in REASONING_KEYS[1:] if isinstance(m.get(k), str)), None)
+            if alt is not None:
+                m["reasoning_content"] = alt
+        out.append(m)
+    return out
+
+
 # ---------------------------------------------------------------- Qwen3 rendering
 def _nfc(text: str) -> str:
     return unicodedata.normalize("NFC", text)
 
 
-def _tools_preamble(tools: list) -> str:
-    """Our own wording of the tools block in the system turn (the signatures, then how to call)."""
-    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("\n\n# Tools\n\nThese functions can be called. Their signatures, one JSON object per line, are "
-            "within <tools></tools>:\n<tools>\n" + lines + "\n</tools>\n\nTo call one, write a JSON object "
-            'with its name and arguments within <tool_call></tool_call> tags:\n<tool_call>\n{"name": '
-            '<function-name>, "arguments": <args-json-object>}\n</tool_call>')
+def _tools_block(tools: list) -> str:
+    """Qwen3's tools section of the system turn: its instructions, the signatures one JSON line each."""
+    lines = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+            "with function signatures within <tools></tools> XML tags:\n<tools>" + lines + "\n</tools>\n\nFor "
+            "each function call, return a json object with function name and arguments within "
+            '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+            "<args-json-object>}\n</tool_call>")
+
+
+def _last_query(msgs: list[dict]) -> int:
+    """Index of the last user message that is a query (not a wrapped tool response); the last index if none."""
+    for k in range(len(msgs) - 1, -1, -1):
+        c = msgs[k]["content"]
+        if msgs[k]["role"] == "user" and not (c.startswith("<tool_response>") and c.endswith("</tool_response>")):
+            return k
+    return len(msgs) - 1
+
+
+def split_reasoning(m: dict) -> tuple[str, str]:
+    """(reasoning, content) of a normalised assistant message: `reasoning_content`, else a <think>...</think>
+    written at the start of the content (taken out of it)."""
+    content = m["content"]
+    if isinstance(m.get("reasoning_content"), str):
+        return m["reasoning_content"], content
+    if "</think>" in content:
+        head, _, _ = content.partition("</think>")
+        return head.rstrip("\n").split("<think>")[-1].lstrip("\n"), content.split("</think>")[-1].lstrip("\n")
+    return "", content
 
 
 def render_qwen3(messages: list[dict], tools: list | None, assistant_only: bool, where: str = "conversation",
-                 train_all: bool | None = None, add_generation_prompt: bool = False) -> list[Segment]:
-    """The conversation as Qwen3 ChatML segments. trained = assistant turns (assistant_only) or every
-    segment (train_all, default: not assistant_only)."""
+                 train_all: bool | None = None, add_generation_prompt: bool = False,
+                 every_think: bool | None = None) -> list[Segment]:
+    """The conversation as Qwen3 ChatML segments, byte for byte what Qwen3's chat template renders.
+
+    every_think (default: assistant_only) renders the training variant, as TRL trains Qwen3 with
+    assistant_only_loss: every assistant turn opens with its think block (empty when it has no reasoning).
+    Without it, as Qwen3's template: only the turns after the last user query carry their think block (the
+    last turn always, the others when they have reasoning). trained = the assistant turns after their
+    header (assistant_only) or every segment (train_all, default: not assistant_only)."""
     everything = (not assistant_only) if train_all is None else train_all
+    every_think = assistant_only if every_think is None else every_think
     segs: list[Segment] = []
 
     def add(text: str, trained: bool, role: str = "") -> None:
@@ -109,56 +157,56 @@ def render_qwen3(messages: list[dict], tools: list | None, assistant_only: bool,
     def special(name: str, trained: bool) -> None:
         segs.append(Segment(name, trained or everything, True))
 
-    msgs = check_messages(messages, where)
+    msgs = normalize_messages(messages, where)
     first_system = msgs[0]["role"] == "system"
     if tools or first_system:
         special(IM_START, False)
         add("system\n", False)
         if first_system:
-            add(_text_of(msgs[0].get("content"), f"{where}, message 0"), False, "system")
+            add(msgs[0]["content"], False, "system")
         if tools:
-            add(_tools_preamble(tools), False)
+            add("\n\n" if first_system else "", False)
+            add(_tools_block(tools), False)
         special(IM_END, False)
         add("\n", False)
-    i = 1 if first_system else 0
-    while i < len(msgs):
-        m, at = msgs[i], f"{where}, message {i}"
-        role = m["role"]
+    last_query, last = _last_query(msgs), len(msgs) - 1
+    for i, m in enumerate(msgs):
+        role, at = m["role"], f"{where}, message {i}"
+        if i == 0 and first_system:
+            continue
         if role == "tool":  # consecutive tool results share one user turn
-            special(IM_START, False)
-            add("user", False)
-            while i < len(msgs) and msgs[i]["role"] == "tool":
-                add("\n<tool_response>\n", False)
-                add(_text_of(msgs[i].get("content"), f"{where}, message {i}"), False, "tool")
-                add("\n</tool_response>", False)
-                i += 1
-            special(IM_END, False)
-            add("\n", False)
+            if i == 0 or msgs[i - 1]["role"] != "tool":
+                special(IM_START, False)
+                add("user", False)
+            add("\n<tool_response>\n", False)
+            add(m["content"], False, "tool")
+            add("\n</tool_response>", False)
+            if i == last or msgs[i + 1]["role"] != "tool":
+                special(IM_END, False)
+                add("\n", False)
             continue
         special(IM_START, False)
         add(role + "\n", False)
-        if role == "assistant":
-            reasoning = next((m[k] for k in REASONING_KEYS if isinstance(m.get(k), str) and m[k]), None)
-            content = _text_of(m.get("content"), at)
-            if reasoning is not None:
-                add("<think>\n", True)
-                add(reasoning.strip("\n"), True, "assistant")
-                add("\n</think>\n\n", True)
-                content = content.lstrip("\n")
-            add(content, True, "assistant")
-            for j, call in enumerate(m.get("tool_calls") or []):
-                add("\n" if (j or content) else "", True)
-                add("<tool_call>\n", True)
-                add(_tool_call_json(call, at), True, "assistant")
-                add("\n</tool_call>", True)
-            special(IM_END, True)
-        else:
-            if role == "system":
-                raise ConfigError(f"{at}: a system message must come first")
-            add(_text_of(m.get("content"), at), False, role)
+        if role != "assistant":
+            add(m["content"], False, role)
             special(IM_END, False)
+            add("\n", False)
+            continue
+        reasoning, content = split_reasoning(m)
+        if every_think or (i > last_query and (i == last or reasoning)):
+            add("<think>\n", True)
+            add(reasoning.strip("\n"), True, "assistant")
+            add("\n</think>\n\n", True)
+            add(content.lstrip("\n"), True, "assistant")
+        else:
+            add(content, True, "assistant")
+        for j, call in enumerate(m.get("tool_calls") or []):
+            add("\n" if (j or content) else "", True)
+            add("<tool_call>\n", True)
+            add(_tool_call_json(call, at), True, "assistant")
+            add("\n</tool_call>", True)
+        special(IM_END, True)
         add("\n", False)
-        i += 1
     if add_generation_prompt:
         special(IM_START, False)
         add("assistant\n", False)
@@ -168,18 +216,21 @@ def render_qwen3(messages: list[dict], tools: list | None, assistant_only: bool,
 def render_prompt_completion(prompt: Any, completion: Any, tools: list | None, completion_only: bool,
                              eos_name: str, where: str) -> list[Segment]:
     """Prompt then completion: strings (then eos, trained with the completion, as TRL appends it) or
-    message lists (the prompt rendered with the assistant header as its generation prompt)."""
+    message lists (rendered together, as Qwen3's template renders the whole conversation; the completion
+    starts after the assistant header that the prompt's generation prompt ends with)."""
     if isinstance(prompt, str) and isinstance(completion, str):
         return [Segment(_nfc(prompt), not completion_only, False, "prompt"),
                 Segment(_nfc(completion), True, False, "completion"), Segment(eos_name, True, True)]
     if isinstance(prompt, list) and isinstance(completion, list):
-        head = render_qwen3(prompt, tools, False, f"{where} (prompt)", train_all=not completion_only,
-                            add_generation_prompt=True)
-        tail = render_qwen3(completion, None, False, f"{where} (completion)", train_all=True)
-        # the completion continues the assistant turn that the generation prompt opened
-        if tail[:2] and tail[0].special and tail[0].text == IM_START and tail[1].text == "assistant\n":
-            tail = tail[2:]
-        return head + [Segment(s.text, s.trained, s.special, s.role or "completion") for s in tail]
+        head = render_qwen3(prompt, tools, False, f"{where} (prompt)", add_generation_prompt=True)
+        full = render_qwen3(check_messages(prompt, where) + check_messages(completion, where), tools, False, where,
+                            every_think=False)
+        n = len(head)
+        if [(s.text, s.special) for s in full[:n]] != [(s.text, s.special) for s in head]:
+            raise ConfigError(f"{where}: the prompt renders differently once the completion follows it (a user "
+                              f"query in the completion); put the whole exchange in `messages` instead")
+        return [Segment(s.text, not completion_only, s.special, s.role or "prompt") for s in full[:n]] + \
+            [Segment(s.text, True, s.special, s.role or "completion") for s in full[n:]]
     raise ConfigError(f"{where}: prompt and completion must both be strings or both be message lists, got "
                       f"{type(prompt).__name__} and {type(completion).__name__}")
 
@@ -260,12 +311,13 @@ class TemplateRenderer:
         if not (full.startswith(upto) and upto.startswith(head)):
             raise ConfigError(f"{where}: the chat template of {self.name} renders earlier turns differently once "
                               f"later turns follow, so the trained spans cannot be found by construction; "
-                              f"train on the whole conversation (assistant_only_loss false) or use a checkpoint "
-                              f"without a chat template (Qwen3's format is built in)")
+                              f"train on the whole conversation (assistant_only_loss false), or give the tokenizer "
+                              f"a template that renders each turn the same whatever follows (Qwen3's own template "
+                              f"is recognised and trained in its training variant)")
         return len(head), len(upto.rstrip())
 
     def conversation(self, msgs: list[dict], tools: list | None, assistant_only: bool, where: str) -> list[Segment]:
-        msgs = check_messages(msgs, where)
+        msgs = normalize_messages(msgs, where, empty=None)
         self._check_text(msgs, where)
         full = self._render(msgs, tools, False)
         if not assistant_only:
@@ -277,8 +329,9 @@ class TemplateRenderer:
 
     def prompt_completion(self, prompt: list, completion: list, tools: list | None, completion_only: bool,
                           where: str) -> list[Segment]:
+        prompt, completion = normalize_messages(prompt, where, None), normalize_messages(completion, where, None)
         self._check_text([prompt, completion], where)
-        full = self._render(check_messages(prompt, where) + check_messages(completion, where), tools, False)
+        full = self._render(prompt + completion, tools, False)
         head = self._render(prompt, tools, True)
         start, _ = self._prefix_span(full, head, full, where)
         return self._segments(full, [(start if completion_only else 0, len(full))])

@@ -41,6 +41,7 @@ from .formats import (
     rows_of,
 )
 from .loading import load_text_dataset
+from .qwen3_template import is_qwen3_template
 from .rows import build_rows
 from .synthetic import synthetic_documents
 from .tokenizer import Tokenizer
@@ -282,9 +283,12 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
 
 
 def chat_template_of(tokenizer: Tokenizer) -> TemplateRenderer | None:
-    """The checkpoint's own chat template where its tokenizer has one; None: Qwen3's format, built in."""
+    """The checkpoint's own chat template where its tokenizer has one; None: Qwen3's format, built in (also for
+    Qwen3's shipped template, which the built-in format renders byte for byte, in TRL's training variant with
+    assistant_only_loss)."""
     hf = getattr(tokenizer, "hf_tokenizer", None)
-    return TemplateRenderer(hf, tokenizer.name) if hf is not None and getattr(hf, "chat_template", None) else None
+    template = getattr(hf, "chat_template", None) if hf is not None else None
+    return TemplateRenderer(hf, tokenizer.name) if template and not is_qwen3_template(template) else None
 
 
 def examples_dataset(examples: Iterable[tuple[np.ndarray, np.ndarray]], cfg: TrainConfig, tokenizer: Tokenizer,

@@ -238,7 +238,8 @@ def export_adapter(engine, peft_model, output_dir: str, tokenizer, is_main: bool
 
 
 def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix: str = "causal_lm.",
-              transform=None, config_json: dict | None = None, max_shard_size: int | str = "5GB") -> str | None:
+              transform=None, config_json: dict | None = None, max_shard_size: int | str = "5GB",
+              name: str = "final") -> str | None:
     """Consolidate the ZeRO-3 shards (collective) and write `final/` as HF safetensors on rank 0, sharded as
     save_pretrained shards (model.safetensors.index.json beside several files; a Qwen3-MoE in the Hub's
     per-expert layout); a failed write raises OutputWriteError on every rank (the checkpoints stay).
@@ -246,7 +247,7 @@ def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix:
     config_json: written as final/config.json (model/export_config.py), else transformers' rendering of config."""
 
     state = engine._zero3_consolidated_16bit_state_dict()
-    target = os.path.join(output_dir, "final")
+    target = os.path.join(output_dir, name)  # name: final, or final/base (a preset adapter's base)
     tmp = target + ".tmp"
     failure: tuple[int, str] | None = None
     if is_main:

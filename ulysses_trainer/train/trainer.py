@@ -15,6 +15,7 @@ from transformers import get_scheduler
 
 from ..config import config_to_dict
 from ..config_checks import shard_bytes
+from ..data.formats import CONVERSATIONAL, PROMPT_COMPLETION
 from ..errors import ConfigError
 from ..model.export_config import export_config_json
 from ..model.load import build_model, checkpoint_source
@@ -30,6 +31,7 @@ from ..plan.types import Plan
 from . import checkpoint as ckpt
 from . import data_order as order
 from . import run_report as report
+from .chat_export import ExportFiles, adapter_base
 from .logging import MetricsFile, log_line
 from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, train_flops_per_sequence
 from .non_finite import NonFiniteError, non_finite_step
@@ -265,11 +267,20 @@ class Trainer:
             return 0
         if not (cfg.save_steps and self.step % cfg.save_steps == 0):
             self._save()
+        source = checkpoint_source(cfg.model_name_or_path)
+        chat = getattr(plan.train_data, "kind", None) in (CONVERSATIONAL, PROMPT_COMPLETION)
+        files = ExportFiles(plan.tokenizer, chat, source_dir=source if source and os.path.isdir(source) else None)
         if self.peft_model is not None and not cfg.merge_lora:
-            ckpt.export_adapter(self.engine, self.peft_model, cfg.output_dir, plan.tokenizer, self.state.is_main)
+            base = adapter_base(cfg.model_name_or_path, source, cfg.output_dir)
+            ckpt.export_adapter(self.engine, self.peft_model, cfg.output_dir,
+                                ExportFiles(plan.tokenizer, chat, adapter_base=base), self.state.is_main)
+            if source is None:  # a preset's base exists nowhere else: final/base, which the adapter names
+                ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, files, self.state.is_main,
+                               transform=lambda sd: merged_state_dict(sd, 0.0), name=os.path.join("final", "base"),
+                               max_shard_size=shard_bytes(cfg.max_shard_size))
         else:
             merge = (lambda sd: merged_state_dict(sd, lora_scaling(self.peft_model))) if self.peft_model else None
-            ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, plan.tokenizer, self.state.is_main,
+            ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, files, self.state.is_main,
                            transform=merge, config_json=export_config_json(cfg, plan.model_config, plan.bf16),
                            max_shard_size=shard_bytes(cfg.max_shard_size))
         return 0
