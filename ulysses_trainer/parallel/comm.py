@@ -83,6 +83,11 @@ def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     return x.cpu()
 
 
+def world_rank() -> int:
+    """This process's rank in the world (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def gather_objects(value: Any) -> list[Any]:
     """Every rank's picklable `value`, by rank (collective over the world); [value] without a process group."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

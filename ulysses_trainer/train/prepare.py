@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from ..config import TrainConfig, config_to_dict, resolve_bf16, validate_config
-from ..data.documents import build_sequences
 from ..data.tokenizer import check_tokenizer_fits, load_tokenizer
 from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
 from ..errors import ConfigError
@@ -28,6 +27,7 @@ from ..plan.types import Machine, Plan, ZeroSettings, read_zero
 from ..probe import this_machine
 from .agreement import agree_machine, check_same_plan
 from .checkpoint import check_checkpoint_model, check_output_dir, find_checkpoint
+from .data_cache import prepared_sequences
 from .output_guard import check_writable, run_bytes
 from .resume_check import check_resume_config, run_record
 
@@ -114,7 +114,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     per_step = dp * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     # with max_steps set, tokenizing stops once the run's sequences exist (a PG-19-sized set is not read whole)
     wanted = cfg.max_steps * per_step if cfg.max_steps is not None else None
-    train = build_sequences(cfg, tokenizer, split="train", dp_size=dp, num_sequences=wanted)
+    train = prepared_sequences(cfg, tokenizer, split="train", dp_size=dp, num_sequences=wanted)
     if len(train) < per_step:
         raise ConfigError(f"the data makes {len(train)} sequences of {cfg.max_length} tokens but one optimizer "
                           f"step needs {per_step} (dp {dp} x batch {cfg.per_device_train_batch_size} x "
@@ -122,7 +122,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     eval_data = None
     if cfg.eval_steps:
         # max_eval_samples bounds both the tokenizing and every evaluation
-        eval_data = build_sequences(cfg, tokenizer, split="eval", dp_size=dp, num_sequences=cfg.max_eval_samples)
+        eval_data = prepared_sequences(cfg, tokenizer, split="eval", dp_size=dp, num_sequences=cfg.max_eval_samples)
         per_round = dp * cfg.per_device_eval_batch_size
         if len(eval_data) < per_round:  # else evaluate() runs no round and would log eval_loss 0
             raise ConfigError(f"the eval data makes {len(eval_data)} sequences of {cfg.max_length} tokens "
