@@ -34,6 +34,23 @@ def test_qwen_byte_spans_equal_the_per_token_decode():
         assert (ends[-1] if ids else 0) == len(text.encode("utf-8"))
 
 
+def test_hf_byte_spans_equal_the_per_character_offsets(tmp_path):
+    from transformers import AutoTokenizer
+
+    from ulysses_trainer.data.tokenizer import HFTokenizer
+
+    QwenBPETokenizer().save_pretrained(str(tmp_path))  # an HF fast tokenizer with character offsets
+    tok = HFTokenizer(AutoTokenizer.from_pretrained(str(tmp_path)), str(tmp_path))
+    for text in _texts(30, seed=2):
+        ids, starts, ends = tok.encode_with_byte_spans(text)
+        enc = tok.hf_tokenizer(text, add_special_tokens=False, split_special_tokens=True,
+                               return_offsets_mapping=True)
+        char_bytes = np.concatenate([[0], np.cumsum([len(c.encode("utf-8")) for c in text])]).astype(np.int64)
+        spans = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        assert ids == list(enc["input_ids"])
+        assert starts.tolist() == char_bytes[spans[:, 0]].tolist() and ends.tolist() == char_bytes[spans[:, 1]].tolist()
+
+
 # ---------------------------------------------------------------- the cache and one preparation per job
 class CountingTokenizer(QwenBPETokenizer):
     """The Qwen BPE, counting every call that tokenizes."""
