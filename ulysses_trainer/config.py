@@ -95,6 +95,9 @@ class TrainConfig:
         "synthetic:agent_sessions (or synthetic:agent_sessions_mixed: 4K-400K tokens, median 60K); null = "
         "synthetic:text, or synthetic:agent_sessions with assistant_only_loss")
     dataset_text_field: str = _f("text", "column holding the document text")
+    data_cache: bool = _f(True, "keep the tokenized rows of local data files for a relaunch or resume: rank 0 "
+                                "prepares, the other ranks read its rows")
+    data_cache_dir: str | None = _f(None, "where data_cache keeps them; null = ~/.cache/ulysses_trainer/data")
     text_file_split: TextFileSplit = _f(
         "document", "a .txt file is one document (newlines kept); paragraph = split at blank lines, line = "
         "one document per line (jsonl: one per record)")

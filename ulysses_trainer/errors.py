@@ -5,6 +5,10 @@ class ConfigError(ValueError):
     """Invalid input: reported before any heavy work, exit code 2. The message names the fix."""
 
 
+class PlanMismatchError(RuntimeError):
+    """The ranks resolved different plans: a run-time failure (exit 1) found before step 1, never a hang."""
+
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_INVALID = 2

@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 
-from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, ConfigError
+from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, ConfigError, PlanMismatchError
 from ..train.stop_signal import InterruptRecorder
 
 # A non-main rank waits this long before reporting its error itself: the launcher ends it as soon as
@@ -57,14 +57,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_distributed(device: str) -> None:
+def _launched() -> bool:
+    """Started by a launcher (deepspeed, torchrun): its ranks must agree on one plan."""
+    return "RANK" in os.environ or "WORLD_SIZE" in os.environ
+
+
+def _init_distributed() -> None:
+    """The process group (once). A launched job starts it before the checks, so that the ranks plan from one
+    agreed machine; a bare `python launch/train.py` has one rank and starts it after them."""
+    import torch
+
     from ..parallel.init import init_distributed
 
-    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+    if not _launched():
         # `python launch/train.py` without a launcher: a one-rank group (DeepSpeed would try MPI)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    init_distributed("nccl" if device == "cuda" else "gloo")
+    cuda = torch.cuda.is_available()
+    if cuda:  # each rank's own GPU before the first collective (NCCL keys its communicator on it)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    init_distributed("nccl" if cuda else "gloo")
+
+
+def _end_group() -> None:
+    """After a failure in the checks: end the process group if one was started (the peers fail alike)."""
+    from ..parallel.init import destroy_distributed
+
+    destroy_distributed(together=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,29 +103,39 @@ def _main(argv: list[str], seen: InterruptRecorder) -> int:
             from ..train.prepare import prepare, world_size_from_env
 
         cfg = load_config(argv)
+        if _launched():
+            _init_distributed()
         plan = prepare(cfg, world_size_from_env())
         with seen.held():
             from ..train.output_guard import OutputWriteError
             from ..train.trainer import NonFiniteError, Trainer
     except ConfigError as exc:
         _report(f"error: {exc}")
+        _end_group()
         return EXIT_INVALID
     except KeyboardInterrupt:  # Ctrl-C while checking inputs: nothing was written
+        _end_group()
         return interrupted()
+    except PlanMismatchError as exc:  # every rank sees it, before the model is built
+        _report(f"error: {exc}")
+        _end_group()
+        return EXIT_FAILURE
     except Exception:
+        _end_group()
         if seen.received:  # the Ctrl-C, turned into another error by a library on its way up
             return interrupted()
         raise
 
     try:
-        _init_distributed(plan.device)
+        _init_distributed()
         code = Trainer(plan).train() or EXIT_OK
         destroy_distributed(together=True)
         return code
     except ConfigError as exc:  # found only once the engine exists (e.g. host RAM for offload)
         _report(f"error: {exc}")
         code = EXIT_INVALID
-    except (NonFiniteError, OutputWriteError) as exc:  # every rank sees the same loss, norm or failed write
+    except (NonFiniteError, OutputWriteError, PlanMismatchError) as exc:  # every rank sees the same loss, norm,
+        # failed write or plan digests
         _report(f"error: {exc}")
         code = EXIT_FAILURE
     except KeyboardInterrupt as exc:  # before the stop handler exists (engine build), or a second signal

@@ -62,8 +62,19 @@ class QwenBPETokenizer:
         """Ordinary-text ids of `text` as given (the caller normalises) and each token's [start, end) as UTF-8
         byte offsets into it."""
         ids = self._enc.encode_ordinary(text)
-        ends = np.cumsum([len(self._enc.decode_single_token_bytes(t)) for t in ids], dtype=np.int64)
+        ends = np.cumsum(self._token_bytes()[np.asarray(ids, dtype=np.int64)], dtype=np.int64)
         return ids, np.concatenate([[0], ends[:-1]]).astype(np.int64) if len(ids) else ends, ends
+
+    def _token_bytes(self) -> np.ndarray:
+        """Each id's length in bytes (one table, built once: no per-token Python call per text)."""
+        if getattr(self, "_lengths", None) is None:
+            lengths = np.zeros(self.vocab_size, dtype=np.int64)
+            for piece, rank in self._enc._mergeable_ranks.items():
+                lengths[rank] = len(piece)
+            for piece, rank in self._enc._special_tokens.items():
+                lengths[rank] = len(piece.encode("utf-8"))
+            self._lengths = lengths
+        return self._lengths
 
     def special_token_id(self, name: str) -> int:
         if name not in self._enc._special_tokens:
@@ -125,7 +136,7 @@ class HFTokenizer:
         byte offsets into `text` (from its character offsets: tokens that split one character share its span)."""
         enc = self._tok(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True,
                         verbose=False)
-        char_bytes = np.concatenate([[0], np.cumsum([len(c.encode("utf-8")) for c in text])]).astype(np.int64)
+        char_bytes = np.concatenate([[0], np.cumsum(utf8_lengths(text))]).astype(np.int64)
         spans = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
         return list(enc["input_ids"]), char_bytes[spans[:, 0]], char_bytes[spans[:, 1]]
 
@@ -137,6 +148,12 @@ class HFTokenizer:
 
     def save_pretrained(self, directory: str) -> None:
         self._tok.save_pretrained(directory)
+
+
+def utf8_lengths(text: str) -> np.ndarray:
+    """Each character's UTF-8 length in bytes, from its code point (vectorised: `len(c.encode())` per char)."""
+    cps = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), dtype=np.uint32)
+    return 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
 
 
 def has_own_tokenizer(path: str | None) -> bool:

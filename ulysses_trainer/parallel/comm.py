@@ -6,6 +6,8 @@ same shape; the sequence is padded to a multiple of sp before sharding so local 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -79,6 +81,20 @@ def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     x = _on_comm_device(t)
     dist.all_reduce(x, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
     return x.cpu()
+
+
+def world_rank() -> int:
+    """This process's rank in the world (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's picklable `value`, by rank (collective over the world); [value] without a process group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:

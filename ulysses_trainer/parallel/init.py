@@ -38,7 +38,10 @@ def destroy_distributed(together: bool = True) -> None:
 
 
 def init_distributed(backend: str) -> None:
-    """`deepspeed.init_distributed(backend)`; on "gloo" the shared-memory op is neither built nor mapped."""
+    """`deepspeed.init_distributed(backend)` (once: a no-op when the group exists); on "gloo" the
+    shared-memory op is neither built nor mapped."""
+    if _initialized():
+        return
     import deepspeed
     import deepspeed.ops
 

@@ -1,7 +1,8 @@
 """Everything checked before any heavy work: config, ZeRO JSON, model shape, tokenizer, data.
 
-Every rank runs this identically; any ConfigError ends the run with exit code 2 and nothing
-written to output_dir.
+Every rank runs this identically, after the process group exists (a launched job): the machine probes are
+reduced over the ranks and the plan's digest compared, so every rank runs one plan. Any ConfigError ends
+the run with exit code 2 and nothing written to output_dir.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 
 from ..config import TrainConfig, config_to_dict, resolve_bf16, validate_config
 from ..data.attention_share import AttentionShare, timed_from_data
-from ..data.documents import build_sequences
 from ..data.tokenizer import check_tokenizer_fits, load_tokenizer
 from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
 from ..errors import ConfigError
@@ -26,7 +26,9 @@ from ..plan.inputs import ModelShape, num_params
 from ..plan.resolve import plan_for
 from ..plan.types import Machine, Plan, ZeroSettings, read_zero
 from ..probe import this_machine
+from .agreement import agree_machine, check_same_plan
 from .checkpoint import check_checkpoint_model, check_output_dir, find_checkpoint
+from .data_cache import prepared_sequences
 from .output_guard import check_writable, run_bytes
 from .resume_check import check_resume_config, run_record
 
@@ -60,6 +62,7 @@ class RunPlan:
     zero: ZeroSettings | None = None
     shape: ModelShape | None = None
     config_changes: dict = field(default_factory=dict)  # resume: {name: (checkpoint's, this run's)} let through
+    plan_digest: str = ""  # the digest of `resolved`, the same on every rank (train/agreement.py)
 
 
 def _device() -> str:
@@ -100,9 +103,11 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     check_local_weights(cfg.model_name_or_path, model_config)
     resolve_layout(cfg.sp_size, world_size, model_config.num_attention_heads, model_config.num_key_value_heads)
     shape = ModelShape.from_config(model_config)
-    machine = this_machine(world_size, cfg.host_memory_gb, device == "cuda")
+    # every rank plans from the same machine: its probes reduced over the ranks (a no-op without a group)
+    machine = agree_machine(this_machine(world_size, cfg.host_memory_gb, device == "cuda"))
     zero = read_zero(ds_raw, str(cfg.deepspeed))
     resolved = plan_for(cfg, model_config, ds_raw, machine, bf16=bf16)  # every lever checked and decided here
+    digest = check_same_plan(resolved, "before the model is built")
     kernel, sp, dp = resolved.kernel, resolved.sp, resolved.dp
     check_host_fits(resolved, machine, device, ranks_here=None if training else 1)  # a rehearsal runs one rank
     tokenizer = load_tokenizer(checkpoint_source(cfg.model_name_or_path))
@@ -110,9 +115,10 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     per_step = dp * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     # with max_steps set, tokenizing stops once the run's sequences exist (a PG-19-sized set is not read whole)
     wanted = cfg.max_steps * per_step if cfg.max_steps is not None else None
-    train = build_sequences(cfg, tokenizer, split="train", dp_size=dp, num_sequences=wanted)
+    train = prepared_sequences(cfg, tokenizer, split="train", dp_size=dp, num_sequences=wanted)
     if timed_from_data(cfg):  # attention timed from the packed rows' documents (the plan above: one a row)
         resolved = plan_for(cfg, model_config, ds_raw, machine, bf16=bf16, attention=AttentionShare.of(train))
+        digest = check_same_plan(resolved, "after the data is read")  # every rank reads the same rows
         check_host_fits(resolved, machine, device, ranks_here=None if training else 1)
     if len(train) < per_step:
         raise ConfigError(f"the data makes {len(train)} sequences of {cfg.max_length} tokens but one optimizer "
@@ -121,7 +127,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     eval_data = None
     if cfg.eval_steps:
         # max_eval_samples bounds both the tokenizing and every evaluation
-        eval_data = build_sequences(cfg, tokenizer, split="eval", dp_size=dp, num_sequences=cfg.max_eval_samples)
+        eval_data = prepared_sequences(cfg, tokenizer, split="eval", dp_size=dp, num_sequences=cfg.max_eval_samples)
         per_round = dp * cfg.per_device_eval_batch_size
         if len(eval_data) < per_round:  # else evaluate() runs no round and would log eval_loss 0
             raise ConfigError(f"the eval data makes {len(eval_data)} sequences of {cfg.max_length} tokens "
@@ -156,7 +162,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
                    total_steps=total, sequences_per_step=per_step,
                    padded_length=padded_length(cfg.max_length, sp, cfg.pad_to_multiple_of),
                    resume_path=resume_path, clear_output_dir=clear_output_dir, resolved=resolved, machine=machine,
-                   zero=zero, shape=shape, config_changes=config_changes)
+                   zero=zero, shape=shape, config_changes=config_changes, plan_digest=digest)
 
 
 def world_size_from_env() -> int:

@@ -31,6 +31,7 @@ from ..plan.types import Plan
 from . import checkpoint as ckpt
 from . import data_order as order
 from . import run_report as report
+from .agreement import agree_free_memory, check_same_plan
 from .chat_export import ExportFiles, adapter_base
 from .logging import MetricsFile, log_line
 from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, train_flops_per_sequence
@@ -94,6 +95,7 @@ class Trainer:
         engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=plan.ds_config,
                                                lr_scheduler=schedule)
         self.resolved = self._resolve_after_engine()
+        self.plan_digest = check_same_plan(self.resolved, "with the free GPU memory measured")  # before step 1
         apply(self.model, self.resolved)
         if self.resolved != self.plan.resolved:  # the GPU holds less than the memory model expected
             if self.state.is_main:
@@ -102,13 +104,14 @@ class Trainer:
 
     def _resolve_after_engine(self) -> Plan:
         """The plan again (the same function as `ulysses-trainer plan`), now with the free GPU memory the engine
-        left: it differs from the first one only when the GPU holds less than the memory model expected."""
+        left (the least of any rank's, so every rank re-plans alike): it differs from the first one only when
+        a GPU holds less than the memory model expected."""
         plan = self.plan
         if plan.device != "cuda":
             return plan.resolved
         torch.cuda.empty_cache()  # blocks torch cached during initialize are free for the run
         free, _ = torch.cuda.mem_get_info(self.device)
-        machine = replace(plan.machine, gpu_free_after_engine_gb=free / 2**30)
+        machine = replace(plan.machine, gpu_free_after_engine_gb=agree_free_memory(free / 2**30))
         return resolve_plan(self.cfg, plan.shape, machine, plan.zero, bf16=plan.bf16, engine_plan=plan.resolved)
 
     def _say_stopping(self) -> None:

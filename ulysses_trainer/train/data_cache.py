@@ -1,0 +1,162 @@
+"""One data preparation per job, cached.
+
+Rank 0 tokenizes (or reads the cache) while the other ranks wait; they then read what it wrote, memory-mapped.
+The cache is keyed by the data files (path, size, modification time), the tokenizer and its chat template,
+every data setting of the config, the split and the row count asked for, and the source of the data code,
+so a relaunch or resume of the same job reads its rows in seconds and any change tokenizes again. Only local
+files are cached (the synthetic sources are generated, and cost less to make than to read).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import TrainConfig, config_to_dict
+from ..data.documents import SequenceDataset, build_sequences
+from ..errors import ConfigError
+from ..parallel.comm import gather_objects, world_rank
+
+_ARRAYS = ("tokens", "positions", "trained", "lengths")
+_FORMAT = 1  # bump when the stored layout changes
+# config fields whose names hold one of these words shape the rows (read generically, so new data
+# settings join the key without an edit here)
+_DATA_WORDS = ("dataset", "packing", "pad_", "max_length", "max_seq_length", "loss", "text_file", "eval_samples",
+               "template", "eos_token", "seed")
+
+
+def cache_root(cfg: TrainConfig) -> Path | None:
+    """Where prepared rows are kept: data_cache_dir, else ~/.cache/ulysses_trainer/data (None: data_cache
+    false, or no home directory)."""
+    given = cfg.data_cache_dir
+    if not cfg.data_cache:
+        return None
+    if given is not None:
+        return Path(given)
+    base = os.environ.get("XDG_CACHE_HOME") or (str(Path.home() / ".cache") if os.environ.get("HOME") else None)
+    return Path(base) / "ulysses_trainer" / "data" if base else None
+
+
+def _files_of(source: str) -> list[Path]:
+    path = Path(source)
+    return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def _source_identity(cfg: TrainConfig, split: str) -> str | None:
+    """The local data this split reads, None when it is not local files (nothing is cached then)."""
+    source = cfg.dataset_name if split == "train" else (cfg.eval_dataset_name or cfg.dataset_name)
+    if source is None or not Path(source).exists():
+        return None
+    return json.dumps([[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in _files_of(source)])
+
+
+def _tokenizer_identity(tokenizer: Any) -> str:
+    hf = getattr(tokenizer, "hf_tokenizer", None)
+    files = []
+    name = Path(str(getattr(tokenizer, "name", "")))
+    if name.is_dir():  # a checkpoint's own tokenizer: its files
+        files = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(name.iterdir()) if p.is_file()
+                 and ("token" in p.name or "vocab" in p.name or "merges" in p.name or "template" in p.name)]
+    return json.dumps([tokenizer.name, tokenizer.vocab_size, tokenizer.eos_token_id, files,
+                       getattr(hf, "chat_template", None)], default=str)
+
+
+def _code_identity() -> str:
+    """The data code itself: a change to tokenizing or packing never reads rows the old code made."""
+    data = Path(__file__).resolve().parents[1] / "data"
+    h = hashlib.sha256()
+    for p in sorted(data.glob("*.py")):
+        h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(cfg: TrainConfig, tokenizer: Any, split: str, dp_size: int, num_sequences: int | None) -> str | None:
+    """The key of these rows, None when they are not cached."""
+    source = _source_identity(cfg, split)
+    if source is None:
+        return None
+    settings = {k: v for k, v in config_to_dict(cfg).items()
+                if any(w in k for w in _DATA_WORDS) and not k.startswith("data_cache")}
+    text = json.dumps([_FORMAT, source, _tokenizer_identity(tokenizer), settings, split, dp_size, num_sequences,
+                       _code_identity()], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def save_rows(ds: SequenceDataset, directory: Path) -> None:
+    """The rows as .npy files beside the rest of the dataset (pickled), written whole or not at all."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=directory.parent))
+    try:
+        for name in _ARRAYS:
+            value = getattr(ds, name)
+            if value is not None:
+                np.save(tmp / f"{name}.npy", np.asarray(value))
+        with open(tmp / "meta.pkl", "wb") as f:
+            pickle.dump(replace(ds, **{name: None for name in _ARRAYS}), f)
+        os.replace(tmp, directory)  # atomic: a reader sees all of it or nothing
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (directory / "meta.pkl").exists():  # another writer may have won the rename
+            raise
+
+
+def load_rows(directory: Path) -> SequenceDataset | None:
+    """The cached rows, memory-mapped (copy-on-write: never written back); None when absent or unreadable."""
+    try:
+        with open(directory / "meta.pkl", "rb") as f:
+            ds = pickle.load(f)
+        arrays = {name: np.load(directory / f"{name}.npy", mmap_mode="c")
+                  for name in _ARRAYS if (directory / f"{name}.npy").exists()}
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, AttributeError):
+        return None
+    if not isinstance(ds, SequenceDataset) or "tokens" not in arrays:
+        return None
+    return replace(ds, **arrays)
+
+
+def _build_cached(cfg: TrainConfig, tokenizer: Any, split: str, dp_size: int, num_sequences: int | None,
+                  directory: Path | None) -> SequenceDataset:
+    if directory is not None:
+        ds = load_rows(directory)
+        if ds is not None:
+            return ds
+    ds = build_sequences(cfg, tokenizer, split=split, dp_size=dp_size, num_sequences=num_sequences)
+    if directory is not None:
+        try:
+            save_rows(ds, directory)
+        except OSError as exc:  # a full or read-only cache never stops the run: the rows are in memory
+            print(f"[ulysses_trainer] warning: cannot write the data cache {directory}: {exc}", flush=True)
+    return ds
+
+
+def prepared_sequences(cfg: TrainConfig, tokenizer: Any, split: str = "train", dp_size: int = 1,
+                       num_sequences: int | None = None) -> SequenceDataset:
+    """build_sequences once per job (collective where a process group exists): rank 0 prepares or reads the
+    cache; the others wait, then read its rows from the cache (or, where they cannot see it, prepare their
+    own). A ConfigError on rank 0 is raised on every rank."""
+    root = cache_root(cfg)
+    key = cache_key(cfg, tokenizer, split, dp_size, num_sequences) if root is not None else None
+    directory = root / key if key is not None else None
+    ds, problem = None, None
+    if world_rank() == 0:
+        try:
+            ds = _build_cached(cfg, tokenizer, split, dp_size, num_sequences, directory)
+        except ConfigError as exc:
+            problem = str(exc)
+    first = gather_objects(problem)[0]  # every rank waits for rank 0 here
+    if first is not None:
+        raise ConfigError(first)
+    if ds is None:  # a rank other than 0
+        ds = (load_rows(directory) if directory is not None else None) or \
+            build_sequences(cfg, tokenizer, split=split, dp_size=dp_size, num_sequences=num_sequences)
+    return ds
+
