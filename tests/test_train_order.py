@@ -92,6 +92,12 @@ def test_rows_of_another_shape_are_counted_by_reason(tmp_path):
     assert f"5 documents read, 4 used, skipped: 1 {reason}" in counts.summary()
     out, _ = describe(args + ["--json"])  # `ulysses-trainer data` shows the same counts
     assert out["counts"]["skipped"] == {reason: 1} and out["counts"]["documents_read"] == 5
+    pairs = [{"prompt": f"say {i}", "completion": f" {i} said"} for i in range(3)] + [{"text": "stray"}]
+    data = _conversations(tmp_path / "pairs.jsonl", pairs)
+    counts = prepare(load_config(["--dataset_name", str(data), "--max_length", "64", "--output_dir",
+                                  str(tmp_path / "out2")]), 1).train_data.counts
+    assert counts.skipped == {"without `prompt` or `completion` (a row of another shape)": 1}
+    assert (counts.documents_read, counts.documents_used) == (4, 3)
 
 
 # ---------------------------------------------------------------- logged loss
