@@ -271,8 +271,14 @@ def test_output_dir_holding_a_previous_run_is_refused_untouched(tmp_path, monkey
 
     assert check_output_dir(str(out), str(out / "checkpoint-2"), overwrite=False) is False
     assert check_output_dir(str(out), None, overwrite=True) is True
+    (out / "checkpoint-2" / "ulysses_trainer_checkpoint").write_text("")  # what the trainer writes into its own
+    (out / "checkpoint-best").mkdir()  # a user's: not a checkpoint-<step>, never removed
+    (out / "checkpoint-best" / "keep.txt").write_text("mine")
+    (out / "runs").mkdir()
+    (out / "runs" / "events.out.tfevents.1.host").write_bytes(b"old curve")
+    (out / "runs" / "notes.txt").write_text("mine")
     clear_previous_run(str(out))
-    assert _tree(out) == {"notes.txt": b"mine"}
+    assert _tree(out) == {"notes.txt": b"mine", "checkpoint-best/keep.txt": b"mine", "runs/notes.txt": b"mine"}
     assert check_output_dir(str(out), None, overwrite=False) is False  # nothing of a run left
 
 

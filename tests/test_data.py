@@ -94,10 +94,12 @@ def test_synthetic_recalls_early_pairs_late():
     assert len(doc.split()) >= 3000
 
 
-def test_synthetic_sequences_for_the_steps_requested(tok):
+def test_synthetic_sequences_are_four_steps_whatever_max_steps(tok):
     cfg = TrainConfig(max_length=512, max_steps=3, gradient_accumulation_steps=2)
     ds = build_sequences(cfg, tok, dp_size=2)
-    assert len(ds) == default_num_sequences(cfg, "train", dp_size=2) == 3 * 2 * 2
+    assert len(ds) == default_num_sequences(cfg, "train", dp_size=2) == 4 * 2 * 2
+    assert default_num_sequences(TrainConfig(max_length=512, max_steps=7, gradient_accumulation_steps=2),
+                                 "train", dp_size=2) == len(ds)  # max_steps only says where the run stops
     row = ds[0]
     assert row["input_ids"].shape == (512,) and row["input_ids"].dtype == torch.long
     assert torch.equal(row["position_ids"], torch.arange(512))

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import ConfigError
+
 
 @dataclass
 class DataCounts:
@@ -84,3 +86,22 @@ class DataCounts:
                 "documents_total": self.documents_total, "skipped": dict(self.skipped), "tokens": self.tokens,
                 "sequences": self.sequences, "max_length": self.max_length, "tail_tokens": self.tail_tokens,
                 "tail": self.tail, "pad_tokens": self.pad_tokens, "fill_ratio": self.fill_ratio, **self.details}
+
+
+def check_something_trained(counts: DataCounts, what: str, assistant_only_loss: bool,
+                            completion_only_loss: bool | None) -> None:
+    """Whole examples whose masks leave no token to train on: an error before any model is built (a run would
+    log loss 0.0, grad_norm 0.0 and export an untrained model)."""
+    if not counts.details or counts.details.get("trained_tokens", 0) > 0:
+        return  # text: every token but a document's first is trained
+    none = counts.details.get("without_trained_tokens", 0)
+    if assistant_only_loss:
+        why = "assistant_only_loss true trains only assistant turns; add conversations with an assistant turn " \
+              "or set assistant_only_loss false"
+    elif completion_only_loss is not False:
+        why = "completion_only_loss trains only the completions; add non-empty completions or set " \
+              "completion_only_loss false"
+    else:
+        why = "add examples with more than one token"
+    raise ConfigError(f"{what} {counts.source} has nothing to train on: {none} of {counts.documents_used} examples "
+                      f"used have no trained token (0 trained tokens); {why}")

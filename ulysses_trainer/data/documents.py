@@ -206,11 +206,11 @@ def _column_bytes(ds: Any, field: str) -> int | None:
 
 
 def default_num_sequences(cfg: TrainConfig, split: str, dp_size: int = 1) -> int:
-    """Rows the synthetic source makes: the run's need (max_steps), else 4 optimizer steps per epoch (so the
-    no-argument run, which num_train_epochs 1 decides, trains 4 steps)."""
+    """Rows the synthetic source makes: 4 optimizer steps per epoch (so the no-argument run, which
+    num_train_epochs 1 decides, trains 4 steps), whatever max_steps (which only says where the run stops)."""
     if split == "train":
         per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp_size
-        return per_step * (cfg.max_steps if cfg.max_steps else SYNTHETIC_STEPS_PER_EPOCH)
+        return per_step * SYNTHETIC_STEPS_PER_EPOCH
     return 2 * cfg.per_device_eval_batch_size * dp_size
 
 
@@ -259,10 +259,11 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
     check_loss_flags(kind, cfg.assistant_only_loss, source)
     if kind != LANGUAGE_MODELING:
         check_first_example(kind, ds[0], source)
+        shape: dict[str, int] = {}  # rows of another shape, by reason (filled as the rows are read)
         segments = example_segments(kind, rows_of(ds), source, cfg.assistant_only_loss, cfg.completion_only_loss,
-                                    tokenizer.eos_token, chat_template_of(tokenizer))
+                                    tokenizer.eos_token, chat_template_of(tokenizer), skipped=shape)
         return examples_dataset((tokenize_segments(s, tokenizer) for s in segments), cfg, tokenizer, source,
-                                kind, len(ds), num_sequences)
+                                kind, len(ds), num_sequences, skipped=shape)
     counts = DataCounts(source=source, documents_total=len(ds))
     if _whole_documents(cfg):
         return _documents_as_examples(_texts(ds, cfg.dataset_text_field, source, counts), cfg, tokenizer, source,
@@ -292,11 +293,16 @@ def chat_template_of(tokenizer: Tokenizer) -> TemplateRenderer | None:
 
 
 def examples_dataset(examples: Iterable[tuple[np.ndarray, np.ndarray]], cfg: TrainConfig, tokenizer: Tokenizer,
-                     source: str, kind: str, total: int | None, num_sequences: int | None) -> SequenceDataset:
-    """Rows of whole examples (one per row, or packed) with their trained masks."""
+                     source: str, kind: str, total: int | None, num_sequences: int | None,
+                     skipped: dict[str, int] | None = None) -> SequenceDataset:
+    """Rows of whole examples (one per row, or packed) with their trained masks. skipped: rows the reader left
+    out before tokenizing, by reason (read, and counted as skipped)."""
     tokens, trained, positions, lengths, counts = build_rows(
         examples, cfg.max_length, cfg.packing, cfg.max_length_policy, tokenizer.eos_token_id, num_sequences,
         cfg.packing_strategy)
+    for reason, n in (skipped or {}).items():
+        counts.examples_read += n
+        counts.skipped[reason] = counts.skipped.get(reason, 0) + n
     if counts.sequences == 0:
         why = f"{counts.dropped_too_long} longer than max_length {cfg.max_length} were dropped " \
               f"(max_length_policy drop)" if counts.dropped_too_long else "none holds a token"

@@ -58,22 +58,31 @@ def _tools_of(row: dict, where: str) -> list | None:
     return tools or None
 
 
+NO_MESSAGES = "without `messages` (a row of another shape)"
+NO_PROMPT_COMPLETION = "without `prompt` or `completion` (a row of another shape)"
+
+
 def example_segments(kind: str, rows: Iterator[dict], source: str, assistant_only_loss: bool,
                      completion_only_loss: bool | None, eos_name: str,
-                     template: TemplateRenderer | None = None) -> Iterator[list[Segment]]:
+                     template: TemplateRenderer | None = None,
+                     skipped: dict[str, int] | None = None) -> Iterator[list[Segment]]:
     """One segment list per example (conversational or prompt-completion); messages are rendered with the
-    checkpoint's chat template when `template` is given, else in Qwen3's format."""
+    checkpoint's chat template when `template` is given, else in Qwen3's format. A row of another shape (a
+    `text` row in a `messages` file: its `messages` is null) is left out and counted in `skipped` by reason."""
+    skipped = {} if skipped is None else skipped
     for n, row in enumerate(rows):
         where = f"dataset {source}, example {n}"
         if kind == CONVERSATIONAL:
             msgs = row.get("messages")
             if msgs is None:
+                skipped[NO_MESSAGES] = skipped.get(NO_MESSAGES, 0) + 1
                 continue
             tools = _tools_of(row, where)
             yield template.conversation(msgs, tools, assistant_only_loss, where) if template else \
                 render_qwen3(msgs, tools, assistant_only_loss, where)
         else:
             if row.get("prompt") is None or row.get("completion") is None:
+                skipped[NO_PROMPT_COMPLETION] = skipped.get(NO_PROMPT_COMPLETION, 0) + 1
                 continue
             if template is not None and isinstance(row["prompt"], list) and isinstance(row["completion"], list):
                 yield template.prompt_completion(row["prompt"], row["completion"], _tools_of(row, where),

@@ -2,7 +2,8 @@
 
 A checkpoint is written to `.tmp-checkpoint-<step>/`, synced, then renamed to `checkpoint-<step>/`;
 the `latest` pointer moves last. A rank killed mid-save leaves only a stale tmp directory, and the
-previous checkpoint (and `latest`) stay loadable.
+previous checkpoint (and `latest`) stay loadable. Each checkpoint holds a marker file (MARKER): only a
+directory holding it is ever deleted, by save_total_limit's rotation or by overwrite_output_dir.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import copy
 import glob
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from typing import Any
@@ -21,14 +23,18 @@ from ..errors import ConfigError
 from ..parallel.comm import all_reduce
 from ..parallel.init import barrier
 from .output_guard import OutputWriteError, RecordingWriter, describe_failure, failure_message
+from .reporters import TENSORBOARD_DIR
 
 TAG = "ds"  # DeepSpeed's tag directory inside each checkpoint-<step>/
 LATEST = "latest"
 MODEL_CONFIG = "model_config.json"  # the HF config of the model a checkpoint holds (checked on resume)
 RUN_CONFIG = "run_config.json"  # the training config and layout that wrote it (compared on resume)
+MARKER = "ulysses_trainer_checkpoint"  # in every checkpoint this trainer writes: what may be deleted
+CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 # what a run writes into output_dir: a directory holding any of these holds a previous run
-RUN_FILES = ("config.json", "metrics.jsonl", LATEST, "final", "per_position_loss.png", "checkpoint-*",
-             ".tmp-checkpoint-*", "final.tmp")
+RUN_FILES = ("config.json", "metrics.jsonl", LATEST, "final", "per_position_loss.png", "checkpoint-[0-9]*",
+             ".tmp-checkpoint-[0-9]*", "final.tmp")
+EVENTS = "events.out.tfevents.*"  # TensorBoard's event files (in output_dir/runs/, reporters.py)
 _MODEL_DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "vocab_size")
 
@@ -67,12 +73,13 @@ def agree_on_failure(code: int) -> int:
 
 def save_checkpoint(engine, output_dir: str, step: int, client_state: dict, is_main: bool,
                     model_config=None, run_config: dict | None = None,
-                    write: Callable[[Any, str], None] | None = None) -> str:
+                    write: Callable[[Any, str], None] | None = None, total_limit: int | None = None) -> str:
     """Collective: every rank writes its ZeRO shards; rank 0 syncs, renames, then moves `latest`.
     `model_config` (the HF config) and `run_config` (the training config and layout) are saved beside
     the shards so a resume can check them without loading the shards. `write(state_dict, path)` replaces
     DeepSpeed's file writer (tests: a disk that fails). A failed write on any rank: the temporary directory
-    is removed, the previous checkpoint and `latest` are untouched, and every rank raises OutputWriteError."""
+    is removed, the previous checkpoint and `latest` are untouched, and every rank raises OutputWriteError.
+    total_limit (save_total_limit): once `latest` names the new checkpoint, older ones beyond the newest N go."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
     if is_main:
@@ -99,12 +106,17 @@ def save_checkpoint(engine, output_dir: str, step: int, client_state: dict, is_m
             if run_config is not None:
                 with open(os.path.join(tmp, RUN_CONFIG), "w") as f:
                     json.dump(run_config, f, indent=1)
+            with open(os.path.join(tmp, MARKER), "w") as f:
+                f.write(f"written by ulysses_trainer at step {step}; save_total_limit and overwrite_output_dir "
+                        f"may delete this directory\n")
             _fsync_tree(tmp)
             if os.path.exists(final):  # the same step saved again after a resume
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(output_dir)
             _write_atomic(os.path.join(output_dir, LATEST), f"checkpoint-{step}\n")
+            if total_limit is not None:
+                rotate_checkpoints(output_dir, total_limit)
         except OSError as exc:
             failure = (tmp, describe_failure(exc, tmp), str(exc))
     code = agree_on_failure(failure[1] if failure else 0)
@@ -118,6 +130,35 @@ def save_checkpoint(engine, output_dir: str, step: int, client_state: dict, is_m
         # the checkpoint's directory is named (rank 0 may not be the rank whose file failed)
         raise OutputWriteError(failure_message(f"checkpoint-{step}", tmp, code, failure[2] if failure else ""))
     return final
+
+
+def trainer_checkpoints(output_dir: str) -> dict[int, str]:
+    """{step: path} of the checkpoint-<step> directories this trainer wrote (those holding its MARKER)."""
+    if not os.path.isdir(output_dir):
+        return {}
+    found = {}
+    for name in os.listdir(output_dir):
+        m = CHECKPOINT.fullmatch(name)
+        path = os.path.join(output_dir, name)
+        if m and not os.path.islink(path) and os.path.isfile(os.path.join(path, MARKER)):
+            found[int(m.group(1))] = path
+    return found
+
+
+def rotate_checkpoints(output_dir: str, limit: int) -> list[str]:
+    """save_total_limit (TRL's): keep the newest `limit` checkpoints by step, and always the one `latest`
+    names; every older one this trainer wrote is deleted (also those of the run a resume continues). A
+    directory without the marker is never touched. Returns the deleted paths."""
+    pointer = os.path.join(output_dir, LATEST)
+    latest = open(pointer).read().strip() if os.path.isfile(pointer) else None
+    ours = trainer_checkpoints(output_dir)
+    keep = set(sorted(ours)[-limit:])
+    gone = []
+    for step, path in sorted(ours.items()):
+        if step not in keep and os.path.basename(path) != latest:
+            shutil.rmtree(path)
+            gone.append(path)
+    return gone
 
 
 def find_checkpoint(resume_from_checkpoint, output_dir: str) -> str | None:
@@ -138,12 +179,17 @@ def find_checkpoint(resume_from_checkpoint, output_dir: str) -> str | None:
     return path
 
 
+def _run_names(output_dir: str) -> set[str]:
+    if not os.path.isdir(output_dir):
+        return set()
+    names = {os.path.basename(p) for pattern in RUN_FILES
+             for p in glob.glob(os.path.join(glob.escape(output_dir), pattern))}
+    return {n for n in names if "checkpoint-" not in n or CHECKPOINT.fullmatch(n.removeprefix(".tmp-"))}
+
+
 def previous_run(output_dir: str) -> list[str]:
     """The names in output_dir that a previous run wrote (empty: a new or empty directory)."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = {os.path.basename(p) for pattern in RUN_FILES for p in glob.glob(os.path.join(glob.escape(output_dir),
-                                                                                          pattern))}
+    found = _run_names(output_dir)
     if found == {"config.json"}:  # a run stopped before its first step trained nothing: nothing to keep
         return []
     return sorted(found)
@@ -175,14 +221,30 @@ def check_output_dir(output_dir: str, resume_path: str | None, overwrite: bool) 
                       f"output_dir")
 
 
-def clear_previous_run(output_dir: str) -> None:
-    """Remove what a previous run wrote (overwrite_output_dir); other files in the directory stay."""
-    for name in previous_run(output_dir):
+def clear_previous_run(output_dir: str) -> list[str]:
+    """Remove what a previous run wrote (overwrite_output_dir, or a fresh start over a run that trained no step):
+    its checkpoints (those holding MARKER), final/, metrics.jsonl, config.json, latest, its temporary directories
+    and TensorBoard's event files in runs/. Anything else stays (a user's checkpoint-best/, a checkpoint-<N>
+    without the marker, other files in runs/). Returns the removed paths."""
+    ours = {os.path.basename(p) for p in trainer_checkpoints(output_dir).values()}
+    removed = []
+    for name in sorted(_run_names(output_dir)):
         path = os.path.join(output_dir, name)
+        if CHECKPOINT.fullmatch(name) and name not in ours:
+            continue  # not this trainer's (no marker): never deleted
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
         else:
             os.remove(path)
+        removed.append(path)
+    runs = os.path.join(output_dir, TENSORBOARD_DIR)
+    events = glob.glob(os.path.join(glob.escape(runs), EVENTS))
+    for path in events:  # a new run's curves never show the old run's steps
+        os.remove(path)
+        removed.append(path)
+    if events and os.path.isdir(runs) and not os.listdir(runs):
+        os.rmdir(runs)
+    return removed
 
 
 def _dims(config) -> dict:

@@ -1,9 +1,13 @@
 """Which rows each optimizer step trains on, and one micro-batch's rows as this rank's shard.
 
-Deterministic in (seed, step): every rank computes the same order without a collective, and a resumed run
-lands on the same data."""
+The order is TRL's sampler: every epoch is a seeded permutation of the whole dataset, and the epochs follow one
+another as one stream that the steps cut into `sequences_per_step` rows (a step may straddle two epochs, so no
+row of an epoch is left out). It depends on (seed, dataset) only, never on max_steps, which only says where the
+run stops: a run extended on resume continues the same order. Every rank computes it without a collective."""
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 
@@ -12,15 +16,32 @@ from ..parallel.state import ParallelState
 from .prepare import RunPlan
 
 
+@lru_cache(maxsize=4)
+def _permutation(seed: int, rows: int, epoch: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + epoch)
+    return torch.randperm(rows, generator=g)
+
+
 def epoch_order(plan: RunPlan, epoch: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(plan.cfg.seed + epoch)
-    return torch.randperm(len(plan.train_data), generator=g)
+    """Row indices of one pass over the dataset."""
+    return _permutation(plan.cfg.seed, len(plan.train_data), epoch)
 
 
 def step_rows(plan: RunPlan, step: int) -> torch.Tensor:
     """Row indices of optimizer step `step`, all dp ranks and micro-steps (the same on every rank)."""
-    epoch, j = divmod(step, plan.steps_per_epoch)
-    return epoch_order(plan, epoch)[j * plan.sequences_per_step:(j + 1) * plan.sequences_per_step]
+    rows, per_step = len(plan.train_data), plan.sequences_per_step
+    parts, at, end = [], step * per_step, (step + 1) * per_step
+    while at < end:
+        epoch, j = divmod(at, rows)
+        take = min(end - at, rows - j)
+        parts.append(epoch_order(plan, epoch)[j:j + take])
+        at += take
+    return torch.cat(parts)
+
+
+def epoch_of(plan: RunPlan, steps: int) -> float:
+    """Passes over the dataset after `steps` optimizer steps (TRL's `epoch`)."""
+    return steps * plan.sequences_per_step / len(plan.train_data)
 
 
 def step_real_tokens(plan: RunPlan, step: int) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..config import TrainConfig, config_to_dict, resolve_bf16, validate_config
+from ..data.accounting import check_something_trained
 from ..data.attention_share import AttentionShare, timed_from_data
 from ..data.tokenizer import check_tokenizer_fits, load_tokenizer
 from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
@@ -48,7 +49,7 @@ class RunPlan:
     eval_data: list | None
     ds_config: dict
     optimizer: OptimizerSpec | None
-    steps_per_epoch: int  # steps until the data order repeats (the rows held)
+    steps_per_epoch: int  # whole steps in one pass over the rows (the order itself runs on: data_order.py)
     total_steps: int
     sequences_per_step: int
     padded_length: int
@@ -113,9 +114,9 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     tokenizer = load_tokenizer(checkpoint_source(cfg.model_name_or_path))
     check_tokenizer_fits(tokenizer, model_config)
     per_step = dp * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-    # with max_steps set, tokenizing stops once the run's sequences exist (a PG-19-sized set is not read whole)
-    wanted = cfg.max_steps * per_step if cfg.max_steps is not None else None
-    train = prepared_sequences(cfg, tokenizer, split="train", dp_size=dp, num_sequences=wanted)
+    # the whole dataset: the order is a permutation of all of it, whatever max_steps (TRL's sampler)
+    train = prepared_sequences(cfg, tokenizer, split="train", dp_size=dp)
+    check_something_trained(train.counts, "dataset", cfg.assistant_only_loss, cfg.completion_only_loss)
     if timed_from_data(cfg):  # attention timed from the packed rows' documents (the plan above: one a row)
         resolved = plan_for(cfg, model_config, ds_raw, machine, bf16=bf16, attention=AttentionShare.of(train))
         digest = check_same_plan(resolved, "after the data is read")  # every rank reads the same rows
@@ -128,6 +129,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     if cfg.eval_steps:
         # max_eval_samples bounds both the tokenizing and every evaluation
         eval_data = prepared_sequences(cfg, tokenizer, split="eval", dp_size=dp, num_sequences=cfg.max_eval_samples)
+        check_something_trained(eval_data.counts, "eval dataset", cfg.assistant_only_loss, cfg.completion_only_loss)
         per_round = dp * cfg.per_device_eval_batch_size
         if len(eval_data) < per_round:  # else evaluate() runs no round and would log eval_loss 0
             raise ConfigError(f"the eval data makes {len(eval_data)} sequences of {cfg.max_length} tokens "
@@ -146,10 +148,10 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
         if problem:
             raise ConfigError(problem)
     steps_per_epoch = len(train) // per_step
-    # the log's epoch is a fraction of one pass over the data; a read capped at max_steps' need holds only
-    # part of that pass, and the dataset estimates the rest from the share of its text bytes it read
-    epoch_steps = max(steps_per_epoch, int(getattr(train, "epoch_sequences", len(train)) // per_step))
-    total = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(cfg.num_train_epochs * steps_per_epoch))
+    epoch_steps = steps_per_epoch
+    # num_train_epochs: every row trained that many times (a step may straddle two epochs: data_order.py)
+    total = cfg.max_steps if cfg.max_steps is not None else \
+        max(1, math.ceil(cfg.num_train_epochs * len(train) / per_step))
     # torch's fused AdamW on the GPU (no JIT build); DeepSpeed's CPU Adam only where states live on the host
     ds, opt = fill_ds_config(ds_raw, cfg, world_size, dp, device == "cuda", total_steps=total,
                              hidden_size=model_config.hidden_size, source=str(cfg.deepspeed),

@@ -28,8 +28,9 @@ HARMLESS = frozenset({
 # changes that go through but change what follows; the note says how
 NOTED = {
     "learning_rate": "the schedule continues from this step with the new peak learning rate",
-    "max_steps": "the schedule is rebuilt for the new number of steps",
-    "num_train_epochs": "the schedule is rebuilt for the new number of steps",
+    "max_steps": "the data order continues where it stopped; the schedule is rebuilt for the new number of steps",
+    "num_train_epochs": "the data order continues where it stopped; the schedule is rebuilt for the new number "
+                        "of steps",
 }
 LAYOUT = ("world_size", "sp_size", "dp_size")
 # how this run was started, not what it trains: never compared

@@ -33,6 +33,7 @@ from . import data_order as order
 from . import run_report as report
 from .agreement import agree_free_memory, check_same_plan
 from .chat_export import ExportFiles, adapter_base
+from .log_interval import LogInterval
 from .logging import MetricsFile, log_line
 from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, train_flops_per_sequence
 from .non_finite import NonFiniteError, non_finite_step
@@ -59,6 +60,7 @@ class Trainer:
         self.num_tokens = 0  # real (non-pad) input tokens so far, all ranks (TRL's num_tokens)
         self.num_loss_tokens = 0  # trained target tokens so far, all ranks
         self.last_aux_loss: float | None = None  # a sparse model's load-balancing loss of the last step
+        self.interval = LogInterval()  # the steps since the last logged row (their loss is logged as one mean)
         self._bar = None
         self._write_failure: tuple[str, int, str] | None = None  # rank 0's failed log write, agreed at the step end
         if self.state.is_main:  # before memory climbs: the plan and the data
@@ -171,7 +173,7 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def _client_state(self) -> dict:
         return {"step": self.step, "num_tokens": self.num_tokens, "num_loss_tokens": self.num_loss_tokens,
-                "rng_cpu": torch.get_rng_state(),
+                "rng_cpu": torch.get_rng_state(), "log_interval": self.interval.state(),
                 "config": config_to_dict(self.cfg)}
 
     def _save(self) -> None:
@@ -182,7 +184,8 @@ class Trainer:
         ckpt.save_checkpoint(self.engine, self.cfg.output_dir, self.step, self._client_state(),
                              self.state.is_main, model_config=plan.model_config,
                              run_config=run_record(config_to_dict(self.cfg), plan.world_size, plan.sp_size,
-                                                   plan.dp_size))
+                                                   plan.dp_size),
+                             total_limit=self.cfg.save_total_limit)
 
     def _params_finite(self) -> bool:
         """Every rank's parameter partitions (ZeRO-3 keeps them in ds_tensor) are finite (collective)."""
@@ -195,6 +198,8 @@ class Trainer:
         self.step, self.num_tokens = int(client["step"]), int(client["num_tokens"])
         self.num_loss_tokens = int(client.get("num_loss_tokens", 0))  # checkpoints from before it was kept: 0
         torch.set_rng_state(client["rng_cpu"])
+        # a checkpoint between two logged rows: the next row's mean still covers the steps before it
+        self.interval = LogInterval.from_state(client.get("log_interval"))
         changes = self.plan.config_changes
         if "learning_rate" in changes:  # the checkpoint's schedule carries its own peak: give it the new one
             set_peak_learning_rate(self.engine.lr_scheduler, self.cfg.learning_rate)
@@ -217,7 +222,9 @@ class Trainer:
     def _train(self) -> int:
         cfg, plan = self.cfg, self.plan
         if self.state.is_main:
-            if plan.clear_output_dir:  # overwrite_output_dir: no old checkpoint, row or export survives
+            # overwrite_output_dir, or a fresh start where a run stopped before its first step (config.json, empty
+            # TensorBoard events): nothing the trainer wrote before survives, and nothing else is touched
+            if plan.clear_output_dir or not plan.resume_path:
                 ckpt.clear_previous_run(cfg.output_dir)
             os.makedirs(cfg.output_dir, exist_ok=True)
         if plan.resume_path:  # found and checked by prepare()
@@ -240,6 +247,7 @@ class Trainer:
             self.step += 1
             self.num_tokens += real_tokens
             self.num_loss_tokens += tokens
+            self.interval.add(loss, tokens, self.last_aux_loss)
             dt = time.perf_counter() - t0
             step_times.append(dt)
             bar.update(1)
@@ -341,14 +349,16 @@ class Trainer:
         return stop > 0
 
     def _log(self, loss, grad_norm, dt, tokens, flops_per_step, bar) -> None:
+        """One row: loss (and aux_loss) the mean over the steps since the last row, the rest of the last step."""
+        loss, aux_loss = self.interval.take(loss)
         lr = self.engine.lr_scheduler.get_last_lr()[0]
-        epoch = self.step / (self.plan.epoch_steps or self.plan.steps_per_epoch)  # fraction of one data pass
+        epoch = order.epoch_of(self.plan, self.step)  # passes over the data
         row = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "learning_rate": lr,
                "num_tokens": self.num_tokens, "num_loss_tokens": self.num_loss_tokens, "epoch": epoch,
                "tokens_per_s": tokens / dt, "tflops_per_gpu": flops_per_step / dt / self.state.world_size / 1e12,
                "peak_gpu_mem_gb": peak_gpu_mem_gb(), "peak_host_mem_gb": peak_host_mem_gb()}
-        if self.last_aux_loss is not None:
-            row["aux_loss"] = self.last_aux_loss
+        if aux_loss is not None:
+            row["aux_loss"] = aux_loss
         if self.state.is_main:
             bar.write(log_line(row))
             self._append_row(row)
