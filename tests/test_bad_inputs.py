@@ -212,9 +212,10 @@ def _tree(path: Path) -> dict[str, bytes] | None:
 
 
 def _run_main(argv: list[str], world_size: int, monkeypatch, capsys) -> tuple[int, list[str]]:
-    if world_size > 1:  # as rank 0 of a launcher's world
+    if world_size > 1:  # as rank 0 of a launcher's world, without its peers: no process group to start
         monkeypatch.setenv("WORLD_SIZE", str(world_size))
         monkeypatch.setenv("RANK", "0")
+        monkeypatch.setattr("ulysses_trainer.cli.train._init_distributed", lambda: None)
     else:
         monkeypatch.delenv("WORLD_SIZE", raising=False)
         monkeypatch.delenv("RANK", raising=False)
