@@ -243,6 +243,21 @@ def _spans(s: int, docs: Documents | None, backend: Backend) -> list[tuple[int, 
     return [(0, s)] if docs is None or backend.fwd_varlen is not None else docs.spans
 
 
+def _one_token_fwd(q, k, v, scale, lay):
+    """A one-token document (cuDNN refuses s_q = s_kv = 1): the softmax over one key is 1, so out = v and
+    lse = scale * q.k. q [1, 1, r, d] (bshd) or [1, r, 1, d] (bhsd), k/v the group's (bshd: [1, 1, 1, d])."""
+    qq, kk, vv = (t if lay == "bshd" else t.transpose(1, 2) for t in (q, k, v))  # -> [1, 1, r or 1, d]
+    out = vv.expand_as(qq).to(q.dtype)
+    lse = (qq.float() * kk.float()).sum(-1).transpose(1, 2) * scale  # [1, 1, r] -> [1, r, 1]
+    return (out if lay == "bshd" else out.transpose(1, 2)), lse, ()
+
+
+def _one_token_bwd(g, q, k, v, lay):
+    """Its grads: dv = dout (summed over the group's heads by the caller's bhsd plumbing), dq = dk = 0."""
+    dv = g if lay != "bshd" else g.sum(2, keepdim=True)
+    return torch.zeros_like(q), torch.zeros_like(k), dv.to(v.dtype)
+
+
 class GroupedAttention(torch.autograd.Function):
     """q [b, s, hq, d], k/v [b, s, hkv, d] -> out [b, s, hq, d]; keeps q, k, v, out and lse [b, hq, s].
 
@@ -279,7 +294,12 @@ class GroupedAttention(torch.autograd.Function):
                 args = (_group(dout[:, a:e], j, r, lay), _group(q[:, a:e], j, r, lay),
                         _kv_group(k[:, a:e], j, r, lay), _kv_group(v[:, a:e], j, r, lay),
                         _group(out[:, a:e], j, r, lay), lse[:, j * r:(j + 1) * r, a:e], aux, ctx.scale)
-                gq, gk, gv = backend.bwd_varlen(*args, docs) if varlen else backend.bwd(*args)
+                if varlen:
+                    gq, gk, gv = backend.bwd_varlen(*args, docs)
+                elif docs is not None and e - a == 1:
+                    gq, gk, gv = _one_token_bwd(args[0], args[1], args[2], args[3], lay)
+                else:
+                    gq, gk, gv = backend.bwd(*args)
                 _group(dq[:, a:e], j, r, lay).copy_(gq)
                 if lay == "bshd":  # the kernel's dk, dv are for the one KV head: [b, s, 1, d]
                     _kv_group(dk[:, a:e], j, r, lay).copy_(gk)
@@ -305,7 +325,12 @@ def _forward(q, k, v, scale, backend, docs=None):
         for i, (a, e) in enumerate(spans):  # the whole row, or one packed document at a time
             args = (_group(q[:, a:e], j, r, lay), _kv_group(k[:, a:e], j, r, lay), _kv_group(v[:, a:e], j, r, lay),
                     scale)
-            og, lg, aux[i] = backend.fwd_varlen(*args, docs) if varlen else backend.fwd(*args)
+            if varlen:
+                og, lg, aux[i] = backend.fwd_varlen(*args, docs)
+            elif docs is not None and e - a == 1:
+                og, lg, aux[i] = _one_token_fwd(*args, lay)
+            else:
+                og, lg, aux[i] = backend.fwd(*args)
             _group(out[:, a:e], j, r, lay).copy_(og)  # the group's heads of [b, s, hq, d]
             lse[:, j * r:(j + 1) * r, a:e] = lg
             del og, lg
