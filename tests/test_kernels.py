@@ -70,22 +70,42 @@ def _fake_flash_modules(monkeypatch, calls):
         mask = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool).tril()
         return scores.masked_fill(~mask, float("-inf")).logsumexp(-1)
 
-    def fa4_fwd(q, k, v, softmax_scale=None, causal=False, return_lse=False, **kw):
+    def varlen_lse(q, k, cu, scale):  # [total, r, d], [total, 1, d] -> [r, total], per document
+        b = cu.tolist()
+        return torch.cat([lse_of(q[None, a:e], k[None, a:e], scale)[0] for a, e in zip(b[:-1], b[1:])], dim=1)
+
+    def fa4_fwd(q, k, v, softmax_scale=None, causal=False, return_lse=False, cu_seqlens_q=None,
+                cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **kw):
+        assert return_lse  # the LSE is kept for backward
+        if cu_seqlens_q is not None:  # varlen: [total, r, d], the group's one KV head
+            calls.append(("varlen", q.shape, k.shape, cu_seqlens_q.dtype, max_seqlen_q, causal))
+            assert q.dim() == 3 and k.shape[1] == 1 and torch.equal(cu_seqlens_q, cu_seqlens_k)
+            out = _reference(q[None], k[None], v[None], cu_seqlens_q, softmax_scale)[0]
+            return out, varlen_lse(q, k, cu_seqlens_q, softmax_scale), None, None, None
         calls.append(("dense", q.shape, k.shape, causal))
-        assert k.shape[2] == 1 and return_lse  # one group, its own KV head; the LSE is kept for backward
+        assert k.shape[2] == 1  # one group, its own KV head
         b, s = q.shape[:2]
         out = _reference(q, k, v, torch.arange(0, b * s + 1, s, dtype=torch.int32), softmax_scale)
         return out, lse_of(q, k, softmax_scale), None, None, None
 
-    def fa4_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, **kw):
-        calls.append(("dense_bwd", q.shape, k.shape, causal))
+    def fa4_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, cu_seqlens_q=None, **kw):
         assert lse.dtype == torch.float32
-        assert torch.allclose(lse.double(), lse_of(q.double(), k.double(), softmax_scale), atol=1e-5)
-        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        b, s = q.shape[:2]
+        if cu_seqlens_q is not None:
+            calls.append(("varlen_bwd", q.shape, k.shape, causal))
+            assert torch.allclose(lse.double(), varlen_lse(q.double(), k.double(), cu_seqlens_q, softmax_scale),
+                                  atol=1e-5)
+            leaves = [t.detach().double()[None].requires_grad_() for t in (q, k, v)]
+            cu = cu_seqlens_q
+        else:
+            calls.append(("dense_bwd", q.shape, k.shape, causal))
+            assert torch.allclose(lse.double(), lse_of(q.double(), k.double(), softmax_scale), atol=1e-5)
+            leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            b, s = q.shape[:2]
+            cu = torch.arange(0, b * s + 1, s, dtype=torch.int32)
         with torch.enable_grad():  # called from inside an autograd backward
-            ref = _reference(*leaves, torch.arange(0, b * s + 1, s, dtype=torch.int32), softmax_scale)
-            return [g.to(q.dtype) for g in torch.autograd.grad(ref, leaves, dout.double())]
+            ref = _reference(*leaves, cu, softmax_scale)
+            grads = torch.autograd.grad(ref, leaves, dout.double().reshape(ref.shape))
+            return [g.reshape(t.shape).to(q.dtype) for g, t in zip(grads, (q, k, v))]
 
     cute = types.ModuleType("flash_attn.cute.interface")
     cute._flash_attn_fwd, cute._flash_attn_bwd = fa4_fwd, fa4_bwd
@@ -111,11 +131,13 @@ def test_flash_glue_shapes_and_varlen(monkeypatch, name):
                           atol=1e-12)
     dense = fn(q, k, v, scale=0.25, cu_seqlens=torch.tensor([0, 12, 24], dtype=torch.int32), max_seqlen=12)
     assert torch.allclose(dense, kernels.sdpa_attention(q, k, v, scale=0.25), atol=1e-12)
-    assert calls[0] == ("varlen", (24, 4, 8), torch.int32, 8, True)  # [b*s, h, d], int32 offsets, causal
     if name == "flash_attention_2":
+        assert calls[0] == ("varlen", (24, 4, 8), torch.int32, 8, True)  # [b*s, h, d], int32 offsets, causal
         assert calls[1][0] == "dense" and calls[1][1] == q.shape and calls[1][3] is True
-    else:  # FA4's dense rows run one KV group at a time: 2 query heads with their one KV head
-        assert calls[1:] == [("dense", (2, 12, 2, 8), (2, 12, 1, 8), True)] * 2
+    else:  # FA4 runs one KV group at a time: packed, one varlen call per group ([b*s, 2 query heads, d], its one
+        # KV head, int32 offsets, causal); dense rows 2 query heads with their one KV head
+        assert calls[:2] == [("varlen", (24, 2, 8), (24, 1, 8), torch.int32, 8, True)] * 2
+        assert calls[2:] == [("dense", (2, 12, 2, 8), (2, 12, 1, 8), True)] * 2
 
 
 def test_flash4_dense_grads_and_kept_outputs(monkeypatch):
@@ -182,3 +204,29 @@ def test_every_kernel_registers_under_a_name_transformers_accepts(kernel):
     model = build_model(preset_config("tiny"), torch.float32)
     model.set_attn_implementation(attention.register())
     assert model.config._attn_implementation == attention.name
+
+
+def test_flash4_packed_grads_and_kept_outputs(monkeypatch):
+    """Packed rows on flash-attn-4: one varlen call per KV-head group, the kept output and LSE replayed in the
+    recompute (no second forward), grads those of SDPA one document at a time."""
+    from ulysses_trainer.attention.stash import AttentionStash
+
+    calls = []
+    _fake_flash_modules(monkeypatch, calls)
+    q, k, v = (t.float().requires_grad_() for t in _qkv(seed=5))
+    cu = torch.tensor([0, 1, 12, 13, 24], dtype=torch.int32)  # one-token documents, row 0: 1 + 11, row 1: 1 + 11
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(6))
+    stash = AttentionStash([0])
+    with torch.no_grad():
+        kernels.flash4_attention(q, k, v, scale=0.25, cu_seqlens=cu, max_seqlen=11, stash=stash, layer=0)
+    out = kernels.flash4_attention(q, k, v, scale=0.25, cu_seqlens=cu, max_seqlen=11, stash=stash, layer=0)
+    out.backward(dout)
+    got = [out.detach()] + [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = kernels.sdpa_attention(q, k, v, scale=0.25, cu_seqlens=cu, max_seqlen=11)
+    ref.backward(dout)
+    for a, r in zip(got, [ref.detach()] + [t.grad for t in (q, k, v)]):
+        assert torch.allclose(a, r, atol=1e-5)
+    assert stash.replays == 1
+    assert [c[0] for c in calls] == ["varlen"] * 2 + ["varlen_bwd"] * 2  # per group; no second forward

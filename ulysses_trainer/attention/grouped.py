@@ -11,6 +11,11 @@ The backends are attention ops that return the log-sum-exp and take it back in b
 stand-in of attention/standin.py (allocates what cuDNN would, computes nothing), and `fa4`, flash-attn-4's
 forward and backward (flash_attn.cute; Hopper/Blackwell), which take [b, s, h, d] and a group's single KV
 head as it is (no repeat), with tiles chosen for head_dim 128 on Hopper (FA4_SM90_FWD / FA4_SM90_BWD).
+
+Packed rows (several documents in one flattened row, `Documents`): the same groups, and within a group either
+one varlen call over all documents (flash-attn-4's cu_seqlens kernel: `Backend.fwd_varlen`) or one call per
+document (the others); out and lse are written in place, so the kept outputs and the transients are those of a
+dense row of the same length.
 """
 
 from __future__ import annotations
@@ -39,6 +44,26 @@ class Backend:
     fwd: Callable
     bwd: Callable
     layout: str = "bhsd"
+    # packed rows in one call: fwd_varlen(q, k, v, scale, docs), bwd_varlen(..., scale, docs), the tensors
+    # [1, total, h, d] (bshd); None: one call per document
+    fwd_varlen: Callable | None = None
+    bwd_varlen: Callable | None = None
+
+
+class Documents:
+    """The documents of one flattened row [1, total, h, d]: cu_seqlens (int32 starts + end, on the kernel's
+    device), the longest length, and the (start, end) spans, read from the device only when asked for."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int | None = None):
+        self.cu_seqlens = cu_seqlens.to(torch.int32)
+        self._bounds: list[int] | None = None
+        self.max_seqlen = int(max_seqlen) if max_seqlen is not None else max(e - a for a, e in self.spans)
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        if self._bounds is None:
+            self._bounds = self.cu_seqlens.tolist()
+        return list(zip(self._bounds[:-1], self._bounds[1:]))
 
 
 def _cudnn_fwd(q, k, v, scale):
@@ -137,6 +162,34 @@ def _fa4_bwd(g, q, k, v, out, lse, aux, scale, tuned: bool = True):
     return dq, dk, dv
 
 
+# flash-attn-4's varlen kernels take the trainer's tiles too (the same head_dim-128 Hopper kernels with a
+# cu_seqlens scheduler); False: the library's choice for packed rows
+FA4_VARLEN_TUNED = True
+
+
+def _fa4_varlen_fwd(q, k, v, scale, docs: Documents):
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    kw = FA4_SM90_FWD if FA4_VARLEN_TUNED and _tuned(q) else {}
+    # [1, total, h, d] -> [total, h, d]: the varlen layout; lse comes back [h, total]
+    out, lse = _flash_attn_fwd(q[0], k[0], v[0], cu_seqlens_q=docs.cu_seqlens, cu_seqlens_k=docs.cu_seqlens,
+                               max_seqlen_q=docs.max_seqlen, max_seqlen_k=docs.max_seqlen, softmax_scale=scale,
+                               causal=True, return_lse=True, **kw)[:2]
+    return out[None], lse[None], ()  # out [1, total, r, d], lse [1, r, total]
+
+
+def _fa4_varlen_bwd(g, q, k, v, out, lse, aux, scale, docs: Documents):
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    use = FA4_VARLEN_TUNED and _tuned(q)
+    tiles = _sm90_bwd_tiles(FA4_SM90_BWD) if use else contextlib.nullcontext()
+    with tiles:
+        dq, dk, dv = _flash_attn_bwd(q[0], k[0], v[0], out[0], g[0], lse[0].contiguous(), softmax_scale=scale,
+                                     causal=True, cu_seqlens_q=docs.cu_seqlens, cu_seqlens_k=docs.cu_seqlens,
+                                     max_seqlen_q=docs.max_seqlen, max_seqlen_k=docs.max_seqlen)[:3]
+    return dq[None], dk[None], dv[None]
+
+
 def _fa4_library_fwd(q, k, v, scale):
     return _fa4_fwd(q, k, v, scale, tuned=False)
 
@@ -146,7 +199,7 @@ def _fa4_library_bwd(g, q, k, v, out, lse, aux, scale):
 
 
 BACKENDS = {
-    "fa4": Backend("fa4", _fa4_fwd, _fa4_bwd, layout="bshd"),
+    "fa4": Backend("fa4", _fa4_fwd, _fa4_bwd, layout="bshd", fwd_varlen=_fa4_varlen_fwd, bwd_varlen=_fa4_varlen_bwd),
     "fa4_library": Backend("fa4_library", _fa4_library_fwd, _fa4_library_bwd, layout="bshd"),  # for comparison
     "cudnn": Backend("cudnn", _cudnn_fwd, _cudnn_bwd),
     "flash": Backend("flash", _flash_fwd, _flash_bwd),
@@ -185,23 +238,45 @@ def _kv_group(t: torch.Tensor, j: int, r: int, layout: str) -> torch.Tensor:
     return head if layout == "bshd" else head.transpose(1, 2).repeat(1, r, 1, 1)
 
 
+def _spans(s: int, docs: Documents | None, backend: Backend) -> list[tuple[int, int]]:
+    """The sequence ranges one kernel call covers: the whole row (dense, or a varlen kernel), else each document."""
+    return [(0, s)] if docs is None or backend.fwd_varlen is not None else docs.spans
+
+
+def _one_token_fwd(q, k, v, scale, lay):
+    """A one-token document (cuDNN refuses s_q = s_kv = 1): the softmax over one key is 1, so out = v and
+    lse = scale * q.k. q [1, 1, r, d] (bshd) or [1, r, 1, d] (bhsd), k/v the group's (bshd: [1, 1, 1, d])."""
+    qq, kk, vv = (t if lay == "bshd" else t.transpose(1, 2) for t in (q, k, v))  # -> [1, 1, r or 1, d]
+    out = vv.expand_as(qq).to(q.dtype)
+    lse = (qq.float() * kk.float()).sum(-1).transpose(1, 2) * scale  # [1, 1, r] -> [1, r, 1]
+    return (out if lay == "bshd" else out.transpose(1, 2)), lse, ()
+
+
+def _one_token_bwd(g, q, k, v, lay):
+    """Its grads: dv = dout (summed over the group's heads by the caller's bhsd plumbing), dq = dk = 0."""
+    dv = g if lay != "bshd" else g.sum(2, keepdim=True)
+    return torch.zeros_like(q), torch.zeros_like(k), dv.to(v.dtype)
+
+
 class GroupedAttention(torch.autograd.Function):
     """q [b, s, hq, d], k/v [b, s, hkv, d] -> out [b, s, hq, d]; keeps q, k, v, out and lse [b, hq, s].
 
-    `kept`: (out, lse, aux) of an earlier forward on the same q, k, v (attention/stash.py): the kernel's
-    forward is skipped and they are used as they are. `record`: a list the (out, lse, aux) are appended to.
+    `docs`: packed documents of a flattened row (b = 1), each attended on its own. `kept`: (out, lse, aux) of an
+    earlier forward on the same q, k, v (attention/stash.py): the kernel's forward is skipped and they are used as
+    they are. `record`: a list the (out, lse, aux) are appended to. aux: one entry per kernel span (_spans).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, backend: Backend, kept: tuple | None, record: list | None):
+    def forward(ctx, q, k, v, scale: float, backend: Backend, kept: tuple | None, record: list | None,
+                docs: Documents | None = None):
         if kept is not None:
             out, lse, aux = kept
         else:
-            out, lse, aux = _forward(q, k, v, scale, backend)
+            out, lse, aux = _forward(q, k, v, scale, backend, docs)
             if record is not None:
                 record.append((out, lse, aux))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.backend, ctx.aux = scale, backend, aux
+        ctx.scale, ctx.backend, ctx.aux, ctx.docs = scale, backend, aux, docs
         return out
 
     @staticmethod
@@ -211,49 +286,71 @@ class GroupedAttention(torch.autograd.Function):
         r = hq // hkv
         dout = dout.contiguous()  # [b, s, hq, d], the layout of out
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        lay = ctx.backend.layout
+        backend, docs = ctx.backend, ctx.docs
+        lay = backend.layout
+        varlen = docs is not None and backend.bwd_varlen is not None
         for j in range(hkv):
-            gq, gk, gv = ctx.backend.bwd(_group(dout, j, r, lay), _group(q, j, r, lay), _kv_group(k, j, r, lay),
-                                         _kv_group(v, j, r, lay), _group(out, j, r, lay),
-                                         lse[:, j * r:(j + 1) * r], ctx.aux, ctx.scale)
-            _group(dq, j, r, lay).copy_(gq)
-            if lay == "bshd":  # the kernel's dk, dv are for the one KV head: [b, s, 1, d]
-                _kv_group(dk, j, r, lay).copy_(gk)
-                _kv_group(dv, j, r, lay).copy_(gv)
-            else:  # the group's KV head was repeated r times: its grad is the sum over the copies
-                dk[:, :, j] = gk.sum(1, dtype=torch.float32)  # [b, r, s, d] -> [b, s, d], summed in fp32
-                dv[:, :, j] = gv.sum(1, dtype=torch.float32)
-            del gq, gk, gv
-        return dq, dk, dv, None, None, None, None
+            for (a, e), aux in zip(_spans(q.shape[1], docs, backend), ctx.aux):
+                args = (_group(dout[:, a:e], j, r, lay), _group(q[:, a:e], j, r, lay),
+                        _kv_group(k[:, a:e], j, r, lay), _kv_group(v[:, a:e], j, r, lay),
+                        _group(out[:, a:e], j, r, lay), lse[:, j * r:(j + 1) * r, a:e], aux, ctx.scale)
+                if varlen:
+                    gq, gk, gv = backend.bwd_varlen(*args, docs)
+                elif docs is not None and e - a == 1:
+                    gq, gk, gv = _one_token_bwd(args[0], args[1], args[2], args[3], lay)
+                else:
+                    gq, gk, gv = backend.bwd(*args)
+                _group(dq[:, a:e], j, r, lay).copy_(gq)
+                if lay == "bshd":  # the kernel's dk, dv are for the one KV head: [b, s, 1, d]
+                    _kv_group(dk[:, a:e], j, r, lay).copy_(gk)
+                    _kv_group(dv[:, a:e], j, r, lay).copy_(gv)
+                else:  # the group's KV head was repeated r times: its grad is the sum over the copies
+                    dk[:, a:e, j] = gk.sum(1, dtype=torch.float32)  # [b, r, s, d] -> [b, s, d], summed in fp32
+                    dv[:, a:e, j] = gv.sum(1, dtype=torch.float32)
+                del gq, gk, gv
+        return dq, dk, dv, None, None, None, None, None
 
 
-def _forward(q, k, v, scale, backend):
+def _forward(q, k, v, scale, backend, docs=None):
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     r = hq // hkv
     out = q.new_empty(b, s, hq, d)
     lse = torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
-    aux = ()
+    spans = _spans(s, docs, backend)
+    varlen = docs is not None and backend.fwd_varlen is not None
+    aux: list = [()] * len(spans)
+    lay = backend.layout
     for j in range(hkv):  # one KV group at a time: the kernel's transients are for r heads, not hq
-        lay = backend.layout
-        og, lg, aux = backend.fwd(_group(q, j, r, lay), _kv_group(k, j, r, lay), _kv_group(v, j, r, lay), scale)
-        _group(out, j, r, lay).copy_(og)  # the group's heads of [b, s, hq, d]
-        lse[:, j * r:(j + 1) * r] = lg
-        del og, lg
+        for i, (a, e) in enumerate(spans):  # the whole row, or one packed document at a time
+            args = (_group(q[:, a:e], j, r, lay), _kv_group(k[:, a:e], j, r, lay), _kv_group(v[:, a:e], j, r, lay),
+                    scale)
+            if varlen:
+                og, lg, aux[i] = backend.fwd_varlen(*args, docs)
+            elif docs is not None and e - a == 1:
+                og, lg, aux[i] = _one_token_fwd(*args, lay)
+            else:
+                og, lg, aux[i] = backend.fwd(*args)
+            _group(out[:, a:e], j, r, lay).copy_(og)  # the group's heads of [b, s, hq, d]
+            lse[:, j * r:(j + 1) * r, a:e] = lg
+            del og, lg
     return out, lse, aux
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: Backend,
-                      stash: AttentionStash | None = None, layer: int | None = None) -> torch.Tensor:
-    """Dense causal attention, one KV-head group at a time (see the module docstring). With a stash, the
-    forward without grad (a checkpoint's first) keeps the kernel's outputs for `layer`, and the forward
-    with grad (its recompute) reuses them instead of running the kernel."""
+                      stash: AttentionStash | None = None, layer: int | None = None,
+                      docs: Documents | None = None) -> torch.Tensor:
+    """Causal attention, one KV-head group at a time (see the module docstring); `docs`: the packed documents of
+    a flattened row (q [1, total, hq, d]), none attending across a boundary. With a stash, the forward without
+    grad (a checkpoint's first) keeps the kernel's outputs for `layer`, and the forward with grad (its
+    recompute) reuses them instead of running the kernel."""
     assert q.shape[2] % k.shape[2] == 0, f"query heads {q.shape[2]} must be a multiple of KV heads {k.shape[2]}"
+    assert docs is None or q.shape[0] == 1, "packed documents come as one flattened row [1, total, h, d]"
     if stash is None or layer is None:
-        return GroupedAttention.apply(q, k, v, scale, backend, None, None)
+        return GroupedAttention.apply(q, k, v, scale, backend, None, None, docs)
     if torch.is_grad_enabled():
-        return GroupedAttention.apply(q, k, v, scale, backend, stash.take(layer), None)
+        return GroupedAttention.apply(q, k, v, scale, backend, stash.take(layer), None, docs)
     record: list = []
-    out = GroupedAttention.apply(q, k, v, scale, backend, None, record)
+    out = GroupedAttention.apply(q, k, v, scale, backend, None, record, docs)
     stash.put(layer, record[0])
     return out

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..names import STANDIN, STANDIN_FA4
-from .grouped import BACKENDS, default_backend, grouped_attention, runs_grouped
+from .grouped import BACKENDS, Documents, default_backend, grouped_attention, runs_grouped
 from .standin import standin_attention, standin_attention_fa4
 
 
@@ -55,14 +55,22 @@ def _sdpa_dense(q, k, v, scale, stash=None, layer=None):
     return out.transpose(1, 2)
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(1, -1, *t.shape[2:])  # [b, s, h, d] -> [1, b*s, h, d]: cu_seqlens index the flattened batch
+
+
 def sdpa_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None, stash=None,
                    layer=None) -> torch.Tensor:
-    """SDPA; packed documents run one at a time (no s x s mask is ever built: slower, never wrong).
-    `stash`/`layer`: keep/reuse the kernel's outputs across a checkpoint's recompute (attention/stash.py;
-    dense rows only)."""
+    """SDPA; packed documents run one at a time (no s x s mask is ever built), and like dense rows one KV-head
+    group at a time with the explicit-LSE kernels where the planner's rule says so (attention/grouped.py), so
+    `stash`/`layer` keep/reuse the kernel's outputs across a checkpoint's recompute (attention/stash.py)."""
     b, s = q.shape[:2]
     if _single_doc_per_row(cu_seqlens, b):
         return _sdpa_dense(q, k, v, scale, stash, layer)
+    backend = default_backend(q.device)
+    if backend is not None and runs_grouped(k.shape[2], stash):
+        docs = Documents(cu_seqlens, max_seqlen)
+        return grouped_attention(_flat(q), _flat(k), _flat(v), scale, backend, stash, layer, docs).reshape(q.shape)
     qf, kf, vf = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))  # [b, s, h, d] -> [b*s, h, d]
     bounds = cu_seqlens.tolist()
     outs = [_sdpa_dense(qf[None, a:e], kf[None, a:e], vf[None, a:e], scale)[0]
@@ -70,25 +78,16 @@ def sdpa_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None, s
     return torch.cat(outs).reshape(q.shape)  # [b*s, h, d] -> [b, s, h, d]
 
 
-def _first(out):
-    return out[0] if isinstance(out, tuple) else out
-
-
 def flash4_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None, stash=None,
                      layer=None) -> torch.Tensor:
-    """flash-attn-4. Dense rows: one KV-head group at a time through its explicit-LSE forward and backward
-    (attention/grouped.py: the same transients-per-group saving as sdpa, and the outputs can be kept for
-    the recompute); packed documents: its varlen kernel on all heads (no stash)."""
-    from flash_attn.cute.interface import flash_attn_varlen_func
-
-    b, s = q.shape[:2]
+    """flash-attn-4, one KV-head group at a time through its explicit-LSE forward and backward (attention/grouped.py:
+    the same transients-per-group saving as sdpa, and the outputs can be kept for the recompute); packed documents
+    through its varlen (cu_seqlens) kernels, one call per group over all documents."""
+    b = q.shape[0]
     if _single_doc_per_row(cu_seqlens, b):
         return grouped_attention(q, k, v, scale, BACKENDS["fa4"], stash, layer)
-    qf, kf, vf = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))  # [b, s, h, d] -> [b*s, h, d]
-    out = flash_attn_varlen_func(qf, kf, vf, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                 max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
-                                 softmax_scale=scale, causal=True)
-    return _first(out).reshape(q.shape)
+    docs = Documents(cu_seqlens, max_seqlen)
+    return grouped_attention(_flat(q), _flat(k), _flat(v), scale, BACKENDS["fa4"], stash, layer, docs).reshape(q.shape)
 
 
 def flash2_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
