@@ -102,7 +102,8 @@ def test_flash_attention_2_keeps_no_attention_outputs():
     assert "0/36 attention outputs kept" in plan.summary()
     with pytest.raises(ConfigError, match="flash_attention_2 cannot: set keep_attention_outputs false"):
         _plan(kernels=("flash_attention_2", "sdpa"), keep_attention_outputs=True)
-    assert _plan(packing=True).kept_attention_layers == ()  # per-document kernels keep nothing either
+    # packed rows keep outputs as a dense row of the same length does (one KV group at a time, the same buffers)
+    assert _plan(packing=True).kept_attention_layers == _plan().kept_attention_layers != ()
 
 
 def test_auto_takes_flash_attention_4_whenever_installed():

@@ -137,8 +137,6 @@ def _first_notes(cfg: Any, machine: Machine, fx: Fixed, kernel: str, norm: str,
                      f"--attn_implementation flash_attention_4 where it is installed)")
     if cfg.norm_kernel == "auto" and cfg.lean_norm and not machine.kernels_known:
         notes.append(f"norm_kernel auto planned as {norm} (pass --norm_kernel triton where liger-kernel is installed)")
-    if cfg.packing and fx.keep is None:
-        notes.append("packing: attention outputs are not kept (the kernel runs per document)")
     return notes
 
 
@@ -210,7 +208,8 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     if not gpu:
         chosen, fits, best = _cheapest(shape, base, fx), True, {}
     else:
-        can_keep = cfg.gradient_checkpointing and kernel in KEEPING_KERNELS and not cfg.packing
+        # packed rows keep outputs as dense rows do (attention/grouped.py: per KV group, buffers of a dense row)
+        can_keep = cfg.gradient_checkpointing and kernel in KEEPING_KERNELS
         chosen, fits, best = fastest_fit(shape, base, fx, shape.layers if can_keep else 0, budget,
                                          machine.host_memory_gb, knobs, lambda s: time_of(s).total_s)
         if fits and fx.offload is None:
