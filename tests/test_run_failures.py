@@ -17,6 +17,7 @@ import pytest
 
 from tests.dist_utils import free_port, train_command, train_env
 from tests.tiny_checkpoint import write_checkpoint, write_documents
+from ulysses_trainer.cli.launcher import catches_sigterm
 
 pytestmark = pytest.mark.slow
 
@@ -134,9 +135,9 @@ def test_ctrl_c_saves_and_waits_and_a_run_interrupted_before_training_leaves_not
 
     early = _ulysses_train(common + ["--max_steps", "40"])
     deadline = time.monotonic() + 120
-    while not _ranks_left(str(out)) and time.monotonic() < deadline:  # the command has started the ranks
-        time.sleep(0.1)
-    time.sleep(0.5)  # the ranks are starting (importing torch): nothing has been written
+    while not (len(_ranks_left(str(out))) == 2 and all(map(catches_sigterm, _ranks_left(str(out))))) \
+            and time.monotonic() < deadline:  # the ranks have their handlers (importing torch): nothing written
+        time.sleep(0.01)
     os.killpg(early.pid, signal.SIGINT)
     text = early.communicate(timeout=300)[0]
     assert early.returncode == 130, text[-3000:]
@@ -177,11 +178,15 @@ def test_a_second_ctrl_c_stops_at_once_and_the_last_checkpoint_resumes(tmp_path)
     out, common = _tiny_run(tmp_path, "--save_steps", "1")
     job = _ulysses_train(common + ["--max_steps", "40"])
     seen = []
-    for line in job.stdout:  # two Ctrl-C once step 2 has been logged (checkpoint-1 exists by then)
+    pressed = False
+    for line in job.stdout:  # Ctrl-C once step 2 has been logged (checkpoint-1 exists by then)
         seen.append(line)
-        if "'loss'" in line and "'num_tokens': 64.0" in line:
+        if not pressed and "'loss'" in line and "'num_tokens': 64.0" in line:
             os.killpg(job.pid, signal.SIGINT)
-            time.sleep(1.0)  # a second press, not the same one
+            pressed = True
+        elif pressed and "interrupted: saving step" in line:  # the first press has reached the ranks
+            for pid in _ranks_left(str(out)):  # held where they are, so the second press finds the save unfinished
+                os.kill(pid, signal.SIGSTOP)
             os.killpg(job.pid, signal.SIGINT)
             break
     text = "".join(seen) + job.communicate(timeout=300)[0]
@@ -196,20 +201,52 @@ def test_a_second_ctrl_c_stops_at_once_and_the_last_checkpoint_resumes(tmp_path)
     assert f"resumed from {out / last}" in resumed.stdout + resumed.stderr
 
 
-@pytest.mark.parametrize("delay_s", [0.1, 0.8, 1.6])
-def test_ctrl_c_at_any_moment_of_startup_says_one_line(tmp_path, delay_s):
-    """Ctrl-C while the command or its ranks import torch, transformers or DeepSpeed: one line, exit 130, no
-    output_dir, no traceback (a KeyboardInterrupt inside a library's import used to surface as that library's
-    error, e.g. transformers' ModuleNotFoundError, or abort the process)."""
+def _wait_for(cond, job: subprocess.Popen, what: str) -> None:
+    """Until cond() holds (an event of the job, not a time): the job must still be running."""
+    while not cond():
+        assert job.poll() is None, f"the job ended (exit {job.returncode}) before {what}"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("moment", ["command", "ranks_exist", "ranks_ready"])
+def test_ctrl_c_at_any_moment_of_startup_says_one_line(tmp_path, moment):
+    """Ctrl-C at a known point of start-up, each reached by an event rather than a delay: once the command can
+    take it (its handler is in place: /proc SigCgt), as soon as the rank processes exist (their interpreters
+    start: the command holds the request until they can take it), and once the ranks have their handlers
+    (torch, transformers and DeepSpeed import, inputs are checked). Each: one line, exit 130, no output_dir, no
+    traceback (a KeyboardInterrupt inside a library's import used to surface as that library's error or abort
+    the process; the runner killed by the Ctrl-C in the instant between fork and setsid came back as 254)."""
     out, common = _tiny_run(tmp_path)
     job = _ulysses_train(common + ["--max_steps", "40"])
-    time.sleep(delay_s)
+    if moment == "command":
+        _wait_for(lambda: catches_sigterm(job.pid), job, "the command's handler")
+    elif moment == "ranks_exist":
+        _wait_for(lambda: _ranks_left(str(out)), job, "the ranks")
+    else:
+        _wait_for(lambda: len(_ranks_left(str(out))) == 2 and all(map(catches_sigterm, _ranks_left(str(out)))), job,
+                  "the ranks' handlers")
     os.killpg(job.pid, signal.SIGINT)
     text = job.communicate(timeout=300)[0]
     assert job.returncode == 130, text[-3000:]
     assert len(re.findall(r"interrupted before training: nothing written", text)) == 1, text[-3000:]
     assert "Traceback" not in text and "Error" not in text.replace("[ERROR]", ""), text[-3000:]
     assert not out.exists() and not _ranks_left(str(out))
+
+
+def test_the_runner_killed_by_the_ctrl_c_is_reported_as_an_interruption(tmp_path):
+    """The deepspeed runner shares the command's process group for an instant (between fork and setsid), so a
+    Ctrl-C then kills it before any rank exists. A `deepspeed` that dies of SIGINT at once stands in for it (it
+    is found first on PATH): one line, exit 130, never the runner's -2 passed on as exit 254."""
+    fake = tmp_path / "bin" / "deepspeed"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nkill -INT $PPID\nkill -INT $$\nsleep 5\n")
+    fake.chmod(0o755)
+    env = dict(train_env(), PATH=f"{fake.parent}:{os.environ['PATH']}")
+    proc = subprocess.run([sys.executable, "-m", "ulysses_trainer", "train", "--num_gpus", "2"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert proc.stderr.count("interrupted before training: nothing written") == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
 
 
 def test_the_commands_import_no_torch_before_they_handle_ctrl_c():

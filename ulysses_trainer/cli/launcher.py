@@ -25,6 +25,7 @@ import sys
 import time
 
 from ..errors import EXIT_INTERRUPTED, EXIT_INVALID, ConfigError
+from .train import INTERRUPTED_BEFORE_TRAINING
 
 _POLL_S = 0.2
 
@@ -61,9 +62,26 @@ def _session_members(sid: int) -> list[tuple[int, bytes]]:
     return out
 
 
-def _ranks(sid: int) -> list[int]:
-    # the per-node launcher passes --local_rank=N to the ranks only
-    return [pid for pid, cmd in _session_members(sid) if b"--local_rank" in cmd]
+def _ranks(sid: int) -> dict[int, int]:
+    """pid -> local rank of the rank processes (the per-node launcher passes --local_rank=N to them only)."""
+    out = {}
+    for pid, cmd in _session_members(sid):
+        for arg in cmd.split(b"\0"):
+            if arg.startswith(b"--local_rank="):
+                out[pid] = int(arg.split(b"=", 1)[1] or 0)
+    return out
+
+
+def catches_sigterm(pid: int) -> bool:
+    """The process has a handler for SIGTERM (/proc/PID/status SigCgt): the trainer's entry point installs one
+    for SIGINT and SIGTERM before anything else, Python's own start-up catches SIGINT only. Before that a SIGINT
+    would end the rank silently (interpreter start) or as a traceback, so it is held back until then."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
 
 
 def _remove_unfinished_saves(output_dir: str | None) -> None:
@@ -104,7 +122,8 @@ def main(argv: list[str]) -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_package_parent(),
                                                                   os.environ.get("PYTHONPATH")) if p))
     job = subprocess.Popen(cmd, start_new_session=True, env=env)  # the terminal's Ctrl-C reaches only this process
-    delivered, seen, killed = set(), set(), False
+    delivered: dict[int, int] = {}  # pid -> local rank, of the ranks that were sent the request
+    killed = False
     while True:
         try:
             code = job.wait(timeout=_POLL_S)
@@ -115,12 +134,12 @@ def main(argv: list[str]) -> int:
             os.killpg(job.pid, signal.SIGKILL)
             killed = True
         elif requests and not killed:  # ranks that exist now and were not asked yet (some may still start)
-            ranks = set(_ranks(job.pid))
-            ready, seen = ranks & seen, seen | ranks  # seen one poll ago: Python's SIGINT handler is in place
-            for pid in ready - delivered:
+            for pid, local_rank in _ranks(job.pid).items():
+                if pid in delivered or not catches_sigterm(pid):  # not yet able to take it: next poll
+                    continue
                 try:
                     os.kill(pid, signal.SIGINT)
-                    delivered.add(pid)
+                    delivered[pid] = local_rank
                 except ProcessLookupError:
                     pass
     while _session_members(job.pid):  # the runner returned; its launcher and ranks may still be ending
@@ -133,6 +152,12 @@ def main(argv: list[str]) -> int:
         print("[ulysses_trainer] stopped at once (second Ctrl-C): the save in progress is discarded, the last "
               "checkpoint is intact", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
-    if requests and code != 0:  # interrupted before training (the ranks said so), or a failure while stopping
-        return EXIT_INTERRUPTED if code in (1, EXIT_INTERRUPTED) else code
+    if requests and code != 0 and 0 not in delivered.values():
+        # the job ended before rank 0 could take the request: the runner itself died of the Ctrl-C (it is in this
+        # process group for an instant between fork and setsid; exit -2, which used to come back as 254), or the
+        # launcher ended the ranks first. Nothing was written (no rank reached training), so say it here.
+        print(INTERRUPTED_BEFORE_TRAINING, file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    if requests and code != 0:  # interrupted before training (rank 0 said so), or a failure while stopping
+        return EXIT_INTERRUPTED if code in (1, EXIT_INTERRUPTED, 256 - signal.SIGINT, -signal.SIGINT) else code
     return code
