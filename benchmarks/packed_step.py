@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     from ulysses_trainer.train.trainer import Trainer
 
     plan = prepare(cfg, world_size_from_env())
-    _init_distributed(plan.device)
+    _init_distributed()
     trainer = Trainer(plan)
     r = trainer.resolved
     result["plan"] = {"line": r.summary(), "kernel": plan.kernel,

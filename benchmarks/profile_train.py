@@ -99,7 +99,7 @@ def main() -> None:
 
     cfg = load_config(argv + ["--save_strategy", "no"])
     plan = prepare(cfg, world_size_from_env())
-    _init_distributed(plan.device)
+    _init_distributed()
     trainer = Trainer(plan)
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
