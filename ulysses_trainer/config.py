@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -179,6 +180,15 @@ class TrainConfig:
         None, "a PEFT LoraConfig mapping (r, lora_alpha, target_modules, ...); its keys win over the lora_* fields")
     merge_lora: bool = _f(False, "final/ holds the merged model (AutoModelForCausalLM loads it) instead of the adapter")
 
+    # TRL / TrainingArguments options (each decoded in __post_init__ or read where it acts; docs/configuration.md)
+    warmup_ratio: float = _f(0.0, "warmup as a fraction of the total steps (ceil); warmup_steps > 0 wins, as in HF")
+    lr_scheduler_kwargs: Union[dict, None] = _f(
+        None, "extra arguments of the lr_scheduler_type schedule, e.g. {num_cycles: 0.5} for cosine")
+    use_liger_kernel: bool = _f(False, "Liger-Kernel's fused RMSNorm: true = norm_kernel triton (lean_norm true)")
+    padding_free: bool = _f(False, "TRL's: no padding between examples; here = packing true (position_ids restart "
+                                   "at each example, attention stays within it)")
+    save_safetensors: bool = _f(True, "final/ is written as safetensors (false is refused: it always is)")
+
     # resume and data checks
     allow_config_change: bool = _f(
         False, "resume even where the config differs from the checkpoint's in a way that changes the results "
@@ -207,10 +217,31 @@ class TrainConfig:
             if self.dtype == "float16":
                 raise ConfigError("dtype float16 is not supported (fp16 needs loss scaling); use bfloat16")
             self.bf16 = _same_or_auto("bf16", self.bf16, self.dtype == "bfloat16", f"dtype {self.dtype}")
+        self._decode_trl_options()
         if self.eval_strategy == "no":
             self.eval_steps = None
         elif self.eval_strategy == "steps" and self.eval_steps is None:
             self.eval_steps = self.logging_steps
+
+
+    def _decode_trl_options(self) -> None:
+        """TRL options that stand for one of our settings (the rest are read where they act)."""
+        if self.padding_free:  # TRL: padding-free = packed examples, attention kept within each one
+            self.packing = True
+        if self.use_liger_kernel:
+            if not self.lean_norm:
+                raise ConfigError("use_liger_kernel true uses Liger's RMSNorm through the lean norms; "
+                                  "set lean_norm true (or use_liger_kernel false)")
+            self.norm_kernel = _same_or_auto("norm_kernel", self.norm_kernel, "triton", "use_liger_kernel true")
+        if not self.save_safetensors:
+            raise ConfigError("save_safetensors false is not supported: final/ is always written as safetensors; "
+                              "remove save_safetensors")
+        if not (0.0 <= self.warmup_ratio <= 1.0):
+            raise ConfigError(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
+
+    def warmup_for(self, total_steps: int) -> int:
+        """Warmup steps: warmup_steps when > 0, else ceil(warmup_ratio × total) (HF's get_warmup_steps)."""
+        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * total_steps)
 
 
 def _same_or_auto(name: str, current: Any, wanted: Any, spelling: str) -> Any:

@@ -91,8 +91,9 @@ class Trainer:
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
         optimizer = plan.optimizer.build(trainable) if plan.optimizer is not None else None
         def schedule(opt):  # DeepSpeed hands over its base optimizer; it steps and saves the schedule
-            return get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_steps,
-                                 num_training_steps=plan.total_steps)
+            return get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_for(plan.total_steps),
+                                 num_training_steps=plan.total_steps,
+                                 scheduler_specific_kwargs=cfg.lr_scheduler_kwargs)
 
         engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=plan.ds_config,
                                                lr_scheduler=schedule)
