@@ -67,16 +67,20 @@ def fake_process_group(rank: int, world_size: int, gpus_per_node: int, device: s
         with _without_rank0_trace_check():
             yield
     finally:
-        if dist.is_initialized():
-            import deepspeed.comm
+        try:
+            if dist.is_initialized():
+                import deepspeed.comm
 
-            deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's cached groups: a later group is new
-
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+                if getattr(deepspeed.comm, "cdb", None) is not None:
+                    deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's cached groups
+                if dist.is_initialized():  # DeepSpeed never adopted it: end torch's own
+                    dist.destroy_process_group()
+        finally:  # the environment comes back whatever the teardown did
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 # c10d op -> the collective it is; the per-rank input is the argument at the given index

@@ -40,10 +40,12 @@ def destroy_distributed(together: bool = True) -> None:
 def init_distributed(backend: str) -> None:
     """`deepspeed.init_distributed(backend)` (once: a no-op when the group exists); on "gloo" the
     shared-memory op is neither built nor mapped."""
-    if _initialized():
-        return
     import deepspeed
+    import deepspeed.comm
     import deepspeed.ops
+
+    if _initialized() and getattr(deepspeed.comm, "cdb", None) is not None:
+        return  # DeepSpeed has adopted the group; a torch group alone (the rehearsal's fake one) it must adopt
 
     if backend == "gloo":
         # DeepSpeed builds the op only where its compatibility table says it can (comm/torch.py)
