@@ -125,8 +125,16 @@ def test_index_naming_tensors_its_files_lack_is_refused(good, tmp_path):
         check_local_weights(str(bad), load_model_config(str(bad)))
 
 
-def test_the_model_init_kwargs_model_is_what_the_checkpoint_is_checked_against(good):
-    """A checkpoint of 2 layers does not load completely into the 1-layer model model_init_kwargs asks for."""
+def test_the_model_init_kwargs_model_is_what_the_checkpoint_is_checked_against(good, tmp_path):
+    """num_hidden_layers below the checkpoint's keeps its first layers (the rest dropped on purpose, nothing
+    random); a renamed tensor in a kept layer is still refused, one in a dropped layer is not loaded anyway."""
     path = str(good["dense"])
-    with pytest.raises(ConfigError, match=r"not used by the model \(model\.layers\.1\."):
-        check_local_weights(path, load_model_config(path, {"num_hidden_layers": 1}))
+    check_local_weights(path, load_model_config(path, {"num_hidden_layers": 1}))
+    kept = _edit(good["dense"], tmp_path / "kept", lambda k, v: [(k.replace("layers.0.mlp.up_proj", "layers.0.mlp.up"), v)])
+    with pytest.raises(ConfigError, match=r"not used by the model \(model\.layers\.0\.mlp\.up\.weight\)"):
+        check_local_weights(str(kept), load_model_config(str(kept), {"num_hidden_layers": 1}))
+    dropped = _edit(good["dense"], tmp_path / "dropped",
+                    lambda k, v: [(k.replace("layers.1.mlp.up_proj", "layers.1.mlp.up"), v)])
+    check_local_weights(str(dropped), load_model_config(str(dropped), {"num_hidden_layers": 1}))
+    with pytest.raises(ConfigError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):  # all layers: refused
+        check_local_weights(str(dropped), load_model_config(str(dropped)))

@@ -87,22 +87,34 @@ def loading_problems(config: PretrainedConfig, tensors: dict[str, torch.Tensor])
             return [f"transformers {transformers.__version__} cannot load them: {str(exc).strip().splitlines()[0]}"]
         info = {"missing_keys": [k for k, v in rows.items() if v == "MISSING"],
                 "unexpected_keys": [k for k, v in rows.items() if v == "UNEXPECTED"]}
-        return info_problems(info) + [_listed("fused tensors cannot be built from the checkpoint's parts", failed)
+        return info_problems(info, config.num_hidden_layers) + [_listed("fused tensors cannot be built from the checkpoint's parts", failed)
                                       + (f" ({why[0].strip()})" if why else "")]
     finally:
         root.handlers, root.level = handlers, level
         if bar:
             hf_logging.enable_progress_bar()
-    return info_problems(info)
+    return info_problems(info, config.num_hidden_layers)
 
 
-def info_problems(info: dict) -> list[str]:
-    """The loading info of `from_pretrained(..., output_loading_info=True)` as problems, one per kind."""
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _dropped_layer(key: str, layers: int | None) -> bool:
+    """A tensor of a decoder layer past the model's last: `num_hidden_layers` set below the checkpoint's
+    (model_init_kwargs) keeps the first layers and drops the rest on purpose; nothing trains from random."""
+    m = _LAYER.search(key)
+    return layers is not None and m is not None and int(m.group(1)) >= layers
+
+
+def info_problems(info: dict, layers: int | None = None) -> list[str]:
+    """The loading info of `from_pretrained(..., output_loading_info=True)` as problems, one per kind; unused
+    tensors of layers at index >= `layers` (the model's num_hidden_layers) are not a problem."""
     problems = []
     if info.get("missing_keys"):
         problems.append(_listed("tensors the model needs are missing", list(info["missing_keys"])))
-    if info.get("unexpected_keys"):
-        problems.append(_listed("checkpoint tensors are not used by the model", list(info["unexpected_keys"])))
+    unused = [k for k in info.get("unexpected_keys") or [] if not _dropped_layer(k, layers)]
+    if unused:
+        problems.append(_listed("checkpoint tensors are not used by the model", unused))
     mismatched = sorted(info.get("mismatched_keys") or [])
     if mismatched:
         shown = [f"{k} {_shape(ckpt)} where the model has {_shape(model)}" for k, ckpt, model in mismatched]

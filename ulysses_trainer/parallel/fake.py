@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .init import init_distributed
+from .init import _destroy, init_distributed
 
 
 def rank_environment(rank: int, world_size: int, gpus_per_node: int) -> dict[str, str]:
@@ -69,12 +69,7 @@ def fake_process_group(rank: int, world_size: int, gpus_per_node: int, device: s
     finally:
         try:
             if dist.is_initialized():
-                import deepspeed.comm
-
-                if getattr(deepspeed.comm, "cdb", None) is not None:
-                    deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's cached groups
-                if dist.is_initialized():  # DeepSpeed never adopted it: end torch's own
-                    dist.destroy_process_group()
+                _destroy()  # through DeepSpeed, which also drops its cached groups
         finally:  # the environment comes back whatever the teardown did
             for k, v in saved.items():
                 if v is None:

@@ -30,22 +30,30 @@ def destroy_distributed(together: bool = True) -> None:
     try:
         if together:
             dist.barrier()
-        dist.destroy_process_group()
+        _destroy()
     except Exception as exc:  # noqa: BLE001 - teardown must not hide the run's own outcome
         if together:  # a peer lost after success: say which rank saw it, so a log shows where it broke
             print(f"[ulysses_trainer] (rank {os.environ.get('RANK', '?')}) warning: the end-of-run barrier failed: "
                   f"{' '.join(str(exc).split())[:300]}", file=sys.stderr, flush=True)
 
 
-def init_distributed(backend: str) -> None:
-    """`deepspeed.init_distributed(backend)` (once: a no-op when the group exists); on "gloo" the
-    shared-memory op is neither built nor mapped."""
-    import deepspeed
-    import deepspeed.comm
-    import deepspeed.ops
+def _destroy() -> None:
+    """End the group through DeepSpeed when it adopted it: it also drops its cached groups (a later group in
+    this process, the next rehearsal's, would otherwise meet the old world clone); else through torch."""
+    import torch.distributed as dist
 
-    if _initialized() and getattr(deepspeed.comm, "cdb", None) is not None:
-        return  # DeepSpeed has adopted the group; a torch group alone (the rehearsal's fake one) it must adopt
+    comm = sys.modules.get("deepspeed.comm.comm")  # the module whose `cdb` is live (the package's is a copy)
+    if comm is not None and getattr(comm, "cdb", None) is not None:
+        comm.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def init_distributed(backend: str) -> None:
+    """`deepspeed.init_distributed(backend)`; on "gloo" the shared-memory op is neither built nor mapped.
+    Again is a no-op (DeepSpeed's own check); a torch group DeepSpeed has not seen (the rehearsal's) it adopts."""
+    import deepspeed
+    import deepspeed.ops
 
     if backend == "gloo":
         # DeepSpeed builds the op only where its compatibility table says it can (comm/torch.py)
