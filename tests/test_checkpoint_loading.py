@@ -130,7 +130,8 @@ def test_the_model_init_kwargs_model_is_what_the_checkpoint_is_checked_against(g
     random); a renamed tensor in a kept layer is still refused, one in a dropped layer is not loaded anyway."""
     path = str(good["dense"])
     check_local_weights(path, load_model_config(path, {"num_hidden_layers": 1}))
-    kept = _edit(good["dense"], tmp_path / "kept", lambda k, v: [(k.replace("layers.0.mlp.up_proj", "layers.0.mlp.up"), v)])
+    kept = _edit(good["dense"], tmp_path / "kept",
+                 lambda k, v: [(k.replace("layers.0.mlp.up_proj", "layers.0.mlp.up"), v)])
     with pytest.raises(ConfigError, match=r"not used by the model \(model\.layers\.0\.mlp\.up\.weight\)"):
         check_local_weights(str(kept), load_model_config(str(kept), {"num_hidden_layers": 1}))
     dropped = _edit(good["dense"], tmp_path / "dropped",

@@ -87,8 +87,8 @@ def loading_problems(config: PretrainedConfig, tensors: dict[str, torch.Tensor])
             return [f"transformers {transformers.__version__} cannot load them: {str(exc).strip().splitlines()[0]}"]
         info = {"missing_keys": [k for k, v in rows.items() if v == "MISSING"],
                 "unexpected_keys": [k for k, v in rows.items() if v == "UNEXPECTED"]}
-        return info_problems(info, config.num_hidden_layers) + [_listed("fused tensors cannot be built from the checkpoint's parts", failed)
-                                      + (f" ({why[0].strip()})" if why else "")]
+        fused = _listed("fused tensors cannot be built from the checkpoint's parts", failed)
+        return info_problems(info, config.num_hidden_layers) + [fused + (f" ({why[0].strip()})" if why else "")]
     finally:
         root.handlers, root.level = handlers, level
         if bar:

@@ -286,7 +286,8 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype, from_pretrained_pa
             raise ConfigError(f"cannot load weights from {from_pretrained_path!r}: {exc}") from None
         from .checkpoint_keys import info_problems, refusal
 
-        problems = info_problems(info, config.num_hidden_layers)  # a Hub id or .bin weights are checked here, after the load
+        # a Hub id or .bin weights are checked here, after the load
+        problems = info_problems(info, config.num_hidden_layers)
         if problems:
             raise refusal(from_pretrained_path, config.model_type, problems)
     model.config.use_cache = False
