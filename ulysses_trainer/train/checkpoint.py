@@ -292,10 +292,8 @@ def export_adapter(engine, peft_model, output_dir: str, tokenizer, is_main: bool
     target = os.path.join(output_dir, "final")
     adapters = [p for p in engine.module.parameters() if p.requires_grad]
     with deepspeed.zero.GatheredParameters(adapters, modifier_rank=None):
-        if is_main:
-            _replace_dir(target + ".tmp", target, lambda d: peft_model.save_pretrained(d, safe_serialization=True),
-                         tokenizer)
-    barrier()
+        _export_on_main(is_main, target, lambda: _replace_dir(
+            target + ".tmp", target, lambda d: peft_model.save_pretrained(d, safe_serialization=True), tokenizer))
     return target if is_main else None
 
 
@@ -310,18 +308,28 @@ def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix:
 
     state = engine._zero3_consolidated_16bit_state_dict()
     target = os.path.join(output_dir, name)  # name: final, or final/base (a preset adapter's base)
-    tmp = target + ".tmp"
+    _export_on_main(is_main, target, lambda: _write_export(state, config, target + ".tmp", target, tokenizer,
+                                                           prefix, transform, config_json, max_shard_size))
+    return target if is_main else None
+
+
+def _export_on_main(is_main: bool, target: str, write: Callable[[], None]) -> None:
+    """Collective: rank 0 runs `write` (into target.tmp, renamed to target); a failed write (a full disk:
+    OSError, torch's RuntimeError, safetensors' SafetensorError) removes target.tmp and raises
+    OutputWriteError on every rank. The checkpoints are untouched, so a resume only exports."""
+    from safetensors import SafetensorError
+
     failure: tuple[int, str] | None = None
     if is_main:
+        tmp = target + ".tmp"
         try:
-            _write_export(state, config, tmp, target, tokenizer, prefix, transform, config_json, max_shard_size)
-        except (OSError, RuntimeError) as exc:
-            failure = (describe_failure(exc, tmp), str(exc).splitlines()[0][:200] if str(exc) else "")
+            write()
+        except (OSError, RuntimeError, SafetensorError) as exc:
+            failure = (describe_failure(exc, tmp), str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
             shutil.rmtree(tmp, ignore_errors=True)
     code = agree_on_failure(failure[0] if failure else 0)  # in place of a barrier: all ranks learn the outcome
     if code:
-        raise OutputWriteError(failure_message("the final export", tmp, code, failure[1] if failure else ""))
-    return target if is_main else None
+        raise OutputWriteError(failure_message("the final export", target, code, failure[1] if failure else ""))
 
 
 def _write_export(state: dict, config, tmp: str, target: str, tokenizer, prefix: str, transform=None,

@@ -2,8 +2,10 @@
 (ENOSPC, EROFS, EIO) turned into one line that names the path and the cause.
 
 Before the run: `check_writable` creates and removes a probe file in output_dir (or the nearest existing
-parent) and compares the free space with `run_bytes`, the size of one checkpoint plus the final export,
-computed from the parameter count.
+parent) and compares the free space with what the run holds at its peak (`run_need`): the checkpoints
+save_total_limit keeps plus the one being written (every checkpoint the run writes without a limit; those a
+resume finds on disk counted, `peak_checkpoints`) and the final export, sized from the parameter count.
+`free_bytes` reads the free space (a test fakes a small disk through it).
 
 During the run: a checkpoint save goes through DeepSpeed on every rank. `RecordingWriter` stands in for
 DeepSpeed's checkpoint engine during the save: it writes through the real one and records the first
@@ -24,7 +26,10 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable
+import re
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 # bytes per parameter in one ZeRO checkpoint, all ranks together: fp32 master weights + Adam's m and v
@@ -47,13 +52,60 @@ def export_bytes(num_params: int, bf16: bool) -> int:
     return num_params * (2 if bf16 else 4)
 
 
-def run_bytes(num_params: int, world_size: int, bf16: bool, saving: bool) -> int:
-    """What must fit on output_dir's filesystem: one checkpoint (written beside the previous one, which
-    stays until the new one is complete) and the final export; a few MB of logs when nothing is saved."""
-    logs = 256 * 1024  # config.json, metrics.jsonl, tensorboard events of a short run
-    if not saving:
-        return logs
-    return checkpoint_bytes(num_params, world_size) + export_bytes(num_params, bf16) + logs
+_LOG_BYTES = 256 * 1024  # config.json, metrics.jsonl, tensorboard events of a short run
+
+
+def peak_checkpoints(total_steps: int, save_steps: int | None, limit: int | None, start_step: int = 0,
+                     on_disk: Iterable[int] = ()) -> int:
+    """The most checkpoint-<step>/ directories output_dir holds at once: those on disk (a resume's) plus the
+    saves of steps start_step+1..total_steps (every save_steps, and the last step), each written beside the
+    ones kept (save_total_limit rotates only once the new one is complete)."""
+    held = set(on_disk)
+    saves = [s for s in range(start_step + 1, total_steps + 1) if save_steps and s % save_steps == 0]
+    if total_steps > start_step and total_steps not in saves:
+        saves.append(total_steps)  # the end of training always saves
+    peak = len(held)
+    for step in saves:
+        peak = max(peak, len(held) + 1)  # the new one (.tmp-checkpoint-<step>) beside all kept, old step included
+        held.add(step)
+        if limit is not None:  # rotate_checkpoints: the newest `limit` by step, and the one `latest` names
+            held = set(sorted(held)[-limit:]) | {step}
+    return peak
+
+
+@dataclass(frozen=True)
+class DiskNeed:
+    """What a run holds in output_dir at its peak, and how much of it is already there (a resume's checkpoints)."""
+
+    checkpoints: int  # held at once at the peak
+    on_disk: int  # of those, already written by the run a resume continues
+    checkpoint_bytes: int
+    export_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.checkpoints * self.checkpoint_bytes + self.export_bytes + _LOG_BYTES
+
+    @property
+    def new_bytes(self) -> int:
+        """What must still fit in the free space (the checkpoints on disk already take theirs)."""
+        return max(0, self.checkpoints - self.on_disk) * self.checkpoint_bytes + self.export_bytes + _LOG_BYTES
+
+    def held(self) -> str:
+        if not self.checkpoints and not self.export_bytes:
+            return f"logs only (save_strategy no) = {_mb(self.peak_bytes)}"
+        n = f"{self.checkpoints} checkpoint{'s' if self.checkpoints != 1 else ''}"
+        text = f"at most {n} + the export = {_mb(self.peak_bytes)} at its peak"
+        if self.on_disk:
+            text += f" ({self.on_disk} of them already on disk: {_mb(self.new_bytes)} more)"
+        return text
+
+
+def run_need(num_params: int, world_size: int, bf16: bool, checkpoints: int, on_disk: int = 0) -> DiskNeed:
+    """checkpoints: peak_checkpoints(...), 0 when nothing is saved (save_strategy no: no export either)."""
+    if not checkpoints:
+        return DiskNeed(0, 0, 0, 0)
+    return DiskNeed(checkpoints, on_disk, checkpoint_bytes(num_params, world_size), export_bytes(num_params, bf16))
 
 
 def _existing_parent(path: str) -> str:
@@ -67,9 +119,19 @@ def _mb(n: int | float) -> str:
     return f"{n / 2**20:.1f} MB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
-def check_writable(output_dir: str, need_bytes: int) -> str | None:
-    """None when output_dir (or the parent that would hold it) takes a file and has `need_bytes` free;
-    else the reason, naming the path and the fix."""
+def free_bytes(path: str) -> int:
+    """Free space for an unprivileged writer on the filesystem that holds (or would hold) `path`."""
+    return shutil.disk_usage(_existing_parent(path)).free
+
+
+def disk_line(output_dir: str, need: DiskNeed) -> str:
+    """The run's line before the model is built: its peak and the free space."""
+    return f"disk: the run holds {need.held()}; {_mb(free_bytes(output_dir))} free"
+
+
+def check_writable(output_dir: str, need: DiskNeed | int) -> str | None:
+    """None when output_dir (or the parent that would hold it) takes a file and has room for `need` (a
+    DiskNeed, or bytes); else the reason, naming the path and the fix."""
     where = _existing_parent(output_dir)
     probe = os.path.join(where, f".write-probe-{os.getpid()}")
     try:
@@ -80,12 +142,12 @@ def check_writable(output_dir: str, need_bytes: int) -> str | None:
         cause = os.strerror(exc.errno) if exc.errno else str(exc)
         return (f"output_dir {output_dir} is not writable ({where}: {cause}); point output_dir at a writable "
                 f"directory")
-    stat = os.statvfs(where)
-    free = stat.f_bavail * stat.f_frsize
+    free = free_bytes(where)
+    need_bytes = need.new_bytes if isinstance(need, DiskNeed) else need
     if free < need_bytes:
-        return (f"output_dir {output_dir} has {_mb(free)} free ({where}) but the run writes {_mb(need_bytes)} "
-                f"(one checkpoint and the final export); free space there, pick another output_dir, or set "
-                f"save_strategy no")
+        what = f"holds {need.held()}" if isinstance(need, DiskNeed) else f"writes {_mb(need_bytes)}"
+        return (f"output_dir {output_dir} has {_mb(free)} free ({where}) but the run {what}; free space there, "
+                f"lower save_total_limit, pick another output_dir, or set save_strategy no")
     return None
 
 
@@ -105,6 +167,9 @@ def describe_failure(exc: BaseException, path: str, need_bytes: int = 0) -> int:
     errno ("unexpected pos"); the filesystem then says why: read-only, or less free than the write needed."""
     if isinstance(exc, OSError) and exc.errno:
         return exc.errno
+    named = re.search(r"os error (\d+)", str(exc))  # safetensors' Rust writer: "... (os error 28)"
+    if named:
+        return int(named.group(1))
     where = _existing_parent(path)
     try:
         stat = os.statvfs(where)
@@ -112,8 +177,8 @@ def describe_failure(exc: BaseException, path: str, need_bytes: int = 0) -> int:
         return errno.EIO
     if stat.f_flag & os.ST_RDONLY:
         return errno.EROFS
-    if stat.f_bavail * stat.f_frsize < max(need_bytes, 2**20):  # less left than the write needed
-        return errno.ENOSPC
+    if stat.f_bavail * stat.f_frsize < max(need_bytes, 2**20) or (stat.f_files and not stat.f_favail):
+        return errno.ENOSPC  # less left than the write needed, or no inode left
     return errno.EIO
 
 

@@ -28,9 +28,9 @@ from ..plan.resolve import plan_for
 from ..plan.types import Machine, Plan, ZeroSettings, read_zero
 from ..probe import this_machine
 from .agreement import agree_machine, check_same_plan
-from .checkpoint import check_checkpoint_model, check_output_dir, find_checkpoint
+from .checkpoint import CHECKPOINT, check_checkpoint_model, check_output_dir, find_checkpoint, trainer_checkpoints
 from .data_cache import prepared_sequences
-from .output_guard import check_writable, run_bytes
+from .output_guard import DiskNeed, check_writable, disk_line, peak_checkpoints, run_need
 from .resume_check import check_resume_config, run_record
 
 
@@ -63,6 +63,7 @@ class RunPlan:
     zero: ZeroSettings | None = None
     shape: ModelShape | None = None
     config_changes: dict = field(default_factory=dict)  # resume: {name: (checkpoint's, this run's)} let through
+    disk: str = ""  # the `disk:` line: what the run holds in output_dir at its peak, and the free space
     plan_digest: str = ""  # the digest of `resolved`, the same on every rank (train/agreement.py)
 
 
@@ -143,15 +144,18 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     clear_output_dir = False
     if training:  # after the data: a missing data file is reported as such, not as an output_dir problem
         clear_output_dir = check_output_dir(cfg.output_dir, resume_path, cfg.overwrite_output_dir)
-        problem = check_writable(cfg.output_dir, run_bytes(num_params(shape), world_size, bf16,
-                                                           cfg.save_strategy != "no"))
-        if problem:
-            raise ConfigError(problem)
     steps_per_epoch = len(train) // per_step
     epoch_steps = steps_per_epoch
     # num_train_epochs: every row trained that many times (a step may straddle two epochs: data_order.py)
     total = cfg.max_steps if cfg.max_steps is not None else \
         max(1, math.ceil(cfg.num_train_epochs * len(train) / per_step))
+    disk = ""
+    if training:
+        need = disk_need(cfg, resume_path, clear_output_dir, total, num_params(shape), world_size, bf16)
+        problem = check_writable(cfg.output_dir, need)
+        if problem:
+            raise ConfigError(problem)
+        disk = disk_line(cfg.output_dir, need)
     # torch's fused AdamW on the GPU (no JIT build); DeepSpeed's CPU Adam only where states live on the host
     ds, opt = fill_ds_config(ds_raw, cfg, world_size, dp, device == "cuda", total_steps=total,
                              hidden_size=model_config.hidden_size, source=str(cfg.deepspeed),
@@ -164,7 +168,21 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
                    total_steps=total, sequences_per_step=per_step,
                    padded_length=padded_length(cfg.max_length, sp, cfg.pad_to_multiple_of),
                    resume_path=resume_path, clear_output_dir=clear_output_dir, resolved=resolved, machine=machine,
-                   zero=zero, shape=shape, config_changes=config_changes, plan_digest=digest)
+                   zero=zero, shape=shape, config_changes=config_changes, plan_digest=digest, disk=disk)
+
+
+def disk_need(cfg: TrainConfig, resume_path: str | None, clear_output_dir: bool, total_steps: int, params: int,
+              world_size: int, bf16: bool) -> DiskNeed:
+    """What the run holds in output_dir at its peak (train/output_guard.py): a resume starts from its
+    checkpoint's step, beside the checkpoints already on disk (none once overwrite_output_dir clears them)."""
+    if cfg.save_strategy == "no":
+        return run_need(params, world_size, bf16, 0)
+    # a fresh start clears the previous run's files (trainer.py), a resume keeps its checkpoints
+    on_disk = list(trainer_checkpoints(cfg.output_dir)) if resume_path and not clear_output_dir else []
+    named = CHECKPOINT.fullmatch(os.path.basename(os.path.normpath(resume_path))) if resume_path else None
+    start = int(named.group(1)) if named else 0
+    peak = peak_checkpoints(total_steps, cfg.save_steps, cfg.save_total_limit, start, on_disk)
+    return run_need(params, world_size, bf16, peak, len(on_disk))
 
 
 def world_size_from_env() -> int:

@@ -18,6 +18,8 @@ def report_data(plan: RunPlan) -> None:
         counts = getattr(data, "counts", None)
         if counts is not None:
             print(f"[ulysses_trainer] {what}: {counts.summary()}", flush=True)
+    if plan.disk:
+        print(f"[ulysses_trainer] {plan.disk}", flush=True)
 
 
 def data_record(plan: RunPlan) -> dict:

@@ -228,8 +228,14 @@ class Trainer:
             if plan.clear_output_dir or not plan.resume_path:
                 ckpt.clear_previous_run(cfg.output_dir)
             os.makedirs(cfg.output_dir, exist_ok=True)
+        resumed_at = None
         if plan.resume_path:  # found and checked by prepare()
             self.resume(plan.resume_path)
+            resumed_at = self.step
+            if self.step >= plan.total_steps and self.state.is_main:  # e.g. the export failed on a full disk
+                print(f"[ulysses_trainer] training already finished at step {self.step} "
+                      f"({os.path.basename(os.path.normpath(plan.resume_path))}): writing the final export only",
+                      flush=True)
         self._write_run_config()
         self._open_reporters()
         self.stop.install()
@@ -277,8 +283,8 @@ class Trainer:
                                     f"{cfg.model_name_or_path}: per-position loss after step {self.step}")
         if not saving:
             return 0
-        if not (cfg.save_steps and self.step % cfg.save_steps == 0):
-            self._save()
+        if not (cfg.save_steps and self.step % cfg.save_steps == 0) and self.step != resumed_at:
+            self._save()  # (a resume that trained nothing has its checkpoint already)
         source = checkpoint_source(cfg.model_name_or_path)
         chat = getattr(plan.train_data, "kind", None) in (CONVERSATIONAL, PROMPT_COMPLETION)
         files = ExportFiles(plan.tokenizer, chat, source_dir=source if source and os.path.isdir(source) else None)
