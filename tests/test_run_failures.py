@@ -1,6 +1,7 @@
 """docs/reliability.md's run-time rows through the real commands on CPU (2 ranks): a read-only and a full
-output_dir (a small tmpfs mounted for the test), resuming the last good checkpoint to the same losses, a
-changed config on resume, and Ctrl-C through `ulysses-trainer train` (during training and before it)."""
+output_dir (a tmpfs mounted for the test, with room for few files), resuming the last good checkpoint to the
+same losses, a changed config on resume, and Ctrl-C through `ulysses-trainer train` (during training and
+before it)."""
 
 from __future__ import annotations
 
@@ -37,11 +38,17 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+# the run below holds 19 inodes once checkpoint-1 is written (the mount's root, output_dir, config.json,
+# metrics.jsonl, the TensorBoard events, latest, checkpoint-1's 12): 2 more let .tmp-checkpoint-2/ds/ be made,
+# not its shards. The bytes are plenty, so the up-front space check passes and the disk fills during the run.
+_INODES = 21
+
+
 @pytest.fixture
 def small_fs(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2200k", "tmpfs", str(mnt)],
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=8m,nr_inodes={_INODES}", "tmpfs", str(mnt)],
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     yield mnt
@@ -68,7 +75,7 @@ def test_read_only_and_full_output_dir_then_resume_the_last_good_checkpoint(tmp_
     assert not _lines(ro, "Loading weights|plan:") and "Traceback" not in ro.stderr
     _remount(small_fs, "rw")
 
-    # 2.2 MB: checkpoint-1 (1.2 MB) fits, checkpoint-2 does not
+    # checkpoint-1 fits, checkpoint-2 does not (no inode left for its shards)
     full = _run(common, 2)
     assert full.returncode == 1, full.stderr[-3000:]
     errors = _lines(full, r"^error:")
@@ -88,7 +95,7 @@ def test_read_only_and_full_output_dir_then_resume_the_last_good_checkpoint(tmp_
     assert len(errors) == 1 and "max_length: 32 in the checkpoint, 64 now" in errors[0]
     assert "allow_config_change true" in errors[0] and (out / "metrics.jsonl").read_bytes() == before
 
-    _remount(small_fs, "size=8m")  # space freed: the last good checkpoint resumes to the same losses
+    _remount(small_fs, "nr_inodes=1000")  # space freed: the last good checkpoint resumes to the same losses
     resumed = _run(common + ["--resume_from_checkpoint", "true"], 2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = {r["step"]: r["loss"] for r in _rows(out) if "loss" in r}
