@@ -126,7 +126,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
                           f"step needs {per_step} (dp {dp} x batch {cfg.per_device_train_batch_size} x "
                           f"accumulation {cfg.gradient_accumulation_steps}); add data or lower those")
     eval_data = None
-    if cfg.eval_steps:
+    if cfg.evaluates:
         # max_eval_samples bounds both the tokenizing and every evaluation
         eval_data = prepared_sequences(cfg, tokenizer, split="eval", dp_size=dp, num_sequences=cfg.max_eval_samples)
         check_something_trained(eval_data.counts, "eval dataset", cfg.assistant_only_loss, cfg.completion_only_loss)
