@@ -99,6 +99,28 @@ def check_loss_flags(kind: str, assistant_only_loss: bool, source: str) -> None:
                           + (" (completion_only_loss trains on the completion)" if kind == PROMPT_COMPLETION else ""))
 
 
+def check_settings_for_kind(kind: str, cfg: Any, source: str, template: TemplateRenderer | None) -> None:
+    """Settings with no effect on this kind of data are refused (never accepted and ignored): once the data's
+    kind is known, before any model is built."""
+    what = f"dataset {source} is {kind.replace('_', '-')}"
+    if cfg.completion_only_loss is not None and kind != PROMPT_COMPLETION:
+        other = " (assistant_only_loss chooses what a conversation trains on)" if kind == CONVERSATIONAL else ""
+        raise ConfigError(f"completion_only_loss has no effect here: it chooses what prompt-completion pairs train "
+                          f"on, and {what}; remove completion_only_loss{other}")
+    if cfg.dataset_text_field != "text" and kind != LANGUAGE_MODELING:
+        raise ConfigError(f"dataset_text_field {cfg.dataset_text_field!r} has no effect here: it names the text "
+                          f"column of text data, and {what} (read from its `messages` or `prompt` + `completion`); "
+                          f"remove dataset_text_field")
+    if cfg.eos_token is not None and kind == CONVERSATIONAL:
+        if template is None and cfg.eos_token != "<|im_end|>":
+            raise ConfigError(f"eos_token {cfg.eos_token!r} has no effect here: {what}, rendered in Qwen3's format, "
+                              f"whose turns end with <|im_end|>; remove eos_token (or give a chat template that "
+                              f"writes eos_token: chat_template_path)")
+        if template is not None and "eos_token" not in str(template.tok.chat_template):
+            raise ConfigError(f"eos_token {cfg.eos_token!r} has no effect here: {what}, and its chat template never "
+                              f"writes eos_token; remove eos_token")
+
+
 def check_first_example(kind: str, row: dict, source: str) -> None:
     """The first example's shape, so a wrong column type fails before any tokenising."""
     where = f"dataset {source}, example 0"
