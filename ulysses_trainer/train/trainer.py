@@ -11,7 +11,6 @@ from dataclasses import replace
 import deepspeed
 import torch
 from tqdm import tqdm
-from transformers import get_scheduler
 
 from ..config import config_to_dict
 from ..config_checks import shard_bytes
@@ -43,7 +42,7 @@ from .prepare import RunPlan
 from .reporters import Reporters
 from .resume_check import notes as resume_notes
 from .resume_check import run_record
-from .schedule import set_peak_learning_rate
+from .schedule import build_schedule, set_peak_learning_rate
 from .stop_signal import StopSignal
 from .strategies import ends_epoch, eval_due, log_due, save_due
 
@@ -94,9 +93,7 @@ class Trainer:
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
         optimizer = plan.optimizer.build(trainable) if plan.optimizer is not None else None
         def schedule(opt):  # DeepSpeed hands over its base optimizer; it steps and saves the schedule
-            return get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_for(plan.total_steps),
-                                 num_training_steps=plan.total_steps,
-                                 scheduler_specific_kwargs=cfg.lr_scheduler_kwargs)
+            return build_schedule(cfg, opt, plan.total_steps)
 
         engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=plan.ds_config,
                                                lr_scheduler=schedule)
