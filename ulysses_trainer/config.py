@@ -274,10 +274,11 @@ class TrainConfig:
                 raise ConfigError(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without "
                                   f"use_peft true (every weight is trained); set use_peft true or remove "
                                   f"{'it' if len(unused) == 1 else 'them'}")
-        if self.save_strategy != "steps" and self.save_steps is not None:
+        # (save_strategy / logging_strategy no over a recipe's intervals is a dry run's override: let through)
+        if self.save_strategy == "epoch" and self.save_steps is not None:
             raise ConfigError(f"save_steps {self.save_steps} has no effect with save_strategy {self.save_strategy}; "
                               f"set save_strategy steps or remove save_steps")
-        if self.logging_strategy != "steps" and self.logging_steps != 1:
+        if self.logging_strategy == "epoch" and self.logging_steps != 1:
             raise ConfigError(f"logging_steps {self.logging_steps} has no effect with logging_strategy "
                               f"{self.logging_strategy}; set logging_strategy steps or remove logging_steps")
         if self.logging_strategy == "no" and self.logging_first_step:
