@@ -253,3 +253,22 @@ def test_dataset_num_proc_is_accepted_and_said_unused(capsys):
     assert "dataset_num_proc 4 is not used: tokenizing is batched" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="dataset_num_proc must be >= 1"):
         build_config({"dataset_num_proc": 0})
+
+
+def test_eos_token_ends_string_completions_and_is_refused_on_message_pairs(tmp_path):
+    from ulysses_trainer.config import TrainConfig
+    from ulysses_trainer.data.documents import build_sequences
+    from ulysses_trainer.data.tokenizer import QwenBPETokenizer, apply_tokenizer_options
+
+    strings = tmp_path / "pc.jsonl"
+    strings.write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+    tok = apply_tokenizer_options(QwenBPETokenizer(), None, "<|im_end|>")
+    ds = build_sequences(TrainConfig(dataset_name=str(strings), max_length=16, eos_token="<|im_end|>"), tok)
+    row = ds[0]
+    assert int(row["input_ids"][row["real_tokens"] - 1]) == 151645  # the completion ends with eos_token
+    lists = tmp_path / "pc_messages.jsonl"
+    lists.write_text(json.dumps({"prompt": [{"role": "user", "content": "2+2="}],
+                                 "completion": [{"role": "assistant", "content": "4"}]}) + "\n")
+    with pytest.raises(ConfigError, match="eos_token '<\\|endoftext\\|>' has no effect here: .*of messages"):
+        build_sequences(TrainConfig(dataset_name=str(lists), max_length=64, eos_token="<|endoftext|>"),
+                        QwenBPETokenizer())

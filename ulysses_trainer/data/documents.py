@@ -262,9 +262,10 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
     kind = detect_format(ds.column_names, cfg.dataset_text_field, source)
     check_loss_flags(kind, cfg.assistant_only_loss, source)
     template = chat_template_of(tokenizer) if kind != LANGUAGE_MODELING else None
-    check_settings_for_kind(kind, cfg, source, template)
     if kind != LANGUAGE_MODELING:
         check_first_example(kind, ds[0], source)
+    check_settings_for_kind(kind, cfg, source, template, ds[0] if kind != LANGUAGE_MODELING else None)
+    if kind != LANGUAGE_MODELING:
         shape: dict[str, int] = {}  # rows of another shape, by reason (filled as the rows are read)
         segments = example_segments(kind, rows_of(ds), source, cfg.assistant_only_loss, cfg.completion_only_loss,
                                     tokenizer.eos_token, template, skipped=shape)
