@@ -202,6 +202,7 @@ class Trainer:
     def resume(self, path: str) -> None:
         client = ckpt.load_checkpoint(self.engine, path)
         self.step, self.num_tokens = int(client["step"]), int(client["num_tokens"])
+        self._saved_step = self.step  # the checkpoint resumed from holds this step
         self.num_loss_tokens = int(client.get("num_loss_tokens", 0))  # checkpoints from before it was kept: 0
         torch.set_rng_state(client["rng_cpu"])
         # a checkpoint between two logged rows: the next row's mean still covers the steps before it
