@@ -50,3 +50,36 @@ def test_unknown_trl_names_point_at_the_setting():
                        ("torch_dtype", "dtype")):
         with pytest.raises(ConfigError, match=f"setting for that is {ours}"):
             _cfg(f"--{name}", "1")
+
+
+def test_trl_options_that_do_not_apply_get_their_reason_not_a_look_alike():
+    for name, reason in (("push_to_hub", "does not upload"), ("fsdp", "DeepSpeed ZeRO-3 only"),
+                         ("dataset_config", "config name is not supported"), ("hub_model_id", "does not upload"),
+                         ("load_best_model_at_end", "last step's model")):
+        with pytest.raises(ConfigError, match=f"^{name} \\(command line\\) is a TRL option this trainer does not "
+                                              f"support: .*{reason}.*; remove it$"):
+            _cfg(f"--{name}", "1")
+    with pytest.raises(ConfigError, match="setting for that is peft_config \\{use_rslora: true\\}"):
+        _cfg("--use_rslora", "true")
+
+
+def test_did_you_mean_only_for_a_close_name():
+    from ulysses_trainer.config import FIELDS
+    from ulysses_trainer.name_hints import suggest
+
+    assert suggest("learning_rat", list(FIELDS)) == "; did you mean 'learning_rate'?"
+    assert suggest("logging_firststep", list(FIELDS)) == "; did you mean 'logging_first_step'?"
+    for far in ("dataset_configuration", "use_rslora_x", "packing_mode"):  # share a suffix, not a typo
+        assert suggest(far, list(FIELDS)) == "; run with --help for the list of fields", far
+
+
+def test_every_sft_config_field_is_a_field_a_spelling_or_refused():
+    import dataclasses
+
+    trl = pytest.importorskip("trl")
+    from ulysses_trainer.config import _IGNORED, FIELDS
+    from ulysses_trainer.name_hints import REFUSED, TRL_NAMES
+
+    names = {f.name for f in dataclasses.fields(trl.SFTConfig) if not f.name.startswith("_")}
+    assert not names - set(FIELDS) - set(TRL_NAMES) - set(REFUSED) - _IGNORED
+    assert not (set(REFUSED) | set(TRL_NAMES)) & set(FIELDS)  # a field added later: strike its entry

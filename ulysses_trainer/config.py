@@ -21,7 +21,7 @@ import yaml
 from .config_checks import check_levers as check_levers  # re-exported: callers import them from here
 from .config_checks import validate_config as validate_config
 from .errors import ConfigError
-from .name_hints import suggest
+from .name_hints import refusal, suggest
 from .typed_values import NO_MATCH, coerce, describe, literal_choices
 from .yaml_numbers import load_yaml
 
@@ -36,12 +36,13 @@ NormKernel = Literal["auto", "triton", "torch"]
 ExpertsImpl = Literal["auto", "eager", "batched_mm", "grouped_mm"]
 LossType = Literal["chunked_nll", "nll"]
 NanPolicy = Literal["skip", "stop"]
-SaveStrategy = Literal["steps", "no"]
+SaveStrategy = Literal["steps", "no", "epoch"]
+LogStrategy = Literal["steps", "no", "epoch"]
 TextFileSplit = Literal["document", "paragraph", "line"]
 SchedulerType = Literal["linear", "cosine", "constant", "constant_with_warmup"]
 MaxLengthPolicy = Literal["truncate", "drop"]
 PackingStrategy = Literal["bfd", "wrapped", "next_fit"]
-EvalStrategy = Literal["no", "steps"]
+EvalStrategy = Literal["no", "steps", "epoch"]
 DType = Literal["auto", "bfloat16", "float32", "float16"]
 Auto = Literal["auto"]
 
@@ -96,6 +97,15 @@ class TrainConfig:
         "synthetic:agent_sessions (or synthetic:agent_sessions_mixed: 4K-400K tokens, median 60K); null = "
         "synthetic:text, or synthetic:agent_sessions with assistant_only_loss")
     dataset_text_field: str = _f("text", "column holding the document text")
+    dataset_num_proc: Union[int, None] = _f(
+        None, "TRL's: accepted, not needed: tokenizing is batched (the tokenizer's own threads), not a per-row map; "
+        "the data line says so")
+    chat_template_path: Union[str, None] = _f(
+        None, "TRL's: a Jinja file or a tokenizer directory whose chat template replaces the tokenizer's (the same "
+        "checks as a checkpoint's own); final/ ships it")
+    eos_token: Union[str, None] = _f(
+        None, "TRL's: the token ending each text document and string completion (and the pad); it must be one "
+        "of the tokenizer's tokens; null = the tokenizer's (<|endoftext|> for Qwen)")
     data_cache: bool = _f(True, "keep the tokenized rows of local data files for a relaunch or resume: rank 0 "
                                 "prepares, the other ranks read its rows")
     data_cache_dir: str | None = _f(None, "where data_cache keeps them; null = ~/.cache/ulysses_trainer/data")
@@ -137,10 +147,22 @@ class TrainConfig:
         False, "replace a previous run in output_dir (its checkpoints, metrics.jsonl, final/); without it such "
         "a directory is refused unless the run resumes from it")
     logging_steps: int = _f(1, "log every N optimizer steps")
+    logging_strategy: LogStrategy = _f(
+        "steps", "TRL's: steps (every logging_steps and the last), epoch (at each epoch end and the last step), no "
+        "(no train rows; eval rows still)")
+    logging_first_step: bool = _f(False, "TRL's: also log the first step")
+    run_name: Union[str, None] = _f(
+        None, "TRL's: names the run: TensorBoard writes to output_dir/runs/RUN_NAME/, wandb's run name, the "
+        "startup line; null = output_dir's name (TensorBoard: output_dir/runs/)")
     save_steps: Union[int, None] = _f(None, "checkpoint every N steps (always at the end); null = end only")
     plot_per_position_loss: bool = _f(False, "at the end, write output_dir/per_position_loss.png (one more "
                                              "forward of the last sequence)")
-    save_strategy: SaveStrategy = _f("steps", "no = write no checkpoint and no final export (benchmarks, dry runs)")
+    save_strategy: SaveStrategy = _f(
+        "steps", "steps = every save_steps and at the end; epoch = at each epoch end (and at the end); no = write "
+        "no checkpoint and no final export (benchmarks, dry runs)")
+    save_only_model: bool = _f(
+        False, "TRL's: checkpoints hold the model weights only (HF safetensors, no optimizer or scheduler state: "
+        "much smaller); a run cannot resume from one")
     save_total_limit: Union[int, None] = _f(None, "keep at most N checkpoints; null = all")
     max_shard_size: str = _f("5GB", "final/'s safetensors files are at most this size each, with "
                                      "model.safetensors.index.json when there are several (transformers' "
@@ -167,7 +189,8 @@ class TrainConfig:
         None, "TRL's: {offload: true} = activation_offload true, {offload: false} = false; use_reentrant is "
         "accepted and has no effect (the trainer's own layer checkpoints are used)")
     eval_strategy: Union[EvalStrategy, None] = _f(
-        None, "TRL's: no (never evaluate), steps (every eval_steps, default logging_steps); null = eval_steps decides")
+        None, "TRL's: no (never evaluate), steps (every eval_steps, default logging_steps), epoch (at each epoch "
+        "end); null = eval_steps decides")
     dtype: Union[DType, None] = _f(None, "TRL's model dtype: bfloat16 = bf16 true, float32 = bf16 false, auto")
     # LoRA through PEFT (TRL's names)
     use_peft: bool = _f(False, "train LoRA adapters (PEFT) on a frozen model instead of every weight")
@@ -222,7 +245,14 @@ class TrainConfig:
             self.eval_steps = None
         elif self.eval_strategy == "steps" and self.eval_steps is None:
             self.eval_steps = self.logging_steps
+        elif self.eval_strategy == "epoch" and self.eval_steps is not None:
+            raise ConfigError(f"eval_strategy epoch evaluates at each epoch end, but eval_steps is "
+                              f"{self.eval_steps}; set only one of them")
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates at all (every eval_steps, or at each epoch end)."""
+        return bool(self.eval_steps) or self.eval_strategy == "epoch"
 
     def _decode_trl_options(self) -> None:
         """TRL options that stand for one of our settings (the rest are read where they act)."""
@@ -238,6 +268,30 @@ class TrainConfig:
                               "remove save_safetensors")
         if not (0.0 <= self.warmup_ratio <= 1.0):
             raise ConfigError(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
+        if not self.use_peft:  # LoRA settings without LoRA would be accepted and ignored
+            unused = [n for n in _LORA_FIELDS if getattr(self, n) != FIELDS[n].default]
+            if unused:
+                raise ConfigError(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without "
+                                  f"use_peft true (every weight is trained); set use_peft true or remove "
+                                  f"{'it' if len(unused) == 1 else 'them'}")
+        # (save_strategy / logging_strategy no over a recipe's intervals is a dry run's override: let through)
+        if self.save_strategy == "epoch" and self.save_steps is not None:
+            raise ConfigError(f"save_steps {self.save_steps} has no effect with save_strategy {self.save_strategy}; "
+                              f"set save_strategy steps or remove save_steps")
+        if self.logging_strategy == "epoch" and self.logging_steps != 1:
+            raise ConfigError(f"logging_steps {self.logging_steps} has no effect with logging_strategy "
+                              f"{self.logging_strategy}; set logging_strategy steps or remove logging_steps")
+        if self.logging_strategy == "no" and self.logging_first_step:
+            raise ConfigError("logging_first_step true has no effect with logging_strategy no; remove one of them")
+        if self.dataset_num_proc is not None and self.dataset_num_proc < 1:
+            raise ConfigError(f"dataset_num_proc must be >= 1 (or null), got {self.dataset_num_proc}")
+        if self.save_only_model and self.save_strategy == "no":
+            raise ConfigError("save_only_model true has no effect with save_strategy no (no checkpoint is written); "
+                              "remove one of them")
+        if self.run_name is not None and (not self.run_name.strip() or "/" in self.run_name
+                                          or self.run_name in (".", "..")):
+            raise ConfigError(f"run_name {self.run_name!r} must be a non-empty name without '/' (it names "
+                              f"output_dir/runs/RUN_NAME/)")
 
     def warmup_for(self, total_steps: int) -> int:
         """Warmup steps: warmup_steps when > 0, else ceil(warmup_ratio × total) (HF's get_warmup_steps)."""
@@ -253,6 +307,7 @@ def _same_or_auto(name: str, current: Any, wanted: Any, spelling: str) -> Any:
 
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "peft_config", "merge_lora")
 _HINTS: dict[str, Any] = typing.get_type_hints(TrainConfig)
 # Launcher arguments that are accepted and dropped (deepspeed adds --local_rank).
 _IGNORED = {"local_rank"}
@@ -273,6 +328,9 @@ def _check_value(name: str, value: Any, where: str) -> Any:
 
 
 def _unknown(name: str, where: str) -> ConfigError:
+    reason = refusal(name)
+    if reason is not None:  # a TRL option that does not apply here: its reason, never a look-alike's name
+        return ConfigError(f"{name} ({where}) is a TRL option this trainer does not support: {reason}; remove it")
     return ConfigError(f"unknown config name {name!r} ({where}){suggest(name, list(FIELDS))}")
 
 

@@ -88,10 +88,11 @@ def _check_length(cfg: Any, sp: int) -> None:
 
 def _check_io(cfg: Any) -> None:
     """Evaluation data, reporters and model overrides."""
-    if cfg.eval_steps is not None and cfg.eval_dataset_name is None and cfg.dataset_name is not None \
+    if cfg.evaluates and cfg.eval_dataset_name is None and cfg.dataset_name is not None \
             and Path(cfg.dataset_name).exists():
-        raise ConfigError(f"eval_steps is set but dataset_name {cfg.dataset_name} is a local path with no "
-                          f"test split; set eval_dataset_name to the evaluation data (or eval_steps null)")
+        raise ConfigError(f"evaluation is on (eval_steps or eval_strategy) but dataset_name {cfg.dataset_name} is "
+                          f"a local path with no test split; set eval_dataset_name to the evaluation data (or "
+                          f"eval_steps null, eval_strategy no)")
     resolve_report_to(cfg.report_to)  # a known name, and its package installed
     if cfg.model_init_kwargs is not None:
         bad = sorted(set(cfg.model_init_kwargs) & {"torch_dtype", "dtype", "attn_implementation"})

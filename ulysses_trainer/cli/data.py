@@ -62,12 +62,13 @@ def sequence_segments(row: dict[str, Any], real_tokens: int, tokenizer: Any) -> 
 def describe(argv: list[str]) -> tuple[dict[str, Any], bool]:
     from ..config import load_config
     from ..data.documents import build_sequences
-    from ..data.tokenizer import load_tokenizer
+    from ..data.tokenizer import apply_tokenizer_options, load_tokenizer
     from ..model.load import checkpoint_source
 
     as_json, show, rest = _split(argv)
     cfg = load_config(rest)
-    tokenizer = load_tokenizer(checkpoint_source(cfg.model_name_or_path))
+    tokenizer = apply_tokenizer_options(load_tokenizer(checkpoint_source(cfg.model_name_or_path)),
+                                        cfg.chat_template_path, cfg.eos_token)
     ds = build_sequences(cfg, tokenizer, split="train")
     seqs = [sequence_segments(ds[i], ds.real_tokens(i), tokenizer) for i in range(min(show, len(ds)))]
     counts = ds.counts.to_dict()

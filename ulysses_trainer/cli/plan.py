@@ -178,14 +178,16 @@ def data_attention(cfg: Any, gpus: int) -> AttentionShare | None:
     if not timed_from_data(cfg):
         return None
     from ..data.documents import build_sequences
-    from ..data.tokenizer import load_tokenizer
+    from ..data.tokenizer import apply_tokenizer_options, load_tokenizer
     from ..layout import resolve_layout
     from ..model.load import checkpoint_source
 
     dp = resolve_layout(cfg.sp_size, gpus).dp
     rows = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp * cfg.max_steps \
         if cfg.max_steps else None
-    data = build_sequences(cfg, load_tokenizer(checkpoint_source(cfg.model_name_or_path)), split="train",
+    tokenizer = apply_tokenizer_options(load_tokenizer(checkpoint_source(cfg.model_name_or_path)),
+                                        cfg.chat_template_path, cfg.eos_token)
+    data = build_sequences(cfg, tokenizer, split="train",
                            dp_size=dp, num_sequences=rows)
     return AttentionShare.of(data)
 

@@ -126,8 +126,9 @@ def load_rehearsal_config(args: argparse.Namespace, overrides: list[str]):
     kernel = cfg.attn_implementation
     if args.standin:
         kernel = STANDIN_FA4 if cfg.attn_implementation == "flash_attention_4" else STANDIN
-    return dataclasses.replace(cfg, max_steps=args.steps, eval_steps=None, resume_from_checkpoint=None,
-                               save_steps=None, plot_per_position_loss=False, attn_implementation=kernel)
+    return dataclasses.replace(cfg, max_steps=args.steps, eval_steps=None, eval_strategy="no",
+                               resume_from_checkpoint=None, save_steps=None, plot_per_position_loss=False,
+                               attn_implementation=kernel)
 
 
 def rehearse(plan, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:

@@ -67,8 +67,20 @@ def _tool_call_json(call: Any, where: str) -> str:
         raise ConfigError(f"{where}: a tool call must be {{'function': {{'name': str, 'arguments': ...}}}} "
                           f"or {{'name': str, 'arguments': ...}}, got {str(call)[:120]!r}")
     args = fn.get("arguments", {})
+    _check_arguments(args, fn["name"], where)
     args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
     return '{"name": "' + fn["name"] + '", "arguments": ' + args_text + "}"
+
+
+def _check_arguments(args: Any, name: Any, where: str) -> None:
+    """A tool call's arguments given as a string are written as given: they must be JSON, else the model
+    would be trained on a broken call."""
+    if isinstance(args, str):
+        try:
+            json.loads(args)
+        except ValueError:
+            raise ConfigError(f"{where}: tool call {name!r} has arguments {args[:80]!r}, a string that is not JSON; "
+                              f"write them as a mapping or a JSON string (or fix or remove the example)") from None
 
 
 def check_messages(messages: Any, where: str) -> list[dict]:
@@ -92,6 +104,10 @@ def normalize_messages(messages: Any, where: str, empty: str | None = "") -> lis
         m = dict(m)
         content = m.get("content")
         m["content"] = empty if content is None else _text_of(content, f"{where}, message {i}")
+        for call in m.get("tool_calls") or []:  # every template path, not only Qwen3's
+            fn = call.get("function") or call if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                _check_arguments(fn.get("arguments"), fn.get("name"), f"{where}, message {i}")
         if not isinstance(m.get("reasoning_content"), str):
             alt = next((m[k] for k in REASONING_KEYS[1:] if isinstance(m.get(k), str)), None)
             if alt is not None:

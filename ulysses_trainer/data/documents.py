@@ -36,6 +36,7 @@ from .formats import (
     LANGUAGE_MODELING,
     check_first_example,
     check_loss_flags,
+    check_settings_for_kind,
     detect_format,
     example_segments,
     rows_of,
@@ -238,11 +239,14 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
         rows = num_sequences or default_num_sequences(cfg, split, dp_size)
         seed = cfg.seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
         sessions = mixed_agent_sessions(seed) if source == MIXED_SESSIONS else agent_sessions(seed, mean_tokens=L)
+        template = chat_template_of(tokenizer)
+        check_settings_for_kind(CONVERSATIONAL, cfg, source, template)
         segments = example_segments(CONVERSATIONAL, sessions, source, cfg.assistant_only_loss, None,
-                                    tokenizer.eos_token, chat_template_of(tokenizer))
+                                    tokenizer.eos_token, template)
         return examples_dataset((tokenize_segments(s, tokenizer) for s in segments), cfg, tokenizer, source,
                                 CONVERSATIONAL, None, rows)
     if source is None or source == "synthetic:text":
+        check_settings_for_kind(LANGUAGE_MODELING, cfg, "synthetic:text", None)
         rows = num_sequences or default_num_sequences(cfg, split, dp_size)
         seed = cfg.seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
         docs = synthetic_documents(seed, mean_words=max(64, math.ceil(L / _TOKENS_PER_WORD)))
@@ -257,11 +261,14 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
         raise ConfigError(f"dataset {source} is empty; point dataset_name at data with documents")
     kind = detect_format(ds.column_names, cfg.dataset_text_field, source)
     check_loss_flags(kind, cfg.assistant_only_loss, source)
+    template = chat_template_of(tokenizer) if kind != LANGUAGE_MODELING else None
     if kind != LANGUAGE_MODELING:
         check_first_example(kind, ds[0], source)
+    check_settings_for_kind(kind, cfg, source, template, ds[0] if kind != LANGUAGE_MODELING else None)
+    if kind != LANGUAGE_MODELING:
         shape: dict[str, int] = {}  # rows of another shape, by reason (filled as the rows are read)
         segments = example_segments(kind, rows_of(ds), source, cfg.assistant_only_loss, cfg.completion_only_loss,
-                                    tokenizer.eos_token, chat_template_of(tokenizer), skipped=shape)
+                                    tokenizer.eos_token, template, skipped=shape)
         return examples_dataset((tokenize_segments(s, tokenizer) for s in segments), cfg, tokenizer, source,
                                 kind, len(ds), num_sequences, skipped=shape)
     counts = DataCounts(source=source, documents_total=len(ds))

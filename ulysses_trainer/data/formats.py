@@ -99,6 +99,31 @@ def check_loss_flags(kind: str, assistant_only_loss: bool, source: str) -> None:
                           + (" (completion_only_loss trains on the completion)" if kind == PROMPT_COMPLETION else ""))
 
 
+def check_settings_for_kind(kind: str, cfg: Any, source: str, template: TemplateRenderer | None,
+                            first: dict | None = None) -> None:
+    """Settings with no effect on this kind of data are refused (never accepted and ignored): once the data's
+    kind is known, before any model is built. first: the first example (prompt-completion pairs of message
+    lists are rendered as conversations are)."""
+    what = f"dataset {source} is {kind.replace('_', '-')}"
+    messages = kind == CONVERSATIONAL or kind == PROMPT_COMPLETION and isinstance((first or {}).get("prompt"), list)
+    if cfg.completion_only_loss is not None and kind != PROMPT_COMPLETION:
+        other = " (assistant_only_loss chooses what a conversation trains on)" if kind == CONVERSATIONAL else ""
+        raise ConfigError(f"completion_only_loss has no effect here: it chooses what prompt-completion pairs train "
+                          f"on, and {what}; remove completion_only_loss{other}")
+    if cfg.dataset_text_field != "text" and kind != LANGUAGE_MODELING:
+        raise ConfigError(f"dataset_text_field {cfg.dataset_text_field!r} has no effect here: it names the text "
+                          f"column of text data, and {what} (read from its `messages` or `prompt` + `completion`); "
+                          f"remove dataset_text_field")
+    if cfg.eos_token is not None and messages:
+        if template is None and cfg.eos_token != "<|im_end|>":
+            raise ConfigError(f"eos_token {cfg.eos_token!r} has no effect here: {what} of messages, rendered in "
+                              f"Qwen3's format, whose turns end with <|im_end|>; remove eos_token (or give a chat "
+                              f"template that writes eos_token: chat_template_path)")
+        if template is not None and "eos_token" not in str(template.tok.chat_template):
+            raise ConfigError(f"eos_token {cfg.eos_token!r} has no effect here: {what} of messages, and its chat "
+                              f"template never writes eos_token; remove eos_token")
+
+
 def check_first_example(kind: str, row: dict, source: str) -> None:
     """The first example's shape, so a wrong column type fails before any tokenising."""
     where = f"dataset {source}, example 0"

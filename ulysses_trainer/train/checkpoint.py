@@ -30,6 +30,7 @@ LATEST = "latest"
 MODEL_CONFIG = "model_config.json"  # the HF config of the model a checkpoint holds (checked on resume)
 RUN_CONFIG = "run_config.json"  # the training config and layout that wrote it (compared on resume)
 MARKER = "ulysses_trainer_checkpoint"  # in every checkpoint this trainer writes: what may be deleted
+WEIGHTS_ONLY = "weights_only"  # in a save_only_model checkpoint: HF weights, no optimizer state (not resumable)
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 # what a run writes into output_dir: a directory holding any of these holds a previous run
 RUN_FILES = ("config.json", "metrics.jsonl", LATEST, "final", "per_position_loss.png", "checkpoint-[0-9]*",
@@ -132,6 +133,25 @@ def save_checkpoint(engine, output_dir: str, step: int, client_state: dict, is_m
     return final
 
 
+def mark_weights_only(output_dir: str, step: int, is_main: bool, total_limit: int | None = None) -> str:
+    """A save_only_model checkpoint (checkpoint-<step>/ written as an HF export): rank 0 adds the marker and the
+    weights-only note, then moves `latest` to it and rotates (save_total_limit), as save_checkpoint does."""
+    final = os.path.join(output_dir, f"checkpoint-{step}")
+    if is_main:
+        with open(os.path.join(final, WEIGHTS_ONLY), "w") as f:
+            f.write(f"save_only_model: the model weights at step {step} (HF safetensors), no optimizer or scheduler "
+                    f"state; load it with from_pretrained or as model_name_or_path, a run cannot resume from it\n")
+        with open(os.path.join(final, MARKER), "w") as f:
+            f.write(f"written by ulysses_trainer at step {step}; save_total_limit and overwrite_output_dir "
+                    f"may delete this directory\n")
+        _fsync_tree(final)
+        _write_atomic(os.path.join(output_dir, LATEST), f"checkpoint-{step}\n")
+        if total_limit is not None:
+            rotate_checkpoints(output_dir, total_limit)
+    barrier()
+    return final
+
+
 def trainer_checkpoints(output_dir: str) -> dict[int, str]:
     """{step: path} of the checkpoint-<step> directories this trainer wrote (those holding its MARKER)."""
     if not os.path.isdir(output_dir):
@@ -173,6 +193,11 @@ def find_checkpoint(resume_from_checkpoint, output_dir: str) -> str | None:
         path = os.path.join(output_dir, open(pointer).read().strip())
     else:
         path = str(resume_from_checkpoint)
+    if os.path.isfile(os.path.join(path, WEIGHTS_ONLY)):
+        raise ConfigError(f"resume_from_checkpoint: {path} was written with save_only_model true: it holds the "
+                          f"model weights only, no optimizer or scheduler state, so the run cannot continue from it; "
+                          f"resume from a checkpoint saved with save_only_model false, or start a new run from its "
+                          f"weights (model_name_or_path {path})")
     if not os.path.isdir(os.path.join(path, TAG)):
         raise ConfigError(f"resume_from_checkpoint: {path} holds no checkpoint (expected {path}/{TAG}/); "
                           f"pass an output_dir/checkpoint-<step> directory or `latest`")
@@ -238,10 +263,15 @@ def clear_previous_run(output_dir: str) -> list[str]:
             os.remove(path)
         removed.append(path)
     runs = os.path.join(output_dir, TENSORBOARD_DIR)
-    events = glob.glob(os.path.join(glob.escape(runs), EVENTS))
+    # runs/ itself, and runs/RUN_NAME/ (a run given a run_name writes there)
+    events = glob.glob(os.path.join(glob.escape(runs), EVENTS)) + \
+        glob.glob(os.path.join(glob.escape(runs), "*", EVENTS))
     for path in events:  # a new run's curves never show the old run's steps
         os.remove(path)
         removed.append(path)
+    for d in sorted({os.path.dirname(p) for p in events}, key=len, reverse=True):
+        if d != runs and not os.listdir(d):
+            os.rmdir(d)
     if events and os.path.isdir(runs) and not os.listdir(runs):
         os.rmdir(runs)
     return removed
@@ -284,12 +314,12 @@ def load_checkpoint(engine, path: str) -> dict:
     return client_state or {}
 
 
-def export_adapter(engine, peft_model, output_dir: str, tokenizer, is_main: bool) -> str | None:
+def export_adapter(engine, peft_model, output_dir: str, tokenizer, is_main: bool, name: str = "final") -> str | None:
     """LoRA: gather the adapter weights (collective: every rank enters) and write `final/` on rank 0 as PEFT
     writes an adapter (adapter_config.json + adapter_model.safetensors), which PeftModel.from_pretrained loads."""
     import deepspeed
 
-    target = os.path.join(output_dir, "final")
+    target = os.path.join(output_dir, name)
     adapters = [p for p in engine.module.parameters() if p.requires_grad]
     with deepspeed.zero.GatheredParameters(adapters, modifier_rank=None):
         _export_on_main(is_main, target, lambda: _replace_dir(

@@ -85,7 +85,8 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, split: str, dp_size: int, num_se
     if source is None:
         return None
     settings = {k: v for k, v in config_to_dict(cfg).items()
-                if any(w in k for w in _DATA_WORDS) and not k.startswith("data_cache")}
+                if any(w in k for w in _DATA_WORDS) and not k.startswith("data_cache")
+                and k != "dataset_num_proc"}  # accepted, changes nothing (train/run_report.py says so)
     text = json.dumps([_FORMAT, source, _tokenizer_identity(tokenizer), settings, split, dp_size, num_sequences,
                        _code_identity()], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -17,7 +17,7 @@ import torch
 from ..config import TrainConfig, config_to_dict, resolve_bf16, validate_config
 from ..data.accounting import check_something_trained
 from ..data.attention_share import AttentionShare, timed_from_data
-from ..data.tokenizer import check_tokenizer_fits, load_tokenizer
+from ..data.tokenizer import apply_tokenizer_options, check_tokenizer_fits, load_tokenizer
 from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
 from ..errors import ConfigError
 from ..layout import padded_length, resolve_layout
@@ -112,7 +112,8 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     digest = check_same_plan(resolved, "before the model is built")
     kernel, sp, dp = resolved.kernel, resolved.sp, resolved.dp
     check_host_fits(resolved, machine, device, ranks_here=None if training else 1)  # a rehearsal runs one rank
-    tokenizer = load_tokenizer(checkpoint_source(cfg.model_name_or_path))
+    tokenizer = apply_tokenizer_options(load_tokenizer(checkpoint_source(cfg.model_name_or_path)),
+                                        cfg.chat_template_path, cfg.eos_token)
     check_tokenizer_fits(tokenizer, model_config)
     per_step = dp * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     # the whole dataset: the order is a permutation of all of it, whatever max_steps (TRL's sampler)
@@ -127,7 +128,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
                           f"step needs {per_step} (dp {dp} x batch {cfg.per_device_train_batch_size} x "
                           f"accumulation {cfg.gradient_accumulation_steps}); add data or lower those")
     eval_data = None
-    if cfg.eval_steps:
+    if cfg.evaluates:
         # max_eval_samples bounds both the tokenizing and every evaluation
         eval_data = prepared_sequences(cfg, tokenizer, split="eval", dp_size=dp, num_sequences=cfg.max_eval_samples)
         check_something_trained(eval_data.counts, "eval dataset", cfg.assistant_only_loss, cfg.completion_only_loss)

@@ -1,5 +1,6 @@
 """`report_to` (TRL's name): every metrics.jsonl row also goes to TensorBoard and/or Weights & Biases.
 
+run_name (TRL's) names the run: TensorBoard writes to output_dir/runs/RUN_NAME/, wandb names its run so.
 Tags follow the HF Trainer's: `train/loss`, `train/grad_norm`, ... for a train row, `eval/loss` for
 an eval row, at global step = the row's `step`. Reporters open on the first row (nothing is written
 before the run starts) and only rank 0 logs.
@@ -13,6 +14,12 @@ from typing import Any
 from ..errors import ConfigError
 
 TENSORBOARD_DIR = "runs"  # output_dir/runs/, as the HF Trainer's default logging_dir
+
+
+def tensorboard_dir(output_dir: str, run_name: str | None = None) -> str:
+    """output_dir/runs/, or output_dir/runs/RUN_NAME/ for a named run (TensorBoard shows it by that name)."""
+    runs = os.path.join(output_dir, TENSORBOARD_DIR)
+    return os.path.join(runs, run_name) if run_name else runs
 
 
 def tag(key: str) -> str:
@@ -45,14 +52,14 @@ class TensorBoardReporter:
 class WandbReporter:
     """A wandb run in output_dir (WANDB_MODE=offline, WANDB_PROJECT and the other WANDB_* are wandb's own)."""
 
-    def __init__(self, output_dir: str, config: dict[str, Any]):
+    def __init__(self, output_dir: str, config: dict[str, Any], run_name: str | None = None):
         import wandb
 
         project = os.environ.get("WANDB_PROJECT", "ulysses_trainer")
         self._wandb = wandb
         try:
             self.run = wandb.init(project=project, dir=output_dir, config=config,
-                                  name=os.path.basename(os.path.normpath(output_dir)))
+                                  name=run_name or os.path.basename(os.path.normpath(output_dir)))
         except wandb.errors.UsageError as exc:  # e.g. no API key, no tty to ask for one
             raise ConfigError(f"report_to wandb: {exc} (or set WANDB_API_KEY, or WANDB_MODE=offline to log "
                               f"without an account)") from None
@@ -70,8 +77,8 @@ class WandbReporter:
 class Reporters:
     """The `report_to` reporters of one run, opened on the first row they get."""
 
-    def __init__(self, names: list[str], output_dir: str, config: dict[str, Any]):
-        self.names, self.output_dir, self.config = names, output_dir, config
+    def __init__(self, names: list[str], output_dir: str, config: dict[str, Any], run_name: str | None = None):
+        self.names, self.output_dir, self.config, self.run_name = names, output_dir, config, run_name
         self.resume_step: int | None = None
         self._open: list[Any] | None = None
 
@@ -87,9 +94,9 @@ class Reporters:
         for name in self.names:
             if name == "tensorboard":
                 purge = None if self.resume_step is None else self.resume_step + 1
-                self._open.append(TensorBoardReporter(os.path.join(self.output_dir, TENSORBOARD_DIR), purge))
+                self._open.append(TensorBoardReporter(tensorboard_dir(self.output_dir, self.run_name), purge))
             elif name == "wandb":
-                self._open.append(WandbReporter(self.output_dir, self.config))
+                self._open.append(WandbReporter(self.output_dir, self.config, self.run_name))
 
     def log(self, row: dict) -> None:
         self.open()

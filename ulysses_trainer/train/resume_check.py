@@ -21,6 +21,7 @@ HARMLESS = frozenset({
     "logging_steps", "save_steps", "save_strategy", "save_total_limit", "eval_steps", "max_eval_samples",
     "per_device_eval_batch_size", "eval_dataset_name", "dataset_test_split", "report_to",
     "plot_per_position_loss", "nan_policy", "deepspeed",
+    "logging_strategy", "logging_first_step", "run_name", "save_only_model", "eval_strategy", "dataset_num_proc",
     "attn_implementation", "gradient_checkpointing", "checkpoint_every", "activation_offload",
     "keep_attention_outputs", "tiled_mlp", "lean_norm", "norm_kernel", "optimizer_offload", "host_memory_gb",
     "loss_type", "loss_chunk_size",

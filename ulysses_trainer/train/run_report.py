@@ -14,6 +14,9 @@ from .resume_check import run_record
 
 
 def report_data(plan: RunPlan) -> None:
+    if plan.cfg.dataset_num_proc is not None:  # TRL's option, accepted: say why it is not needed
+        print(f"[ulysses_trainer] data: dataset_num_proc {plan.cfg.dataset_num_proc} is not used: tokenizing is "
+              f"batched (the tokenizer's own threads), not a per-row map over worker processes", flush=True)
     for what, data in (("data", plan.train_data), ("eval data", plan.eval_data)):
         counts = getattr(data, "counts", None)
         if counts is not None:
@@ -34,6 +37,12 @@ def say_stopping(next_step: int, save_strategy: str) -> None:
         f"interrupted: stopping after step {next_step}, not saving (save_strategy no)"
     print(f"[ulysses_trainer] {line} (a second Ctrl-C stops at once; the last checkpoint stays)",
           file=sys.stderr, flush=True)
+
+
+def report_run_name(run_name: str | None) -> None:
+    """The first line of a named run (run_name)."""
+    if run_name:
+        print(f"[ulysses_trainer] run {run_name}", flush=True)
 
 
 def report_plan(r: Plan, before_build: bool) -> None:

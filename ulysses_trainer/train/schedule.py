@@ -1,8 +1,18 @@
-"""The learning-rate schedule after a resume that changes the peak learning rate."""
+"""The learning-rate schedule: built from the config (lr_scheduler_type, its kwargs, the warmup), and given a
+new peak after a resume that changes the learning rate."""
 
 from __future__ import annotations
 
 from typing import Any
+
+
+def build_schedule(cfg: Any, optimizer: Any, total_steps: int) -> Any:
+    """transformers' schedule lr_scheduler_type over total_steps, warmup_steps (else warmup_ratio) first,
+    lr_scheduler_kwargs passed to it (e.g. cosine's num_cycles)."""
+    from transformers import get_scheduler
+
+    return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_for(total_steps),
+                         num_training_steps=total_steps, scheduler_specific_kwargs=cfg.lr_scheduler_kwargs)
 
 
 def set_peak_learning_rate(scheduler: Any, peak: float) -> None:

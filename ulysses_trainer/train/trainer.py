@@ -11,7 +11,6 @@ from dataclasses import replace
 import deepspeed
 import torch
 from tqdm import tqdm
-from transformers import get_scheduler
 
 from ..config import config_to_dict
 from ..config_checks import shard_bytes
@@ -43,8 +42,9 @@ from .prepare import RunPlan
 from .reporters import Reporters
 from .resume_check import notes as resume_notes
 from .resume_check import run_record
-from .schedule import set_peak_learning_rate
+from .schedule import build_schedule, set_peak_learning_rate
 from .stop_signal import StopSignal
+from .strategies import ends_epoch, eval_due, log_due, save_due
 
 
 class Trainer:
@@ -64,13 +64,15 @@ class Trainer:
         self._bar = None
         self._write_failure: tuple[str, int, str] | None = None  # rank 0's failed log write, agreed at the step end
         if self.state.is_main:  # before memory climbs: the plan and the data
+            report.report_run_name(self.cfg.run_name)
             report.report_plan(plan.resolved, before_build=True)
             report.report_data(plan)
         self.model = self._build_model()
         self.engine = self._build_engine()
         self.metrics = MetricsFile(self.cfg.output_dir)
         self.reporters = Reporters(resolve_report_to(self.cfg.report_to), self.cfg.output_dir,
-                                   config_to_dict(self.cfg))
+                                   config_to_dict(self.cfg), self.cfg.run_name)
+        self._saved_step: int | None = None  # the step the last checkpoint holds
 
     # ------------------------------------------------------------------ setup
     def _build_model(self) -> SequenceParallelCausalLM:
@@ -91,9 +93,7 @@ class Trainer:
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
         optimizer = plan.optimizer.build(trainable) if plan.optimizer is not None else None
         def schedule(opt):  # DeepSpeed hands over its base optimizer; it steps and saves the schedule
-            return get_scheduler(cfg.lr_scheduler_type, opt, num_warmup_steps=cfg.warmup_for(plan.total_steps),
-                                 num_training_steps=plan.total_steps,
-                                 scheduler_specific_kwargs=cfg.lr_scheduler_kwargs)
+            return build_schedule(cfg, opt, plan.total_steps)
 
         engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=plan.ds_config,
                                                lr_scheduler=schedule)
@@ -182,6 +182,11 @@ class Trainer:
             raise NonFiniteError(f"the parameters are not finite at step {self.step}; not saving (the last "
                                  f"checkpoint stays intact). Check the model weights or lower learning_rate")
         plan = self.plan
+        self._saved_step = self.step
+        if self.cfg.save_only_model:  # the weights as an HF export, no optimizer state (not resumable)
+            self._export(f"checkpoint-{self.step}")
+            ckpt.mark_weights_only(self.cfg.output_dir, self.step, self.state.is_main, self.cfg.save_total_limit)
+            return
         ckpt.save_checkpoint(self.engine, self.cfg.output_dir, self.step, self._client_state(),
                              self.state.is_main, model_config=plan.model_config,
                              run_config=run_record(config_to_dict(self.cfg), plan.world_size, plan.sp_size,
@@ -197,6 +202,7 @@ class Trainer:
     def resume(self, path: str) -> None:
         client = ckpt.load_checkpoint(self.engine, path)
         self.step, self.num_tokens = int(client["step"]), int(client["num_tokens"])
+        self._saved_step = self.step  # the checkpoint resumed from holds this step
         self.num_loss_tokens = int(client.get("num_loss_tokens", 0))  # checkpoints from before it was kept: 0
         torch.set_rng_state(client["rng_cpu"])
         # a checkpoint between two logged rows: the next row's mean still covers the steps before it
@@ -228,10 +234,8 @@ class Trainer:
             if plan.clear_output_dir or not plan.resume_path:
                 ckpt.clear_previous_run(cfg.output_dir)
             os.makedirs(cfg.output_dir, exist_ok=True)
-        resumed_at = None
         if plan.resume_path:  # found and checked by prepare()
             self.resume(plan.resume_path)
-            resumed_at = self.step
             if self.step >= plan.total_steps and self.state.is_main:  # e.g. the export failed on a full disk
                 print(f"[ulysses_trainer] training already finished at step {self.step} "
                       f"({os.path.basename(os.path.normpath(plan.resume_path))}): writing the final export only",
@@ -258,12 +262,13 @@ class Trainer:
             dt = time.perf_counter() - t0
             step_times.append(dt)
             bar.update(1)
-            if self.step % cfg.logging_steps == 0 or self.step == plan.total_steps:
+            epoch_end = ends_epoch(self.step, plan.sequences_per_step, len(plan.train_data))
+            if log_due(cfg, self.step, plan.total_steps, epoch_end):
                 self._log(loss, grad_norm, dt, real_tokens, flops_per_step, bar)
-            if cfg.eval_steps and self.step % cfg.eval_steps == 0:
+            if eval_due(cfg, self.step, epoch_end):
                 self._log_eval(self.evaluate(), bar)
             stop_now = self._stop_agreed()
-            if saving and ((cfg.save_steps and self.step % cfg.save_steps == 0) or stop_now):
+            if saving and (save_due(cfg, self.step, epoch_end) or stop_now):
                 self._save()
             if stop_now:
                 if self.state.is_main:
@@ -283,25 +288,31 @@ class Trainer:
                                     f"{cfg.model_name_or_path}: per-position loss after step {self.step}")
         if not saving:
             return 0
-        if not (cfg.save_steps and self.step % cfg.save_steps == 0) and self.step != resumed_at:
-            self._save()  # (a resume that trained nothing has its checkpoint already)
+        if self._saved_step != self.step:  # the last step's checkpoint, unless a save step (or the resume) holds it
+            self._save()
+        self._export("final")
+        return 0
+
+    def _export(self, name: str) -> None:
+        """The model as HF files in output_dir/<name> (final/, or a save_only_model checkpoint): the adapter
+        (LoRA without merge_lora) or the whole, merged model. Collective."""
+        cfg, plan = self.cfg, self.plan
         source = checkpoint_source(cfg.model_name_or_path)
         chat = getattr(plan.train_data, "kind", None) in (CONVERSATIONAL, PROMPT_COMPLETION)
         files = ExportFiles(plan.tokenizer, chat, source_dir=source if source and os.path.isdir(source) else None)
         if self.peft_model is not None and not cfg.merge_lora:
-            base = adapter_base(cfg.model_name_or_path, source, cfg.output_dir)
+            base = adapter_base(cfg.model_name_or_path, source, cfg.output_dir, name)
             ckpt.export_adapter(self.engine, self.peft_model, cfg.output_dir,
-                                ExportFiles(plan.tokenizer, chat, adapter_base=base), self.state.is_main)
-            if source is None:  # a preset's base exists nowhere else: final/base, which the adapter names
+                                ExportFiles(plan.tokenizer, chat, adapter_base=base), self.state.is_main, name=name)
+            if source is None:  # a preset's base exists nowhere else: <name>/base, which the adapter names
                 ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, files, self.state.is_main,
-                               transform=lambda sd: merged_state_dict(sd, 0.0), name=os.path.join("final", "base"),
+                               transform=lambda sd: merged_state_dict(sd, 0.0), name=os.path.join(name, "base"),
                                max_shard_size=shard_bytes(cfg.max_shard_size))
         else:
             merge = (lambda sd: merged_state_dict(sd, lora_scaling(self.peft_model))) if self.peft_model else None
             ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, files, self.state.is_main,
                            transform=merge, config_json=export_config_json(cfg, plan.model_config, plan.bf16),
-                           max_shard_size=shard_bytes(cfg.max_shard_size))
-        return 0
+                           max_shard_size=shard_bytes(cfg.max_shard_size), name=name)
 
     def _write_run_config(self) -> None:
         """config.json: this run's config, layout and data accounting; on resume the earlier runs' configs
