@@ -177,7 +177,8 @@ class TrainConfig:
         None, "checkpoint dir to resume from; true = the latest in output_dir")
     # conversations and prompt-completion data (TRL SFTConfig names)
     assistant_only_loss: bool = _f(
-        False, "conversational data: train only on the assistant turns (each up to and including its <|im_end|>)")
+        False, "conversational data: train only on the assistant turns (each after its header, through its "
+               "<|im_end|> and the newline after it)")
     completion_only_loss: Union[bool, None] = _f(
         None, "prompt-completion data: train only on the completion; null = true (TRL's default)")
     max_length_policy: MaxLengthPolicy = _f(

@@ -12,13 +12,13 @@ Qwen3's ChatML written here byte for byte as that template renders it: `<|im_sta
 <|im_end|>\\n` turns, tool calls in <tool_call> tags, tool results grouped into one user turn in
 <tool_response> tags, reasoning in a <think> block. With assistant_only_loss it is TRL's training
 variant (every assistant turn keeps its think block), and an assistant turn's trained part is
-everything after its `<|im_start|>assistant\\n` header up to and including its <|im_end|>.
+everything after its `<|im_start|>assistant\\n` header up to and including its <|im_end|> and the newline
+after it (TRL's mask for Qwen3). A checkpoint's other templates are rendered by data/chat_template.py.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import unicodedata
 from dataclasses import dataclass
 from typing import Any
@@ -161,7 +161,8 @@ def render_qwen3(messages: list[dict], tools: list | None, assistant_only: bool,
     assistant_only_loss: every assistant turn opens with its think block (empty when it has no reasoning).
     Without it, as Qwen3's template: only the turns after the last user query carry their think block (the
     last turn always, the others when they have reasoning). trained = the assistant turns after their
-    header (assistant_only) or every segment (train_all, default: not assistant_only)."""
+    header through the newline after its <|im_end|> (assistant_only) or every segment (train_all, default:
+    not assistant_only)."""
     everything = (not assistant_only) if train_all is None else train_all
     every_think = assistant_only if every_think is None else every_think
     segs: list[Segment] = []
@@ -222,7 +223,7 @@ def render_qwen3(messages: list[dict], tools: list | None, assistant_only: bool,
             add(_tool_call_json(call, at), True, "assistant")
             add("\n</tool_call>", True)
         special(IM_END, True)
-        add("\n", False)
+        add("\n", True)  # the newline after a turn's <|im_end|> is trained with it, as TRL trains Qwen3
     if add_generation_prompt:
         special(IM_START, False)
         add("assistant\n", False)
@@ -285,89 +286,3 @@ def tokenize_segments(segments: list[Segment], tokenizer: Any) -> tuple[np.ndarr
 def render_text(segments: list[Segment]) -> str:
     """The rendered string (special tokens written out)."""
     return "".join(s.text for s in segments)
-
-
-# ---------------------------------------------------------------- a checkpoint's own chat template
-class TemplateRenderer:
-    """Renders with the checkpoint's chat template (apply_chat_template, tools passed through) and finds the
-    trained spans by rendering prefixes: an assistant turn k spans from the end of messages[:k] rendered
-    with the generation prompt to the end of messages[:k+1] (trailing whitespace after its end token not
-    trained). A template whose full rendering does not start with those prefixes (one that rewrites earlier
-    turns) is refused for assistant_only_loss. Message text holding one of the tokenizer's special-token
-    strings is refused: it would become that token."""
-
-    def __init__(self, hf_tokenizer: Any, name: str) -> None:
-        self.tok, self.name = hf_tokenizer, name
-        specials = sorted({t.content for t in hf_tokenizer.added_tokens_decoder.values() if t.special}, key=len,
-                          reverse=True)
-        self.specials = specials
-        self._split = re.compile("(" + "|".join(re.escape(s) for s in specials) + ")") if specials else None
-
-    def _render(self, msgs: list[dict], tools: list | None, generation_prompt: bool) -> str:
-        try:
-            return self.tok.apply_chat_template(msgs, tools=tools, tokenize=False,
-                                                add_generation_prompt=generation_prompt)
-        except Exception as exc:  # a template's own raise_exception, or a jinja error
-            raise ConfigError(f"the chat template of {self.name} cannot render this conversation: {exc}") from None
-
-    def _check_text(self, value: Any, where: str) -> None:
-        if isinstance(value, str):
-            bad = next((s for s in self.specials if s in value), None)
-            if bad is not None:
-                raise ConfigError(f"{where}: message text holds the special token {bad!r}, which the chat template "
-                                  f"would turn into that token; remove it from the data")
-        elif isinstance(value, dict):
-            for v in value.values():
-                self._check_text(v, where)
-        elif isinstance(value, list):
-            for v in value:
-                self._check_text(v, where)
-
-    def _prefix_span(self, full: str, head: str, upto: str, where: str) -> tuple[int, int]:
-        if not (full.startswith(upto) and upto.startswith(head)):
-            raise ConfigError(f"{where}: the chat template of {self.name} renders earlier turns differently once "
-                              f"later turns follow, so the trained spans cannot be found by construction; "
-                              f"train on the whole conversation (assistant_only_loss false), or give the tokenizer "
-                              f"a template that renders each turn the same whatever follows (Qwen3's own template "
-                              f"is recognised and trained in its training variant)")
-        return len(head), len(upto.rstrip())
-
-    def conversation(self, msgs: list[dict], tools: list | None, assistant_only: bool, where: str) -> list[Segment]:
-        msgs = normalize_messages(msgs, where, empty=None)
-        self._check_text(msgs, where)
-        full = self._render(msgs, tools, False)
-        if not assistant_only:
-            return self._segments(full, [(0, len(full))])
-        spans = [self._prefix_span(full, self._render(msgs[:k], tools, True), self._render(msgs[:k + 1], tools, False),
-                                   f"{where}, message {k}")
-                 for k, m in enumerate(msgs) if m["role"] == "assistant"]
-        return self._segments(full, spans)
-
-    def prompt_completion(self, prompt: list, completion: list, tools: list | None, completion_only: bool,
-                          where: str) -> list[Segment]:
-        prompt, completion = normalize_messages(prompt, where, None), normalize_messages(completion, where, None)
-        self._check_text([prompt, completion], where)
-        full = self._render(prompt + completion, tools, False)
-        head = self._render(prompt, tools, True)
-        start, _ = self._prefix_span(full, head, full, where)
-        return self._segments(full, [(start if completion_only else 0, len(full))])
-
-    def _segments(self, text: str, spans: list[tuple[int, int]]) -> list[Segment]:
-        """The rendered text cut at special tokens and span edges, each piece marked trained or not."""
-        trained = np.zeros(len(text) + 1, bool)
-        for s, e in spans:
-            trained[s:e] = True
-        cuts = {0, len(text)} | {i for s, e in spans for i in (s, e)}
-        specials = []
-        for m in self._split.finditer(text) if self._split else ():
-            specials.append((m.start(), m.end()))
-            cuts |= {m.start(), m.end()}
-        special_at = dict(specials)
-        edges = sorted(c for c in cuts if 0 <= c <= len(text))
-        segs = []
-        for a, b in zip(edges, edges[1:]):
-            if a in special_at and special_at[a] == b:
-                segs.append(Segment(text[a:b], bool(trained[a]), True))
-            elif b > a:
-                segs.append(Segment(text[a:b], bool(trained[a]), False))
-        return segs

@@ -29,7 +29,8 @@ from ..errors import ConfigError
 from ..parallel.sharding import IGNORE_INDEX
 from .accounting import DataCounts
 from .agent_sessions import agent_sessions, mixed_agent_sessions
-from .chat import TemplateRenderer, tokenize_segments
+from .chat import tokenize_segments
+from .chat_template import TemplateRenderer
 from .formats import (
     ACCEPTED,
     CONVERSATIONAL,

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import ConfigError
-from .chat import Segment, TemplateRenderer, render_prompt_completion, render_qwen3
+from .chat import Segment, render_prompt_completion, render_qwen3
+from .chat_template import TemplateRenderer
 
 LANGUAGE_MODELING, CONVERSATIONAL, PROMPT_COMPLETION = "language_modeling", "conversational", "prompt_completion"
 ACCEPTED = ("a text column (`text`, or the column named by dataset_text_field); `messages` (conversational: "

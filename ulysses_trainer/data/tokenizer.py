@@ -111,17 +111,20 @@ class QwenBPETokenizer:
 class HFTokenizer:
     """A checkpoint's own tokenizer through AutoTokenizer (no special tokens added to documents).
 
-    eos_token_id is the document separator: <|endoftext|> where the vocabulary has it, else eos.
+    eos_token_id is the tokenizer's own eos token, which ends every text document and string completion, as
+    TRL appends it (<|im_end|> for a Qwen3 chat checkpoint, <|endoftext|> for a base one); <|endoftext|> only
+    for a tokenizer without one.
     """
 
     def __init__(self, tok: Any, name: str) -> None:
         self._tok = tok
         self.name = name
-        # Qwen chat checkpoints set eos = <|im_end|>; documents are separated by <|endoftext|> when it exists
-        eot = tok.convert_tokens_to_ids("<|endoftext|>")
-        eos = eot if isinstance(eot, int) and eot != tok.unk_token_id else tok.eos_token_id
+        eos = tok.eos_token_id
+        if eos is None:  # no eos of its own: <|endoftext|> where the vocabulary has it
+            eot = tok.convert_tokens_to_ids("<|endoftext|>")
+            eos = eot if isinstance(eot, int) and eot != tok.unk_token_id else None
         if eos is None:
-            raise ConfigError(f"the tokenizer of {name} has no eos token, which separates joined documents; "
+            raise ConfigError(f"the tokenizer of {name} has no eos token, which ends every document; "
                               f"set eos_token in its tokenizer_config.json")
         self.eos_token_id: int = int(eos)
         self.eos_token: str = tok.convert_ids_to_tokens(self.eos_token_id)

@@ -1,0 +1,169 @@
+"""A checkpoint's own chat template (any but Qwen3's shipped one): its rendering and its trained spans.
+
+The conversation is rendered by the template (apply_chat_template, tools passed through). With
+assistant_only_loss the trained spans are found, first rule that applies:
+
+  generation markers  the template wraps the assistant's output in {% generation %} ... {% endgeneration %}:
+                      exactly the marked tokens (apply_chat_template's assistant mask, as TRL trains)
+  ChatML turns        the template writes `<|im_start|>assistant\\n ... <|im_end|>` (both special tokens): the
+                      conversation is rendered once and each assistant turn found by structure, trained from
+                      after its header through its <|im_end|> and the newline after it (the built-in format's
+                      rule). A template that rewrites earlier turns (drops old reasoning) trains each turn as
+                      it renders it in the whole conversation.
+  prefixes            assistant turn k spans from the end of messages[:k] rendered with the generation prompt
+                      to the end of messages[:k+1] (its end token and the whitespace after it included). Only a
+                      template that renders earlier turns the same whatever follows can be cut this way; any
+                      other is refused for assistant_only_loss.
+
+Message text holding one of the tokenizer's special-token strings is refused: the template would turn it into
+that token (and could forge a turn).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from .chat import IM_END, IM_START, Segment, normalize_messages
+
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # TRL's test for markers (trim variants too)
+ASSISTANT_TURN = re.compile(re.escape(IM_START) + "assistant\n(.*?)" + re.escape(IM_END) + "\n?", re.DOTALL)
+MARKERS, CHATML, PREFIXES = "generation markers", "ChatML turns", "prefixes"
+
+
+def template_text(template: Any) -> str:
+    """The template's source (a dict of named templates: its default)."""
+    if isinstance(template, dict):
+        template = template.get("default")
+    return template if isinstance(template, str) else ""
+
+
+class TemplateRenderer:
+    """Segments of conversations and prompt-completion pairs rendered by the checkpoint's chat template; `rule`
+    says how its assistant turns are found (MARKERS, CHATML or PREFIXES, see the module doc)."""
+
+    def __init__(self, hf_tokenizer: Any, name: str) -> None:
+        self.tok, self.name = hf_tokenizer, name
+        specials = sorted({t.content for t in hf_tokenizer.added_tokens_decoder.values() if t.special}, key=len,
+                          reverse=True)
+        self.specials = specials
+        self._split = re.compile("(" + "|".join(re.escape(s) for s in specials) + ")") if specials else None
+        source = template_text(hf_tokenizer.chat_template)
+        if GENERATION_TAG.search(source):
+            self.rule = MARKERS
+        elif all(t in specials and t in source for t in (IM_START, IM_END)):
+            self.rule = CHATML
+        else:
+            self.rule = PREFIXES
+
+    def _apply(self, msgs: list[dict], tools: list | None, **kwargs: Any) -> Any:
+        try:
+            return self.tok.apply_chat_template(msgs, tools=tools, **kwargs)
+        except Exception as exc:  # a template's own raise_exception, or a jinja error
+            raise ConfigError(f"the chat template of {self.name} cannot render this conversation: {exc}") from None
+
+    def _render(self, msgs: list[dict], tools: list | None, generation_prompt: bool) -> str:
+        return self._apply(msgs, tools, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _check_text(self, value: Any, where: str) -> None:
+        if isinstance(value, str):
+            bad = next((s for s in self.specials if s in value), None)
+            if bad is not None:
+                raise ConfigError(f"{where}: message text holds the special token {bad!r}, which the chat template "
+                                  f"would turn into that token; remove it from the data")
+        elif isinstance(value, dict):
+            for v in value.values():
+                self._check_text(v, where)
+        elif isinstance(value, list):
+            for v in value:
+                self._check_text(v, where)
+
+    # ------------------------------------------------------------ the three rules
+    def _marked_spans(self, msgs: list[dict], tools: list | None) -> list[tuple[int, int]]:
+        """Character spans of the tokens apply_chat_template's assistant mask marks (TRL's call)."""
+        out = self._apply(msgs, tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        offsets = out.encodings[0].offsets  # of the same rendering, tokenised by apply_chat_template
+        spans: list[tuple[int, int]] = []
+        for i in np.flatnonzero(np.asarray(out["assistant_masks"], bool)):
+            s, e = offsets[i]
+            if spans and s <= spans[-1][1]:  # the next token of the same run
+                spans[-1] = (spans[-1][0], max(e, spans[-1][1]))
+            else:
+                spans.append((s, e))
+        return spans
+
+    @staticmethod
+    def _turn_spans(full: str) -> list[tuple[int, int]]:
+        """Each `<|im_start|>assistant\\n` turn from after its header through its <|im_end|> and newline (message
+        text holds no special token, so the first <|im_end|> after the header is the turn's)."""
+        return [(m.start(1), m.end()) for m in ASSISTANT_TURN.finditer(full)]
+
+    def _prefix_spans(self, msgs: list[dict], tools: list | None, full: str, where: str) -> list[tuple[int, int]]:
+        spans = []
+        for k, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            head, upto = self._render(msgs[:k], tools, True), self._render(msgs[:k + 1], tools, False)
+            if not (full.startswith(upto) and upto.startswith(head)):
+                raise ConfigError(
+                    f"{where}, message {k}: the chat template of {self.name} renders earlier turns differently once "
+                    f"later turns follow, and it neither writes ChatML turns (<|im_start|>assistant\\n ... "
+                    f"<|im_end|>) nor marks the assistant's output with {{% generation %}}, so the trained spans "
+                    f"cannot be found; set assistant_only_loss false (every token trained), or wrap each assistant "
+                    f"turn's output in the template in {{% generation %}} ... {{% endgeneration %}} as TRL's "
+                    f"training templates do")
+            spans.append((len(head), len(upto)))
+        return spans
+
+    # ------------------------------------------------------------ examples
+    def conversation(self, msgs: list[dict], tools: list | None, assistant_only: bool, where: str) -> list[Segment]:
+        msgs = normalize_messages(msgs, where, empty=None)
+        self._check_text(msgs, where)
+        full = self._render(msgs, tools, False)
+        if not assistant_only:
+            return self._segments(full, [(0, len(full))])
+        if self.rule == MARKERS:
+            return self._segments(full, self._marked_spans(msgs, tools))
+        if self.rule == CHATML:
+            spans = self._turn_spans(full)
+            if len(spans) == sum(m["role"] == "assistant" for m in msgs):
+                return self._segments(full, spans)
+            # a turn per assistant message is what the structure means; otherwise the prefixes decide
+        return self._segments(full, self._prefix_spans(msgs, tools, full, where))
+
+    def prompt_completion(self, prompt: list, completion: list, tools: list | None, completion_only: bool,
+                          where: str) -> list[Segment]:
+        """The pair rendered together; the completion starts where the prompt rendered with the generation
+        prompt ends, and is trained to the rendering's end (its last newline included)."""
+        prompt, completion = normalize_messages(prompt, where, None), normalize_messages(completion, where, None)
+        self._check_text([prompt, completion], where)
+        full = self._render(prompt + completion, tools, False)
+        head = self._render(prompt, tools, True)
+        if not full.startswith(head):
+            raise ConfigError(f"{where}: the chat template of {self.name} renders the prompt differently once the "
+                              f"completion follows it, so the completion's start cannot be found; put the whole "
+                              f"exchange in `messages` (assistant_only_loss trains its assistant turns)")
+        return self._segments(full, [(len(head) if completion_only else 0, len(full))])
+
+    def _segments(self, text: str, spans: list[tuple[int, int]]) -> list[Segment]:
+        """The rendered text cut at special tokens and span edges, each piece marked trained or not."""
+        trained = np.zeros(len(text) + 1, bool)
+        for s, e in spans:
+            trained[s:e] = True
+        cuts = {0, len(text)} | {i for s, e in spans for i in (s, e)}
+        specials = []
+        for m in self._split.finditer(text) if self._split else ():
+            specials.append((m.start(), m.end()))
+            cuts |= {m.start(), m.end()}
+        special_at = dict(specials)
+        edges = sorted(c for c in cuts if 0 <= c <= len(text))
+        segs = []
+        for a, b in zip(edges, edges[1:]):
+            if a in special_at and special_at[a] == b:
+                segs.append(Segment(text[a:b], bool(trained[a]), True))
+            elif b > a:
+                segs.append(Segment(text[a:b], bool(trained[a]), False))
+        return segs
