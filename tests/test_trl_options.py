@@ -249,7 +249,7 @@ def test_dataset_num_proc_is_accepted_and_said_unused(capsys):
     from ulysses_trainer.train.run_report import report_data
 
     cfg = build_config({"dataset_num_proc": 4})
-    report_data(SimpleNamespace(cfg=cfg, train_data=None, eval_data=None))
+    report_data(SimpleNamespace(cfg=cfg, train_data=None, eval_data=None, disk=None))
     assert "dataset_num_proc 4 is not used: tokenizing is batched" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="dataset_num_proc must be >= 1"):
         build_config({"dataset_num_proc": 0})
