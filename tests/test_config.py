@@ -11,7 +11,6 @@ from ulysses_trainer.config import (
     config_to_dict,
     format_help,
     load_config,
-    resolve_bf16,
     validate_config,
 )
 from ulysses_trainer.errors import ConfigError
@@ -163,9 +162,15 @@ def test_validation_accepts_good_shapes():
 
 
 def test_resolve_bf16():
-    assert resolve_bf16(TrainConfig(bf16="auto"), device_is_cuda=False) is False
-    assert resolve_bf16(TrainConfig(bf16=True), device_is_cuda=False) is True
-    assert resolve_bf16(TrainConfig(bf16=False), device_is_cuda=True) is False
+    """One rule (Machine.bf16) for the trainer, `plan` and `rehearse`: auto = GPUs that take bf16."""
+    from ulysses_trainer.plan.types import Machine
+
+    cpu = Machine(gpus=2, gpu_memory_gb=None, host_memory_gb=16)
+    gpu = Machine(gpus=2, gpu_memory_gb=80, host_memory_gb=16)
+    assert cpu.bf16(TrainConfig(bf16="auto").bf16) is False and gpu.bf16("auto") is True
+    assert cpu.bf16(True) is True and gpu.bf16(False) is False
+    old = Machine(gpus=1, gpu_memory_gb=16, host_memory_gb=16, bf16_supported=False)  # e.g. a V100
+    assert old.bf16("auto") is False
 
 
 def test_config_dict_round_trip():

@@ -33,7 +33,7 @@ def test_shipped_configs_are_zero3_with_auto_values():
 def test_fill_on_cpu_uses_torch_adamw():
     cfg = _cfg(per_device_train_batch_size=2, gradient_accumulation_steps=3, max_grad_norm=0.5,
                learning_rate=2e-5, weight_decay=0.1, adam_beta2=0.95)
-    ds, spec = fill_ds_config(load_ds_config(ZERO3), cfg, world_size=4, dp_size=2, device_is_cuda=False,
+    ds, spec = fill_ds_config(load_ds_config(ZERO3), cfg, world_size=4, dp_size=2, device_is_cuda=False, bf16=False,
                               hidden_size=64)
     assert ds["train_micro_batch_size_per_gpu"] == 2
     assert ds["gradient_accumulation_steps"] == 3
@@ -51,24 +51,24 @@ def test_fill_on_cpu_uses_torch_adamw():
 
 
 def test_fill_without_hidden_size_leaves_bucket_defaults_to_deepspeed():
-    ds, _ = fill_ds_config(load_ds_config(ZERO3), _cfg(), 1, 1, False)
+    ds, _ = fill_ds_config(load_ds_config(ZERO3), _cfg(), 1, 1, False, bf16=False)
     assert "reduce_bucket_size" not in ds["zero_optimization"]
 
 
 def test_fill_on_cuda_can_keep_deepspeed_adam():
     cfg = _cfg(bf16="auto", learning_rate=1e-5)
-    ds, spec = fill_ds_config(load_ds_config(ZERO3), cfg, 8, 1, device_is_cuda=True,
+    ds, spec = fill_ds_config(load_ds_config(ZERO3), cfg, 8, 1, device_is_cuda=True, bf16=True,
                               use_deepspeed_optimizer=True)
     assert spec is None
     assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8,
                                                            "weight_decay": 0.0}}
-    ds2, spec2 = fill_ds_config(load_ds_config(ZERO3), cfg, 8, 1, device_is_cuda=True,
+    ds2, spec2 = fill_ds_config(load_ds_config(ZERO3), cfg, 8, 1, device_is_cuda=True, bf16=True,
                                 use_deepspeed_optimizer=False)
     assert "optimizer" not in ds2 and spec2.lr == 1e-5
 
 
 def test_offload_with_torch_adamw_tells_deepspeed_to_allow_it():
-    ds, spec = fill_ds_config(load_ds_config(OFFLOAD), _cfg(), 2, 2, device_is_cuda=False)
+    ds, spec = fill_ds_config(load_ds_config(OFFLOAD), _cfg(), 2, 2, device_is_cuda=False, bf16=False)
     assert spec is not None and ds["zero_force_ds_cpu_optimizer"] is False
 
 
@@ -77,12 +77,12 @@ def test_user_train_batch_size_is_in_sequences_per_step():
     base = load_ds_config(ZERO3)
     # world 4 = dp 2 x sp 2: 1 x 2 x 2 = 4 sequences per optimizer step
     ds, _ = fill_ds_config({**base, "train_batch_size": 4}, cfg, world_size=4, dp_size=2,
-                           device_is_cuda=False)
+                           device_is_cuda=False, bf16=False)
     assert ds["train_batch_size"] == 8  # converted to DeepSpeed's all-ranks-are-dp unit
     with pytest.raises(ConfigError, match=r"train_batch_size is 8 in .* gives 4 sequences per optimizer "
                                           r"step \(per_device_train_batch_size 1 x "
                                           r"gradient_accumulation_steps 2 x dp 2"):
-        fill_ds_config({**base, "train_batch_size": 8}, cfg, world_size=4, dp_size=2, device_is_cuda=False)
+        fill_ds_config({**base, "train_batch_size": 8}, cfg, world_size=4, dp_size=2, device_is_cuda=False, bf16=False)
 
 
 @pytest.mark.parametrize("edit, cfg_kw, pattern", [
@@ -119,7 +119,7 @@ def test_user_train_batch_size_is_in_sequences_per_step():
 def test_conflicts_name_both_places(edit, cfg_kw, pattern):
     ds = {**load_ds_config(ZERO3), **edit}
     with pytest.raises(ConfigError, match=pattern):
-        fill_ds_config(ds, _cfg(**cfg_kw), 2, 2, device_is_cuda=False, source="my.json")
+        fill_ds_config(ds, _cfg(**cfg_kw), 2, 2, device_is_cuda=False, bf16=False, source="my.json")
 
 
 def test_explicit_values_that_agree_are_kept():
@@ -127,11 +127,11 @@ def test_explicit_values_that_agree_are_kept():
           "bf16": {"enabled": False}, "fp16": {"enabled": "auto"},
           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": 8,
                                                             "warmup_max_lr": "auto"}}}
-    out, _ = fill_ds_config(ds, _cfg(gradient_accumulation_steps=2), 2, 2, False, total_steps=8)
+    out, _ = fill_ds_config(ds, _cfg(gradient_accumulation_steps=2), 2, 2, False, bf16=False, total_steps=8)
     assert out["gradient_accumulation_steps"] == 2 and out["fp16"] == {"enabled": False}
     assert "scheduler" not in out  # the trainer owns the schedule
     with pytest.raises(ConfigError, match="total_num_steps is 8 .* the run's optimizer steps = 5"):
-        fill_ds_config(ds, _cfg(gradient_accumulation_steps=2), 2, 2, False, total_steps=5)
+        fill_ds_config(ds, _cfg(gradient_accumulation_steps=2), 2, 2, False, bf16=False, total_steps=5)
 
 
 def test_malformed_json_reports_line_and_column(tmp_path):
@@ -158,7 +158,7 @@ def _engine_step(rank, world_size, ds_path):
 
     cfg = TrainConfig(bf16=False, gradient_accumulation_steps=2, learning_rate=1e-3)
     ds, spec = fill_ds_config(load_ds_config(ds_path), cfg, world_size=world_size, dp_size=1,
-                              device_is_cuda=False, hidden_size=32)
+                              device_is_cuda=False, bf16=False, hidden_size=32)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

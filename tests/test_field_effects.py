@@ -38,7 +38,7 @@ def test_adam_numbers_reach_the_optimizer():
     from ulysses_trainer.ds_config import fill_ds_config, load_ds_config
 
     cfg = build_config({"adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-6, "weight_decay": 0.01})
-    _, spec = fill_ds_config(load_ds_config("ds_configs/zero3.json"), cfg, 1, 1, False)
+    _, spec = fill_ds_config(load_ds_config("ds_configs/zero3.json"), cfg, 1, 1, False, bf16=False)
     opt = spec.build([torch.nn.Parameter(torch.zeros(2))])
     assert opt.defaults["betas"] == (0.8, 0.95) and opt.defaults["eps"] == 1e-6
     assert opt.defaults["weight_decay"] == 0.01

@@ -35,7 +35,7 @@ def test_recipe_validates_for_its_world_size(name):
     resolve_layout(sp, world, model.num_attention_heads, model.num_key_value_heads)
     gpu = name != "cpu_default.yaml"
     ds, _ = fill_ds_config(load_ds_config(cfg.deepspeed), cfg, world, world // sp, gpu,
-                           total_steps=cfg.max_steps, hidden_size=model.hidden_size,
+                           bf16=gpu, total_steps=cfg.max_steps, hidden_size=model.hidden_size,
                            use_deepspeed_optimizer=False, source=name)
     assert ds["zero_optimization"]["stage"] == 3
     assert ds["train_batch_size"] == cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world

@@ -60,6 +60,7 @@ def test_planner_and_trainer_make_the_same_plan_for_every_recipe(recipe, capsys)
     assert {k: v for k, v in planner.items() if k != "notes"} == {k: v for k, v in trainer_dict.items() if k != "notes"}
     assert set(trainer_dict["notes"]) <= set(planner["notes"])
     assert "auto" not in json.dumps({k: v for k, v in planner.items() if k not in ("decided", "notes")})
+    assert planner["bf16"] is (cfg.bf16 if isinstance(cfg.bf16, bool) else True)  # GPUs: auto = bf16
 
 
 def test_prepare_resolves_with_plan_for():
@@ -67,8 +68,9 @@ def test_prepare_resolves_with_plan_for():
 
     cfg = load_config(["--config", str(ROOT / "launch" / "recipes" / "cpu_default.yaml")])
     run = prepare(cfg, 2)
-    again = plan_for(cfg, run.model_config, load_ds_config(cfg.deepspeed), run.machine, bf16=run.bf16)
+    again = plan_for(cfg, run.model_config, load_ds_config(cfg.deepspeed), run.machine)
     assert run.resolved == again and run.kernel == again.kernel
+    assert run.bf16 is again.bf16 is False and run.ds_config["bf16"]["enabled"] is False  # one rule: no GPU
     assert run.resolved.predicted_step_s is None  # no GPU: no time model, nothing searched
 
 
@@ -176,10 +178,10 @@ def test_the_ds_config_gets_the_plans_optimizer_placement():
     from ulysses_trainer.names import OFFLOAD_SUB_GROUP_SIZE
 
     cfg = TrainConfig()
-    ds, _ = fill_ds_config(load_ds_config(cfg.deepspeed), cfg, 1, 1, False, optimizer_offload=True)
+    ds, _ = fill_ds_config(load_ds_config(cfg.deepspeed), cfg, 1, 1, False, bf16=False, optimizer_offload=True)
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["zero_optimization"]["sub_group_size"] == OFFLOAD_SUB_GROUP_SIZE
-    ds, _ = fill_ds_config(load_ds_config(cfg.deepspeed), cfg, 1, 1, False, optimizer_offload=False)
+    ds, _ = fill_ds_config(load_ds_config(cfg.deepspeed), cfg, 1, 1, False, bf16=False, optimizer_offload=False)
     assert "offload_optimizer" not in ds["zero_optimization"]
 
 

@@ -445,17 +445,6 @@ def load_config(argv: list[str]) -> TrainConfig:
 
 
 
-def resolve_bf16(cfg: TrainConfig, device_is_cuda: bool) -> bool:
-    """bf16 'auto' -> on exactly when the device is CUDA and supports bf16."""
-    if isinstance(cfg.bf16, bool):
-        return cfg.bf16
-    if not device_is_cuda:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-
-
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     """The resolved config as a JSON-safe dict (saved next to checkpoints)."""
     return json.loads(json.dumps(dataclasses.asdict(cfg)))

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .config import PACKAGE_DIR, TrainConfig, resolve_bf16
+from .config import PACKAGE_DIR, TrainConfig
 from .errors import ConfigError
 from .names import ZERO_AUTO_SIZES, check_zero_stage, offload_sub_group_size
 
@@ -148,10 +148,9 @@ def _fill_batch(ds: dict, f: _Filler, cfg: TrainConfig, world_size: int, dp_size
     ds["train_batch_size"] = micro * gas * world_size  # DeepSpeed sees every rank as data-parallel
 
 
-def _fill_precision(ds: dict, f: _Filler, cfg: TrainConfig, device_is_cuda: bool, source: str) -> None:
-    """Clipping and precision: bf16 or fp32, never fp16 or amp."""
+def _fill_precision(ds: dict, f: _Filler, cfg: TrainConfig, bf16: bool, source: str) -> None:
+    """Clipping and precision: bf16 (as the plan decided it, Machine.bf16) or fp32, never fp16 or amp."""
     f.fill(ds, "gradient_clipping", cfg.max_grad_norm, "gradient_clipping", "max_grad_norm", equal=_close)
-    bf16 = resolve_bf16(cfg, device_is_cuda)
     bf16_key = "bfloat16" if "bfloat16" in ds and "bf16" not in ds else "bf16"
     bf16_sec = ds.setdefault(bf16_key, {})
     if not isinstance(bf16_sec, dict):
@@ -209,11 +208,12 @@ def _fill_optimizer(ds: dict, f: _Filler, spec: OptimizerSpec, source: str) -> N
 
 
 def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, device_is_cuda: bool, *,
-                   total_steps: int | None = None, hidden_size: int | None = None,
+                   bf16: bool, total_steps: int | None = None, hidden_size: int | None = None,
                    use_deepspeed_optimizer: bool | None = None, optimizer_offload: bool | None = None,
                    source: str = "the ZeRO config") -> tuple[dict, OptimizerSpec | None]:
     """Return (the config for deepspeed.initialize, AdamW settings for the trainer or None).
 
+    `bf16`: the run's precision, decided once (Machine.bf16; the plan's `bf16`).
     OptimizerSpec is None exactly when the returned dict keeps an "optimizer" section for DeepSpeed.
     `total_steps` (optimizer steps of the run) checks an explicit scheduler total; `hidden_size` fills
     ZeRO bucket sizes that say "auto" (without it DeepSpeed's defaults are used). `optimizer_offload`
@@ -226,7 +226,7 @@ def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, de
     if world_size % dp_size:
         raise ValueError(f"dp_size {dp_size} must divide world_size {world_size}")  # caller bug
     _fill_batch(ds, f, cfg, world_size, dp_size, source)
-    _fill_precision(ds, f, cfg, device_is_cuda, source)
+    _fill_precision(ds, f, cfg, bf16, source)
     offload_opt = _fill_zero(ds, hidden_size, optimizer_offload, source)
     # scheduler: always the trainer's; an explicit section must agree with the recipe
     sched = ds.pop("scheduler", None)
@@ -280,7 +280,7 @@ def fill_zero_config(config: str | os.PathLike | dict, *, world_size: int, dp_si
     cfg = TrainConfig(per_device_train_batch_size=micro_batch, gradient_accumulation_steps=grad_accum,
                       learning_rate=lr, bf16=bf16, max_grad_norm=max_grad_norm, adam_beta1=betas[0],
                       adam_beta2=betas[1], adam_epsilon=eps, weight_decay=weight_decay)
-    ds, _ = fill_ds_config(raw, cfg, world_size, dp_size, device_is_cuda=False, hidden_size=hidden_size,
+    ds, _ = fill_ds_config(raw, cfg, world_size, dp_size, device_is_cuda=False, bf16=bf16, hidden_size=hidden_size,
                            use_deepspeed_optimizer=deepspeed_optimizer, source=source)
     if sched is not None:
         left = _find_auto(sched)

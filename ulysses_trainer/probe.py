@@ -57,4 +57,5 @@ def this_machine(world_size: int, host_memory_gb: float | None, cuda: bool) -> M
     kernels, norms = installed_kernels()
     return Machine(gpus=world_size, gpu_memory_gb=gpu.memory_gb, host_memory_gb=host,
                    gpus_per_host=ranks_per_node(default=world_size), kernels=kernels, norm_kernels=norms,
-                   gpu_name=gpu.name, host_memory_source=source)
+                   gpu_name=gpu.name, host_memory_source=source,
+                   bf16_supported=bool(cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()))

@@ -171,8 +171,7 @@ def _placement_note(best: dict, s: Settings) -> str:
 
 
 def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettings | None = None, *,
-                 bf16: bool | None = None, engine_plan: Plan | None = None,
-                 attention: AttentionShare | None = None) -> Plan:
+                 engine_plan: Plan | None = None, attention: AttentionShare | None = None) -> Plan:
     """The plan for `cfg` (a TrainConfig) on `machine`. ConfigError for settings that cannot run.
 
     engine_plan: the plan the engine was built with; with machine.gpu_free_after_engine_gb set, the GPU
@@ -188,7 +187,7 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     norm = engine_plan.norm_kernel if engine_plan else choose_norm_kernel(cfg.norm_kernel, machine.norm_kernels,
                                                                           cfg.lean_norm)
     gpu = machine.gpu_memory_gb is not None
-    bf16 = (cfg.bf16 if isinstance(cfg.bf16, bool) else gpu) if bf16 is None else bf16
+    bf16 = machine.bf16(cfg.bf16)  # the one rule (plan/types.py)
     base = _base_settings(cfg, layout, machine, zero, kernel, norm, bf16, shape)
     if cfg.packing and attention is not None:
         base = replace(base, attention_fraction=attention.mean)
@@ -255,12 +254,12 @@ def _assemble(cfg: Any, shape: ModelShape, machine: Machine, chosen: MemoryEstim
         attention_from=attention_from)
 
 
-def plan_for(cfg: Any, model_config: Any, ds: dict, machine: Machine, *, bf16: bool | None = None,
+def plan_for(cfg: Any, model_config: Any, ds: dict, machine: Machine, *,
              attention: AttentionShare | None = None) -> Plan:
     """resolve_plan from what the trainer loads: the HF model config and the ZeRO JSON (a dict). The trainer
     (train/prepare.py) and `ulysses-trainer plan` both call this; attention: the packed data's attention cost."""
     return resolve_plan(cfg, ModelShape.from_config(model_config), machine, read_zero(ds, str(cfg.deepspeed)),
-                        bf16=bf16, attention=attention)
+                        attention=attention)
 
 
 def _kept_bytes(shape: ModelShape, s: Settings) -> int:

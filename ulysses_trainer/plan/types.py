@@ -28,6 +28,14 @@ class Machine:
     gpu_name: str | None = None
     gpu_free_after_engine_gb: float | None = None  # measured once the engine holds the model states
     host_memory_source: str = "given"  # how host_memory_gb was obtained (said in the plan)
+    bf16_supported: bool = True  # the GPUs take bf16 (every GPU planned for does; probed on this machine)
+
+    def bf16(self, setting: bool | str) -> bool:
+        """The one rule for the `bf16` setting, shared by the trainer, `plan` and `rehearse`: true/false as
+        given; 'auto' = on exactly when the run has GPUs and they take bf16."""
+        if isinstance(setting, bool):
+            return setting
+        return self.gpu_memory_gb is not None and self.bf16_supported
 
     @property
     def ranks_per_host(self) -> int:
@@ -166,8 +174,14 @@ class Plan:
                          f"{self.predicted_host_gb:.1f} of {self.host_budget_gb:.1f} GiB per host)")
         return " and ".join(parts)
 
+    @property
+    def bf16(self) -> bool:
+        """Whether the run trains in bf16 (Machine.bf16's rule)."""
+        return self.settings.bf16
+
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "max_length": self.max_length, "padded_length": self.padded_length,
+                "bf16": self.bf16,
                 "sp_size": self.sp, "dp": self.dp, "attn_implementation": self.kernel,
                 "loss_type": self.loss_type, "loss_chunk_size": self.loss_chunk_size, "tiled_mlp": self.tiles,
                 "lean_norm": self.lean_norm, "norm_kernel": self.norm_kernel,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..config import TrainConfig, config_to_dict, resolve_bf16, validate_config
+from ..config import TrainConfig, config_to_dict, validate_config
 from ..data.accounting import check_something_trained
 from ..data.attention_share import AttentionShare, timed_from_data
 from ..data.tokenizer import apply_tokenizer_options, check_tokenizer_fits, load_tokenizer
@@ -96,7 +96,6 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     if cfg.use_peft:
         check_lora(cfg)  # peft installed, a valid LoraConfig
     device = _device()
-    bf16 = resolve_bf16(cfg, device == "cuda")
     ds_raw = load_ds_config(cfg.deepspeed)
     resume_path = find_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
     model_config = model_config_for(cfg)
@@ -108,7 +107,8 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     # every rank plans from the same machine: its probes reduced over the ranks (a no-op without a group)
     machine = agree_machine(this_machine(world_size, cfg.host_memory_gb, device == "cuda"))
     zero = read_zero(ds_raw, str(cfg.deepspeed))
-    resolved = plan_for(cfg, model_config, ds_raw, machine, bf16=bf16)  # every lever checked and decided here
+    resolved = plan_for(cfg, model_config, ds_raw, machine)  # every lever checked and decided here
+    bf16 = resolved.bf16  # machine.bf16: the one rule
     digest = check_same_plan(resolved, "before the model is built")
     kernel, sp, dp = resolved.kernel, resolved.sp, resolved.dp
     check_host_fits(resolved, machine, device, ranks_here=None if training else 1)  # a rehearsal runs one rank
@@ -120,7 +120,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     train = prepared_sequences(cfg, tokenizer, split="train", dp_size=dp)
     check_something_trained(train.counts, "dataset", cfg.assistant_only_loss, cfg.completion_only_loss)
     if timed_from_data(cfg):  # attention timed from the packed rows' documents (the plan above: one a row)
-        resolved = plan_for(cfg, model_config, ds_raw, machine, bf16=bf16, attention=AttentionShare.of(train))
+        resolved = plan_for(cfg, model_config, ds_raw, machine, attention=AttentionShare.of(train))
         digest = check_same_plan(resolved, "after the data is read")  # every rank reads the same rows
         check_host_fits(resolved, machine, device, ranks_here=None if training else 1)
     if len(train) < per_step:
@@ -158,7 +158,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
             raise ConfigError(problem)
         disk = disk_line(cfg.output_dir, need)
     # torch's fused AdamW on the GPU (no JIT build); DeepSpeed's CPU Adam only where states live on the host
-    ds, opt = fill_ds_config(ds_raw, cfg, world_size, dp, device == "cuda", total_steps=total,
+    ds, opt = fill_ds_config(ds_raw, cfg, world_size, dp, device == "cuda", bf16=bf16, total_steps=total,
                              hidden_size=model_config.hidden_size, source=str(cfg.deepspeed),
                              use_deepspeed_optimizer=None if resolved.optimizer_offload else False,
                              optimizer_offload=resolved.optimizer_offload)

@@ -115,7 +115,7 @@ class Trainer:
         torch.cuda.empty_cache()  # blocks torch cached during initialize are free for the run
         free, _ = torch.cuda.mem_get_info(self.device)
         machine = replace(plan.machine, gpu_free_after_engine_gb=agree_free_memory(free / 2**30))
-        return resolve_plan(self.cfg, plan.shape, machine, plan.zero, bf16=plan.bf16, engine_plan=plan.resolved)
+        return resolve_plan(self.cfg, plan.shape, machine, plan.zero, engine_plan=plan.resolved)
 
     def _say_stopping(self) -> None:
         """The first stop request, from the signal handler: one line from rank 0."""
