@@ -2,11 +2,13 @@
 device had and what the plan predicted, and the `ulysses-trainer plan` command for settings that fit.
 
 Where: the trainer names each phase as it enters it (forward, backward, optimizer step, evaluation, checkpoint
-save, final export); a forward pre-hook on each decoder layer names the layer, and in backward the layer being
-recomputed (a post-hook then names that layer's own backward). A rank that ran out enters no collective after
-it: its peers may be waiting inside the step's all-to-alls or ZeRO-3 gathers, where any other collective would
-hang. It reports and exits 1 (when every rank runs out alike, rank 0's line is the one shown, as for any error
-every rank sees); the launcher ends the peers. Nothing is saved: the last checkpoint stays as it was.
+save, final export); a forward pre-hook on each decoder layer names the layer in forward, and in backward the
+checkpointer names the layer being recomputed, then that layer's own backward.
+
+A rank that ran out enters no collective after it: its peers may be waiting inside the step's all-to-alls or
+ZeRO-3 gathers, where any other collective would hang. It reports and exits 1 (when every rank runs out alike,
+rank 0's line is the one shown, as for any error every rank sees); the launcher ends the peers. Nothing is
+saved: the last checkpoint stays as it was.
 
 Test seam (docs/testing.md): `inject`, when a test sets it, is called with the Where at every phase and layer
 entry and may raise torch.OutOfMemoryError there, as a real allocation would.
@@ -55,27 +57,27 @@ class Where:
     def describe(self) -> str:
         return self.phase if self.layer is None else f"{self.phase}, layer {self.layer}"
 
-    def watch(self, layers: Iterable[nn.Module]) -> None:
-        """Hooks on the decoder layers: each names its layer when it runs (forward, or recompute in backward)."""
+    def watch(self, layers: Iterable[nn.Module], checkpointer=None) -> None:
+        """Hooks on the decoder layers name each layer as it runs forward; the checkpointer (levers/recompute.py)
+        names the layer whose recompute or backward runs (the module hooks stay outside the checkpoint)."""
         for i, layer in enumerate(layers):
             layer.register_forward_pre_hook(self._pre_hook(i))
-            layer.register_forward_hook(self._post_hook(i))
+            layer.register_forward_hook(self._post_hook)
+        if checkpointer is not None:
+            checkpointer.observer = self.reached
+
+    def reached(self, layer: int, phase: str) -> None:
+        self.phase, self.layer = phase, layer
+        _check(self)
 
     def _pre_hook(self, i: int):
         def hook(module, args):
-            if self.phase in ("backward", "checkpoint recompute"):
-                self.phase = "checkpoint recompute"
             self.layer = i
             _check(self)
         return hook
 
-    def _post_hook(self, i: int):
-        def hook(module, args, output):
-            if self.phase == "checkpoint recompute":  # the layer's own backward runs next
-                self.phase = "backward"
-            elif self.phase == "forward":
-                self.layer = None  # between layers (the loss head after the last)
-        return hook
+    def _post_hook(self, module, args, output) -> None:
+        self.layer = None  # between layers (the loss head after the last)
 
 
 def _check(where: Where) -> None:

@@ -112,11 +112,13 @@ def check_gpu_fits(resolved: Plan, cfg: TrainConfig, auto_plan) -> None:
     if pinned:
         unpinned = replace(cfg, gradient_checkpointing=True, **{n: "auto" for n in pinned if n in AUTO_LEVERS})
         auto = auto_plan(unpinned)
+        freed = ", ".join("gradient_checkpointing true" if n == "gradient_checkpointing" else f"{n} auto"
+                          for n in pinned)
         if auto.fits:
-            raise ConfigError(f"{head}; with {', '.join(pinned)} auto it fits ({auto.predicted_gpu_required_gb:.1f} "
-                              f"GiB): {_lever_values(auto, pinned)}; {override}")
-        raise ConfigError(f"{head}; even with {', '.join(pinned)} auto it needs {auto.predicted_gpu_required_gb:.1f} "
-                          f"GiB: shorten max_length (now {cfg.max_length}) or add GPUs (sp); {override}")
+            raise ConfigError(f"{head}; with {freed} it fits ({auto.predicted_gpu_required_gb:.1f} GiB): "
+                              f"{_lever_values(auto, pinned)}; {override}")
+        raise ConfigError(f"{head}; even with {freed} it needs {auto.predicted_gpu_required_gb:.1f} GiB: shorten "
+                          f"max_length (now {cfg.max_length}) or add GPUs (sp); {override}")
     raise ConfigError(f"{head}; every lever is auto already: shorten max_length (now {cfg.max_length}) or add GPUs "
                       f"(sp); {override}")
 

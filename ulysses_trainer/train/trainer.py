@@ -70,7 +70,7 @@ class Trainer:
             report.report_data(plan)
         self.model = self._build_model()
         self.engine = self._build_engine()
-        self.where.watch(decoder_layers(self.model))
+        self.where.watch(decoder_layers(self.model), self.model.checkpointer)
         self.metrics = MetricsFile(self.cfg.output_dir)
         self.reporters = Reporters(resolve_report_to(self.cfg.report_to), self.cfg.output_dir,
                                    config_to_dict(self.cfg))
