@@ -47,15 +47,16 @@ def host_memory(given_gb: float | None) -> tuple[float, str]:
     return detect_host_memory_gb(), "detected on this machine"
 
 
-def this_machine(world_size: int, host_memory_gb: float | None, cuda: bool) -> Machine:
+def this_machine(world_size: int, host_memory_gb: float | None) -> Machine:
     """This machine for a run of `world_size` ranks: GPU memory (total; the free memory is measured after the
-    engine is built) of this rank's device, host RAM, ranks per host, the installed kernels."""
+    engine is built) of this rank's device (none without CUDA: local_gpus says so, or a test's stand-in for it
+    gives a CPU run a GPU's memory), host RAM, ranks per host, the installed kernels."""
     from .parallel.state import ranks_per_node
 
-    gpu = local_gpus(int(os.environ.get("LOCAL_RANK", 0))) if cuda else LocalGpus(0, None, None)
+    gpu = local_gpus(int(os.environ.get("LOCAL_RANK", 0)))
     host, source = host_memory(host_memory_gb)
     kernels, norms = installed_kernels()
     return Machine(gpus=world_size, gpu_memory_gb=gpu.memory_gb, host_memory_gb=host,
                    gpus_per_host=ranks_per_node(default=world_size), kernels=kernels, norm_kernels=norms,
                    gpu_name=gpu.name, host_memory_source=source,
-                   bf16_supported=bool(cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()))
+                   bf16_supported=bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()))

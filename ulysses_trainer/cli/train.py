@@ -2,7 +2,7 @@
 
 Exit codes: 0 success or clean stop on SIGTERM; 2 invalid input, reported before any heavy work with
 nothing written; 130 Ctrl-C before training started (nothing written); 1 any other failure (a
-failed write into output_dir, a non-finite step, a second Ctrl-C).
+failed write into output_dir, a non-finite step, out of GPU memory, a second Ctrl-C).
 """
 
 from __future__ import annotations
@@ -86,6 +86,17 @@ def _end_group() -> None:
     destroy_distributed(together=False)
 
 
+def _fitting_plan(argv: list[str], pinned: tuple[str, ...], world_size: int) -> str:
+    """After an out-of-memory error: the plan command that searches the levers the run had pinned."""
+    from ..train.out_of_memory import plan_command
+
+    command = plan_command(argv, pinned, world_size)
+    if pinned:
+        return f"for a plan that fits run: {command}"
+    return (f"every lever was auto, so the memory model under-predicted this run: shorten max_length or add GPUs "
+            f"(sp); the plan's terms: {command}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     seen = InterruptRecorder().install()  # until the trainer's own handler: Ctrl-C raises, and is remembered
@@ -107,6 +118,7 @@ def _main(argv: list[str], seen: InterruptRecorder) -> int:
             _init_distributed()
         plan = prepare(cfg, world_size_from_env())
         with seen.held():
+            from ..train.out_of_memory import OutOfGpuMemory
             from ..train.output_guard import OutputWriteError
             from ..train.trainer import NonFiniteError, Trainer
     except ConfigError as exc:
@@ -138,6 +150,10 @@ def _main(argv: list[str], seen: InterruptRecorder) -> int:
         # failed write or plan digests
         _report(f"error: {exc}")
         code = EXIT_FAILURE
+    except OutOfGpuMemory as exc:  # no collective after it (the peers may be inside the step): the launcher
+        # ends them once this rank exits; the process group is left to the process's exit for the same reason
+        _report(f"error: {exc}; {_fitting_plan(argv, exc.pinned, plan.world_size)}")
+        return EXIT_FAILURE
     except KeyboardInterrupt as exc:  # before the stop handler exists (engine build), or a second signal
         if str(exc):
             print(f"[ulysses_trainer] interrupted: {exc}", file=sys.stderr, flush=True)

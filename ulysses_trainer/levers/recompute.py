@@ -123,6 +123,7 @@ class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         ckpt: LayerRecompute = ctx.ckpt
+        ckpt._tell(ctx.layer, "checkpoint recompute")
         if ctx.layer in ckpt._states:
             x = ckpt._take_input(ctx.layer, ctx.generation)
         elif ckpt.rebuilds(ctx.layer):
@@ -138,6 +139,7 @@ class _CheckpointFunction(torch.autograd.Function):
         with torch.enable_grad():
             with _AutocastAll(ctx.autocast), ckpt.recompute_context(ctx.layer):
                 out, _ = _first(ctx.run_fn(x, *args))
+            ckpt._tell(ctx.layer, "backward")
             if out.requires_grad:
                 # Accumulates the layer's parameter gradients and fills x.grad (and ZeRO-3's hooks run).
                 torch.autograd.backward(out, grad_out)
@@ -192,6 +194,13 @@ class LayerRecompute:
         # Entered around each layer's recompute (not around rebuilds, whose outputs are used): parallelize
         # sets it to the tiled MLP's unused_output, the recompute's output value is never read.
         self.recompute_context: Callable[[int], contextlib.AbstractContextManager] = _no_context
+        # told (layer, "checkpoint recompute" | "backward") as backward reaches each layer: an out-of-memory error
+        # names where it happened (train/out_of_memory.Where); the layer hooks run outside the checkpoint
+        self.observer: Callable[[int, str], None] | None = None
+
+    def _tell(self, layer: int, stage: str) -> None:
+        if self.observer is not None:
+            self.observer(layer, stage)
 
     def set_offload_layers(self, offload_layers: Iterable[int]) -> None:
         """Choose the offloaded layers once the free device memory is known (before the first step)."""
@@ -252,12 +261,14 @@ class LayerRecompute:
                                    "the next forward with checkpoint_every > 1")
         # Layers b .. layer-1 forward again, no graph: their outputs are the inputs of b+1 .. layer.
         for i in range(b, layer):
+            self._tell(i, "checkpoint recompute")
             _, run_fn, args, autocast = self._runs[i]
             with torch.no_grad(), _AutocastAll(autocast):
                 x, _ = _first(run_fn(x, *args))
             self.rebuild_forwards += 1
             if i + 1 < layer:
                 self._rebuilt[i + 1] = (self._runs[i + 1][0], x)
+        self._tell(layer, "checkpoint recompute")  # the rebuilds done: the layer's own recompute
         return x
 
     def for_layer(self, i: int) -> CheckpointFn:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,12 +24,14 @@ from ..layout import padded_length, resolve_layout
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
 from ..model.lora import check_lora
 from ..plan.inputs import ModelShape, num_params
+from ..plan.memory import UNDER_PREDICTION
 from ..plan.resolve import plan_for
 from ..plan.types import Machine, Plan, ZeroSettings, read_zero
 from ..probe import this_machine
 from .agreement import agree_machine, check_same_plan
 from .checkpoint import CHECKPOINT, check_checkpoint_model, check_output_dir, find_checkpoint, trainer_checkpoints
 from .data_cache import prepared_sequences
+from .out_of_memory import AUTO_LEVERS, pinned_levers
 from .output_guard import DiskNeed, check_writable, disk_line, peak_checkpoints, run_need
 from .resume_check import check_resume_config, run_record
 
@@ -89,6 +91,39 @@ def check_host_fits(resolved: Plan, machine: Machine, device: str, ranks_here: i
                           f"the detected size is wrong")
 
 
+def _lever_values(plan: Plan, names: tuple[str, ...]) -> str:
+    d = plan.to_dict()
+    values = {**{n: d[n] for n in AUTO_LEVERS}, "gradient_checkpointing": plan.gradient_checkpointing}
+    return " ".join(f"--{n} {str(values[n]).lower()}" for n in names)
+
+
+def check_gpu_fits(resolved: Plan, cfg: TrainConfig, auto_plan) -> None:
+    """Refuse (ConfigError) a plan whose GPU need exceeds the device by more than the memory model's worst measured
+    under-prediction (UNDER_PREDICTION), unless allow_over_plan: it would run out of GPU memory. The line names
+    the values `auto` gives the pinned levers where that fits. auto_plan(cfg): the plan of another config."""
+    have, need = resolved.gpu_budget_gb, resolved.predicted_gpu_required_gb
+    if have is None or cfg.allow_over_plan or need <= have * (1 + UNDER_PREDICTION):
+        return
+    pinned = pinned_levers(cfg)
+    head = (f"the plan needs {need:.1f} GiB per GPU ({resolved.predicted_peak_gpu_gb:.1f} GiB peak allocated, plus "
+            f"allocator slack and CUDA context) but the GPU has {have:.1f} GiB: {need / have - 1:.0%} over, beyond the "
+            f"memory model's worst measured under-prediction ({UNDER_PREDICTION:.1%}), so the run would stop out of "
+            f"GPU memory")
+    override = "or set allow_over_plan true to start anyway"
+    if pinned:
+        unpinned = replace(cfg, gradient_checkpointing=True, **{n: "auto" for n in pinned if n in AUTO_LEVERS})
+        auto = auto_plan(unpinned)
+        freed = ", ".join("gradient_checkpointing true" if n == "gradient_checkpointing" else f"{n} auto"
+                          for n in pinned)
+        if auto.fits:
+            raise ConfigError(f"{head}; with {freed} it fits ({auto.predicted_gpu_required_gb:.1f} GiB): "
+                              f"{_lever_values(auto, pinned)}; {override}")
+        raise ConfigError(f"{head}; even with {freed} it needs {auto.predicted_gpu_required_gb:.1f} GiB: shorten "
+                          f"max_length (now {cfg.max_length}) or add GPUs (sp); {override}")
+    raise ConfigError(f"{head}; every lever is auto already: shorten max_length (now {cfg.max_length}) or add GPUs "
+                      f"(sp); {override}")
+
+
 def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan:
     """Every check and decision before heavy work. training=False (the rehearsal): output_dir is neither
     checked nor written, and on CPU host memory is checked for the one rank it runs."""
@@ -105,13 +140,15 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     resolve_layout(cfg.sp_size, world_size, model_config.num_attention_heads, model_config.num_key_value_heads)
     shape = ModelShape.from_config(model_config)
     # every rank plans from the same machine: its probes reduced over the ranks (a no-op without a group)
-    machine = agree_machine(this_machine(world_size, cfg.host_memory_gb, device == "cuda"))
+    machine = agree_machine(this_machine(world_size, cfg.host_memory_gb))
     zero = read_zero(ds_raw, str(cfg.deepspeed))
     resolved = plan_for(cfg, model_config, ds_raw, machine)  # every lever checked and decided here
     bf16 = resolved.bf16  # machine.bf16: the one rule
     digest = check_same_plan(resolved, "before the model is built")
     kernel, sp, dp = resolved.kernel, resolved.sp, resolved.dp
     check_host_fits(resolved, machine, device, ranks_here=None if training else 1)  # a rehearsal runs one rank
+    if training:  # a rehearsal measures what fits: it is not refused
+        check_gpu_fits(resolved, cfg, lambda c: plan_for(c, model_config, ds_raw, machine))
     tokenizer = apply_tokenizer_options(load_tokenizer(checkpoint_source(cfg.model_name_or_path)),
                                         cfg.chat_template_path, cfg.eos_token)
     check_tokenizer_fits(tokenizer, model_config)
@@ -123,6 +160,9 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
         resolved = plan_for(cfg, model_config, ds_raw, machine, attention=AttentionShare.of(train))
         digest = check_same_plan(resolved, "after the data is read")  # every rank reads the same rows
         check_host_fits(resolved, machine, device, ranks_here=None if training else 1)
+        if training:
+            check_gpu_fits(resolved, cfg, lambda c: plan_for(c, model_config, ds_raw, machine,
+                                                             attention=AttentionShare.of(train)))
     if len(train) < per_step:
         raise ConfigError(f"the data makes {len(train)} sequences of {cfg.max_length} tokens but one optimizer "
                           f"step needs {per_step} (dp {dp} x batch {cfg.per_device_train_batch_size} x "

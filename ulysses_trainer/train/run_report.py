@@ -7,6 +7,7 @@ import json
 import sys
 
 from ..config import config_to_dict
+from ..plan.memory import UNDER_PREDICTION
 from ..plan.types import Plan
 from .metrics import peak_gpu_mem_gb, predicted_vs_measured
 from .prepare import RunPlan
@@ -53,8 +54,13 @@ def report_plan(r: Plan, before_build: bool) -> None:
     for note in r.notes:
         print(f"[ulysses_trainer] plan note: {note}", flush=True)
     if not r.fits:
-        print(f"[ulysses_trainer] warning: the plan does not fit: {r.shortage()} (the memory model errs on "
-              f"the high side; the run may still fit)", flush=True)
+        over = r.gpu_budget_gb is not None and r.predicted_gpu_required_gb > r.gpu_budget_gb * (1 + UNDER_PREDICTION)
+        why = (f"allow_over_plan: over by more than the memory model's worst measured under-prediction "
+               f"({UNDER_PREDICTION:.1%}); "
+               f"the run will most likely stop out of GPU memory") if over else \
+            (f"within the memory model's worst measured under-prediction ({UNDER_PREDICTION:.1%}), and it errs on the "
+             f"high side: the run may still fit")
+        print(f"[ulysses_trainer] warning: the plan does not fit: {r.shortage()} ({why})", flush=True)
     if r.gradient_checkpointing:
         n, saved, off = r.num_layers, len(r.saved_layers), len(r.offload_layers)
         kept = f"1 in {r.checkpoint_every} layers keeps its input" if r.checkpoint_every > 1 else \

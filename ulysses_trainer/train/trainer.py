@@ -36,6 +36,7 @@ from .log_interval import LogInterval
 from .logging import MetricsFile, log_line
 from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, train_flops_per_sequence
 from .non_finite import NonFiniteError, non_finite_step
+from .out_of_memory import OutOfGpuMemory, Where, decoder_layers, oom_message, pinned_levers
 from .output_guard import OutputWriteError, describe_failure, failure_message
 from .position_loss import write_per_position_loss
 from .prepare import RunPlan
@@ -63,12 +64,14 @@ class Trainer:
         self.interval = LogInterval()  # the steps since the last logged row (their loss is logged as one mean)
         self._bar = None
         self._write_failure: tuple[str, int, str] | None = None  # rank 0's failed log write, agreed at the step end
+        self.where = Where()  # the step, phase and layer running: named by an out-of-memory error
         if self.state.is_main:  # before memory climbs: the plan and the data
             report.report_run_name(self.cfg.run_name)
             report.report_plan(plan.resolved, before_build=True)
             report.report_data(plan)
         self.model = self._build_model()
         self.engine = self._build_engine()
+        self.where.watch(decoder_layers(self.model), self.model.checkpointer)
         self.metrics = MetricsFile(self.cfg.output_dir)
         self.reporters = Reporters(resolve_report_to(self.cfg.report_to), self.cfg.output_dir,
                                    config_to_dict(self.cfg), self.cfg.run_name)
@@ -134,7 +137,9 @@ class Trainer:
     def train_step(self, shards: list[Shard]) -> tuple[float, float, int]:
         tokens = step_token_count(sum(s.num_valid for s in shards), self.state)
         local_sum, aux_sum, coef = 0.0, 0.0, self.model.aux_loss_coef
+        where = self.where
         for shard in shards:
+            where.enter("forward")
             loss_sum = self.engine(**shard.model_inputs())
             local_sum += float(loss_sum.detach())
             objective = loss_for_backward(loss_sum, tokens, self.state)
@@ -142,7 +147,9 @@ class Trainer:
             if aux is not None:
                 aux_sum += float(aux.detach())
                 objective = objective + aux_for_backward(aux, coef, len(shards))
+            where.enter("backward")
             self.engine.backward(objective, scale_wrt_gas=False)
+            where.enter("optimizer step")
             self.engine.step()  # DeepSpeed applies the optimizer only at the accumulation boundary
         loss = global_loss(local_sum, tokens, self.state)
         self.last_aux_loss = None
@@ -178,6 +185,7 @@ class Trainer:
                 "config": config_to_dict(self.cfg)}
 
     def _save(self) -> None:
+        self.where.enter("checkpoint save")
         if not self._params_finite():  # never write a non-finite state over a good checkpoint
             raise NonFiniteError(f"the parameters are not finite at step {self.step}; not saving (the last "
                                  f"checkpoint stays intact). Check the model weights or lower learning_rate")
@@ -222,6 +230,8 @@ class Trainer:
     def train(self) -> int:
         try:
             return self._train()
+        except torch.OutOfMemoryError:  # no collective from here: the peers may be inside the step
+            raise self._out_of_memory() from None
         finally:  # the bar's line ends before any message (an error line must start its own line)
             if self._bar is not None:
                 self._bar.close()
@@ -251,6 +261,7 @@ class Trainer:
         while self.step < plan.total_steps:
             t0 = time.perf_counter()
             skipped_before = self.engine.skipped_steps
+            self.where.step = self.step + 1
             loss, grad_norm, tokens = self.train_step(self._micro_batches(self.step))
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 self._non_finite_step(loss, grad_norm, self.engine.skipped_steps > skipped_before, bar)
@@ -266,6 +277,7 @@ class Trainer:
             if log_due(cfg, self.step, plan.total_steps, epoch_end):
                 self._log(loss, grad_norm, dt, real_tokens, flops_per_step, bar)
             if eval_due(cfg, self.step, epoch_end):
+                self.where.enter("evaluation")
                 self._log_eval(self.evaluate(), bar)
             stop_now = self._stop_agreed()
             if saving and (save_due(cfg, self.step, epoch_end) or stop_now):
@@ -282,6 +294,7 @@ class Trainer:
         if self.state.is_main:
             report.report_predicted_vs_measured(self.resolved, step_times)
         if cfg.plot_per_position_loss:
+            self.where.enter("per-position loss")
             write_per_position_loss(self.engine, self.model, self._micro_batches(self.step - 1)[-1], self.state,
                                     cfg.loss_chunk_size, cfg.max_length,
                                     os.path.join(cfg.output_dir, "per_position_loss.png"),
@@ -290,6 +303,7 @@ class Trainer:
             return 0
         if self._saved_step != self.step:  # the last step's checkpoint, unless a save step (or the resume) holds it
             self._save()
+        self.where.enter("final export")
         self._export("final")
         return 0
 
@@ -313,6 +327,12 @@ class Trainer:
             ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, files, self.state.is_main,
                            transform=merge, config_json=export_config_json(cfg, plan.model_config, plan.bf16),
                            max_shard_size=shard_bytes(cfg.max_shard_size), name=name)
+
+    def _out_of_memory(self) -> OutOfGpuMemory:
+        """The one line for an OOM where self.where says (the plan command is added by the command line)."""
+        r = self.resolved
+        message = oom_message(self.where, self.device, r.predicted_peak_gpu_gb, r.predicted_gpu_required_gb)
+        return OutOfGpuMemory(message, pinned_levers(self.cfg))
 
     def _write_run_config(self) -> None:
         """config.json: this run's config, layout and data accounting; on resume the earlier runs' configs
