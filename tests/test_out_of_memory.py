@@ -118,6 +118,30 @@ def test_oom_in_a_step_is_one_line_exit_1_and_the_last_checkpoint_resumes(tmp_pa
     assert (out / "latest").read_text().strip() == "checkpoint-3" and (out / "final").is_dir()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["building the model", "building the engine"])
+def test_oom_while_the_model_or_the_engine_is_built_is_the_same_one_line(tmp_path, phase):
+    """Before step 1 (the weights placed on the device, DeepSpeed's ZeRO-3 partitions and optimizer states): the
+    same line as in a step, exit 1, no traceback, nothing of the run written."""
+    model = write_checkpoint(tmp_path / "model")
+    docs = write_documents(tmp_path / "docs.jsonl", num_docs=40, words_per_doc=31)
+    out = tmp_path / "run"
+    argv = ["--model_name_or_path", str(model), "--dataset_name", str(docs), "--max_length", "32", "--bf16",
+            "false", "--max_steps", "2", "--tiled_mlp", "2", "--output_dir", str(out)]
+    (c0, e0), (c1, e1) = run_ranks(2, _train_rank, argv, (0, phase))
+    assert (c0, c1) == (1, 1), e0 + e1
+    for rank, err in ((0, e0), (1, e1)):
+        errors = [line for line in err.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+        prefix = "" if rank == 0 else r"\(rank 1\) "
+        assert re.fullmatch(prefix + rf"error: out of memory before step 1 \({phase}\) on CPU: no device memory to "
+                            r"report; the plan predicted [\d.]+ GiB peak allocated \([\d.]+ GiB with allocator slack "
+                            r"and CUDA context\) per rank, in host memory here; for a plan that fits run: "
+                            r"ulysses-trainer plan --gpus 2 --model_name_or_path .*--max_length 32 .*", errors[0])
+        assert "--tiled_mlp" not in errors[0]  # the pinned lever is left to the plan's search
+    assert not (out / "metrics.jsonl").exists() and not list(out.glob("*checkpoint*"))
+
+
 # ------------------------------------------------------------------ a plan far over the GPU, refused up front
 
 # 36 layers of the tiny model at 65,536 tokens without gradient checkpointing: 8.8 GiB planned on a 4 GiB GPU

@@ -1,9 +1,11 @@
-"""Out of GPU memory in a step or in the final export: one line saying where (step, phase, layer), what the
-device had and what the plan predicted, and the `ulysses-trainer plan` command for settings that fit.
+"""Out of GPU memory while the model or the engine is built, in a step or in the final export: one line saying
+where (step, phase, layer), what the device had and what the plan predicted, and the `ulysses-trainer plan`
+command for settings that fit.
 
-Where: the trainer names each phase as it enters it (forward, backward, optimizer step, evaluation, checkpoint
-save, final export); a forward pre-hook on each decoder layer names the layer in forward, and in backward the
-checkpointer names the layer being recomputed, then that layer's own backward.
+Where: the trainer names each phase as it enters it (building the model, building the engine, loading the
+checkpoint, forward, backward, optimizer step, evaluation, checkpoint save, final export); a forward pre-hook
+on each decoder layer names the layer in forward, and in backward the checkpointer names the layer being
+recomputed, then that layer's own backward.
 
 A rank that ran out enters no collective after it: its peers may be waiting inside the step's all-to-alls or
 ZeRO-3 gathers, where any other collective would hang. It reports and exits 1 (when every rank runs out alike,
@@ -103,8 +105,12 @@ def gpu_numbers(device: torch.device) -> tuple[float | None, float | None]:
 
 def oom_message(where: Where, device: torch.device, predicted_peak_gb: float, predicted_required_gb: float) -> str:
     """The line, without the plan command: where, what the device had, what the plan predicted."""
-    at = f"in the final export after step {where.step}" if where.phase == "final export" else \
-        f"at step {where.step} ({where.describe()})"
+    if where.phase == "final export":
+        at = f"in the final export after step {where.step}"
+    elif where.step == 0:  # the model, the engine or the resumed checkpoint, before the first step
+        at = f"before step 1 ({where.describe()})"
+    else:
+        at = f"at step {where.step} ({where.describe()})"
     total, peak = gpu_numbers(device)
     plan = (f"the plan predicted {predicted_peak_gb:.1f} GiB peak allocated ({predicted_required_gb:.1f} GiB with "
             f"allocator slack and CUDA context)")

@@ -69,8 +69,14 @@ class Trainer:
             report.report_run_name(self.cfg.run_name)
             report.report_plan(plan.resolved, before_build=True)
             report.report_data(plan)
-        self.model = self._build_model()
-        self.engine = self._build_engine()
+        self.resolved = plan.resolved  # the plan the build starts from (re-planned once the engine exists)
+        try:
+            self.where.enter("building the model")
+            self.model = self._build_model()
+            self.where.enter("building the engine")
+            self.engine = self._build_engine()
+        except torch.OutOfMemoryError:  # as in a step: one line, no collective (the peers may be in the build's)
+            raise self._out_of_memory() from None
         self.where.watch(decoder_layers(self.model), self.model.checkpointer)
         self.metrics = MetricsFile(self.cfg.output_dir)
         self.reporters = Reporters(resolve_report_to(self.cfg.report_to), self.cfg.output_dir,
@@ -245,6 +251,7 @@ class Trainer:
                 ckpt.clear_previous_run(cfg.output_dir)
             os.makedirs(cfg.output_dir, exist_ok=True)
         if plan.resume_path:  # found and checked by prepare()
+            self.where.enter("loading the checkpoint")
             self.resume(plan.resume_path)
             if self.step >= plan.total_steps and self.state.is_main:  # e.g. the export failed on a full disk
                 print(f"[ulysses_trainer] training already finished at step {self.step} "
