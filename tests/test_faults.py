@@ -18,7 +18,6 @@ import math
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -26,6 +25,7 @@ import pytest
 import torch
 
 from tests.dist_utils import train_command, train_env
+from tests.held_rank import has_pending, held_env, is_stopped, wait_for
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 
 pytestmark = pytest.mark.slow
@@ -38,11 +38,11 @@ ARGS = ["--max_length", "64", "--max_steps", str(STEPS), "--learning_rate", "1e-
 ROW_KEYS = ("step", "loss", "grad_norm", "learning_rate", "num_tokens")
 
 
-def _start(args: list[str], out: Path) -> subprocess.Popen:
+def _start(args: list[str], out: Path, env: dict | None = None) -> subprocess.Popen:
     """The real command in its own session (so the test can signal exactly its processes)."""
     cmd = train_command(2, [*args, "--output_dir", str(out)])
     log = open(f"{out}.log", "a")
-    return subprocess.Popen(cmd, cwd=ROOT, env=train_env(), stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen(cmd, cwd=ROOT, env=env or train_env(), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
@@ -80,12 +80,13 @@ def _ranks(p: subprocess.Popen) -> dict[int, psutil.Process]:
     return ranks
 
 
-def _wait_until(cond, p: subprocess.Popen, what: str, timeout: float = 240) -> None:
-    t0 = time.monotonic()
-    while not cond():
-        assert p.poll() is None, f"the run ended (exit {p.returncode}) before {what}"
-        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
-        time.sleep(0.02)
+def _held(p: subprocess.Popen, rank: int = 0) -> psutil.Process:
+    """The rank, once it has stopped itself at the point held_env named (an event, not a delay)."""
+    def stopped():
+        proc = _ranks(p).get(rank)
+        return proc is not None and is_stopped(proc.pid)
+    wait_for(stopped, p, f"rank {rank} held")
+    return _ranks(p)[rank]
 
 
 def _latest(out: Path) -> str:
@@ -116,27 +117,14 @@ def reference(tmp_path_factory) -> list[tuple]:
 
 def test_rank_killed_during_save_keeps_previous_checkpoint_and_resume_is_exact(reference, tmp_path):
     out = tmp_path / "run"
-    p = _start(ARGS + ["--save_steps", "2"], out)
-    # Catch a save in progress (step >= 4, so checkpoint-2 exists): freeze the run there, check that
-    # rank 0 has not renamed it yet, and SIGKILL rank 0 (the rank that would rename it and move `latest`).
-    frozen = None
-    t0 = time.monotonic()
-    while frozen is None:
-        assert p.poll() is None, "the run ended before a save could be interrupted"
-        assert time.monotonic() - t0 < 240, "no save seen"
-        for tmp in out.glob(".tmp-checkpoint-*") if out.exists() else []:
-            step = int(tmp.name.rsplit("-", 1)[1])
-            if step < 4:
-                continue
-            os.killpg(p.pid, signal.SIGSTOP)
-            if tmp.exists() and not (out / f"checkpoint-{step}").exists():
-                frozen = step
-                break
-            os.killpg(p.pid, signal.SIGCONT)  # finished meanwhile: wait for the next save
-        time.sleep(0.001)
-    _ranks(p)[0].kill()
-    os.killpg(p.pid, signal.SIGCONT)  # rank 1 carries on into the save's barrier, alone
-    rc, log = _finish(p, out, timeout=120)
+    frozen = 4  # checkpoint-2 exists by then
+    # rank 0 holds itself in the save of step 4, its shards written, where it would next write the tag pointer and
+    # then rename the directory and move `latest`; SIGKILL it there
+    p = _start(ARGS + ["--save_steps", "2"], out, held_env(tmp_path, f".tmp-checkpoint-{frozen}/latest"))
+    rank0 = _held(p)
+    assert (out / f".tmp-checkpoint-{frozen}").is_dir() and not (out / f"checkpoint-{frozen}").exists()
+    rank0.kill()  # rank 1 waits in the save's closing all-reduce, alone
+    rc, log = _finish(p, out, timeout=300)
     assert rc != 0
 
     previous = f"checkpoint-{frozen - 2}"
@@ -156,17 +144,20 @@ def test_rank_killed_during_save_keeps_previous_checkpoint_and_resume_is_exact(r
 
 def test_sigterm_to_every_rank_saves_at_the_step_boundary_and_resume_is_exact(reference, tmp_path):
     out = tmp_path / "run"
-    p = _start(ARGS, out)
-    _wait_until(lambda: len(_rows(out)) >= 2, p, "step 2")
+    # rank 0 holds itself as it opens metrics.jsonl for step 2's row: the signal lands at a known step
+    p = _start(ARGS, out, held_env(tmp_path, "metrics.jsonl", nth=2))
+    _held(p)
     ranks = _ranks(p)
     assert sorted(ranks) == [0, 1]
     for proc in ranks.values():  # what a scheduler does: every rank, not the launcher
         proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: has_pending(ranks[0].pid, signal.SIGTERM), p, "SIGTERM pending on the held rank 0")
+    ranks[0].resume()  # SIGCONT: rank 0 takes the signal, writes step 2's row and reaches the step's all-reduce
     rc, log = _finish(p, out)
     assert rc == 0, log[-4000:]
 
     stopped = _rows(out)[-1]["step"]
-    assert 2 <= stopped < STEPS
+    assert stopped == 2
     assert _latest(out) == f"checkpoint-{stopped}" and _complete(out / f"checkpoint-{stopped}")
     assert log.count(f"stop signal: saved step {stopped}, exiting") == 1
     assert not (out / "final").exists()  # a stop is not the end of training
@@ -179,7 +170,7 @@ def test_sigterm_to_every_rank_saves_at_the_step_boundary_and_resume_is_exact(re
 def test_sigterm_with_save_strategy_no_says_not_saved(tmp_path):
     out = tmp_path / "run"
     p = _start(ARGS + ["--save_strategy", "no", "--max_steps", "200"], out)
-    _wait_until(lambda: len(_rows(out)) >= 1, p, "step 1")
+    wait_for(lambda: len(_rows(out)) >= 1, p, "step 1")
     for proc in _ranks(p).values():
         proc.send_signal(signal.SIGTERM)
     rc, log = _finish(p, out)

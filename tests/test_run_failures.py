@@ -11,12 +11,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.dist_utils import free_port, train_command, train_env
+from tests.held_rank import has_pending, held_env, is_stopped, wait_for
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 from ulysses_trainer.cli.launcher import catches_sigterm
 
@@ -108,24 +108,49 @@ def test_read_only_and_full_output_dir_then_resume_the_last_good_checkpoint(tmp_
     assert _lines(resumed, r"\[ulysses_trainer\] data: .*docs\.jsonl: 40 documents read, 40 used, skipped: none")
 
 
-def _ulysses_train(args: list[str]) -> subprocess.Popen:
-    """`ulysses-trainer train` in its own process group, as a terminal runs it (Ctrl-C = SIGINT to the group)."""
+def _ulysses_train(args: list[str], env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    """`ulysses-trainer train` in its own process group, as a terminal runs it (Ctrl-C = SIGINT to the group);
+    its output to `log` if given (a held rank must not wait on a full pipe), else a pipe."""
     cmd = [sys.executable, "-m", "ulysses_trainer", "train", "--num_gpus", "2", "--master_port", str(free_port()),
            *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    out = open(log, "w") if log else subprocess.PIPE
+    return subprocess.Popen(cmd, cwd=ROOT, env=env or train_env(), stdout=out, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
 
-def _ranks_left(marker: str) -> list[int]:
+def _finish(job: subprocess.Popen, log: Path) -> str:
+    try:
+        job.wait(timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    return log.read_text()
+
+
+def _ranks_left(marker: str, local_rank: int | None = None) -> list[int]:
+    """The rank processes (of one local rank, if given) whose command line holds `marker`."""
     out = []
     for cmd in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            text = cmd.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            args = cmd.read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "--local_rank" in text and marker in text:
+        rank = next((a.split("=", 1)[1] for a in args if a.startswith("--local_rank=")), None)
+        if rank is not None and any(marker in a for a in args) and local_rank in (None, int(rank or 0)):
             out.append(int(cmd.parent.name))
     return out
+
+
+def _held_rank0(job: subprocess.Popen, out: Path) -> int:
+    """Rank 0's pid once it has stopped itself where held_env said (an event, whatever the machine's load)."""
+    wait_for(lambda: any(map(is_stopped, _ranks_left(str(out), 0))), job, "rank 0 held")
+    return _ranks_left(str(out), 0)[0]
+
+
+def _press_and_wait_for_the_ranks(job: subprocess.Popen, rank0: int) -> None:
+    """Ctrl-C, and until the command has passed it on to rank 0 (held: the SIGINT is pending there)."""
+    os.killpg(job.pid, signal.SIGINT)
+    wait_for(lambda: has_pending(rank0, signal.SIGINT), job, "the Ctrl-C passed on to rank 0")
 
 
 def _tiny_run(tmp_path: Path, *options: str) -> tuple[Path, list[str]]:
@@ -141,30 +166,27 @@ def test_ctrl_c_saves_and_waits_and_a_run_interrupted_before_training_leaves_not
     out, common = _tiny_run(tmp_path, "--lr_scheduler_type", "constant")
 
     early = _ulysses_train(common + ["--max_steps", "40"])
-    deadline = time.monotonic() + 120
-    while not (len(_ranks_left(str(out))) == 2 and all(map(catches_sigterm, _ranks_left(str(out))))) \
-            and time.monotonic() < deadline:  # the ranks have their handlers (importing torch): nothing written
-        time.sleep(0.01)
+    # the ranks have their handlers (importing torch): nothing written yet
+    wait_for(lambda: len(_ranks_left(str(out))) == 2 and all(map(catches_sigterm, _ranks_left(str(out)))), early,
+             "the ranks' handlers")
     os.killpg(early.pid, signal.SIGINT)
     text = early.communicate(timeout=300)[0]
     assert early.returncode == 130, text[-3000:]
     assert len(re.findall(r"interrupted before training: nothing written", text)) == 1, text[-3000:]
     assert "Traceback" not in text and not out.exists() and not _ranks_left(str(out))
 
-    job = _ulysses_train(common + ["--max_steps", "40"])
-    seen = []
-    for line in job.stdout:  # Ctrl-C once the first step has been logged
-        seen.append(line)
-        if "'loss'" in line:
-            os.killpg(job.pid, signal.SIGINT)
-            break
-    text = "".join(seen) + job.communicate(timeout=300)[0]
+    # Ctrl-C while step 1's row is written: rank 0 holds itself there until the Ctrl-C has reached it
+    log = tmp_path / "job.log"
+    job = _ulysses_train(common + ["--max_steps", "40"], held_env(tmp_path, "metrics.jsonl"), log)
+    rank0 = _held_rank0(job, out)
+    _press_and_wait_for_the_ranks(job, rank0)
+    os.kill(rank0, signal.SIGCONT)
+    text = _finish(job, log)
     assert job.returncode == 0, text[-3000:]
     assert not _ranks_left(str(out))  # the command returned after the ranks had finished
-    said = re.findall(r"interrupted: saving step (\d+)", text)
-    assert len(said) == 1 and "Traceback" not in text, text[-3000:]
-    step = int(said[0])
-    assert f"stop signal: saved step {step}, exiting" in text
+    assert text.count("interrupted: saving at the next step boundary") == 1 and "Traceback" not in text, text[-3000:]
+    step = 1  # the boundary after that row: the ranks agree on the stop there
+    assert text.count(f"stop signal: saved step {step}, exiting") == 1, text[-3000:]
     assert (out / "latest").read_text().strip() == f"checkpoint-{step}" and not list(out.glob(".tmp-*"))
 
     # a harmless change on resume goes through and is recorded where it took effect
@@ -183,36 +205,23 @@ def test_ctrl_c_saves_and_waits_and_a_run_interrupted_before_training_leaves_not
 
 def test_a_second_ctrl_c_stops_at_once_and_the_last_checkpoint_resumes(tmp_path):
     out, common = _tiny_run(tmp_path, "--save_steps", "1")
-    job = _ulysses_train(common + ["--max_steps", "40"])
-    seen = []
-    pressed = False
-    for line in job.stdout:  # Ctrl-C once step 2 has been logged (checkpoint-1 exists by then)
-        seen.append(line)
-        if not pressed and "'loss'" in line and "'num_tokens': 64.0" in line:
-            os.killpg(job.pid, signal.SIGINT)
-            pressed = True
-        elif pressed and "interrupted: saving step" in line:  # the first press has reached the ranks
-            for pid in _ranks_left(str(out)):  # held where they are, so the second press finds the save unfinished
-                os.kill(pid, signal.SIGSTOP)
-            os.killpg(job.pid, signal.SIGINT)
-            break
-    text = "".join(seen) + job.communicate(timeout=300)[0]
+    # rank 0 holds itself in the save of step 3 (checkpoint-2 exists), before it renames it into place; the first
+    # Ctrl-C reaches the ranks there, so the second finds the save unfinished
+    log = tmp_path / "job.log"
+    job = _ulysses_train(common + ["--max_steps", "40"], held_env(tmp_path, ".tmp-checkpoint-3/latest"), log)
+    _press_and_wait_for_the_ranks(job, _held_rank0(job, out))
+    assert (out / ".tmp-checkpoint-3").is_dir()
+    os.killpg(job.pid, signal.SIGINT)
+    text = _finish(job, log)
     assert job.returncode == 130, text[-3000:]
     assert len(re.findall(r"stopped at once \(second Ctrl-C\)", text)) == 1 and "Traceback" not in text
     assert not _ranks_left(str(out)) and not list(out.glob(".tmp-*"))
     last = (out / "latest").read_text().strip()
-    assert (out / last / "ds").is_dir()
+    assert last == "checkpoint-2" and (out / last / "ds").is_dir()
     resumed = _run(common + ["--max_steps", str(int(last.split("-")[1]) + 1), "--resume_from_checkpoint", "true"],
                    2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {out / last}" in resumed.stdout + resumed.stderr
-
-
-def _wait_for(cond, job: subprocess.Popen, what: str) -> None:
-    """Until cond() holds (an event of the job, not a time): the job must still be running."""
-    while not cond():
-        assert job.poll() is None, f"the job ended (exit {job.returncode}) before {what}"
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("moment", ["command", "ranks_exist", "ranks_ready"])
@@ -226,11 +235,11 @@ def test_ctrl_c_at_any_moment_of_startup_says_one_line(tmp_path, moment):
     out, common = _tiny_run(tmp_path)
     job = _ulysses_train(common + ["--max_steps", "40"])
     if moment == "command":
-        _wait_for(lambda: catches_sigterm(job.pid), job, "the command's handler")
+        wait_for(lambda: catches_sigterm(job.pid), job, "the command's handler")
     elif moment == "ranks_exist":
-        _wait_for(lambda: _ranks_left(str(out)), job, "the ranks")
+        wait_for(lambda: _ranks_left(str(out)), job, "the ranks")
     else:
-        _wait_for(lambda: len(_ranks_left(str(out))) == 2 and all(map(catches_sigterm, _ranks_left(str(out)))), job,
+        wait_for(lambda: len(_ranks_left(str(out))) == 2 and all(map(catches_sigterm, _ranks_left(str(out)))), job,
                   "the ranks' handlers")
     os.killpg(job.pid, signal.SIGINT)
     text = job.communicate(timeout=300)[0]

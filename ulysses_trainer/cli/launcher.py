@@ -6,9 +6,9 @@ at once with a KeyboardInterrupt traceback (the prompt returns while the ranks s
 per-node launcher relays SIGTERM and kills the ranks 30 s later. Here the job runs in its own session,
 so the terminal's Ctrl-C reaches only this process, which then:
 - first Ctrl-C (or SIGTERM): sends SIGINT to the rank processes only (not to DeepSpeed's launcher). They
-  stop at the next step boundary and save; rank 0 says `interrupted: saving step N`. This command returns
-  when the launcher has seen every rank finish, with its exit code (0 after a clean stop). Before
-  training started the ranks say `interrupted before training: nothing written` (exit 130).
+  stop at the next step boundary and save; rank 0 says `interrupted: saving at the next step boundary`.
+  This command returns when the launcher has seen every rank finish, with its exit code (0 after a clean
+  stop). Before training started the ranks say `interrupted before training: nothing written` (exit 130).
 - second Ctrl-C: SIGKILL to the whole job at once. The save in progress is lost, its temporary directory
   is removed; the previous checkpoint and `latest` are intact (a checkpoint is renamed into place only
   when complete). Exit 130.

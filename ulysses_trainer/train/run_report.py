@@ -32,10 +32,12 @@ def data_record(plan: RunPlan) -> dict:
             if getattr(data, "counts", None) is not None}
 
 
-def say_stopping(next_step: int, save_strategy: str) -> None:
-    """The first stop request (from the signal handler): what the stop will do, one line."""
-    line = f"interrupted: saving step {next_step}" if save_strategy != "no" else \
-        f"interrupted: stopping after step {next_step}, not saving (save_strategy no)"
+def say_stopping(save_strategy: str) -> None:
+    """The first stop request (from the signal handler): what the stop will do, one line. No step number: the
+    ranks agree on the stop at the next boundary, and a request that lands while they agree on one belongs to
+    the following one (the step is named once saved: `stop signal: saved step N`)."""
+    line = "interrupted: saving at the next step boundary" if save_strategy != "no" else \
+        "interrupted: stopping at the next step boundary, not saving (save_strategy no)"
     print(f"[ulysses_trainer] {line} (a second Ctrl-C stops at once; the last checkpoint stays)",
           file=sys.stderr, flush=True)
 

@@ -22,7 +22,7 @@ class StopSignal:
                  on_request: Callable[[], None] | None = None) -> None:
         self.requested = False
         self._clock, self._first = clock, 0.0
-        self._on_request = on_request  # says once what the stop will do ("interrupted: saving step N")
+        self._on_request = on_request  # says once what the stop will do ("interrupted: saving at the next ...")
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):

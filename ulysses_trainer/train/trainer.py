@@ -129,7 +129,7 @@ class Trainer:
     def _say_stopping(self) -> None:
         """The first stop request, from the signal handler: one line from rank 0."""
         if self.state.is_main:
-            report.say_stopping(self.step + 1, self.cfg.save_strategy)
+            report.say_stopping(self.cfg.save_strategy)
 
     # ------------------------------------------------------------------ data
     def _micro_batches(self, step: int) -> list[Shard]:
