@@ -11,10 +11,9 @@ halt. The op serves only `inference_all_reduce`, which training never calls; glo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-
-SHM_OP = "deepspeed_shm_comm"
 
 
 def destroy_distributed(together: bool = True) -> None:
@@ -53,12 +52,11 @@ def init_distributed(backend: str) -> None:
     """`deepspeed.init_distributed(backend)`; on "gloo" the shared-memory op is neither built nor mapped.
     Again is a no-op (DeepSpeed's own check); a torch group DeepSpeed has not seen (the rehearsal's) it adopts."""
     import deepspeed
-    import deepspeed.ops
 
-    if backend == "gloo":
-        # DeepSpeed builds the op only where its compatibility table says it can (comm/torch.py)
-        deepspeed.ops.__compatible_ops__[SHM_OP] = False
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    from .integrations import without_deepspeed_shm_op
+
+    with without_deepspeed_shm_op() if backend == "gloo" else contextlib.nullcontext():
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
 def _initialized() -> bool:
