@@ -12,8 +12,13 @@ halt. The op serves only `inference_all_reduce`, which training never calls; glo
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
+
+from ..messages import ON_STDERR
+
+log = logging.getLogger(__name__)
 
 
 def destroy_distributed(together: bool = True) -> None:
@@ -32,8 +37,8 @@ def destroy_distributed(together: bool = True) -> None:
         _destroy()
     except Exception as exc:  # noqa: BLE001 - teardown must not hide the run's own outcome
         if together:  # a peer lost after success: say which rank saw it, so a log shows where it broke
-            print(f"[ulysses_trainer] (rank {os.environ.get('RANK', '?')}) warning: the end-of-run barrier failed: "
-                  f"{' '.join(str(exc).split())[:300]}", file=sys.stderr, flush=True)
+            log.warning(f"(rank {os.environ.get('RANK', '?')}) warning: the end-of-run barrier failed: "
+                        f"{' '.join(str(exc).split())[:300]}", extra=ON_STDERR)
 
 
 def _destroy() -> None:
