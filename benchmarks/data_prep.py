@@ -128,4 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from ulysses_trainer.cli.console import use_console
+
+    use_console()  # the package's messages as the commands show them
     sys.exit(main())

@@ -256,4 +256,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from ulysses_trainer.cli.console import use_console
+
+    use_console()  # the package's messages as the commands show them
     main()

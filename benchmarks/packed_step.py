@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = None
     if train_args:
-        from ulysses_trainer.config import load_config
+        from ulysses_trainer.cli.argv import load_config
 
         cfg = load_config(train_args + ["--save_strategy", "no"])
     length = cfg.max_length if cfg is not None else args.length
@@ -272,4 +272,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from ulysses_trainer.cli.console import use_console
+
+    use_console()  # the package's messages as the commands show them
     raise SystemExit(main())

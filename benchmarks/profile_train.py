@@ -92,8 +92,8 @@ def main() -> None:
     i = argv.index("--out")
     out, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     argv = [a for a in argv if not a.startswith("--local_rank")]
+    from ulysses_trainer.cli.argv import load_config
     from ulysses_trainer.cli.train import _init_distributed
-    from ulysses_trainer.config import load_config
     from ulysses_trainer.train.prepare import prepare, world_size_from_env
     from ulysses_trainer.train.trainer import Trainer
 
@@ -136,4 +136,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from ulysses_trainer.cli.console import use_console
+
+    use_console()  # the package's messages as the commands show them
     main()

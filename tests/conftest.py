@@ -22,6 +22,11 @@ for var, sub in (("MPLCONFIGDIR", "matplotlib"), ("HF_HOME", "hf"), ("HF_DATASET
                  ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TORCH_EXTENSIONS_DIR", "torch_extensions")):
     os.environ[var] = os.path.join(CACHE_ROOT, sub)
 
+# The package's messages reach stdout/stderr as under the commands (tests call library code directly)
+from ulysses_trainer.cli.console import use_console  # noqa: E402
+
+use_console()
+
 
 def pytest_collection_modifyitems(config, items):
     import torch

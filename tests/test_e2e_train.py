@@ -306,7 +306,7 @@ def test_resume_from_step_2_is_bitwise_the_straight_run(runs):
 # ---------------------------------------------------------------- a local jsonl dataset
 @pytest.mark.slow
 def test_local_jsonl_dataset_one_epoch(runs):
-    from ulysses_trainer.config import load_config
+    from ulysses_trainer.cli.argv import load_config
     from ulysses_trainer.data.documents import build_sequences
     from ulysses_trainer.data.tokenizer import load_tokenizer
 

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from ulysses_trainer.config import TrainConfig, build_config, load_config
+from ulysses_trainer.cli.argv import load_config
+from ulysses_trainer.config import TrainConfig, build_config
 from ulysses_trainer.errors import ConfigError
 
 

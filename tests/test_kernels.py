@@ -202,7 +202,7 @@ def test_every_kernel_registers_under_a_name_transformers_accepts(kernel):
     attention = ulysses.UlyssesAttention(single_process_state(), kernel, 4, 2)
     assert "flash" not in attention.name
     model = build_model(preset_config("tiny"), torch.float32)
-    model.set_attn_implementation(attention.register())
+    model.set_attn_implementation(attention.register(model))
     assert model.config._attn_implementation == attention.name
 
 

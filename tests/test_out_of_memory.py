@@ -178,7 +178,7 @@ def test_a_plan_far_over_the_gpu_is_refused_before_anything_is_written(tmp_path,
 
 @pytest.mark.slow
 def test_allow_over_plan_goes_past_the_check_and_says_what_to_expect(tmp_path, four_gib_gpu, capsys):
-    from ulysses_trainer.config import load_config
+    from ulysses_trainer.cli.argv import load_config
     from ulysses_trainer.train.prepare import prepare
     from ulysses_trainer.train.run_report import report_plan
 

@@ -73,7 +73,7 @@ def test_the_plan_line_says_the_packed_attention_fraction():
 
 
 def test_plan_command_takes_the_attention_from_the_data(capsys):
-    from ulysses_trainer.config import load_config
+    from ulysses_trainer.cli.argv import load_config
     from ulysses_trainer.data.documents import build_sequences
     from ulysses_trainer.data.tokenizer import QwenBPETokenizer
 

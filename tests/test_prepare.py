@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ulysses_trainer.config import load_config
+from ulysses_trainer.cli.argv import load_config
 from ulysses_trainer.data.synthetic import synthetic_document
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.train.prepare import prepare

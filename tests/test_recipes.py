@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ulysses_trainer.config import TrainConfig, load_config, validate_config
+from ulysses_trainer.cli.argv import load_config
+from ulysses_trainer.config import TrainConfig, validate_config
 from ulysses_trainer.ds_config import fill_ds_config, load_ds_config, resolve_ds_path
 from ulysses_trainer.layout import resolve_layout
 from ulysses_trainer.model.load import model_config_for

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ulysses_trainer.__main__ import main as cli_main
-from ulysses_trainer.config import TrainConfig, load_config
+from ulysses_trainer.cli.argv import load_config
+from ulysses_trainer.config import TrainConfig
 from ulysses_trainer.ds_config import load_ds_config
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.model.load import model_config_for

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from ulysses_trainer.cli.argv import load_config
 from ulysses_trainer.cli.data import describe
 from ulysses_trainer.cli.train import main
-from ulysses_trainer.config import load_config
 from ulysses_trainer.data.synthetic import synthetic_document
 from ulysses_trainer.train import data_order as order
 from ulysses_trainer.train.checkpoint import MARKER, rotate_checkpoints

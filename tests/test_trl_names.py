@@ -2,12 +2,13 @@
 
 import pytest
 
-from ulysses_trainer.config import TrainConfig, build_config, config_from_dict, config_to_dict, parse_argv
+from ulysses_trainer.cli.argv import parse_overrides
+from ulysses_trainer.config import TrainConfig, build_config, config_from_dict, config_to_dict
 from ulysses_trainer.errors import ConfigError
 
 
 def _cfg(*argv):
-    _, over = parse_argv(list(argv))
+    _, over = parse_overrides(list(argv))
     return build_config(None, over)
 
 
@@ -77,9 +78,9 @@ def test_every_sft_config_field_is_a_field_a_spelling_or_refused():
     import dataclasses
 
     trl = pytest.importorskip("trl")
-    from ulysses_trainer.config import _IGNORED, FIELDS
+    from ulysses_trainer.config import FIELDS, IGNORED
     from ulysses_trainer.name_hints import REFUSED, TRL_NAMES
 
     names = {f.name for f in dataclasses.fields(trl.SFTConfig) if not f.name.startswith("_")}
-    assert not names - set(FIELDS) - set(TRL_NAMES) - set(REFUSED) - _IGNORED
+    assert not names - set(FIELDS) - set(TRL_NAMES) - set(REFUSED) - IGNORED
     assert not (set(REFUSED) | set(TRL_NAMES)) & set(FIELDS)  # a field added later: strike its entry

@@ -10,7 +10,6 @@ import dataclasses
 import difflib
 import json
 import math
-import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -312,14 +311,14 @@ def _same_or_auto(name: str, current: Any, wanted: Any, spelling: str) -> Any:
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "peft_config", "merge_lora")
-_HINTS: dict[str, Any] = typing.get_type_hints(TrainConfig)
+HINTS: dict[str, Any] = typing.get_type_hints(TrainConfig)
 # Launcher arguments that are accepted and dropped (deepspeed adds --local_rank).
-_IGNORED = {"local_rank"}
+IGNORED = {"local_rank"}
 
 
 # ---------------------------------------------------------------- types
 def _check_value(name: str, value: Any, where: str) -> Any:
-    tp = _HINTS[name]
+    tp = HINTS[name]
     out = coerce(value, tp)
     if out is NO_MATCH:
         msg = f"{name} must be {describe(tp)}, got {value!r} ({where})"
@@ -331,7 +330,7 @@ def _check_value(name: str, value: Any, where: str) -> Any:
     return out
 
 
-def _unknown(name: str, where: str) -> ConfigError:
+def unknown_name(name: str, where: str) -> ConfigError:
     reason = refusal(name)
     if reason is not None:  # a TRL option that does not apply here: its reason, never a look-alike's name
         return ConfigError(f"{name} ({where}) is a TRL option this trainer does not support: {reason}; remove it")
@@ -339,7 +338,7 @@ def _unknown(name: str, where: str) -> ConfigError:
 
 
 # ---------------------------------------------------------------- loading
-def _yaml_error(exc: yaml.YAMLError, what: str) -> ConfigError:
+def yaml_error(exc: yaml.YAMLError, what: str) -> ConfigError:
     mark = getattr(exc, "problem_mark", None)
     at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
     problem = getattr(exc, "problem", None) or str(exc)
@@ -355,7 +354,7 @@ def read_recipe(path: str) -> dict[str, Any]:
     try:
         data = load_yaml(p.read_text())
     except yaml.YAMLError as exc:
-        raise _yaml_error(exc, f"recipe {path}") from None
+        raise yaml_error(exc, f"recipe {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read recipe {path}: {exc}") from None
     if data is None:
@@ -366,86 +365,25 @@ def read_recipe(path: str) -> dict[str, Any]:
     return data
 
 
-def _parse_cli_value(name: str, text: str) -> Any:
-    try:
-        return load_yaml(text)
-    except yaml.YAMLError as exc:
-        raise _yaml_error(exc, f"the value of --{name} ({text!r})") from None
-
-
-def parse_argv(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
-    """(recipe path, {name: parsed value}) from `[--config R] [--name value | --name=value ...]`."""
-    recipe: str | None = None
-    pairs: dict[str, Any] = {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--") or arg == "--":
-            raise ConfigError(f"unexpected argument {arg!r}; arguments are `--name value` pairs")
-        name, eq, text = arg[2:].partition("=")
-        name = name.replace("-", "_")
-        if not eq:  # value is the next argument, unless this is a bare boolean flag
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if nxt is None or nxt.startswith("--"):
-                if name not in FIELDS and name not in _IGNORED and name != "config":
-                    raise _unknown(name, "command line")
-                if name in FIELDS and coerce(True, _HINTS[name]) is True:  # `--bf16` alone = true
-                    pairs[name] = True
-                    i += 1
-                    continue
-                raise ConfigError(f"--{name} needs a value: `--{name} VALUE`")
-            text = nxt
-            i += 2
-        else:
-            i += 1
-        if name in _IGNORED:
-            continue
-        if name == "config":
-            recipe = text
-            continue
-        if name not in FIELDS:
-            raise _unknown(name, "command line")
-        pairs[name] = _parse_cli_value(name, text)
-    return recipe, pairs
-
-
-def format_help() -> str:
-    lines = ["usage: deepspeed [--num_gpus N] launch/train.py [--config RECIPE.yaml] [--name value ...]", "",
-             "  --config (a path; default none)",
-             "      a YAML recipe of `name: value` lines (launch/recipes/); --name value on the command line "
-             "overrides it"]
-    for f in dataclasses.fields(TrainConfig):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  --{f.name} ({describe(_HINTS[f.name])}; default {json.dumps(default)})")
-        lines.append(f"      {f.metadata.get('help', '')}")
-    return "\n".join(lines)
-
-
 def build_config(recipe: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
                  recipe_name: str = "recipe") -> TrainConfig:
     """Defaults, then the recipe, then the overrides, each value type-checked."""
     values: dict[str, Any] = {}
     for source, where in ((recipe or {}, f"in {recipe_name}"), (overrides or {}, "on the command line")):
         for name, value in source.items():
-            if name in _IGNORED:
+            if name in IGNORED:
                 continue
             if name not in FIELDS:
-                raise _unknown(name, where)
+                raise unknown_name(name, where)
             values[name] = _check_value(name, value, where)
     return TrainConfig(**values)
 
 
-def load_config(argv: list[str]) -> TrainConfig:
-    """Parse `[--config RECIPE.yaml] [--name value ...]` (each value read as YAML; the command line
-    overrides the recipe, the recipe the defaults). `--help` prints the fields and exits 0."""
-    if "--help" in argv or "-h" in argv:
-        if int(os.environ.get("RANK", "0")) == 0:  # under a launcher every rank parses the same argv
-            print(format_help())
-        raise SystemExit(0)
-    recipe_path, overrides = parse_argv(list(argv))
+def config_from(recipe_path: str | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """The recipe's values (a YAML file, when given) over the defaults, then `overrides` over them; the command
+    line's `--config R --name value ...` reads into these two (cli/argv.load_config)."""
     recipe = read_recipe(recipe_path) if recipe_path else {}
     return build_config(recipe, overrides, recipe_name=f"recipe {recipe_path}")
-
 
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:

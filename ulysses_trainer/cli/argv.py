@@ -1,6 +1,20 @@
-"""One argv splitter for the commands that take their own options beside training-config overrides."""
+"""The one argv splitter: `walk` reads a command line once into options (`--name value`, `--name=value`, a bare
+`--name`) and other arguments; every command splits and parses through it. `split_argv` parts a command's own
+options from training-config overrides (plan, rehearse, data, the train launcher), `parse_overrides` reads
+`[--config RECIPE] [--name value ...]` into the recipe path and typed overrides, `load_config` builds the
+TrainConfig from them (the rank entry, data, rehearse)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import yaml
+
+from ..config import FIELDS, HINTS, IGNORED, TrainConfig, config_from, unknown_name, yaml_error
+from ..errors import ConfigError
+from ..typed_values import coerce
+from ..yaml_numbers import load_yaml
 
 
 def option_name(arg: str) -> str | None:
@@ -8,18 +22,85 @@ def option_name(arg: str) -> str | None:
     return arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") else None
 
 
-def split_argv(argv: list[str], own: set[str], flags: set[str]) -> tuple[list[str], list[str]]:
-    """(this command's options, training-config overrides `--name value`): an option named in `own` (and
-    anything that is not an option) is the command's; `flags` take no value; any other option takes the
-    next argument as its value unless it is written `--name=value` or the next argument is an option."""
-    ours, rest, i = [], [], 0
+@dataclass(frozen=True)
+class Arg:
+    """One option with its value (None: written bare), or one other argument (name None, value the argument);
+    `args`: the command-line arguments it took, as written."""
+
+    name: str | None
+    value: str | None
+    args: tuple[str, ...]
+
+
+def walk(argv: list[str], flags: set[str] | frozenset[str] = frozenset()) -> list[Arg]:
+    """argv as options and other arguments: an option not in `flags` takes the next argument as its value unless
+    it is written `--name=value` or the next argument is an option (`--...`)."""
+    out, i = [], 0
     while i < len(argv):
         arg = argv[i]
         name = option_name(arg)
-        bucket = ours if (name in own or name is None) else rest
-        bucket.append(arg)
-        if name not in flags and "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            bucket.append(argv[i + 1])
+        if name is None:
+            out.append(Arg(None, arg, (arg,)))
+        elif "=" in arg:
+            out.append(Arg(name, arg.split("=", 1)[1], (arg,)))
+        elif name not in flags and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out.append(Arg(name, argv[i + 1], (arg, argv[i + 1])))
             i += 1
+        else:
+            out.append(Arg(name, None, (arg,)))
         i += 1
+    return out
+
+
+def split_argv(argv: list[str], own: set[str], flags: set[str],
+               others: Literal["own", "rest"] = "own") -> tuple[list[str], list[str]]:
+    """(this command's options, the rest: training-config overrides `--name value`), each in the order written:
+    an option named in `own` is the command's, as is any non-option argument unless `others` is "rest"; `flags`
+    take no value."""
+    ours: list[str] = []
+    rest: list[str] = []
+    for a in walk(argv, flags):
+        mine = a.name in own if a.name is not None else others == "own"
+        (ours if mine else rest).extend(a.args)
     return ours, rest
+
+
+def _value(name: str, text: str) -> Any:
+    try:
+        return load_yaml(text)
+    except yaml.YAMLError as exc:
+        raise yaml_error(exc, f"the value of --{name} ({text!r})") from None
+
+
+def parse_overrides(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
+    """(recipe path, {name: value read as YAML}) from `[--config R] [--name value | --name=value ...]`; a bare
+    `--name` is true for a field that takes true (`--packing`); --local_rank (the launcher's) is dropped."""
+    recipe: str | None = None
+    pairs: dict[str, Any] = {}
+    for a in walk(list(argv)):
+        name = a.name
+        if not name:  # a non-option, or "--" alone
+            raise ConfigError(f"unexpected argument {a.args[0]!r}; arguments are `--name value` pairs")
+        if a.value is None:
+            if name not in FIELDS and name not in IGNORED and name != "config":
+                raise unknown_name(name, "command line")
+            if name in FIELDS and coerce(True, HINTS[name]) is True:  # `--bf16` alone = true
+                pairs[name] = True
+                continue
+            raise ConfigError(f"--{name} needs a value: `--{name} VALUE`")
+        if name in IGNORED:
+            continue
+        if name == "config":
+            recipe = a.value
+        elif name not in FIELDS:
+            raise unknown_name(name, "command line")
+        else:
+            pairs[name] = _value(name, a.value)
+    return recipe, pairs
+
+
+def load_config(argv: list[str]) -> TrainConfig:
+    """The TrainConfig of `[--config RECIPE.yaml] [--name value ...]` (each value read as YAML; the command line
+    overrides the recipe, the recipe the defaults). Bad input is a ConfigError naming the fix."""
+    recipe, overrides = parse_overrides(argv)
+    return config_from(recipe, overrides)

@@ -15,7 +15,8 @@ from typing import Any
 
 from ..errors import EXIT_INVALID, EXIT_OK, ConfigError
 from ..parallel.sharding import IGNORE_INDEX
-from .argv import split_argv
+from .argv import load_config, split_argv, walk
+from .console import use_console
 
 USAGE = ("usage: ulysses-trainer data [--config RECIPE.yaml] [--json] [--show N] [--name value ...]\n"
          "  the training sequences as the trainer builds them: the first N (default 3) with trained spans\n"
@@ -25,20 +26,16 @@ USAGE = ("usage: ulysses-trainer data [--config RECIPE.yaml] [--json] [--show N]
 def _split(argv: list[str]) -> tuple[bool, int, list[str]]:
     """(--json, --show N, the rest for the config parser)."""
     ours, rest = split_argv(argv, own={"json", "show"}, flags={"json"})
-    as_json, show, i = False, 3, 0
-    while i < len(ours):
-        name, _, inline = ours[i].partition("=")
-        if name == "--json":
+    as_json, show = False, 3
+    for a in walk(ours, flags={"json"}):
+        if a.name == "json":
             as_json = True
-        elif name == "--show":
-            text = inline or (ours[i + 1] if i + 1 < len(ours) and not inline else "")
-            i += 0 if inline else 1
-            if not text.isdigit():
-                raise ConfigError(f"--show needs a number of sequences, got {text!r}")
-            show = int(text)
+        elif a.name == "show":
+            if not (a.value or "").isdigit():
+                raise ConfigError(f"--show needs a number of sequences, got {a.value or ''!r}")
+            show = int(a.value)
         else:
-            raise ConfigError(f"unexpected argument {ours[i]!r}; arguments are `--name value` pairs")
-        i += 1
+            raise ConfigError(f"unexpected argument {a.args[0]!r}; arguments are `--name value` pairs")
     return as_json, show, rest
 
 
@@ -60,7 +57,6 @@ def sequence_segments(row: dict[str, Any], real_tokens: int, tokenizer: Any) -> 
 
 
 def describe(argv: list[str]) -> tuple[dict[str, Any], bool]:
-    from ..config import load_config
     from ..data.documents import build_sequences
     from ..data.tokenizer import apply_tokenizer_options, load_tokenizer
     from ..model.load import checkpoint_source
@@ -93,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in argv or "-h" in argv:
         print(USAGE)
         return EXIT_OK
+    use_console()
     try:
         out, as_json = describe(argv)
     except ConfigError as exc:

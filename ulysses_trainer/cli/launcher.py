@@ -25,24 +25,18 @@ import sys
 import time
 
 from ..errors import EXIT_INTERRUPTED, EXIT_INVALID, ConfigError
+from .argv import split_argv
 from .train import INTERRUPTED_BEFORE_TRAINING
 
 _POLL_S = 0.2
 
 
+_RUNNER_OPTIONS = {"num_gpus", "master_port", "num_nodes", "hostfile", "include", "exclude"}
+
+
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     """(the deepspeed runner's options, the trainer's arguments)."""
-    ours, rest, i = [], [], 0
-    while i < len(argv):
-        name = argv[i].split("=", 1)[0]
-        if name in ("--num_gpus", "--master_port", "--num_nodes", "--hostfile", "--include", "--exclude"):
-            step = 1 if "=" in argv[i] else 2
-            ours += argv[i:i + step]
-            i += step
-        else:
-            rest.append(argv[i])
-            i += 1
-    return ours, rest
+    return split_argv(argv, own=_RUNNER_OPTIONS, flags=set(), others="rest")
 
 
 def _session_members(sid: int) -> list[tuple[int, bytes]]:
@@ -91,11 +85,11 @@ def _remove_unfinished_saves(output_dir: str | None) -> None:
 
 
 def _output_dir(rest: list[str]) -> str | None:
-    from ..config import load_config
+    from .argv import load_config
 
     try:
         return load_config(rest).output_dir
-    except (ConfigError, SystemExit):  # the ranks report bad input themselves
+    except ConfigError:  # the ranks report bad input themselves
         return None
 
 

@@ -24,7 +24,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from ..config import build_config, parse_argv, read_recipe, validate_config
+from ..config import build_config, read_recipe, validate_config
 from ..data.attention_share import AttentionShare, timed_from_data
 from ..ds_config import load_ds_config
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
@@ -34,7 +34,8 @@ from ..plan.memory import GIB, MemoryEstimate, ModelShape, Settings, local_token
 from ..plan.resolve import plan_for
 from ..plan.types import Machine, Plan
 from ..probe import host_memory, installed_kernels, local_gpus
-from .argv import split_argv
+from .argv import parse_overrides, split_argv
+from .console import use_console
 
 _FLAGS = {"json", "help"}  # take no value
 _OWN = {"config", "model", "gpus", "gpu_memory_gb", "host_memory_gb", "sp", "gpus_per_host", "offload_optimizer",
@@ -83,7 +84,7 @@ def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argpars
     """Parse the command line into (training config, HF model config, ZeRO JSON, machine, our flags)."""
     ours, rest = split_argv(argv, _OWN, _FLAGS)
     args = _parser().parse_args(ours)
-    _, overrides = parse_argv(rest)
+    _, overrides = parse_overrides(rest)
     recipe = read_recipe(args.config) if args.config else {}
     if args.model:
         overrides["model_name_or_path"] = args.model
@@ -268,6 +269,7 @@ def run_calibrate(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry of the `plan` subcommand; ConfigError -> one line on stderr, exit 2."""
     argv = sys.argv[1:] if argv is None else argv
+    use_console()
     try:
         if argv and argv[0] == "calibrate":
             return run_calibrate(argv[1:])

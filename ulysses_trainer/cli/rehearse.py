@@ -35,6 +35,7 @@ from ..names import STANDIN, STANDIN_FA4
 from ..plan.comm_model import DEFAULT_COMM_FILE as COMM_FILE
 from ..train.rehearsal import Rehearsal, comm_job, run_rehearsal
 from .argv import split_argv
+from .console import use_console
 
 # The measured NCCL points the rehearsal uses when --comm is not given (benchmarks/comm_bandwidth.py)
 DEFAULT_COMM_FILE = Path(COMM_FILE)
@@ -118,7 +119,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def load_rehearsal_config(args: argparse.Namespace, overrides: list[str]):
     """The recipe + overrides, then what a rehearsal changes: K steps, no eval, no resume, no saving."""
-    from ..config import load_config
+    from .argv import load_config
 
     cfg = load_config((["--config", args.config] if args.config else []) + overrides)
     # --standin: the plan is resolved (and the model built) with the memory-only kernel in attention's place
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None, around_step=None) -> int:
     # as launch/train.py, before CUDA starts: long sequences fragment the caching allocator without this
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     ours, overrides = split_argv(argv, _OWN, _FLAGS)
+    use_console()
     try:
         args = _parser().parse_args(ours)
     except SystemExit as exc:  # --help

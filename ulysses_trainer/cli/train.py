@@ -97,6 +97,25 @@ def _fitting_plan(argv: list[str], pinned: tuple[str, ...], world_size: int) -> 
             f"(sp); the plan's terms: {command}")
 
 
+def format_help() -> str:
+    """`--help`: every config field with its type, default and help line."""
+    import dataclasses
+    import json
+
+    from ..config import HINTS, TrainConfig
+    from ..typed_values import describe
+
+    lines = ["usage: deepspeed [--num_gpus N] launch/train.py [--config RECIPE.yaml] [--name value ...]", "",
+             "  --config (a path; default none)",
+             "      a YAML recipe of `name: value` lines (launch/recipes/); --name value on the command line "
+             "overrides it"]
+    for f in dataclasses.fields(TrainConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  --{f.name} ({describe(HINTS[f.name])}; default {json.dumps(default)})")
+        lines.append(f"      {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     seen = InterruptRecorder().install()  # until the trainer's own handler: Ctrl-C raises, and is remembered
@@ -109,10 +128,16 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str], seen: InterruptRecorder) -> int:
     try:
         with seen.held():  # torch and transformers import here: a Ctrl-C waits for them to finish
-            from ..config import load_config
             from ..parallel.init import destroy_distributed
             from ..train.prepare import prepare, world_size_from_env
+            from .argv import load_config
+            from .console import use_console
 
+        use_console()
+        if "--help" in argv or "-h" in argv:
+            if _rank() == 0:  # under a launcher every rank parses the same argv
+                print(format_help())
+            return EXIT_OK
         cfg = load_config(argv)
         if _launched():
             _init_distributed()

@@ -196,7 +196,7 @@ def parallelize(model: nn.Module, state: ParallelState,
     layers = _decoder_layers(model)
     # 1. attention
     attention = UlyssesAttention(state, plan.kernel, c.num_attention_heads, c.num_key_value_heads)
-    model.set_attn_implementation(attention.register())
+    model.set_attn_implementation(attention.register(model))
     # 2. loss head
     model.lm_head = LossHead(model.lm_head, plan.loss_type, plan.loss_chunk_size)
     # 3. lean norms (before tiling and checkpointing, which only wrap what is there)

@@ -28,22 +28,6 @@ def rank_environment(rank: int, world_size: int, gpus_per_node: int) -> dict[str
 
 
 @contextlib.contextmanager
-def _without_rank0_trace_check() -> Iterator[None]:
-    """DeepSpeed checks, once per recorded trace, that every rank fetched the same modules in the same
-    order by broadcasting rank 0's list; on the fake group no data arrives, so rank R != 0 would compare
-    with its own placeholder (-1) and fail. Every rank runs the same code on the same shapes (the
-    collective invariant), so the check is skipped for the rehearsal only, and put back after it."""
-    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
-
-    check = coordinator.assert_ints_same_as_other_ranks
-    coordinator.assert_ints_same_as_other_ranks = lambda ints: None
-    try:
-        yield
-    finally:
-        coordinator.assert_ints_same_as_other_ranks = check
-
-
-@contextlib.contextmanager
 def fake_process_group(rank: int, world_size: int, gpus_per_node: int, device: str,
                        fill: str = "local") -> Iterator[None]:
     """Within the block this process is `rank` of `world_size` on the fake backend, its collectives' outputs
@@ -51,7 +35,8 @@ def fake_process_group(rank: int, world_size: int, gpus_per_node: int, device: s
     variables are set for the block and restored after it."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from .local_fill import BACKEND, FILLS
+    from .integrations import deepspeed_rank0_trace_check_off, process_group_backend
+    from .local_fill import BACKEND, FILLS, create_group
 
     if fill not in FILLS:
         raise ValueError(f"collective fill {fill!r}: pick one of {', '.join(FILLS)}")
@@ -60,22 +45,25 @@ def fake_process_group(rank: int, world_size: int, gpus_per_node: int, device: s
     saved = {k: os.environ.get(k) for k in rank_environment(rank, world_size, gpus_per_node)}
     os.environ.update(rank_environment(rank, world_size, gpus_per_node))
     try:
-        dist.init_process_group(BACKEND if fill == "local" else "fake", store=FakeStore(), rank=rank,
-                                world_size=world_size)
-        # DeepSpeed adopts an initialised group; the backend name only matters were it to create one
-        init_distributed("nccl" if device == "cuda" else "gloo")
-        with _without_rank0_trace_check():
-            yield
-    finally:
-        try:
-            if dist.is_initialized():
-                _destroy()  # through DeepSpeed, which also drops its cached groups
-        finally:  # the environment comes back whatever the teardown did
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        # the local-fill backend is known for the block only: `init_process_group(BACKEND, ...)` and every
+        # `new_group` after it (DeepSpeed's sp/dp groups) build its group; DeepSpeed's rank-0 trace check
+        # (which a fake group cannot pass on rank R != 0; every rank runs the same code on the same shapes) is off
+        with process_group_backend(BACKEND, create_group, ["cpu", "cuda"]), deepspeed_rank0_trace_check_off():
+            try:
+                dist.init_process_group(BACKEND if fill == "local" else "fake", store=FakeStore(), rank=rank,
+                                        world_size=world_size)
+                # DeepSpeed adopts an initialised group; the backend name only matters were it to create one
+                init_distributed("nccl" if device == "cuda" else "gloo")
+                yield
+            finally:  # before the backend is forgotten
+                if dist.is_initialized():
+                    _destroy()  # through DeepSpeed, which also drops its cached groups
+    finally:  # the environment comes back whatever the teardown did
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # c10d op -> the collective it is; the per-rank input is the argument at the given index

@@ -11,10 +11,14 @@ halt. The op serves only `inference_all_reduce`, which training never calls; glo
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 
-SHM_OP = "deepspeed_shm_comm"
+from ..messages import ON_STDERR
+
+log = logging.getLogger(__name__)
 
 
 def destroy_distributed(together: bool = True) -> None:
@@ -33,8 +37,8 @@ def destroy_distributed(together: bool = True) -> None:
         _destroy()
     except Exception as exc:  # noqa: BLE001 - teardown must not hide the run's own outcome
         if together:  # a peer lost after success: say which rank saw it, so a log shows where it broke
-            print(f"[ulysses_trainer] (rank {os.environ.get('RANK', '?')}) warning: the end-of-run barrier failed: "
-                  f"{' '.join(str(exc).split())[:300]}", file=sys.stderr, flush=True)
+            log.warning(f"(rank {os.environ.get('RANK', '?')}) warning: the end-of-run barrier failed: "
+                        f"{' '.join(str(exc).split())[:300]}", extra=ON_STDERR)
 
 
 def _destroy() -> None:
@@ -53,12 +57,11 @@ def init_distributed(backend: str) -> None:
     """`deepspeed.init_distributed(backend)`; on "gloo" the shared-memory op is neither built nor mapped.
     Again is a no-op (DeepSpeed's own check); a torch group DeepSpeed has not seen (the rehearsal's) it adopts."""
     import deepspeed
-    import deepspeed.ops
 
-    if backend == "gloo":
-        # DeepSpeed builds the op only where its compatibility table says it can (comm/torch.py)
-        deepspeed.ops.__compatible_ops__[SHM_OP] = False
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    from .integrations import without_deepspeed_shm_op
+
+    with without_deepspeed_shm_op() if backend == "gloo" else contextlib.nullcontext():
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
 def _initialized() -> bool:

@@ -178,12 +178,9 @@ class LocalFillGroup(_Names):
         return BACKEND
 
 
-def _create(common_opts, backend_opts) -> LocalFillGroup:
+def create_group(common_opts, backend_opts) -> LocalFillGroup:
+    """torch's extended backend API: this rank's LocalFillGroup around a fake backend (registered for the rehearsal's
+    block only, parallel/fake.py through parallel/integrations.process_group_backend)."""
     from torch.testing._internal.distributed.fake_pg import _create_fake_pg
 
     return LocalFillGroup(common_opts.group_rank, common_opts.group_size, _create_fake_pg(common_opts, backend_opts))
-
-
-# A backend plugin, as torch's fake group registers itself on import: `init_process_group(BACKEND, ...)` and
-# every `new_group` after it (DeepSpeed's sp/dp groups) then build a LocalFillGroup.
-dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])

@@ -9,14 +9,13 @@ sp/kv times first, so rank r still holds the KV head its query heads read (r * k
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from ..attention.kernels import KERNEL_FUNCTIONS
 from ..attention.stash import AttentionStash
 from ..layout import resolve_layout
 from ..names import KEEPING_KERNELS
 from .comm import heads_to_seq, seq_to_heads
+from .integrations import register_attention
 from .state import ParallelState
 
 
@@ -43,10 +42,9 @@ class UlyssesAttention:
         self.name = f"ulysses_sp{state.sp_size}_{self.kernel.replace('flash_attention', 'fa')}_{id(self):x}"
         self.stash: AttentionStash | None = None  # set by parallelize when attention outputs are kept
 
-    def register(self) -> str:
-        AttentionInterface.register(self.name, self)
-        AttentionMaskInterface.register(self.name, _no_mask)
-        return self.name
+    def register(self, model: torch.nn.Module) -> str:
+        """Into transformers' attention registry for as long as `model` (whose config will name it) lives."""
+        return register_attention(self.name, self, _no_mask, owner=model)
 
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -25,6 +26,8 @@ from ..config import TrainConfig, config_to_dict
 from ..data.documents import SequenceDataset, build_sequences
 from ..errors import ConfigError
 from ..parallel.comm import gather_objects, world_rank
+
+log = logging.getLogger(__name__)
 
 _ARRAYS = ("tokens", "positions", "trained", "lengths")
 _FORMAT = 1  # bump when the stored layout changes
@@ -135,7 +138,7 @@ def _build_cached(cfg: TrainConfig, tokenizer: Any, split: str, dp_size: int, nu
         try:
             save_rows(ds, directory)
         except OSError as exc:  # a full or read-only cache never stops the run: the rows are in memory
-            print(f"[ulysses_trainer] warning: cannot write the data cache {directory}: {exc}", flush=True)
+            log.warning(f"warning: cannot write the data cache {directory}: {exc}")
     return ds
 
 

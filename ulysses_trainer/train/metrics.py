@@ -39,6 +39,6 @@ def predicted_vs_measured(pred_s: float, pred_peak_gb: float, step_times: list[f
     # under MODELLED_FROM_S the fixed per-step costs the model leaves out dominate: a ratio would mislead
     versus = (f"{(measured - pred_s) / pred_s:+.1%}, {which}" if pred_s >= MODELLED_FROM_S else
               f"{which}; no comparison under {MODELLED_FROM_S:g} s, where fixed per-step costs dominate")
-    return (f"[ulysses_trainer] predicted vs measured: step {format_seconds(pred_s)} s vs {format_seconds(measured)} s "
+    return (f"predicted vs measured: step {format_seconds(pred_s)} s vs {format_seconds(measured)} s "
             f"({versus}); peak GPU {pred_peak_gb:.1f} GiB vs {peak_gb:.1f} GiB allocated "
             f"({(peak_gb - pred_peak_gb) / pred_peak_gb:+.1%})")

@@ -7,9 +7,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def comm_job(plan, gpus_per_node: int, tiles: int, checkpoint_every: int):
@@ -106,9 +109,9 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
             losses.append(loss)
             skipped.append(engine.skipped_steps > before)
-            print(f"[ulysses_trainer] rehearsal step {step + 1}/{opts.steps}: {times[-1]:.3f} s"
-                  f"{' (warm-up)' if warmup else ''}; loss {loss:.4g} (meaningless)"
-                  f"{', update skipped (non-finite gradient norm)' if skipped[-1] else ''}", flush=True)
+            log.info(f"rehearsal step {step + 1}/{opts.steps}: {times[-1]:.3f} s"
+                     f"{' (warm-up)' if warmup else ''}; loss {loss:.4g} (meaningless)"
+                     f"{', update skipped (non-finite gradient norm)' if skipped[-1] else ''}")
         if any(skipped) and opts.collective_fill == "local" and not opts.standin:
             # real-looking values give finite gradients; a skipped update would leave the optimizer untimed (the
             # stand-in computes no attention, so its outputs, and the gradients after them, are anything)
@@ -128,9 +131,9 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
                   "peak_host_mem_gb": peak_host_mem_gb()}
         counted = None
         if opts.count_collectives:  # after the memory and time readings it would distort
-            with CollectiveLog() as log:
+            with CollectiveLog() as issued:
                 trainer.train_step(trainer._micro_batches(opts.steps))
-            counted = log.ops
+            counted = issued.ops
         ck = trainer.model.checkpointer
         stash = trainer.model.attention.stash
         out = {"collective_fill": opts.collective_fill, "step_s": times, "losses": losses,

@@ -4,26 +4,29 @@ predicted step time and peak against the measured ones at the end, and the recor
 from __future__ import annotations
 
 import json
-import sys
+import logging
 
 from ..config import config_to_dict
+from ..messages import ON_STDERR
 from ..plan.memory import UNDER_PREDICTION
 from ..plan.types import Plan
 from .metrics import peak_gpu_mem_gb, predicted_vs_measured
 from .prepare import RunPlan
 from .resume_check import run_record
 
+log = logging.getLogger(__name__)
+
 
 def report_data(plan: RunPlan) -> None:
     if plan.cfg.dataset_num_proc is not None:  # TRL's option, accepted: say why it is not needed
-        print(f"[ulysses_trainer] data: dataset_num_proc {plan.cfg.dataset_num_proc} is not used: tokenizing is "
-              f"batched (the tokenizer's own threads), not a per-row map over worker processes", flush=True)
+        log.info(f"data: dataset_num_proc {plan.cfg.dataset_num_proc} is not used: tokenizing is "
+              f"batched (the tokenizer's own threads), not a per-row map over worker processes")
     for what, data in (("data", plan.train_data), ("eval data", plan.eval_data)):
         counts = getattr(data, "counts", None)
         if counts is not None:
-            print(f"[ulysses_trainer] {what}: {counts.summary()}", flush=True)
+            log.info(f"{what}: {counts.summary()}")
     if plan.disk:
-        print(f"[ulysses_trainer] {plan.disk}", flush=True)
+        log.info(plan.disk)
 
 
 def data_record(plan: RunPlan) -> dict:
@@ -38,23 +41,22 @@ def say_stopping(save_strategy: str) -> None:
     the following one (the step is named once saved: `stop signal: saved step N`)."""
     line = "interrupted: saving at the next step boundary" if save_strategy != "no" else \
         "interrupted: stopping at the next step boundary, not saving (save_strategy no)"
-    print(f"[ulysses_trainer] {line} (a second Ctrl-C stops at once; the last checkpoint stays)",
-          file=sys.stderr, flush=True)
+    log.info(f"{line} (a second Ctrl-C stops at once; the last checkpoint stays)", extra=ON_STDERR)
 
 
 def report_run_name(run_name: str | None) -> None:
     """The first line of a named run (run_name)."""
     if run_name:
-        print(f"[ulysses_trainer] run {run_name}", flush=True)
+        log.info(f"run {run_name}")
 
 
 def report_plan(r: Plan, before_build: bool) -> None:
-    print(f"[ulysses_trainer] plan{'' if before_build else ' with the free GPU memory measured'}: "
-          f"{r.summary()}", flush=True)
+    log.info(f"plan{'' if before_build else ' with the free GPU memory measured'}: "
+          f"{r.summary()}")
     if r.decided:
-        print(f"[ulysses_trainer] auto chose: {', '.join(r.decided)}", flush=True)
+        log.info(f"auto chose: {', '.join(r.decided)}")
     for note in r.notes:
-        print(f"[ulysses_trainer] plan note: {note}", flush=True)
+        log.info(f"plan note: {note}")
     if not r.fits:
         over = r.gpu_budget_gb is not None and r.predicted_gpu_required_gb > r.gpu_budget_gb * (1 + UNDER_PREDICTION)
         why = (f"allow_over_plan: over by more than the memory model's worst measured under-prediction "
@@ -62,23 +64,22 @@ def report_plan(r: Plan, before_build: bool) -> None:
                f"the run will most likely stop out of GPU memory") if over else \
             (f"within the memory model's worst measured under-prediction ({UNDER_PREDICTION:.1%}), and it errs on the "
              f"high side: the run may still fit")
-        print(f"[ulysses_trainer] warning: the plan does not fit: {r.shortage()} ({why})", flush=True)
+        log.warning(f"warning: the plan does not fit: {r.shortage()} ({why})")
     if r.gradient_checkpointing:
         n, saved, off = r.num_layers, len(r.saved_layers), len(r.offload_layers)
         kept = f"1 in {r.checkpoint_every} layers keeps its input" if r.checkpoint_every > 1 else \
             "every layer keeps its input"
-        print(f"[ulysses_trainer] checkpoints: {kept} ({saved}/{n}), {off} in pinned host memory "
-              f"({r.checkpoint_bytes_per_layer * off / 2**30:.2f} GiB)", flush=True)
-        print(f"[ulysses_trainer] attention outputs kept for the recompute: {len(r.kept_attention_layers)}/{n} "
-              "layers", flush=True)
+        log.info(f"checkpoints: {kept} ({saved}/{n}), {off} in pinned host memory "
+              f"({r.checkpoint_bytes_per_layer * off / 2**30:.2f} GiB)")
+        log.info(f"attention outputs kept for the recompute: {len(r.kept_attention_layers)}/{n} "
+              "layers")
 
 
 def report_predicted_vs_measured(r: Plan, step_times: list[float]) -> None:
     """End of run: the plan's step time and GPU peak next to what the run measured."""
     if r.predicted_step_s is None or not step_times:
         return
-    print(predicted_vs_measured(r.predicted_step_s, r.predicted_peak_gpu_gb, step_times, peak_gpu_mem_gb()),
-          flush=True)
+    log.info(predicted_vs_measured(r.predicted_step_s, r.predicted_peak_gpu_gb, step_times, peak_gpu_mem_gb()))
 
 
 def run_config_record(plan: RunPlan, step: int, path: str) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -46,6 +47,8 @@ from .resume_check import run_record
 from .schedule import build_schedule, set_peak_learning_rate
 from .stop_signal import StopSignal
 from .strategies import ends_epoch, eval_due, log_due, save_due
+
+log = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -227,10 +230,10 @@ class Trainer:
         if self.state.is_main:
             self.metrics.truncate_after(self.step)
             self.reporters.resume_at(self.step)
-            print(f"[ulysses_trainer] resumed from {path} at step {self.step}", flush=True)
+            log.info(f"resumed from {path} at step {self.step}")
             if changes:
                 for line in resume_notes(changes):
-                    print(f"[ulysses_trainer] config change at step {self.step}: {line}", flush=True)
+                    log.info(f"config change at step {self.step}: {line}")
                 self.metrics.append({"step": self.step, "config_change": {k: list(v) for k, v in changes.items()}})
 
     def train(self) -> int:
@@ -254,9 +257,8 @@ class Trainer:
             self.where.enter("loading the checkpoint")
             self.resume(plan.resume_path)
             if self.step >= plan.total_steps and self.state.is_main:  # e.g. the export failed on a full disk
-                print(f"[ulysses_trainer] training already finished at step {self.step} "
-                      f"({os.path.basename(os.path.normpath(plan.resume_path))}): writing the final export only",
-                      flush=True)
+                log.info(f"training already finished at step {self.step} "
+                         f"({os.path.basename(os.path.normpath(plan.resume_path))}): writing the final export only")
         self._write_run_config()
         self._open_reporters()
         self.stop.install()
