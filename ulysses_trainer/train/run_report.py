@@ -15,9 +15,6 @@ from .resume_check import run_record
 
 
 def report_data(plan: RunPlan) -> None:
-    if plan.cfg.dataset_num_proc is not None:  # TRL's option, accepted: say why it is not needed
-        print(f"[ulysses_trainer] data: dataset_num_proc {plan.cfg.dataset_num_proc} is not used: tokenizing is "
-              f"batched (the tokenizer's own threads), not a per-row map over worker processes", flush=True)
     for what, data in (("data", plan.train_data), ("eval data", plan.eval_data)):
         counts = getattr(data, "counts", None)
         if counts is not None:
