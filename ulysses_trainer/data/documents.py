@@ -47,11 +47,12 @@ from .qwen3_template import is_qwen3_template
 from .rows import build_rows
 from .synthetic import synthetic_documents
 from .tokenizer import Tokenizer
-from .workers import chunks_of, ordered_map
+from .workers import chunks_of, ordered_map, text_size
 
 _TOKENS_PER_WORD = 1.26  # of the synthetic prose under the Qwen BPE (measured)
 _EVAL_SEED_OFFSET = 1_000_003  # synthetic eval documents differ from the training ones
 _BATCH_DOCS = 64
+_CHUNK_CHARS = 1 << 20  # a worker's share of examples: at most _BATCH_DOCS rows or about this much text
 SYNTHETIC_STEPS_PER_EPOCH = 4
 AGENT_SESSIONS = "synthetic:agent_sessions"  # dataset_name of the synthetic agent sessions
 MIXED_SESSIONS = "synthetic:agent_sessions_mixed"  # ... of mixed lengths (4K-400K tokens, median 60K)
@@ -322,8 +323,13 @@ def _tokenized_examples(kind: str, rows: Iterable[dict], source: str, cfg: Train
                                     tokenizer.eos_token, template, skipped=skipped)
         yield from (tokenize_segments(s, tokenizer) for s in segments)
         return
-    chunks = ((i * _BATCH_DOCS, part) for i, part in enumerate(chunks_of(rows, _BATCH_DOCS)))
-    for examples, shape in ordered_map(work, chunks, num_proc):
+    def numbered() -> Iterator[tuple[int, list[dict]]]:
+        start = 0
+        for part in chunks_of(rows, _BATCH_DOCS, text_size, _CHUNK_CHARS):
+            yield start, part
+            start += len(part)
+
+    for examples, shape in ordered_map(work, numbered(), num_proc):
         for reason, n in shape.items():
             skipped[reason] = skipped.get(reason, 0) + n
         yield from examples

@@ -46,8 +46,32 @@ def ordered_map(fn: Callable[[Any], Any], chunks: Iterable[Any], num_proc: int |
             yield out
 
 
-def chunks_of(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    """Consecutive lists of `size` items (the last one shorter)."""
-    it = iter(items)
-    while chunk := list(islice(it, size)):
+def chunks_of(items: Iterable[Any], size: int, weight: Callable[[Any], int] | None = None,
+              max_weight: int = 0) -> Iterator[list[Any]]:
+    """Consecutive lists of at most `size` items; with `weight`, a list also ends once its items weigh
+    max_weight (a few long conversations make several chunks, so that every worker has one)."""
+    if weight is None:
+        it = iter(items)
+        while chunk := list(islice(it, size)):
+            yield chunk
+        return
+    chunk, total = [], 0
+    for item in items:
+        chunk.append(item)
+        total += weight(item)
+        if len(chunk) == size or total >= max_weight:
+            yield chunk
+            chunk, total = [], 0
+    if chunk:
         yield chunk
+
+
+def text_size(value: Any) -> int:
+    """Characters of the strings in a row (its messages' text, nested)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_size(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(text_size(v) for v in value)
+    return 0
