@@ -2,7 +2,7 @@
 
     python benchmarks/data_prep.py generate --out /tmp/prep --sessions_mb 40 --text_mb 20
     python benchmarks/data_prep.py measure --data /tmp/prep/sessions.jsonl --max_length 131072 \
-        --assistant_only_loss true --cache_dir /tmp/prep/cache
+        --assistant_only_loss true --cache_dir /tmp/prep/cache [--num_proc 2] [--template chatml]
 
     python benchmarks/data_prep.py dataline --checkout . --num_gpus 2 -- --dataset_name /tmp/prep/text.jsonl \
         --max_length 8192 --max_steps null --num_train_epochs 1 --data_cache_dir /tmp/prep/cache
@@ -46,16 +46,39 @@ def generate(out: Path, sessions_mb: float, text_mb: float, seed: int) -> None:
         print(f"{out / name}: {(out / name).stat().st_size / 2**20:.1f} MiB")
 
 
+# a checkpoint's own ChatML template (not Qwen3's, which the built-in format renders): the template path
+CHATML = ("{% if tools %}<|im_start|>system\nTOOLS {{ tools | tojson }}<|im_end|>\n{% endif %}"
+          "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% if m.tool_calls %}"
+          "{% for c in m.tool_calls %}\nCALL {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}"
+          "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tokenizer(template: str | None):
+    """The Qwen BPE; with template "chatml", as a checkpoint's HF tokenizer carrying CHATML."""
+    import tempfile
+
+    from ulysses_trainer.data.tokenizer import QwenBPETokenizer, load_tokenizer
+
+    if template is None:
+        return load_tokenizer(None)
+    d = tempfile.mkdtemp(prefix="data_prep_tok_")
+    QwenBPETokenizer().save_pretrained(d)
+    config = Path(d) / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": CHATML}))
+    return load_tokenizer(d)
+
+
 def measure(args: argparse.Namespace) -> dict:
     from ulysses_trainer.config import TrainConfig
-    from ulysses_trainer.data.tokenizer import load_tokenizer
 
     fields = dict(dataset_name=args.data, max_length=args.max_length, assistant_only_loss=args.assistant_only_loss,
                   packing=args.packing)
     if "data_cache_dir" in TrainConfig.__dataclass_fields__:
-        fields["data_cache_dir"] = args.cache_dir
+        fields.update(data_cache_dir=args.cache_dir, data_cache=args.cache_dir is not None)
+    if args.num_proc is not None:
+        fields["dataset_num_proc"] = args.num_proc
     cfg = TrainConfig(**fields)
-    tokenizer = load_tokenizer(None)
+    tokenizer = _tokenizer(args.template)
     try:
         from ulysses_trainer.train.data_cache import prepared_sequences as prepare
     except ImportError:  # a checkout without the cache
@@ -66,7 +89,9 @@ def measure(args: argparse.Namespace) -> dict:
     tokens = int(ds.lengths.sum()) if ds.lengths is not None else int(len(ds.tokens))  # real, not padding
     return {"data": args.data, "seconds": round(seconds, 2), "tokens": tokens,
             "tokens_per_s": round(tokens / max(seconds, 1e-3)), "rows": len(ds),
-            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+            # the largest of the worker processes (dataset_num_proc), each on its own
+            "peak_rss_worker_gb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2)}
 
 
 def dataline(checkout: Path, num_gpus: int, train_args: list[str]) -> dict:
@@ -111,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--max_length", type=int, default=131072)
     m.add_argument("--assistant_only_loss", type=lambda s: s == "true", default=False)
     m.add_argument("--packing", type=lambda s: s == "true", default=False)
-    m.add_argument("--cache_dir", default=None)
+    m.add_argument("--cache_dir", default=None, help="the data cache; none: no cache")
+    m.add_argument("--num_proc", type=int, default=None, help="dataset_num_proc")
+    m.add_argument("--template", choices=["chatml"], default=None,
+                   help="render with a checkpoint's own ChatML template (the template path)")
     d = sub.add_parser("dataline")
     d.add_argument("--checkout", type=Path, default=Path(__file__).resolve().parents[1])
     d.add_argument("--num_gpus", type=int, default=2)

@@ -55,6 +55,16 @@ def files(tmp_path_factory) -> dict[str, Path]:
     shutil.copytree(f["words"], f["cut_weights"])
     w = f["cut_weights"] / "model.safetensors"
     w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])  # an interrupted download
+    f["broken_line"] = d / "broken.jsonl"  # line 3 is cut short
+    f["broken_line"].write_text('{"text": "one"}\n{"text": "two"}\n{"text": "thr\n{"text": "four"}\n')
+    f["list_line"] = d / "list.jsonl"
+    f["list_line"].write_text('{"text": "one"}\n\n[1, 2]\n')
+    f["run_out"] = d / "run_out"  # what a training run leaves: its config.json is not a model's
+    (f["run_out"] / "checkpoint-4").mkdir(parents=True)
+    (f["run_out"] / "checkpoint-4" / "ulysses_trainer_checkpoint").write_text("")
+    (f["run_out"] / "config.json").write_text(json.dumps({"model_name_or_path": "tiny", "max_length": 64}))
+    (f["run_out"] / "latest").write_text("checkpoint-4\n")
+    (f["run_out"] / "metrics.jsonl").write_text('{"step": 4, "loss": 3.0}\n')
     f["bad_config"] = d / "bad_config"
     shutil.copytree(f["words"], f["bad_config"])
     (f["bad_config"] / "config.json").write_text('{"model_type": "qwen3", ')
@@ -117,6 +127,14 @@ CASES = {
     "model_config_unreadable": (lambda f: ["--model_name_or_path", str(f["bad_config"])], 1,
                                 r"cannot read .*bad_config/config\.json: .*; fix the file or copy the "
                                 r"checkpoint again"),
+    "model_is_a_training_output_dir": (
+        lambda f: ["--model_name_or_path", str(f["run_out"])], 1,
+        r"model_name_or_path '.*run_out': .*run_out is a training output_dir, not a Hugging Face model; its "
+        r"exported model is .*run_out/final .*set model_name_or_path to .*run_out/final"),
+    "model_is_a_training_checkpoint": (
+        lambda f: ["--model_name_or_path", str(f["run_out"] / "checkpoint-4")], 1,
+        r"checkpoint-4 is a training checkpoint \(ZeRO shards and optimizer state for resume_from_checkpoint\), "
+        r"not a Hugging Face model; train from the model the run exported, .*run_out/final .*--resume_from_checkpoint"),
     "model_weights_missing": (lambda f: ["--model_name_or_path", str(f["no_weights"])], 1,
                               r"model_name_or_path '.*no_weights' holds no weights \(none of model\.safetensors, "
                               r".*\); copy the checkpoint's weight files there"),
@@ -126,6 +144,12 @@ CASES = {
                              r"cannot load the tokenizer in .*bad_tokenizer: .*fix or remove its tokenizer files"),
     "data_path_missing": (lambda f: ["--dataset_name", str(f["empty"].with_name("nope.jsonl"))], 1,
                           r"dataset '.*nope\.jsonl' not found; give an existing file or directory"),
+    "data_jsonl_line_broken": (lambda f: ["--dataset_name", str(f["broken_line"])], 1,
+                               r"dataset file .*broken\.jsonl, line 3: not valid JSON \(.* at column \d+\); each "
+                               r"line of a JSON Lines file must be one JSON object, .*: fix or remove that line"),
+    "data_jsonl_line_not_an_object": (lambda f: ["--dataset_name", str(f["list_line"])], 1,
+                                      r"dataset file .*list\.jsonl, line 3: a JSON list, not an object; .*fix or "
+                                      r"remove that line"),
     "data_unreadable": (lambda f: ["--dataset_name", str(f["bad_parquet"])], 1,
                         r"cannot read dataset .*bad\.parquet as parquet"),
     "tokenizer_vocab_exceeds_model": (lambda f: ["--model_init_kwargs", '{"vocab_size": 1000}'], 1,

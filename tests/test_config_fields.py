@@ -39,7 +39,7 @@ FIELD_TESTS = {
     # data
     "dataset_name": "test_data.py::test_jsonl_joined_end_to_end_and_cut",
     "dataset_text_field": "test_data.py::test_non_text_field",
-    "dataset_num_proc": "test_trl_options.py::test_dataset_num_proc_is_accepted_and_said_unused",
+    "dataset_num_proc": "test_data_prep.py::test_dataset_num_proc_workers_tokenize_the_same_rows",
     "chat_template_path": "test_trl_options.py::test_chat_template_path_file_or_tokenizer_dir_replaces_the_template",
     "eos_token": "test_trl_options.py::test_eos_token_ends_text_documents_and_must_be_known",
     "data_cache": "test_data_prep.py::test_second_prepare_reads_the_cache_bitwise_without_tokenizing",

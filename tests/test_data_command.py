@@ -21,8 +21,10 @@ def test_data_json_trains_every_assistant_content_and_no_other(tmp_path, capsys)
                         "--show", "10", "--json"])
     assert set(out) == {"sequences", "counts"} and len(out["sequences"]) == 10
     assert out["counts"]["examples_read"] == 10 and out["counts"]["truncated"] == 0
-    for m, seq in zip(convs, out["sequences"]):
-        assert set(seq) == {"segments", "tokens", "trained_tokens"}
+    assert sorted(seq["row"] for seq in out["sequences"]) == list(range(10))  # shown in the training order
+    for seq in out["sequences"]:
+        m = convs[seq["row"]]
+        assert set(seq) == {"row", "segments", "tokens", "trained_tokens"}
         assert all(set(g) == {"text", "trained"} for g in seq["segments"])
         trained = [g["text"] for g in seq["segments"] if g["trained"]]
         other = "".join(g["text"] for g in seq["segments"] if not g["trained"])
@@ -41,7 +43,8 @@ def test_data_prompt_completion_and_refusal(tmp_path, capsys):
     path.write_text("".join(json.dumps({"prompt": f"PROMPT{i} says", "completion": f" DONE{i}"}) + "\n"
                             for i in range(3)))
     out = _run(capsys, ["--dataset_name", str(path), "--max_length", "64", "--json"])
-    for i, seq in enumerate(out["sequences"]):
+    for seq in out["sequences"]:
+        i = seq["row"]
         assert [g for g in seq["segments"] if g["trained"]] == [{"text": f" DONE{i}<|endoftext|>", "trained": True}]
     assert main(["--dataset_name", str(path), "--dataset_text_field", "completion"]) == 2
     assert "would drop the other one" in capsys.readouterr().err

@@ -174,22 +174,103 @@ def test_no_home_and_no_dir_means_no_cache(tmp_path, monkeypatch):
     assert cache_root(cfg) is None
 
 
-def _prepare_rank(rank: int, world_size: int, data: str, cache: str) -> tuple[int, str]:
+def _prepare_rank(rank: int, world_size: int, data: str, cache: str, use_cache: bool = True,
+                  nodes: tuple[str, ...] | None = None) -> tuple[int, str, list[str]]:
+    """(tokenizer calls, digest of the rows, what is left in this rank's scratch directory). nodes: the node
+    of each rank; each node then has its own scratch directory and cannot read another node's."""
     import hashlib
+    from pathlib import Path
 
+    from ulysses_trainer.train import data_cache
     from ulysses_trainer.train.data_cache import prepared_sequences
 
+    scratch = Path(cache) / "scratch" / (nodes[rank] if nodes else "node")
+    scratch.mkdir(parents=True, exist_ok=True)
+    data_cache.scratch_dir = lambda: str(scratch)
+    if nodes:
+        data_cache.node_name = lambda: nodes[rank]
+        own, read = str(scratch), data_cache.load_rows
+        data_cache.load_rows = lambda d: read(d) if str(d).startswith(own) else None  # another node's disk
     tok = CountingTokenizer()
-    ds = prepared_sequences(_cfg(data, cache, assistant_only_loss=True, max_length=1024), tok)
+    cfg = _cfg(data, cache, assistant_only_loss=True, max_length=1024, data_cache=use_cache)
+    ds = prepared_sequences(cfg, tok)
     digest = hashlib.sha256(np.ascontiguousarray(ds.tokens).tobytes() + np.ascontiguousarray(ds.trained).tobytes())
-    return tok.calls, digest.hexdigest()
+    assert isinstance(ds.tokens, np.memmap)  # every rank maps the rows, the preparing one too
+    return tok.calls, digest.hexdigest(), sorted(p.name for p in scratch.iterdir())
 
 
 @pytest.mark.slow
-def test_only_rank_0_tokenizes_and_the_others_read_its_rows(tmp_path):
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_only_rank_0_tokenizes_and_the_others_read_its_rows(tmp_path, use_cache):
     from tests.dist_utils import run_ranks
 
     data = _write(tmp_path / "chat.jsonl", _chat_rows())
-    (calls0, rows0), (calls1, rows1) = run_ranks(2, _prepare_rank, data, str(tmp_path / "cache"))
+    (calls0, rows0, left0), (calls1, rows1, _) = run_ranks(2, _prepare_rank, data, str(tmp_path / "cache"),
+                                                           use_cache)
     assert calls0 > 0 and calls1 == 0
     assert rows0 == rows1
+    assert left0 == []  # without the cache the rows went through a scratch directory, removed once mapped
+
+
+@pytest.mark.slow
+def test_a_node_that_cannot_read_rank_0s_rows_prepares_them_once_for_its_ranks(tmp_path):
+    from tests.dist_utils import run_ranks
+
+    data = _write(tmp_path / "chat.jsonl", _chat_rows())
+    results = run_ranks(3, _prepare_rank, data, str(tmp_path / "cache"), False, ("a", "b", "b"))
+    calls = [c for c, _, _ in results]
+    assert calls[0] > 0 and calls[1] > 0 and calls[2] == 0  # node b's first rank prepares, its other rank reads
+    assert len({d for _, d, _ in results}) == 1
+    assert all(left == [] for _, _, left in results)
+
+
+# ---------------------------------------------------------------- dataset_num_proc
+class PidTokenizer(QwenBPETokenizer):
+    """The Qwen BPE, writing the id of every process that tokenizes to a file."""
+
+    def __init__(self, log) -> None:
+        super().__init__()
+        self.log = str(log)
+
+    def _mark(self) -> None:
+        import os
+
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+    def encode_batch(self, texts):
+        self._mark()
+        return super().encode_batch(texts)
+
+    def encode_with_byte_spans(self, text):
+        self._mark()
+        return super().encode_with_byte_spans(text)
+
+
+@pytest.mark.slow
+def test_dataset_num_proc_workers_tokenize_the_same_rows(tmp_path):
+    import os
+
+    from ulysses_trainer.data.documents import build_sequences
+    from ulysses_trainer.errors import ConfigError
+
+    chats = _chat_rows(150)  # three chunks of 64 rows
+    chats.insert(70, {"text": "a row of another shape"})
+    cases = {"messages": (chats, {"assistant_only_loss": True, "max_length": 1024}),
+             "text": (_text_rows(200), {"max_length": 64}),
+             "text packed whole": (_text_rows(200), {"packing": True, "max_length": 512})}
+    for kind, (rows, kw) in cases.items():
+        data = _write(tmp_path / f"{kind}.jsonl", rows)
+        log = tmp_path / f"{kind}.pids"
+        reference = build_sequences(_cfg(data, tmp_path, **kw), QwenBPETokenizer())
+        got = build_sequences(_cfg(data, tmp_path, dataset_num_proc=2, **kw), PidTokenizer(log))
+        _same_rows(reference, got)
+        pids = set(log.read_text().split())
+        assert len(pids) == 2 and str(os.getpid()) not in pids, kind  # two workers did all the tokenizing
+        if kind == "messages":  # the row of another shape, counted by the worker that read it
+            assert got.counts.skipped == {"without `messages` (a row of another shape)": 1}
+    chats[130]["messages"][2]["tool_calls"] = [{"function": {"name": "f", "arguments": "{not json"}}]
+    data = _write(tmp_path / "bad.jsonl", chats)
+    with pytest.raises(ConfigError, match="example 130"):  # a worker's error names the row in the whole file
+        build_sequences(_cfg(data, tmp_path, dataset_num_proc=2, assistant_only_loss=True, max_length=1024),
+                        QwenBPETokenizer())

@@ -203,7 +203,9 @@ def test_sp_zero3_matches_plain_transformers_and_a_per_rank_aux_would_not(world)
 def test_train_sp1_sp2_sp4_same_losses_and_aux_losses_and_export_generates(tmp_path):
     """`deepspeed --num_gpus N launch/train.py` on tiny-moe, fp32, 3 steps, world = sp: the same losses and
     aux losses (1e-4 relative); final/ loads with AutoModelForCausalLM as Qwen3MoeForCausalLM and generates."""
+    import ast
     import json
+    import re
 
     from transformers import AutoModelForCausalLM
 
@@ -223,6 +225,8 @@ def test_train_sp1_sp2_sp4_same_losses_and_aux_losses_and_export_generates(tmp_p
             for key in ("loss", "aux_loss"):
                 assert abs(got[key] - ref[key]) <= 1e-4 * abs(ref[key]), (n, ref["step"], key, got[key], ref[key])
     assert all(r["aux_loss"] > 0 for r in rows[1])
+    printed = [ast.literal_eval(m) for m in re.findall(r"\{'loss': [^{}]*\}", proc.stdout)]  # the sp=4 run's
+    assert [p["aux_loss"] for p in printed] == [round(r["aux_loss"], 4) for r in rows[4]]
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "sp2" / "final", dtype=torch.float32)
     assert isinstance(model, Qwen3MoeForCausalLM)
@@ -275,3 +279,15 @@ def test_yarn_config_reaches_the_moe_model_and_ours_still_matches_transformers()
     assert abs(loss - ref_loss) <= 1e-5 * ref_loss and abs(aux - ref_aux) <= 1e-6 * ref_aux
     for n, g in ref_grads.items():
         assert rel(grads[n], g) <= 1e-5, n
+
+
+def test_the_console_line_shows_aux_loss_for_moe_only():
+    import ast
+
+    from ulysses_trainer.train.logging import log_line
+
+    row = {"loss": 11.91352, "grad_norm": 1.5, "learning_rate": 1e-4, "num_tokens": 512, "epoch": 0.5}
+    dense = ast.literal_eval(log_line(row))
+    assert list(dense) == ["loss", "grad_norm", "learning_rate", "num_tokens", "epoch"]  # the reference format
+    moe = ast.literal_eval(log_line({**row, "aux_loss": 2.0412345}))
+    assert list(moe) == [*dense, "aux_loss"] and moe["aux_loss"] == 2.0412

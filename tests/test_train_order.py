@@ -56,6 +56,19 @@ def test_order_covers_the_whole_dataset_each_epoch_whatever_max_steps(tmp_path):
     assert order.epoch_of(epoch, epoch.total_steps) == pytest.approx(epoch.total_steps * 3 / rows)
 
 
+def test_data_command_shows_the_sequences_in_the_training_order(tmp_path):
+    data = _jsonl(tmp_path / "train.jsonl", num_docs=24, words=60)
+    args = ["--max_length", "128", "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"),
+            "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "3", "--seed", "7"]
+    plan = prepare(load_config(args + ["--max_steps", "2"]), 1)
+    out, _ = describe(args + ["--json", "--show", "6"])
+    trained = [int(i) for s in range(2) for i in order.step_rows(plan, s)]  # steps 1 and 2, in order
+    assert [s["row"] for s in out["sequences"]] == trained and trained != sorted(trained)
+    for s in out["sequences"]:
+        shown = "".join(g["text"] for g in s["segments"])
+        assert shown == plan.tokenizer.decode(plan.train_data[s["row"]]["input_ids"].tolist())
+
+
 # ---------------------------------------------------------------- nothing to train, rows of another shape
 def _conversations(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

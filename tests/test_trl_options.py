@@ -243,14 +243,8 @@ def test_lora_settings_without_use_peft_are_refused():
     assert build_config({"lora_r": 8, "use_peft": True}).lora_r == 8
 
 
-def test_dataset_num_proc_is_accepted_and_said_unused(capsys):
-    from types import SimpleNamespace
-
-    from ulysses_trainer.train.run_report import report_data
-
-    cfg = build_config({"dataset_num_proc": 4})
-    report_data(SimpleNamespace(cfg=cfg, train_data=None, eval_data=None, disk=None))
-    assert "dataset_num_proc 4 is not used: tokenizing is batched" in capsys.readouterr().out
+def test_dataset_num_proc_must_be_positive():
+    assert build_config({"dataset_num_proc": 4}).dataset_num_proc == 4
     with pytest.raises(ConfigError, match="dataset_num_proc must be >= 1"):
         build_config({"dataset_num_proc": 0})
 

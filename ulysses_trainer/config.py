@@ -97,8 +97,8 @@ class TrainConfig:
         "synthetic:text, or synthetic:agent_sessions with assistant_only_loss")
     dataset_text_field: str = _f("text", "column holding the document text")
     dataset_num_proc: Union[int, None] = _f(
-        None, "TRL's: accepted, not needed: tokenizing is batched (the tokenizer's own threads), not a per-row map; "
-        "the data line says so")
+        None, "TRL's: worker processes that render and tokenize the data (on the preparing rank, when the whole "
+        "dataset is read); the rows are the same as in-process; null = in-process (text: the tokenizer's threads)")
     chat_template_path: Union[str, None] = _f(
         None, "TRL's: a Jinja file or a tokenizer directory whose chat template replaces the tokenizer's (the same "
         "checks as a checkpoint's own); final/ ships it")

@@ -177,3 +177,7 @@ def choose_experts_implementation(name: str) -> str:
     (transformers' default where torch has grouped_mm; the fastest measured, plan/rates.EXPERTS_TFLOPS);
     a named one as given."""
     return "grouped_mm" if name == "auto" else name
+
+
+# ---------------------------------------------------------------- what a training run writes
+CHECKPOINT_MARKER = "ulysses_trainer_checkpoint"  # a file in every checkpoint-<step> the trainer writes

@@ -1,9 +1,10 @@
 """`ulysses-trainer data --config RECIPE [--json] [--show N] [--name value ...]`: what the trainer will see.
 
-Builds the training sequences exactly as the trainer does (no GPU, no model) and prints the first N
-with their trained spans marked, then the counts: examples read, used, truncated, dropped, tokens,
-trained tokens, sequences. --json prints
-{"sequences": [{"segments": [{"text", "trained"}], "tokens", "trained_tokens"}], "counts": {...}}.
+Builds the training sequences exactly as the trainer does (no GPU, no model) and prints the first N in the
+order training takes them (the seeded permutation of the first epoch, train/data_order.py) with their trained
+spans marked, then the counts: examples read, used, truncated, dropped, tokens, trained tokens, sequences.
+--json prints {"sequences": [{"row", "segments": [{"text", "trained"}], "tokens", "trained_tokens"}],
+"counts": {...}} (row: the sequence's index in the data, in file order).
 A token is "trained" when it is a target of the loss (the first token of an example never is).
 """
 
@@ -19,8 +20,8 @@ from .argv import load_config, split_argv, walk
 from .console import use_console
 
 USAGE = ("usage: ulysses-trainer data [--config RECIPE.yaml] [--json] [--show N] [--name value ...]\n"
-         "  the training sequences as the trainer builds them: the first N (default 3) with trained spans\n"
-         "  marked [[like this]], then the counts; --json for the machine-readable form")
+         "  the training sequences as the trainer builds them: the first N (default 3) in the training order\n"
+         "  (seeded) with trained spans marked [[like this]], then the counts; --json for the machine-readable form")
 
 
 def _split(argv: list[str]) -> tuple[bool, int, list[str]]:
@@ -60,13 +61,15 @@ def describe(argv: list[str]) -> tuple[dict[str, Any], bool]:
     from ..data.documents import build_sequences
     from ..data.tokenizer import apply_tokenizer_options, load_tokenizer
     from ..model.load import checkpoint_source
+    from ..train.data_order import epoch_permutation
 
     as_json, show, rest = _split(argv)
     cfg = load_config(rest)
     tokenizer = apply_tokenizer_options(load_tokenizer(checkpoint_source(cfg.model_name_or_path)),
                                         cfg.chat_template_path, cfg.eos_token)
     ds = build_sequences(cfg, tokenizer, split="train")
-    seqs = [sequence_segments(ds[i], ds.real_tokens(i), tokenizer) for i in range(min(show, len(ds)))]
+    first = epoch_permutation(cfg.seed, len(ds), 0)[:show].tolist()  # what step 1 onwards trains, in order
+    seqs = [{"row": i, **sequence_segments(ds[i], ds.real_tokens(i), tokenizer)} for i in first]
     counts = ds.counts.to_dict()
     if "trained_tokens" not in counts:  # text: every token but a row's first is a target, pads excepted
         counts["trained_tokens"] = sum(int(_targets(ds[i]).sum()) for i in range(len(ds)))
@@ -77,7 +80,8 @@ def describe(argv: list[str]) -> tuple[dict[str, Any], bool]:
 def _text_report(out: dict[str, Any]) -> str:
     lines = []
     for n, s in enumerate(out["sequences"]):
-        lines.append(f"--- sequence {n}: {s['tokens']} tokens, {s['trained_tokens']} trained ([[...]])")
+        lines.append(f"--- sequence {n} (row {s['row']} of the data): {s['tokens']} tokens, {s['trained_tokens']} "
+                     f"trained ([[...]])")
         lines.append("".join(f"[[{g['text']}]]" if g["trained"] else g["text"] for g in s["segments"]))
     lines.append("--- counts")
     lines += [f"  {k}: {v}" for k, v in out["counts"].items()]

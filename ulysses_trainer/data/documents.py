@@ -15,9 +15,9 @@ sharding puts its document boundaries (cu_seqlens) and masks the cross-document 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +47,12 @@ from .qwen3_template import is_qwen3_template
 from .rows import build_rows
 from .synthetic import synthetic_documents
 from .tokenizer import Tokenizer
+from .workers import chunks_of, ordered_map, text_size
 
 _TOKENS_PER_WORD = 1.26  # of the synthetic prose under the Qwen BPE (measured)
 _EVAL_SEED_OFFSET = 1_000_003  # synthetic eval documents differ from the training ones
 _BATCH_DOCS = 64
+_CHUNK_CHARS = 1 << 20  # a worker's share of examples: at most _BATCH_DOCS rows or about this much text
 SYNTHETIC_STEPS_PER_EPOCH = 4
 AGENT_SESSIONS = "synthetic:agent_sessions"  # dataset_name of the synthetic agent sessions
 MIXED_SESSIONS = "synthetic:agent_sessions_mixed"  # ... of mixed lengths (4K-400K tokens, median 60K)
@@ -139,25 +141,36 @@ def _texts(ds: Any, field: str, source: str, counts: DataCounts) -> Iterator[str
             yield text
 
 
+def _encoded_batches(docs: Iterable[str], tokenizer: Tokenizer, num_proc: int | None
+                     ) -> Iterator[tuple[list[str], list[list[int]]]]:
+    """(documents, their ids) by batches of _BATCH_DOCS, in order (num_proc: encoded in worker processes)."""
+    held: deque[list[str]] = deque()  # batches handed to the workers, whose ids come back in this order
+
+    def fed() -> Iterator[list[str]]:
+        for raw in chunks_of(docs, _BATCH_DOCS):
+            held.append([d for d in raw if d])  # (the sources skip and count empty documents themselves)
+            yield held[-1]
+
+    for ids in ordered_map(tokenizer.encode_batch, fed(), num_proc):
+        yield held.popleft(), ids
+
+
 # ---------------------------------------------------------------- building
 def _pack(docs: Iterable[str], tokenizer: Tokenizer, max_length: int, packing: bool,
           max_rows: int | None, counts: DataCounts | None = None,
-          pad_last: bool = False) -> tuple[np.ndarray, np.ndarray | None, int, int, int, int | None]:
+          pad_last: bool = False, num_proc: int | None = None
+          ) -> tuple[np.ndarray, np.ndarray | None, int, int, int, int | None]:
     """(tokens, positions or None, documents used, tokens seen, text bytes used, pad start or None) of whole
     rows, stopping at max_rows. pad_last: the tokens after the last full row become one more row, padded
-    (eos as the pad id; its labels are masked)."""
+    (eos as the pad id; its labels are masked). num_proc: tokenizing workers (without max_rows only: workers
+    read ahead, and a capped read must stop where its rows are full)."""
     counts = counts if counts is not None else DataCounts()
     chunks: list[np.ndarray] = []
     pos_chunks: list[np.ndarray] = []
     seen = used = text_bytes = 0
     need = None if max_rows is None else max_rows * max_length
-    it = iter(docs)
-    while need is None or seen < need:
-        raw = list(islice(it, _BATCH_DOCS))
-        if not raw:
-            break
-        batch = [d for d in raw if d]  # (the sources skip and count empty documents themselves)
-        for k, (doc, ids) in enumerate(zip(batch, tokenizer.encode_batch(batch))):
+    for batch, encoded in _encoded_batches(docs, tokenizer, None if need is not None else num_proc):
+        for k, (doc, ids) in enumerate(zip(batch, encoded)):
             text_bytes += len(doc.encode("utf-8"))
             row = np.asarray(ids + [tokenizer.eos_token_id], dtype=np.int32)
             chunks.append(row)
@@ -169,6 +182,8 @@ def _pack(docs: Iterable[str], tokenizer: Tokenizer, max_length: int, packing: b
             if need is not None and seen >= need:
                 counts.documents_read -= len(batch) - k - 1  # pulled from the source with the batch, not used
                 break
+        if need is not None and seen >= need:
+            break  # (before the next batch is pulled from the source, which counts what it reads)
     rows = seen // max_length if max_rows is None else min(seen // max_length, max_rows)
     n = rows * max_length
     tail = seen - n if (max_rows is None or rows < max_rows) else 0
@@ -268,17 +283,16 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
     check_settings_for_kind(kind, cfg, source, template, ds[0] if kind != LANGUAGE_MODELING else None)
     if kind != LANGUAGE_MODELING:
         shape: dict[str, int] = {}  # rows of another shape, by reason (filled as the rows are read)
-        segments = example_segments(kind, rows_of(ds), source, cfg.assistant_only_loss, cfg.completion_only_loss,
-                                    tokenizer.eos_token, template, skipped=shape)
-        return examples_dataset((tokenize_segments(s, tokenizer) for s in segments), cfg, tokenizer, source,
-                                kind, len(ds), num_sequences, skipped=shape)
+        examples = _tokenized_examples(kind, rows_of(ds), source, cfg, tokenizer, template, shape,
+                                       cfg.dataset_num_proc if num_sequences is None else None)
+        return examples_dataset(examples, cfg, tokenizer, source, kind, len(ds), num_sequences, skipped=shape)
     counts = DataCounts(source=source, documents_total=len(ds))
     if _whole_documents(cfg):
         return _documents_as_examples(_texts(ds, cfg.dataset_text_field, source, counts), cfg, tokenizer, source,
                                       len(ds), num_sequences, counts, _column_bytes(ds, cfg.dataset_text_field))
     tokens, positions, used, seen, text_bytes, pad_from = _pack(
         _texts(ds, cfg.dataset_text_field, source, counts), tokenizer, L, cfg.packing, num_sequences, counts,
-        pad_last=cfg.pad_last_sequence)
+        pad_last=cfg.pad_last_sequence, num_proc=cfg.dataset_num_proc)
     if len(tokens) == 0:
         raise ConfigError(
             f"dataset {source} gives {seen} tokens ({used} documents + eos) but one sequence needs "
@@ -289,6 +303,36 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
         fraction = min(1.0, text_bytes / total) if total else None
     return SequenceDataset(tokens, positions, L, source, used, len(ds), fraction, pad_from=pad_from,
                            counts=counts)
+
+
+def _tokenized_examples(kind: str, rows: Iterable[dict], source: str, cfg: TrainConfig, tokenizer: Tokenizer,
+                        template: TemplateRenderer | None, skipped: dict[str, int], num_proc: int | None
+                        ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(ids, trained) of each example, rendered and tokenized in order (num_proc: by chunks of _BATCH_DOCS rows
+    in worker processes; only where the whole dataset is read, as workers read ahead); rows of another shape
+    are counted in `skipped`."""
+    def work(chunk: tuple[int, list[dict]]) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict[str, int]]:
+        start, part = chunk
+        shape: dict[str, int] = {}
+        segments = example_segments(kind, part, source, cfg.assistant_only_loss, cfg.completion_only_loss,
+                                    tokenizer.eos_token, template, skipped=shape, start=start)
+        return [tokenize_segments(s, tokenizer) for s in segments], shape
+
+    if not num_proc or num_proc <= 1:  # one example at a time: a capped read stops where its rows are full
+        segments = example_segments(kind, rows, source, cfg.assistant_only_loss, cfg.completion_only_loss,
+                                    tokenizer.eos_token, template, skipped=skipped)
+        yield from (tokenize_segments(s, tokenizer) for s in segments)
+        return
+    def numbered() -> Iterator[tuple[int, list[dict]]]:
+        start = 0
+        for part in chunks_of(rows, _BATCH_DOCS, text_size, _CHUNK_CHARS):
+            yield start, part
+            start += len(part)
+
+    for examples, shape in ordered_map(work, numbered(), num_proc):
+        for reason, n in shape.items():
+            skipped[reason] = skipped.get(reason, 0) + n
+        yield from examples
 
 
 def chat_template_of(tokenizer: Tokenizer) -> TemplateRenderer | None:
@@ -338,9 +382,9 @@ def _documents_as_examples(docs: Iterable[str], cfg: TrainConfig, tokenizer: Tok
 
     def examples() -> Iterator[tuple[np.ndarray, np.ndarray]]:
         nonlocal text_bytes
-        it = iter(docs)
-        while batch := list(islice(it, _BATCH_DOCS)):
-            for doc, ids in zip(batch, tokenizer.encode_batch(batch)):
+        for batch, encoded in _encoded_batches(docs, tokenizer, cfg.dataset_num_proc if num_sequences is None
+                                               else None):  # bfd reads on past the rows it needs: no workers
+            for doc, ids in zip(batch, encoded):
                 text_bytes += len(doc.encode("utf-8"))
                 row = np.asarray(ids + [tokenizer.eos_token_id], dtype=np.int32)
                 yield row, np.ones(len(row), bool)

@@ -66,12 +66,13 @@ NO_PROMPT_COMPLETION = "without `prompt` or `completion` (a row of another shape
 def example_segments(kind: str, rows: Iterator[dict], source: str, assistant_only_loss: bool,
                      completion_only_loss: bool | None, eos_name: str,
                      template: TemplateRenderer | None = None,
-                     skipped: dict[str, int] | None = None) -> Iterator[list[Segment]]:
+                     skipped: dict[str, int] | None = None, start: int = 0) -> Iterator[list[Segment]]:
     """One segment list per example (conversational or prompt-completion); messages are rendered with the
     checkpoint's chat template when `template` is given, else in Qwen3's format. A row of another shape (a
-    `text` row in a `messages` file: its `messages` is null) is left out and counted in `skipped` by reason."""
+    `text` row in a `messages` file: its `messages` is null) is left out and counted in `skipped` by reason.
+    start: the number of the first row (in messages naming an example)."""
     skipped = {} if skipped is None else skipped
-    for n, row in enumerate(rows):
+    for n, row in enumerate(rows, start):
         where = f"dataset {source}, example {n}"
         if kind == CONVERSATIONAL:
             msgs = row.get("messages")

@@ -53,6 +53,32 @@ def _first_non_utf8(files: list[str]) -> tuple[str, int] | None:
     return None
 
 
+def _first_bad_json_line(files: list[str]) -> tuple[str, int, str] | None:
+    """(file, line number, what is wrong) of the first line of a JSON Lines file that is not one JSON object; a
+    .json file holding one JSON document is not read by lines. None when every line is an object."""
+    import json
+
+    for name in files:
+        if name.lower().endswith(".json"):
+            try:
+                with open(name, encoding="utf-8") as f:
+                    json.load(f)
+                continue  # one JSON document: not JSON Lines
+            except ValueError:
+                pass
+        with open(name, encoding="utf-8", errors="replace") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line)
+                except ValueError as exc:
+                    return name, n, f"not valid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})"
+                if not isinstance(value, dict):
+                    return name, n, f"a JSON {type(value).__name__}, not an object"
+    return None
+
+
 def load_text_dataset(source: str, split: str, text_file_split: str = "document") -> Any:
     """A `datasets.Dataset` for a local path or an HF dataset name (`split` applies to HF names).
 
@@ -89,6 +115,11 @@ def load_text_dataset(source: str, split: str, text_file_split: str = "document"
             if bad is not None:  # datasets says only "An error occurred while generating the dataset"
                 raise ConfigError(f"dataset file {bad[0]} is not UTF-8 text (byte {bad[1]}); convert it to "
                                   f"UTF-8, e.g. `iconv -f latin1 -t utf-8 IN > OUT`") from None
+            line = _first_bad_json_line(files) if builder == "json" else None
+            if line is not None:
+                raise ConfigError(f"dataset file {line[0]}, line {line[1]}: {line[2]}; each line of a JSON Lines "
+                                  f"file must be one JSON object, like {{\"text\": \"...\"}} or "
+                                  f"{{\"messages\": [...]}}: fix or remove that line") from None
             raise ConfigError(f"cannot read dataset {source} as {builder}: {str(exc).strip()}") from None
     if source.startswith((".", "/", "~")) or Path(source).suffix.lower() in _BUILDERS:
         raise ConfigError(f"dataset {source!r} not found; give an existing file or directory "

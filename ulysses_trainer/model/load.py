@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..config import TrainConfig
 from ..errors import ConfigError
+from ..names import CHECKPOINT_MARKER
 from .families import MODEL_TYPES, family
 from .presets import PRESETS, is_preset, preset_config
 
@@ -43,16 +44,34 @@ def _missing(name_or_path: str, why: str) -> ConfigError:
                        f"or a local HF checkpoint directory holding config.json")
 
 
+def training_output_hint(p: Path) -> str | None:
+    """Why a directory this trainer wrote is not a model to load, and which one is: a checkpoint-<step> (ZeRO
+    shards and optimizer state) or an output_dir (its model is final/). None for any other directory."""
+    if (p / CHECKPOINT_MARKER).is_file():
+        final = p.parent / "final"
+        return (f"{p} is a training checkpoint (ZeRO shards and optimizer state for resume_from_checkpoint), not a "
+                f"Hugging Face model; train from the model the run exported, {final} (written when that run ends), "
+                f"or continue that run with --output_dir {p.parent} --resume_from_checkpoint {p}")
+    if (p / "final").is_dir() or (p / "latest").is_file() or (p / "metrics.jsonl").is_file():
+        return (f"{p} is a training output_dir, not a Hugging Face model; its exported model is {p / 'final'} "
+                f"(written when the run ends): set model_name_or_path to {p / 'final'}")
+    return None
+
+
 def _load_checkpoint_config(name_or_path: str) -> PretrainedConfig:
     p = Path(name_or_path)
     if p.exists():
         if not p.is_dir():
             raise _missing(name_or_path, "is a file, not a checkpoint directory")
+        hint = training_output_hint(p)
         if not (p / "config.json").is_file():
-            raise _missing(name_or_path, "the directory has no config.json")
+            raise ConfigError(f"model_name_or_path {name_or_path!r}: {hint}") if hint else \
+                _missing(name_or_path, "the directory has no config.json")
         try:
             return AutoConfig.from_pretrained(str(p), local_files_only=True)
-        except Exception as exc:  # malformed or unreadable config.json
+        except Exception as exc:  # malformed or unreadable config.json (or a run's config.json)
+            if hint:
+                raise ConfigError(f"model_name_or_path {name_or_path!r}: {hint}") from None
             raise ConfigError(f"cannot read {p / 'config.json'}: {exc}; fix the file or copy the checkpoint "
                               f"again") from None
     if not _HUB_ID.match(name_or_path):

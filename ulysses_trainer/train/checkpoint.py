@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..names import CHECKPOINT_MARKER
 from ..parallel.comm import all_reduce
 from ..parallel.init import barrier
 from .output_guard import OutputWriteError, RecordingWriter, describe_failure, failure_message
@@ -29,7 +30,7 @@ TAG = "ds"  # DeepSpeed's tag directory inside each checkpoint-<step>/
 LATEST = "latest"
 MODEL_CONFIG = "model_config.json"  # the HF config of the model a checkpoint holds (checked on resume)
 RUN_CONFIG = "run_config.json"  # the training config and layout that wrote it (compared on resume)
-MARKER = "ulysses_trainer_checkpoint"  # in every checkpoint this trainer writes: what may be deleted
+MARKER = CHECKPOINT_MARKER  # in every checkpoint this trainer writes: what may be deleted
 WEIGHTS_ONLY = "weights_only"  # in a save_only_model checkpoint: HF weights, no optimizer state (not resumable)
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 # what a run writes into output_dir: a directory holding any of these holds a previous run

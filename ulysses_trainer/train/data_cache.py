@@ -1,10 +1,13 @@
 """One data preparation per job, cached.
 
-Rank 0 tokenizes (or reads the cache) while the other ranks wait; they then read what it wrote, memory-mapped.
-The cache is keyed by the data files (path, size, modification time), the tokenizer and its chat template,
-every data setting of the config, the split and the row count asked for, and the source of the data code,
-so a relaunch or resume of the same job reads its rows in seconds and any change tokenizes again. Only local
-files are cached (the synthetic sources are generated, and cost less to make than to read).
+Rank 0 tokenizes (or reads the cache) while the other ranks wait; they then read what it wrote, memory-mapped (rank
+0 too: the rows live in the page cache, not in each rank's heap). Rows that are not cached go to a scratch
+directory that is removed once every rank has mapped them. A node that cannot read rank 0's files has its first
+rank prepare them again for its ranks. The cache is keyed by the data files (path, size, modification time), the
+tokenizer and its chat template, every data setting of the config, the split and the row count asked for, and the
+source of the data code, so a relaunch or resume of the same job reads its rows in seconds and any change tokenizes
+again. Only local files are cached (the synthetic sources are generated; an HF dataset name has no file identity to
+key by).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 import os
 import pickle
 import shutil
+import socket
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -89,7 +93,7 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, split: str, dp_size: int, num_se
         return None
     settings = {k: v for k, v in config_to_dict(cfg).items()
                 if any(w in k for w in _DATA_WORDS) and not k.startswith("data_cache")
-                and k != "dataset_num_proc"}  # accepted, changes nothing (train/run_report.py says so)
+                and k != "dataset_num_proc"}  # who tokenizes, not what: the same rows
     text = json.dumps([_FORMAT, source, _tokenizer_identity(tokenizer), settings, split, dp_size, num_sequences,
                        _code_identity()], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
@@ -127,40 +131,80 @@ def load_rows(directory: Path) -> SequenceDataset | None:
     return replace(ds, **arrays)
 
 
-def _build_cached(cfg: TrainConfig, tokenizer: Any, split: str, dp_size: int, num_sequences: int | None,
-                  directory: Path | None) -> SequenceDataset:
+def node_name() -> str:
+    """The machine this rank runs on (ranks of one node share its disk; a test gives a rank another name)."""
+    return socket.gethostname()
+
+
+def scratch_dir() -> str:
+    """Where rows that are not cached are written for the job's other ranks to read (the node's temp directory;
+    a test gives each simulated node its own)."""
+    return tempfile.gettempdir()
+
+
+def _prepare(cfg: TrainConfig, tokenizer: Any, split: str, dp_size: int, num_sequences: int | None,
+             directory: Path | None) -> tuple[SequenceDataset, str | None, Path | None]:
+    """(rows, the directory the job's other ranks read them from or None, a scratch directory to remove or None).
+    Read from the cache, else built and written there (or, uncached, to a scratch directory), then read back
+    memory-mapped, so the preparing rank holds no copy of its own either."""
     if directory is not None:
         ds = load_rows(directory)
         if ds is not None:
-            return ds
+            return ds, str(directory), None
     ds = build_sequences(cfg, tokenizer, split=split, dp_size=dp_size, num_sequences=num_sequences)
-    if directory is not None:
-        try:
-            save_rows(ds, directory)
-        except OSError as exc:  # a full or read-only cache never stops the run: the rows are in memory
-            log.warning(f"warning: cannot write the data cache {directory}: {exc}")
-    return ds
+    scratch = None
+    if directory is None:
+        scratch = Path(tempfile.mkdtemp(prefix="ulysses-trainer-rows-", dir=scratch_dir()))
+    target = directory if directory is not None else scratch / "rows"
+    try:
+        save_rows(ds, target)
+    except OSError as exc:  # a full or read-only disk never stops the run: the rows are in memory
+        log.warning(f"warning: cannot write the prepared rows to {target}: {exc}")
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return ds, None, None
+    return load_rows(target) or ds, str(target), scratch
 
 
 def prepared_sequences(cfg: TrainConfig, tokenizer: Any, split: str = "train", dp_size: int = 1,
                        num_sequences: int | None = None) -> SequenceDataset:
-    """build_sequences once per job (collective where a process group exists): rank 0 prepares or reads the
-    cache; the others wait, then read its rows from the cache (or, where they cannot see it, prepare their
-    own). A ConfigError on rank 0 is raised on every rank."""
+    """build_sequences once per job (collective where a process group exists). Rank 0 reads the cache or
+    tokenizes and writes the rows (to the cache, else to a scratch directory); the other ranks wait, then read
+    them memory-mapped. A node whose ranks cannot read them (another disk) has its first rank prepare them once
+    more for that node. A ConfigError while preparing is raised on every rank."""
     root = cache_root(cfg)
     key = cache_key(cfg, tokenizer, split, dp_size, num_sequences) if root is not None else None
     directory = root / key if key is not None else None
-    ds, problem = None, None
-    if world_rank() == 0:
-        try:
-            ds = _build_cached(cfg, tokenizer, split, dp_size, num_sequences, directory)
-        except ConfigError as exc:
-            problem = str(exc)
-    first = gather_objects(problem)[0]  # every rank waits for rank 0 here
-    if first is not None:
-        raise ConfigError(first)
-    if ds is None:  # a rank other than 0
-        ds = (load_rows(directory) if directory is not None else None) or \
-            build_sequences(cfg, tokenizer, split=split, dp_size=dp_size, num_sequences=num_sequences)
-    return ds
+    rank = world_rank()
+    nodes = gather_objects(node_name())
+    leader = nodes.index(nodes[rank])  # the first rank of my node
+    ds, written, scratch = None, None, None
 
+    def round_(prepares: bool) -> list:
+        nonlocal ds, written, scratch
+        problem = None
+        if prepares:
+            try:
+                ds, written, scratch = _prepare(cfg, tokenizer, split, dp_size, num_sequences, directory)
+            except ConfigError as exc:
+                problem = str(exc)
+        results = gather_objects((problem, written))  # every rank waits for the preparing ones here
+        bad = next((p for p, _ in results if p is not None), None)
+        if bad is not None:
+            raise ConfigError(bad)
+        return [w for _, w in results]
+
+    where = round_(rank == 0)[0]
+    if ds is None and where is not None:
+        ds = load_rows(Path(where))
+    missing = gather_objects(ds is None)
+    if any(missing):  # another node's disk: its first rank prepares for it (the cache there may hold them)
+        where = round_(missing[rank] and rank == leader)[leader]
+        if ds is None and where is not None:
+            ds = load_rows(Path(where))
+        if ds is None:  # nothing readable was written: this rank builds its own
+            ds = build_sequences(cfg, tokenizer, split=split, dp_size=dp_size, num_sequences=num_sequences)
+    gather_objects(None)  # every rank has mapped the files: a scratch directory's names can go
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return ds

@@ -17,14 +17,16 @@ from .prepare import RunPlan
 
 
 @lru_cache(maxsize=4)
-def _permutation(seed: int, rows: int, epoch: int) -> torch.Tensor:
+def epoch_permutation(seed: int, rows: int, epoch: int) -> torch.Tensor:
+    """Row indices of pass `epoch` (from 0) over `rows` rows: the seeded permutation (`ulysses-trainer data` shows
+    the rows in this order)."""
     g = torch.Generator().manual_seed(seed + epoch)
     return torch.randperm(rows, generator=g)
 
 
 def epoch_order(plan: RunPlan, epoch: int) -> torch.Tensor:
     """Row indices of one pass over the dataset."""
-    return _permutation(plan.cfg.seed, len(plan.train_data), epoch)
+    return epoch_permutation(plan.cfg.seed, len(plan.train_data), epoch)
 
 
 def step_rows(plan: RunPlan, step: int) -> torch.Tensor:

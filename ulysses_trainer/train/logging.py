@@ -8,10 +8,14 @@ import os
 
 
 def log_line(row: dict) -> str:
-    """`{'loss': 4.311, 'grad_norm': 29.25, 'learning_rate': 1e-05, 'num_tokens': 1049000.0, 'epoch': 0.25}`"""
+    """`{'loss': 4.311, 'grad_norm': 29.25, 'learning_rate': 1e-05, 'num_tokens': 1049000.0, 'epoch': 0.25}`;
+    a sparse (MoE) model's row ends with its `'aux_loss'` (the router's load-balancing loss, in `loss` times
+    router_aux_loss_coef)."""
     shown = {"loss": round(row["loss"], 4), "grad_norm": round(row["grad_norm"], 4),
              "learning_rate": row["learning_rate"], "num_tokens": float(row["num_tokens"]),
              "epoch": round(row["epoch"], 4)}
+    if row.get("aux_loss") is not None:
+        shown["aux_loss"] = round(row["aux_loss"], 4)
     return str(shown)
 
 

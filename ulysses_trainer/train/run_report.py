@@ -18,9 +18,6 @@ log = logging.getLogger(__name__)
 
 
 def report_data(plan: RunPlan) -> None:
-    if plan.cfg.dataset_num_proc is not None:  # TRL's option, accepted: say why it is not needed
-        log.info(f"data: dataset_num_proc {plan.cfg.dataset_num_proc} is not used: tokenizing is "
-              f"batched (the tokenizer's own threads), not a per-row map over worker processes")
     for what, data in (("data", plan.train_data), ("eval data", plan.eval_data)):
         counts = getattr(data, "counts", None)
         if counts is not None:
