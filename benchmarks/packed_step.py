@@ -11,6 +11,11 @@ row's own tokens with positions restarting at each document. Attention FLOPs sca
 Step 1 (one document) runs untimed (kernel compilation, pinned pools); then the packed step, then the
 one-document step (under torch.profiler with `profile`). Results are written to DIR/packed_step.json after every
 phase, so a run stopped by a time limit keeps what it measured; a phase that would overrun --budget_s is skipped.
+
+`--phases rows --rows ROWS.json` times given packed rows instead (ROWS.json: {"name": [document lengths], ...},
+each summing to at most max_length; the rest of a row is pads that continue the last document's positions, as the
+data pipeline builds them, with no label): the first row once untimed (kernel compilation), then every row, each
+with its real tokens/s. `benchmarks/packing_gpu.py` writes such rows for first-fit and best-fit packings.
 """
 
 from __future__ import annotations
@@ -138,7 +143,18 @@ class PhaseTimer:
         return out
 
 
-def top_kernels(events, n: int = 20) -> list:
+def packed_row(lengths: list[int], total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [1, total] restarting at each document, pads continuing the last one's; the labels' mask
+    [1, total] (False on pads)."""
+    pad = total - sum(lengths)
+    if pad < 0:
+        raise SystemExit(f"a row of {sum(lengths)} tokens is over max_length {total}")
+    pos = torch.cat([torch.arange(n) for n in lengths] + [torch.arange(lengths[-1], lengths[-1] + pad)])[None]
+    keep = torch.arange(total)[None] < sum(lengths)
+    return pos, keep
+
+
+def top_kernels(events, n: int = 40) -> list:
     by: dict[str, float] = {}
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
@@ -157,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--median", type=int, default=60_000, help="the documents' median length (a short smoke: less)")
     ap.add_argument("--length", type=int, default=None, help="the attention phase's length without train args")
+    ap.add_argument("--rows", default=None, help="phase rows: a JSON file of named packed rows (document lengths)")
     args = ap.parse_args(argv[:split])
     train_args = argv[split + 1:]
     phases = set(args.phases.split(","))
@@ -191,12 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
         save()
         print(json.dumps(result["phases"]["attention"]), flush=True)
-    if cfg is None or not ({"train", "profile"} & phases):
+    if cfg is None or not ({"train", "profile", "rows"} & phases):
         return 0
 
     from benchmarks.profile_train import summarize
     from ulysses_trainer.cli.train import _init_distributed
-    from ulysses_trainer.parallel.sharding import shard_batch
+    from ulysses_trainer.parallel.sharding import IGNORE_INDEX, shard_batch
     from ulysses_trainer.train.prepare import prepare, world_size_from_env
     from ulysses_trainer.train.trainer import Trainer
 
@@ -216,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     packed = [shard_batch(ids, position_ids=pos, sp_size=1, sp_rank=0).to(trainer.device)]
     assert packed[0].packed and packed[0].cu_seqlens.numel() == len(lengths) + 1
 
-    def step(name: str, shards, profile: bool = False) -> float:
+    def step(name: str, shards, profile: bool = False, real_tokens: int | None = None) -> float:
         torch.cuda.reset_peak_memory_stats()
         _sync()
         t0 = time.perf_counter()
@@ -230,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         if prof is not None:
             prof.__exit__(None, None, None)
         real = sum(s.num_valid for s in shards) + sum(s.cu_seqlens.numel() - 1 for s in shards)  # tokens, not targets
+        if real_tokens is not None:
+            real = real_tokens
         rec = {"step_s": wall, "loss": loss, "grad_norm": norm, "real_tokens": real,
                "targets": sum(s.num_valid for s in shards), "tokens_per_s": real / wall,
                "peak_gpu_gb": torch.cuda.max_memory_allocated() / 2**30,
@@ -248,6 +267,26 @@ def main(argv: list[str] | None = None) -> int:
             print("profile", json.dumps({k: v for k, v in rec["profile"].items() if k != "top_kernels"}), flush=True)
         return wall
 
+    if "rows" in phases:
+        with open(args.rows) as f:
+            rows = json.load(f)
+        built = {}
+        for name, lens in rows.items():
+            rpos, keep = packed_row(lens, ids.shape[1])
+            labels = ids.masked_fill(~keep, IGNORE_INDEX)
+            shard = shard_batch(ids, position_ids=rpos, labels=labels, sp_size=1, sp_rank=0)
+            built[name] = ([shard.to(trainer.device)], sum(lens))
+        first_name = next(iter(built))
+        step("rows_warmup_untimed", built[first_name][0], real_tokens=built[first_name][1])
+        for name, (shards, real) in built.items():
+            if time.perf_counter() - T0 + result["phases"]["rows_warmup_untimed"]["step_s"] > args.budget_s:
+                break
+            step("row " + name, shards, real_tokens=real)
+            result["phases"]["row " + name]["lengths"] = rows[name]
+            result["phases"]["row " + name]["sum_l2_ratio"] = attention_ratio(
+                rows[name][:-1] + [rows[name][-1] + ids.shape[1] - sum(rows[name])])
+            save()
+        return 0
     first = step("one_document_step1_untimed", dense)
     left = lambda: args.budget_s - (time.perf_counter() - T0)  # noqa: E731
     if "train" in phases and left() > first:

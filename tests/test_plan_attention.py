@@ -91,3 +91,30 @@ def test_plan_command_takes_the_attention_from_the_data(capsys):
     assert worst["attention_fraction"] == 1.0 and worst["attention_from"] == "one document (worst case)"
     assert WORST_CASE in worst["notes"]
     assert plan["predicted_step_s"] < worst["predicted_step_s"]
+
+
+def test_the_replan_after_the_engine_keeps_the_datas_attention(monkeypatch):
+    """The trainer plans again once the engine holds its memory: packed rows stay timed from their documents."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ulysses_trainer.train import trainer as trainer_mod
+
+    pos = np.array([0, 1, 2, 0, 1, 2, 3, 4] * 2, np.int32)  # two rows of documents 3 + 5 (of 8)
+    data = SequenceDataset(np.zeros(16, np.int32), pos, 8, "t", 10, None)
+    share = AttentionShare.of(data)
+    first = _plan(share, dataset_name="some.jsonl")
+    cfg = TrainConfig(model_name_or_path="qwen3-4b", max_length=262144, sp_size=1, packing=True,
+                      dataset_name="some.jsonl", keep_attention_outputs=False, activation_offload=True, tiled_mlp=8,
+                      checkpoint_every=1, optimizer_offload=False)
+    machine = Machine(gpus=1, kernels=("flash_attention_4",), norm_kernels=("torch",), **H200)
+    plan = SimpleNamespace(device="cuda", machine=machine, shape=Q4, zero=ZeroSettings(), resolved=first,
+                           train_data=data)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (120 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(trainer_mod, "agree_free_memory", lambda gb: gb)
+    again = trainer_mod.Trainer._resolve_after_engine(SimpleNamespace(plan=plan, cfg=cfg, device="cuda"))
+    assert again.attention_from == "data" and again.attention_fraction == pytest.approx(share.mean)
+    assert again.attention_fraction == pytest.approx(34 / 64)
+    assert again.predicted_step_s < _plan(None, dataset_name="some.jsonl").predicted_step_s

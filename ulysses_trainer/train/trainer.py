@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from ..config import config_to_dict
 from ..config_checks import shard_bytes
+from ..data.attention_share import AttentionShare, timed_from_data
 from ..data.formats import CONVERSATIONAL, PROMPT_COMPLETION
 from ..errors import ConfigError
 from ..model.export_config import export_config_json
@@ -127,7 +128,9 @@ class Trainer:
         torch.cuda.empty_cache()  # blocks torch cached during initialize are free for the run
         free, _ = torch.cuda.mem_get_info(self.device)
         machine = replace(plan.machine, gpu_free_after_engine_gb=agree_free_memory(free / 2**30))
-        return resolve_plan(self.cfg, plan.shape, machine, plan.zero, engine_plan=plan.resolved)
+        # packed rows: attention timed from the same documents as the first plan, not as one document a row
+        share = AttentionShare.of(plan.train_data) if timed_from_data(self.cfg) else None
+        return resolve_plan(self.cfg, plan.shape, machine, plan.zero, engine_plan=plan.resolved, attention=share)
 
     def _say_stopping(self) -> None:
         """The first stop request, from the signal handler: one line from rank 0."""
