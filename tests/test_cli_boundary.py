@@ -114,8 +114,8 @@ def test_the_run_report_lines_are_unchanged(capsys):
     from ulysses_trainer.train import run_report
 
     run_report.report_run_name("night-1")
-    run_report.say_stopping(5, "steps")
+    run_report.say_stopping("steps")
     out, err = capsys.readouterr()
     assert out == "[ulysses_trainer] run night-1\n"
-    assert err == ("[ulysses_trainer] interrupted: saving step 5 (a second Ctrl-C stops at once; the last "
+    assert err == ("[ulysses_trainer] interrupted: saving at the next step boundary (a second Ctrl-C stops at once; the last "
                    "checkpoint stays)\n")
