@@ -24,7 +24,7 @@ import psutil
 import pytest
 import torch
 
-from tests.dist_utils import train_command, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, train_command, train_env
 from tests.held_rank import has_pending, held_env, is_stopped, wait_for
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 
@@ -46,7 +46,7 @@ def _start(args: list[str], out: Path, env: dict | None = None) -> subprocess.Po
                             start_new_session=True)
 
 
-def _finish(p: subprocess.Popen, out: Path, timeout: float = 300) -> tuple[int, str]:
+def _finish(p: subprocess.Popen, out: Path, timeout: float = JOB_TIMEOUT_S) -> tuple[int, str]:
     try:
         rc = p.wait(timeout=timeout)
     finally:
@@ -124,7 +124,7 @@ def test_rank_killed_during_save_keeps_previous_checkpoint_and_resume_is_exact(r
     rank0 = _held(p)
     assert (out / f".tmp-checkpoint-{frozen}").is_dir() and not (out / f"checkpoint-{frozen}").exists()
     rank0.kill()  # rank 1 waits in the save's closing all-reduce, alone
-    rc, log = _finish(p, out, timeout=300)
+    rc, log = _finish(p, out)
     assert rc != 0
 
     previous = f"checkpoint-{frozen - 2}"
