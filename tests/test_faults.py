@@ -38,12 +38,28 @@ ARGS = ["--max_length", "64", "--max_steps", str(STEPS), "--learning_rate", "1e-
 ROW_KEYS = ("step", "loss", "grad_norm", "learning_rate", "num_tokens")
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_job_left():
+    """A test that fails while its job runs (a held rank included) leaves no process behind."""
+    yield
+    while _STARTED:
+        p = _STARTED.pop()
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def _start(args: list[str], out: Path, env: dict | None = None) -> subprocess.Popen:
     """The real command in its own session (so the test can signal exactly its processes)."""
     cmd = train_command(2, [*args, "--output_dir", str(out)])
     log = open(f"{out}.log", "a")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env or train_env(), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env or train_env(), stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    _STARTED.append(p)
+    return p
 
 
 def _finish(p: subprocess.Popen, out: Path, timeout: float = JOB_TIMEOUT_S) -> tuple[int, str]:
@@ -74,7 +90,10 @@ def _ranks(p: subprocess.Popen) -> dict[int, psutil.Process]:
     """rank -> process (the launcher starts them as `python -u launch/train.py --local_rank=N ...`)."""
     ranks = {}
     for q in psutil.Process(p.pid).children(recursive=True):
-        arg = next((a for a in q.cmdline() if a.startswith("--local_rank=")), None)
+        try:
+            arg = next((a for a in q.cmdline() if a.startswith("--local_rank=")), None)
+        except psutil.Error:  # ended since it was listed (e.g. DeepSpeed's lscpu and numactl queries)
+            continue
         if arg:
             ranks[int(arg.split("=")[1])] = q
     return ranks

@@ -115,8 +115,24 @@ def _ulysses_train(args: list[str], env: dict | None = None, log: Path | None = 
     cmd = [sys.executable, "-m", "ulysses_trainer", "train", "--num_gpus", "2", "--master_port", str(free_port()),
            *args]
     out = open(log, "w") if log else subprocess.PIPE
-    return subprocess.Popen(cmd, cwd=ROOT, env=env or train_env(), stdout=out, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env or train_env(), stdout=out, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    _STARTED.append(job)
+    return job
+
+
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_job_left():
+    """A test that fails while its job runs (a held rank included) leaves no process behind."""
+    yield
+    while _STARTED:
+        job = _STARTED.pop()
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
 
 
 def _finish(job: subprocess.Popen, log: Path) -> str:
