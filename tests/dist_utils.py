@@ -25,6 +25,11 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The most a launched job of the tests may take before it counts as hung: generous, so that a machine whose cores
+# other work shares (CI beside other jobs: a run's start-up alone then takes minutes) still passes.
+JOB_TIMEOUT_S = 900
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -60,7 +65,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
             dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 600.0) -> list[Any]:
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = JOB_TIMEOUT_S) -> list[Any]:
     """Run fn(rank, world_size, *args) on `world_size` spawned gloo ranks; return results by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

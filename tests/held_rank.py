@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.dist_utils import train_env
+from tests.dist_utils import JOB_TIMEOUT_S, train_env
 
 _SITE = '''\
 import os
@@ -62,7 +62,7 @@ def has_pending(pid: int, signum: int) -> bool:
     return mask is not None and bool(int(mask, 16) & (1 << (signum - 1)))
 
 
-def wait_for(cond, job: subprocess.Popen, what: str, timeout: float = 600) -> None:
+def wait_for(cond, job: subprocess.Popen, what: str, timeout: float = JOB_TIMEOUT_S) -> None:
     """Until cond() holds: an event of the job, polled; the timeout only turns a hang into a failure."""
     deadline = time.monotonic() + timeout
     while not cond():

@@ -24,7 +24,7 @@ import psutil
 import pytest
 import torch
 
-from tests.dist_utils import train_command, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, train_command, train_env
 from tests.held_rank import has_pending, held_env, is_stopped, wait_for
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 
@@ -38,15 +38,31 @@ ARGS = ["--max_length", "64", "--max_steps", str(STEPS), "--learning_rate", "1e-
 ROW_KEYS = ("step", "loss", "grad_norm", "learning_rate", "num_tokens")
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_job_left():
+    """A test that fails while its job runs (a held rank included) leaves no process behind."""
+    yield
+    while _STARTED:
+        p = _STARTED.pop()
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def _start(args: list[str], out: Path, env: dict | None = None) -> subprocess.Popen:
     """The real command in its own session (so the test can signal exactly its processes)."""
     cmd = train_command(2, [*args, "--output_dir", str(out)])
     log = open(f"{out}.log", "a")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env or train_env(), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env or train_env(), stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    _STARTED.append(p)
+    return p
 
 
-def _finish(p: subprocess.Popen, out: Path, timeout: float = 300) -> tuple[int, str]:
+def _finish(p: subprocess.Popen, out: Path, timeout: float = JOB_TIMEOUT_S) -> tuple[int, str]:
     try:
         rc = p.wait(timeout=timeout)
     finally:
@@ -74,7 +90,10 @@ def _ranks(p: subprocess.Popen) -> dict[int, psutil.Process]:
     """rank -> process (the launcher starts them as `python -u launch/train.py --local_rank=N ...`)."""
     ranks = {}
     for q in psutil.Process(p.pid).children(recursive=True):
-        arg = next((a for a in q.cmdline() if a.startswith("--local_rank=")), None)
+        try:
+            arg = next((a for a in q.cmdline() if a.startswith("--local_rank=")), None)
+        except psutil.Error:  # ended since it was listed (e.g. DeepSpeed's lscpu and numactl queries)
+            continue
         if arg:
             ranks[int(arg.split("=")[1])] = q
     return ranks
@@ -124,7 +143,7 @@ def test_rank_killed_during_save_keeps_previous_checkpoint_and_resume_is_exact(r
     rank0 = _held(p)
     assert (out / f".tmp-checkpoint-{frozen}").is_dir() and not (out / f"checkpoint-{frozen}").exists()
     rank0.kill()  # rank 1 waits in the save's closing all-reduce, alone
-    rc, log = _finish(p, out, timeout=300)
+    rc, log = _finish(p, out)
     assert rc != 0
 
     previous = f"checkpoint-{frozen - 2}"

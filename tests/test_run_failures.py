@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port, train_command, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, free_port, train_command, train_env
 from tests.held_rank import has_pending, held_env, is_stopped, wait_for
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 from ulysses_trainer.cli.launcher import catches_sigterm
@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _run(args: list[str], ranks: int) -> subprocess.CompletedProcess:
     cmd = train_command(2, args) if ranks == 2 else [sys.executable, "launch/train.py", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT_S)
 
 
 def _lines(proc, pattern: str) -> list[str]:
@@ -114,13 +115,29 @@ def _ulysses_train(args: list[str], env: dict | None = None, log: Path | None = 
     cmd = [sys.executable, "-m", "ulysses_trainer", "train", "--num_gpus", "2", "--master_port", str(free_port()),
            *args]
     out = open(log, "w") if log else subprocess.PIPE
-    return subprocess.Popen(cmd, cwd=ROOT, env=env or train_env(), stdout=out, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env or train_env(), stdout=out, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    _STARTED.append(job)
+    return job
+
+
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_job_left():
+    """A test that fails while its job runs (a held rank included) leaves no process behind."""
+    yield
+    while _STARTED:
+        job = _STARTED.pop()
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
 
 
 def _finish(job: subprocess.Popen, log: Path) -> str:
     try:
-        job.wait(timeout=300)
+        job.wait(timeout=JOB_TIMEOUT_S)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
@@ -170,7 +187,7 @@ def test_ctrl_c_saves_and_waits_and_a_run_interrupted_before_training_leaves_not
     wait_for(lambda: len(_ranks_left(str(out))) == 2 and all(map(catches_sigterm, _ranks_left(str(out)))), early,
              "the ranks' handlers")
     os.killpg(early.pid, signal.SIGINT)
-    text = early.communicate(timeout=300)[0]
+    text = early.communicate(timeout=JOB_TIMEOUT_S)[0]
     assert early.returncode == 130, text[-3000:]
     assert len(re.findall(r"interrupted before training: nothing written", text)) == 1, text[-3000:]
     assert "Traceback" not in text and not out.exists() and not _ranks_left(str(out))
@@ -242,7 +259,7 @@ def test_ctrl_c_at_any_moment_of_startup_says_one_line(tmp_path, moment):
         wait_for(lambda: len(_ranks_left(str(out))) == 2 and all(map(catches_sigterm, _ranks_left(str(out)))), job,
                   "the ranks' handlers")
     os.killpg(job.pid, signal.SIGINT)
-    text = job.communicate(timeout=300)[0]
+    text = job.communicate(timeout=JOB_TIMEOUT_S)[0]
     assert job.returncode == 130, text[-3000:]
     assert len(re.findall(r"interrupted before training: nothing written", text)) == 1, text[-3000:]
     assert "Traceback" not in text and "Error" not in text.replace("[ERROR]", ""), text[-3000:]
@@ -259,7 +276,7 @@ def test_the_runner_killed_by_the_ctrl_c_is_reported_as_an_interruption(tmp_path
     fake.chmod(0o755)
     env = dict(train_env(), PATH=f"{fake.parent}:{os.environ['PATH']}")
     proc = subprocess.run([sys.executable, "-m", "ulysses_trainer", "train", "--num_gpus", "2"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert proc.stderr.count("interrupted before training: nothing written") == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
