@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .layout import resolve_layout
+from .layout import Layout, resolve_layout
 from .lever_settings import decode_levers
 from .names import resolve_report_to
 
@@ -88,8 +88,9 @@ def shard_bytes(size: Any) -> int:
     return int(float(m.group(1)) * scale)
 
 
-def validate_config(cfg: Any, world_size: int) -> None:
-    """Cross-field checks that need no model or data; raise ConfigError naming the fix."""
+def validate_config(cfg: Any, world_size: int) -> Layout:
+    """Cross-field checks that need no model or data; raise ConfigError naming the fix. The run's layout (sp x dp
+    on world_size ranks), decided here once: the plan and the process groups take it."""
     _check_schedule(cfg)
     _need(cfg.host_memory_gb is None or cfg.host_memory_gb > 0,
           f"host_memory_gb must be > 0 (or null to detect), got {cfg.host_memory_gb}")
@@ -98,4 +99,5 @@ def validate_config(cfg: Any, world_size: int) -> None:
     layout = resolve_layout(cfg.sp_size, world_size)
     _check_length(cfg, layout.sp)
     _check_io(cfg)
+    return layout
 

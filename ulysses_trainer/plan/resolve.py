@@ -154,18 +154,22 @@ def _placement_note(best: dict, s: Settings) -> str:
 
 
 def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettings | None = None, *,
-                 engine_plan: Plan | None = None, attention: AttentionShare | None = None) -> Plan:
+                 engine_plan: Plan | None = None, attention: AttentionShare | None = None,
+                 layout: Layout | None = None) -> Plan:
     """The plan for `cfg` (a TrainConfig) on `machine`. ConfigError for settings that cannot run.
 
     engine_plan: the plan the engine was built with; with machine.gpu_free_after_engine_gb set, the GPU
     budget becomes what the measurement leaves (free memory plus what the model states were predicted to
     take), and the settings the engine fixed (optimizer placement, kernel, tiles) stay.
     attention: the packed data's attention cost (data/attention_share.py); None: one document per row.
+    layout: the run's (config_checks.validate_config decided it); None: resolve_layout of sp_size and machine.gpus.
     """
     zero = zero or ZeroSettings()
     knobs = zero.placement_knobs()
     _check_machine(machine)
-    layout = resolve_layout(cfg.sp_size, machine.gpus)
+    if layout is None:
+        layout = resolve_layout(cfg.sp_size, machine.gpus)
+    assert layout.world == machine.gpus, f"layout of {layout.world} ranks planned on {machine.gpus} GPUs"
     kernel = engine_plan.kernel if engine_plan else choose_kernel(cfg.attn_implementation, machine.kernels)
     norm = engine_plan.norm_kernel if engine_plan else choose_norm_kernel(cfg.norm_kernel, machine.norm_kernels,
                                                                           cfg.lean_norm)
