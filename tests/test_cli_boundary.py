@@ -117,5 +117,5 @@ def test_the_run_report_lines_are_unchanged(capsys):
     run_report.say_stopping("steps")
     out, err = capsys.readouterr()
     assert out == "[ulysses_trainer] run night-1\n"
-    assert err == ("[ulysses_trainer] interrupted: saving at the next step boundary (a second Ctrl-C stops at once; the last "
-                   "checkpoint stays)\n")
+    assert err == ("[ulysses_trainer] interrupted: saving at the next step boundary (a second Ctrl-C stops at "
+                   "once; the last checkpoint stays)\n")

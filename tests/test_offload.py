@@ -40,9 +40,9 @@ def test_fixed_levers_of_a_parallelize_config():
     # auto is left to apply(model, plan): nothing offloaded or kept until then
     auto = levers_of(ParallelizeConfig(), 5)
     assert (auto.checkpoint_every, auto.offload_layers, auto.kept_attention_layers) == (1, (), ())
-    with pytest.raises(ValueError, match="0..3"):
+    with pytest.raises(ConfigError, match="between 0 and 3 layers"):
         levers_of(ParallelizeConfig(activation_offload=4, checkpoint_every=2), 5)
-    with pytest.raises(ValueError, match="activation_offload needs gradient_checkpointing=True"):
+    with pytest.raises(ConfigError, match="activation_offload 1 needs gradient_checkpointing: true"):
         levers_of(ParallelizeConfig(activation_offload=1, gradient_checkpointing=False), 5)
 
 

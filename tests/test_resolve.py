@@ -15,7 +15,6 @@ from ulysses_trainer.cli.argv import load_config
 from ulysses_trainer.config import TrainConfig
 from ulysses_trainer.ds_config import load_ds_config
 from ulysses_trainer.errors import ConfigError
-from ulysses_trainer.model.load import model_config_for
 from ulysses_trainer.plan.inputs import ModelShape, Settings
 from ulysses_trainer.plan.rates import (
     KERNEL_RATES,
@@ -43,25 +42,7 @@ def _plan(kernels=("sdpa",), norm_kernels=("torch",), **cfg):
     return resolve_plan(TrainConfig(**(base | cfg)), Q4, machine, ZeroSettings())
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_planner_and_trainer_make_the_same_plan_for_every_recipe(recipe, capsys):
-    cfg = load_config(["--config", str(recipe)])  # the trainer's reading of the recipe
-    gpus = cfg.sp_size or 1
-    machine = Machine(gpus=gpus, gpu_memory_gb=139.8, host_memory_gb=125.9, host_memory_source="--host_memory_gb")
-    from ulysses_trainer.cli.plan import data_attention  # packed recipes: the data's attention, as prepare's
-
-    trainer = plan_for(cfg, model_config_for(cfg), load_ds_config(cfg.deepspeed), machine,  # train/prepare.py's call
-                       attention=data_attention(cfg, gpus))
-    rc = cli_main(["plan", "--config", str(recipe), "--gpus", str(gpus), "--gpu_memory_gb", "139.8",
-                   "--host_memory_gb", "125.9", "--json"])
-    planner = json.loads(capsys.readouterr().out)["plan"]
-    assert rc == (0 if trainer.fits else 1)
-    trainer_dict = json.loads(json.dumps(trainer.to_dict()))
-    # notes may add that the planner, on a machine without the GPU, does not know the kernels installed there
-    assert {k: v for k, v in planner.items() if k != "notes"} == {k: v for k, v in trainer_dict.items() if k != "notes"}
-    assert set(trainer_dict["notes"]) <= set(planner["notes"])
-    assert "auto" not in json.dumps({k: v for k, v in planner.items() if k not in ("decided", "notes")})
-    assert planner["bf16"] is (cfg.bf16 if isinstance(cfg.bf16, bool) else True)  # GPUs: auto = bf16
+# `plan --json` = the trainer's plan for every recipe, through prepare: tests/test_plan_through_prepare.py
 
 
 def test_prepare_resolves_with_plan_for():

@@ -17,8 +17,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from .config_checks import check_levers as check_levers  # re-exported: callers import them from here
-from .config_checks import validate_config as validate_config
+from .config_checks import validate_config as validate_config  # re-exported: callers import it from here
 from .errors import ConfigError
 from .name_hints import refusal, suggest
 from .typed_values import NO_MATCH, coerce, describe, literal_choices

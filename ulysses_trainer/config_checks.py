@@ -1,7 +1,7 @@
 """The config's cross-field checks that need no model or data: each problem a ConfigError naming the fix.
 
-They read a TrainConfig's fields (config.py re-exports validate_config and check_levers; this module imports
-nothing of config.py, so the config part stays below it)."""
+They read a TrainConfig's fields (config.py re-exports validate_config); the memory levers are decoded by
+lever_settings.decode_levers. This module imports nothing of config.py, so the config part stays below it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .layout import resolve_layout
+from .layout import Layout, resolve_layout
+from .lever_settings import decode_levers
 from .names import resolve_report_to
 
 
@@ -42,30 +43,6 @@ def _check_schedule(cfg: Any) -> None:
         v = getattr(cfg, name)
         _need(0.0 <= v < 1.0, f"{name} must be in [0, 1), got {v}")
     _need(0 <= cfg.seed < 2**32, f"seed must be in [0, 2**32), got {cfg.seed}")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def check_levers(cfg: Any) -> None:
-    """The memory levers' own values and how they combine (the checks that need no model; plan/resolve.py
-    checks them against the model's layers and decides their `auto`)."""
-    ckpt, off, keep, tiled, every = (cfg.gradient_checkpointing, cfg.activation_offload, cfg.keep_attention_outputs,
-                                     cfg.tiled_mlp, cfg.checkpoint_every)
-    _need(not _is_int(off) or off >= 0, f"activation_offload must be >= 0 layers (or true/false/auto), got {off}")
-    _need(not _is_int(keep) or keep >= 0,
-          f"keep_attention_outputs must be >= 0 layers (or true/false/auto), got {keep}")
-    _need(not _is_int(tiled) or tiled >= 1, f"tiled_mlp must be >= 1 tiles (or true/false/auto), got {tiled}")
-    _need(not _is_int(every) or every >= 1,
-          f"checkpoint_every must be >= 1 layers (1 = every layer) or auto, got {every}")
-    _need(ckpt or keep in (False, 0, "auto"),
-          "keep_attention_outputs needs gradient_checkpointing: true (only a recompute reuses them)")
-    _need(ckpt or every in (1, "auto"), "checkpoint_every > 1 needs gradient_checkpointing: true (it thins the "
-                                        "checkpoints); set checkpoint_every 1 or gradient_checkpointing true")
-    _need(ckpt or off in (False, 0, "auto"),
-          f"activation_offload {str(off).lower()} needs gradient_checkpointing: true (it offloads the layer "
-          f"checkpoints); set activation_offload false or gradient_checkpointing true")
 
 
 def _check_length(cfg: Any, sp: int) -> None:
@@ -111,14 +88,16 @@ def shard_bytes(size: Any) -> int:
     return int(float(m.group(1)) * scale)
 
 
-def validate_config(cfg: Any, world_size: int) -> None:
-    """Cross-field checks that need no model or data; raise ConfigError naming the fix."""
+def validate_config(cfg: Any, world_size: int) -> Layout:
+    """Cross-field checks that need no model or data; raise ConfigError naming the fix. The run's layout (sp x dp
+    on world_size ranks), decided here once: the plan and the process groups take it."""
     _check_schedule(cfg)
     _need(cfg.host_memory_gb is None or cfg.host_memory_gb > 0,
           f"host_memory_gb must be > 0 (or null to detect), got {cfg.host_memory_gb}")
-    check_levers(cfg)
+    decode_levers(cfg)  # the levers' own values and how they combine (lever_settings.py)
     _need(cfg.max_length >= 2, f"max_length must be >= 2 tokens (one input and its target), got {cfg.max_length}")
     layout = resolve_layout(cfg.sp_size, world_size)
     _check_length(cfg, layout.sp)
     _check_io(cfg)
+    return layout
 

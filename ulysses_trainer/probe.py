@@ -1,5 +1,7 @@
 """The one machine probe: this machine's GPUs, installed attention and RMSNorm kernels and host RAM, as the
-plan sees them (plan/types.Machine). The trainer's preparation and `ulysses-trainer plan` both read it."""
+plan sees them (plan/types.Machine). The trainer's preparation and `ulysses-trainer plan` both read it, through
+this module's attributes: a test that replaces `local_gpus`, `installed_kernels` or `host_memory` here gives
+both the same stand-in machine (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class LocalGpus:
     count: int
     memory_gb: float | None
     name: str | None
+    bf16: bool = False  # the device takes bf16 (what `bf16: auto` reads, plan/types.Machine.bf16)
 
 
 def local_gpus(index: int = 0) -> LocalGpus:
@@ -27,7 +30,7 @@ def local_gpus(index: int = 0) -> LocalGpus:
     if not torch.cuda.is_available():
         return LocalGpus(0, None, None)
     props = torch.cuda.get_device_properties(index)
-    return LocalGpus(torch.cuda.device_count(), props.total_memory / GIB, props.name)
+    return LocalGpus(torch.cuda.device_count(), props.total_memory / GIB, props.name, torch.cuda.is_bf16_supported())
 
 
 def installed_kernels() -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -59,4 +62,4 @@ def this_machine(world_size: int, host_memory_gb: float | None) -> Machine:
     return Machine(gpus=world_size, gpu_memory_gb=gpu.memory_gb, host_memory_gb=host,
                    gpus_per_host=ranks_per_node(default=world_size), kernels=kernels, norm_kernels=norms,
                    gpu_name=gpu.name, host_memory_source=source,
-                   bf16_supported=bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()))
+                   bf16_supported=gpu.bf16)

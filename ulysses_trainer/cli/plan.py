@@ -24,6 +24,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from .. import probe  # read through the module: its functions are the test seam
 from ..config import build_config, read_recipe, validate_config
 from ..data.attention_share import AttentionShare, timed_from_data
 from ..ds_config import load_ds_config
@@ -33,7 +34,6 @@ from ..plan.longest_fit import Choice, Hardware, largest_max_length
 from ..plan.memory import GIB, MemoryEstimate, ModelShape, Settings, local_tokens
 from ..plan.resolve import plan_for
 from ..plan.types import Machine, Plan
-from ..probe import host_memory, installed_kernels, local_gpus
 from .argv import parse_overrides, split_argv
 from .console import use_console
 
@@ -67,7 +67,7 @@ def _host_memory(args: argparse.Namespace, cfg: Any, gpus: int, gpu_gb: float, h
     if args.host_memory_gb is not None:
         return args.host_memory_gb, "--host_memory_gb"
     if cfg.host_memory_gb is not None or here:
-        return host_memory(cfg.host_memory_gb)
+        return probe.host_memory(cfg.host_memory_gb)
     per_host = args.gpus_per_host or gpus
     return ASSUMED_HOST_PER_GPU * gpu_gb * per_host, (
         f"ASSUMED: {ASSUMED_HOST_PER_GPU:g} x GPU memory per GPU of a host, as typical GPU servers have; pass "
@@ -95,7 +95,7 @@ def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argpars
     if not args.config and "max_length" not in overrides:
         raise ConfigError("pass --max_length N (tokens per sequence) or a recipe with --config")
     cfg = build_config(recipe, overrides, recipe_name=f"recipe {args.config}" if args.config else "recipe")
-    local = local_gpus()
+    local = probe.local_gpus()
     local_gb = local.memory_gb
     gpus = args.gpus if args.gpus is not None else (cfg.sp_size or 1)
     if gpus < 1:
@@ -110,10 +110,10 @@ def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argpars
     host, source = _host_memory(args, cfg, gpus, gpu_gb, here)
     model_config = model_config_for(cfg)
     ds = load_ds_config(cfg.deepspeed)
-    kernels, norms = installed_kernels() if here else (ELSEWHERE_KERNELS, ELSEWHERE_NORM_KERNELS)
+    kernels, norms = probe.installed_kernels() if here else (ELSEWHERE_KERNELS, ELSEWHERE_NORM_KERNELS)
     machine = Machine(gpus=gpus, gpu_memory_gb=gpu_gb, host_memory_gb=host, gpus_per_host=args.gpus_per_host,
                       kernels=kernels, kernels_known=here, norm_kernels=norms, gpu_name=local.name if here else None,
-                      host_memory_source=source)
+                      host_memory_source=source, bf16_supported=local.bf16 if here else True)
     return cfg, model_config, ds, machine, args
 
 
@@ -156,7 +156,7 @@ def run_plan(argv: list[str]) -> int:
     knobs = plan.zero3_by_placement
     base = replace(plan.settings, max_length=cfg.max_length, activation_offload=0, kept_attention_layers=0,
                    zero3=knobs[False])
-    # Adam's placement as the config and the ZeRO JSON fixed it (decoded once, in plan/resolve.read_levers)
+    # Adam's placement as the config and the ZeRO JSON fixed it (lever_settings.decode_levers, then resolve._with_zero)
     longest, best = largest_max_length(ModelShape.from_config(model_config), base, hw,
                                        offload_optimizer=plan.fixed.optimizer_offload, knobs=knobs)
     if args.json:

@@ -135,14 +135,13 @@ def load_rehearsal_config(args: argparse.Namespace, overrides: list[str]):
 def rehearse(plan, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:
     """Measure rank opts.rank, add the modelled communication, and return the whole result."""
     from ..plan.comm_model import estimate
-    from ..plan.inputs import ModelShape
 
     measured = run_rehearsal(plan, opts)
     timed = measured["step_s"][1:] or measured["step_s"]
     compute = sum(timed) / len(timed) + (measured["optimizer_step_s_added"] or 0.0)
     compute_s = None if opts.standin else compute
     job = comm_job(plan, opts.gpus_per_node, measured["mlp_tiles"], measured["checkpoint_every"])
-    comm = estimate(ModelShape.from_config(plan.model_config), job, bandwidth, compute_s, overlap)
+    comm = estimate(plan.shape, job, bandwidth, compute_s, overlap)
     predicted = None if compute_s is None else compute_s + comm["comm_s_estimate"]
     tokens = plan.sequences_per_step * plan.cfg.max_length  # the whole job's real tokens per step
     return {"status": "ok", "world_size": plan.world_size, "rank": opts.rank, "sp_size": plan.sp_size,

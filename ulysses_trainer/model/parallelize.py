@@ -28,6 +28,7 @@ from ..attention.kernels import available_kernels
 from ..attention.stash import AttentionStash
 from ..config import FIELDS
 from ..errors import ConfigError
+from ..lever_settings import Fixed, decode_levers
 from ..levers.host_pool import HostPool
 from ..levers.lean_norm import available_norm_kernels, use_lean_norms
 from ..levers.recompute import LayerRecompute
@@ -72,16 +73,28 @@ class ParallelizeConfig:
 
     def resolve(self, config: Any) -> ModelPlan:
         """The ModelPlan of these settings for an HF model config: `auto` decided with the kernels installed
-        here and the tile rules. ValueError/TypeError (ConfigError for kernels) for values that cannot run."""
-        levers = levers_of(self, config.num_hidden_layers)
+        here and the tile rules. ConfigError for values that cannot run."""
+        fx = self.levers(config)
         norm = choose_norm_kernel(self.norm_kernel, tuple(available_norm_kernels())) if self.lean_norm else "torch"
-        return replace(levers, kernel=choose_kernel(self.attn_implementation, tuple(available_kernels())),
+        width = _row_width(config)
+        auto_tiles = default_mlp_tiles(self.local_seq_len, width) if self.local_seq_len else 1
+        return replace(_fixed_levers(fx, config.num_hidden_layers),
+                       kernel=choose_kernel(self.attn_implementation, tuple(available_kernels())),
                        loss_type=self.loss_type, loss_chunk_size=self.loss_chunk_size,
-                       tiles=mlp_tiles(self.tiled_mlp, self.local_seq_len, config.hidden_size, _row_width(config)),
+                       tiles=auto_tiles if fx.tiles is None else fx.tiles,
                        experts_implementation=choose_experts_implementation(self.experts_implementation),
                        lean_norm=self.lean_norm, norm_kernel=norm, gradient_checkpointing=self.gradient_checkpointing,
-                       attention_stash=self.gradient_checkpointing and self.keep_attention_outputs not in (False, 0),
                        host_memory_gb=self.host_memory_gb, ranks_per_host=self.ranks_per_host)
+
+    def levers(self, config: Any) -> Fixed:
+        """The levers decoded (lever_settings.decode_levers, the trainer's decoder) and bound to the HF model
+        config: None = auto. `tiled_mlp: true` is the lever's own count for local_seq_len tokens (1 without it)."""
+        def true_tiles() -> int:
+            if self.local_seq_len is None:
+                return 1
+            return auto_num_tiles(self.local_seq_len, config.hidden_size, _row_width(config))
+
+        return decode_levers(self).bind(config.num_hidden_layers, true_tiles)
 
 
 def _row_width(config: Any) -> int:
@@ -94,20 +107,6 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     layers = getattr(getattr(model, "model", None), "layers", None)
     assert isinstance(layers, nn.ModuleList), "expected an HF causal LM with .model.layers (Qwen3, Llama...)"
     return layers
-
-
-def mlp_tiles(setting: bool | int | str, local_seq_len: int | None, hidden: int, intermediate: int) -> int:
-    """Tile count for the MLP (1 = untiled). Same on every rank: it depends on shapes only.
-    auto: names.default_mlp_tiles; True: names.auto_num_tiles (the lever's own count)."""
-    if setting is False or setting == 0:
-        return 1
-    if local_seq_len is None:
-        return 1 if not isinstance(setting, int) or isinstance(setting, bool) else int(setting)
-    if setting == "auto":
-        return default_mlp_tiles(local_seq_len, intermediate)
-    if setting is True:
-        return auto_num_tiles(local_seq_len, hidden, intermediate)
-    return int(setting)
 
 
 class SequenceParallelCausalLM(nn.Module):
@@ -230,7 +229,8 @@ def parallelize(model: nn.Module, state: ParallelState,
         if tiles > 1:  # the recompute needs the tiled MLP's graph, not its output (TiledMLP.unused_output)
             checkpointer.recompute_context = lambda i: layers[i].mlp.unused_output()
     # 6. the stash for kept attention outputs (only a recompute can reuse them)
-    if plan.attention_stash and plan.gradient_checkpointing:
+    if plan.attention_stash:  # decided once (lever_settings.Fixed.attention_stash)
+        assert plan.gradient_checkpointing, "the attention-output stash needs gradient_checkpointing"
         attention.stash = AttentionStash()
     model.train()
     sp_model = SequenceParallelCausalLM(model, state, attention, checkpointer, tiles, stats, coef)
@@ -239,29 +239,14 @@ def parallelize(model: nn.Module, state: ParallelState,
 
 
 def levers_of(cfg: ParallelizeConfig, num_layers: int) -> ModelPlan:
-    """The fixed levers of a ParallelizeConfig (`auto` ones unset: left to apply(plan)). ValueError/TypeError
-    for values that cannot run."""
-    every = 1 if cfg.checkpoint_every == "auto" else cfg.checkpoint_every
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise TypeError(f"checkpoint_every must be an int >= 1 or 'auto', got {cfg.checkpoint_every!r}")
-    saved = list(range(0, num_layers, every))
-    off, keep = cfg.activation_offload, cfg.keep_attention_outputs
-    if not cfg.gradient_checkpointing:
-        for name, v, off_value in (("activation_offload", off, (False, 0, "auto")), ("checkpoint_every", every, (1,)),
-                                   ("keep_attention_outputs", keep, (False, 0, "auto"))):
-            if v not in off_value:
-                raise ValueError(f"{name} needs gradient_checkpointing=True (it acts on the recompute), got {v!r}")
-    return ModelPlan(checkpoint_every=every,
-                     offload_layers=tuple(saved[:_count(off, "activation_offload", len(saved))]),
-                     kept_attention_layers=tuple(range(_count(keep, "keep_attention_outputs", num_layers))))
+    """The fixed levers of a ParallelizeConfig (`auto` ones unset: left to apply(plan)); ConfigError for values
+    that cannot run."""
+    return _fixed_levers(decode_levers(cfg).bind(num_layers, lambda: 1), num_layers)
 
 
-def _count(value: bool | int | str, name: str, most: int) -> int:
-    """False / "auto" -> 0, True -> most, n -> n (0..most)."""
-    if value is True:
-        return most
-    if value is False or value == "auto":
-        return 0
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
-        raise ValueError(f"{name}={value!r}: give false, true, auto or a layer count 0..{most}")
-    return value
+def _fixed_levers(fx: Fixed, num_layers: int) -> ModelPlan:
+    """What a loop of your own installs before apply: auto is every layer keeping its input, none offloaded
+    or kept (the stash installed when a layer may keep its output)."""
+    saved = range(0, num_layers, fx.every or 1)
+    return ModelPlan(checkpoint_every=fx.every or 1, offload_layers=tuple(saved[:fx.offload_for(len(saved)) or 0]),
+                     kept_attention_layers=tuple(range(fx.keep or 0)), attention_stash=fx.attention_stash)

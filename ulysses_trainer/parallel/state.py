@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..layout import resolve_layout
+from ..layout import Layout, resolve_layout
 
 
 @dataclass(frozen=True)
@@ -55,18 +55,22 @@ def single_process_state() -> ParallelState:
     return ParallelState(world_size=1, rank=0, sp_size=1, sp_rank=0, dp_size=1, dp_rank=0)
 
 
-def make_parallel_state(sp_size: int | None = None) -> ParallelState:
+def make_parallel_state(layout: Layout | int | None = None) -> ParallelState:
     """Build the dp × sp groups. Every rank must call this, in the same order (new_group is collective).
 
-    sp_size defaults to the world size (all ranks shard one sequence).
+    layout: the run's Layout (the trainer's, decided once by config_checks.validate_config), or an sp_size for a
+    loop of your own (None: the world size, all ranks shard one sequence).
     """
+    sp_size = layout.sp if isinstance(layout, Layout) else layout
     if not dist.is_available() or not dist.is_initialized():
         if sp_size not in (None, 1):
             raise ConfigError(f"sp_size={sp_size} needs torch.distributed; launch with `deepspeed --num_gpus "
                               f"{sp_size} ...` or set sp_size 1")
         return single_process_state()
     world, rank = dist.get_world_size(), dist.get_rank()
-    layout = resolve_layout(sp_size, world)
+    if not isinstance(layout, Layout):
+        layout = resolve_layout(sp_size, world)
+    assert layout.world == world, f"a layout of {layout.world} ranks in a process group of {world}"
     sp, dp = layout.sp, layout.dp
     sp_group = dp_group = None
     sp_ranks, dp_ranks = group_ranks(world, sp)

@@ -12,7 +12,7 @@ import torch
 
 from ..attention.kernels import KERNEL_FUNCTIONS
 from ..attention.stash import AttentionStash
-from ..layout import resolve_layout
+from ..layout import check_heads
 from ..names import KEEPING_KERNELS
 from .comm import heads_to_seq, seq_to_heads
 from .integrations import register_attention
@@ -29,7 +29,7 @@ class UlyssesAttention:
 
     def __init__(self, state: ParallelState, kernel: str, num_heads: int, num_kv_heads: int):
         """`kernel`: a planned kernel name (ModelPlan.kernel), not `auto`."""
-        resolve_layout(state.sp_size, state.world_size, num_heads, num_kv_heads)
+        check_heads(state.sp_size, num_heads, num_kv_heads)  # the layout is the state's: the model must split
         if kernel not in KERNEL_FUNCTIONS:
             raise ValueError(f"attention kernel {kernel!r} is not one of {', '.join(KERNEL_FUNCTIONS)}; the plan "
                              f"decides `auto` (ParallelizeConfig.resolve for a loop of your own)")

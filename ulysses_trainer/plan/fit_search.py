@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
+from ..lever_settings import Fixed as Fixed  # the levers bound to a model (None: searched)
 from ..names import default_mlp_tiles
 from .inputs import ModelShape, Settings, Zero3Knobs, local_tokens, saved_layer_count
 from .memory import GIB, MemoryEstimate, estimate
@@ -28,21 +29,6 @@ EVERY_CHOICES = (1, 2, 3, 4, 6, 9, 12)  # checkpoint_every values the search tri
 # GPU need is under this share of the budget (where the host has room): the fewest that fit left 0.5% headroom
 GPU_HEADROOM = 0.92
 MAX_TILES = 64  # beyond this a tile is a few thousand rows and the MLP term is negligible
-
-
-@dataclass(frozen=True)
-class Fixed:
-    """The levers the user fixed (None = auto, to be searched)."""
-
-    offload: int | Literal["all"] | None  # offloaded layer inputs; "all": every layer that keeps one
-    keep: int | None
-    tiles: int | None
-    every: int | None
-    optimizer_offload: bool | None
-
-    def offload_for(self, saved: int) -> int | None:
-        """The fixed offload count where `saved` layers keep an input (None: auto)."""
-        return saved if self.offload == "all" else self.offload
 
 
 def shortfall(e: MemoryEstimate, gpu_gb: float, host_gb: float) -> tuple[int, int]:

@@ -1,9 +1,9 @@
 """One resolved plan: every setting of a run decided once, from the training config, the model's shape and
 the machine. `resolve_plan` is the one function the trainer and `ulysses-trainer plan` call.
 
-Every lever is checked here against the model (ConfigError, exit 2, naming the fix; config.check_levers has
-checked the values themselves); every `auto` is decided here: of all the settings that fit the GPU and host
-memory (plan/memory.py), the one with the shortest predicted step (plan/step_time.py). The search
+Every lever is checked here against the model (ConfigError, exit 2, naming the fix; lever_settings.decode_levers
+has decoded and checked the values themselves); every `auto` is decided here: of all the settings that fit the
+GPU and host memory (plan/memory.py), the one with the shortest predicted step (plan/step_time.py). The search
 (plan/fit_search.fastest_fit) covers the optimizer's placement (GPU or host), the checkpoint thinning, the MLP tiles,
 the offloaded layer inputs and the kept attention outputs.
 Torch-free: the caller measures the machine (GPU memory, host RAM, installed kernels) and passes it in.
@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..config import check_levers
 from ..data.attention_share import AttentionShare
 from ..errors import ConfigError
 from ..layout import Layout, resolve_layout
+from ..lever_settings import Levers, decode_levers
 from ..names import (
     KEEPING_KERNELS,
     auto_num_tiles,
@@ -50,33 +50,16 @@ ENGINE_TOLERANCE_GB = 2.0
 # Levers: each knob of the training config read once
 
 
-def read_levers(cfg: Any, shape: ModelShape, kernel: str, local: int) -> Fixed:
-    """Every lever of a TrainConfig checked against the model (ConfigError naming the fix) and read: fixed
-    values or None (auto). `local`: tokens per rank (what `tiled_mlp: true` sizes its tiles by)."""
-    check_levers(cfg)
-    ckpt, off, keep, tiled, every = (cfg.gradient_checkpointing, cfg.activation_offload, cfg.keep_attention_outputs,
-                                     cfg.tiled_mlp, cfg.checkpoint_every)
-    layers = shape.layers
-    if isinstance(keep, int) and not isinstance(keep, bool) and keep > layers:
-        raise ConfigError(f"keep_attention_outputs={keep} exceeds the model's {layers} layers; "
-                          f"give 0..{layers}, true (all of them) or auto")
-    if kernel not in KEEPING_KERNELS and keep not in (False, 0, "auto"):
+def read_levers(levers: Levers, shape: ModelShape, kernel: str, local: int) -> Fixed:
+    """The decoded levers (lever_settings.decode_levers) checked against the model and the kernel (ConfigError
+    naming the fix) and bound to it: fixed values or None (auto). `local`: tokens per rank (what
+    `tiled_mlp: true` sizes its tiles by)."""
+    fx = levers.bind(shape.layers, lambda: auto_num_tiles(local, shape.hidden, shape.mlp_row_width))
+    if kernel not in KEEPING_KERNELS and fx.keep not in (0, None):
         raise ConfigError(f"keep_attention_outputs needs a kernel that can keep its outputs (sdpa, "
                           f"flash_attention_4); {kernel} cannot: set keep_attention_outputs false or "
                           f"attn_implementation sdpa")
-    c = 1 if not ckpt else (None if every == "auto" else every)
-    if isinstance(off, int) and not isinstance(off, bool):
-        saved = saved_layer_count(shape, c or 1)  # checkpoint_every auto: at most every layer keeps one
-        if off > saved:
-            raise ConfigError(f"activation_offload={off} must be between 0 and {saved} layers (the layers that keep "
-                              f"an input: {layers} / checkpoint_every {c or 1}, rounded up); true offloads all of them")
-    if not ckpt:  # nothing to offload or keep without checkpoints
-        off, keep = 0, 0
-    return Fixed(offload=None if off == "auto" else ("all" if off is True else int(off)),
-                 keep=None if keep == "auto" else (layers if keep is True else int(keep)),
-                 tiles=None if tiled == "auto" else (1 if tiled is False else auto_num_tiles(
-                     local, shape.hidden, shape.mlp_row_width) if tiled is True else tiled),
-                 every=c, optimizer_offload=None if cfg.optimizer_offload == "auto" else cfg.optimizer_offload)
+    return fx
 
 
 def _with_zero(fx: Fixed, zero: ZeroSettings) -> Fixed:
@@ -171,18 +154,22 @@ def _placement_note(best: dict, s: Settings) -> str:
 
 
 def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettings | None = None, *,
-                 engine_plan: Plan | None = None, attention: AttentionShare | None = None) -> Plan:
+                 engine_plan: Plan | None = None, attention: AttentionShare | None = None,
+                 layout: Layout | None = None) -> Plan:
     """The plan for `cfg` (a TrainConfig) on `machine`. ConfigError for settings that cannot run.
 
     engine_plan: the plan the engine was built with; with machine.gpu_free_after_engine_gb set, the GPU
     budget becomes what the measurement leaves (free memory plus what the model states were predicted to
     take), and the settings the engine fixed (optimizer placement, kernel, tiles) stay.
     attention: the packed data's attention cost (data/attention_share.py); None: one document per row.
+    layout: the run's (config_checks.validate_config decided it); None: resolve_layout of sp_size and machine.gpus.
     """
     zero = zero or ZeroSettings()
     knobs = zero.placement_knobs()
     _check_machine(machine)
-    layout = resolve_layout(cfg.sp_size, machine.gpus)
+    if layout is None:
+        layout = resolve_layout(cfg.sp_size, machine.gpus)
+    assert layout.world == machine.gpus, f"layout of {layout.world} ranks planned on {machine.gpus} GPUs"
     kernel = engine_plan.kernel if engine_plan else choose_kernel(cfg.attn_implementation, machine.kernels)
     norm = engine_plan.norm_kernel if engine_plan else choose_norm_kernel(cfg.norm_kernel, machine.norm_kernels,
                                                                           cfg.lean_norm)
@@ -191,7 +178,7 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     base = _base_settings(cfg, layout, machine, zero, kernel, norm, bf16, shape)
     if cfg.packing and attention is not None:
         base = replace(base, attention_fraction=attention.mean)
-    fx = _with_zero(read_levers(cfg, shape, kernel, local_tokens(base)), zero)
+    fx = _with_zero(read_levers(decode_levers(cfg), shape, kernel, local_tokens(base)), zero)
     asked = fx  # what the user (config and ZeRO JSON) fixed: the rest is `auto`, decided below
     if engine_plan is not None:  # the engine fixed these
         fx = replace(fx, optimizer_offload=engine_plan.optimizer_offload, tiles=engine_plan.tiles)

@@ -135,13 +135,13 @@ class Plan:
     def model_plan(self, host_memory_gb: float | None, ranks_per_host: int, *, levers: bool = True) -> ModelPlan:
         """What parallelize installs for this plan. levers False: the mechanisms only (no input offloaded, no
         attention output kept yet: the trainer sets those with apply once the engine is built); the stash is
-        installed wherever checkpoints are, so that plan may keep outputs."""
+        installed wherever a layer may keep its output (lever_settings.Fixed.attention_stash), so that plan may."""
         return ModelPlan(
             kernel=self.kernel, loss_type=self.loss_type, loss_chunk_size=self.loss_chunk_size, tiles=self.tiles,
             lean_norm=self.lean_norm, norm_kernel=self.norm_kernel, gradient_checkpointing=self.gradient_checkpointing,
             checkpoint_every=self.checkpoint_every, offload_layers=self.offload_layers if levers else (),
             kept_attention_layers=self.kept_attention_layers if levers else (),
-            attention_stash=self.gradient_checkpointing,
+            attention_stash=self.fixed.attention_stash,
             checkpoint_bytes_per_layer=self.checkpoint_bytes_per_layer if levers else 0,
             host_memory_gb=host_memory_gb, ranks_per_host=ranks_per_host,
             experts_implementation=self.experts_implementation)

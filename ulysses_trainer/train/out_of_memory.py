@@ -25,12 +25,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+# the levers a plan search decides when `auto`; a pinned one is what `ulysses-trainer plan` is told to search
+from ..lever_settings import AUTO_LEVERS as AUTO_LEVERS
+from ..lever_settings import decode_levers
+
 GIB = 2**30
 
 inject: Callable[[Where], None] | None = None  # the test seam (None outside tests)
 
-# the levers a plan search decides when `auto`; a pinned one is what `ulysses-trainer plan` is told to search
-AUTO_LEVERS = ("checkpoint_every", "activation_offload", "keep_attention_outputs", "tiled_mlp", "optimizer_offload")
 
 
 class OutOfGpuMemory(RuntimeError):
@@ -123,10 +125,7 @@ def oom_message(where: Where, device: torch.device, predicted_peak_gb: float, pr
 
 def pinned_levers(cfg) -> tuple[str, ...]:
     """The plan-searched levers the config fixed (not auto); gradient_checkpointing false counts as pinned."""
-    out = [name for name in AUTO_LEVERS if getattr(cfg, name) != "auto"]
-    if not cfg.gradient_checkpointing:
-        out.insert(0, "gradient_checkpointing")
-    return tuple(out)
+    return decode_levers(cfg).pinned
 
 
 def plan_command(argv: list[str], pinned: Iterable[str], world_size: int) -> str:

@@ -20,12 +20,12 @@ from ..data.attention_share import AttentionShare, timed_from_data
 from ..data.tokenizer import apply_tokenizer_options, check_tokenizer_fits, load_tokenizer
 from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
 from ..errors import ConfigError
-from ..layout import padded_length, resolve_layout
+from ..layout import Layout, check_heads
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
 from ..model.lora import check_lora
 from ..plan.inputs import ModelShape, num_params
 from ..plan.memory import UNDER_PREDICTION
-from ..plan.resolve import plan_for
+from ..plan.resolve import resolve_plan
 from ..plan.types import Machine, Plan, ZeroSettings, read_zero
 from ..probe import this_machine
 from .agreement import agree_machine, check_same_plan
@@ -38,13 +38,19 @@ from .resume_check import check_resume_config, run_record
 
 @dataclass
 class RunPlan:
+    """What prepare decided and loaded. The plan's values (layout, kernel, bf16, padded length) are read from
+    `resolved`, never copied: after the engine is built the trainer replaces it with the plan it runs."""
+
     cfg: TrainConfig
     world_size: int
-    sp_size: int
-    dp_size: int
     device: str
-    bf16: bool
-    kernel: str
+    # every lever decided (plan/resolve.py) from the total GPU memory; the trainer resolves again with the
+    # free memory it measures once the engine is built (same function, same inputs otherwise)
+    resolved: Plan
+    layout: Layout  # decided once by validate_config: sp x dp
+    machine: Machine
+    zero: ZeroSettings
+    shape: ModelShape
     model_config: Any
     tokenizer: Any
     train_data: list
@@ -54,19 +60,32 @@ class RunPlan:
     steps_per_epoch: int  # whole steps in one pass over the rows (the order itself runs on: data_order.py)
     total_steps: int
     sequences_per_step: int
-    padded_length: int
     resume_path: str | None = None  # the checkpoint-<step> directory to resume from
     epoch_steps: int | None = None  # optimizer steps in one pass over the data (None: steps_per_epoch)
     clear_output_dir: bool = False  # overwrite_output_dir over a previous run: rank 0 clears it first
-    # every lever decided (plan/resolve.py) from the total GPU memory; the trainer resolves again with the
-    # free memory it measures once the engine is built (same function, same inputs otherwise)
-    resolved: Plan | None = None
-    machine: Machine | None = None
-    zero: ZeroSettings | None = None
-    shape: ModelShape | None = None
     config_changes: dict = field(default_factory=dict)  # resume: {name: (checkpoint's, this run's)} let through
     disk: str = ""  # the `disk:` line: what the run holds in output_dir at its peak, and the free space
     plan_digest: str = ""  # the digest of `resolved`, the same on every rank (train/agreement.py)
+
+    @property
+    def sp_size(self) -> int:
+        return self.resolved.sp
+
+    @property
+    def dp_size(self) -> int:
+        return self.resolved.dp
+
+    @property
+    def bf16(self) -> bool:
+        return self.resolved.bf16
+
+    @property
+    def kernel(self) -> str:
+        return self.resolved.kernel
+
+    @property
+    def padded_length(self) -> int:
+        return self.resolved.padded_length
 
 
 def _device() -> str:
@@ -127,7 +146,7 @@ def check_gpu_fits(resolved: Plan, cfg: TrainConfig, auto_plan) -> None:
 def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan:
     """Every check and decision before heavy work. training=False (the rehearsal): output_dir is neither
     checked nor written, and on CPU host memory is checked for the one rank it runs."""
-    validate_config(cfg, world_size)
+    layout = validate_config(cfg, world_size)  # the layout, decided once
     if cfg.use_peft:
         check_lora(cfg)  # peft installed, a valid LoraConfig
     device = _device()
@@ -137,18 +156,22 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     if resume_path:
         check_checkpoint_model(resume_path, model_config)
     check_local_weights(cfg.model_name_or_path, model_config)
-    resolve_layout(cfg.sp_size, world_size, model_config.num_attention_heads, model_config.num_key_value_heads)
-    shape = ModelShape.from_config(model_config)
+    check_heads(layout.sp, model_config.num_attention_heads, model_config.num_key_value_heads)
+    shape = ModelShape.from_config(model_config)  # built once: every plan below reads it
     # every rank plans from the same machine: its probes reduced over the ranks (a no-op without a group)
     machine = agree_machine(this_machine(world_size, cfg.host_memory_gb))
     zero = read_zero(ds_raw, str(cfg.deepspeed))
-    resolved = plan_for(cfg, model_config, ds_raw, machine)  # every lever checked and decided here
+
+    def plan_of(c: TrainConfig, attention: AttentionShare | None = None) -> Plan:
+        return resolve_plan(c, shape, machine, zero, attention=attention, layout=layout)
+
+    resolved = plan_of(cfg)  # every lever checked and decided here
     bf16 = resolved.bf16  # machine.bf16: the one rule
     digest = check_same_plan(resolved, "before the model is built")
-    kernel, sp, dp = resolved.kernel, resolved.sp, resolved.dp
+    sp, dp = resolved.sp, resolved.dp
     check_host_fits(resolved, machine, device, ranks_here=None if training else 1)  # a rehearsal runs one rank
     if training:  # a rehearsal measures what fits: it is not refused
-        check_gpu_fits(resolved, cfg, lambda c: plan_for(c, model_config, ds_raw, machine))
+        check_gpu_fits(resolved, cfg, plan_of)
     tokenizer = apply_tokenizer_options(load_tokenizer(checkpoint_source(cfg.model_name_or_path)),
                                         cfg.chat_template_path, cfg.eos_token)
     check_tokenizer_fits(tokenizer, model_config)
@@ -157,12 +180,12 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     train = prepared_sequences(cfg, tokenizer, split="train", dp_size=dp)
     check_something_trained(train.counts, "dataset", cfg.assistant_only_loss, cfg.completion_only_loss)
     if timed_from_data(cfg):  # attention timed from the packed rows' documents (the plan above: one a row)
-        resolved = plan_for(cfg, model_config, ds_raw, machine, attention=AttentionShare.of(train))
+        share = AttentionShare.of(train)
+        resolved = plan_of(cfg, share)
         digest = check_same_plan(resolved, "after the data is read")  # every rank reads the same rows
         check_host_fits(resolved, machine, device, ranks_here=None if training else 1)
         if training:
-            check_gpu_fits(resolved, cfg, lambda c: plan_for(c, model_config, ds_raw, machine,
-                                                             attention=AttentionShare.of(train)))
+            check_gpu_fits(resolved, cfg, lambda c: plan_of(c, share))
     if len(train) < per_step:
         raise ConfigError(f"the data makes {len(train)} sequences of {cfg.max_length} tokens but one optimizer "
                           f"step needs {per_step} (dp {dp} x batch {cfg.per_device_train_batch_size} x "
@@ -202,14 +225,12 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
                              hidden_size=model_config.hidden_size, source=str(cfg.deepspeed),
                              use_deepspeed_optimizer=None if resolved.optimizer_offload else False,
                              optimizer_offload=resolved.optimizer_offload)
-    return RunPlan(cfg=cfg, world_size=world_size, sp_size=sp, dp_size=dp, device=device, bf16=bf16,
-                   kernel=kernel, model_config=model_config, tokenizer=tokenizer, train_data=train,
+    return RunPlan(cfg=cfg, world_size=world_size, device=device, resolved=resolved, layout=layout, machine=machine,
+                   zero=zero, shape=shape, model_config=model_config, tokenizer=tokenizer, train_data=train,
                    eval_data=eval_data, ds_config=ds, optimizer=opt, steps_per_epoch=steps_per_epoch,
-                   epoch_steps=epoch_steps,
-                   total_steps=total, sequences_per_step=per_step,
-                   padded_length=padded_length(cfg.max_length, sp, cfg.pad_to_multiple_of),
-                   resume_path=resume_path, clear_output_dir=clear_output_dir, resolved=resolved, machine=machine,
-                   zero=zero, shape=shape, config_changes=config_changes, plan_digest=digest, disk=disk)
+                   epoch_steps=epoch_steps, total_steps=total, sequences_per_step=per_step,
+                   resume_path=resume_path, clear_output_dir=clear_output_dir,
+                   config_changes=config_changes, plan_digest=digest, disk=disk)
 
 
 def disk_need(cfg: TrainConfig, resume_path: str | None, clear_output_dir: bool, total_steps: int, params: int,

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 class Trainer:
     def __init__(self, plan: RunPlan):
         self.plan, self.cfg = plan, plan.cfg
-        self.state: ParallelState = make_parallel_state(plan.sp_size)
+        self.state: ParallelState = make_parallel_state(plan.layout)
         self.device = torch.device(plan.device, int(os.environ.get("LOCAL_RANK", 0))) \
             if plan.device == "cuda" else torch.device("cpu")
         if plan.device == "cuda":
@@ -110,13 +110,20 @@ class Trainer:
 
         engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=plan.ds_config,
                                                lr_scheduler=schedule)
-        self.resolved = self._resolve_after_engine()
-        self.plan_digest = check_same_plan(self.resolved, "with the free GPU memory measured")  # before step 1
-        apply(self.model, self.resolved)
-        if self.resolved != self.plan.resolved:  # the GPU holds less than the memory model expected
+        first = self.plan.resolved
+        resolved = self._resolve_after_engine()
+        digest = check_same_plan(resolved, "with the free GPU memory measured")  # before step 1
+        self.plan = replace(self.plan, resolved=resolved, plan_digest=digest)  # the plan the run runs, from now
+        apply(self.model, resolved)
+        if resolved != first:  # the GPU holds less than the memory model expected
             if self.state.is_main:
-                report.report_plan(self.resolved, before_build=False)
+                report.report_plan(resolved, before_build=False)
         return engine
+
+    @property
+    def resolved(self) -> Plan:
+        """The plan the run runs (the one after the engine once it is built)."""
+        return self.plan.resolved
 
     def _resolve_after_engine(self) -> Plan:
         """The plan again (the same function as `ulysses-trainer plan`), now with the free GPU memory the engine
@@ -130,7 +137,8 @@ class Trainer:
         machine = replace(plan.machine, gpu_free_after_engine_gb=agree_free_memory(free / 2**30))
         # packed rows: attention timed from the same documents as the first plan, not as one document a row
         share = AttentionShare.of(plan.train_data) if timed_from_data(self.cfg) else None
-        return resolve_plan(self.cfg, plan.shape, machine, plan.zero, engine_plan=plan.resolved, attention=share)
+        return resolve_plan(self.cfg, plan.shape, machine, plan.zero, engine_plan=plan.resolved, attention=share,
+                            layout=plan.layout)
 
     def _say_stopping(self) -> None:
         """The first stop request, from the signal handler: one line from rank 0."""

@@ -1,0 +1,130 @@
+"""The memory levers are decoded once (ulysses_trainer/lever_settings.py): the training config's checks, the
+planner and a loop of your own (ParallelizeConfig) read one decoder, so one value means one thing everywhere."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from ulysses_trainer.cli import plan as plan_cli
+from ulysses_trainer.config import TrainConfig
+from ulysses_trainer.errors import EXIT_INVALID, ConfigError
+from ulysses_trainer.lever_settings import TRUE_TILES, decode_levers
+from ulysses_trainer.model.parallelize import ParallelizeConfig, parallelize
+from ulysses_trainer.model.presets import preset_config
+from ulysses_trainer.plan.inputs import ModelShape
+from ulysses_trainer.plan.resolve import resolve_plan
+from ulysses_trainer.plan.types import Machine
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ulysses_trainer"
+RAW_LEVERS = {"activation_offload", "keep_attention_outputs", "tiled_mlp", "checkpoint_every", "optimizer_offload"}
+# where the raw fields may be read: the decoder, and the config's own definition (TRL's spellings mapped there)
+DECODER, DEFINITION = PACKAGE / "lever_settings.py", PACKAGE / "config.py"
+CPU = Machine(gpus=1, gpu_memory_gb=None, host_memory_gb=64.0)
+
+LEVER_VALUES = [
+    {},
+    {"tiled_mlp": False}, {"tiled_mlp": True}, {"tiled_mlp": 3},
+    {"activation_offload": True}, {"activation_offload": 1}, {"activation_offload": False},
+    {"keep_attention_outputs": 0}, {"keep_attention_outputs": True}, {"keep_attention_outputs": 1},
+    {"checkpoint_every": 2}, {"gradient_checkpointing": False}, {"gradient_checkpointing": False, "tiled_mlp": 2},
+]
+
+
+@pytest.mark.parametrize("values", LEVER_VALUES)
+def test_a_training_config_and_a_parallelize_config_decode_alike(values):
+    assert decode_levers(TrainConfig(**values)) == decode_levers(ParallelizeConfig(**values))
+
+
+def test_decoded_meanings():
+    lv = decode_levers(TrainConfig(tiled_mlp=True, activation_offload=True, keep_attention_outputs=False))
+    assert (lv.tiles, lv.offload, lv.keep, lv.every, lv.optimizer_offload) == (TRUE_TILES, "all", 0, None, None)
+    off = decode_levers(TrainConfig(gradient_checkpointing=False, tiled_mlp=False))
+    assert (off.tiles, off.offload, off.keep, off.every) == (1, 0, 0, 1)
+    assert off.pinned == ("gradient_checkpointing", "tiled_mlp")
+
+
+def test_tiled_mlp_0_is_refused_by_the_config_the_plan_and_a_loop_of_your_own(capsys):
+    """0 tiles means nothing (1 or false is untiled): every reader refuses it with the same line."""
+    msg = "tiled_mlp must be >= 1 tiles (or true/false/auto), got 0"
+    rc = plan_cli.main(["--max_length", "4096", "--gpu_memory_gb", "80", "--host_memory_gb", "64", "--tiled_mlp", "0"])
+    assert rc == EXIT_INVALID
+    assert capsys.readouterr().err.strip() == f"error: {msg}"
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        resolve_plan(TrainConfig(tiled_mlp=0), ModelShape.from_config(preset_config("tiny")), CPU)
+    with pytest.raises(ConfigError, match="tiled_mlp must be >= 1 tiles"):
+        ParallelizeConfig(tiled_mlp=0).resolve(preset_config("tiny"))
+    # the untiled spellings stay accepted by both
+    assert ParallelizeConfig(tiled_mlp=1).resolve(preset_config("tiny")).tiles == 1
+    assert resolve_plan(TrainConfig(tiled_mlp=False), ModelShape.from_config(preset_config("tiny")), CPU).tiles == 1
+
+
+@pytest.mark.parametrize("ckpt, keep, stash", [
+    (True, "auto", True), (True, True, True), (True, 1, True), (True, 0, False), (True, False, False),
+    (False, "auto", False), (False, False, False),
+])
+def test_the_attention_stash_means_one_thing(ckpt, keep, stash):
+    """The stash is installed where a layer may keep its attention output: the trainer's plan (Plan.model_plan)
+    and a loop of your own (ParallelizeConfig) agree, and parallelize installs exactly that."""
+    config = preset_config("tiny")
+    values = {"gradient_checkpointing": ckpt, "keep_attention_outputs": keep}
+    plan = resolve_plan(TrainConfig(**values), ModelShape.from_config(config), CPU)
+    trainer_side = plan.model_plan(None, 1, levers=False)
+    own_loop = ParallelizeConfig(attn_implementation="sdpa", **values).resolve(config)
+    assert trainer_side.attention_stash is own_loop.attention_stash is stash
+    from ulysses_trainer import make_parallel_state
+    from ulysses_trainer.model.load import build_model
+
+    model = parallelize(build_model(config, torch.float32), make_parallel_state(1), trainer_side)
+    assert (model.attention.stash is not None) is stash
+
+
+# ------------------------------------------------------------------------------------------------
+# No raw lever field is read outside the decoder
+
+
+def _config_holder(node: ast.expr, in_config_class: bool) -> bool:
+    """Whether `node` names a TrainConfig or ParallelizeConfig: `cfg`, `config`, `<x>.cfg`, or `self` inside
+    a *Config class (the package's names for them; a Plan, Settings or Fixed is `plan`, `s`, `fx`...)."""
+    if isinstance(node, ast.Name):
+        return node.id in {"cfg", "config", "train_config"} or (node.id == "self" and in_config_class)
+    return isinstance(node, ast.Attribute) and node.attr == "cfg"
+
+
+def raw_lever_reads(source: str) -> list[tuple[int, str]]:
+    """(line, field) of every read of a raw lever field of a config in `source`."""
+    out: list[tuple[int, str]] = []
+
+    def walk(node: ast.AST, in_config_class: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = child.name.endswith("Config") if isinstance(child, ast.ClassDef) else in_config_class
+            if isinstance(child, ast.Attribute) and child.attr in RAW_LEVERS and isinstance(child.ctx, ast.Load) \
+                    and _config_holder(child.value, in_config_class):
+                out.append((child.lineno, child.attr))
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Name) and child.func.id == "getattr" \
+                    and len(child.args) > 1 and isinstance(child.args[1], ast.Constant) \
+                    and child.args[1].value in RAW_LEVERS:
+                out.append((child.lineno, child.args[1].value))
+            walk(child, inside)
+
+    walk(ast.parse(source), False)
+    return out
+
+
+def test_the_walker_finds_raw_reads():
+    snippet = ("def f(cfg, plan):\n    a = cfg.tiled_mlp\n    b = plan.cfg.activation_offload\n"
+               "    c = getattr(x, 'checkpoint_every')\n    d = plan.tiled_mlp\n"
+               "class ParallelizeConfig:\n    def g(self):\n        return self.keep_attention_outputs\n")
+    assert raw_lever_reads(snippet) == [(2, "tiled_mlp"), (3, "activation_offload"), (4, "checkpoint_every"),
+                                        (8, "keep_attention_outputs")]
+    assert {f for _, f in raw_lever_reads(DECODER.read_text())} == RAW_LEVERS  # the decoder reads them all
+
+
+def test_no_raw_lever_field_is_read_outside_the_decoder():
+    found = {f"{p.relative_to(PACKAGE.parent)}:{line} {field}"
+             for p in sorted(PACKAGE.rglob("*.py")) if p not in (DECODER, DEFINITION)
+             for line, field in raw_lever_reads(p.read_text())}
+    assert not found, f"decode the levers with lever_settings.decode_levers instead: {sorted(found)}"

@@ -1,0 +1,63 @@
+"""`ulysses-trainer plan --json` prints the plan the trainer runs: for every recipe (and the embedded default),
+the plan the trainer resolves through `prepare` (its own probe, ZeRO JSON, model shape and data) equals the
+printed one field by field, bf16 included. Both sides see one stand-in machine through the probe seam
+(ulysses_trainer/probe.py: `local_gpus`, `installed_kernels`, `host_memory`; docs/testing.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ulysses_trainer import probe
+from ulysses_trainer.__main__ import main as cli_main
+from ulysses_trainer.config import load_config
+from ulysses_trainer.train.prepare import prepare
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = sorted((ROOT / "launch" / "recipes").glob("*.yaml"))
+HOST_GB = 4096.0  # room for the CPU's own host check (prepare refuses a plan the host cannot hold)
+
+
+@pytest.fixture
+def stand_in_h200(monkeypatch):
+    """Eight H200s with bf16, sdpa and the torch norms, and a large host: what both sides probe."""
+    monkeypatch.setattr(probe, "local_gpus", lambda index=0: probe.LocalGpus(8, 139.8, "NVIDIA H200", True))
+    monkeypatch.setattr(probe, "installed_kernels", lambda: (("sdpa",), ("torch",)))
+    monkeypatch.setattr(probe, "host_memory", lambda given: (given, "host_memory_gb") if given is not None
+                        else (HOST_GB, "detected on this machine"))
+
+
+def _printed_plan(argv: list[str], capsys) -> dict:
+    rc = cli_main(["plan", *argv, "--json"])
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert rc == (0 if plan["fits"] else 1)
+    assert "auto" not in json.dumps({k: v for k, v in plan.items() if k not in ("decided", "notes")})  # all decided
+    return plan
+
+
+def _prepared_plan(argv: list[str], gpus: int, tmp_path: Path) -> dict:
+    cfg = load_config([*argv, "--output_dir", str(tmp_path / "out")])
+    run = prepare(cfg, gpus, training=False)  # the rehearsal's preparation: no output_dir written
+    assert run.machine.gpu_memory_gb == 139.8  # the stand-in, not this CPU machine
+    return json.loads(json.dumps(run.resolved.to_dict()))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_plan_json_is_the_plan_prepare_resolves(recipe, stand_in_h200, capsys, tmp_path):
+    argv = ["--config", str(recipe)]
+    gpus = load_config(argv).sp_size or 1  # what `plan` plans for without --gpus
+    printed = _printed_plan(argv, capsys)
+    trained = _prepared_plan(argv, gpus, tmp_path)
+    assert printed == trained
+    assert printed["bf16"] is True  # bf16 true or auto on GPUs that take it
+
+
+def test_plan_json_is_the_plan_prepare_resolves_for_the_default(stand_in_h200, capsys, tmp_path, monkeypatch):
+    """The embedded default (no recipe); and bf16 auto follows the probed GPU on both sides."""
+    printed = _printed_plan(["--max_length", "4096"], capsys)
+    assert printed == _prepared_plan([], 1, tmp_path) and printed["bf16"] is True
+    monkeypatch.setattr(probe, "local_gpus", lambda index=0: probe.LocalGpus(1, 139.8, "a GPU without bf16", False))
+    printed = _printed_plan(["--max_length", "4096"], capsys)
+    assert printed == _prepared_plan([], 1, tmp_path) and printed["bf16"] is False

@@ -1,0 +1,124 @@
+"""The memory levers as the user wrote them, decoded once: `decode_levers` is the one reader of the raw fields
+(`gradient_checkpointing`, `checkpoint_every`, `activation_offload`, `keep_attention_outputs`, `tiled_mlp`,
+`optimizer_offload`) of a TrainConfig or a ParallelizeConfig. The config checks, the planner (plan/resolve.py)
+and `parallelize` read its `Levers`, and `Levers.bind` gives the model-bound `Fixed` the search and the
+ModelPlan read. Torch-free; imports nothing of the package but its errors.
+
+Meanings, one each: `false` / 0 layers = none, `true` = every layer (that keeps an input, for the offload),
+`auto` = None (the plan decides; a loop of your own leaves it unset until `apply`). `tiled_mlp`: false or 1 =
+untiled, N >= 1 tiles, true = the lever's own count (names.auto_num_tiles), 0 is refused. Without
+gradient_checkpointing nothing is offloaded or kept and every layer keeps its input. The attention-output stash
+is installed when some layer may keep its output: checkpointing on and keep_attention_outputs not 0/false.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .errors import ConfigError
+
+# the levers the plan's search decides when they are `auto` (in the order the messages name them)
+AUTO_LEVERS = ("checkpoint_every", "activation_offload", "keep_attention_outputs", "tiled_mlp", "optimizer_offload")
+
+TRUE_TILES = "rule"  # tiled_mlp true: the lever's own count for the tokens per rank (names.auto_num_tiles)
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """The levers bound to a model (None = auto, to be searched): what `Levers.bind` gives the planner's search
+    and the ModelPlan. Without checkpointing offload and keep are 0 and every is 1."""
+
+    offload: int | Literal["all"] | None  # offloaded layer inputs; "all": every layer that keeps one
+    keep: int | None
+    tiles: int | None
+    every: int | None
+    optimizer_offload: bool | None
+
+    def offload_for(self, saved: int) -> int | None:
+        """The fixed offload count where `saved` layers keep an input (None: auto)."""
+        return saved if self.offload == "all" else self.offload
+
+    @property
+    def attention_stash(self) -> bool:
+        """Whether the attention-output stash is installed: some layer may keep its output (auto or > 0)."""
+        return self.keep != 0
+
+
+@dataclass(frozen=True)
+class Levers:
+    """The levers of one config, checked on their own (no model yet); None = auto."""
+
+    gradient_checkpointing: bool
+    every: int | None  # checkpoint_every; 1 without checkpointing
+    offload: int | Literal["all"] | None  # activation_offload; 0 without checkpointing
+    keep: int | Literal["all"] | None  # keep_attention_outputs; 0 without checkpointing
+    tiles: int | Literal["rule"] | None  # tiled_mlp: 1 untiled, TRUE_TILES: names.auto_num_tiles
+    optimizer_offload: bool | None
+    pinned: tuple[str, ...]  # the searched levers the config fixed; "gradient_checkpointing" first when it is off
+
+    def bind(self, layers: int, true_tiles: Callable[[], int]) -> Fixed:
+        """The levers against a model of `layers` decoder layers (ConfigError naming the fix); true_tiles: the
+        tile count `tiled_mlp: true` stands for (asked only then)."""
+        if _is_int(self.keep) and self.keep > layers:
+            raise ConfigError(f"keep_attention_outputs={self.keep} exceeds the model's {layers} layers; "
+                              f"give 0..{layers}, true (all of them) or auto")
+        if _is_int(self.offload):
+            saved = -(-layers // (self.every or 1))  # checkpoint_every auto: at most every layer keeps one
+            if self.offload > saved:
+                raise ConfigError(f"activation_offload={self.offload} must be between 0 and {saved} layers (the "
+                                  f"layers that keep an input: {layers} / checkpoint_every {self.every or 1}, "
+                                  f"rounded up); true offloads all of them")
+        return Fixed(offload=self.offload, keep=layers if self.keep == "all" else self.keep,
+                     tiles=true_tiles() if self.tiles == TRUE_TILES else self.tiles, every=self.every,
+                     optimizer_offload=self.optimizer_offload)
+
+
+def _count(name: str, v: Any, unit: str) -> int | Literal["all"] | None:
+    """false -> 0, true -> "all", auto -> None, n >= 0 -> n."""
+    _need(v == "auto" or isinstance(v, bool) or _is_int(v),
+          f"{name} must be >= 0 {unit} (or true/false/auto), got {v!r}")
+    _need(not _is_int(v) or v >= 0, f"{name} must be >= 0 {unit} (or true/false/auto), got {v}")
+    return None if v == "auto" else "all" if v is True else int(v)
+
+
+def decode_levers(cfg: Any) -> Levers:
+    """The levers of a TrainConfig or a ParallelizeConfig, checked on their own and together (ConfigError, exit 2,
+    naming the fix); the checks against the model are `Levers.bind`'s."""
+    ckpt, off, keep, tiled, every = (cfg.gradient_checkpointing, cfg.activation_offload, cfg.keep_attention_outputs,
+                                     cfg.tiled_mlp, cfg.checkpoint_every)
+    # a ParallelizeConfig has no optimizer: its placement is the caller's optimizer's
+    opt = getattr(cfg, "optimizer_offload", "auto")
+    _need(isinstance(ckpt, bool), f"gradient_checkpointing must be true or false, got {ckpt!r}")
+    offload = _count("activation_offload", off, "layers")
+    kept = _count("keep_attention_outputs", keep, "layers")
+    _need(tiled == "auto" or isinstance(tiled, bool) or (_is_int(tiled) and tiled >= 1),
+          f"tiled_mlp must be >= 1 tiles (or true/false/auto), got {tiled}")
+    _need(every == "auto" or (_is_int(every) and every >= 1),
+          f"checkpoint_every must be >= 1 layers (1 = every layer) or auto, got {every}")
+    _need(opt == "auto" or isinstance(opt, bool), f"optimizer_offload must be true, false or auto, got {opt!r}")
+    _need(ckpt or keep in (False, 0, "auto"),
+          "keep_attention_outputs needs gradient_checkpointing: true (only a recompute reuses them)")
+    _need(ckpt or every in (1, "auto"), "checkpoint_every > 1 needs gradient_checkpointing: true (it thins the "
+                                        "checkpoints); set checkpoint_every 1 or gradient_checkpointing true")
+    _need(ckpt or off in (False, 0, "auto"),
+          f"activation_offload {str(off).lower()} needs gradient_checkpointing: true (it offloads the layer "
+          f"checkpoints); set activation_offload false or gradient_checkpointing true")
+    raw = {"checkpoint_every": every, "activation_offload": off, "keep_attention_outputs": keep,
+           "tiled_mlp": tiled, "optimizer_offload": opt}
+    pinned = ("gradient_checkpointing",) * (not ckpt) + tuple(n for n in AUTO_LEVERS if raw[n] != "auto")
+    if not ckpt:  # nothing to offload or keep without checkpoints; every layer keeps its input
+        offload, kept, every = 0, 0, 1
+    return Levers(gradient_checkpointing=ckpt, every=None if every == "auto" else every, offload=offload, keep=kept,
+                  tiles=None if tiled == "auto" else 1 if tiled is False else TRUE_TILES if tiled is True else tiled,
+                  optimizer_offload=None if opt == "auto" else opt, pinned=pinned)
