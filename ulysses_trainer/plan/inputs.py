@@ -19,7 +19,7 @@ from ..names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS, param_persistence_t
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The dimensions the memory model needs, and the model's family (model/families/: module order, MLP kind,
+    """The dimensions the memory model needs, and the model's family (model/families/: module order, MLP block,
     q/k norms). `intermediate` is the dense MLP's width, or one expert's for a sparse family."""
 
     vocab: int

@@ -23,10 +23,11 @@ benchmarks/results/:
   ZeRO-Offload (fp32 master, m, v on the host, gradients copied down, weights up) measured 7.1 s for
   Qwen3-4B on the H200 host (a 163 s train step against 155.9 s forward+backward with the same
   settings): 1.77 ns per parameter on one host, scaled by the parameters each host updates.
-- a sparse (MoE) model: its sparse blocks at the block's measured rate by tile count (moe/moe_experts_h200.json,
-  see experts_calls for what a tiled, checkpointed step runs of it) and its once-per-step part (embedding, final
-  norm, chunked loss) at the cost the 1- and 8-layer profiles measure (profile_262144_l{1,8}_*), both taken out of
-  the dense rate, which then covers the attention projections and the router;
+- a family's MLP block may time parts at their own measured rates (MlpBlock.time_parts, model/families/):
+  Qwen3-MoE's sparse blocks at the block's measured rate by tile count (moe/moe_experts_h200.json, see
+  qwen3_moe.experts_calls for what a tiled, checkpointed step runs of it) and its once-per-step part (embedding,
+  final norm, chunked loss) at the cost the 1- and 8-layer profiles measure (profile_262144_l{1,8}_*), both taken
+  out of the dense rate, which then covers the attention projections and the router;
 The model predicts a warm step: the first step also compiles and autotunes kernels (~10 s measured).
 """
 
