@@ -10,9 +10,15 @@ from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.model.families import FAMILIES, PRESETS, family
 from ulysses_trainer.model.presets import preset_config
-from ulysses_trainer.plan.inputs import ModelShape, Settings, layer_param_numels, num_active_params, num_params
+from ulysses_trainer.plan.inputs import (
+    ModelShape,
+    Settings,
+    layer_param_numels,
+    mlp_run,
+    num_active_params,
+    num_params,
+)
 from ulysses_trainer.plan.layer_terms import layer_forward_saved, mlp_backward_extra
-from ulysses_trainer.plan.step_time import experts_flops
 from ulysses_trainer.plan.zero3_trace import forward_order, gathers_per_micro_step, module_trace
 
 
@@ -82,7 +88,8 @@ def test_sparse_memory_terms_scale_with_top_k_and_tiles():
     batched = layer_forward_saved(shape, Settings(max_length=131072, experts_implementation="batched_mm"))
     assert batched["experts (batched_mm): gathered gate_up weights of one tile's rows"] == 768 * 2**30  # measured ask
     # active FLOPs: top_k experts per token, 2 x fwd passes + 4
-    assert experts_flops(shape, Settings(max_length=131072, gradient_checkpointing=False)) == \
+    plain = Settings(max_length=131072, gradient_checkpointing=False)
+    assert shape.family.mlp.experts_flops(shape.dims, mlp_run(shape, plain), shape.layers) == \
         48 * 8 * 3 * 2048 * 768 * 131072 * 6
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ulysses_trainer.config import TrainConfig
 from ulysses_trainer.ds_config import load_ds_config
+from ulysses_trainer.model.families.qwen3_moe import experts_rate
 from ulysses_trainer.model.load import model_config_for
 from ulysses_trainer.plan.rates import (
     EXPERTS_TFLOPS,
@@ -16,9 +17,6 @@ from ulysses_trainer.plan.rates import (
     loss_rates_from_results,
 )
 from ulysses_trainer.plan.resolve import plan_for
-from ulysses_trainer.plan.step_time import (
-    experts_rate,
-)
 from ulysses_trainer.plan.types import Machine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,8 +47,8 @@ def test_step_time_tables_are_the_result_files():
     assert experts_rates_from_results(RESULTS) == EXPERTS_TFLOPS
     assert loss_rates_from_results(RESULTS) == (LOSS_MATMUL_TFLOPS, LOSS_S_PER_LOGIT)
     # between measured tile counts the seconds per FLOP are interpolated; beyond 8 held (and said)
-    r4, r6, r8 = (experts_rate("grouped_mm", k)[0] for k in (4, 6, 8))
-    assert r8 < r6 < r4 and experts_rate("grouped_mm", 16) == (r8, True)
+    r4, r6, r8 = (experts_rate(EXPERTS_TFLOPS["grouped_mm"], k)[0] for k in (4, 6, 8))
+    assert r8 < r6 < r4 and experts_rate(EXPERTS_TFLOPS["grouped_mm"], 16) == (r8, True)
 
 
 def test_the_reduced_run_is_the_plan_it_logged_and_within_the_targets():

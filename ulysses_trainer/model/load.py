@@ -23,10 +23,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from ..config import TrainConfig
 from ..errors import ConfigError
 from ..names import CHECKPOINT_MARKER
-from .families import MODEL_TYPES, family
+from .families import FAMILIES, family
 from .presets import PRESETS, is_preset, preset_config
 
-SUPPORTED_MODEL_TYPES = MODEL_TYPES
 _YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
 _ROPE_KEYS = ("rope_parameters", "rope_scaling")  # rope_scaling: the pre-5.0 name
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -150,9 +149,9 @@ def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) 
     rope_parameters / rope_scaling in model_init_kwargs are left for resolve_rope_parameters.
     """
     config = source_config(name_or_path)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
+    if config.model_type not in FAMILIES:
         raise ConfigError(f"model {name_or_path!r} has model_type {config.model_type!r}; this trainer "
-                          f"supports {', '.join(SUPPORTED_MODEL_TYPES)} (Qwen3 / Qwen3-MoE checkpoints or the "
+                          f"supports {', '.join(FAMILIES)} (Qwen3 / Qwen3-MoE checkpoints or the "
                           f"presets)")
     why = family(config.model_type).check_config(config)
     if why:
@@ -276,9 +275,7 @@ def model_config_for(cfg: TrainConfig) -> PretrainedConfig:
         raise ConfigError("model_init_kwargs sets both rope_parameters and rope_scaling; "
                           "keep rope_parameters")
     config = load_model_config(cfg.model_name_or_path, kwargs)
-    if family(config.model_type).mlp_kind == "sparse" and "output_router_logits" not in kwargs:
-        # the load-balancing loss is on unless model_init_kwargs turns it off (checkpoints often save false)
-        config.output_router_logits = True
+    family(config.model_type).mlp.training_config(config, kwargs)  # e.g. the router logits of a sparse block
     resolve_rope_parameters(config, kwargs.get(both[0]) if both else None, cfg.max_length)
     return config
 

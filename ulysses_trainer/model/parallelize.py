@@ -5,8 +5,9 @@ Order (each step relies on the ones before it):
   2. Loss head: lm_head also returns the chunked (or plain) loss sum, never the L x V logits.
   3. Lean norms: every RMSNorm keeps only its input for backward, not fp32 copies (fused Triton kernel on
      CUDA where liger-kernel is installed).
-  4. Tiled MLP: each decoder layer's MLP runs by sequence tiles; a sparse family's MoE block is replaced by
-     levers/sparse_moe.SparseMoE (experts by tiles, router statistics for the load-balancing loss).
+  4. The family's MLP block (model/families/): each decoder layer's MLP runs by sequence tiles (a gated MLP:
+     levers/tiled_mlp.TiledMLP; Qwen3-MoE's block: levers/sparse_moe.SparseMoE, experts by tiles, router
+     statistics for the load-balancing loss).
   5. Checkpointing (+ offload): each decoder layer keeps only its input (or, with checkpoint_every=k,
      every k-th layer does and backward rebuilds the rest), on device or in pinned host memory, and
      recomputes in backward; there the tiled MLP skips its forward (its backward recomputes each tile).
@@ -27,13 +28,11 @@ from torch import nn
 from ..attention.kernels import available_kernels
 from ..attention.stash import AttentionStash
 from ..config import FIELDS
-from ..errors import ConfigError
 from ..lever_settings import Fixed, decode_levers
 from ..levers.host_pool import HostPool
 from ..levers.lean_norm import available_norm_kernels, use_lean_norms
 from ..levers.recompute import LayerRecompute
-from ..levers.sparse_moe import RouterStats, SparseMoE
-from ..levers.tiled_mlp import TiledMLP
+from ..levers.sparse_moe import RouterStats
 from ..model_plan import ModelPlan
 from ..names import auto_num_tiles, choose_experts_implementation, choose_kernel, choose_norm_kernel, default_mlp_tiles
 from ..parallel.state import ParallelState
@@ -201,23 +200,9 @@ def parallelize(model: nn.Module, state: ParallelState,
     # 3. lean norms (before tiling and checkpointing, which only wrap what is there)
     if plan.lean_norm:
         use_lean_norms(model, plan.norm_kernel)
-    # 4. tiled MLP (dense), or the sparse block with its router statistics (tiled or not)
+    # 4. the family's MLP block: tiled, and its load-balancing statistics where it has them (sparse: router)
     tiles = plan.tiles
-    stats, coef = None, 0.0
-    if fam.mlp_kind == "sparse":
-        d = fam.layer_dims(c)
-        if getattr(c, "output_router_logits", False):
-            stats, coef = RouterStats(d.experts, d.top_k), float(getattr(c, "router_aux_loss_coef", 0.0))
-        for layer in layers:
-            layer.mlp = SparseMoE(layer.mlp, tiles, stats, d.top_k, bool(c.norm_topk_prob))
-        if hasattr(model, "set_experts_implementation"):
-            model.set_experts_implementation(plan.experts_implementation)
-        elif plan.experts_implementation != "eager":  # a transformers without the choice runs its loop
-            raise ConfigError(f"experts_implementation {plan.experts_implementation} needs a transformers with "
-                              f"set_experts_implementation; use eager or upgrade transformers")
-    elif tiles > 1:
-        for layer in layers:
-            layer.mlp = TiledMLP(layer.mlp, tiles)
+    stats, coef = fam.mlp.install(model, layers, tiles, plan.experts_implementation)
     # 5. checkpointing (+ offload, set by apply)
     checkpointer = None
     if plan.gradient_checkpointing:

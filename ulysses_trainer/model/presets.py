@@ -5,8 +5,7 @@ The dimensions live with their family (model/families/); this builds the transfo
 
 from __future__ import annotations
 
-import transformers
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from ..errors import ConfigError
 from .families import PRESETS, preset_family
@@ -24,4 +23,4 @@ def preset_config(name: str) -> PretrainedConfig:
     fam = preset_family(name)
     if fam is None:
         raise ConfigError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}")
-    return getattr(transformers, fam.config_class)(**fam.presets[name.lower()])
+    return AutoConfig.for_model(fam.model_type, **fam.presets[name.lower()])  # the family's config class

@@ -197,26 +197,17 @@ def small_all_reduces(job: Job) -> list[Collective]:
             Collective("all-reduce: gradient norm (DeepSpeed)", "all_reduce", "world", w, 4, 1, cross)]
 
 
-def router_all_reduces(shape: ModelShape, job: Job) -> list[Collective]:
-    """A sparse model's load-balancing statistics over the SP group (levers/sparse_moe.py), per micro-step: the
-    expert counts with the row count (fp32 [E + 1]), the probability sums [E] and their grads in backward; and
-    once per step, the logged aux loss over the world (parallel/loss.global_aux_loss)."""
-    if not shape.sparse or job.world_size == 1:
-        return []
-    logged = Collective("all-reduce: aux loss (logged)", "all_reduce", "world", job.world_size, 8, 1,
-                        job.world_size > job.gpus_per_node)
-    if job.sp_size == 1:
-        return [logged]
-    cross, e = job.sp_size > job.gpus_per_node, shape.experts
-    return [logged, Collective("all-reduce: router counts and rows (SP)", "all_reduce", "sp", job.sp_size, 4 * (e + 1),
-                       job.grad_accum, cross),
-            Collective("all-reduce: router probability sums and their grads (SP)", "all_reduce", "sp", job.sp_size,
-                       4 * e, 2 * job.grad_accum, cross)]
+def block_all_reduces(shape: ModelShape, job: Job) -> list[Collective]:
+    """The family's MLP block's own all-reduces (MlpBlock.all_reduces; Qwen3-MoE: the load-balancing statistics
+    over the SP group and the logged aux loss)."""
+    return [Collective(a.name, "all_reduce", a.group, a.group_size, a.bytes, a.count, a.crosses_nodes)
+            for a in shape.family.mlp.all_reduces(shape.dims, job.world_size, job.sp_size, job.gpus_per_node,
+                                                  job.grad_accum)]
 
 
 def step_collectives(shape: ModelShape, job: Job) -> list[Collective]:
     return (ulysses_all_to_alls(shape, job) + zero3_collectives(shape, job) + small_all_reduces(job)
-            + router_all_reduces(shape, job))
+            + block_all_reduces(shape, job))
 
 
 # --------------------------------------------------------------------------------------------

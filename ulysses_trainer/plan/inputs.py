@@ -10,7 +10,7 @@ from typing import Any, Literal
 from ..errors import ConfigError
 from ..layout import check_heads
 from ..layout import padded_length as layout_padded_length
-from ..model.families import Family, LayerDims, family
+from ..model.families import Family, LayerDims, MlpRun, family
 from ..names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS, param_persistence_threshold
 
 # --------------------------------------------------------------------------------------------
@@ -19,7 +19,7 @@ from ..names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS, param_persistence_t
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The dimensions the memory model needs, and the model's family (model/families/: module order, MLP kind,
+    """The dimensions the memory model needs, and the model's family (model/families/: module order, MLP block,
     q/k norms). `intermediate` is the dense MLP's width, or one expert's for a sparse family."""
 
     vocab: int
@@ -55,11 +55,6 @@ class ModelShape:
     @property
     def family(self) -> Family:
         return family(self.model_type)
-
-    @property
-    def sparse(self) -> bool:
-        """A sparse MoE MLP (router + experts) in every layer."""
-        return self.family.mlp_kind == "sparse"
 
     @property
     def dims(self) -> LayerDims:
@@ -204,6 +199,23 @@ def padded_length(s: Settings) -> int:
 def local_tokens(s: Settings) -> int:
     """t: tokens one rank holds per micro-step (batch x padded length / sp)."""
     return s.micro_batch * padded_length(s) // s.sp
+
+
+def forward_passes(shape: ModelShape, s: Settings) -> float:
+    """Forwards per layer, on average: 1, plus the recompute with checkpointing, plus the rebuild of
+    (c-1) of every c layers under checkpoint_every c."""
+    if not s.gradient_checkpointing:
+        return 1.0
+    c = s.checkpoint_every
+    rebuilt = shape.layers - -(-shape.layers // c)  # layers that are not block starts
+    return 2.0 + rebuilt / shape.layers
+
+
+def mlp_run(shape: ModelShape, s: Settings) -> MlpRun:
+    """What the family's MLP block terms read of these settings (model/families/base.MlpRun)."""
+    return MlpRun(tokens=local_tokens(s), act_bytes=s.act_bytes, tiles=s.tiled_mlp,
+                  gradient_checkpointing=s.gradient_checkpointing, forward_passes=forward_passes(shape, s),
+                  experts_implementation=s.experts_implementation)
 
 
 def kv_repeat(shape: ModelShape, sp: int) -> int:

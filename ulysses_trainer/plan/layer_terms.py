@@ -7,7 +7,7 @@ on top, and the ZeRO-3 / tied-embedding terms alive during it. Notation as in pl
 from __future__ import annotations
 
 from ..names import KEEPING_KERNELS, STANDIN_FA4, groups_one_at_a_time, prefetch_bucket_size
-from .inputs import ModelShape, Settings, kv_repeat, layer_param_numels, local_tokens, num_params
+from .inputs import ModelShape, Settings, kv_repeat, layer_param_numels, local_tokens, mlp_run, num_params
 
 FP32 = 4
 # the kernels attention/grouped.py runs group by group (flash_attention_4's group term is cuDNN's, not
@@ -27,8 +27,8 @@ def rmsnorm_saved_bytes(tokens: int, width: int, e: int, lean: bool = False) -> 
 
 
 def layer_forward_saved(shape: ModelShape, s: Settings) -> dict[str, int]:
-    """Tensors autograd keeps after a decoder layer's (re)computed forward, by what keeps them (a sparse family's
-    MLP: sparse_mlp_saved)."""
+    """Tensors autograd keeps after a decoder layer's (re)computed forward, by what keeps them (the MLP's: the
+    family's MlpBlock.saved)."""
     t, e, h = local_tokens(s), s.act_bytes, shape.hidden
     q, kp = shape.q_width, shape.kv_width * kv_repeat(shape, s.sp)
     lean = s.lean_norm
@@ -52,56 +52,16 @@ def layer_forward_saved(shape: ModelShape, s: Settings) -> dict[str, int]:
         # post_attention_layernorm: fp32 upcast + normalized + its output (the MLP input)
         ("post-attention norm (input, output)" if lean else "post-attention norm (fp32 upcast, normalized, output)"):
             rmsnorm_saved_bytes(t, h, e, lean) + t * h * e,
-        # untiled MLP: act_fn keeps gate(x), the product keeps act(gate(x)) and up(x), down_proj keeps
-        # the product: 4 [t, I] tensors (not 3: SiLU's backward needs its input, the product both
-        # factors); tiled: only the input, counted with the norm output above
-        "MLP intermediates (gate, act, up, product)": 4 * t * shape.intermediate * e if s.tiled_mlp == 1 else 0,
     }
-    if shape.sparse:
-        del saved["MLP intermediates (gate, act, up, product)"]
-        saved.update(sparse_mlp_saved(shape, s))
+    saved.update(shape.family.mlp.saved(shape.dims, mlp_run(shape, s)))  # the family's MLP block
     return saved
 
 
-def sparse_mlp_saved(shape: ModelShape, s: Settings) -> dict[str, int]:
-    """A sparse block's saved tensors (levers/sparse_moe.py): the router's logits [t, E] and two fp32 softmaxes of
-    them (the router's, for its top-k weights; the statistics', for the probability sums), the routing weights
-    and chosen experts [t, k]; untiled, the experts' permuted token buffer (top_k x t rows of
-    H) and each routed row's intermediates (gate_up 2I, act I, product I); tiled, the experts keep only the
-    block input, counted with the post-attention norm's output."""
-    t, e, h, i, k, n = local_tokens(s), s.act_bytes, shape.hidden, shape.intermediate, shape.top_k, shape.experts
-    terms = {"router logits + 2 fp32 softmaxes, routing weights and experts": t * n * (e + 2 * FP32) + t * k * (e + 8)}
-    if s.experts_implementation == "batched_mm":
-        # transformers' batched_mm gathers each row's gate_up weights [rows, 2I, H] (per top-k slot): on the H200,
-        # one Qwen3-30B-A3B block at 131,072 rows asked for 768 GiB = 131,072 x 1536 x 2048 x 2 B
-        r = -(-t // s.tiled_mlp)
-        terms["experts (batched_mm): gathered gate_up weights of one tile's rows"] = r * 2 * i * h * e
-    if s.tiled_mlp == 1:
-        terms["experts: permuted token buffer (top_k x t rows)"] = k * t * h * e
-        terms["experts: intermediates of the top_k x t routed rows (gate_up, act, product)"] = 4 * k * t * i * e
-    return terms
-
-
 def mlp_backward_extra(shape: ModelShape, s: Settings) -> dict[str, int]:
-    """Beyond the saved tensors, during the MLP's backward. Untiled: the grads of the product and of
-    act/up coexist with the saved four (2 more [t, I]), and the gate/up input grads ([t, H] each).
-    Tiled: the full input grad plus one tile's forward + backward (6 [r, I] and 2 [r, H], r = t/tiles)."""
-    t, e, h, i = local_tokens(s), s.act_bytes, shape.hidden, shape.intermediate
-    if shape.sparse:  # per routed row (top_k per token) as a dense MLP per token, plus the permuted buffer's grad
-        k = shape.top_k
-        if s.tiled_mlp == 1:
-            return {"experts backward: grads of product, act, up (top_k x t rows)": 2 * k * t * i * e,
-                    "experts backward: permuted buffer grad and input grad": (k + 1) * t * h * e}
-        r = -(-t // s.tiled_mlp)
-        return {"tiled experts: input grad [t, H]": t * h * e,
-                f"tiled experts: one tile of {r} tokens (top_k x rows: buffer, intermediates, grads)":
-                    6 * k * r * i * e + 3 * k * r * h * e}
-    if s.tiled_mlp == 1:
-        return {"MLP backward: grads of product, act, up": 2 * t * i * e,
-                "MLP backward: input grads (gate, up)": 2 * t * h * e}
-    r = -(-t // s.tiled_mlp)
-    return {"tiled MLP: input grad [t, H]": t * h * e,
-            f"tiled MLP: one tile of {r} rows (intermediates + grads)": 6 * r * i * e + 2 * r * h * e}
+    """Beyond the saved tensors, during the MLP's backward: the family's block (MlpBlock.backward_extra; a
+    gated MLP untiled: the grads of the product and of act/up and the gate/up input grads; tiled: the input
+    grad plus one tile's forward and backward)."""
+    return shape.family.mlp.backward_extra(shape.dims, mlp_run(shape, s))
 
 
 def attention_groups(shape: ModelShape, sp: int) -> int:
@@ -248,7 +208,5 @@ def layer_gathered_params_bytes(shape: ModelShape, s: Settings) -> int:
     gathered = layer + min(prefetch, layer)
     if s.zero3_trace:
         gathered = max(gathered, min(s.zero3.max_live_parameters, num_params(shape)))
-    hi = shape.hidden * shape.intermediate * max(1, shape.experts)  # a sparse block: all experts' weights
-    # tiled (or sparse: one experts module holds gate_up and down): the weight grads accumulate in full
-    grads = 3 * hi if s.tiled_mlp > 1 or shape.sparse else hi
+    grads = shape.family.mlp.weight_grad_numel(shape.dims, mlp_run(shape, s))  # the MLP block's full-size grads
     return (gathered + grads) * e

@@ -23,10 +23,11 @@ benchmarks/results/:
   ZeRO-Offload (fp32 master, m, v on the host, gradients copied down, weights up) measured 7.1 s for
   Qwen3-4B on the H200 host (a 163 s train step against 155.9 s forward+backward with the same
   settings): 1.77 ns per parameter on one host, scaled by the parameters each host updates.
-- a sparse (MoE) model: its sparse blocks at the block's measured rate by tile count (moe/moe_experts_h200.json,
-  see experts_calls for what a tiled, checkpointed step runs of it) and its once-per-step part (embedding, final
-  norm, chunked loss) at the cost the 1- and 8-layer profiles measure (profile_262144_l{1,8}_*), both taken out of
-  the dense rate, which then covers the attention projections and the router;
+- a family's MLP block may time parts at their own measured rates (MlpBlock.time_parts, model/families/):
+  Qwen3-MoE's sparse blocks at the block's measured rate by tile count (moe/moe_experts_h200.json, see
+  qwen3_moe.experts_calls for what a tiled, checkpointed step runs of it) and its once-per-step part (embedding,
+  final norm, chunked loss) at the cost the 1- and 8-layer profiles measure (profile_262144_l{1,8}_*), both taken
+  out of the dense rate, which then covers the attention projections and the router;
 The model predicts a warm step: the first step also compiles and autotunes kernels (~10 s measured).
 """
 
@@ -35,18 +36,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .inputs import ModelShape, Settings, active_layer_numel, local_tokens, padded_length
+from . import rates
+from .inputs import ModelShape, Settings, active_layer_numel, forward_passes, local_tokens, mlp_run, padded_length
 from .rates import (
     CALIBRATED_GPUS,
     CPU_ADAM_S_PER_PARAM,
     DENSE_TFLOPS,
-    EXPERTS_MEASURED_ROWS,
-    EXPERTS_TFLOPS,
     GPU_ADAM_BYTES_PER_PARAM,
     GPU_BANDWIDTH,
     KERNEL_RATES,
-    LOSS_MATMUL_TFLOPS,
-    LOSS_S_PER_LOGIT,
     MEASURED_HEAD_SHAPE,
     NORM_S_PER_ELEMENT,
 )
@@ -99,16 +97,6 @@ def attention_seconds(shape: ModelShape, s: Settings) -> tuple[float, float, boo
     return flops / (fwd_tf * 1e12), 2.5 * flops / (bwd_tf * 1e12), extra
 
 
-def forward_passes(shape: ModelShape, s: Settings) -> float:
-    """Forwards per layer, on average: 1, plus the recompute with checkpointing, plus the rebuild of
-    (c-1) of every c layers under checkpoint_every c."""
-    if not s.gradient_checkpointing:
-        return 1.0
-    c = s.checkpoint_every
-    rebuilt = shape.layers - -(-shape.layers // c)  # layers that are not block starts
-    return 2.0 + rebuilt / shape.layers
-
-
 def dense_flops(shape: ModelShape, s: Settings) -> float:
     """Everything but the attention kernel, one micro-step on one rank: 2 FLOPs per parameter and token per
     forward, 4 per backward; the lm_head in the chunked loss: forward + both grads, 6 per parameter."""
@@ -116,64 +104,6 @@ def dense_flops(shape: ModelShape, s: Settings) -> float:
     per_layer = active_layer_numel(shape)  # a sparse MLP: the router and top_k experts per token
     layers = shape.layers * per_layer * t * (2.0 * forward_passes(shape, s) + 4.0)
     return layers + 6.0 * shape.vocab * shape.hidden * t
-
-
-def experts_flops(shape: ModelShape, s: Settings) -> float:
-    """A sparse model's experts, one micro-step on one rank: 2 FLOPs per active expert parameter (top_k of them
-    per token) and token per forward, 4 per backward. 0 for a dense model."""
-    if not shape.sparse:
-        return 0.0
-    per_layer = shape.top_k * 3 * shape.hidden * shape.intermediate
-    return shape.layers * per_layer * local_tokens(s) * (2.0 * forward_passes(shape, s) + 4.0)
-
-
-def experts_rate(impl: str, tiles: int) -> tuple[float, bool]:
-    """(active TFLOP/s of the sparse block at `tiles`, extrapolated?): the seconds per FLOP interpolated linearly
-    in the tile count between measured counts (a tiled block's time grows about linearly with its tiles), held at
-    the last measured count beyond it."""
-    pts = EXPERTS_TFLOPS[impl]
-    if tiles >= pts[-1][0]:
-        return pts[-1][1], tiles != pts[-1][0]
-    for (k0, r0), (k1, r1) in zip(pts, pts[1:]):
-        if k0 <= tiles <= k1:
-            w = (tiles - k0) / (k1 - k0)
-            return 1.0 / ((1 - w) / r0 + w / r1), False
-    return pts[0][1], True
-
-
-def experts_calls(shape: ModelShape, s: Settings) -> float:
-    """One layer's sparse block in one micro-step, in measured block calls (forward + backward at the step's tile
-    count). Untiled, a call is 6 FLOPs per active parameter and row and each further forward adds 2 of them;
-    tiled, a call is 8 (its forward runs without a graph, its backward recomputes each tile) and a checkpoint's
-    recompute skips the experts (SparseMoE.unused_output), while checkpoint_every's rebuilds run them."""
-    fp = forward_passes(shape, s)
-    if s.tiled_mlp == 1:
-        return (2.0 * fp + 4.0) / 6.0
-    return (2.0 * (fp - (1.0 if s.gradient_checkpointing else 0.0)) + 6.0) / 8.0
-
-
-def experts_seconds(shape: ModelShape, s: Settings) -> tuple[float, list[str]]:
-    """(seconds of the sparse blocks in one micro-step on one rank, notes): the measured block rate at the step's
-    tile count, per layer experts_calls of it."""
-    notes = []
-    impl = s.experts_implementation
-    if impl not in EXPERTS_TFLOPS:
-        notes.append(f"experts_implementation {impl} not timed: eager's rate used")
-        impl = "eager"
-    rate, extra = experts_rate(impl, s.tiled_mlp)
-    if extra:
-        notes.append(f"experts rate measured at 1-{EXPERTS_TFLOPS[impl][-1][0]} tiles, held at {s.tiled_mlp}")
-    if local_tokens(s) != EXPERTS_MEASURED_ROWS:
-        notes.append(f"experts rate measured at {EXPERTS_MEASURED_ROWS:,} rows per rank, used at {local_tokens(s):,}")
-    call = 6.0 * local_tokens(s) * shape.top_k * 3 * shape.hidden * shape.intermediate
-    return shape.layers * experts_calls(shape, s) * call / (rate * 1e12), notes
-
-
-def loss_seconds(shape: ModelShape, s: Settings) -> float:
-    """A sparse model's once-per-step part on one rank (embedding, final norm, chunked lm_head + loss): the lm_head's
-    6 V H t FLOPs at LOSS_MATMUL_TFLOPS plus LOSS_S_PER_LOGIT per logit."""
-    logits = local_tokens(s) * shape.vocab
-    return logits * (6.0 * shape.hidden / (LOSS_MATMUL_TFLOPS * 1e12) + LOSS_S_PER_LOGIT)
 
 
 def norm_seconds(shape: ModelShape, s: Settings, kernel: str) -> float:
@@ -220,14 +150,13 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     parts = {"attention forward": forwards * fwd * accumulation,
              "attention backward": shape.layers * bwd * accumulation,
              "matmuls and the rest": dense_flops(shape, s) / (DENSE_TFLOPS * 1e12) * accumulation}
-    if shape.sparse:  # measured parts in place of the dense rate: the sparse blocks, the loss
-        dense_rate = DENSE_TFLOPS * 1e12
-        lm_head = 6.0 * shape.vocab * shape.hidden * local_tokens(s)
-        parts["matmuls and the rest"] -= (experts_flops(shape, s) + lm_head) / dense_rate * accumulation
-        ex, ex_notes = experts_seconds(shape, s)
-        notes.extend(ex_notes)
-        parts[f"experts ({s.experts_implementation})"] = ex * accumulation
-        parts["lm_head and loss"] = loss_seconds(shape, s) * accumulation
+    # the family's MLP block may time parts at their own measured rates in place of the dense rate
+    taken, measured, block_notes = shape.family.mlp.time_parts(shape.dims, mlp_run(shape, s), shape.layers,
+                                                                shape.vocab, rates)
+    if measured:
+        parts["matmuls and the rest"] -= taken / (DENSE_TFLOPS * 1e12) * accumulation
+        notes.extend(block_notes)
+        parts.update({name: seconds * accumulation for name, seconds in measured.items()})
     if s.lean_norm:  # the dense rate was fitted with the torch kernel's norms inside it
         rest = parts["matmuls and the rest"] - norm_seconds(shape, s, "torch") * accumulation
         if rest < 0:  # a narrow model (Qwen3-30B-A3B: hidden 2048) has more norm than matmul time per token

@@ -47,9 +47,8 @@ def layer_names(shape: ModelShape) -> list[str]:
 
 
 def _mlp_names(shape: ModelShape) -> tuple[list[str], list[str]]:
-    """(the MLP's tensors used once per pass, those used once per tile)."""
-    names = [n for n, _ in shape.family.mlp_params(shape.dims)]
-    return (names[:1], names[1:]) if shape.sparse else ([], names)
+    """(the MLP's tensors used once per pass, those used once per tile): the family's MlpBlock.trace_groups."""
+    return shape.family.mlp.trace_groups(shape.dims)
 
 
 def forward_order(shape: ModelShape) -> list[str]:

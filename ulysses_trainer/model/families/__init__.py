@@ -2,14 +2,17 @@
 
 Torch-free, so the planner reads the same facts the trainer builds from. A family holds its
 transformers names (config and causal-LM classes), its presets, the decoder layer's parameters in
-module order (what the memory model, the ZeRO-3 trace and the FLOP counts assume), its MLP kind and
-whether it has q/k norms. Another family is one new module here plus its entry in FAMILIES.
+module order (what the memory model, the ZeRO-3 trace and the FLOP counts assume), whether it has q/k norms,
+and its MLP block as behaviour (base.MlpBlock: parameters, memory and time terms, ZeRO-3 trace groups,
+collectives, LoRA targets, the block the trainer installs and its load-balancing loss). Nothing outside this
+package asks which family it has. Another family is one new module here plus its entry in FAMILIES, or
+`register(family)` from outside (tests/test_family_seam.py adds one that way).
 """
 
 from __future__ import annotations
 
 from ...errors import ConfigError
-from .base import Family, LayerDims
+from .base import AllReduce, Family, LayerDims, MlpBlock, MlpRun
 from .qwen3 import QWEN3
 from .qwen3_moe import QWEN3_MOE
 
@@ -25,8 +28,25 @@ def family(model_type: str) -> Family:
     f = FAMILIES.get(model_type)
     if f is None:
         raise ConfigError(f"model_type {model_type!r} is not supported; this trainer supports "
-                          f"{', '.join(MODEL_TYPES)} (Qwen3 and Qwen3-MoE checkpoints or the presets)")
+                          f"{', '.join(FAMILIES)} (Qwen3 and Qwen3-MoE checkpoints or the presets)")
     return f
+
+
+def register(fam: Family) -> None:
+    """Add a family (and its presets) to those the trainer and the planner accept; ValueError for a model_type
+    or preset name already taken."""
+    taken = [n for n in (fam.model_type, *fam.presets) if n in FAMILIES or n in _PRESET_FAMILY]
+    if taken:
+        raise ValueError(f"family {fam.model_type}: {', '.join(taken)} already registered")
+    FAMILIES[fam.model_type] = fam
+    _PRESET_FAMILY.update({name: fam for name in fam.presets})
+
+
+def unregister(model_type: str) -> None:
+    """Remove a family registered with `register` (and its presets)."""
+    fam = FAMILIES.pop(model_type)
+    for name in fam.presets:
+        _PRESET_FAMILY.pop(name, None)
 
 
 def preset_family(name: str) -> Family | None:
@@ -34,4 +54,5 @@ def preset_family(name: str) -> Family | None:
     return _PRESET_FAMILY.get(name.lower())
 
 
-__all__ = ["FAMILIES", "MODEL_TYPES", "PRESETS", "Family", "LayerDims", "family", "preset_family"]
+__all__ = ["FAMILIES", "MODEL_TYPES", "PRESETS", "AllReduce", "Family", "LayerDims", "MlpBlock", "MlpRun", "family",
+           "preset_family", "register", "unregister"]

@@ -1,17 +1,22 @@
-"""What a model family declares (torch-free): the Family record and the layer dimensions it reads."""
+"""What a model family declares (torch-free): the Family record, its MLP block's behaviour, the dimensions they read.
+
+A family owns what differs between families: the MLP (or expert) block (its parameters, how the planner counts its
+memory, time, ZeRO-3 uses and collectives, how the model's block is swapped for a tiled one, its load-balancing
+loss) and its LoRA targets. The planner and parallelize call these methods; neither asks which family it has.
+The methods that install modules import torch lazily: the planner reads a family without loading torch.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from ...errors import ConfigError
 
-MlpKind = Literal["dense", "sparse"]
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
-DENSE_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 # LoRA with no target_modules: PEFT's default for Qwen3, given explicitly (PEFT has none for Qwen3-MoE)
 LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")
+FP32 = 4
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,99 @@ class LayerDims:
 
 
 @dataclass(frozen=True)
+class MlpRun:
+    """What an MLP block's plan terms read of one run on one rank (plan/ fills it from its Settings)."""
+
+    tokens: int  # t: tokens one rank holds per micro-step
+    act_bytes: int  # 2 (bf16) or 4
+    tiles: int = 1  # sequence tiles (1 = untiled)
+    gradient_checkpointing: bool = True
+    forward_passes: float = 1.0  # forwards per layer on average (recompute and checkpoint_every rebuilds)
+    experts_implementation: str = "grouped_mm"
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    """A collective a block adds per optimizer step (plan/comm_model.Collective with op all_reduce)."""
+
+    name: str
+    group: str  # "sp" | "world"
+    group_size: int
+    bytes: int
+    count: int
+    crosses_nodes: bool = False
+
+
+class MlpBlock:
+    """One family's MLP block: the base holds what every block shares; a family's module subclasses it.
+
+    Parameters in module order (`params`: what the memory model, the ZeRO-3 trace and the FLOP counts assume);
+    `saved` / `backward_extra`: the plan's memory terms (plan/layer_terms.py) by what keeps them; `time_parts`:
+    measured parts in place of the dense rate (plan/step_time.py); `install`: the model's blocks swapped for the
+    trainer's (model/parallelize.py), returning the load-balancing statistics and coefficient (None, 0.0: none).
+    """
+
+    lora_linears: tuple[str, ...] = ()  # the block's nn.Linear names, in module order
+    lora_refusal: str = ""  # why a name is not a Linear here, added to the refusal
+
+    def dims(self, config: Any) -> dict[str, int]:
+        """intermediate (and experts, top_k) from a transformers config."""
+        return {"intermediate": config.intermediate_size}
+
+    def check_config(self, config: Any) -> str | None:
+        """Why this trainer cannot run a config of this family (None: it can)."""
+        return None
+
+    def training_config(self, config: Any, model_init_kwargs: dict[str, Any]) -> None:
+        """Set what training needs on a loaded config, unless model_init_kwargs sets it."""
+
+    def params(self, d: LayerDims) -> list[tuple[str, int]]:
+        raise NotImplementedError
+
+    def trace_groups(self, d: LayerDims) -> tuple[list[str], list[str]]:
+        """(the block's tensors used once per pass, those used once per tile), in module order."""
+        return [], [n for n, _ in self.params(d)]
+
+    def active_numel(self, d: LayerDims) -> int:
+        """Parameters one token runs through."""
+        return sum(n for _, n in self.params(d))
+
+    def row_width(self, d: LayerDims) -> int:
+        """Intermediate values per token, what the tile rules size by."""
+        return d.intermediate
+
+    def saved(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
+        """Bytes autograd keeps from the block's (re)computed forward, by what keeps them (a tiled block keeps
+        only its input, counted with the post-attention norm's output)."""
+        raise NotImplementedError
+
+    def backward_extra(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
+        """Bytes beyond the saved tensors during the block's backward."""
+        raise NotImplementedError
+
+    def weight_grad_numel(self, d: LayerDims, run: MlpRun) -> int:
+        """Full-size weight-grad elements alive at once in the block's backward under ZeRO-3."""
+        raise NotImplementedError
+
+    def time_parts(self, d: LayerDims, run: MlpRun, layers: int, vocab: int,
+                   rates: Any) -> tuple[float, dict[str, float], list[str]]:
+        """(FLOPs of one micro-step taken out of the dense rate's part, the measured parts (seconds of one
+        micro-step) timed instead, notes). `rates`: the planner's measured tables (plan/rates.py). Default:
+        everything at the dense rate."""
+        return 0.0, {}, []
+
+    def all_reduces(self, d: LayerDims, world: int, sp: int, gpus_per_node: int,
+                    grad_accum: int) -> list[AllReduce]:
+        """The block's own collectives per optimizer step (beyond ZeRO-3's gathers of its parameters)."""
+        return []
+
+    def install(self, model: Any, layers: Any, tiles: int, experts_implementation: str) -> tuple[Any, float]:
+        """Swap each decoder layer's block for the trainer's (tiled when tiles > 1); (load-balancing statistics
+        or None, their coefficient)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family.
 
@@ -36,10 +134,10 @@ class Family:
     the memory model (plan/inputs.layer_param_numels: attention, MLP, then the two layer norms).
     """
 
-    model_type: str  # transformers' config.model_type
-    config_class: str  # transformers class names, looked up when a model is built
+    model_type: str  # transformers' config.model_type (its AutoConfig / AutoModelForCausalLM entry)
+    config_class: str  # transformers class names
     causal_lm_class: str
-    mlp_kind: MlpKind
+    mlp: MlpBlock
     qk_norm: bool
     presets: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> config kwargs
 
@@ -52,19 +150,13 @@ class Family:
         return [("q", h * q), ("k", h * k), ("v", h * k), ("o", q * h)]
 
     def mlp_params(self, d: LayerDims) -> list[tuple[str, int]]:
-        """The MLP's tensors in the order they are used: dense gate, up, down; sparse: the router's weight,
-        then the experts' fused gate_up [E, 2I, H] and down [E, H, I] (one module holds both)."""
-        h, i = d.hidden, d.intermediate
-        if self.mlp_kind == "dense":
-            return [("gate", h * i), ("up", h * i), ("down", i * h)]
-        return [("router", d.experts * h), ("experts_gate_up", d.experts * 2 * i * h),
-                ("experts_down", d.experts * h * i)]
+        """The MLP's tensors in the order they are used (MlpBlock.params)."""
+        return self.mlp.params(d)
 
     def lora_linears(self) -> tuple[str, ...]:
         """A decoder layer's nn.Linear modules, what LoRA can adapt ("all-linear"), in module order: the attention
-        projections, and a dense MLP's three. A sparse block has none: its experts are fused 3-D weights and its
-        router is not a Linear."""
-        return ATTENTION_LINEARS + (DENSE_MLP_LINEARS if self.mlp_kind == "dense" else ())
+        projections, then the MLP block's."""
+        return ATTENTION_LINEARS + self.mlp.lora_linears
 
     def lora_targets(self, target_modules: Any) -> tuple[str, ...]:
         """The Linear names LoRA adapts, from target_modules as PEFT takes it (names, "all-linear", or None: the
@@ -78,40 +170,25 @@ class Family:
         names = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)
         unknown = [n for n in names if n not in linears]
         if unknown:
-            why = " (its experts are fused 3-D weights and its router is not a Linear)" \
-                if self.mlp_kind == "sparse" else ""
             raise ConfigError(f"lora_target_modules {', '.join(map(str, unknown))}: a {self.model_type} layer has "
-                              f"no such Linear{why}; target some of {', '.join(linears)}, or all-linear")
+                              f"no such Linear{self.mlp.lora_refusal}; target some of {', '.join(linears)}, or "
+                              f"all-linear")
         return names
 
     def active_mlp_numel(self, d: LayerDims) -> int:
-        """MLP parameters one token runs through: all of a dense MLP; the router and top_k of the experts."""
-        if self.mlp_kind == "dense":
-            return 3 * d.hidden * d.intermediate
-        return d.experts * d.hidden + d.top_k * 3 * d.hidden * d.intermediate
+        """MLP parameters one token runs through (MlpBlock.active_numel)."""
+        return self.mlp.active_numel(d)
 
     def mlp_row_width(self, d: LayerDims) -> int:
-        """Intermediate values per token of the MLP, what the tile rules size by: a sparse block's token runs
-        top_k experts of one expert's width each."""
-        return d.intermediate * (d.top_k if self.mlp_kind == "sparse" else 1)
+        """Intermediate values per token of the MLP, what the tile rules size by (MlpBlock.row_width)."""
+        return self.mlp.row_width(d)
 
     def layer_dims(self, config: Any) -> LayerDims:
         """From a transformers config of this family."""
         d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        sparse = self.mlp_kind == "sparse"
-        return LayerDims(hidden=config.hidden_size,
-                         intermediate=config.moe_intermediate_size if sparse else config.intermediate_size,
-                         q_width=config.num_attention_heads * d, kv_width=config.num_key_value_heads * d,
-                         head_dim=d, experts=config.num_experts if sparse else 0,
-                         top_k=config.num_experts_per_tok if sparse else 0)
+        return LayerDims(hidden=config.hidden_size, q_width=config.num_attention_heads * d,
+                         kv_width=config.num_key_value_heads * d, head_dim=d, **self.mlp.dims(config))
 
     def check_config(self, config: Any) -> str | None:
         """Why this trainer cannot run a config of this family (None: it can)."""
-        if self.mlp_kind != "sparse":
-            return None
-        step = getattr(config, "decoder_sparse_step", 1)
-        dense = list(getattr(config, "mlp_only_layers", None) or [])
-        if step != 1 or dense:
-            return (f"every layer must be sparse (decoder_sparse_step 1, no mlp_only_layers), got "
-                    f"decoder_sparse_step={step}, mlp_only_layers={dense}")
-        return None
+        return self.mlp.check_config(config)

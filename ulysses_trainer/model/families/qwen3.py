@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Family
+from .base import Family, LayerDims, MlpBlock, MlpRun
 
 VOCAB_SIZE = 151936
 MAX_POSITIONS = 40960
@@ -31,6 +31,49 @@ _DIMS: dict[str, tuple[int, int, int, int, int, bool]] = {
 }
 
 
+class GatedMlp(MlpBlock):
+    """A gated SiLU MLP, down(act(gate(x)) * up(x)) (transformers' Qwen3MLP); tiled: levers/tiled_mlp.TiledMLP."""
+
+    lora_linears = ("gate_proj", "up_proj", "down_proj")
+
+    def params(self, d: LayerDims) -> list[tuple[str, int]]:
+        """gate, up, down."""
+        h, i = d.hidden, d.intermediate
+        return [("gate", h * i), ("up", h * i), ("down", i * h)]
+
+    def saved(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
+        """Untiled: act_fn keeps gate(x), the product keeps act(gate(x)) and up(x), down_proj keeps the product:
+        4 [t, I] tensors (not 3: SiLU's backward needs its input, the product both factors); tiled: only the
+        input, counted with the post-attention norm's output."""
+        return {"MLP intermediates (gate, act, up, product)":
+                4 * run.tokens * d.intermediate * run.act_bytes if run.tiles == 1 else 0}
+
+    def backward_extra(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
+        """Untiled: the grads of the product and of act/up coexist with the saved four (2 more [t, I]), and the
+        gate/up input grads ([t, H] each). Tiled: the full input grad plus one tile's forward + backward
+        (6 [r, I] and 2 [r, H], r = t/tiles)."""
+        t, e, h, i = run.tokens, run.act_bytes, d.hidden, d.intermediate
+        if run.tiles == 1:
+            return {"MLP backward: grads of product, act, up": 2 * t * i * e,
+                    "MLP backward: input grads (gate, up)": 2 * t * h * e}
+        r = -(-t // run.tiles)
+        return {"tiled MLP: input grad [t, H]": t * h * e,
+                f"tiled MLP: one tile of {r} rows (intermediates + grads)": 6 * r * i * e + 2 * r * h * e}
+
+    def weight_grad_numel(self, d: LayerDims, run: MlpRun) -> int:
+        """Tiled: the three weight grads accumulate in full over the tiles; untiled: one at a time."""
+        return (3 if run.tiles > 1 else 1) * d.hidden * d.intermediate
+
+    def install(self, model: Any, layers: Any, tiles: int, experts_implementation: str) -> tuple[Any, float]:
+        """Tiled: each layer's MLP becomes a TiledMLP (same state-dict keys); untiled: left as it is."""
+        if tiles > 1:
+            from ...levers.tiled_mlp import TiledMLP
+
+            for layer in layers:
+                layer.mlp = TiledMLP(layer.mlp, tiles)
+        return None, 0.0
+
+
 def common_kwargs(layers: int) -> dict[str, Any]:
     """What every Qwen3-family preset shares (the published configs)."""
     return dict(vocab_size=VOCAB_SIZE, hidden_act="silu", max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6,
@@ -47,4 +90,4 @@ def _preset(name: str) -> dict[str, Any]:
 
 
 QWEN3 = Family(model_type="qwen3", config_class="Qwen3Config", causal_lm_class="Qwen3ForCausalLM",
-               mlp_kind="dense", qk_norm=True, presets={n: _preset(n) for n in _DIMS})
+               mlp=GatedMlp(), qk_norm=True, presets={n: _preset(n) for n in _DIMS})

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Family
+from ...errors import ConfigError
+from .base import FP32, AllReduce, Family, LayerDims, MlpBlock, MlpRun
 from .qwen3 import common_kwargs
 
 # name: (hidden, moe_intermediate, dense intermediate, layers, q heads, kv heads, experts, top_k, head_dim, tied)
@@ -26,6 +27,175 @@ _DIMS: dict[str, tuple[int, int, int, int, int, int, int, int, int, bool]] = {
 ROUTER_AUX_LOSS_COEF = 0.001
 
 
+def experts_rate(pts: tuple[tuple[int, float], ...], tiles: int) -> tuple[float, bool]:
+    """(active TFLOP/s of the sparse block at `tiles`, extrapolated?) from one implementation's measured (tiles,
+    TFLOP/s) points: the seconds per FLOP interpolated linearly in the tile count between measured counts (a tiled
+    block's time grows about linearly with its tiles), held at the last measured count beyond it."""
+    if tiles >= pts[-1][0]:
+        return pts[-1][1], tiles != pts[-1][0]
+    for (k0, r0), (k1, r1) in zip(pts, pts[1:]):
+        if k0 <= tiles <= k1:
+            w = (tiles - k0) / (k1 - k0)
+            return 1.0 / ((1 - w) / r0 + w / r1), False
+    return pts[0][1], True
+
+
+def experts_calls(run: MlpRun) -> float:
+    """One layer's sparse block in one micro-step, in measured block calls (forward + backward at the step's tile
+    count). Untiled, a call is 6 FLOPs per active parameter and row and each further forward adds 2 of them;
+    tiled, a call is 8 (its forward runs without a graph, its backward recomputes each tile) and a checkpoint's
+    recompute skips the experts (SparseMoE.unused_output), while checkpoint_every's rebuilds run them."""
+    fp = run.forward_passes
+    if run.tiles == 1:
+        return (2.0 * fp + 4.0) / 6.0
+    return (2.0 * (fp - (1.0 if run.gradient_checkpointing else 0.0)) + 6.0) / 8.0
+
+
+class SparseMoeMlp(MlpBlock):
+    """transformers' Qwen3MoeSparseMoeBlock: a router (Linear H -> E) and E gated experts held fused; the trainer
+    runs it as levers/sparse_moe.SparseMoE (router on all rows, experts by tiles, router statistics for the
+    load-balancing loss, summed over the SP group)."""
+
+    lora_refusal = " (its experts are fused 3-D weights and its router is not a Linear)"  # no Linear to adapt
+
+    def dims(self, config: Any) -> dict[str, int]:
+        return {"intermediate": config.moe_intermediate_size, "experts": config.num_experts,
+                "top_k": config.num_experts_per_tok}
+
+    def check_config(self, config: Any) -> str | None:
+        step = getattr(config, "decoder_sparse_step", 1)
+        dense = list(getattr(config, "mlp_only_layers", None) or [])
+        if step != 1 or dense:
+            return (f"every layer must be sparse (decoder_sparse_step 1, no mlp_only_layers), got "
+                    f"decoder_sparse_step={step}, mlp_only_layers={dense}")
+        return None
+
+    def training_config(self, config: Any, model_init_kwargs: dict[str, Any]) -> None:
+        if "output_router_logits" not in model_init_kwargs:
+            # the load-balancing loss is on unless model_init_kwargs turns it off (checkpoints often save false)
+            config.output_router_logits = True
+
+    def params(self, d: LayerDims) -> list[tuple[str, int]]:
+        """The router's weight, then the experts' fused gate_up [E, 2I, H] and down [E, H, I] (one module holds
+        both)."""
+        h, i = d.hidden, d.intermediate
+        return [("router", d.experts * h), ("experts_gate_up", d.experts * 2 * i * h),
+                ("experts_down", d.experts * h * i)]
+
+    def trace_groups(self, d: LayerDims) -> tuple[list[str], list[str]]:
+        """The router runs once on all the rows (forward, recompute, backward); the experts once per tile."""
+        names = [n for n, _ in self.params(d)]
+        return names[:1], names[1:]
+
+    def active_numel(self, d: LayerDims) -> int:
+        """The router and top_k of the experts."""
+        return d.experts * d.hidden + d.top_k * 3 * d.hidden * d.intermediate
+
+    def row_width(self, d: LayerDims) -> int:
+        """A token runs top_k experts of one expert's width each."""
+        return d.intermediate * d.top_k
+
+    def saved(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
+        """levers/sparse_moe.py: the router's logits [t, E] and two fp32 softmaxes of them (the router's, for its
+        top-k weights; the statistics', for the probability sums), the routing weights and chosen experts [t, k];
+        untiled, the experts' permuted token buffer (top_k x t rows of H) and each routed row's intermediates
+        (gate_up 2I, act I, product I); tiled, the experts keep only the block input, counted with the
+        post-attention norm's output."""
+        t, e, h, i, k, n = run.tokens, run.act_bytes, d.hidden, d.intermediate, d.top_k, d.experts
+        terms = {"router logits + 2 fp32 softmaxes, routing weights and experts":
+                 t * n * (e + 2 * FP32) + t * k * (e + 8)}
+        if run.experts_implementation == "batched_mm":
+            # transformers' batched_mm gathers each row's gate_up weights [rows, 2I, H] (per top-k slot): on the
+            # H200, one Qwen3-30B-A3B block at 131,072 rows asked for 768 GiB = 131,072 x 1536 x 2048 x 2 B
+            r = -(-t // run.tiles)
+            terms["experts (batched_mm): gathered gate_up weights of one tile's rows"] = r * 2 * i * h * e
+        if run.tiles == 1:
+            terms["experts: permuted token buffer (top_k x t rows)"] = k * t * h * e
+            terms["experts: intermediates of the top_k x t routed rows (gate_up, act, product)"] = 4 * k * t * i * e
+        return terms
+
+    def backward_extra(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
+        """Per routed row (top_k per token) as a dense MLP per token, plus the permuted buffer's grad."""
+        t, e, h, i, k = run.tokens, run.act_bytes, d.hidden, d.intermediate, d.top_k
+        if run.tiles == 1:
+            return {"experts backward: grads of product, act, up (top_k x t rows)": 2 * k * t * i * e,
+                    "experts backward: permuted buffer grad and input grad": (k + 1) * t * h * e}
+        r = -(-t // run.tiles)
+        return {"tiled experts: input grad [t, H]": t * h * e,
+                f"tiled experts: one tile of {r} tokens (top_k x rows: buffer, intermediates, grads)":
+                    6 * k * r * i * e + 3 * k * r * h * e}
+
+    def weight_grad_numel(self, d: LayerDims, run: MlpRun) -> int:
+        """All experts' weights: one experts module holds gate_up and down, so their grads accumulate in full."""
+        return 3 * d.hidden * d.intermediate * max(1, d.experts)
+
+    def experts_flops(self, d: LayerDims, run: MlpRun, layers: int) -> float:
+        """The experts, one micro-step on one rank: 2 FLOPs per active expert parameter (top_k of them per token)
+        and token per forward, 4 per backward."""
+        per_layer = d.top_k * 3 * d.hidden * d.intermediate
+        return layers * per_layer * run.tokens * (2.0 * run.forward_passes + 4.0)
+
+    def time_parts(self, d: LayerDims, run: MlpRun, layers: int, vocab: int,
+                   rates: Any) -> tuple[float, dict[str, float], list[str]]:
+        """The sparse blocks at the block's measured rate by tile count (moe/moe_experts_h200.json; experts_calls
+        of it per layer) and the once-per-step part (embedding, final norm, chunked lm_head + loss) at the cost
+        the 1- and 8-layer profiles measure: the lm_head's 6 V H t FLOPs at LOSS_MATMUL_TFLOPS plus
+        LOSS_S_PER_LOGIT per logit. Both come out of the dense rate, which then covers the attention
+        projections and the router."""
+        t = run.tokens
+        lm_head = 6.0 * vocab * d.hidden * t
+        taken = self.experts_flops(d, run, layers) + lm_head
+        notes = []
+        impl = run.experts_implementation
+        if impl not in rates.EXPERTS_TFLOPS:
+            notes.append(f"experts_implementation {impl} not timed: eager's rate used")
+            impl = "eager"
+        rate, extra = experts_rate(rates.EXPERTS_TFLOPS[impl], run.tiles)
+        if extra:
+            notes.append(f"experts rate measured at 1-{rates.EXPERTS_TFLOPS[impl][-1][0]} tiles, held at {run.tiles}")
+        if t != rates.EXPERTS_MEASURED_ROWS:
+            notes.append(f"experts rate measured at {rates.EXPERTS_MEASURED_ROWS:,} rows per rank, used at {t:,}")
+        call = 6.0 * t * d.top_k * 3 * d.hidden * d.intermediate
+        experts_s = layers * experts_calls(run) * call / (rate * 1e12)
+        logits = t * vocab
+        loss_s = logits * (6.0 * d.hidden / (rates.LOSS_MATMUL_TFLOPS * 1e12) + rates.LOSS_S_PER_LOGIT)
+        return taken, {f"experts ({run.experts_implementation})": experts_s, "lm_head and loss": loss_s}, notes
+
+    def all_reduces(self, d: LayerDims, world: int, sp: int, gpus_per_node: int,
+                    grad_accum: int) -> list[AllReduce]:
+        """The load-balancing statistics over the SP group (levers/sparse_moe.py), per micro-step: the expert
+        counts with the row count (fp32 [E + 1]), the probability sums [E] and their grads in backward; and once
+        per step, the logged aux loss over the world (parallel/loss.global_aux_loss)."""
+        if world == 1:
+            return []
+        logged = AllReduce("all-reduce: aux loss (logged)", "world", world, 8, 1, world > gpus_per_node)
+        if sp == 1:
+            return [logged]
+        cross, e = sp > gpus_per_node, d.experts
+        return [logged, AllReduce("all-reduce: router counts and rows (SP)", "sp", sp, 4 * (e + 1), grad_accum, cross),
+                AllReduce("all-reduce: router probability sums and their grads (SP)", "sp", sp, 4 * e,
+                          2 * grad_accum, cross)]
+
+    def install(self, model: Any, layers: Any, tiles: int, experts_implementation: str) -> tuple[Any, float]:
+        """Each layer's block becomes a SparseMoE (tiled or not) sharing one RouterStats when the config asks for
+        router logits (the load-balancing loss, router_aux_loss_coef times); the experts kernel is set."""
+        from ...levers.sparse_moe import RouterStats, SparseMoE
+
+        c = model.config
+        d = self.dims(c)
+        stats, coef = None, 0.0
+        if getattr(c, "output_router_logits", False):
+            stats, coef = RouterStats(d["experts"], d["top_k"]), float(getattr(c, "router_aux_loss_coef", 0.0))
+        for layer in layers:
+            layer.mlp = SparseMoE(layer.mlp, tiles, stats, d["top_k"], bool(c.norm_topk_prob))
+        if hasattr(model, "set_experts_implementation"):
+            model.set_experts_implementation(experts_implementation)
+        elif experts_implementation != "eager":  # a transformers without the choice runs its loop
+            raise ConfigError(f"experts_implementation {experts_implementation} needs a transformers with "
+                              f"set_experts_implementation; use eager or upgrade transformers")
+        return stats, coef
+
+
 def _preset(name: str) -> dict[str, Any]:
     hidden, moe_i, inter, layers, heads, kv, experts, top_k, d, tied = _DIMS[name]
     return dict(hidden_size=hidden, moe_intermediate_size=moe_i, intermediate_size=inter, num_hidden_layers=layers,
@@ -36,4 +206,4 @@ def _preset(name: str) -> dict[str, Any]:
 
 
 QWEN3_MOE = Family(model_type="qwen3_moe", config_class="Qwen3MoeConfig", causal_lm_class="Qwen3MoeForCausalLM",
-                   mlp_kind="sparse", qk_norm=True, presets={n: _preset(n) for n in _DIMS})
+                   mlp=SparseMoeMlp(), qk_norm=True, presets={n: _preset(n) for n in _DIMS})

@@ -1,0 +1,138 @@
+"""A model family is one module: a test-only family (tests/plain_mlp_family.py, Qwen3 with a plain two-Linear MLP)
+registered here is planned, loaded, parallelized and trained one step on CPU without editing the package; and
+nothing outside model/families/ branches on which family (or MLP kind) a model has."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.plain_mlp_family import MODEL_TYPE, PLAIN, PRESET, PlainForCausalLM, PlainMLP
+from ulysses_trainer import parallelize, shard_batch
+from ulysses_trainer.config import TrainConfig
+from ulysses_trainer.ds_config import load_ds_config
+from ulysses_trainer.model.families import FAMILIES, register, unregister
+from ulysses_trainer.model.load import build_model, model_config_for
+from ulysses_trainer.parallel.state import single_process_state
+from ulysses_trainer.plan.inputs import ModelShape, Settings, layer_param_numels, lora_numels, num_params
+from ulysses_trainer.plan.layer_terms import layer_forward_saved, mlp_backward_extra
+from ulysses_trainer.plan.resolve import plan_for
+from ulysses_trainer.plan.types import Machine
+from ulysses_trainer.plan.zero3_trace import forward_order, gathers_per_micro_step
+
+PKG = Path(__file__).resolve().parent.parent / "ulysses_trainer"
+FAMILY_NAMES = {"qwen3", "qwen3_moe", "dense", "sparse"}  # model types and the MLP kinds they had
+
+
+@pytest.fixture
+def plain_family():
+    register(PLAIN)
+    try:
+        yield PLAIN
+    finally:
+        unregister(MODEL_TYPE)
+
+
+def _config():
+    from ulysses_trainer.model.presets import preset_config
+
+    return preset_config(PRESET)
+
+
+def test_the_planner_reads_the_new_familys_block(plain_family):
+    shape = ModelShape.preset(PRESET)
+    h, i = 64, 96
+    assert layer_param_numels(shape)[6:8] == [h * i, i * h]  # after q, k, v, o, q_norm, k_norm: up, down
+    assert forward_order(shape)[-2:] == ["up", "down"]
+    assert gathers_per_micro_step(shape, persistence_threshold=0)["up"] >= 2
+    s = Settings(max_length=4096, tiled_mlp=1)
+    saved = layer_forward_saved(shape, s)
+    assert saved["plain MLP intermediates (up, act)"] == 2 * 4096 * i * 2
+    assert "MLP intermediates (gate, act, up, product)" not in saved
+    assert "plain MLP backward: grad of act, input grad" in mlp_backward_extra(shape, s)
+    per_layer = lora_numels(shape, "all-linear", 4)[:12]  # q, k, v, o, up, down: A and B each
+    assert per_layer[-4:] == (4 * h, i * 4, 4 * i, h * 4)
+    with torch.device("meta"):
+        model = PlainForCausalLM(_config())
+    assert sum(p.numel() for p in model.parameters()) == num_params(shape)
+
+
+def test_the_plan_command_plans_it(plain_family, capsys):
+    from ulysses_trainer.__main__ import main as cli_main
+
+    assert cli_main(["plan", "--model", PRESET, "--max_length", "4096", "--gpus", "2", "--gpu_memory_gb", "80",
+                     "--host_memory_gb", "64", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] and data["estimate"]["parameters"] == num_params(ModelShape.preset(PRESET))
+
+
+def test_the_trainers_model_path_runs_it_and_matches_transformers(plain_family):
+    """model_config_for -> plan_for -> build_model -> parallelize -> one forward/backward = the HF model's own."""
+    cfg = TrainConfig(model_name_or_path=PRESET, max_length=32)
+    config = model_config_for(cfg)
+    machine = Machine(gpus=1, gpu_memory_gb=None, host_memory_gb=64.0)
+    plan = plan_for(cfg, config, load_ds_config(cfg.deepspeed), machine)
+    model = build_model(config, torch.float32, seed=5)
+    assert isinstance(model, PlainForCausalLM) and isinstance(model.model.layers[0].mlp, PlainMLP)
+    ids = torch.randint(0, 1000, (1, 32), generator=torch.Generator().manual_seed(3))
+    ref = build_model(config, torch.float32, seed=5)
+    out = ref(input_ids=ids, labels=ids)
+    out.loss.backward()
+
+    sp = parallelize(model, single_process_state(), plan.model_plan(None, 1))
+    assert isinstance(model.model.layers[0].mlp, PlainMLP) and sp.router_stats is None  # the family's install
+    shard = shard_batch(ids, sp_size=1, sp_rank=0)
+    loss = sp(**shard.model_inputs()) / shard.num_valid
+    loss.backward()
+    assert abs(loss.item() - out.loss.item()) <= 1e-5 * abs(out.loss.item())
+    grads = {n.removeprefix("causal_lm."): p.grad for n, p in sp.named_parameters()}
+    for name, p in ref.named_parameters():
+        g = grads[name]
+        assert (g - p.grad).norm() <= 1e-5 * p.grad.norm() + 1e-12, name
+
+
+def test_registering_refuses_a_taken_name_and_unregistering_removes_it(plain_family):
+    with pytest.raises(ValueError, match="already registered"):
+        register(PLAIN)
+    assert FAMILIES[MODEL_TYPE] is PLAIN
+
+
+def _family_branches(tree: ast.AST) -> list[str]:
+    """Where code asks which family or MLP kind it has: `.mlp_kind` / `.sparse`, or a comparison with a model
+    type's or an MLP kind's name, or of a `.model_type` with a literal."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("mlp_kind", "sparse"):
+            out.append(f"line {node.lineno}: .{node.attr}")
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = [s.value for s in sides if isinstance(s, ast.Constant) and s.value in FAMILY_NAMES]
+            typed = any(isinstance(s, ast.Attribute) and s.attr == "model_type" for s in sides)
+            literal = any(isinstance(s, (ast.Constant, ast.Tuple, ast.List, ast.Set)) for s in sides)
+            if named or (typed and literal):  # `model_type in FAMILIES` asks whether it is known, not which
+                out.append(f"line {node.lineno}: compares {named or 'model_type'}")
+    return out
+
+
+def test_the_walker_sees_a_family_branch():
+    assert _family_branches(ast.parse("if fam.mlp_kind == 'sparse': pass"))
+    assert _family_branches(ast.parse("x = 1 if shape.sparse else 2"))
+    assert _family_branches(ast.parse("if config.model_type in ('a', 'b'): pass"))
+    assert _family_branches(ast.parse("if kind != 'dense': pass"))
+    assert not _family_branches(ast.parse("fam = family(getattr(config, 'model_type', 'qwen3'))"))
+    assert not _family_branches(ast.parse("if config.model_type not in FAMILIES: pass"))
+
+
+def test_no_family_branch_outside_the_families():
+    found = {}
+    for path in PKG.rglob("*.py"):
+        if (PKG / "model" / "families") in path.parents:
+            continue
+        hits = _family_branches(ast.parse(path.read_text()))
+        if hits:
+            found[str(path.relative_to(PKG))] = hits
+    assert found == {}, f"ask the family (model/families/) instead: {found}"
