@@ -291,7 +291,7 @@ def test_missing_paths_and_formats(tok, tmp_path):
         build_sequences(TrainConfig(dataset_name=str(mixed)), tok)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{oops\n')
-    with pytest.raises(ConfigError, match="cannot read dataset .*bad.jsonl as json"):
+    with pytest.raises(ConfigError, match=r"bad.jsonl, line 2: not valid JSON"):
         build_sequences(TrainConfig(dataset_name=str(bad)), tok)
     with pytest.raises(ConfigError, match="neither a local path nor a loadable HF dataset"):
         build_sequences(TrainConfig(dataset_name="nobody-here/no-such-dataset-xyz"), tok)  # offline in tests

@@ -110,7 +110,7 @@ def test_the_replan_after_the_engine_keeps_the_datas_attention(monkeypatch):
                       checkpoint_every=1, optimizer_offload=False)
     machine = Machine(gpus=1, kernels=("flash_attention_4",), norm_kernels=("torch",), **H200)
     plan = SimpleNamespace(device="cuda", machine=machine, shape=Q4, zero=ZeroSettings(), resolved=first,
-                           train_data=data)
+                           train_data=data, layout=None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (120 * 2**30, 140 * 2**30))
     monkeypatch.setattr(trainer_mod, "agree_free_memory", lambda gb: gb)

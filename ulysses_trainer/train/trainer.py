@@ -73,7 +73,6 @@ class Trainer:
             report.report_run_name(self.cfg.run_name)
             report.report_plan(plan.resolved, before_build=True)
             report.report_data(plan)
-        self.resolved = plan.resolved  # the plan the build starts from (re-planned once the engine exists)
         try:
             self.where.enter("building the model")
             self.model = self._build_model()
