@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist_utils import run_ranks, tiny_zero3_sp_step
+from tests.dist_utils import JOB_TIMEOUT_S, run_ranks, tiny_zero3_sp_step
 from tests.test_offload import _assert_close
 from ulysses_trainer.attention import grouped
 from ulysses_trainer.attention.grouped import Backend, grouped_attention
@@ -195,7 +195,7 @@ def _sp2(rank, world):
 
 @pytest.mark.slow
 def test_sp2_zero3_kept_outputs_equal_recompute():
-    for (ref_loss, ref_grads, _), (loss, grads, replays) in run_ranks(2, _sp2, timeout=300):
+    for (ref_loss, ref_grads, _), (loss, grads, replays) in run_ranks(2, _sp2, timeout=JOB_TIMEOUT_S):
         assert replays == 2
         _assert_close(torch.tensor(loss), {n: torch.from_numpy(g) for n, g in grads.items()},
                       torch.tensor(ref_loss), {n: torch.from_numpy(g) for n, g in ref_grads.items()}, tol=1e-6)

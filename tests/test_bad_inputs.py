@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import train_command, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, train_command, train_env
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 from ulysses_trainer.attention.kernels import available_kernels
 from ulysses_trainer.cli.train import main
@@ -344,7 +344,7 @@ def test_help_lists_config_and_prints_only_on_rank_0(monkeypatch, capsys):
 # ---------------------------------------------------------------- the real command
 def _command(args: list[str], launcher: bool) -> subprocess.CompletedProcess:
     cmd = train_command(2, args) if launcher else [sys.executable, "launch/train.py", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
 
 
 @pytest.mark.slow
@@ -384,7 +384,7 @@ def test_real_command_exits_2_and_prints_once(launcher, args_of, pattern, files,
 @pytest.mark.slow
 def test_help_under_deepspeed_prints_once_and_lists_config():
     proc = subprocess.run(train_command(2, ["--help"]), cwd=ROOT, env=train_env(), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("usage: deepspeed") == 1, proc.stdout[-3000:]
     assert "--config (a path" in proc.stdout and "--max_eval_samples" in proc.stdout

@@ -12,7 +12,7 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from benchmarks import suite
-from tests.dist_utils import train_env
+from tests.dist_utils import JOB_TIMEOUT_S, train_env
 from ulysses_trainer.model.presets import preset_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,7 +67,7 @@ def test_long_context_standin_probe_with_the_new_levers_holds_adam_states(tmp_pa
     cmd = [sys.executable, "benchmarks/long_context.py", "--system", "ours", "--model", "tiny", "--lengths", "256",
            "--steps", "1", "--standin-from", "1", "--checkpoint-every", "2", "--offload-optimizer",
            "--keep-attention-outputs", "true", "--out", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert res.returncode == 0, res.stderr[-3000:]
     (point,) = json.loads(out.read_text())["points"]
     assert point["status"] == "ok", point
@@ -84,7 +84,7 @@ def test_profile_step_buckets_attention_and_matmuls(tmp_path):
     out = tmp_path / "profile.json"
     cmd = [sys.executable, "benchmarks/profile_step.py", "--model", "tiny", "--length", "128",
            "--keep-attention-outputs", "true", "--out", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(out.read_text())["seconds_by_bucket"]
     for name in ("attention forward", "attention backward", "matmul"):

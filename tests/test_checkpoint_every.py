@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_utils import run_ranks, tiny_zero3_sp_step
+from tests.dist_utils import JOB_TIMEOUT_S, run_ranks, tiny_zero3_sp_step
 from tests.saved_tensors import saved_bytes
 from tests.test_offload import (
     _assert_close,
@@ -103,7 +103,7 @@ def _sp2_runs(rank, world):
 
 @pytest.mark.slow
 def test_sp2_zero3_every_2_and_3_with_offload_equal_every_layer():
-    for (ref_loss, ref_grads, _), *others in run_ranks(2, _sp2_runs, timeout=300):
+    for (ref_loss, ref_grads, _), *others in run_ranks(2, _sp2_runs, timeout=JOB_TIMEOUT_S):
         assert [o[2] for o in others] == [([0, 2], 1, [1, 1, 1]), ([0], 2, [1, 1, 1])]
         for loss, grads, _ in others:
             _assert_close(torch.tensor(loss), {n: torch.from_numpy(g) for n, g in grads.items()},

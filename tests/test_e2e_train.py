@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import job_failure, run_job, train_command
+from tests.dist_utils import JOB_TIMEOUT_S, job_failure, run_job, train_command
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_STEPS = 4
@@ -47,7 +47,7 @@ SP_ARGS = COMMON + ["--gradient_accumulation_steps", "2", "--per_device_train_ba
 
 def run_train(num_gpus: int, args: list[str], output_dir: Path) -> subprocess.CompletedProcess:
     cmd = train_command(num_gpus, [*args, "--output_dir", str(output_dir)])
-    proc = run_job(cmd, timeout=420)
+    proc = run_job(cmd, timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, job_failure(proc)
     return proc
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import ROOT, job_failure, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, ROOT, job_failure, train_env
 from tests.tiny_checkpoint import MOE_HUB_CONFIG, write_documents, write_moe_checkpoint
 from ulysses_trainer.config import TrainConfig
 from ulysses_trainer.config_checks import shard_bytes
@@ -103,7 +103,7 @@ def test_per_expert_moe_trains_and_exports_sharded_as_the_hub_stores_it(moe, tmp
     proc = subprocess.run([sys.executable, "launch/train.py", "--model_name_or_path", str(moe), "--dataset_name",
                            str(docs), "--max_length", "32", "--max_steps", "1", "--learning_rate", "1e-2",
                            "--max_shard_size", "40KB", "--output_dir", str(out)],
-                          cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, job_failure(proc)
     final = out / "final"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import train_command, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, train_command, train_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,7 @@ def test_a_real_oom_is_one_line_and_exit_1(tmp_path):
             "--gradient_checkpointing", "false", "--tiled_mlp", "false", "--optimizer_offload", "false",
             "--allow_over_plan", "true", "--save_strategy", "no", "--output_dir", str(out)]
     proc = subprocess.run(train_command(1, args), cwd=ROOT, env=train_env(), capture_output=True, text=True,
-                          timeout=600)
+                          timeout=JOB_TIMEOUT_S)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 1, proc.stderr[-4000:]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-4000:]

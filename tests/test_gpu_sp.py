@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import train_command, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, train_command, train_env
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["--model_name_or_path", "qwen3-0.6b", "--max_length", "32768", "--max_steps", "2", "--bf16", "true",
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 
 def _run(num_gpus: int, sp: int, out: Path) -> list[dict]:
     cmd = train_command(num_gpus, [*ARGS, "--sp_size", str(sp), "--output_dir", str(out)])
-    proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
                                   f"{proc.stderr[-4000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.dist_utils import JOB_TIMEOUT_S
 from ulysses_trainer.parallel import integrations
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,7 +144,7 @@ print(json.dumps({"same": before == after, "deepspeed": "deepspeed" in sys.modul
 @pytest.mark.slow
 def test_importing_the_trainer_registers_nothing():
     out = subprocess.run([sys.executable, "-c", _IMPORT_PROBE], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=JOB_TIMEOUT_S)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["deepspeed"], "the probe must import what a run imports"

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.dist_utils import free_port, job_failure, run_job, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, free_port, job_failure, run_job, train_env
 
 RANK1_DIES = """
 import os, signal, time
@@ -34,8 +34,8 @@ def test_a_killed_rank_is_named_by_the_launcher_line(tmp_path):
     script = tmp_path / "dies.py"
     script.write_text(RANK1_DIES)
     deepspeed = [sys.executable, "-m", "deepspeed.launcher.runner"]
-    res = run_job([*deepspeed, "--master_port", str(free_port()), "--num_gpus", "2", str(script)], timeout=300,
-                  env=train_env())
+    res = run_job([*deepspeed, "--master_port", str(free_port()), "--num_gpus", "2", str(script)],
+                  timeout=JOB_TIMEOUT_S, env=train_env())
     assert res.returncode != 0
     text = job_failure(res)
     assert "exits with return code = -9" in text, text  # SIGKILL: the rank did not fail, it was killed

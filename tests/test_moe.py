@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import Qwen3MoeForCausalLM
 
+from tests.dist_utils import JOB_TIMEOUT_S
 from ulysses_trainer import ParallelizeConfig, parallelize, shard_batch
 from ulysses_trainer.levers.sparse_moe import SparseMoE
 from ulysses_trainer.model.load import build_model
@@ -188,7 +189,7 @@ def test_sp_zero3_matches_plain_transformers_and_a_per_rank_aux_would_not(world)
 
     ids = batch(seed=10, b=1, length=38)
     ref_loss, ref_aux, ref_grads = hf_reference(tiny_moe(seed=6), ids)
-    for (loss, aux, grads), (_, bad_aux, bad_grads) in run_ranks(world, _sp_both, timeout=600):
+    for (loss, aux, grads), (_, bad_aux, bad_grads) in run_ranks(world, _sp_both, timeout=JOB_TIMEOUT_S):
         assert abs(aux - ref_aux) <= 1e-6 * ref_aux
         assert abs(loss - ref_loss) <= 1e-5 * ref_loss
         for n, g in ref_grads.items():
@@ -216,7 +217,7 @@ def test_train_sp1_sp2_sp4_same_losses_and_aux_losses_and_export_generates(tmp_p
     rows = {}
     for n in (1, 2, 4):
         out = tmp_path / f"sp{n}"
-        proc = run_job(train_command(n, [*args, "--output_dir", str(out)]), timeout=420)
+        proc = run_job(train_command(n, [*args, "--output_dir", str(out)]), timeout=JOB_TIMEOUT_S)
         assert proc.returncode == 0, job_failure(proc)
         rows[n] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows[1]] == [1, 2, 3]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port, job_failure, run_job, train_command, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, free_port, job_failure, run_job, train_command, train_env
 from ulysses_trainer.parallel.state import group_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +40,7 @@ def launcher_ranks(world_info: dict[str, list[int]], node_rank: int) -> list[tup
     cmd = [sys.executable, "-m", "deepspeed.launcher.launch", f"--world_info={info}", f"--node_rank={node_rank}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--no_python", "--no_local_rank",
            "sh", "-c", 'echo "ranks $RANK $LOCAL_RANK $LOCAL_SIZE"']
-    proc = subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [tuple(int(x) for x in line.split()[1:]) for line in proc.stdout.splitlines() if line.startswith("ranks ")]
     return sorted(rows)
@@ -85,7 +85,7 @@ def test_two_nodes_through_a_hostfile_sp2_inside_dp2_across_equal_one_node_dp2(t
                               cwd=ROOT, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for n in (1, 0)]
     try:
-        results = [p.communicate(timeout=420) for p in nodes]
+        results = [p.communicate(timeout=JOB_TIMEOUT_S) for p in nodes]
     finally:
         for p in nodes:
             if p.poll() is None:
@@ -93,7 +93,7 @@ def test_two_nodes_through_a_hostfile_sp2_inside_dp2_across_equal_one_node_dp2(t
     for p, (stdout, stderr) in zip(nodes, results):
         assert p.returncode == 0, f"{stdout[-2000:]}\n{stderr[-5000:]}"
     one = tmp_path / "one_node"
-    proc = run_job(train_command(2, [*ARGS, "--sp_size", "1", "--output_dir", str(one)]), timeout=420)
+    proc = run_job(train_command(2, [*ARGS, "--sp_size", "1", "--output_dir", str(one)]), timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, job_failure(proc)
     two, ref = metrics(out), metrics(one)
     assert [r["step"] for r in two] == [r["step"] for r in ref] == [1, 2]

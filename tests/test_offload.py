@@ -10,7 +10,7 @@ import torch
 import transformers
 from torch import nn
 
-from tests.dist_utils import run_ranks, zero3_config
+from tests.dist_utils import JOB_TIMEOUT_S, run_ranks, zero3_config
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.host_pool import GIB, HostPool, detect_host_memory_gb, host_bytes_needed
 from ulysses_trainer.levers.recompute import LayerRecompute
@@ -285,7 +285,7 @@ def _zero3_runs(rank: int, world: int):
 @pytest.mark.slow
 def test_checkpoint_offload_under_zero3():
     pytest.importorskip("deepspeed")
-    for (ref_loss, ref_grads, _), (loss, grads, calls) in run_ranks(2, _zero3_runs, timeout=300):
+    for (ref_loss, ref_grads, _), (loss, grads, calls) in run_ranks(2, _zero3_runs, timeout=JOB_TIMEOUT_S):
         assert calls == ([1, 1, 1], [1, 1, 1])
         _assert_close(torch.tensor(loss), {n: torch.from_numpy(g) for n, g in grads.items()},
                       torch.tensor(ref_loss), {n: torch.from_numpy(g) for n, g in ref_grads.items()})

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port, job_failure, run_job
+from tests.dist_utils import JOB_TIMEOUT_S, free_port, job_failure, run_job
 from ulysses_trainer import destroy_distributed, fill_zero_config
 from ulysses_trainer.errors import ConfigError
 
@@ -22,7 +22,7 @@ def run_example(num_gpus: int, args: list[str]) -> list[float]:
     deepspeed = Path(sys.executable).with_name("deepspeed")
     cmd = [str(deepspeed) if deepspeed.exists() else "deepspeed", "--master_port", str(free_port()),
            "--num_gpus", str(num_gpus), str(EXAMPLE.relative_to(ROOT)), *args]
-    proc = run_job(cmd, timeout=300)
+    proc = run_job(cmd, timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, job_failure(proc)
     return [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", proc.stdout, flags=re.M)]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import job_failure, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, job_failure, train_env
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 from ulysses_trainer.config import DEFAULT_DS_CONFIG, PACKAGE_DIR, REPO_ROOT
 from ulysses_trainer.ds_config import resolve_ds_path
@@ -62,11 +62,11 @@ def _installed(tmp: Path) -> Path:
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "wheel"), str(src)],
-                   check=True, cwd=tmp, timeout=600)
+                   check=True, cwd=tmp, timeout=JOB_TIMEOUT_S)
     target = tmp / "target"
     wheel = next((tmp / "wheel").glob("ulysses_trainer-*.whl"))
     subprocess.run([*pip, "install", "--no-deps", "--no-compile", "--target", str(target), str(wheel)],
-                   check=True, cwd=tmp, timeout=600)
+                   check=True, cwd=tmp, timeout=JOB_TIMEOUT_S)
     return target
 
 
@@ -84,7 +84,8 @@ def test_an_installed_wheel_trains_plans_and_prepares_data_from_any_directory(tm
     command = [str(script)] if script.is_file() else [sys.executable, "-m", "ulysses_trainer"]
 
     def run(*args: str, cwd: Path = away, environ: dict = env) -> subprocess.CompletedProcess:
-        return subprocess.run([*command, *args], cwd=cwd, env=environ, capture_output=True, text=True, timeout=600)
+        return subprocess.run([*command, *args], cwd=cwd, env=environ, capture_output=True, text=True,
+                              timeout=JOB_TIMEOUT_S)
 
     where = subprocess.run([sys.executable, "-c", "import ulysses_trainer; print(ulysses_trainer.__file__)"],
                            cwd=away, env=env, capture_output=True, text=True)
@@ -108,7 +109,7 @@ def test_an_installed_wheel_trains_plans_and_prepares_data_from_any_directory(tm
     assert planned.returncode == 0, planned.stderr[-3000:]
     checkout_env = dict(env, PYTHONPATH=str(REPO_ROOT))
     in_checkout = subprocess.run([sys.executable, "-m", "ulysses_trainer", *PLAN_ARGS], cwd=REPO_ROOT,
-                                 env=checkout_env, capture_output=True, text=True, timeout=600)
+                                 env=checkout_env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert in_checkout.returncode == 0, in_checkout.stderr[-3000:]
     assert json.loads(planned.stdout) == json.loads(in_checkout.stdout)
     assert "communication modelled (measured bandwidth" in planned.stdout  # the package's table, not a guess

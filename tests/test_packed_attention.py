@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import JOB_TIMEOUT_S, run_ranks
 from ulysses_trainer.attention import grouped
 from ulysses_trainer.attention.grouped import Backend, Documents, grouped_attention
 from ulysses_trainer.attention.kernels import sdpa_attention
@@ -259,7 +259,7 @@ def _sp2_packed(rank, world):
 def test_sp2_packed_boundaries_with_kept_outputs_equal_reference():
     from tests.test_sp_exact import make_batch, reference
 
-    per_rank = run_ranks(2, _sp2_packed, timeout=600)
+    per_rank = run_ranks(2, _sp2_packed, timeout=JOB_TIMEOUT_S)
     for i, docs in enumerate(BOUNDARY_DOCS):
         ids, pos = make_batch(1, sum(docs), doc_lengths=docs, seed=3)
         ref_loss, ref_grads = reference(ids, pos, 4)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import JOB_TIMEOUT_S
 from ulysses_trainer.__main__ import main as cli_main
 from ulysses_trainer.plan import memory as M
 from ulysses_trainer.plan.calibration import compare, load_calibration, load_measurements
@@ -272,7 +273,7 @@ def test_cli_bad_input_exit_2(args, needle, capsys):
 @pytest.mark.slow
 def test_cli_calibrate_and_python_m(tmp_path):
     out = subprocess.run([sys.executable, "-m", "ulysses_trainer", "plan", "calibrate", "--results_dir",
-                          str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+                          str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=JOB_TIMEOUT_S)
     assert out.returncode == 0, out.stderr
     assert "GPU pred" in out.stdout and "ours" in out.stdout and "worst GPU error" in out.stdout
 

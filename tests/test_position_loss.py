@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.dist_utils import job_failure, run_job, train_command, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, job_failure, run_job, train_command, train_env
 
 
 @pytest.mark.slow
@@ -11,7 +11,7 @@ def test_per_position_loss_png_from_a_training_run(tmp_path):
     cmd = train_command(2, ["--max_length", "1024", "--max_steps", "2", "--plot_per_position_loss", "true",
                             "--save_strategy", "no", "--output_dir", str(out)])
     # faulthandler: a rank that dies from a signal (SIGSEGV, SIGABRT) prints its Python stack before it goes
-    res = run_job(cmd, timeout=600, env=dict(train_env(), PYTHONFAULTHANDLER="1"))
+    res = run_job(cmd, timeout=JOB_TIMEOUT_S, env=dict(train_env(), PYTHONFAULTHANDLER="1"))
     assert res.returncode == 0, job_failure(res)
     png = out / "per_position_loss.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, free_port, train_env
 from ulysses_trainer.plan.comm_model import (
     A2A_STALL_S_PER_GB,
     Collective,
@@ -322,7 +322,7 @@ def test_rehearse_command_standin_with_dp(tmp_path):
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "ulysses_trainer", "rehearse", "--config", RECIPE, "--gpus", "8", "--rank", "5",
            "--sp_size", "4", "--max_length", "512", "--standin", "--steps", "1", "--json", "--out", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(out.read_text())
     assert json.loads(res.stdout[res.stdout.index("{\n"):]) == r
@@ -341,7 +341,7 @@ def test_rehearse_standin_takes_flash_attn_4s_path_when_the_run_names_it(tmp_pat
     cmd = [sys.executable, "-m", "ulysses_trainer", "rehearse", "--config", RECIPE, "--gpus", "4", "--rank", "1",
            "--sp_size", "4", "--max_length", "512", "--standin", "--steps", "1", "--attn_implementation",
            "flash_attention_4", "--out", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["standin"] is True and r["attention_kernel"] == "standin_memory_only_fa4"
@@ -372,7 +372,7 @@ def test_comm_bandwidth_benchmark_writes_what_the_rehearsal_reads(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "benchmarks/comm_bandwidth.py", "--backend", "gloo", "--sizes", "4096,65536", "--dtype", "float32",
            "--warmup", "1", "--iters", "2", "--out", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads(out.read_text())
     assert (data["world_size"], data["backend"]) == (2, "gloo")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.dist_utils import job_failure, run_job, train_command
+from tests.dist_utils import JOB_TIMEOUT_S, job_failure, run_job, train_command
 from ulysses_trainer import names
 from ulysses_trainer.cli.train import main
 from ulysses_trainer.errors import ConfigError
@@ -97,7 +97,7 @@ def test_real_command_report_to_tensorboard_has_the_losses_of_metrics_jsonl(tmp_
     args = ["--report_to", "tensorboard", "--max_steps", "2", "--max_length", "128", "--bf16", "false",
             "--eval_steps", "2", "--save_strategy", "no", "--output_dir", str(out)]
     cmd = train_command(1, args)
-    proc = run_job(cmd, timeout=300)
+    proc = run_job(cmd, timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, job_failure(proc)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "loss" in r]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import train_command, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, train_command, train_env
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 
 pytestmark = pytest.mark.slow
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _run(args: list[str], ranks: int) -> subprocess.CompletedProcess:
     cmd = train_command(2, args) if ranks == 2 else [sys.executable, "launch/train.py", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
 
 
 def _tree(path: Path) -> dict[str, bytes]:

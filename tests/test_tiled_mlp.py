@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
-from tests.dist_utils import run_ranks, zero3_config
+from tests.dist_utils import JOB_TIMEOUT_S, run_ranks, zero3_config
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.tiled_mlp import TiledMLP
 from ulysses_trainer.names import auto_num_tiles
@@ -116,7 +116,7 @@ def _tiled_vs_untiled(rank, world):
 @pytest.mark.slow
 def test_tiled_matches_untiled_under_zero3():
     results = [[(loss, {n: torch.from_numpy(g) for n, g in grads.items()}) for loss, grads in rank_out]
-               for rank_out in run_ranks(2, _tiled_vs_untiled, timeout=300)]
+               for rank_out in run_ranks(2, _tiled_vs_untiled, timeout=JOB_TIMEOUT_S)]
     for (loss_ref, grads_ref), (loss, grads) in results:
         assert abs(loss - loss_ref) <= 1e-5 * abs(loss_ref)
         assert grads.keys() == grads_ref.keys()
@@ -193,6 +193,6 @@ def _sp2_tiled_vs_untiled(rank, world):
 def test_sp2_zero3_checkpointed_tiled_equals_untiled():
     from tests.test_offload import _assert_close
 
-    for (ref_loss, ref_grads), (loss, grads) in run_ranks(2, _sp2_tiled_vs_untiled, timeout=300):
+    for (ref_loss, ref_grads), (loss, grads) in run_ranks(2, _sp2_tiled_vs_untiled, timeout=JOB_TIMEOUT_S):
         _assert_close(torch.tensor(loss), {n: torch.from_numpy(g) for n, g in grads.items()},
                       torch.tensor(ref_loss), {n: torch.from_numpy(g) for n, g in ref_grads.items()}, tol=1e-5)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.dist_utils import train_env
+from tests.dist_utils import JOB_TIMEOUT_S, train_env
 from tests.tiny_checkpoint import WORDS, write_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ def _documents(path: Path, num_docs: int, seed: int = 1) -> Path:
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "launch/train.py", *args], cwd=ROOT, env=train_env(), capture_output=True,
-                          text=True, timeout=400)
+                          text=True, timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     return proc
 

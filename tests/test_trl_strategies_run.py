@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import train_env
+from tests.dist_utils import JOB_TIMEOUT_S, train_env
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "launch/train.py", *args], cwd=ROOT, env=train_env(),
-                          capture_output=True, text=True, timeout=400)
+                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
