@@ -112,3 +112,61 @@ def test_without_the_agreement_the_digest_check_fires_before_step_1(tmp_path):
     assert "resolved different plans before the model is built" in e0
     assert not (tmp_path / "run").exists()  # before anything was written
 
+
+
+# ------------------------------------------------------------------ the plan after the engine
+STAND_IN_GB = 4.0  # a GPU's memory the CPU ranks plan for (probe.local_gpus)
+FREE_AFTER_ENGINE_GB = {0: 2.0, 1: 0.1}  # rank 1's GPU is left with too little to keep attention outputs
+
+
+def _replan_rank(rank: int, world_size: int, argv: list[str], agree: bool) -> tuple[int, list[dict], str]:
+    """The real command's main on this rank, planning for a stand-in GPU whose free memory after the engine is
+    FREE_AFTER_ENGINE_GB[rank]. Returns (exit code, the plans this rank checked, its stderr)."""
+    import ulysses_trainer.probe as probe
+    import ulysses_trainer.train.agreement as agreement
+    import ulysses_trainer.train.trainer as trainer
+    from ulysses_trainer.cli.train import main
+
+    probe.local_gpus = lambda index=0: probe.LocalGpus(world_size, STAND_IN_GB, "a stand-in GPU", False)
+    probe.free_gpu_memory_gb = lambda device: FREE_AFTER_ENGINE_GB[rank]
+    if not agree:
+        trainer.agree_free_memory = lambda free_gb: free_gb
+    plans: list[dict] = []
+    real_digest = agreement.plan_digest
+
+    def recorded(plan):
+        plans.append(plan.to_dict())
+        return real_digest(plan)
+
+    agreement.plan_digest = recorded
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, plans, err.getvalue()
+
+
+LEVERS = ("checkpoint_every", "activation_offload", "keep_attention_outputs", "tiled_mlp", "optimizer_offload")
+
+
+@pytest.mark.slow
+def test_the_plan_after_the_engine_is_made_from_the_least_free_memory_and_changes_alike(tmp_path):
+    """Rank 1's GPU is left with less than the plan expected: both ranks re-plan from its free memory (the
+    kept attention outputs go to host memory instead), run that plan, and train."""
+    (c0, p0, e0), (c1, p1, e1) = run_ranks(2, _replan_rank, _argv(tmp_path / "run"), True)
+    assert (c0, c1) == (0, 0), e0 + e1
+    assert p0 == p1 and len(p0) == 2  # before the model is built and after the engine: the same plans
+    before, after = ({k: p[k] for k in LEVERS} for p in p0)
+    assert before != after, before  # the re-plan changed what the run does
+    assert after["keep_attention_outputs"] == 0 < before["keep_attention_outputs"]
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"loss"' in row for row in rows) == 2
+
+
+@pytest.mark.slow
+def test_without_the_post_engine_agreement_the_digest_check_fires_before_step_1(tmp_path):
+    (c0, p0, e0), (c1, p1, e1) = run_ranks(2, _replan_rank, _argv(tmp_path / "run"), False)
+    assert p0[0] == p1[0] and p0[1] != p1[1]  # one plan before the model; rank 1 alone re-planned after the engine
+    assert (c0, c1) == (1, 1), e0 + e1
+    assert "resolved different plans with the free GPU memory measured" in e0
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or '"loss"' not in (
+        tmp_path / "run" / "metrics.jsonl").read_text()  # no step ran

@@ -50,6 +50,16 @@ def host_memory(given_gb: float | None) -> tuple[float, str]:
     return detect_host_memory_gb(), "detected on this machine"
 
 
+def free_gpu_memory_gb(device: torch.device | str) -> float | None:
+    """The free memory (GiB) of this rank's GPU now, torch's cached blocks released first; None without CUDA.
+    Asked once the engine holds the model states (the trainer's post-engine plan)."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.empty_cache()  # blocks torch cached during initialize are free for the run
+    free, _ = torch.cuda.mem_get_info(device)
+    return free / GIB
+
+
 def this_machine(world_size: int, host_memory_gb: float | None) -> Machine:
     """This machine for a run of `world_size` ranks: GPU memory (total; the free memory is measured after the
     engine is built) of this rank's device (none without CUDA: local_gpus says so, or a test's stand-in for it

@@ -13,6 +13,7 @@ import deepspeed
 import torch
 from tqdm import tqdm
 
+from .. import probe
 from ..config import config_to_dict
 from ..config_checks import shard_bytes
 from ..data.attention_share import AttentionShare, timed_from_data
@@ -129,11 +130,10 @@ class Trainer:
         left (the least of any rank's, so every rank re-plans alike): it differs from the first one only when
         a GPU holds less than the memory model expected."""
         plan = self.plan
-        if plan.device != "cuda":
+        free = probe.free_gpu_memory_gb(self.device)  # None on every rank of a CPU job, a number on every GPU rank
+        if free is None:
             return plan.resolved
-        torch.cuda.empty_cache()  # blocks torch cached during initialize are free for the run
-        free, _ = torch.cuda.mem_get_info(self.device)
-        machine = replace(plan.machine, gpu_free_after_engine_gb=agree_free_memory(free / 2**30))
+        machine = replace(plan.machine, gpu_free_after_engine_gb=agree_free_memory(free))
         # packed rows: attention timed from the same documents as the first plan, not as one document a row
         share = AttentionShare.of(plan.train_data) if timed_from_data(self.cfg) else None
         return resolve_plan(self.cfg, plan.shape, machine, plan.zero, engine_plan=plan.resolved, attention=share,
