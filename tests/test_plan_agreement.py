@@ -58,14 +58,25 @@ def test_digest_follows_the_plan():
     assert check_same_plan(_plan(64.0), "here") == plan_digest(_plan(64.0))  # one rank: nothing to compare
 
 
-def _train_rank(rank: int, world_size: int, argv: list[str], agree: bool) -> tuple[int, list[str], str]:
-    """The real command's main on this rank; rank 1 sees LESS_HOST_GB less host memory. Returns (exit code,
-    the plan digests this rank checked, its stderr)."""
+STAND_IN_GB = 4.0  # the GPU memory the CPU ranks plan for (probe.local_gpus)
+FREE_AFTER_ENGINE_GB = {0: 2.0, 1: 0.1}  # rank 1's GPU is left with too little to keep attention outputs
+LEVERS = ("checkpoint_every", "activation_offload", "keep_attention_outputs", "tiled_mlp", "optimizer_offload")
+
+
+def _train_rank(rank: int, world_size: int, argv: list[str], agree_machine: bool,
+                agree_free: bool) -> tuple[int, list[dict], str]:
+    """The real command's main on this rank. Both ranks plan for a stand-in GPU of STAND_IN_GB; rank 1 sees
+    LESS_HOST_GB less host memory, and each rank's GPU has FREE_AFTER_ENGINE_GB[rank] free once the engine is
+    built. agree_machine / agree_free False take away the agreement before the model / after the engine.
+    Returns (exit code, the plans this rank checked, its stderr)."""
     import ulysses_trainer.probe as probe
     import ulysses_trainer.train.agreement as agreement
     import ulysses_trainer.train.prepare as prepare
+    import ulysses_trainer.train.trainer as trainer
     from ulysses_trainer.cli.train import main
 
+    probe.local_gpus = lambda index=0: probe.LocalGpus(world_size, STAND_IN_GB, "a stand-in GPU", False)
+    probe.free_gpu_memory_gb = lambda device: FREE_AFTER_ENGINE_GB[rank]
     if rank == 1:
         real = probe.host_memory
 
@@ -74,62 +85,9 @@ def _train_rank(rank: int, world_size: int, argv: list[str], agree: bool) -> tup
             return gb - LESS_HOST_GB, source
 
         probe.host_memory = less_host_memory
-    if not agree:
+    if not agree_machine:
         prepare.agree_machine = lambda machine: machine
-    digests: list[str] = []
-    real_digest = agreement.plan_digest
-
-    def recorded(plan):
-        digests.append(real_digest(plan))
-        return digests[-1]
-
-    agreement.plan_digest = recorded
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, digests, err.getvalue()
-
-
-def _argv(out) -> list[str]:
-    return ["--sp_size", "2", "--max_length", "128", "--max_steps", "2", "--bf16", "false", "--seed", "3",
-            "--save_strategy", "no", "--logging_steps", "1", "--output_dir", str(out)]
-
-
-@pytest.mark.slow
-def test_a_rank_seeing_less_memory_runs_the_agreed_plan_and_trains(tmp_path):
-    (c0, d0, e0), (c1, d1, e1) = run_ranks(2, _train_rank, _argv(tmp_path / "run"), True)
-    assert (c0, c1) == (0, 0), e0 + e1
-    assert d0 == d1 and len(d0) == 2  # before the model is built and after the engine: the same digests
-    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert sum('"loss"' in row for row in rows) == 2  # both steps trained
-
-
-@pytest.mark.slow
-def test_without_the_agreement_the_digest_check_fires_before_step_1(tmp_path):
-    (c0, d0, e0), (c1, d1, e1) = run_ranks(2, _train_rank, _argv(tmp_path / "run"), False)
-    assert d0 != d1  # the ranks did resolve different plans
-    assert (c0, c1) == (1, 1), e0 + e1
-    assert "resolved different plans before the model is built" in e0
-    assert not (tmp_path / "run").exists()  # before anything was written
-
-
-
-# ------------------------------------------------------------------ the plan after the engine
-STAND_IN_GB = 4.0  # a GPU's memory the CPU ranks plan for (probe.local_gpus)
-FREE_AFTER_ENGINE_GB = {0: 2.0, 1: 0.1}  # rank 1's GPU is left with too little to keep attention outputs
-
-
-def _replan_rank(rank: int, world_size: int, argv: list[str], agree: bool) -> tuple[int, list[dict], str]:
-    """The real command's main on this rank, planning for a stand-in GPU whose free memory after the engine is
-    FREE_AFTER_ENGINE_GB[rank]. Returns (exit code, the plans this rank checked, its stderr)."""
-    import ulysses_trainer.probe as probe
-    import ulysses_trainer.train.agreement as agreement
-    import ulysses_trainer.train.trainer as trainer
-    from ulysses_trainer.cli.train import main
-
-    probe.local_gpus = lambda index=0: probe.LocalGpus(world_size, STAND_IN_GB, "a stand-in GPU", False)
-    probe.free_gpu_memory_gb = lambda device: FREE_AFTER_ENGINE_GB[rank]
-    if not agree:
+    if not agree_free:
         trainer.agree_free_memory = lambda free_gb: free_gb
     plans: list[dict] = []
     real_digest = agreement.plan_digest
@@ -145,28 +103,42 @@ def _replan_rank(rank: int, world_size: int, argv: list[str], agree: bool) -> tu
     return code, plans, err.getvalue()
 
 
-LEVERS = ("checkpoint_every", "activation_offload", "keep_attention_outputs", "tiled_mlp", "optimizer_offload")
+def _argv(out) -> list[str]:
+    return ["--sp_size", "2", "--max_length", "128", "--max_steps", "2", "--bf16", "false", "--seed", "3",
+            "--save_strategy", "no", "--logging_steps", "1", "--output_dir", str(out)]
+
+
+def _trained_steps(out) -> int:
+    metrics = out / "metrics.jsonl"
+    return sum('"loss"' in row for row in metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
 @pytest.mark.slow
-def test_the_plan_after_the_engine_is_made_from_the_least_free_memory_and_changes_alike(tmp_path):
-    """Rank 1's GPU is left with less than the plan expected: both ranks re-plan from its free memory (the
-    kept attention outputs go to host memory instead), run that plan, and train."""
-    (c0, p0, e0), (c1, p1, e1) = run_ranks(2, _replan_rank, _argv(tmp_path / "run"), True)
+def test_ranks_seeing_different_machines_run_one_agreed_plan_and_train(tmp_path):
+    """Rank 1 sees less host memory, and less free GPU memory once the engine is built than the plan expected:
+    both ranks plan from the least of each, re-plan alike after the engine (the kept attention outputs go to
+    host memory instead), check the same digests and train."""
+    (c0, p0, e0), (c1, p1, e1) = run_ranks(2, _train_rank, _argv(tmp_path / "run"), True, True)
     assert (c0, c1) == (0, 0), e0 + e1
     assert p0 == p1 and len(p0) == 2  # before the model is built and after the engine: the same plans
     before, after = ({k: p[k] for k in LEVERS} for p in p0)
-    assert before != after, before  # the re-plan changed what the run does
-    assert after["keep_attention_outputs"] == 0 < before["keep_attention_outputs"]
-    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert sum('"loss"' in row for row in rows) == 2
+    assert after["keep_attention_outputs"] == 0 < before["keep_attention_outputs"], (before, after)  # re-planned
+    assert _trained_steps(tmp_path / "run") == 2
+
+
+@pytest.mark.slow
+def test_without_the_agreement_the_digest_check_fires_before_anything_is_written(tmp_path):
+    (c0, p0, e0), (c1, p1, e1) = run_ranks(2, _train_rank, _argv(tmp_path / "run"), False, True)
+    assert p0 != p1  # the ranks did resolve different plans
+    assert (c0, c1) == (1, 1), e0 + e1
+    assert "resolved different plans before the model is built" in e0
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow
 def test_without_the_post_engine_agreement_the_digest_check_fires_before_step_1(tmp_path):
-    (c0, p0, e0), (c1, p1, e1) = run_ranks(2, _replan_rank, _argv(tmp_path / "run"), False)
+    (c0, p0, e0), (c1, p1, e1) = run_ranks(2, _train_rank, _argv(tmp_path / "run"), True, False)
     assert p0[0] == p1[0] and p0[1] != p1[1]  # one plan before the model; rank 1 alone re-planned after the engine
     assert (c0, c1) == (1, 1), e0 + e1
     assert "resolved different plans with the free GPU memory measured" in e0
-    assert not (tmp_path / "run" / "metrics.jsonl").exists() or '"loss"' not in (
-        tmp_path / "run" / "metrics.jsonl").read_text()  # no step ran
+    assert _trained_steps(tmp_path / "run") == 0
