@@ -1,4 +1,4 @@
-"""Atomic DeepSpeed checkpoints, resume, and the final consolidated HF export.
+"""Atomic DeepSpeed checkpoints and resume (the final HF export: export.py).
 
 A checkpoint is written to `.tmp-checkpoint-<step>/`, synced, then renamed to `checkpoint-<step>/`;
 the `latest` pointer moves last. A rank killed mid-save leaves only a stale tmp directory, and the
@@ -8,7 +8,6 @@ directory holding it is ever deleted, by save_total_limit's rotation or by overw
 
 from __future__ import annotations
 
-import copy
 import glob
 import json
 import os
@@ -41,7 +40,7 @@ _MODEL_DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_att
                "num_key_value_heads", "head_dim", "vocab_size")
 
 
-def _fsync_tree(path: str) -> None:
+def fsync_tree(path: str) -> None:
     for root, _, files in os.walk(path):
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
@@ -111,7 +110,7 @@ def save_checkpoint(engine, output_dir: str, step: int, client_state: dict, is_m
             with open(os.path.join(tmp, MARKER), "w") as f:
                 f.write(f"written by ulysses_trainer at step {step}; save_total_limit and overwrite_output_dir "
                         f"may delete this directory\n")
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             if os.path.exists(final):  # the same step saved again after a resume
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -145,7 +144,7 @@ def mark_weights_only(output_dir: str, step: int, is_main: bool, total_limit: in
         with open(os.path.join(final, MARKER), "w") as f:
             f.write(f"written by ulysses_trainer at step {step}; save_total_limit and overwrite_output_dir "
                     f"may delete this directory\n")
-        _fsync_tree(final)
+        fsync_tree(final)
         _write_atomic(os.path.join(output_dir, LATEST), f"checkpoint-{step}\n")
         if total_limit is not None:
             rotate_checkpoints(output_dir, total_limit)
@@ -313,92 +312,3 @@ def load_checkpoint(engine, path: str) -> dict:
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
     return client_state or {}
-
-
-def export_adapter(engine, peft_model, output_dir: str, tokenizer, is_main: bool, name: str = "final") -> str | None:
-    """LoRA: gather the adapter weights (collective: every rank enters) and write `final/` on rank 0 as PEFT
-    writes an adapter (adapter_config.json + adapter_model.safetensors), which PeftModel.from_pretrained loads."""
-    import deepspeed
-
-    target = os.path.join(output_dir, name)
-    adapters = [p for p in engine.module.parameters() if p.requires_grad]
-    with deepspeed.zero.GatheredParameters(adapters, modifier_rank=None):
-        _export_on_main(is_main, target, lambda: _replace_dir(
-            target + ".tmp", target, lambda d: peft_model.save_pretrained(d, safe_serialization=True), tokenizer))
-    return target if is_main else None
-
-
-def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix: str = "causal_lm.",
-              transform=None, config_json: dict | None = None, max_shard_size: int | str = "5GB",
-              name: str = "final") -> str | None:
-    """Consolidate the ZeRO-3 shards (collective) and write `final/` as HF safetensors on rank 0, sharded as
-    save_pretrained shards (model.safetensors.index.json beside several files; a Qwen3-MoE in the Hub's
-    per-expert layout); a failed write raises OutputWriteError on every rank (the checkpoints stay).
-    transform: applied to the consolidated state dict first (LoRA: merge the adapters into the weights);
-    config_json: written as final/config.json (model/export_config.py), else transformers' rendering of config."""
-
-    state = engine._zero3_consolidated_16bit_state_dict()
-    target = os.path.join(output_dir, name)  # name: final, or final/base (a preset adapter's base)
-    _export_on_main(is_main, target, lambda: _write_export(state, config, target + ".tmp", target, tokenizer,
-                                                           prefix, transform, config_json, max_shard_size))
-    return target if is_main else None
-
-
-def _export_on_main(is_main: bool, target: str, write: Callable[[], None]) -> None:
-    """Collective: rank 0 runs `write` (into target.tmp, renamed to target); a failed write (a full disk:
-    OSError, torch's RuntimeError, safetensors' SafetensorError) removes target.tmp and raises
-    OutputWriteError on every rank. The checkpoints are untouched, so a resume only exports."""
-    from safetensors import SafetensorError
-
-    failure: tuple[int, str] | None = None
-    if is_main:
-        tmp = target + ".tmp"
-        try:
-            write()
-        except (OSError, RuntimeError, SafetensorError) as exc:
-            failure = (describe_failure(exc, tmp), str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
-            shutil.rmtree(tmp, ignore_errors=True)
-    code = agree_on_failure(failure[0] if failure else 0)  # in place of a barrier: all ranks learn the outcome
-    if code:
-        raise OutputWriteError(failure_message("the final export", target, code, failure[1] if failure else ""))
-
-
-def _write_export(state: dict, config, tmp: str, target: str, tokenizer, prefix: str, transform=None,
-                  config_json: dict | None = None, max_shard_size: int | str = "5GB") -> None:
-    from transformers import AutoModelForCausalLM
-
-    state = {k.removeprefix(prefix): v for k, v in state.items()}
-    if transform is not None:
-        state = transform(state)
-    config = copy.deepcopy(config)
-    config._attn_implementation = "sdpa"  # the export loads anywhere, without our SP attention
-    config.use_cache = True  # training turned the KV cache off; generation from the export wants it
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    if model.generation_config is not None:
-        model.generation_config.use_cache = True
-    model.load_state_dict(state, strict=False, assign=True)
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    assert not missing, f"export lacks weights for {missing[:3]}"
-
-    def write(d: str) -> None:
-        model.save_pretrained(d, max_shard_size=max_shard_size)
-        if config_json is not None:  # the user's config, not transformers' rendering of the training one
-            with open(os.path.join(d, "config.json"), "w") as f:
-                f.write(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
-
-    _replace_dir(tmp, target, write, tokenizer)
-
-
-def _replace_dir(tmp: str, target: str, write: Callable[[str], None], tokenizer) -> None:
-    """`write` (and the tokenizer) into a fresh `tmp`, synced to disk, then renamed over `target`: a reader
-    sees the old directory or the whole new one, never half of it."""
-    shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(tmp)
-    _fsync_tree(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    os.rename(tmp, target)

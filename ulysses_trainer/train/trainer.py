@@ -32,6 +32,7 @@ from ..plan.resolve import resolve_plan
 from ..plan.types import Plan
 from . import checkpoint as ckpt
 from . import data_order as order
+from . import export
 from . import run_report as report
 from .agreement import agree_free_memory, check_same_plan
 from .chat_export import ExportFiles, adapter_base
@@ -335,15 +336,15 @@ class Trainer:
         files = ExportFiles(plan.tokenizer, chat, source_dir=source if source and os.path.isdir(source) else None)
         if self.peft_model is not None and not cfg.merge_lora:
             base = adapter_base(cfg.model_name_or_path, source, cfg.output_dir, name)
-            ckpt.export_adapter(self.engine, self.peft_model, cfg.output_dir,
+            export.export_adapter(self.engine, self.peft_model, cfg.output_dir,
                                 ExportFiles(plan.tokenizer, chat, adapter_base=base), self.state.is_main, name=name)
             if source is None:  # a preset's base exists nowhere else: <name>/base, which the adapter names
-                ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, files, self.state.is_main,
+                export.export_hf(self.engine, plan.model_config, cfg.output_dir, files, self.state.is_main,
                                transform=lambda sd: merged_state_dict(sd, 0.0), name=os.path.join(name, "base"),
                                max_shard_size=shard_bytes(cfg.max_shard_size))
         else:
             merge = (lambda sd: merged_state_dict(sd, lora_scaling(self.peft_model))) if self.peft_model else None
-            ckpt.export_hf(self.engine, plan.model_config, cfg.output_dir, files, self.state.is_main,
+            export.export_hf(self.engine, plan.model_config, cfg.output_dir, files, self.state.is_main,
                            transform=merge, config_json=export_config_json(cfg, plan.model_config, plan.bf16),
                            max_shard_size=shard_bytes(cfg.max_shard_size), name=name)
 
