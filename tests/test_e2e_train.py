@@ -175,6 +175,10 @@ def test_two_ranks_log_metrics_and_export(runs):
     assert (out / "latest").read_text().strip() == "checkpoint-4"
     final = out / "final"
     assert (final / "config.json").is_file() and list(final.glob("*.safetensors"))
+    # the plan's digest, checked equal on both ranks, printed once (rank 0) and recorded in config.json
+    digests = re.findall(r"\] plan: .*; digest ([0-9a-f]{16}) on every rank$", proc.stdout, re.M)
+    assert len(digests) == 1, proc.stdout[-3000:]
+    assert json.loads((out / "config.json").read_text())["plan_digest"] == digests[0]
 
 
 @pytest.mark.slow

@@ -184,7 +184,7 @@ def test_allow_over_plan_goes_past_the_check_and_says_what_to_expect(tmp_path, f
 
     plan = prepare(load_config([*OVER, "--allow_over_plan", "true", "--output_dir", str(tmp_path / "run")]), 1)
     assert not plan.resolved.fits and plan.resolved.predicted_gpu_required_gb > 2 * 4.0
-    report_plan(plan.resolved, before_build=True)
+    report_plan(plan.resolved, before_build=True, digest=plan.plan_digest)
     assert re.search(r"warning: the plan does not fit: GPU memory is short by [\d.]+ GiB .*\(allow_over_plan: over by "
                      r"more than the memory model's worst measured under-prediction \(3\.1%\); the run will most "
                      r"likely stop out of GPU memory\)", capsys.readouterr().out)

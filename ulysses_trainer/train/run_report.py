@@ -47,9 +47,10 @@ def report_run_name(run_name: str | None) -> None:
         log.info(f"run {run_name}")
 
 
-def report_plan(r: Plan, before_build: bool) -> None:
+def report_plan(r: Plan, before_build: bool, digest: str) -> None:
+    """The plan the run runs; digest: its digest, checked equal on every rank (train/agreement.py)."""
     log.info(f"plan{'' if before_build else ' with the free GPU memory measured'}: "
-          f"{r.summary()}")
+             f"{r.summary()}; digest {digest} on every rank")
     if r.decided:
         log.info(f"auto chose: {', '.join(r.decided)}")
     for note in r.notes:
@@ -83,7 +84,7 @@ def run_config_record(plan: RunPlan, step: int, path: str) -> dict:
     """config.json's content: this run's config, layout and data accounting; on resume the earlier runs' configs
     (read from `path`) stay in its `history` with the step each change took effect."""
     record = {**run_record(config_to_dict(plan.cfg), plan.world_size, plan.sp_size, plan.dp_size),
-              "data": data_record(plan), "history": []}
+              "data": data_record(plan), "plan_digest": plan.plan_digest, "history": []}
     try:
         with open(path) as f:
             previous = json.load(f)

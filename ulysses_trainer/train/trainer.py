@@ -73,7 +73,7 @@ class Trainer:
         self.where = Where()  # the step, phase and layer running: named by an out-of-memory error
         if self.state.is_main:  # before memory climbs: the plan and the data
             report.report_run_name(self.cfg.run_name)
-            report.report_plan(plan.resolved, before_build=True)
+            report.report_plan(plan.resolved, before_build=True, digest=plan.plan_digest)
             report.report_data(plan)
         try:
             self.where.enter("building the model")
@@ -118,7 +118,7 @@ class Trainer:
         apply(self.model, resolved)
         if resolved != first:  # the GPU holds less than the memory model expected
             if self.state.is_main:
-                report.report_plan(resolved, before_build=False)
+                report.report_plan(resolved, before_build=False, digest=digest)
         return engine
 
     @property
