@@ -21,7 +21,7 @@ from typing import Any
 
 from ..lever_settings import Fixed as Fixed  # the levers bound to a model (None: searched)
 from ..names import default_mlp_tiles
-from .inputs import ModelShape, Settings, Zero3Knobs, local_tokens, saved_layer_count
+from .inputs import ModelShape, Settings, Zero3Knobs, saved_layer_count
 from .memory import GIB, MemoryEstimate, estimate
 
 EVERY_CHOICES = (1, 2, 3, 4, 6, 9, 12)  # checkpoint_every values the search tries, cheapest first
@@ -83,7 +83,7 @@ class Search:
             yield [Rung(every, opt, saved, offload, self.knobs[opt]) for opt in opts]
 
     def top_tiles(self) -> int:
-        return max(1, min(MAX_TILES, local_tokens(self.base)))
+        return max(1, min(MAX_TILES, self.base.local_tokens))
 
     def tile_ladder(self, *, every_count: bool) -> list[int]:
         """The tile counts to try, ascending. every_count False: the shape rule (`default_mlp_tiles`), more only
@@ -93,7 +93,7 @@ class Search:
         top = self.top_tiles()
         if every_count:
             return list(range(1, top + 1))
-        rule = default_mlp_tiles(local_tokens(self.base), self.shape.mlp_row_width)
+        rule = default_mlp_tiles(self.base.local_tokens, self.shape.mlp_row_width)
         return sorted({min(rule, top)} | {t for t in (2, 4, 8, 16, 32, 64) if rule < t <= top})
 
     # ---------------------------------------------------------------- the fit test

@@ -31,10 +31,8 @@ from .inputs import (
     ModelShape,
     Settings,
     check_settings,
-    local_tokens,
     lora_numels,
     num_params,
-    padded_length,
     saved_layer_count,
 )
 from .memory import GIB, MemoryEstimate, estimate
@@ -139,7 +137,7 @@ def _gpu_budget(machine: Machine, base: Settings, engine_plan: Plan | None, note
 def _cheapest(shape: ModelShape, base: Settings, fx: Fixed) -> MemoryEstimate:
     """The CPU run: nothing is short of memory; the autos take their cheapest values."""
     every = fx.every or 1
-    tiles = fx.tiles if fx.tiles is not None else default_mlp_tiles(local_tokens(base), shape.mlp_row_width)
+    tiles = fx.tiles if fx.tiles is not None else default_mlp_tiles(base.local_tokens, shape.mlp_row_width)
     s = replace(base, checkpoint_every=every, tiled_mlp=tiles, offload_optimizer=bool(fx.optimizer_offload),
                 activation_offload=fx.offload_for(saved_layer_count(shape, every)) or 0,
                 kept_attention_layers=fx.keep or 0)
@@ -178,7 +176,7 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     base = _base_settings(cfg, layout, machine, zero, kernel, norm, bf16, shape)
     if cfg.packing and attention is not None:
         base = replace(base, attention_fraction=attention.mean)
-    fx = _with_zero(read_levers(decode_levers(cfg), shape, kernel, local_tokens(base)), zero)
+    fx = _with_zero(read_levers(decode_levers(cfg), shape, kernel, base.local_tokens), zero)
     asked = fx  # what the user (config and ZeRO JSON) fixed: the rest is `auto`, decided below
     if engine_plan is not None:  # the engine fixed these
         fx = replace(fx, optimizer_offload=engine_plan.optimizer_offload, tiles=engine_plan.tiles)
@@ -221,13 +219,13 @@ def _assemble(cfg: Any, shape: ModelShape, machine: Machine, chosen: MemoryEstim
     s = chosen.settings
     saved_layers = tuple(range(0, shape.layers, s.checkpoint_every)) if s.gradient_checkpointing else ()
     return Plan(
-        model=str(cfg.model_name_or_path), max_length=cfg.max_length, padded_length=padded_length(s), sp=s.sp,
+        model=str(cfg.model_name_or_path), max_length=cfg.max_length, padded_length=s.padded_length, sp=s.sp,
         dp=s.dp, kernel=kernel, loss_type=s.loss_type, loss_chunk_size=s.loss_chunk_size, tiles=s.tiled_mlp,
         lean_norm=s.lean_norm, norm_kernel=s.norm_kernel, gradient_checkpointing=s.gradient_checkpointing,
         checkpoint_every=s.checkpoint_every,
         saved_layers=saved_layers, offload_layers=saved_layers[:s.activation_offload],
         kept_attention_layers=tuple(range(s.kept_attention_layers)), optimizer_offload=s.offload_optimizer,
-        num_layers=shape.layers, checkpoint_bytes_per_layer=local_tokens(s) * shape.hidden * s.act_bytes,
+        num_layers=shape.layers, checkpoint_bytes_per_layer=s.local_tokens * shape.hidden * s.act_bytes,
         kept_attention_bytes_per_layer=_kept_bytes(shape, s),
         terms=tuple((t.name, t.gpu if chosen.counts(t) else 0, t.host) for t in chosen.terms if t.gpu or t.host),
         predicted_peak_gpu_gb=chosen.gpu_peak / GIB, predicted_gpu_required_gb=chosen.gpu_required / GIB,

@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass, field
 
 from . import rates
-from .inputs import ModelShape, Settings, active_layer_numel, forward_passes, local_tokens, mlp_run, padded_length
+from .inputs import ModelShape, Settings, active_layer_numel, forward_passes, mlp_run
 from .rates import (
     CALIBRATED_GPUS,
     CPU_ADAM_S_PER_PARAM,
@@ -71,7 +71,7 @@ class StepTime:
 def attention_flops_forward(shape: ModelShape, s: Settings) -> float:
     """One layer's causal attention forward on one rank: 2 x L^2 x heads/sp x d per sequence (x the packed
     rows' attention_fraction: their documents' sum(l_i^2) / L^2)."""
-    length = padded_length(s)
+    length = s.padded_length
     return 2.0 * s.micro_batch * length * length * (shape.heads // s.sp) * shape.head_dim * s.attention_fraction
 
 
@@ -92,7 +92,7 @@ def attention_seconds(shape: ModelShape, s: Settings) -> tuple[float, float, boo
     """(forward, backward seconds of one layer's kernel, extrapolated?); the stand-in costs nothing."""
     if s.attention not in KERNEL_RATES:
         return 0.0, 0.0, False
-    fwd_tf, bwd_tf, extra = _rate(s.attention, padded_length(s))
+    fwd_tf, bwd_tf, extra = _rate(s.attention, s.padded_length)
     flops = attention_flops_forward(shape, s)
     return flops / (fwd_tf * 1e12), 2.5 * flops / (bwd_tf * 1e12), extra
 
@@ -100,7 +100,7 @@ def attention_seconds(shape: ModelShape, s: Settings) -> tuple[float, float, boo
 def dense_flops(shape: ModelShape, s: Settings) -> float:
     """Everything but the attention kernel, one micro-step on one rank: 2 FLOPs per parameter and token per
     forward, 4 per backward; the lm_head in the chunked loss: forward + both grads, 6 per parameter."""
-    t = local_tokens(s)
+    t = s.local_tokens
     per_layer = active_layer_numel(shape)  # a sparse MLP: the router and top_k experts per token
     layers = shape.layers * per_layer * t * (2.0 * forward_passes(shape, s) + 4.0)
     return layers + 6.0 * shape.vocab * shape.hidden * t
@@ -110,7 +110,7 @@ def norm_seconds(shape: ModelShape, s: Settings, kernel: str) -> float:
     """The lean RMSNorms of one micro-step on one rank with `kernel`: per layer the input and
     post-attention norms ([t, hidden]) and the q/k norms ([t x heads, head_dim], before the all-to-all:
     local tokens, all heads), run forward_passes times forward and once backward; the final norm once."""
-    t = local_tokens(s)
+    t = s.local_tokens
     (h_f, h_b), (q_f, q_b) = NORM_S_PER_ELEMENT[kernel]["hidden"], NORM_S_PER_ELEMENT[kernel]["head"]
     hidden, heads = 2 * t * shape.hidden, t * (shape.heads + shape.kv_heads) * shape.head_dim
     passes = forward_passes(shape, s)
@@ -122,7 +122,7 @@ def communication(shape: ModelShape, s: Settings, compute_s: float, accumulation
     """plan/comm_model.py's estimate for the job these settings describe (measured NCCL points if present)."""
     from .comm_model import DEFAULT_COMM_FILE, Job, Overlap, estimate, load_bandwidth
 
-    job = Job(world_size=s.world, sp_size=s.sp, local_tokens=local_tokens(s), grad_accum=accumulation,
+    job = Job(world_size=s.world, sp_size=s.sp, local_tokens=s.local_tokens, grad_accum=accumulation,
               bytes_per_el=s.act_bytes, gradient_checkpointing=s.gradient_checkpointing,
               checkpoint_every=s.checkpoint_every, gpus_per_node=s.gpus_per_host or s.world,
               param_persistence_threshold=s.zero3.param_persistence_threshold,
@@ -140,7 +140,7 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
         pts = KERNEL_RATES[s.attention]
         if extra:
             notes.append(f"{s.attention} kernel rate measured at {pts[0][0]:,}-{pts[-1][0]:,} tokens, "
-                         f"held constant at {padded_length(s):,}")
+                         f"held constant at {s.padded_length:,}")
         if s.attention == "flash_attention_2":
             notes.append("flash_attention_2 not measured: torch's flash kernel's rate used")
         if (shape.heads // s.sp, shape.kv_heads, shape.head_dim) != MEASURED_HEAD_SHAPE and s.sp == 1:
