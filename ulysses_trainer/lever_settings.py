@@ -14,7 +14,7 @@ is installed when some layer may keep its output: checkpointing on and keep_atte
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from .errors import ConfigError
@@ -53,6 +53,18 @@ class Fixed:
     def attention_stash(self) -> bool:
         """Whether the attention-output stash is installed: some layer may keep its output (auto or > 0)."""
         return self.keep != 0
+
+    def with_json_placement(self, json_offload: bool | None) -> Fixed:
+        """The optimizer's placement once the ZeRO JSON is read: where the JSON has an offload_optimizer section
+        (json_offload not None) it says where Adam lives and wins over `auto`; a config that says otherwise is
+        refused (ConfigError naming the fix)."""
+        if json_offload is None:
+            return self
+        if self.optimizer_offload is not None and self.optimizer_offload != json_offload:
+            raise ConfigError(f"optimizer_offload {str(self.optimizer_offload).lower()} but the ZeRO JSON "
+                              f"{'has' if json_offload else 'has no'} offload_optimizer: set "
+                              f"optimizer_offload auto (the JSON wins) or edit the JSON")
+        return replace(self, optimizer_offload=json_offload)
 
 
 @dataclass(frozen=True)

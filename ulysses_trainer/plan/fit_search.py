@@ -8,6 +8,7 @@ layer inputs, the kept attention outputs; a lever the user fixed takes only its 
 - `fastest_fit` (what the plan runs; plan/resolve.py decodes the levers and calls it): at the first
   checkpoint_every where anything fits, per placement the first tile count where anything fits, the settings
   with the shortest predicted step.
+- `cheapest_autos` (the CPU run, no GPU budget): every auto at its cheapest value.
 - `cheapest_fit` (memory only; plan/longest_fit.py bisects the length over it): the first settings that fit in
   the cost order: the smallest checkpoint_every, then Adam on the GPU, then the fewest offloaded inputs, then
   the fewest tiles for that count.
@@ -227,6 +228,16 @@ def with_headroom(shape: ModelShape, chosen: MemoryEstimate, gpu_gb: float, host
             break
         best = e
     return best
+
+
+def cheapest_autos(shape: ModelShape, base: Settings, fx: Fixed) -> MemoryEstimate:
+    """The CPU run (no GPU budget): nothing is short of memory; the autos take their cheapest values."""
+    every = fx.every or 1
+    tiles = fx.tiles if fx.tiles is not None else default_mlp_tiles(base.local_tokens, shape.mlp_row_width)
+    s = replace(base, checkpoint_every=every, tiled_mlp=tiles, offload_optimizer=bool(fx.optimizer_offload),
+                activation_offload=fx.offload_for(saved_layer_count(shape, every)) or 0,
+                kept_attention_layers=fx.keep or 0)
+    return estimate(shape, s)
 
 
 # -------------------------------------------------------------------- goal 2: the cheapest that fits
