@@ -59,15 +59,14 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
                     gpus_per_host=machine.ranks_per_host, experts_implementation=kernels.experts,
                     attention_fraction=attention.mean if cfg.packing and attention is not None else 1.0,
                     trainable_numels=_lora_numels(cfg, shape))
-    # the levers (lever_settings.decode_levers) bound to the model; `tiled_mlp: true` sizes its tiles by the
-    # tokens per rank; the ZeRO JSON's optimizer placement wins over auto
-    fx = decode_levers(cfg).bind(shape.layers, lambda: auto_num_tiles(base.local_tokens, shape.hidden,
-                                                                       shape.mlp_row_width))
+    # the levers (lever_settings.decode_levers), the ZeRO JSON's optimizer placement winning over auto, bound to
+    # the model: `tiled_mlp: true` sizes its tiles by the tokens per rank. asked: what the config and JSON fixed
+    fx = asked = decode_levers(cfg).with_json_placement(zero.offload_optimizer).bind(
+        shape.layers, lambda: auto_num_tiles(base.local_tokens, shape.hidden, shape.mlp_row_width))
     if kernels.attention not in KEEPING_KERNELS and fx.keep not in (0, None):
         raise ConfigError(f"keep_attention_outputs needs a kernel that can keep its outputs (sdpa, "
                           f"flash_attention_4); {kernels.attention} cannot: set keep_attention_outputs false or "
                           f"attn_implementation sdpa")
-    fx = asked = fx.with_json_placement(zero.offload_optimizer)  # asked: what the config and the JSON fixed
     if engine_plan is not None:  # the engine fixed these
         fx = replace(fx, optimizer_offload=engine_plan.optimizer_offload, tiles=engine_plan.tiles)
     check_settings(shape, replace(base, kept_attention_layers=0))

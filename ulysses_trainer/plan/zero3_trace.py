@@ -40,11 +40,6 @@ from .inputs import ModelShape
 Param = tuple[int, str]  # (layer index or -1, tensor name)
 
 
-def layer_names(shape: ModelShape) -> list[str]:
-    """Tensor names in layer_param_numels' order."""
-    return [n for n, _ in shape.layer_params]
-
-
 def forward_order(shape: ModelShape) -> list[str]:
     """A layer's tensors in the order its modules use them (ModelShape.forward_order)."""
     return list(shape.forward_order)
@@ -75,10 +70,6 @@ def module_trace(shape: ModelShape, gradient_checkpointing: bool = True, checkpo
             trace += recompute(top)
         trace += backward(top)
     return trace + [(-1, "embed")]
-
-
-def numel_of(shape: ModelShape) -> dict[str, int]:
-    return dict(shape.numels)
 
 
 def gathers_per_micro_step(shape: ModelShape, gradient_checkpointing: bool = True, checkpoint_every: int = 1,

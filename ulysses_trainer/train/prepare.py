@@ -20,7 +20,7 @@ from ..data.attention_share import AttentionShare, timed_from_data
 from ..data.tokenizer import apply_tokenizer_options, check_tokenizer_fits, load_tokenizer
 from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
 from ..errors import ConfigError
-from ..layout import Layout, check_heads
+from ..layout import Layout
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
 from ..model.lora import check_lora
 from ..plan.inputs import ModelShape, num_params
@@ -30,7 +30,7 @@ from ..probe import this_machine
 from .agreement import agree_machine, check_same_plan
 from .checkpoint import CHECKPOINT, check_checkpoint_model, check_output_dir, find_checkpoint, trainer_checkpoints
 from .data_cache import prepared_sequences
-from .out_of_memory import check_gpu_fits, check_host_fits  # noqa: F401 - check_gpu_fits: also a test's seam
+from .out_of_memory import check_gpu_fits, check_host_fits
 from .output_guard import DiskNeed, check_writable, disk_line, peak_checkpoints, run_need
 from .resume_check import check_resume_config, run_record
 
@@ -104,7 +104,6 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     if resume_path:
         check_checkpoint_model(resume_path, model_config)
     check_local_weights(cfg.model_name_or_path, model_config)
-    check_heads(layout.sp, model_config.num_attention_heads, model_config.num_key_value_heads)
     shape = ModelShape.from_config(model_config)  # built once: every plan below reads it
     # every rank plans from the same machine: its probes reduced over the ranks (a no-op without a group)
     machine = agree_machine(this_machine(world_size, cfg.host_memory_gb))
