@@ -14,7 +14,7 @@ is installed when some layer may keep its output: checkpointing on and keep_atte
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from .errors import ConfigError
@@ -66,6 +66,18 @@ class Levers:
     tiles: int | Literal["rule"] | None  # tiled_mlp: 1 untiled, TRUE_TILES: names.auto_num_tiles
     optimizer_offload: bool | None
     pinned: tuple[str, ...]  # the searched levers the config fixed; "gradient_checkpointing" first when it is off
+
+    def with_json_placement(self, json_offload: bool | None) -> Levers:
+        """The optimizer's placement once the ZeRO JSON is read: where the JSON has an offload_optimizer section
+        (json_offload not None) it says where Adam lives and wins over `auto`; a config that says otherwise is
+        refused (ConfigError naming the fix)."""
+        if json_offload is None:
+            return self
+        if self.optimizer_offload is not None and self.optimizer_offload != json_offload:
+            raise ConfigError(f"optimizer_offload {str(self.optimizer_offload).lower()} but the ZeRO JSON "
+                              f"{'has' if json_offload else 'has no'} offload_optimizer: set "
+                              f"optimizer_offload auto (the JSON wins) or edit the JSON")
+        return replace(self, optimizer_offload=json_offload)
 
     def bind(self, layers: int, true_tiles: Callable[[], int]) -> Fixed:
         """The levers against a model of `layers` decoder layers (ConfigError naming the fix); true_tiles: the

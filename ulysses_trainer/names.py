@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
@@ -56,6 +57,31 @@ def choose_norm_kernel(name: str, installed: tuple[str, ...], lean_norm: bool = 
             raise ConfigError("norm_kernel triton is the lean norms' kernel: set lean_norm true or norm_kernel auto")
         return "torch"
     return _installed_choice("norm_kernel", name, NORM_KERNELS, installed, "torch")
+
+
+def choose_experts_implementation(name: str) -> str:
+    """A sparse model's experts kernel (transformers' experts_implementation): `auto` -> grouped_mm
+    (transformers' default where torch has grouped_mm; the fastest measured, plan/rates.EXPERTS_TFLOPS);
+    a named one as given."""
+    return "grouped_mm" if name == "auto" else name
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The run's kernels, chosen together (choose_kernels)."""
+
+    attention: str  # attn_implementation
+    norm: str  # the lean RMSNorms' kernel (torch without lean norms)
+    experts: str  # a sparse model's experts_implementation (unused by a dense one)
+
+
+def choose_kernels(attn_implementation: str, norm_kernel: str, experts_implementation: str, lean_norm: bool,
+                   installed: tuple[str, ...], installed_norms: tuple[str, ...]) -> Kernels:
+    """Every kernel setting decided in one step from what is installed (ConfigError naming the fix): the
+    attention kernel, the RMSNorm kernel and the experts kernel."""
+    return Kernels(attention=choose_kernel(attn_implementation, installed),
+                   norm=choose_norm_kernel(norm_kernel, installed_norms, lean_norm),
+                   experts=choose_experts_implementation(experts_implementation))
 
 
 def groups_one_at_a_time(kv_heads: int, keeps_output: bool) -> bool:
@@ -170,13 +196,6 @@ def resolve_report_to(value: str | list) -> list[str]:
                               + (" (WANDB_MODE=offline logs without an account)" if name == "wandb" else "")
                               + f", or drop {name} from report_to")
     return list(dict.fromkeys(names))
-
-
-def choose_experts_implementation(name: str) -> str:
-    """A sparse model's experts kernel (transformers' experts_implementation): `auto` -> grouped_mm
-    (transformers' default where torch has grouped_mm; the fastest measured, plan/rates.EXPERTS_TFLOPS);
-    a named one as given."""
-    return "grouped_mm" if name == "auto" else name
 
 
 # ---------------------------------------------------------------- what a training run writes

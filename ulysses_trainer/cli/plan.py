@@ -156,7 +156,7 @@ def run_plan(argv: list[str]) -> int:
     knobs = plan.zero3_by_placement
     base = replace(plan.settings, max_length=cfg.max_length, activation_offload=0, kept_attention_layers=0,
                    zero3=knobs[False])
-    # Adam's placement as the config and the ZeRO JSON fixed it (lever_settings.decode_levers, then resolve._with_zero)
+    # Adam's placement as the config and the ZeRO JSON fixed it (lever_settings: decode_levers, with_json_placement)
     longest, best = largest_max_length(ModelShape.from_config(model_config), base, hw,
                                        offload_optimizer=plan.fixed.optimizer_offload, knobs=knobs)
     if args.json:

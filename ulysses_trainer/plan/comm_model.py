@@ -48,9 +48,8 @@ import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from .. import names as rules
-from .inputs import ModelShape, layer_param_numels
-from .zero3_trace import forward_order, gathers_per_micro_step, numel_of
+from .inputs import ModelShape
+from .zero3_trace import gathers_per_micro_step
 
 # Assumed when no measured file is given: NCCL bus bandwidth of large messages over H200 NVLink
 # (nccl-tests reach ~350-450 GB/s on 8x H100/H200), one per-op latency, and 400 Gb/s IB per GPU.
@@ -127,22 +126,18 @@ def ulysses_all_to_alls(shape: ModelShape, job: Job) -> list[Collective]:
     return out
 
 
-def _persistence(shape: ModelShape, job: Job) -> int:
-    thr = job.param_persistence_threshold
-    return rules.param_persistence_threshold(shape.hidden) if thr is None else thr
-
-
 def zero3_collectives(shape: ModelShape, job: Job) -> list[Collective]:
     """ZeRO-3's all-gathers and reduce-scatters of one step, over all W ranks."""
     w, e = job.world_size, job.bytes_per_el
     if w == 1:
         return []
-    thr = _persistence(shape, job)
+    thr = shape.auto_persistence_threshold if job.param_persistence_threshold is None \
+        else job.param_persistence_threshold
     cross = w > job.gpus_per_node
     shard = lambda n: -(-n // w) * e  # noqa: E731 - per-rank input bytes of gathering an n-element tensor
     gathers = gathers_per_micro_step(shape, job.gradient_checkpointing, job.checkpoint_every, thr,
                                      job.max_reuse_distance, job.mlp_tiles)
-    size = numel_of(shape)
+    size = shape.numels
     out = []
     by_size: dict[int, list[str]] = {}  # one row per tensor size: q/o, k/v, gate/up/down, embedding
     for name in gathers:
@@ -151,7 +146,7 @@ def zero3_collectives(shape: ModelShape, job: Job) -> list[Collective]:
         label = "/".join(names) if names[0] not in ("embed", "lm_head") else " + ".join(names)
         out.append(Collective(f"zero3 gather: {label}", "all_gather", "world", w, shard(n),
                               sum(gathers[m] for m in names) * job.grad_accum, cross))
-    persistent = Counter(n for n in _all_numels(shape) if n <= thr)  # one call per tensor after the step
+    persistent = Counter(n for n in shape.param_numels if n <= thr)  # one call per tensor after the step
     for n, k in sorted(persistent.items()):
         out.append(Collective(f"zero3 gather: persistent {n}-element tensors after the step", "all_gather",
                               "world", w, shard(n), k, cross))
@@ -165,11 +160,11 @@ def reduce_buckets(shape: ModelShape, job: Job) -> Counter:
     """Bucket size (elements) -> reduce-scatters per micro-step. Gradients arrive in backward order and
     fill a bucket of reduce_bucket_size elements; one that would overflow a non-empty bucket sends it
     first (stage3.__add_grad_to_ipg_bucket), so a gradient larger than the bucket goes alone."""
-    names = [n for n in reversed(forward_order(shape))]
+    names = list(reversed(shape.forward_order))
     order = ["final_norm"] + [n for _ in range(shape.layers) for n in names] + ["embed"]
     if not shape.tied_embeddings:
         order.insert(0, "lm_head")
-    size, limit = numel_of(shape), job.reduce_bucket_size or rules.reduce_bucket_size(shape.hidden)
+    size, limit = shape.numels, job.reduce_bucket_size or shape.auto_reduce_bucket
     buckets: Counter = Counter()
     held = 0
     for name in order:
@@ -179,11 +174,6 @@ def reduce_buckets(shape: ModelShape, job: Job) -> Counter:
         held += size[name]
     buckets[held] += 1
     return buckets
-
-
-def _all_numels(shape: ModelShape) -> list[int]:
-    out = [shape.vocab * shape.hidden] + layer_param_numels(shape) * shape.layers + [shape.hidden]
-    return out + ([] if shape.tied_embeddings else [shape.vocab * shape.hidden])
 
 
 def small_all_reduces(job: Job) -> list[Collective]:

@@ -8,6 +8,7 @@ layer inputs, the kept attention outputs; a lever the user fixed takes only its 
 - `fastest_fit` (what the plan runs; plan/resolve.py decodes the levers and calls it): at the first
   checkpoint_every where anything fits, per placement the first tile count where anything fits, the settings
   with the shortest predicted step.
+- `cheapest_autos` (the CPU run, no GPU budget): every auto at its cheapest value.
 - `cheapest_fit` (memory only; plan/longest_fit.py bisects the length over it): the first settings that fit in
   the cost order: the smallest checkpoint_every, then Adam on the GPU, then the fewest offloaded inputs, then
   the fewest tiles for that count.
@@ -21,7 +22,7 @@ from typing import Any
 
 from ..lever_settings import Fixed as Fixed  # the levers bound to a model (None: searched)
 from ..names import default_mlp_tiles
-from .inputs import ModelShape, Settings, Zero3Knobs, local_tokens, saved_layer_count
+from .inputs import ModelShape, Settings, Zero3Knobs, saved_layer_count
 from .memory import GIB, MemoryEstimate, estimate
 
 EVERY_CHOICES = (1, 2, 3, 4, 6, 9, 12)  # checkpoint_every values the search tries, cheapest first
@@ -83,7 +84,7 @@ class Search:
             yield [Rung(every, opt, saved, offload, self.knobs[opt]) for opt in opts]
 
     def top_tiles(self) -> int:
-        return max(1, min(MAX_TILES, local_tokens(self.base)))
+        return max(1, min(MAX_TILES, self.base.local_tokens))
 
     def tile_ladder(self, *, every_count: bool) -> list[int]:
         """The tile counts to try, ascending. every_count False: the shape rule (`default_mlp_tiles`), more only
@@ -93,7 +94,7 @@ class Search:
         top = self.top_tiles()
         if every_count:
             return list(range(1, top + 1))
-        rule = default_mlp_tiles(local_tokens(self.base), self.shape.mlp_row_width)
+        rule = default_mlp_tiles(self.base.local_tokens, self.shape.mlp_row_width)
         return sorted({min(rule, top)} | {t for t in (2, 4, 8, 16, 32, 64) if rule < t <= top})
 
     # ---------------------------------------------------------------- the fit test
@@ -227,6 +228,16 @@ def with_headroom(shape: ModelShape, chosen: MemoryEstimate, gpu_gb: float, host
             break
         best = e
     return best
+
+
+def cheapest_autos(shape: ModelShape, base: Settings, fx: Fixed) -> MemoryEstimate:
+    """The CPU run (no GPU budget): nothing is short of memory; the autos take their cheapest values."""
+    every = fx.every or 1
+    tiles = fx.tiles if fx.tiles is not None else default_mlp_tiles(base.local_tokens, shape.mlp_row_width)
+    s = replace(base, checkpoint_every=every, tiled_mlp=tiles, offload_optimizer=bool(fx.optimizer_offload),
+                activation_offload=fx.offload_for(saved_layer_count(shape, every)) or 0,
+                kept_attention_layers=fx.keep or 0)
+    return estimate(shape, s)
 
 
 # -------------------------------------------------------------------- goal 2: the cheapest that fits

@@ -3,7 +3,7 @@ buffers (the planner's host terms; the GPU terms are in plan/memory.py)."""
 
 from __future__ import annotations
 
-from .inputs import ModelShape, Settings, _sub_group_numels, _trainable_shard_numel, local_tokens, pinned_bytes
+from .inputs import ModelShape, Settings, _sub_group_numels, _trainable_shard_numel, pinned_bytes
 from .layer_terms import FP32
 
 PAGE = 4096  # HostPool slots are page-aligned (levers/recompute.py)
@@ -15,7 +15,7 @@ def host_pool_bytes(shape: ModelShape, s: Settings) -> int:
     k = s.activation_offload
     if k == 0:
         return 0
-    per = local_tokens(s) * shape.hidden * s.act_bytes  # one checkpointed layer input
+    per = s.local_tokens * shape.hidden * s.act_bytes  # one checkpointed layer input
     if s.pinned_rounding == "pow2":
         return k * pinned_bytes(per, "pow2")
     return k * (-(-per // PAGE) * PAGE) + PAGE

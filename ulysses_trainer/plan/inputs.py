@@ -11,7 +11,13 @@ from ..errors import ConfigError
 from ..layout import check_heads
 from ..layout import padded_length as layout_padded_length
 from ..model.families import Family, LayerDims, MlpRun, family
-from ..names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS, param_persistence_threshold
+from ..names import (
+    DEFAULT_SUB_GROUP_SIZE,
+    PLANNED_KERNELS,
+    param_persistence_threshold,
+    prefetch_bucket_size,
+    reduce_bucket_size,
+)
 
 # --------------------------------------------------------------------------------------------
 # Inputs
@@ -19,8 +25,10 @@ from ..names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS, param_persistence_t
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The dimensions the memory model needs, and the model's family (model/families/: module order, MLP block,
-    q/k norms). `intermediate` is the dense MLP's width, or one expert's for a sparse family."""
+    """The dimensions the memory model needs, the model's family (model/families/: module order, MLP block,
+    q/k norms), and the parameter facts derived from them once, when the shape is made: the stages of the plan
+    read these fields, none re-derives them. `intermediate` is the dense MLP's width, or one expert's for a
+    sparse family."""
 
     vocab: int
     hidden: int
@@ -34,6 +42,62 @@ class ModelShape:
     model_type: str = "qwen3"
     experts: int = 0  # sparse MLP: experts per layer, and how many each token runs through
     top_k: int = 0
+    # ---- derived in __post_init__ (also after dataclasses.replace), never passed in
+    family: Family = field(init=False, repr=False, compare=False)
+    dims: LayerDims = field(init=False, repr=False, compare=False)
+    # (name, numel) of one decoder layer's parameters: the family's attention (dense Qwen3: q, k, v, o, q_norm,
+    # k_norm), its MLP (gate, up, down; sparse: router, experts' gate_up and down), then input_layernorm and
+    # post_attention_layernorm
+    layer_params: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
+    # tensor name -> numel: a layer's (as in layer_params) plus embed, lm_head and final_norm
+    numels: dict[str, int] = field(init=False, repr=False, compare=False)
+    # every parameter tensor of the causal LM: embedding, the layers, final norm, untied lm_head
+    param_numels: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    num_params: int = field(init=False, repr=False, compare=False)  # N, tied embeddings counted once
+    # parameters of one layer that one token's forward runs through (a sparse MLP: the router and top_k experts)
+    active_layer_numel: int = field(init=False, repr=False, compare=False)
+    # parameters one token's forward uses (tied embeddings counted once): N for a dense model
+    num_active_params: int = field(init=False, repr=False, compare=False)
+    # parameters in a matmul per token (linear weights of the layers, active experts, lm_head): train/metrics.py
+    matmul_params: int = field(init=False, repr=False, compare=False)
+    mlp_row_width: int = field(init=False, repr=False, compare=False)  # what the MLP tile rules size by
+    # the layer's tensors in the order its modules use them (ZeRO-3's trace), and of them the MLP's used once a
+    # pass and once a tile (MlpBlock.trace_groups)
+    forward_order: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    mlp_once: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    mlp_tiled: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    # what ZeRO-3's "auto" sizes stand for with this hidden size (names.ZERO_AUTO_SIZES), in elements
+    auto_reduce_bucket: int = field(init=False, repr=False, compare=False)
+    auto_prefetch_bucket: int = field(init=False, repr=False, compare=False)
+    auto_persistence_threshold: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fam = family(self.model_type)
+        d = LayerDims(hidden=self.hidden, intermediate=self.intermediate, q_width=self.heads * self.head_dim,
+                      kv_width=self.kv_heads * self.head_dim, head_dim=self.head_dim, experts=self.experts,
+                      top_k=self.top_k)
+        attention, mlp = fam.attention_params(d), fam.mlp_params(d)
+        layer = (*sorted(attention, key=lambda kv: kv[0].endswith("_norm")),  # projections, then q/k norms
+                 *mlp, ("input_norm", self.hidden), ("post_attention_norm", self.hidden))
+        embed = self.vocab * self.hidden
+        head = () if self.tied_embeddings else (embed,)
+        every = (embed, *[n for _ in range(self.layers) for _, n in layer], self.hidden, *head)
+        active = sum(n for _, n in attention) + fam.active_mlp_numel(d) + 2 * self.hidden
+        linear = sum(n for name, n in attention if not name.endswith("_norm")) + fam.active_mlp_numel(d)
+        once, tiled = fam.mlp.trace_groups(d)
+        derived = {
+            "family": fam, "dims": d, "layer_params": layer,
+            "numels": {**dict(layer), "embed": embed, "lm_head": embed, "final_norm": self.hidden},
+            "param_numels": every, "num_params": sum(every), "active_layer_numel": active,
+            "num_active_params": embed + self.layers * active + self.hidden + sum(head),
+            "matmul_params": self.layers * linear + embed, "mlp_row_width": fam.mlp_row_width(d),
+            "forward_order": ("input_norm", *[n for n, _ in attention], "post_attention_norm", *once, *tiled),
+            "mlp_once": tuple(once), "mlp_tiled": tuple(tiled),
+            "auto_reduce_bucket": reduce_bucket_size(self.hidden),
+            "auto_prefetch_bucket": prefetch_bucket_size(self.hidden),
+            "auto_persistence_threshold": param_persistence_threshold(self.hidden)}
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)  # frozen: set once, here
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
@@ -51,20 +115,6 @@ class ModelShape:
         from ..model.presets import preset_config
 
         return cls.from_config(preset_config(name))
-
-    @property
-    def family(self) -> Family:
-        return family(self.model_type)
-
-    @property
-    def dims(self) -> LayerDims:
-        return LayerDims(hidden=self.hidden, intermediate=self.intermediate, q_width=self.q_width,
-                         kv_width=self.kv_width, head_dim=self.head_dim, experts=self.experts, top_k=self.top_k)
-
-    @property
-    def mlp_row_width(self) -> int:
-        """Intermediate values per token of the MLP, what the tile rules size by (Family.mlp_row_width)."""
-        return self.family.mlp_row_width(self.dims)
 
     @property
     def q_width(self) -> int:
@@ -152,6 +202,16 @@ class Settings:
     def ranks_per_host(self) -> int:
         return self.gpus_per_host or self.world
 
+    @property
+    def padded_length(self) -> int:
+        """Sequence length after padding to a multiple of lcm(sp, pad_to_multiple_of) (layout.padded_length)."""
+        return layout_padded_length(self.max_length, self.sp, self.pad_to_multiple_of)
+
+    @property
+    def local_tokens(self) -> int:
+        """t: tokens one rank holds per micro-step (batch x padded length / sp)."""
+        return self.micro_batch * self.padded_length // self.sp
+
 
 def saved_layer_count(shape: ModelShape, checkpoint_every: int) -> int:
     """Layers that keep their input (the block starts 0, k, 2k, ...), the candidates for offload."""
@@ -192,13 +252,13 @@ def check_settings(shape: ModelShape, s: Settings) -> None:
 
 
 def padded_length(s: Settings) -> int:
-    """Sequence length after padding to a multiple of lcm(sp, pad_to_multiple_of) (layout.padded_length)."""
-    return layout_padded_length(s.max_length, s.sp, s.pad_to_multiple_of)
+    """Sequence length after padding (Settings.padded_length)."""
+    return s.padded_length
 
 
 def local_tokens(s: Settings) -> int:
-    """t: tokens one rank holds per micro-step (batch x padded length / sp)."""
-    return s.micro_batch * padded_length(s) // s.sp
+    """t: tokens one rank holds per micro-step (Settings.local_tokens)."""
+    return s.local_tokens
 
 
 def forward_passes(shape: ModelShape, s: Settings) -> float:
@@ -213,7 +273,7 @@ def forward_passes(shape: ModelShape, s: Settings) -> float:
 
 def mlp_run(shape: ModelShape, s: Settings) -> MlpRun:
     """What the family's MLP block terms read of these settings (model/families/base.MlpRun)."""
-    return MlpRun(tokens=local_tokens(s), act_bytes=s.act_bytes, tiles=s.tiled_mlp,
+    return MlpRun(tokens=s.local_tokens, act_bytes=s.act_bytes, tiles=s.tiled_mlp,
                   gradient_checkpointing=s.gradient_checkpointing, forward_passes=forward_passes(shape, s),
                   experts_implementation=s.experts_implementation)
 
@@ -223,64 +283,53 @@ def kv_repeat(shape: ModelShape, sp: int) -> int:
     return max(1, sp // shape.kv_heads)
 
 
+# The parameter counts, read from the shape's fields (derived once in ModelShape.__post_init__)
+
+
 def layer_params(shape: ModelShape) -> list[tuple[str, int]]:
-    """(name, numel) of one decoder layer's parameters: the family's attention (dense Qwen3: q, k, v, o,
-    q_norm, k_norm), its MLP (gate, up, down; sparse: router, experts' gate_up and down), then
-    input_layernorm and post_attention_layernorm."""
-    fam, d = shape.family, shape.dims
-    attn = sorted(fam.attention_params(d), key=lambda kv: kv[0].endswith("_norm"))  # projections, then q/k norms
-    return [*attn, *fam.mlp_params(d), ("input_norm", shape.hidden), ("post_attention_norm", shape.hidden)]
+    """(name, numel) of one decoder layer's parameters (ModelShape.layer_params)."""
+    return list(shape.layer_params)
 
 
 def layer_param_numels(shape: ModelShape) -> list[int]:
     """Parameters of one decoder layer, in layer_params' order (dense Qwen3: q, k, v, o, q_norm, k_norm, gate,
     up, down, input_layernorm, post_attention_layernorm)."""
-    return [n for _, n in layer_params(shape)]
+    return [n for _, n in shape.layer_params]
 
 
 def active_layer_numel(shape: ModelShape) -> int:
     """Parameters of one layer that one token's forward runs through (a sparse MLP: the router and top_k experts)."""
-    fam, d = shape.family, shape.dims
-    return sum(n for _, n in fam.attention_params(d)) + fam.active_mlp_numel(d) + 2 * shape.hidden
+    return shape.active_layer_numel
 
 
 def matmul_params(shape: ModelShape) -> int:
     """Parameters that take part in a matmul per token: every layer's linear weights plus lm_head (embedding
     lookups and norms do no matmul); of a sparse MLP, the router and the top_k experts a token runs through
     (active FLOPs); what the model FLOPs count (train/metrics.py)."""
-    fam, d = shape.family, shape.dims
-    linear = sum(n for name, n in fam.attention_params(d) if not name.endswith("_norm")) + fam.active_mlp_numel(d)
-    return shape.layers * linear + shape.vocab * shape.hidden
+    return shape.matmul_params
 
 
 def param_numels(shape: ModelShape) -> list[int]:
     """Every parameter tensor of the causal LM: embedding, the layers, final norm, untied lm_head."""
-    out = [shape.vocab * shape.hidden]
-    for _ in range(shape.layers):
-        out += layer_param_numels(shape)
-    out.append(shape.hidden)
-    if not shape.tied_embeddings:
-        out.append(shape.vocab * shape.hidden)
-    return out
+    return list(shape.param_numels)
 
 
 def num_params(shape: ModelShape) -> int:
     """N: parameters, tied embeddings counted once."""
-    return sum(param_numels(shape))
+    return shape.num_params
 
 
 def num_active_params(shape: ModelShape) -> int:
     """Parameters one token's forward uses (tied embeddings counted once): N for a dense model; a sparse one
     counts top_k of its experts."""
-    head = 0 if shape.tied_embeddings else shape.vocab * shape.hidden
-    return shape.vocab * shape.hidden + shape.layers * active_layer_numel(shape) + shape.hidden + head
+    return shape.num_active_params
 
 
 def _shard_numel(shape: ModelShape, s: Settings) -> int:
     """Elements of this rank's ZeRO-3 partition: each tensor is padded to a multiple of W and split."""
     if s.zero_stage == 0:
-        return num_params(shape)
-    return sum(-(-n // s.world) for n in param_numels(shape))
+        return shape.num_params
+    return sum(-(-n // s.world) for n in shape.param_numels)
 
 
 def lora_numels(shape: ModelShape, target_modules: Any, r: int) -> tuple[int, ...]:
@@ -298,7 +347,7 @@ def lora_numels(shape: ModelShape, target_modules: Any, r: int) -> tuple[int, ..
 
 def trainable_numels(shape: ModelShape, s: Settings) -> list[int]:
     """The tensors that get gradients and optimizer states: every parameter, or the LoRA adapters."""
-    return param_numels(shape) if s.trainable_numels is None else list(s.trainable_numels)
+    return list(shape.param_numels if s.trainable_numels is None else s.trainable_numels)
 
 
 def _trainable_shard_numel(shape: ModelShape, s: Settings) -> int:
@@ -312,7 +361,7 @@ def _trainable_shard_numel(shape: ModelShape, s: Settings) -> int:
 
 def _persistence_threshold(shape: ModelShape, s: Settings) -> int:
     t = s.zero3.param_persistence_threshold
-    return param_persistence_threshold(shape.hidden) if t is None else t
+    return shape.auto_persistence_threshold if t is None else t
 
 
 def _sub_group_numels(shape: ModelShape, s: Settings) -> list[int]:

@@ -6,8 +6,8 @@ on top, and the ZeRO-3 / tied-embedding terms alive during it. Notation as in pl
 
 from __future__ import annotations
 
-from ..names import KEEPING_KERNELS, STANDIN_FA4, groups_one_at_a_time, prefetch_bucket_size
-from .inputs import ModelShape, Settings, kv_repeat, layer_param_numels, local_tokens, mlp_run, num_params
+from ..names import KEEPING_KERNELS, STANDIN_FA4, groups_one_at_a_time
+from .inputs import ModelShape, Settings, kv_repeat, mlp_run
 
 FP32 = 4
 # the kernels attention/grouped.py runs group by group (flash_attention_4's group term is cuDNN's, not
@@ -29,7 +29,7 @@ def rmsnorm_saved_bytes(tokens: int, width: int, e: int, lean: bool = False) -> 
 def layer_forward_saved(shape: ModelShape, s: Settings) -> dict[str, int]:
     """Tensors autograd keeps after a decoder layer's (re)computed forward, by what keeps them (the MLP's: the
     family's MlpBlock.saved)."""
-    t, e, h = local_tokens(s), s.act_bytes, shape.hidden
+    t, e, h = s.local_tokens, s.act_bytes, shape.hidden
     q, kp = shape.q_width, shape.kv_width * kv_repeat(shape, s.sp)
     lean = s.lean_norm
     saved = {
@@ -99,7 +99,7 @@ def attention_backward_extra(shape: ModelShape, s: Settings, keeps_output: bool 
     attention output; default: as the top layer). Gone by then (H200 allocator history, sp=8 rehearsals of
     Qwen3-8B on both paths, benchmarks/results/rehearsal/memory_variants_8b_sp8.json): o_proj's input grad
     and the all-to-all's send buffer, which the all-to-all's backward frees once its result exists."""
-    t, e, h = local_tokens(s), s.act_bytes, shape.hidden
+    t, e, h = s.local_tokens, s.act_bytes, shape.hidden
     q, kp = shape.q_width, shape.kv_width * kv_repeat(shape, s.sp)
     if keeps_output is None:
         keeps_output = top_layer_keeps_output(shape, s)
@@ -138,7 +138,7 @@ def layer_flow_bytes(shape: ModelShape, s: Settings) -> dict[str, int]:
     (held by the checkpoint function until its backward returns). Not the layer's input grad: the input
     norm's backward and the residual add make it after attention's backward, when both sub-phases below
     are over (absent at both peaks in the H200 allocator history of the sp=8 rehearsals)."""
-    t, e, h = local_tokens(s), s.act_bytes, shape.hidden
+    t, e, h = s.local_tokens, s.act_bytes, shape.hidden
     return {"layer output grad (incoming)": t * h * e, "recomputed layer output": t * h * e}
 
 
@@ -173,14 +173,14 @@ def unattributed_bytes(shape: ModelShape, s: Settings) -> int:
     norms (no upcast) none is left: the lean-norm points (sp = 1, 2 and 8) are within -2.6% .. +1.2% without it."""
     if s.lean_norm:
         return 0
-    t, h = local_tokens(s), shape.hidden
+    t, h = s.local_tokens, shape.hidden
     return t * h * FP32 + 2 * t * h * s.act_bytes
 
 
 def kept_attention_bytes_per_layer(shape: ModelShape, s: Settings) -> int:
     """One layer's kept attention output (training dtype) and fp32 log-sum-exp: all heads' worth of t tokens
     (under SP: all tokens x heads/sp, the same bytes)."""
-    t = local_tokens(s)
+    t = s.local_tokens
     return t * shape.q_width * s.act_bytes + t * shape.heads * FP32
 
 
@@ -202,11 +202,11 @@ def layer_gathered_params_bytes(shape: ModelShape, s: Settings) -> int:
     if s.zero_stage == 0:
         return 0
     e = s.act_bytes
-    layer = sum(layer_param_numels(shape))
+    layer = sum(n for _, n in shape.layer_params)
     pre = s.zero3.prefetch_bucket_size
-    prefetch = prefetch_bucket_size(shape.hidden) if pre is None else pre
+    prefetch = shape.auto_prefetch_bucket if pre is None else pre
     gathered = layer + min(prefetch, layer)
     if s.zero3_trace:
-        gathered = max(gathered, min(s.zero3.max_live_parameters, num_params(shape)))
+        gathered = max(gathered, min(s.zero3.max_live_parameters, shape.num_params))
     grads = shape.family.mlp.weight_grad_numel(shape.dims, mlp_run(shape, s))  # the MLP block's full-size grads
     return (gathered + grads) * e

@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ..names import reduce_bucket_size
 from .host_terms import PAGE, host_optimizer_bytes, host_pool_bytes  # noqa: F401 - re-exported
 from .inputs import (  # noqa: F401 - the planner's inputs, re-exported with the terms
     ModelShape,
@@ -124,7 +123,7 @@ def persistent_params_bytes(shape: ModelShape, s: Settings) -> int:
     if s.zero_stage == 0:
         return 0
     thr = _persistence_threshold(shape, s)
-    return sum(n for n in param_numels(shape) if n <= thr) * s.act_bytes
+    return sum(n for n in shape.param_numels if n <= thr) * s.act_bytes
 
 
 def reduce_bucket_bytes(shape: ModelShape, s: Settings) -> int:
@@ -132,7 +131,7 @@ def reduce_bucket_bytes(shape: ModelShape, s: Settings) -> int:
     if s.zero_stage == 0 or s.optimizer == "none":
         return 0
     n = s.zero3.reduce_bucket_size
-    return (reduce_bucket_size(shape.hidden) if n is None else n) * s.act_bytes
+    return (shape.auto_reduce_bucket if n is None else n) * s.act_bytes
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,7 +140,7 @@ def reduce_bucket_bytes(shape: ModelShape, s: Settings) -> int:
 
 def checkpoint_bytes_per_layer(shape: ModelShape, s: Settings) -> int:
     """One checkpointed layer input: [b, L/sp, H] in the training dtype (t x H x e)."""
-    return local_tokens(s) * shape.hidden * s.act_bytes
+    return s.local_tokens * shape.hidden * s.act_bytes
 
 
 def gpu_checkpoints_at(shape: ModelShape, s: Settings, j: int) -> int:
@@ -170,7 +169,7 @@ def grads_so_far_bytes(shape: ModelShape, s: Settings, j: int) -> int:
     if s.zero_stage != 0 or not s.first_step:
         return 0
     head = 0 if shape.tied_embeddings else shape.vocab * shape.hidden
-    return ((shape.layers - j) * sum(layer_param_numels(shape)) + shape.hidden + head) * s.act_bytes
+    return ((shape.layers - j) * sum(n for _, n in shape.layer_params) + shape.hidden + head) * s.act_bytes
 
 
 def kept_attention_at(shape: ModelShape, s: Settings, j: int) -> int:
@@ -213,7 +212,7 @@ def activations_no_checkpointing_bytes(shape: ModelShape, s: Settings) -> int:
 def rope_bytes(shape: ModelShape, s: Settings) -> int:
     """Rotary cos and sin for the local positions, [b, t, d] each in the training dtype, passed to
     every layer (and kept by each checkpoint for its recompute)."""
-    return 2 * local_tokens(s) * shape.head_dim * s.act_bytes
+    return 2 * s.local_tokens * shape.head_dim * s.act_bytes
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,7 +221,7 @@ def rope_bytes(shape: ModelShape, s: Settings) -> int:
 
 def final_norm_bytes(shape: ModelShape, s: Settings) -> int:
     """The final RMSNorm's saved tensors plus its output (the loss input, alive during the loss)."""
-    t, e = local_tokens(s), s.act_bytes
+    t, e = s.local_tokens, s.act_bytes
     return rmsnorm_saved_bytes(t, shape.hidden, e, s.lean_norm) + t * shape.hidden * e
 
 
@@ -233,7 +232,7 @@ def chunked_loss_bytes(shape: ModelShape, s: Settings) -> int:
     """levers/chunked_loss.py: the hidden grad [t, H] and the fp32 lm_head grad [V, H], both built in
     forward; one chunk's fp32 logits (turned into probabilities in place) next to the dlogits buffer of
     GRAD_GROUP chunks (training dtype); in bf16 the final bf16 weight grad."""
-    t, e, v, h, c = local_tokens(s), s.act_bytes, shape.vocab, shape.hidden, s.loss_chunk_size
+    t, e, v, h, c = s.local_tokens, s.act_bytes, shape.vocab, shape.hidden, s.loss_chunk_size
     c = min(c, t)
     group = min(c * LOSS_GRAD_GROUP, t)
     vh_lowp = v * h * e if e < FP32 else 0
@@ -244,7 +243,7 @@ def chunked_loss_bytes(shape: ModelShape, s: Settings) -> int:
 def plain_loss_bytes(shape: ModelShape, s: Settings) -> int:
     """Full logits (levers' nll_sum / HF's loss): in backward the fp32 log-softmax output it saved, the
     NLL grad and the log-softmax grad coexist: 3 fp32 [t, V]; plus the lm_head weight grad."""
-    t, e, v, h = local_tokens(s), s.act_bytes, shape.vocab, shape.hidden
+    t, e, v, h = s.local_tokens, s.act_bytes, shape.vocab, shape.hidden
     return 3 * t * v * FP32 + v * h * e
 
 
@@ -326,8 +325,8 @@ class MemoryEstimate:
         s = self.settings
         return {
             "settings": {k: v for k, v in s.__dict__.items() if k != "zero3"} | {"zero3": s.zero3.__dict__},
-            "local_tokens": local_tokens(s), "padded_length": padded_length(s),
-            "parameters": num_params(self.shape),
+            "local_tokens": s.local_tokens, "padded_length": s.padded_length,
+            "parameters": self.shape.num_params,
             "terms": [{"name": t.name, "phase": t.phase, "gpu_gb": t.gpu / GIB, "host_gb": t.host / GIB,
                        "in_peak": self.counts(t), "detail_gb": {k: v / GIB for k, v in t.detail.items()}}
                       for t in self.terms],

@@ -36,8 +36,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..model.families import MlpRun
 from . import rates
-from .inputs import ModelShape, Settings, active_layer_numel, forward_passes, local_tokens, mlp_run, padded_length
+from .inputs import ModelShape, Settings, mlp_run
 from .rates import (
     CALIBRATED_GPUS,
     CPU_ADAM_S_PER_PARAM,
@@ -71,7 +72,7 @@ class StepTime:
 def attention_flops_forward(shape: ModelShape, s: Settings) -> float:
     """One layer's causal attention forward on one rank: 2 x L^2 x heads/sp x d per sequence (x the packed
     rows' attention_fraction: their documents' sum(l_i^2) / L^2)."""
-    length = padded_length(s)
+    length = s.padded_length
     return 2.0 * s.micro_batch * length * length * (shape.heads // s.sp) * shape.head_dim * s.attention_fraction
 
 
@@ -92,28 +93,28 @@ def attention_seconds(shape: ModelShape, s: Settings) -> tuple[float, float, boo
     """(forward, backward seconds of one layer's kernel, extrapolated?); the stand-in costs nothing."""
     if s.attention not in KERNEL_RATES:
         return 0.0, 0.0, False
-    fwd_tf, bwd_tf, extra = _rate(s.attention, padded_length(s))
+    fwd_tf, bwd_tf, extra = _rate(s.attention, s.padded_length)
     flops = attention_flops_forward(shape, s)
     return flops / (fwd_tf * 1e12), 2.5 * flops / (bwd_tf * 1e12), extra
 
 
-def dense_flops(shape: ModelShape, s: Settings) -> float:
+def dense_flops(shape: ModelShape, run: MlpRun) -> float:
     """Everything but the attention kernel, one micro-step on one rank: 2 FLOPs per parameter and token per
     forward, 4 per backward; the lm_head in the chunked loss: forward + both grads, 6 per parameter."""
-    t = local_tokens(s)
-    per_layer = active_layer_numel(shape)  # a sparse MLP: the router and top_k experts per token
-    layers = shape.layers * per_layer * t * (2.0 * forward_passes(shape, s) + 4.0)
+    t = run.tokens
+    per_layer = shape.active_layer_numel  # a sparse MLP: the router and top_k experts per token
+    layers = shape.layers * per_layer * t * (2.0 * run.forward_passes + 4.0)
     return layers + 6.0 * shape.vocab * shape.hidden * t
 
 
-def norm_seconds(shape: ModelShape, s: Settings, kernel: str) -> float:
+def norm_seconds(shape: ModelShape, run: MlpRun, kernel: str) -> float:
     """The lean RMSNorms of one micro-step on one rank with `kernel`: per layer the input and
     post-attention norms ([t, hidden]) and the q/k norms ([t x heads, head_dim], before the all-to-all:
     local tokens, all heads), run forward_passes times forward and once backward; the final norm once."""
-    t = local_tokens(s)
+    t = run.tokens
     (h_f, h_b), (q_f, q_b) = NORM_S_PER_ELEMENT[kernel]["hidden"], NORM_S_PER_ELEMENT[kernel]["head"]
     hidden, heads = 2 * t * shape.hidden, t * (shape.heads + shape.kv_heads) * shape.head_dim
-    passes = forward_passes(shape, s)
+    passes = run.forward_passes
     per_layer = hidden * (passes * h_f + h_b) + heads * (passes * q_f + q_b)
     return shape.layers * per_layer + t * shape.hidden * (h_f + h_b)
 
@@ -122,7 +123,7 @@ def communication(shape: ModelShape, s: Settings, compute_s: float, accumulation
     """plan/comm_model.py's estimate for the job these settings describe (measured NCCL points if present)."""
     from .comm_model import DEFAULT_COMM_FILE, Job, Overlap, estimate, load_bandwidth
 
-    job = Job(world_size=s.world, sp_size=s.sp, local_tokens=local_tokens(s), grad_accum=accumulation,
+    job = Job(world_size=s.world, sp_size=s.sp, local_tokens=s.local_tokens, grad_accum=accumulation,
               bytes_per_el=s.act_bytes, gradient_checkpointing=s.gradient_checkpointing,
               checkpoint_every=s.checkpoint_every, gpus_per_node=s.gpus_per_host or s.world,
               param_persistence_threshold=s.zero3.param_persistence_threshold,
@@ -135,35 +136,37 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
               gpu_name: str | None = None) -> StepTime:
     """Seconds of one optimizer step (accumulation micro-steps, one optimizer update)."""
     notes: list[str] = []
+    run = mlp_run(shape, s)  # tokens per rank and forwards per layer, what the terms below read
     fwd, bwd, extra = attention_seconds(shape, s)
     if s.attention in KERNEL_RATES:
         pts = KERNEL_RATES[s.attention]
         if extra:
             notes.append(f"{s.attention} kernel rate measured at {pts[0][0]:,}-{pts[-1][0]:,} tokens, "
-                         f"held constant at {padded_length(s):,}")
+                         f"held constant at {s.padded_length:,}")
         if s.attention == "flash_attention_2":
             notes.append("flash_attention_2 not measured: torch's flash kernel's rate used")
         if (shape.heads // s.sp, shape.kv_heads, shape.head_dim) != MEASURED_HEAD_SHAPE and s.sp == 1:
             notes.append(f"kernel rates measured with {MEASURED_HEAD_SHAPE[0]} heads of {MEASURED_HEAD_SHAPE[2]}")
     kept = s.kept_attention_layers if s.gradient_checkpointing else 0
-    forwards = forward_passes(shape, s) * shape.layers - kept
+    forwards = run.forward_passes * shape.layers - kept
     parts = {"attention forward": forwards * fwd * accumulation,
              "attention backward": shape.layers * bwd * accumulation,
-             "matmuls and the rest": dense_flops(shape, s) / (DENSE_TFLOPS * 1e12) * accumulation}
+             "matmuls and the rest": dense_flops(shape, run) / (DENSE_TFLOPS * 1e12) * accumulation}
+    # the lean norms by kernel: the torch kernel's share is inside the dense rate, which was fitted with it
+    norms = {k: norm_seconds(shape, run, k) for k in ("torch", s.norm_kernel)} if s.lean_norm else {}
     # the family's MLP block may time parts at their own measured rates in place of the dense rate
-    taken, measured, block_notes = shape.family.mlp.time_parts(shape.dims, mlp_run(shape, s), shape.layers,
-                                                                shape.vocab, rates)
+    taken, measured, block_notes = shape.family.mlp.time_parts(shape.dims, run, shape.layers, shape.vocab, rates)
     if measured:
         parts["matmuls and the rest"] -= taken / (DENSE_TFLOPS * 1e12) * accumulation
         notes.extend(block_notes)
         parts.update({name: seconds * accumulation for name, seconds in measured.items()})
     if s.lean_norm:  # the dense rate was fitted with the torch kernel's norms inside it
-        rest = parts["matmuls and the rest"] - norm_seconds(shape, s, "torch") * accumulation
+        rest = parts["matmuls and the rest"] - norms["torch"] * accumulation
         if rest < 0:  # a narrow model (Qwen3-30B-A3B: hidden 2048) has more norm than matmul time per token
             notes.append("the norms' measured time exceeds the dense rate's estimate of everything but attention "
                          "and experts: that part is counted as the norms alone (not calibrated for this shape)")
         parts["matmuls and the rest"] = max(rest, 0.0)
-        parts[f"RMSNorms ({s.norm_kernel})"] = norm_seconds(shape, s, s.norm_kernel) * accumulation
+        parts[f"RMSNorms ({s.norm_kernel})"] = norms[s.norm_kernel] * accumulation
     if s.world > 1:  # the collectives' model (the rehearsal's): what of them the compute does not hide
         comm = communication(shape, s, sum(parts.values()), accumulation)
         parts["communication"] = comm["comm_s_estimate"]

@@ -6,12 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..errors import ConfigError
 from ..model_plan import ModelPlan
 from ..names import DEFAULT_SUB_GROUP_SIZE, check_zero_stage, offload_sub_group_size
 from .fit_search import Fixed
 from .inputs import Settings, Zero3Knobs
-from .memory import MemoryEstimate
+from .memory import GIB, MemoryEstimate
 from .step_time import format_seconds
+
+# the engine's measured memory use may exceed the model states' prediction by this much before the plan
+# shrinks: DeepSpeed's own buffers and the CUDA context vary by a GiB or so; more means another tenant
+ENGINE_TOLERANCE_GB = 2.0
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,29 @@ class Machine:
     def ranks_per_host(self) -> int:
         return self.gpus_per_host or self.gpus
 
+    def check(self) -> None:
+        """ConfigError naming the flag for a machine no run can have."""
+        if self.gpus < 1:
+            raise ConfigError(f"--gpus must be >= 1, got {self.gpus}")
+        if self.gpus_per_host is not None and (self.gpus_per_host < 1 or self.gpus % self.gpus_per_host):
+            raise ConfigError(f"--gpus_per_host {self.gpus_per_host} must divide --gpus {self.gpus}")
+        if (self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0) or not self.host_memory_gb > 0:
+            raise ConfigError(f"--gpu_memory_gb and --host_memory_gb must be > 0, got {self.gpu_memory_gb} "
+                              f"and {self.host_memory_gb}")
+
+    def gpu_budget(self, engine_plan: Plan | None) -> tuple[float | None, str | None]:
+        """(the GPU memory to plan with, the note saying why when it is not the machine's): what the engine left
+        (free memory after it was built plus what engine_plan predicted it holds) when that is less than
+        expected."""
+        if self.gpu_memory_gb is None or engine_plan is None or self.gpu_free_after_engine_gb is None:
+            return self.gpu_memory_gb, None
+        held = sum(t.gpu for t in engine_plan.estimate.terms if t.phase == "static" and t.name != "Adam m, v")
+        measured = self.gpu_free_after_engine_gb + (held + int(engine_plan.settings.cuda_context_gb * GIB)) / GIB
+        if measured >= self.gpu_memory_gb - ENGINE_TOLERANCE_GB:  # the planned budget stands
+            return self.gpu_memory_gb, None
+        return measured, (f"GPU budget {measured:.1f} GiB: measured {self.gpu_free_after_engine_gb:.1f} GiB free "
+                          f"after the engine was built")
+
 
 @dataclass(frozen=True)
 class ZeroSettings:
@@ -49,12 +77,14 @@ class ZeroSettings:
     stage: int = 3
     offload_optimizer: bool | None = None
     knobs: Zero3Knobs = field(default_factory=Zero3Knobs)
+    # the ZeRO-3 sizes with Adam on the GPU (False) and on the host (True), derived once here: offload the JSON
+    # did not ask for gets the smaller sub-groups ds_config.py fills in. Every search over the placement uses these
+    by_placement: dict[bool, Zero3Knobs] = field(init=False, repr=False, compare=False)
 
-    def placement_knobs(self) -> dict[bool, Zero3Knobs]:
-        """The ZeRO-3 sizes with Adam on the GPU (False) and on the host (True): offload the JSON did not ask
-        for gets the smaller sub-groups ds_config.py fills in. Every search over the placement uses these."""
+    def __post_init__(self) -> None:
         added = replace(self.knobs, sub_group_size=offload_sub_group_size(self.knobs.sub_group_size))
-        return {False: self.knobs, True: self.knobs if self.offload_optimizer else added}
+        object.__setattr__(self, "by_placement",
+                           {False: self.knobs, True: self.knobs if self.offload_optimizer else added})
 
 
 def read_zero(ds: dict, source: str = "the ZeRO config") -> ZeroSettings:
@@ -120,7 +150,7 @@ class Plan:
     # the levers as the config and the ZeRO JSON fixed them (None: auto, decided by the search); the longest
     # length `plan` reports searches the same autos
     fixed: Fixed = field(compare=False, repr=False)
-    # the ZeRO-3 sizes per optimizer placement (ZeroSettings.placement_knobs): the longest-length search's too
+    # the ZeRO-3 sizes per optimizer placement (ZeroSettings.by_placement): the longest-length search's too
     zero3_by_placement: dict[bool, Zero3Knobs] = field(default_factory=dict, compare=False, repr=False)
     experts_implementation: str = "grouped_mm"  # a sparse model's experts kernel (unused by a dense one)
     # packed rows: attention timed as this share of one document of max_length (sum(l_i^2) / L^2), taken from

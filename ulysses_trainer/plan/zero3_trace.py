@@ -35,33 +35,21 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .. import names
-from .inputs import ModelShape, layer_param_numels, layer_params
+from .inputs import ModelShape
 
 Param = tuple[int, str]  # (layer index or -1, tensor name)
 
 
-def layer_names(shape: ModelShape) -> list[str]:
-    """Tensor names in layer_param_numels' order."""
-    return [n for n, _ in layer_params(shape)]
-
-
-def _mlp_names(shape: ModelShape) -> tuple[list[str], list[str]]:
-    """(the MLP's tensors used once per pass, those used once per tile): the family's MlpBlock.trace_groups."""
-    return shape.family.mlp.trace_groups(shape.dims)
-
-
 def forward_order(shape: ModelShape) -> list[str]:
-    qk = [n for n, _ in shape.family.attention_params(shape.dims)]
-    once, tiled = _mlp_names(shape)
-    return ["input_norm", *qk, "post_attention_norm", *once, *tiled]
+    """A layer's tensors in the order its modules use them (ModelShape.forward_order)."""
+    return list(shape.forward_order)
 
 
 def module_trace(shape: ModelShape, gradient_checkpointing: bool = True, checkpoint_every: int = 1,
                  mlp_tiles: int = 1) -> list[Param]:
     """The parameters in the order modules fetch them in one micro-step (one module uses one tensor here)."""
-    _, mlp = _mlp_names(shape)
-    attn = forward_order(shape)[:-len(mlp)]  # input_norm .. post_attention_norm, a sparse MLP's router
+    mlp = list(shape.mlp_tiled)  # the family's MlpBlock.trace_groups: used once a tile
+    attn = list(shape.forward_order[:-len(mlp)])  # input_norm .. post_attention_norm, a sparse MLP's router
     tiled = mlp_tiles > 1  # levers/tiled_mlp.py: forward runs the tiles; backward re-runs each before its backward
     at = lambda i, names: [(i, n) for n in names]  # noqa: E731
     forward = lambda i: at(i, attn + mlp * mlp_tiles)  # noqa: E731
@@ -84,18 +72,12 @@ def module_trace(shape: ModelShape, gradient_checkpointing: bool = True, checkpo
     return trace + [(-1, "embed")]
 
 
-def numel_of(shape: ModelShape) -> dict[str, int]:
-    out = dict(zip(layer_names(shape), layer_param_numels(shape)))
-    out.update(embed=shape.vocab * shape.hidden, lm_head=shape.vocab * shape.hidden, final_norm=shape.hidden)
-    return out
-
-
 def gathers_per_micro_step(shape: ModelShape, gradient_checkpointing: bool = True, checkpoint_every: int = 1,
                            persistence_threshold: int | None = None, max_reuse_distance: int = 1_000_000_000,
                            mlp_tiles: int = 1) -> Counter:
     """Tensor name -> all-gathers per micro-step, summed over layers ("q": every layer's q_proj)."""
-    thr = names.param_persistence_threshold(shape.hidden) if persistence_threshold is None else persistence_threshold
-    size = numel_of(shape)
+    thr = shape.auto_persistence_threshold if persistence_threshold is None else persistence_threshold
+    size = shape.numels
     trace = module_trace(shape, gradient_checkpointing, checkpoint_every, mlp_tiles)
     prefix = [0]
     for _, name in trace:

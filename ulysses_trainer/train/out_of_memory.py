@@ -1,6 +1,7 @@
-"""Out of GPU memory while the model or the engine is built, in a step or in the final export: one line saying
-where (step, phase, layer), what the device had and what the plan predicted, and the `ulysses-trainer plan`
-command for settings that fit.
+"""Running out of memory: a plan that would (refused before any heavy work: check_gpu_fits, check_host_fits), and
+a run that does. Out of GPU memory while the model or the engine is built, in a step or in the final export: one
+line saying where (step, phase, layer), what the device had and what the plan predicted, and the
+`ulysses-trainer plan` command for settings that fit.
 
 Where: the trainer names each phase as it enters it (building the model, building the engine, loading the
 checkpoint, forward, backward, optimizer step, evaluation, checkpoint save, final export); a forward pre-hook
@@ -20,14 +21,19 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
+from ..config import TrainConfig
+from ..errors import ConfigError
+
 # the levers a plan search decides when `auto`; a pinned one is what `ulysses-trainer plan` is told to search
 from ..lever_settings import AUTO_LEVERS as AUTO_LEVERS
 from ..lever_settings import decode_levers
+from ..plan.memory import UNDER_PREDICTION
+from ..plan.types import Machine, Plan
 
 GIB = 2**30
 
@@ -126,6 +132,57 @@ def oom_message(where: Where, device: torch.device, predicted_peak_gb: float, pr
 def pinned_levers(cfg) -> tuple[str, ...]:
     """The plan-searched levers the config fixed (not auto); gradient_checkpointing false counts as pinned."""
     return decode_levers(cfg).pinned
+
+
+def check_host_fits(resolved: Plan, machine: Machine, device: str, ranks_here: int | None = None) -> None:
+    """On CPU the model, activations and optimizer live in host RAM: refuse a plan whose peak exceeds it
+    (a run that would otherwise climb into the OOM killer), with the plan's numbers and what to change.
+    ranks_here: the ranks this machine runs (default: every rank of a host; a rehearsal runs one)."""
+    if device != "cpu":
+        return
+    ranks = machine.ranks_per_host if ranks_here is None else ranks_here
+    host_terms = resolved.predicted_host_gb * ranks / machine.ranks_per_host  # the plan's host RAM is per host
+    need = resolved.predicted_peak_gpu_gb * ranks + host_terms
+    have = resolved.host_budget_gb
+    if need > have:
+        raise ConfigError(f"the plan needs {need:.1f} GiB of host memory on this CPU machine ({ranks} rank(s) x "
+                          f"{resolved.predicted_peak_gpu_gb:.1f} GiB peak + {host_terms:.1f} GiB "
+                          f"host terms) but it has {have:.1f} GiB; lower max_length (now {resolved.max_length}) "
+                          f"or use a smaller model (now {resolved.model}), or run on GPUs; set host_memory_gb if "
+                          f"the detected size is wrong")
+
+
+def _lever_values(plan: Plan, names: tuple[str, ...]) -> str:
+    d = plan.to_dict()
+    values = {**{n: d[n] for n in AUTO_LEVERS}, "gradient_checkpointing": plan.gradient_checkpointing}
+    return " ".join(f"--{n} {str(values[n]).lower()}" for n in names)
+
+
+def check_gpu_fits(resolved: Plan, cfg: TrainConfig, auto_plan) -> None:
+    """Refuse (ConfigError) a plan whose GPU need exceeds the device by more than the memory model's worst measured
+    under-prediction (UNDER_PREDICTION), unless allow_over_plan: it would run out of GPU memory. The line names
+    the values `auto` gives the pinned levers where that fits. auto_plan(cfg): the plan of another config."""
+    have, need = resolved.gpu_budget_gb, resolved.predicted_gpu_required_gb
+    if have is None or cfg.allow_over_plan or need <= have * (1 + UNDER_PREDICTION):
+        return
+    pinned = pinned_levers(cfg)
+    head = (f"the plan needs {need:.1f} GiB per GPU ({resolved.predicted_peak_gpu_gb:.1f} GiB peak allocated, plus "
+            f"allocator slack and CUDA context) but the GPU has {have:.1f} GiB: {need / have - 1:.0%} over, beyond the "
+            f"memory model's worst measured under-prediction ({UNDER_PREDICTION:.1%}), so the run would stop out of "
+            f"GPU memory")
+    override = "or set allow_over_plan true to start anyway"
+    if pinned:
+        unpinned = replace(cfg, gradient_checkpointing=True, **{n: "auto" for n in pinned if n in AUTO_LEVERS})
+        auto = auto_plan(unpinned)
+        freed = ", ".join("gradient_checkpointing true" if n == "gradient_checkpointing" else f"{n} auto"
+                          for n in pinned)
+        if auto.fits:
+            raise ConfigError(f"{head}; with {freed} it fits ({auto.predicted_gpu_required_gb:.1f} GiB): "
+                              f"{_lever_values(auto, pinned)}; {override}")
+        raise ConfigError(f"{head}; even with {freed} it needs {auto.predicted_gpu_required_gb:.1f} GiB: shorten "
+                          f"max_length (now {cfg.max_length}) or add GPUs (sp); {override}")
+    raise ConfigError(f"{head}; every lever is auto already: shorten max_length (now {cfg.max_length}) or add GPUs "
+                      f"(sp); {override}")
 
 
 def plan_command(argv: list[str], pinned: Iterable[str], world_size: int) -> str:

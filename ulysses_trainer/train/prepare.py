@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,18 +20,17 @@ from ..data.attention_share import AttentionShare, timed_from_data
 from ..data.tokenizer import apply_tokenizer_options, check_tokenizer_fits, load_tokenizer
 from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
 from ..errors import ConfigError
-from ..layout import Layout, check_heads
+from ..layout import Layout
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
 from ..model.lora import check_lora
 from ..plan.inputs import ModelShape, num_params
-from ..plan.memory import UNDER_PREDICTION
 from ..plan.resolve import resolve_plan
 from ..plan.types import Machine, Plan, ZeroSettings, read_zero
 from ..probe import this_machine
 from .agreement import agree_machine, check_same_plan
 from .checkpoint import CHECKPOINT, check_checkpoint_model, check_output_dir, find_checkpoint, trainer_checkpoints
 from .data_cache import prepared_sequences
-from .out_of_memory import AUTO_LEVERS, pinned_levers
+from .out_of_memory import check_gpu_fits, check_host_fits
 from .output_guard import DiskNeed, check_writable, disk_line, peak_checkpoints, run_need
 from .resume_check import check_resume_config, run_record
 
@@ -92,57 +91,6 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def check_host_fits(resolved: Plan, machine: Machine, device: str, ranks_here: int | None = None) -> None:
-    """On CPU the model, activations and optimizer live in host RAM: refuse a plan whose peak exceeds it
-    (a run that would otherwise climb into the OOM killer), with the plan's numbers and what to change.
-    ranks_here: the ranks this machine runs (default: every rank of a host; a rehearsal runs one)."""
-    if device != "cpu":
-        return
-    ranks = machine.ranks_per_host if ranks_here is None else ranks_here
-    host_terms = resolved.predicted_host_gb * ranks / machine.ranks_per_host  # the plan's host RAM is per host
-    need = resolved.predicted_peak_gpu_gb * ranks + host_terms
-    have = resolved.host_budget_gb
-    if need > have:
-        raise ConfigError(f"the plan needs {need:.1f} GiB of host memory on this CPU machine ({ranks} rank(s) x "
-                          f"{resolved.predicted_peak_gpu_gb:.1f} GiB peak + {host_terms:.1f} GiB "
-                          f"host terms) but it has {have:.1f} GiB; lower max_length (now {resolved.max_length}) "
-                          f"or use a smaller model (now {resolved.model}), or run on GPUs; set host_memory_gb if "
-                          f"the detected size is wrong")
-
-
-def _lever_values(plan: Plan, names: tuple[str, ...]) -> str:
-    d = plan.to_dict()
-    values = {**{n: d[n] for n in AUTO_LEVERS}, "gradient_checkpointing": plan.gradient_checkpointing}
-    return " ".join(f"--{n} {str(values[n]).lower()}" for n in names)
-
-
-def check_gpu_fits(resolved: Plan, cfg: TrainConfig, auto_plan) -> None:
-    """Refuse (ConfigError) a plan whose GPU need exceeds the device by more than the memory model's worst measured
-    under-prediction (UNDER_PREDICTION), unless allow_over_plan: it would run out of GPU memory. The line names
-    the values `auto` gives the pinned levers where that fits. auto_plan(cfg): the plan of another config."""
-    have, need = resolved.gpu_budget_gb, resolved.predicted_gpu_required_gb
-    if have is None or cfg.allow_over_plan or need <= have * (1 + UNDER_PREDICTION):
-        return
-    pinned = pinned_levers(cfg)
-    head = (f"the plan needs {need:.1f} GiB per GPU ({resolved.predicted_peak_gpu_gb:.1f} GiB peak allocated, plus "
-            f"allocator slack and CUDA context) but the GPU has {have:.1f} GiB: {need / have - 1:.0%} over, beyond the "
-            f"memory model's worst measured under-prediction ({UNDER_PREDICTION:.1%}), so the run would stop out of "
-            f"GPU memory")
-    override = "or set allow_over_plan true to start anyway"
-    if pinned:
-        unpinned = replace(cfg, gradient_checkpointing=True, **{n: "auto" for n in pinned if n in AUTO_LEVERS})
-        auto = auto_plan(unpinned)
-        freed = ", ".join("gradient_checkpointing true" if n == "gradient_checkpointing" else f"{n} auto"
-                          for n in pinned)
-        if auto.fits:
-            raise ConfigError(f"{head}; with {freed} it fits ({auto.predicted_gpu_required_gb:.1f} GiB): "
-                              f"{_lever_values(auto, pinned)}; {override}")
-        raise ConfigError(f"{head}; even with {freed} it needs {auto.predicted_gpu_required_gb:.1f} GiB: shorten "
-                          f"max_length (now {cfg.max_length}) or add GPUs (sp); {override}")
-    raise ConfigError(f"{head}; every lever is auto already: shorten max_length (now {cfg.max_length}) or add GPUs "
-                      f"(sp); {override}")
-
-
 def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan:
     """Every check and decision before heavy work. training=False (the rehearsal): output_dir is neither
     checked nor written, and on CPU host memory is checked for the one rank it runs."""
@@ -156,7 +104,6 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     if resume_path:
         check_checkpoint_model(resume_path, model_config)
     check_local_weights(cfg.model_name_or_path, model_config)
-    check_heads(layout.sp, model_config.num_attention_heads, model_config.num_key_value_heads)
     shape = ModelShape.from_config(model_config)  # built once: every plan below reads it
     # every rank plans from the same machine: its probes reduced over the ranks (a no-op without a group)
     machine = agree_machine(this_machine(world_size, cfg.host_memory_gb))
@@ -172,20 +119,13 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     check_host_fits(resolved, machine, device, ranks_here=None if training else 1)  # a rehearsal runs one rank
     if training:  # a rehearsal measures what fits: it is not refused
         check_gpu_fits(resolved, cfg, plan_of)
-    tokenizer = apply_tokenizer_options(load_tokenizer(checkpoint_source(cfg.model_name_or_path)),
-                                        cfg.chat_template_path, cfg.eos_token)
+    source = checkpoint_source(cfg.model_name_or_path)
+    tokenizer = apply_tokenizer_options(load_tokenizer(source), cfg.chat_template_path, cfg.eos_token)
     check_tokenizer_fits(tokenizer, model_config)
     per_step = dp * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     # the whole dataset: the order is a permutation of all of it, whatever max_steps (TRL's sampler)
     train = prepared_sequences(cfg, tokenizer, split="train", dp_size=dp)
     check_something_trained(train.counts, "dataset", cfg.assistant_only_loss, cfg.completion_only_loss)
-    if timed_from_data(cfg):  # attention timed from the packed rows' documents (the plan above: one a row)
-        share = AttentionShare.of(train)
-        resolved = plan_of(cfg, share)
-        digest = check_same_plan(resolved, "after the data is read")  # every rank reads the same rows
-        check_host_fits(resolved, machine, device, ranks_here=None if training else 1)
-        if training:
-            check_gpu_fits(resolved, cfg, lambda c: plan_of(c, share))
     if len(train) < per_step:
         raise ConfigError(f"the data makes {len(train)} sequences of {cfg.max_length} tokens but one optimizer "
                           f"step needs {per_step} (dp {dp} x batch {cfg.per_device_train_batch_size} x "
@@ -201,6 +141,13 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
                               f"but one eval round needs {per_round} (dp {dp} x per_device_eval_batch_size "
                               f"{cfg.per_device_eval_batch_size}); add eval data, raise max_eval_samples "
                               f"or lower those")
+    if timed_from_data(cfg):  # attention timed from the packed rows' documents (the plan above: one a row)
+        share = AttentionShare.of(train)
+        resolved = plan_of(cfg, share)
+        digest = check_same_plan(resolved, "after the data is read")  # every rank reads the same rows
+        check_host_fits(resolved, machine, device, ranks_here=None if training else 1)
+        if training:
+            check_gpu_fits(resolved, cfg, lambda c: plan_of(c, share))
     config_changes: dict = {}
     if resume_path:
         config_changes = check_resume_config(resume_path, run_record(config_to_dict(cfg), world_size, sp, dp),

@@ -1,0 +1,63 @@
+"""What a plan says besides its numbers: its notes (what it assumed, measured or weighed, in that order) and the
+`auto` settings it decided. Torch-free; plan/resolve.py writes both once, when the plan is assembled."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..data.attention_share import AttentionShare
+from ..lever_settings import Fixed
+from .inputs import Settings
+from .memory import MemoryEstimate
+from .step_time import StepTime, format_seconds
+from .types import Machine, Plan
+
+WORST_CASE = ("packing: attention timed as one document of max_length, the worst case (`ulysses-trainer plan "
+              "--dataset_name ...` times it from the data's document lengths)")
+
+
+def plan_notes(cfg: Any, machine: Machine, s: Settings, *, attention: AttentionShare | None, budget_note: str | None,
+               st: StepTime | None, engine_plan: Plan | None, fx: Fixed,
+               best: dict[bool, tuple[float, MemoryEstimate]]) -> tuple[str, ...]:
+    """The notes of the plan whose chosen settings are `s`: the machine and the data it assumed, the GPU budget it
+    measured, what its step time extrapolates, and the optimizer placements it weighed (`best`: the predicted
+    step per placement, when the search weighed both)."""
+    notes = [f"host memory {machine.host_memory_gb:.1f} GiB per host ({machine.host_memory_source})"]
+    if cfg.packing:
+        notes.append(attention.describe() + "; memory as a dense row of the same length" if attention else WORST_CASE)
+    if cfg.attn_implementation == "auto" and not machine.kernels_known:
+        notes.append(f"the kernels installed there are unknown: auto planned as {s.attention} (pass "
+                     f"--attn_implementation flash_attention_4 where it is installed)")
+    if cfg.norm_kernel == "auto" and cfg.lean_norm and not machine.kernels_known:
+        notes.append(f"norm_kernel auto planned as {s.norm_kernel} (pass --norm_kernel triton where liger-kernel "
+                     f"is installed)")
+    if budget_note:
+        notes.append(budget_note)
+    if st is not None:
+        notes.extend(st.extrapolated)
+    if engine_plan is not None:  # the placement was weighed before the engine was built
+        notes.extend(n for n in engine_plan.notes if n.startswith("optimizer_offload auto"))
+    if fx.optimizer_offload is None and len(best) == 2:
+        other = best[not s.offload_optimizer]
+        notes.append(f"optimizer_offload auto: Adam on the {'host' if s.offload_optimizer else 'GPU'}, predicted "
+                     f"{format_seconds(best[s.offload_optimizer][0])} s/step against {format_seconds(other[0])} s "
+                     f"with Adam on the {'GPU' if s.offload_optimizer else 'host'}")
+    return tuple(notes)
+
+
+def decided(cfg: Any, asked: Fixed, s: Settings) -> tuple[str, ...]:
+    """The settings `auto` left to the plan, each with what it became (`asked`: the levers the config and the ZeRO
+    JSON fixed)."""
+    out = []
+    if cfg.attn_implementation == "auto":
+        out.append(f"attn_implementation {s.attention}")
+    if cfg.norm_kernel == "auto" and s.lean_norm:
+        out.append(f"norm_kernel {s.norm_kernel}")
+    for name, fixed, value in (("activation_offload", asked.offload, s.activation_offload),
+                               ("keep_attention_outputs", asked.keep, s.kept_attention_layers),
+                               ("tiled_mlp", asked.tiles, s.tiled_mlp),
+                               ("checkpoint_every", asked.every, s.checkpoint_every),
+                               ("optimizer_offload", asked.optimizer_offload, s.offload_optimizer)):
+        if fixed is None:
+            out.append(f"{name} {str(value).lower() if isinstance(value, bool) else value}")
+    return tuple(out)
