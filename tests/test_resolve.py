@@ -22,7 +22,7 @@ from ulysses_trainer.plan.rates import (
     kernel_rates_from_results,
     norm_rates_from_results,
 )
-from ulysses_trainer.plan.resolve import plan_for, resolve_plan
+from ulysses_trainer.plan.resolve import plan_for, replan_after_engine, resolve_plan
 from ulysses_trainer.plan.step_time import (
     MODELLED_FROM_S,
     format_seconds,
@@ -172,14 +172,19 @@ def test_the_engine_measurement_changes_the_plan_only_when_memory_is_short():
     first = _plan()
     held = sum(t.gpu for t in first.estimate.terms if t.phase == "static" and t.name != "Adam m, v") / 2**30
     as_predicted = Machine(gpus=1, **H200, gpu_free_after_engine_gb=139.8 - held - 1.0)
-    assert resolve_plan(cfg, Q4, as_predicted, engine_plan=first) == first
+    assert replan_after_engine(first, cfg, Q4, as_predicted) == first
     crowded = replace(as_predicted, gpu_free_after_engine_gb=as_predicted.gpu_free_after_engine_gb - 20)
-    second = resolve_plan(cfg, Q4, crowded, engine_plan=first)
+    second = replan_after_engine(first, cfg, Q4, crowded)
     assert second.fits and second.gpu_budget_gb == pytest.approx(119.8, abs=0.01)
     assert second.optimizer_offload == first.optimizer_offload and second.tiles == first.tiles  # fixed by the engine
     assert len(second.kept_attention_layers) + len(second.saved_layers) - len(second.offload_layers) < \
         len(first.kept_attention_layers) + len(first.saved_layers) - len(first.offload_layers)
     assert any("measured" in n for n in second.notes)
+    # nothing but the budget is decided again: not the kernels, even where the machine now lists others
+    fused = _plan(norm_kernels=("triton", "torch"))
+    assert fused.norm_kernel == "triton"
+    again = replan_after_engine(fused, cfg, Q4, replace(crowded, norm_kernels=("torch",)))
+    assert again.norm_kernel == "triton" and again.gpu_budget_gb == second.gpu_budget_gb
 
 
 def test_planning_another_machine_assumes_host_ram_and_says_so(capsys):

@@ -1,5 +1,6 @@
 """One resolved plan: every setting of a run decided once, from the training config, the model's shape and
-the machine. `resolve_plan` is the one function the trainer and `ulysses-trainer plan` call.
+the machine. `resolve_plan` is the one function the trainer and `ulysses-trainer plan` call;
+`replan_after_engine` runs its search again with the GPU memory measured once the engine is built.
 
 Every lever is checked here against the model (ConfigError, exit 2, naming the fix; lever_settings.decode_levers
 has decoded and checked the values themselves); every `auto` is decided here: of all the settings that fit the
@@ -17,10 +18,10 @@ from typing import Any
 from ..data.attention_share import AttentionShare
 from ..errors import ConfigError
 from ..layout import Layout, resolve_layout
-from ..lever_settings import decode_levers
-from ..names import KEEPING_KERNELS, Kernels, auto_num_tiles, choose_kernels
+from ..lever_settings import Fixed, decode_levers
+from ..names import KEEPING_KERNELS, auto_num_tiles, choose_kernels
 from .fit_search import cheapest_autos, fastest_fit, shortfall, with_headroom
-from .inputs import ModelShape, Settings, check_settings, lora_numels
+from .inputs import ModelShape, Settings, Zero3Knobs, check_settings, lora_numels
 from .layer_terms import kept_attention_bytes_per_layer
 from .memory import GIB
 from .notes import WORST_CASE, decided, plan_notes  # noqa: F401 - WORST_CASE: the packing note, re-exported
@@ -29,28 +30,23 @@ from .types import Machine, Plan, ZeroSettings, read_zero
 
 
 def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettings | None = None, *,
-                 engine_plan: Plan | None = None, attention: AttentionShare | None = None,
-                 layout: Layout | None = None) -> Plan:
+                 attention: AttentionShare | None = None, layout: Layout | None = None) -> Plan:
     """The plan for `cfg` (a TrainConfig) on `machine`. ConfigError for settings that cannot run.
 
     One pass down: the machine's budget, the layout, the kernels, the base settings, the levers decoded and
     bound, the search, the step time, then the Plan with its notes.
-    engine_plan: the plan the engine was built with; with machine.gpu_free_after_engine_gb set, the GPU
-    budget becomes what the measurement leaves (free memory plus what the model states were predicted to
-    take), and the settings the engine fixed (optimizer placement, kernels, tiles) stay.
     attention: the packed data's attention cost (data/attention_share.py); None: one document per row.
     layout: the run's (config_checks.validate_config decided it); None: resolve_layout of sp_size and machine.gpus.
     """
     zero = zero or ZeroSettings()
     machine.check()
     bf16 = machine.bf16(cfg.bf16)  # the one rule (plan/types.py)
-    budget, budget_note = machine.gpu_budget(engine_plan)
+    budget, budget_note = machine.gpu_budget(None)
     if layout is None:
         layout = resolve_layout(cfg.sp_size, machine.gpus)
     assert layout.world == machine.gpus, f"layout of {layout.world} ranks planned on {machine.gpus} GPUs"
-    kernels = Kernels(engine_plan.kernel, engine_plan.norm_kernel, engine_plan.experts_implementation) \
-        if engine_plan else choose_kernels(cfg.attn_implementation, cfg.norm_kernel, cfg.experts_implementation,
-                                           cfg.lean_norm, machine.kernels, machine.norm_kernels)
+    kernels = choose_kernels(cfg.attn_implementation, cfg.norm_kernel, cfg.experts_implementation, cfg.lean_norm,
+                             machine.kernels, machine.norm_kernels)
     base = Settings(max_length=cfg.max_length, sp=layout.sp, dp=layout.dp,
                     micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
                     gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
@@ -61,15 +57,34 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
                     trainable_numels=_lora_numels(cfg, shape))
     # the levers (lever_settings.decode_levers), the ZeRO JSON's optimizer placement winning over auto, bound to
     # the model: `tiled_mlp: true` sizes its tiles by the tokens per rank. asked: what the config and JSON fixed
-    fx = asked = decode_levers(cfg).with_json_placement(zero.offload_optimizer).bind(
+    asked = decode_levers(cfg).with_json_placement(zero.offload_optimizer).bind(
         shape.layers, lambda: auto_num_tiles(base.local_tokens, shape.hidden, shape.mlp_row_width))
-    if kernels.attention not in KEEPING_KERNELS and fx.keep not in (0, None):
+    if kernels.attention not in KEEPING_KERNELS and asked.keep not in (0, None):
         raise ConfigError(f"keep_attention_outputs needs a kernel that can keep its outputs (sdpa, "
                           f"flash_attention_4); {kernels.attention} cannot: set keep_attention_outputs false or "
                           f"attn_implementation sdpa")
-    if engine_plan is not None:  # the engine fixed these
-        fx = replace(fx, optimizer_offload=engine_plan.optimizer_offload, tiles=engine_plan.tiles)
     check_settings(shape, replace(base, kept_attention_layers=0))
+    return _search(cfg, shape, machine, base, asked, asked, zero.by_placement, budget, budget_note,
+                   attention=attention, engine_plan=None)
+
+
+def replan_after_engine(first: Plan, cfg: Any, shape: ModelShape, machine: Machine, *,
+                        attention: AttentionShare | None = None) -> Plan:
+    """The plan again once the engine holds the model states (machine.gpu_free_after_engine_gb set): the same
+    search over the GPU budget the measurement leaves (free memory plus what `first` predicted the model states
+    take). Nothing is decided again: the layout, kernels, base settings and the levers the config fixed are
+    `first`'s, and so are the two the engine fixed (optimizer placement, tiles). Equal to `first` when the
+    GPU holds what the memory model expected."""
+    budget, budget_note = machine.gpu_budget(first)
+    fx = replace(first.fixed, optimizer_offload=first.optimizer_offload, tiles=first.tiles)
+    return _search(cfg, shape, machine, first.search_base, fx, first.fixed, first.zero3_by_placement, budget,
+                   budget_note, attention=attention, engine_plan=first)
+
+
+def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: Fixed, asked: Fixed,
+            by_placement: dict[bool, Zero3Knobs], budget: float | None, budget_note: str | None, *,
+            attention: AttentionShare | None, engine_plan: Plan | None) -> Plan:
+    """The search over the levers `fx` leaves open (None) within the budgets, the step time, and the Plan."""
 
     def time_of(s: Settings) -> StepTime:
         return step_time(shape, s, shape.num_params, accumulation=cfg.gradient_accumulation_steps,
@@ -80,9 +95,9 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
         chosen, fits, gpu_miss, host_miss = cheapest_autos(shape, base, fx), True, 0, 0
     else:
         # packed rows keep outputs as dense rows do (attention/grouped.py: per KV group, buffers of a dense row)
-        can_keep = cfg.gradient_checkpointing and kernels.attention in KEEPING_KERNELS
+        can_keep = cfg.gradient_checkpointing and base.attention in KEEPING_KERNELS
         chosen, fits, best = fastest_fit(shape, base, fx, shape.layers if can_keep else 0, budget,
-                                         machine.host_memory_gb, zero.by_placement, lambda s: time_of(s).total_s)
+                                         machine.host_memory_gb, by_placement, lambda s: time_of(s).total_s)
         if fits and fx.offload is None:
             chosen = with_headroom(shape, chosen, budget, machine.host_memory_gb)
         gpu_miss, host_miss = shortfall(chosen, budget, machine.host_memory_gb)
@@ -107,9 +122,10 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
         host_budget_gb=machine.host_memory_gb, decided=decided(cfg, asked, s),
         notes=plan_notes(cfg, machine, s, attention=attention, budget_note=budget_note, st=st,
                          engine_plan=engine_plan, fx=fx, best=best),
-        settings=s, estimate=chosen, fixed=asked, zero3_by_placement=zero.by_placement,
+        settings=s, estimate=chosen, fixed=asked, zero3_by_placement=by_placement,
         experts_implementation=s.experts_implementation, attention_fraction=s.attention_fraction,
-        attention_from="" if not cfg.packing else "data" if attention else "one document (worst case)")
+        attention_from="" if not cfg.packing else "data" if attention else "one document (worst case)",
+        search_base=base)
 
 
 def _lora_numels(cfg: Any, shape: ModelShape) -> tuple[int, ...] | None:

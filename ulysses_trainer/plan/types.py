@@ -157,6 +157,9 @@ class Plan:
     # "data" or "one document (worst case)"; "" without packing
     attention_fraction: float = 1.0
     attention_from: str = ""
+    # the settings the search started from (layout, kernels, precision; every lever at its default): a re-plan
+    # (plan/resolve.replan_after_engine) searches from them again instead of deciding them again
+    search_base: Settings | None = field(default=None, compare=False, repr=False)
 
     @property
     def world(self) -> int:

@@ -28,7 +28,7 @@ from ..parallel.comm import all_reduce
 from ..parallel.loss import aux_for_backward, global_aux_loss, global_loss, loss_for_backward, step_token_count
 from ..parallel.sharding import Shard
 from ..parallel.state import ParallelState, make_parallel_state
-from ..plan.resolve import resolve_plan
+from ..plan.resolve import replan_after_engine
 from ..plan.types import Plan
 from . import checkpoint as ckpt
 from . import data_order as order
@@ -127,9 +127,9 @@ class Trainer:
         return self.plan.resolved
 
     def _resolve_after_engine(self) -> Plan:
-        """The plan again (the same function as `ulysses-trainer plan`), now with the free GPU memory the engine
-        left (the least of any rank's, so every rank re-plans alike): it differs from the first one only when
-        a GPU holds less than the memory model expected."""
+        """The plan's search again (plan/resolve.py), now with the free GPU memory the engine left (the least of
+        any rank's, so every rank re-plans alike): it differs from the first one only when a GPU holds less
+        than the memory model expected."""
         plan = self.plan
         free = probe.free_gpu_memory_gb(self.device)  # None on every rank of a CPU job, a number on every GPU rank
         if free is None:
@@ -137,8 +137,7 @@ class Trainer:
         machine = replace(plan.machine, gpu_free_after_engine_gb=agree_free_memory(free))
         # packed rows: attention timed from the same documents as the first plan, not as one document a row
         share = AttentionShare.of(plan.train_data) if timed_from_data(self.cfg) else None
-        return resolve_plan(self.cfg, plan.shape, machine, plan.zero, engine_plan=plan.resolved, attention=share,
-                            layout=plan.layout)
+        return replan_after_engine(plan.resolved, self.cfg, plan.shape, machine, attention=share)
 
     def _say_stopping(self) -> None:
         """The first stop request, from the signal handler: one line from rank 0."""
