@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -175,9 +176,10 @@ def test_no_home_and_no_dir_means_no_cache(tmp_path, monkeypatch):
 
 
 def _prepare_rank(rank: int, world_size: int, data: str, cache: str, use_cache: bool = True,
-                  nodes: tuple[str, ...] | None = None) -> tuple[int, str, list[str]]:
-    """(tokenizer calls, digest of the rows, what is left in this rank's scratch directory). nodes: the node
-    of each rank; each node then has its own scratch directory and cannot read another node's."""
+                  nodes: tuple[str, ...] | None = None) -> tuple[int, str]:
+    """(tokenizer calls, digest of the rows). The scratch directories are cache/scratch/<node>: the test lists
+    them once every rank has returned (a rank returning early could see its node's preparer still removing it).
+    nodes: the node of each rank; each node then has its own scratch directory and cannot read another node's."""
     import hashlib
     from pathlib import Path
 
@@ -196,7 +198,12 @@ def _prepare_rank(rank: int, world_size: int, data: str, cache: str, use_cache: 
     ds = prepared_sequences(cfg, tok)
     digest = hashlib.sha256(np.ascontiguousarray(ds.tokens).tobytes() + np.ascontiguousarray(ds.trained).tobytes())
     assert isinstance(ds.tokens, np.memmap)  # every rank maps the rows, the preparing one too
-    return tok.calls, digest.hexdigest(), sorted(p.name for p in scratch.iterdir())
+    return tok.calls, digest.hexdigest()
+
+
+def _left_in_scratch(cache: Path) -> dict[str, list[str]]:
+    """What every node's scratch directory still holds (listed after the ranks have ended)."""
+    return {node.name: sorted(p.name for p in node.iterdir()) for node in (cache / "scratch").iterdir()}
 
 
 @pytest.mark.slow
@@ -205,11 +212,11 @@ def test_only_rank_0_tokenizes_and_the_others_read_its_rows(tmp_path, use_cache)
     from tests.dist_utils import run_ranks
 
     data = _write(tmp_path / "chat.jsonl", _chat_rows())
-    (calls0, rows0, left0), (calls1, rows1, _) = run_ranks(2, _prepare_rank, data, str(tmp_path / "cache"),
-                                                           use_cache)
+    (calls0, rows0), (calls1, rows1) = run_ranks(2, _prepare_rank, data, str(tmp_path / "cache"), use_cache)
     assert calls0 > 0 and calls1 == 0
     assert rows0 == rows1
-    assert left0 == []  # without the cache the rows went through a scratch directory, removed once mapped
+    # without the cache the rows went through a scratch directory, removed once every rank had mapped them
+    assert _left_in_scratch(tmp_path / "cache") == {"node": []}
 
 
 @pytest.mark.slow
@@ -218,10 +225,10 @@ def test_a_node_that_cannot_read_rank_0s_rows_prepares_them_once_for_its_ranks(t
 
     data = _write(tmp_path / "chat.jsonl", _chat_rows())
     results = run_ranks(3, _prepare_rank, data, str(tmp_path / "cache"), False, ("a", "b", "b"))
-    calls = [c for c, _, _ in results]
+    calls = [c for c, _ in results]
     assert calls[0] > 0 and calls[1] > 0 and calls[2] == 0  # node b's first rank prepares, its other rank reads
-    assert len({d for _, d, _ in results}) == 1
-    assert all(left == [] for _, _, left in results)
+    assert len({d for _, d in results}) == 1
+    assert _left_in_scratch(tmp_path / "cache") == {"a": [], "b": []}
 
 
 # ---------------------------------------------------------------- dataset_num_proc
