@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import JOB_TIMEOUT_S, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, free_port, train_env
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,10 @@ def test_readme_commands_run_in_order_on_a_fresh_checkout(tmp_path):
     ran, refused = [], []
     for cmd in commands:
         outputs_before = set((repo / "out").glob("*")) if (repo / "out").exists() else set()
-        proc = subprocess.run(cmd.split(), cwd=repo, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+        argv = cmd.split()
+        if argv[0] == "deepspeed":  # as written, on a free port: DeepSpeed's default (29500) may be another job's
+            argv[1:1] = ["--master_port", str(free_port())]
+        proc = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
         said = proc.stdout + proc.stderr
         if proc.returncode == 2 and REFUSED.search(proc.stderr):  # a GPU recipe on this machine: up front
             assert len(re.findall(r"^error:", proc.stderr, re.M)) == 1 and "Traceback" not in said, said[-3000:]

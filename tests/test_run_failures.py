@@ -290,3 +290,24 @@ def test_the_commands_import_no_torch_before_they_handle_ctrl_c():
             "from ulysses_trainer import parallelize, shard_batch; assert 'torch' in sys.modules")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=train_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_port_another_job_holds_is_one_line_and_exit_1(tmp_path):
+    """The launcher's master port held by another program: one line naming the port and the fix, no traceback."""
+    import socket
+
+    out = tmp_path / "run"
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = train_command(2, ["--max_steps", "1", "--output_dir", str(out)])
+        cmd[cmd.index("--master_port") + 1] = str(port)
+        proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    said = proc.stdout + proc.stderr
+    errors = [line for line in said.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1, said[-3000:]
+    assert len(errors) == 1 and f"127.0.0.1:{port}: that port is in use" in errors[0], said[-3000:]
+    assert "--master_port" in errors[0] and "Traceback" not in said, said[-3000:]
+    assert not out.exists()

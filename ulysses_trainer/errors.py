@@ -9,6 +9,10 @@ class PlanMismatchError(RuntimeError):
     """The ranks resolved different plans: a run-time failure (exit 1) found before step 1, never a hang."""
 
 
+class JobStartError(RuntimeError):
+    """The process group could not start (e.g. its port is another job's): a run-time failure, exit 1."""
+
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_INVALID = 2

@@ -2,7 +2,8 @@
 
 Exit codes: 0 success or clean stop on SIGTERM; 2 invalid input, reported before any heavy work with
 nothing written; 130 Ctrl-C before training started (nothing written); 1 any other failure (a
-failed write into output_dir, a non-finite step, out of GPU memory, a second Ctrl-C).
+failed write into output_dir, a non-finite step, out of GPU memory, a second Ctrl-C, a process group that
+could not start, e.g. on a port another job holds).
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ import sys
 import time
 import traceback
 
-from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, ConfigError, PlanMismatchError
+from ..errors import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_INVALID,
+    EXIT_OK,
+    ConfigError,
+    JobStartError,
+    PlanMismatchError,
+)
 from ..train.stop_signal import InterruptRecorder
 
 # A non-main rank waits this long before reporting its error itself: the launcher ends it as soon as
@@ -76,7 +85,14 @@ def _init_distributed() -> None:
     cuda = torch.cuda.is_available()
     if cuda:  # each rank's own GPU before the first collective (NCCL keys its communicator on it)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    init_distributed("nccl" if cuda else "gloo")
+    try:
+        init_distributed("nccl" if cuda else "gloo")
+    except torch.distributed.DistNetworkError as exc:  # rank 0 could not open the rendezvous port
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        why = "that port is in use (another job on this machine?)" if "EADDRINUSE" in str(exc) else \
+            str(exc).splitlines()[0]
+        raise JobStartError(f"cannot start the process group on {where}: {why}; pass a free port to the launcher, "
+                            f"e.g. deepspeed --master_port 29600 --num_gpus N launch/train.py ...") from None
 
 
 def _end_group() -> None:
@@ -156,6 +172,9 @@ def _main(argv: list[str], seen: InterruptRecorder) -> int:
     except PlanMismatchError as exc:  # every rank sees it, before the model is built
         _report(f"error: {exc}")
         _end_group()
+        return EXIT_FAILURE
+    except JobStartError as exc:  # no group: nothing to end
+        _report(f"error: {exc}")
         return EXIT_FAILURE
     except Exception:
         _end_group()
