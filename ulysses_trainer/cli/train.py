@@ -15,15 +15,8 @@ import sys
 import time
 import traceback
 
-from ..errors import (
-    EXIT_FAILURE,
-    EXIT_INTERRUPTED,
-    EXIT_INVALID,
-    EXIT_OK,
-    ConfigError,
-    JobStartError,
-    PlanMismatchError,
-)
+from .. import errors
+from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, ConfigError, PlanMismatchError
 from ..train.stop_signal import InterruptRecorder
 
 # A non-main rank waits this long before reporting its error itself: the launcher ends it as soon as
@@ -88,11 +81,16 @@ def _init_distributed() -> None:
     try:
         init_distributed("nccl" if cuda else "gloo")
     except torch.distributed.DistNetworkError as exc:  # rank 0 could not open the rendezvous port
-        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        why = "that port is in use (another job on this machine?)" if "EADDRINUSE" in str(exc) else \
-            str(exc).splitlines()[0]
-        raise JobStartError(f"cannot start the process group on {where}: {why}; pass a free port to the launcher, "
-                            f"e.g. deepspeed --master_port 29600 --num_gpus N launch/train.py ...") from None
+        raise errors.JobStartError(_start_failure(str(exc))) from None
+
+
+def _start_failure(error: str) -> str:
+    """The line for a process group that could not start (its port taken, most often)."""
+    addr, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+    taken = "EADDRINUSE" in error
+    why = "that port is in use (another job on this machine?)" if taken else error.splitlines()[0]
+    return (f"cannot start the process group on {addr}:{port}: {why}; pass a free port to the launcher, "
+            f"e.g. deepspeed --master_port 29600 --num_gpus N launch/train.py ...")
 
 
 def _end_group() -> None:
@@ -173,7 +171,7 @@ def _main(argv: list[str], seen: InterruptRecorder) -> int:
         _report(f"error: {exc}")
         _end_group()
         return EXIT_FAILURE
-    except JobStartError as exc:  # no group: nothing to end
+    except errors.JobStartError as exc:  # no group: nothing to end
         _report(f"error: {exc}")
         return EXIT_FAILURE
     except Exception:
