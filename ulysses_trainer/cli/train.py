@@ -15,8 +15,8 @@ import sys
 import time
 import traceback
 
-from .. import errors
 from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, ConfigError, PlanMismatchError
+from ..errors import JobStartError as JobStartError
 from ..train.stop_signal import InterruptRecorder
 
 # A non-main rank waits this long before reporting its error itself: the launcher ends it as soon as
@@ -78,19 +78,7 @@ def _init_distributed() -> None:
     cuda = torch.cuda.is_available()
     if cuda:  # each rank's own GPU before the first collective (NCCL keys its communicator on it)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    try:
-        init_distributed("nccl" if cuda else "gloo")
-    except torch.distributed.DistNetworkError as exc:  # rank 0 could not open the rendezvous port
-        raise errors.JobStartError(_start_failure(str(exc))) from None
-
-
-def _start_failure(error: str) -> str:
-    """The line for a process group that could not start (its port taken, most often)."""
-    addr, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
-    taken = "EADDRINUSE" in error
-    why = "that port is in use (another job on this machine?)" if taken else error.splitlines()[0]
-    return (f"cannot start the process group on {addr}:{port}: {why}; pass a free port to the launcher, "
-            f"e.g. deepspeed --master_port 29600 --num_gpus N launch/train.py ...")
+    init_distributed("nccl" if cuda else "gloo")
 
 
 def _end_group() -> None:
@@ -171,7 +159,7 @@ def _main(argv: list[str], seen: InterruptRecorder) -> int:
         _report(f"error: {exc}")
         _end_group()
         return EXIT_FAILURE
-    except errors.JobStartError as exc:  # no group: nothing to end
+    except JobStartError as exc:  # no group: nothing to end
         _report(f"error: {exc}")
         return EXIT_FAILURE
     except Exception:

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 
+from ..errors import JobStartError
 from ..messages import ON_STDERR
 
 log = logging.getLogger(__name__)
@@ -57,11 +58,24 @@ def init_distributed(backend: str) -> None:
     """`deepspeed.init_distributed(backend)`; on "gloo" the shared-memory op is neither built nor mapped.
     Again is a no-op (DeepSpeed's own check); a torch group DeepSpeed has not seen (the rehearsal's) it adopts."""
     import deepspeed
+    import torch.distributed as dist
 
     from .integrations import without_deepspeed_shm_op
 
     with without_deepspeed_shm_op() if backend == "gloo" else contextlib.nullcontext():
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        try:
+            deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        except dist.DistNetworkError as exc:  # rank 0 could not open the rendezvous port
+            raise JobStartError(_start_failure(str(exc))) from None
+
+
+def _start_failure(error: str) -> str:
+    """The line for a process group that could not start (its port taken, most often)."""
+    addr, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+    taken = "EADDRINUSE" in error
+    why = "that port is in use (another job on this machine?)" if taken else error.splitlines()[0]
+    return (f"cannot start the process group on {addr}:{port}: {why}; pass a free port to the launcher, "
+            f"e.g. deepspeed --master_port 29600 --num_gpus N launch/train.py ...")
 
 
 def _initialized() -> bool:
