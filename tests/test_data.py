@@ -61,6 +61,25 @@ def test_bpe_export_loads_with_autotokenizer(tok, tmp_path):
     assert own.name == str(tmp_path) and own.encode(text) == tok.encode(text)
 
 
+def test_bpe_export_from_the_user_cache_is_the_converted_one(tok, tmp_path, monkeypatch):
+    """The converted tokenizer is kept in the user cache: an export from a cold cache, one from the file it left and
+    one after that file was damaged write the same tokenizer files; without a home directory nothing is cached."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    exported = {}
+    for name in ("cold", "warm", "damaged"):
+        if name == "damaged":
+            (cached,) = (tmp_path / "cache" / "ulysses_trainer" / "tokenizers").glob("qwen-bpe-*.json")
+            cached.write_text("{not json")
+        tok.save_pretrained(str(tmp_path / name))
+        exported[name] = {f.name: f.read_bytes() for f in (tmp_path / name).iterdir()}
+    assert "tokenizer.json" in exported["cold"] and exported["warm"] == exported["cold"] == exported["damaged"]
+    assert json.loads(cached.read_text())["model"]["type"] == "BPE"  # the damaged file was replaced
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.delenv("HOME")
+    tok.save_pretrained(str(tmp_path / "homeless"))
+    assert {f.name: f.read_bytes() for f in (tmp_path / "homeless").iterdir()} == exported["cold"]
+
+
 def test_tokenizer_must_fit_the_model(tok):
     check_tokenizer_fits(tok, preset_config("tiny"))
     small = preset_config("tiny")

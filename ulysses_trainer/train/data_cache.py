@@ -30,6 +30,7 @@ from ..config import TrainConfig, config_to_dict
 from ..data.documents import SequenceDataset, build_sequences
 from ..errors import ConfigError
 from ..parallel.comm import gather_objects, world_rank
+from ..user_cache import user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,7 @@ def cache_root(cfg: TrainConfig) -> Path | None:
         return None
     if given is not None:
         return Path(given)
-    base = os.environ.get("XDG_CACHE_HOME") or (str(Path.home() / ".cache") if os.environ.get("HOME") else None)
-    return Path(base) / "ulysses_trainer" / "data" if base else None
+    return user_cache_dir("data")
 
 
 def _files_of(source: str) -> list[Path]:
