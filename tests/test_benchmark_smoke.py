@@ -92,11 +92,12 @@ def test_profile_step_buckets_attention_and_matmuls(tmp_path):
 
 
 def test_profile_rehearsal_buckets_a_rehearsed_step(tmp_path):
-    """benchmarks/profile_rehearsal.py on CPU: the tiny recipe's rank 3 of 4, the last of 3 steps under the
-    profiler (its kernels in buckets), the rehearsal's own result inside; --no_profile profiles nothing."""
+    """benchmarks/profile_rehearsal.py on CPU: the tiny recipe's rank 3 of 4 (at 1,024 tokens), the last of 3 steps
+    under the profiler (its kernels in buckets), the rehearsal's own result inside; --no_profile profiles nothing."""
     from benchmarks import profile_rehearsal
 
-    args = ["--", "--config", "launch/recipes/cpu_default.yaml", "--gpus", "4", "--rank", "3", "--steps", "3"]
+    args = ["--", "--config", "launch/recipes/cpu_default.yaml", "--gpus", "4", "--rank", "3", "--steps", "3",
+            "--max_length", "1024"]  # 256 tokens a rank: the vocabulary's loss is most of a CPU step
     out = tmp_path / "p.json"
     assert profile_rehearsal.main(["--out", str(out), "--top", "5", *args]) == 0
     got = json.loads(out.read_text())

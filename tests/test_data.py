@@ -129,6 +129,32 @@ def test_synthetic_sequences_are_four_steps_whatever_max_steps(tok):
     assert not torch.equal(ev[0]["input_ids"], ds[0]["input_ids"])  # eval documents differ
 
 
+def test_long_synthetic_documents_are_made_only_as_far_as_the_rows_need(tok, monkeypatch):
+    """A capped read pulls documents in batches of at most about a MiB of text: 4 rows of 32K tokens take the
+    documents that fill them plus at most the rest of one batch (64 documents were made before), and the rows
+    are the same as with batches of 64 documents whatever their size."""
+    from ulysses_trainer.data import documents
+
+    made = []
+
+    def counted(seed, mean_words):
+        for doc in synthetic_documents(seed, mean_words):
+            made.append(len(doc))
+            yield doc
+
+    monkeypatch.setattr(documents, "synthetic_documents", counted)
+    cfg = TrainConfig(max_length=32768)
+    ds = build_sequences(cfg, tok)
+    used = ds.counts.documents_used
+    assert len(ds) == 4 and len(made) < documents._BATCH_DOCS
+    assert sum(made[used:]) < documents._CHUNK_CHARS  # made beyond the rows' documents: less than one batch
+    made.clear()
+    monkeypatch.setattr(documents, "_CHUNK_CHARS", 1 << 62)  # batches of _BATCH_DOCS documents only
+    wide = build_sequences(cfg, tok)
+    assert len(made) == documents._BATCH_DOCS
+    assert all(torch.equal(ds[i]["input_ids"], wide[i]["input_ids"]) for i in range(len(ds)))
+
+
 # ---------------------------------------------------------------- local files
 def test_jsonl_joined_end_to_end_and_cut(tok, tmp_path):
     docs = _docs(12, 40)

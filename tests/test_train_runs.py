@@ -26,7 +26,8 @@ import pytest
 from tests.dist_utils import JOB_TIMEOUT_S, train_env
 from tests.tiny_checkpoint import WORDS, write_checkpoint
 
-pytestmark = pytest.mark.slow
+# one worker runs the whole module (pytest -n with --dist loadgroup): its tests share the runs of a module fixture
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train_runs")]
 pytest.importorskip("tensorboard", reason="the dev extra installs tensorboard")
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -52,7 +52,7 @@ from .workers import chunks_of, ordered_map, text_size
 _TOKENS_PER_WORD = 1.26  # of the synthetic prose under the Qwen BPE (measured)
 _EVAL_SEED_OFFSET = 1_000_003  # synthetic eval documents differ from the training ones
 _BATCH_DOCS = 64
-_CHUNK_CHARS = 1 << 20  # a worker's share of examples: at most _BATCH_DOCS rows or about this much text
+_CHUNK_CHARS = 1 << 20  # a batch (a worker's share): at most _BATCH_DOCS documents or rows, or about this much text
 SYNTHETIC_STEPS_PER_EPOCH = 4
 AGENT_SESSIONS = "synthetic:agent_sessions"  # dataset_name of the synthetic agent sessions
 MIXED_SESSIONS = "synthetic:agent_sessions_mixed"  # ... of mixed lengths (4K-400K tokens, median 60K)
@@ -143,11 +143,13 @@ def _texts(ds: Any, field: str, source: str, counts: DataCounts) -> Iterator[str
 
 def _encoded_batches(docs: Iterable[str], tokenizer: Tokenizer, num_proc: int | None
                      ) -> Iterator[tuple[list[str], list[list[int]]]]:
-    """(documents, their ids) by batches of _BATCH_DOCS, in order (num_proc: encoded in worker processes)."""
+    """(documents, their ids) by batches of _BATCH_DOCS documents or about _CHUNK_CHARS of text, in order (num_proc:
+    encoded in worker processes). The text bound keeps a capped read of long documents from generating and
+    encoding many more than its rows need (64 synthetic 1M-token documents for 4 rows of 1M)."""
     held: deque[list[str]] = deque()  # batches handed to the workers, whose ids come back in this order
 
     def fed() -> Iterator[list[str]]:
-        for raw in chunks_of(docs, _BATCH_DOCS):
+        for raw in chunks_of(docs, _BATCH_DOCS, len, _CHUNK_CHARS):
             held.append([d for d in raw if d])  # (the sources skip and count empty documents themselves)
             yield held[-1]
 
