@@ -28,9 +28,24 @@ from ulysses_trainer.cli.console import use_console  # noqa: E402
 use_console()
 
 
+# The longest tests first and the in-process ones last: under -n the workers then end together, instead of one
+# waiting while the other runs a long test it took late. (Each of these starts many processes; a module of tests
+# sharing a fixture's runs is one unit of work for --dist loadgroup, and those units go out first anyway.)
+LONGEST_FIRST = ("tests/test_readme_examples.py", "tests/test_e2e_masks.py", "tests/test_moe.py",
+                 "tests/test_e2e_lora.py", "tests/test_chat_export.py", "tests/test_run_dir.py")
+
+
+def _run_order(item: pytest.Item) -> tuple[int, int]:
+    path = item.nodeid.split("::", 1)[0]
+    if path in LONGEST_FIRST:
+        return 0, LONGEST_FIRST.index(path)
+    return (1 if item.get_closest_marker("slow") else 2), 0
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    items.sort(key=_run_order)  # stable: a file's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine)")
