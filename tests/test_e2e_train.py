@@ -30,8 +30,6 @@ import torch
 
 from tests.dist_utils import JOB_TIMEOUT_S, job_failure, run_job, train_command
 
-# one worker runs the whole module (pytest -n with --dist loadgroup): its tests share the runs of a module fixture
-pytestmark = pytest.mark.xdist_group("e2e_train")
 ROOT = Path(__file__).resolve().parent.parent
 MAX_STEPS = 4
 MAX_LENGTH = 256

@@ -28,8 +28,7 @@ from tests.dist_utils import JOB_TIMEOUT_S, train_command, train_env
 from tests.held_rank import has_pending, held_env, is_stopped, wait_for
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 
-# one worker runs the whole module (pytest -n with --dist loadgroup): its tests share the runs of a module fixture
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("faults")]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 10

@@ -26,8 +26,7 @@ import pytest
 from tests.dist_utils import JOB_TIMEOUT_S, train_env
 from tests.tiny_checkpoint import WORDS, write_checkpoint
 
-# one worker runs the whole module (pytest -n with --dist loadgroup): its tests share the runs of a module fixture
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train_runs")]
+pytestmark = pytest.mark.slow
 pytest.importorskip("tensorboard", reason="the dev extra installs tensorboard")
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,8 +17,7 @@ import pytest
 from tests.dist_utils import JOB_TIMEOUT_S, train_env
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 
-# one worker runs the whole module (pytest -n with --dist loadgroup): its tests share the runs of a module fixture
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trl_strategies_run")]
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 
 
