@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import socket
 import sys
 import threading
 import time
@@ -60,7 +61,11 @@ class HostPeak:
 def _init_dist():
     from ulysses_trainer.parallel.init import init_distributed
 
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511").items():
+    if "MASTER_PORT" not in os.environ:  # a free port: two benchmarks at once (or another job) must not share one
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
         os.environ.setdefault(k, v)
     init_distributed("nccl" if torch.cuda.is_available() else "gloo")
 

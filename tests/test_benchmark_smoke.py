@@ -1,8 +1,10 @@
 """The benchmark scripts run on CPU with the tiny preset, and every case of benchmarks/suite.py calls them with
 flags they accept, so a GPU machine never meets a broken script."""
 
+import contextlib
 import json
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -84,7 +86,12 @@ def test_profile_step_buckets_attention_and_matmuls(tmp_path):
     out = tmp_path / "profile.json"
     cmd = [sys.executable, "benchmarks/profile_step.py", "--model", "tiny", "--length", "128",
            "--keep-attention-outputs", "true", "--out", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    with contextlib.ExitStack() as held:  # the port the benchmarks once all used, held as another job would
+        with contextlib.suppress(OSError):
+            sock = held.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 29511))
+            sock.listen()
+        res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(out.read_text())["seconds_by_bucket"]
     for name in ("attention forward", "attention backward", "matmul"):
