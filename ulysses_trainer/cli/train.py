@@ -15,8 +15,15 @@ import sys
 import time
 import traceback
 
-from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, ConfigError, PlanMismatchError
-from ..errors import JobStartError as JobStartError
+from ..errors import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_INVALID,
+    EXIT_OK,
+    ConfigError,
+    JobStartError,
+    PlanMismatchError,
+)
 from ..train.stop_signal import InterruptRecorder
 
 # A non-main rank waits this long before reporting its error itself: the launcher ends it as soon as
