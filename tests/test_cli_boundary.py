@@ -11,7 +11,7 @@ import pytest
 
 from ulysses_trainer.cli import data as data_cli
 from ulysses_trainer.cli import launcher
-from ulysses_trainer.cli.argv import Arg, load_config, parse_overrides, split_argv, walk
+from ulysses_trainer.cli.argv import Arg, load_config, parse_overrides, split_argv, split_overrides, walk
 from ulysses_trainer.cli.console import use_console
 from ulysses_trainer.config import TrainConfig, config_from
 from ulysses_trainer.errors import ConfigError
@@ -70,6 +70,25 @@ def test_the_overrides_parse_as_the_trainer_reads_them(tmp_path):
                           (["--max_lenght", "1"], "unknown config name 'max_lenght'")):
         with pytest.raises(ConfigError, match=message):
             parse_overrides(argv)
+
+
+def test_the_command_line_is_read_in_one_pass_by_the_config(tmp_path):
+    """load_config only splits; config.config_from reads the options as written: the same config as the typed
+    overrides, and the command line's names are checked before the recipe is read, as before."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("max_length: 128\n")
+    argv = ["--config", str(recipe), "--packing", "--local_rank=3", "--lr_scheduler_type", "cosine"]
+    assert split_overrides(argv) == (str(recipe), [("packing", None), ("local_rank", "3"),
+                                                   ("lr_scheduler_type", "cosine")])
+    assert load_config(argv) == config_from(str(recipe), parse_overrides(argv)[1])
+    assert config_from(None, command_line=[("packing", None)]).packing is True
+    with pytest.raises(ConfigError, match="unknown config name 'pakcing' \\(command line\\)"):
+        load_config(["--config", str(tmp_path / "missing.yaml"), "--pakcing"])
+    with pytest.raises(ConfigError, match="recipe .*missing.yaml.* not found"):
+        load_config(["--config", str(tmp_path / "missing.yaml"), "--packing"])
+    for bad, message in (("config", "--config needs a value"), ("local_rank", "--local_rank needs a value")):
+        with pytest.raises(ConfigError, match=message):
+            load_config([f"--{bad}"])
 
 
 # ---------------------------------------------------------------- the library acts as no command

@@ -11,6 +11,7 @@ import difflib
 import json
 import math
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -313,6 +314,8 @@ _LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "
 HINTS: dict[str, Any] = typing.get_type_hints(TrainConfig)
 # Launcher arguments that are accepted and dropped (deepspeed adds --local_rank).
 IGNORED = {"local_rank"}
+# The fields a bare `--name` sets true (`--packing`): those whose type takes true.
+TAKES_TRUE = frozenset(n for n, tp in HINTS.items() if coerce(True, tp) is True)
 
 
 # ---------------------------------------------------------------- types
@@ -378,11 +381,34 @@ def build_config(recipe: dict[str, Any] | None = None, overrides: dict[str, Any]
     return TrainConfig(**values)
 
 
-def config_from(recipe_path: str | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """The recipe's values (a YAML file, when given) over the defaults, then `overrides` over them; the command
-    line's `--config R --name value ...` reads into these two (cli/argv.load_config)."""
+def command_line_values(options: Iterable[tuple[str, str | None]]) -> dict[str, Any]:
+    """{name: value read as YAML} of the command line's options `(name, text)` in the order written (cli/argv
+    splits them); text None: written bare, true for a field that takes true (`--packing`); the launcher's
+    --local_rank is dropped. The names are checked here, the values' types by build_config."""
+    pairs: dict[str, Any] = {}
+    for name, text in options:
+        if name not in FIELDS and name not in IGNORED:
+            raise unknown_name(name, "command line")
+        if text is None:
+            if name not in TAKES_TRUE:
+                raise ConfigError(f"--{name} needs a value: `--{name} VALUE`")
+            pairs[name] = True  # `--bf16` alone = true
+        elif name not in IGNORED:
+            try:
+                pairs[name] = load_yaml(text)
+            except yaml.YAMLError as exc:
+                raise yaml_error(exc, f"the value of --{name} ({text!r})") from None
+    return pairs
+
+
+def config_from(recipe_path: str | None = None, overrides: dict[str, Any] | None = None,
+                command_line: Iterable[tuple[str, str | None]] = ()) -> TrainConfig:
+    """The recipe's values (a YAML file, when given) over the defaults, then `overrides` and the `command_line`
+    options (command_line_values) over them: cli/argv.load_config splits `--config R --name value ...` into the
+    recipe path and the options, and everything else is read here, in one pass."""
+    values = {**(overrides or {}), **command_line_values(command_line)}
     recipe = read_recipe(recipe_path) if recipe_path else {}
-    return build_config(recipe, overrides, recipe_name=f"recipe {recipe_path}")
+    return build_config(recipe, values, recipe_name=f"recipe {recipe_path}")
 
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -1,20 +1,17 @@
 """The one argv splitter: `walk` reads a command line once into options (`--name value`, `--name=value`, a bare
 `--name`) and other arguments; every command splits and parses through it. `split_argv` parts a command's own
-options from training-config overrides (plan, rehearse, data, the train launcher), `parse_overrides` reads
-`[--config RECIPE] [--name value ...]` into the recipe path and typed overrides, `load_config` builds the
-TrainConfig from them (the rank entry, data, rehearse)."""
+options from training-config overrides (plan, rehearse, data, the train launcher), `split_overrides` parts
+`[--config RECIPE] [--name value ...]` into the recipe path and the options as written, `load_config` hands
+both to config.config_from, which reads them in one pass (the rank entry, data, rehearse); `parse_overrides`
+gives the typed overrides alone (plan)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import yaml
-
-from ..config import FIELDS, HINTS, IGNORED, TrainConfig, config_from, unknown_name, yaml_error
+from ..config import TrainConfig, command_line_values, config_from
 from ..errors import ConfigError
-from ..typed_values import coerce
-from ..yaml_numbers import load_yaml
 
 
 def option_name(arg: str) -> str | None:
@@ -65,42 +62,32 @@ def split_argv(argv: list[str], own: set[str], flags: set[str],
     return ours, rest
 
 
-def _value(name: str, text: str) -> Any:
-    try:
-        return load_yaml(text)
-    except yaml.YAMLError as exc:
-        raise yaml_error(exc, f"the value of --{name} ({text!r})") from None
+def split_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str | None]]]:
+    """(recipe path, [(name, text or None when written bare)]) from `[--config R] [--name value | --name=value]`,
+    in the order written: split only; config.command_line_values reads the options."""
+    recipe: str | None = None
+    options: list[tuple[str, str | None]] = []
+    for a in walk(list(argv)):
+        if not a.name:  # a non-option, or "--" alone
+            raise ConfigError(f"unexpected argument {a.args[0]!r}; arguments are `--name value` pairs")
+        if a.name != "config":
+            options.append((a.name, a.value))
+        elif a.value is None:
+            raise ConfigError("--config needs a value: `--config VALUE`")
+        else:
+            recipe = a.value
+    return recipe, options
 
 
 def parse_overrides(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
     """(recipe path, {name: value read as YAML}) from `[--config R] [--name value | --name=value ...]`; a bare
     `--name` is true for a field that takes true (`--packing`); --local_rank (the launcher's) is dropped."""
-    recipe: str | None = None
-    pairs: dict[str, Any] = {}
-    for a in walk(list(argv)):
-        name = a.name
-        if not name:  # a non-option, or "--" alone
-            raise ConfigError(f"unexpected argument {a.args[0]!r}; arguments are `--name value` pairs")
-        if a.value is None:
-            if name not in FIELDS and name not in IGNORED and name != "config":
-                raise unknown_name(name, "command line")
-            if name in FIELDS and coerce(True, HINTS[name]) is True:  # `--bf16` alone = true
-                pairs[name] = True
-                continue
-            raise ConfigError(f"--{name} needs a value: `--{name} VALUE`")
-        if name in IGNORED:
-            continue
-        if name == "config":
-            recipe = a.value
-        elif name not in FIELDS:
-            raise unknown_name(name, "command line")
-        else:
-            pairs[name] = _value(name, a.value)
-    return recipe, pairs
+    recipe, options = split_overrides(argv)
+    return recipe, command_line_values(options)
 
 
 def load_config(argv: list[str]) -> TrainConfig:
     """The TrainConfig of `[--config RECIPE.yaml] [--name value ...]` (each value read as YAML; the command line
     overrides the recipe, the recipe the defaults). Bad input is a ConfigError naming the fix."""
-    recipe, overrides = parse_overrides(argv)
-    return config_from(recipe, overrides)
+    recipe, options = split_overrides(argv)
+    return config_from(recipe, command_line=options)

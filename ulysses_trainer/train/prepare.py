@@ -65,6 +65,7 @@ class RunPlan:
     config_changes: dict = field(default_factory=dict)  # resume: {name: (checkpoint's, this run's)} let through
     disk: str = ""  # the `disk:` line: what the run holds in output_dir at its peak, and the free space
     plan_digest: str = ""  # the digest of `resolved`, the same on every rank (train/agreement.py)
+    source: str | None = None  # the weights' directory or Hub id (model/load.checkpoint_source); None: a preset
 
     @property
     def sp_size(self) -> int:
@@ -177,7 +178,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
                    eval_data=eval_data, ds_config=ds, optimizer=opt, steps_per_epoch=steps_per_epoch,
                    epoch_steps=epoch_steps, total_steps=total, sequences_per_step=per_step,
                    resume_path=resume_path, clear_output_dir=clear_output_dir,
-                   config_changes=config_changes, plan_digest=digest, disk=disk)
+                   config_changes=config_changes, plan_digest=digest, disk=disk, source=source)
 
 
 def disk_need(cfg: TrainConfig, resume_path: str | None, clear_output_dir: bool, total_steps: int, params: int,

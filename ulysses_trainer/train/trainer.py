@@ -20,7 +20,7 @@ from ..data.attention_share import AttentionShare, timed_from_data
 from ..data.formats import CONVERSATIONAL, PROMPT_COMPLETION
 from ..errors import ConfigError
 from ..model.export_config import export_config_json
-from ..model.load import build_model, checkpoint_source
+from ..model.load import build_model
 from ..model.lora import add_lora, lora_scaling, merged_state_dict
 from ..model.parallelize import SequenceParallelCausalLM, apply, parallelize
 from ..names import resolve_report_to
@@ -94,7 +94,7 @@ class Trainer:
         plan, cfg, first = self.plan, self.cfg, self.plan.resolved
         dtype = torch.bfloat16 if plan.bf16 else torch.float32
         with torch.device(self.device):
-            model = build_model(plan.model_config, dtype, checkpoint_source(cfg.model_name_or_path), seed=cfg.seed)
+            model = build_model(plan.model_config, dtype, plan.source, seed=cfg.seed)
         self.peft_model = None
         if cfg.use_peft:  # adapters before the mechanisms, which call the wrapped projections as modules
             model, self.peft_model = add_lora(model, cfg)
@@ -330,7 +330,7 @@ class Trainer:
         """The model as HF files in output_dir/<name> (final/, or a save_only_model checkpoint): the adapter
         (LoRA without merge_lora) or the whole, merged model. Collective."""
         cfg, plan = self.cfg, self.plan
-        source = checkpoint_source(cfg.model_name_or_path)
+        source = plan.source
         chat = getattr(plan.train_data, "kind", None) in (CONVERSATIONAL, PROMPT_COMPLETION)
         files = ExportFiles(plan.tokenizer, chat, source_dir=source if source and os.path.isdir(source) else None)
         if self.peft_model is not None and not cfg.merge_lora:
