@@ -102,6 +102,7 @@ def test_load_from_checkpoint_dir_and_overrides(tmp_path):
     again = build_model(c, torch.float32, from_pretrained_path=path)
     torch.testing.assert_close(again.model.layers[0].self_attn.q_proj.weight,
                                model.model.layers[0].self_attn.q_proj.weight, rtol=0, atol=0)
+    assert not getattr(again, "use_kernels", False)  # transformers' own forwards, which the levers wrap
 
 
 def test_missing_and_bad_models(tmp_path):

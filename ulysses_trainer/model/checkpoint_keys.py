@@ -76,9 +76,9 @@ def loading_problems(config: PretrainedConfig, tensors: dict[str, torch.Tensor])
     handlers, level, bar = root.handlers[:], root.level, hf_logging.is_progress_bar_enabled()
     root.handlers, root.level = [report], logging.WARNING  # its report table is read here, not printed
     hf_logging.disable_progress_bar()
-    try:
+    try:  # use_kernels=False: transformers >= 5.25 would kernelize by default, which refuses a meta model
         _, info = cls.from_pretrained(None, config=config, state_dict=tensors, device_map="meta",
-                                      output_loading_info=True, ignore_mismatched_sizes=True)
+                                      output_loading_info=True, ignore_mismatched_sizes=True, use_kernels=False)
     except RuntimeError as exc:  # expert fusion of tensors that do not fit fails inside the conversion, after
         rows = dict(re.findall(r"^([\w.]+)\s*\|\s*(MISSING|UNEXPECTED)\s*\|", report.text(), re.M))  # its report
         failed = sorted({k.rstrip('.') for k in re.findall(r"destined for \[?'?([\w.]+)", report.text())})

@@ -294,10 +294,11 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype, from_pretrained_pa
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     else:
         local = Path(from_pretrained_path).exists()
+        # use_kernels=False: transformers >= 5.25 swaps in Hub kernels by default; the levers wrap its own forwards
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
                 from_pretrained_path, config=config, dtype=dtype, attn_implementation="sdpa",
-                local_files_only=local, output_loading_info=True)
+                local_files_only=local, output_loading_info=True, use_kernels=False)
         except OSError as exc:
             raise ConfigError(f"cannot load weights from {from_pretrained_path!r}: {exc}") from None
         from .checkpoint_keys import info_problems, refusal
