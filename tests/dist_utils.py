@@ -1,12 +1,13 @@
-"""Spawn CPU ranks with gloo (the DeepSpeed CPU accelerator) and collect what each returns.
+"""Start CPU ranks with gloo (the DeepSpeed CPU accelerator) and collect what each returns.
 
 Usage in a test::
 
     results = run_ranks(2, my_fn, arg1, arg2)   # my_fn(rank, world_size, *args) -> picklable
 
-`my_fn` must be a module-level function (it is pickled into the spawned process). Each rank gets
-MASTER_ADDR/PORT, RANK, LOCAL_RANK and WORLD_SIZE, and `init_distributed("gloo")` (DeepSpeed's, minus its CPU shm op) is
-called before `my_fn`, so `torch.distributed` and DeepSpeed engines work inside it.
+`my_fn` must be a module-level function (it is pickled into the rank, a fork of tests/warm_ranks.py's server).
+Each rank gets the caller's environment plus MASTER_ADDR/PORT, RANK, LOCAL_RANK and WORLD_SIZE, and
+`init_distributed("gloo")` (DeepSpeed's, minus its CPU shm op) is called before `my_fn`, so `torch.distributed`
+and DeepSpeed engines work inside it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ import subprocess
 import traceback
 from collections.abc import Callable
 from typing import Any
-
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,19 +35,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
-    )
-    import torch
+def _entry(rank: int, world_size: int, port: int, env: dict[str, str], fn: Callable, args: tuple, queue: Any) -> None:
+    from tests.warm_ranks import adopt, rank_environment
 
-    torch.set_num_threads(1)
+    adopt(rank_environment(env, rank, world_size, port))  # the caller's environment, as a spawned rank's
     try:
         from ulysses_trainer.parallel.init import init_distributed
 
@@ -66,12 +56,16 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = JOB_TIMEOUT_S) -> list[Any]:
-    """Run fn(rank, world_size, *args) on `world_size` spawned gloo ranks; return results by rank."""
-    ctx = mp.get_context("spawn")
+    """Run fn(rank, world_size, *args) on `world_size` gloo ranks, forked from the preloaded server of
+    tests/warm_ranks.py; return results by rank."""
+    from tests.warm_ranks import context
+
+    ctx = context()
     queue = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False)
+        ctx.Process(target=_entry, args=(r, world_size, port, env, fn, args, queue), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

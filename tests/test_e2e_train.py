@@ -1,7 +1,8 @@
-"""End to end through the real command: `deepspeed --num_gpus N launch/train.py ...` on CPU ranks.
+"""End to end through the rank entry of `deepspeed --num_gpus N launch/train.py ...` on CPU ranks.
 
-Each run costs 15-40 s of process start-up on a 2-core machine, so the runs are few and shared: a
-module-scoped cache starts each one the first time a test asks for it, and several tests read it.
+The ranks are forks of a server that has imported the trainer once (tests/warm_ranks.py: the launcher itself is
+tested through the real command elsewhere). Each run still costs seconds on a 2-core machine, so the runs are
+few and shared: a module-scoped cache starts each one the first time a test asks for it, and several tests read it.
 
   sp1   1 rank,  sp 1, accumulation 2 x 1 sequence, eval every 2 steps
   sp2   2 ranks, sp 2, the same (also: log line, metrics keys, checkpoints every 2 steps, export)
@@ -28,7 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import JOB_TIMEOUT_S, job_failure, run_job, train_command
+from tests.dist_utils import JOB_TIMEOUT_S, job_failure
+from tests.warm_ranks import run_trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_STEPS = 4
@@ -46,8 +48,7 @@ SP_ARGS = COMMON + ["--gradient_accumulation_steps", "2", "--per_device_train_ba
 
 
 def run_train(num_gpus: int, args: list[str], output_dir: Path) -> subprocess.CompletedProcess:
-    cmd = train_command(num_gpus, [*args, "--output_dir", str(output_dir)])
-    proc = run_job(cmd, timeout=JOB_TIMEOUT_S)
+    proc = run_trainer(num_gpus, [*args, "--output_dir", str(output_dir)], timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, job_failure(proc)
     return proc
 

@@ -202,22 +202,24 @@ def test_sp_zero3_matches_plain_transformers_and_a_per_rank_aux_would_not(world)
 
 @pytest.mark.slow
 def test_train_sp1_sp2_sp4_same_losses_and_aux_losses_and_export_generates(tmp_path):
-    """`deepspeed --num_gpus N launch/train.py` on tiny-moe, fp32, 3 steps, world = sp: the same losses and
-    aux losses (1e-4 relative); final/ loads with AutoModelForCausalLM as Qwen3MoeForCausalLM and generates."""
+    """`deepspeed --num_gpus N launch/train.py`'s ranks (tests/warm_ranks.py) on tiny-moe, fp32, 3 steps,
+    world = sp: the same losses and aux losses (1e-4 relative); final/ loads with AutoModelForCausalLM as
+    Qwen3MoeForCausalLM and generates."""
     import ast
     import json
     import re
 
     from transformers import AutoModelForCausalLM
 
-    from tests.dist_utils import job_failure, run_job, train_command
+    from tests.dist_utils import job_failure
+    from tests.warm_ranks import run_trainer
 
     args = ["--model_name_or_path", "tiny-moe", "--max_length", "126", "--max_steps", "3", "--bf16", "false",
             "--seed", "3", "--logging_steps", "1", "--learning_rate", "1e-3"]  # 126: pads at sp=4
     rows = {}
     for n in (1, 2, 4):
         out = tmp_path / f"sp{n}"
-        proc = run_job(train_command(n, [*args, "--output_dir", str(out)]), timeout=JOB_TIMEOUT_S)
+        proc = run_trainer(n, [*args, "--output_dir", str(out)], timeout=JOB_TIMEOUT_S)
         assert proc.returncode == 0, job_failure(proc)
         rows[n] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows[1]] == [1, 2, 3]
