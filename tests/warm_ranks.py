@@ -105,11 +105,9 @@ def run_trainer(num_ranks: int, args: list[str], timeout: float, env: dict[str, 
                     raise subprocess.TimeoutExpired(["ranks", *args], timeout)
                 multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=left)
                 failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if failed and not code:
+                if failed:  # its peers are ended below
                     code = failed[0]
-                    for p in procs:
-                        if p.exitcode is None:
-                            p.kill()
+                    break
         finally:
             for p in procs:
                 if p.exitcode is None:
