@@ -91,6 +91,29 @@ def test_bad_report_to_exits_2_before_any_work(value, pattern, tmp_path, monkeyp
     assert not out.exists()
 
 
+def test_report_to_is_decoded_once_in_prepare_and_the_trainer_reads_it(tmp_path, monkeypatch):
+    """prepare decodes report_to into RunPlan.reporters; no other module of the package calls the decoder."""
+    import ast
+
+    from ulysses_trainer.cli.argv import load_config
+    from ulysses_trainer.train.prepare import prepare
+
+    installed = {"tensorboard": True, "wandb": False}
+    monkeypatch.setattr(names, "_installed", lambda name: installed[name])
+    run = prepare(load_config(["--max_length", "64", "--output_dir", str(tmp_path / "out")]), 1)
+    assert run.reporters == ["tensorboard"]  # `auto` with tensorboard installed
+    installed["tensorboard"] = False
+    run = prepare(load_config(["--max_length", "64", "--output_dir", str(tmp_path / "out")]), 1)
+    assert run.reporters == []
+    callers = set()
+    for path in (ROOT / "ulysses_trainer").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) \
+                    == "resolve_report_to":
+                callers.add(path.relative_to(ROOT).as_posix())
+    assert callers == {"ulysses_trainer/train/prepare.py"}, callers
+
+
 @pytest.mark.slow
 def test_real_command_report_to_tensorboard_has_the_losses_of_metrics_jsonl(tmp_path):
     out = tmp_path / "out"

@@ -13,7 +13,6 @@ from typing import Any
 from .errors import ConfigError
 from .layout import Layout, resolve_layout
 from .lever_settings import decode_levers
-from .names import resolve_report_to
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -64,13 +63,12 @@ def _check_length(cfg: Any, sp: int) -> None:
 
 
 def _check_io(cfg: Any) -> None:
-    """Evaluation data, reporters and model overrides."""
+    """Evaluation data and model overrides (report_to is decoded once, in train/prepare.py)."""
     if cfg.evaluates and cfg.eval_dataset_name is None and cfg.dataset_name is not None \
             and Path(cfg.dataset_name).exists():
         raise ConfigError(f"evaluation is on (eval_steps or eval_strategy) but dataset_name {cfg.dataset_name} is "
                           f"a local path with no test split; set eval_dataset_name to the evaluation data (or "
                           f"eval_steps null, eval_strategy no)")
-    resolve_report_to(cfg.report_to)  # a known name, and its package installed
     if cfg.model_init_kwargs is not None:
         bad = sorted(set(cfg.model_init_kwargs) & {"torch_dtype", "dtype", "attn_implementation"})
         _need(not bad, f"model_init_kwargs may not set {bad}: use the bf16 and attn_implementation fields")

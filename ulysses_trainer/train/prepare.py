@@ -23,6 +23,7 @@ from ..errors import ConfigError
 from ..layout import Layout
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
 from ..model.lora import check_lora
+from ..names import resolve_report_to
 from ..plan.inputs import ModelShape, num_params
 from ..plan.resolve import resolve_plan
 from ..plan.types import Machine, Plan, ZeroSettings, read_zero
@@ -66,6 +67,7 @@ class RunPlan:
     disk: str = ""  # the `disk:` line: what the run holds in output_dir at its peak, and the free space
     plan_digest: str = ""  # the digest of `resolved`, the same on every rank (train/agreement.py)
     source: str | None = None  # the weights' directory or Hub id (model/load.checkpoint_source); None: a preset
+    reporters: list[str] = field(default_factory=list)  # report_to, decoded once (names.resolve_report_to)
 
     @property
     def sp_size(self) -> int:
@@ -96,6 +98,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     """Every check and decision before heavy work. training=False (the rehearsal): output_dir is neither
     checked nor written, and on CPU host memory is checked for the one rank it runs."""
     layout = validate_config(cfg, world_size)  # the layout, decided once
+    reporters = resolve_report_to(cfg.report_to)  # known names, each installed: what the trainer opens
     if cfg.use_peft:
         check_lora(cfg)  # peft installed, a valid LoraConfig
     device = _device()
@@ -178,7 +181,8 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
                    eval_data=eval_data, ds_config=ds, optimizer=opt, steps_per_epoch=steps_per_epoch,
                    epoch_steps=epoch_steps, total_steps=total, sequences_per_step=per_step,
                    resume_path=resume_path, clear_output_dir=clear_output_dir,
-                   config_changes=config_changes, plan_digest=digest, disk=disk, source=source)
+                   config_changes=config_changes, plan_digest=digest, disk=disk, source=source,
+                   reporters=reporters)
 
 
 def disk_need(cfg: TrainConfig, resume_path: str | None, clear_output_dir: bool, total_steps: int, params: int,

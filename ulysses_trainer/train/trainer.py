@@ -23,7 +23,6 @@ from ..model.export_config import export_config_json
 from ..model.load import build_model
 from ..model.lora import add_lora, lora_scaling, merged_state_dict
 from ..model.parallelize import SequenceParallelCausalLM, apply, parallelize
-from ..names import resolve_report_to
 from ..parallel.comm import all_reduce
 from ..parallel.loss import aux_for_backward, global_aux_loss, global_loss, loss_for_backward, step_token_count
 from ..parallel.sharding import Shard
@@ -84,7 +83,7 @@ class Trainer:
             raise self._out_of_memory() from None
         self.where.watch(decoder_layers(self.model), self.model.checkpointer)
         self.metrics = MetricsFile(self.cfg.output_dir)
-        self.reporters = Reporters(resolve_report_to(self.cfg.report_to), self.cfg.output_dir,
+        self.reporters = Reporters(plan.reporters, self.cfg.output_dir,
                                    config_to_dict(self.cfg), self.cfg.run_name)
         self._saved_step: int | None = None  # the step the last checkpoint holds
 
