@@ -71,8 +71,8 @@ def _train_rank(rank: int, world_size: int, argv: list[str], agree_machine: bool
     Returns (exit code, the plans this rank checked, its stderr)."""
     import ulysses_trainer.probe as probe
     import ulysses_trainer.train.agreement as agreement
+    import ulysses_trainer.train.build as build
     import ulysses_trainer.train.prepare as prepare
-    import ulysses_trainer.train.trainer as trainer
     from ulysses_trainer.cli.train import main
 
     probe.local_gpus = lambda index=0: probe.LocalGpus(world_size, STAND_IN_GB, "a stand-in GPU", False)
@@ -88,7 +88,7 @@ def _train_rank(rank: int, world_size: int, argv: list[str], agree_machine: bool
     if not agree_machine:
         prepare.agree_machine = lambda machine: machine
     if not agree_free:
-        trainer.agree_free_memory = lambda free_gb: free_gb
+        build.agree_free_memory = lambda free_gb: free_gb
     plans: list[dict] = []
     real_digest = agreement.plan_digest
 

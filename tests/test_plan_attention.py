@@ -99,7 +99,7 @@ def test_the_replan_after_the_engine_keeps_the_datas_attention(monkeypatch):
 
     import torch
 
-    from ulysses_trainer.train import trainer as trainer_mod
+    from ulysses_trainer.train import build
 
     pos = np.array([0, 1, 2, 0, 1, 2, 3, 4] * 2, np.int32)  # two rows of documents 3 + 5 (of 8)
     data = SequenceDataset(np.zeros(16, np.int32), pos, 8, "t", 10, None)
@@ -113,8 +113,8 @@ def test_the_replan_after_the_engine_keeps_the_datas_attention(monkeypatch):
                            train_data=data, layout=None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (120 * 2**30, 140 * 2**30))
-    monkeypatch.setattr(trainer_mod, "agree_free_memory", lambda gb: gb)
-    again = trainer_mod.Trainer._resolve_after_engine(SimpleNamespace(plan=plan, cfg=cfg, device="cuda"))
+    monkeypatch.setattr(build, "agree_free_memory", lambda gb: gb)
+    again = build.resolve_after_engine(SimpleNamespace(cfg=cfg, **vars(plan)), "cuda")
     assert again.attention_from == "data" and again.attention_fraction == pytest.approx(share.mean)
     assert again.attention_fraction == pytest.approx(34 / 64)
     assert again.predicted_step_s < _plan(None, dataset_name="some.jsonl").predicted_step_s

@@ -12,8 +12,35 @@ from collections.abc import Callable
 
 import torch
 
+from ..config_checks import shard_bytes
+from ..data.formats import CONVERSATIONAL, PROMPT_COMPLETION
+from ..model.export_config import export_config_json
+from ..model.lora import lora_scaling, merged_state_dict
+from .chat_export import ExportFiles, adapter_base
 from .checkpoint import agree_on_failure, fsync_tree
 from .output_guard import OutputWriteError, describe_failure, failure_message
+from .prepare import RunPlan
+
+
+def export_model(engine, plan: RunPlan, peft_model, is_main: bool, name: str) -> None:
+    """The model as HF files in output_dir/<name> (final/, or a save_only_model checkpoint): the adapter
+    (LoRA without merge_lora) or the whole, merged model. Collective."""
+    cfg, source = plan.cfg, plan.source
+    chat = getattr(plan.train_data, "kind", None) in (CONVERSATIONAL, PROMPT_COMPLETION)
+    files = ExportFiles(plan.tokenizer, chat, source_dir=source if source and os.path.isdir(source) else None)
+    shard = shard_bytes(cfg.max_shard_size)
+    if peft_model is not None and not cfg.merge_lora:
+        base = adapter_base(cfg.model_name_or_path, source, cfg.output_dir, name)
+        export_adapter(engine, peft_model, cfg.output_dir, ExportFiles(plan.tokenizer, chat, adapter_base=base),
+                       is_main, name=name)
+        if source is None:  # a preset's base exists nowhere else: <name>/base, which the adapter names
+            export_hf(engine, plan.model_config, cfg.output_dir, files, is_main,
+                      transform=lambda sd: merged_state_dict(sd, 0.0), name=os.path.join(name, "base"),
+                      max_shard_size=shard)
+    else:
+        merge = (lambda sd: merged_state_dict(sd, lora_scaling(peft_model))) if peft_model else None
+        export_hf(engine, plan.model_config, cfg.output_dir, files, is_main, transform=merge,
+                  config_json=export_config_json(cfg, plan.model_config, plan.bf16), max_shard_size=shard, name=name)
 
 
 def export_adapter(engine, peft_model, output_dir: str, tokenizer, is_main: bool, name: str = "final") -> str | None:

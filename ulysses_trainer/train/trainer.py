@@ -2,51 +2,34 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import time
-from dataclasses import replace
 
-import deepspeed
 import torch
 from tqdm import tqdm
 
-from .. import probe
 from ..config import config_to_dict
-from ..config_checks import shard_bytes
-from ..data.attention_share import AttentionShare, timed_from_data
-from ..data.formats import CONVERSATIONAL, PROMPT_COMPLETION
-from ..errors import ConfigError
-from ..model.export_config import export_config_json
-from ..model.load import build_model
-from ..model.lora import add_lora, lora_scaling, merged_state_dict
-from ..model.parallelize import SequenceParallelCausalLM, apply, parallelize
 from ..parallel.comm import all_reduce
 from ..parallel.loss import aux_for_backward, global_aux_loss, global_loss, loss_for_backward, step_token_count
 from ..parallel.sharding import Shard
 from ..parallel.state import ParallelState, make_parallel_state
-from ..plan.resolve import replan_after_engine
 from ..plan.types import Plan
 from . import checkpoint as ckpt
 from . import data_order as order
 from . import export
 from . import run_report as report
-from .agreement import agree_free_memory, check_same_plan
-from .chat_export import ExportFiles, adapter_base
+from .build import build_engine, build_model
 from .log_interval import LogInterval
-from .logging import MetricsFile, log_line
 from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, train_flops_per_sequence
 from .non_finite import NonFiniteError, non_finite_step
 from .out_of_memory import OutOfGpuMemory, Where, decoder_layers, oom_message, pinned_levers
-from .output_guard import OutputWriteError, describe_failure, failure_message
 from .position_loss import write_per_position_loss
 from .prepare import RunPlan
-from .reporters import Reporters
-from .resume_check import notes as resume_notes
 from .resume_check import run_record
-from .schedule import build_schedule, set_peak_learning_rate
+from .run_log import RunLog
+from .schedule import set_peak_learning_rate
 from .stop_signal import StopSignal
 from .strategies import ends_epoch, eval_due, log_due, save_due
 
@@ -68,75 +51,28 @@ class Trainer:
         self.last_aux_loss: float | None = None  # a sparse model's load-balancing loss of the last step
         self.interval = LogInterval()  # the steps since the last logged row (their loss is logged as one mean)
         self._bar = None
-        self._write_failure: tuple[str, int, str] | None = None  # rank 0's failed log write, agreed at the step end
         self.where = Where()  # the step, phase and layer running: named by an out-of-memory error
         if self.state.is_main:  # before memory climbs: the plan and the data
             report.report_run_name(self.cfg.run_name)
             report.report_plan(plan.resolved, before_build=True, digest=plan.plan_digest)
             report.report_data(plan)
-        try:
+        try:  # the build step (build.py); from the engine on, self.plan holds the plan the run runs
             self.where.enter("building the model")
-            self.model = self._build_model()
+            self.model, self.peft_model = build_model(plan, self.state, self.device)
             self.where.enter("building the engine")
-            self.engine = self._build_engine()
+            self.engine, self.plan = build_engine(plan, self.model, self.device)
         except torch.OutOfMemoryError:  # as in a step: one line, no collective (the peers may be in the build's)
             raise self._out_of_memory() from None
+        if self.plan.resolved != plan.resolved and self.state.is_main:  # the GPU holds less than expected
+            report.report_plan(self.plan.resolved, before_build=False, digest=self.plan.plan_digest)
         self.where.watch(decoder_layers(self.model), self.model.checkpointer)
-        self.metrics = MetricsFile(self.cfg.output_dir)
-        self.reporters = Reporters(plan.reporters, self.cfg.output_dir,
-                                   config_to_dict(self.cfg), self.cfg.run_name)
+        self.run_log = RunLog(self.plan, self.state.is_main)
         self._saved_step: int | None = None  # the step the last checkpoint holds
-
-    # ------------------------------------------------------------------ setup
-    def _build_model(self) -> SequenceParallelCausalLM:
-        """The model with every mechanism installed; which layers offload or keep outputs is set by apply."""
-        plan, cfg, first = self.plan, self.cfg, self.plan.resolved
-        dtype = torch.bfloat16 if plan.bf16 else torch.float32
-        with torch.device(self.device):
-            model = build_model(plan.model_config, dtype, plan.source, seed=cfg.seed)
-        self.peft_model = None
-        if cfg.use_peft:  # adapters before the mechanisms, which call the wrapped projections as modules
-            model, self.peft_model = add_lora(model, cfg)
-        # host_memory_gb None: the pool detects, with a margin
-        mechanisms = first.model_plan(cfg.host_memory_gb, plan.machine.ranks_per_host, levers=False)
-        return parallelize(model, self.state, mechanisms)
-
-    def _build_engine(self):
-        plan, cfg = self.plan, self.cfg
-        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
-        optimizer = plan.optimizer.build(trainable) if plan.optimizer is not None else None
-        def schedule(opt):  # DeepSpeed hands over its base optimizer; it steps and saves the schedule
-            return build_schedule(cfg, opt, plan.total_steps)
-
-        engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=plan.ds_config,
-                                               lr_scheduler=schedule)
-        first = self.plan.resolved
-        resolved = self._resolve_after_engine()
-        digest = check_same_plan(resolved, "with the free GPU memory measured")  # before step 1
-        self.plan = replace(self.plan, resolved=resolved, plan_digest=digest)  # the plan the run runs, from now
-        apply(self.model, resolved)
-        if resolved != first:  # the GPU holds less than the memory model expected
-            if self.state.is_main:
-                report.report_plan(resolved, before_build=False, digest=digest)
-        return engine
 
     @property
     def resolved(self) -> Plan:
         """The plan the run runs (the one after the engine once it is built)."""
         return self.plan.resolved
-
-    def _resolve_after_engine(self) -> Plan:
-        """The plan's search again (plan/resolve.py), now with the free GPU memory the engine left (the least of
-        any rank's, so every rank re-plans alike): it differs from the first one only when a GPU holds less
-        than the memory model expected."""
-        plan = self.plan
-        free = probe.free_gpu_memory_gb(self.device)  # None on every rank of a CPU job, a number on every GPU rank
-        if free is None:
-            return plan.resolved
-        machine = replace(plan.machine, gpu_free_after_engine_gb=agree_free_memory(free))
-        # packed rows: attention timed from the same documents as the first plan, not as one document a row
-        share = AttentionShare.of(plan.train_data) if timed_from_data(self.cfg) else None
-        return replan_after_engine(plan.resolved, self.cfg, plan.shape, machine, attention=share)
 
     def _say_stopping(self) -> None:
         """The first stop request, from the signal handler: one line from rank 0."""
@@ -236,14 +172,7 @@ class Trainer:
         changes = self.plan.config_changes
         if "learning_rate" in changes:  # the checkpoint's schedule carries its own peak: give it the new one
             set_peak_learning_rate(self.engine.lr_scheduler, self.cfg.learning_rate)
-        if self.state.is_main:
-            self.metrics.truncate_after(self.step)
-            self.reporters.resume_at(self.step)
-            log.info(f"resumed from {path} at step {self.step}")
-            if changes:
-                for line in resume_notes(changes):
-                    log.info(f"config change at step {self.step}: {line}")
-                self.metrics.append({"step": self.step, "config_change": {k: list(v) for k, v in changes.items()}})
+        self.run_log.resume_at(self.step, path, changes)
 
     def train(self) -> int:
         try:
@@ -268,8 +197,8 @@ class Trainer:
             if self.step >= plan.total_steps and self.state.is_main:  # e.g. the export failed on a full disk
                 log.info(f"training already finished at step {self.step} "
                          f"({os.path.basename(os.path.normpath(plan.resume_path))}): writing the final export only")
-        self._write_run_config()
-        self._open_reporters()
+        self.run_log.write_run_config(self.plan, self.step)
+        self.run_log.open_reporters()
         self.stop.install()
         saving = cfg.save_strategy != "no"
         flops_per_step = train_flops_per_sequence(plan.model_config, cfg.max_length) * plan.sequences_per_step
@@ -308,7 +237,7 @@ class Trainer:
                 bar.close()
                 return 0
         bar.close()
-        self.reporters.close()  # (a stopped run's rows are flushed as they are logged)
+        self.run_log.close()
         if self.state.is_main:
             report.report_predicted_vs_measured(self.resolved, step_times)
         if cfg.plot_per_position_loss:
@@ -326,65 +255,13 @@ class Trainer:
         return 0
 
     def _export(self, name: str) -> None:
-        """The model as HF files in output_dir/<name> (final/, or a save_only_model checkpoint): the adapter
-        (LoRA without merge_lora) or the whole, merged model. Collective."""
-        cfg, plan = self.cfg, self.plan
-        source = plan.source
-        chat = getattr(plan.train_data, "kind", None) in (CONVERSATIONAL, PROMPT_COMPLETION)
-        files = ExportFiles(plan.tokenizer, chat, source_dir=source if source and os.path.isdir(source) else None)
-        if self.peft_model is not None and not cfg.merge_lora:
-            base = adapter_base(cfg.model_name_or_path, source, cfg.output_dir, name)
-            export.export_adapter(self.engine, self.peft_model, cfg.output_dir,
-                                ExportFiles(plan.tokenizer, chat, adapter_base=base), self.state.is_main, name=name)
-            if source is None:  # a preset's base exists nowhere else: <name>/base, which the adapter names
-                export.export_hf(self.engine, plan.model_config, cfg.output_dir, files, self.state.is_main,
-                               transform=lambda sd: merged_state_dict(sd, 0.0), name=os.path.join(name, "base"),
-                               max_shard_size=shard_bytes(cfg.max_shard_size))
-        else:
-            merge = (lambda sd: merged_state_dict(sd, lora_scaling(self.peft_model))) if self.peft_model else None
-            export.export_hf(self.engine, plan.model_config, cfg.output_dir, files, self.state.is_main,
-                           transform=merge, config_json=export_config_json(cfg, plan.model_config, plan.bf16),
-                           max_shard_size=shard_bytes(cfg.max_shard_size), name=name)
+        export.export_model(self.engine, self.plan, self.peft_model, self.state.is_main, name)
 
     def _out_of_memory(self) -> OutOfGpuMemory:
         """The one line for an OOM where self.where says (the plan command is added by the command line)."""
         r = self.resolved
         message = oom_message(self.where, self.device, r.predicted_peak_gpu_gb, r.predicted_gpu_required_gb)
         return OutOfGpuMemory(message, pinned_levers(self.cfg))
-
-    def _write_run_config(self) -> None:
-        """config.json: this run's config, layout and data accounting; on resume the earlier runs' configs
-        stay in its `history` with the step each change took effect. Rank 0 writes; all ranks agree on it."""
-        failure = None
-        if self.state.is_main:
-            path = os.path.join(self.cfg.output_dir, "config.json")
-            record = report.run_config_record(self.plan, self.step, path)
-            try:
-                with open(path, "w") as f:
-                    json.dump(record, f, indent=1)
-            except OSError as exc:
-                failure = (path, describe_failure(exc, path), str(exc))
-        self._agree_on_write(failure)
-
-    def _agree_on_write(self, failure: tuple[str, int, str] | None) -> None:
-        """Collective: a failed write on rank 0 stops every rank together with its cause."""
-        code = ckpt.agree_on_failure(failure[1] if failure else 0)
-        if code:
-            where = failure[0] if failure else self.cfg.output_dir
-            raise OutputWriteError(failure_message(os.path.basename(where), where, code,
-                                                   failure[2] if failure else ""))
-
-    def _open_reporters(self) -> None:
-        """Rank 0 starts the report_to reporters; if that fails (e.g. no wandb login) every rank stops
-        here, before the first step, with rank 0's message."""
-        error = None
-        if self.state.is_main:
-            try:
-                self.reporters.open()
-            except ConfigError as exc:
-                error = exc
-        if all_reduce(torch.tensor([float(error is not None)]), "max").item() > 0:
-            raise error or ConfigError("report_to: rank 0 could not start its reporters (see its error)")
 
     def _non_finite_step(self, loss: float, grad_norm: float, update_discarded: bool, bar) -> None:
         """nan_policy for a step whose global loss or gradient norm is not finite (same on every rank)."""
@@ -396,12 +273,10 @@ class Trainer:
     def _stop_agreed(self) -> bool:
         """Every rank must agree to stop at the same step (the save is collective). The same all-reduce
         carries a failed metrics write on rank 0, so that every rank stops with its cause."""
-        failed = self._write_failure[1] if self._write_failure else 0
+        failed = self.run_log.failure_code()
         stop, code = all_reduce(torch.tensor([float(self.stop.requested), float(failed)]), "max").tolist()
         if code:
-            where = self._write_failure[0] if self._write_failure else self.cfg.output_dir
-            raise OutputWriteError(failure_message(os.path.basename(where), where, int(code),
-                                                   self._write_failure[2] if self._write_failure else ""))
+            self.run_log.raise_failure(int(code))
         return stop > 0
 
     def _log(self, loss, grad_norm, dt, tokens, flops_per_step, bar) -> None:
@@ -415,21 +290,7 @@ class Trainer:
                "peak_gpu_mem_gb": peak_gpu_mem_gb(), "peak_host_mem_gb": peak_host_mem_gb()}
         if aux_loss is not None:
             row["aux_loss"] = aux_loss
-        if self.state.is_main:
-            bar.write(log_line(row))
-            self._append_row(row)
-            self.reporters.log(row)
-
-    def _append_row(self, row: dict) -> None:
-        try:
-            self.metrics.append(row)
-        except OSError as exc:  # rank 0 only: the ranks agree on it at the step's end (_stop_agreed)
-            if self._write_failure is None:
-                self._write_failure = (self.metrics.path, describe_failure(exc, self.metrics.path), str(exc))
+        self.run_log.step_row(row, bar)
 
     def _log_eval(self, eval_loss: float, bar) -> None:
-        if self.state.is_main:
-            bar.write(str({"eval_loss": round(eval_loss, 4), "step": self.step}))
-            row = {"step": self.step, "eval_loss": eval_loss}
-            self._append_row(row)
-            self.reporters.log(row)
+        self.run_log.eval_row(self.step, eval_loss, bar)

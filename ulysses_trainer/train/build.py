@@ -1,0 +1,68 @@
+"""The build step of a run: the model with every mechanism installed (parallelize), the DeepSpeed engine, and
+the plan made again from the free GPU memory the engine left, agreed by every rank before step 1."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import deepspeed
+import torch
+
+from .. import probe
+from ..data.attention_share import AttentionShare, timed_from_data
+from ..model.load import build_model as load_model
+from ..model.lora import add_lora
+from ..model.parallelize import SequenceParallelCausalLM, apply, parallelize
+from ..parallel.state import ParallelState
+from ..plan.resolve import replan_after_engine
+from ..plan.types import Plan
+from .agreement import agree_free_memory, check_same_plan
+from .prepare import RunPlan
+from .schedule import build_schedule
+
+
+def build_model(plan: RunPlan, state: ParallelState, device: torch.device) -> tuple[SequenceParallelCausalLM, Any]:
+    """(the model with every mechanism installed, its PEFT wrapper or None); which layers offload or keep
+    outputs is set by `build_engine` once the plan after the engine is known."""
+    cfg = plan.cfg
+    dtype = torch.bfloat16 if plan.bf16 else torch.float32
+    with torch.device(device):
+        model = load_model(plan.model_config, dtype, plan.source, seed=cfg.seed)
+    peft_model = None
+    if cfg.use_peft:  # adapters before the mechanisms, which call the wrapped projections as modules
+        model, peft_model = add_lora(model, cfg)
+    # host_memory_gb None: the pool detects, with a margin
+    mechanisms = plan.resolved.model_plan(cfg.host_memory_gb, plan.machine.ranks_per_host, levers=False)
+    return parallelize(model, state, mechanisms), peft_model
+
+
+def build_engine(plan: RunPlan, model: SequenceParallelCausalLM, device: torch.device) -> tuple[Any, RunPlan]:
+    """(the DeepSpeed engine, the run plan holding the plan the run runs from now). Collective: every rank
+    checks the same plan digest here, before step 1, or stops with a PlanMismatchError."""
+    cfg = plan.cfg
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    optimizer = plan.optimizer.build(trainable) if plan.optimizer is not None else None
+
+    def schedule(opt):  # DeepSpeed hands over its base optimizer; it steps and saves the schedule
+        return build_schedule(cfg, opt, plan.total_steps)
+
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=plan.ds_config,
+                                           lr_scheduler=schedule)
+    resolved = resolve_after_engine(plan, device)
+    digest = check_same_plan(resolved, "with the free GPU memory measured")  # before step 1
+    apply(model, resolved)
+    return engine, replace(plan, resolved=resolved, plan_digest=digest)
+
+
+def resolve_after_engine(plan: RunPlan, device: torch.device | str) -> Plan:
+    """The plan's search again (plan/resolve.py), now with the free GPU memory the engine left (the least of
+    any rank's, so every rank re-plans alike): it differs from the first one only when a GPU holds less
+    than the memory model expected."""
+    free = probe.free_gpu_memory_gb(device)  # None on every rank of a CPU job, a number on every GPU rank
+    if free is None:
+        return plan.resolved
+    machine = replace(plan.machine, gpu_free_after_engine_gb=agree_free_memory(free))
+    # packed rows: attention timed from the same documents as the first plan, not as one document a row
+    share = AttentionShare.of(plan.train_data) if timed_from_data(plan.cfg) else None
+    return replan_after_engine(plan.resolved, plan.cfg, plan.shape, machine, attention=share)
