@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from tests.test_sp_exact import VOCAB, build_model
 from tests.threaded_ranks import run_threads
-from ulysses_trainer.data.documents import SequenceDataset
 from ulysses_trainer.data.rows import best_fit_decreasing, build_rows
+from ulysses_trainer.data.sequences import SequenceDataset
 
 L = 32
 LENGTHS = [13, 10, 8, 8, 8, 7, 5, 3, 1, 1, 6]  # bfd -> [13, 10, 8, 1], [8, 8, 7, 6, 3], [5, 1] + 26 pads

@@ -46,7 +46,7 @@ class AttentionShare:
 
     @classmethod
     def of(cls, ds: Any) -> AttentionShare:
-        """Of a data/documents.SequenceDataset."""
+        """Of a data/sequences.SequenceDataset."""
         f = row_fractions(ds.positions, ds.max_length, len(ds))
         return cls(float(f.mean()), float(f.min()), float(f.max()), len(f)) if len(f) else cls(1.0, 1.0, 1.0, 0)
 

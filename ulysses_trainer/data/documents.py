@@ -15,18 +15,14 @@ sharding puts its document boundaries (cu_seqlens) and masks the cross-document 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..config import TrainConfig
 from ..errors import ConfigError
-from ..parallel.sharding import IGNORE_INDEX
 from .accounting import DataCounts
 from .agent_sessions import agent_sessions, mixed_agent_sessions
 from .chat import tokenize_segments
@@ -42,79 +38,22 @@ from .formats import (
     example_segments,
     rows_of,
 )
+from .joined import BATCH_DOCS, CHUNK_CHARS, encoded_batches, join_and_cut
 from .loading import load_text_dataset
 from .qwen3_template import is_qwen3_template
 from .rows import build_rows
+from .sequences import SequenceDataset
 from .synthetic import synthetic_documents
 from .tokenizer import Tokenizer
 from .workers import chunks_of, ordered_map, text_size
 
 _TOKENS_PER_WORD = 1.26  # of the synthetic prose under the Qwen BPE (measured)
 _EVAL_SEED_OFFSET = 1_000_003  # synthetic eval documents differ from the training ones
-_BATCH_DOCS = 64
-_CHUNK_CHARS = 1 << 20  # a batch (a worker's share): at most _BATCH_DOCS documents or rows, or about this much text
 SYNTHETIC_STEPS_PER_EPOCH = 4
 AGENT_SESSIONS = "synthetic:agent_sessions"  # dataset_name of the synthetic agent sessions
 MIXED_SESSIONS = "synthetic:agent_sessions_mixed"  # ... of mixed lengths (4K-400K tokens, median 60K)
 NO_FIELD = "without the text field (missing or null)"
 EMPTY = "empty text"
-
-
-@dataclass
-class SequenceDataset:
-    """Rows of exactly max_length tokens. Indexing gives {"input_ids", "position_ids", "labels"}:
-    LongTensor[L] (labels: the token where it is trained, IGNORE_INDEX elsewhere; not yet shifted), and
-    "real_tokens": int, the row's tokens before its padding."""
-
-    tokens: np.ndarray  # int32 [n_rows * L]
-    positions: np.ndarray | None  # int32 [n_rows * L] with packing, else None (0..L-1 per row)
-    max_length: int
-    source: str
-    documents_used: int
-    documents_total: int | None  # None when the source's size is unknown (synthetic: endless)
-    fraction_read: float | None = None  # of the source's text bytes, when tokenizing stopped early
-    trained: np.ndarray | None = None  # bool [n_rows * L]: token is a trained target; None = every token
-    lengths: np.ndarray | None = None  # real (non-pad) tokens per row; None = every row is full
-    kind: str = LANGUAGE_MODELING
-    pad_from: int | None = None  # index into tokens where the last row's padding starts (pad_last_sequence)
-    counts: DataCounts = field(default_factory=DataCounts)  # what reading and building saw
-
-    def real_tokens(self, i: int) -> int:
-        """Tokens of row i that are not padding."""
-        i %= len(self)
-        if self.lengths is not None:
-            return int(self.lengths[i])
-        if self.pad_from is not None:  # the padded last row (pad_last_sequence)
-            return max(0, min(self.max_length, self.pad_from - i * self.max_length))
-        return self.max_length
-
-    def __len__(self) -> int:
-        return len(self.tokens) // self.max_length
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        if not -len(self) <= i < len(self):
-            raise IndexError(i)
-        i %= len(self)
-        sl = slice(i * self.max_length, (i + 1) * self.max_length)
-        ids = torch.from_numpy(self.tokens[sl].astype(np.int64))
-        pos = torch.arange(self.max_length) if self.positions is None \
-            else torch.from_numpy(self.positions[sl].astype(np.int64))
-        labels = ids if self.trained is None else \
-            torch.where(torch.from_numpy(self.trained[sl]), ids, IGNORE_INDEX)
-        if self.pad_from is not None and sl.stop > self.pad_from:  # the padded last row: pads are not trained
-            labels = labels.clone()
-            labels[max(0, self.pad_from - sl.start):] = IGNORE_INDEX
-        return {"input_ids": ids, "position_ids": pos, "labels": labels, "real_tokens": self.real_tokens(i)}
-
-    @property
-    def epoch_sequences(self) -> float:
-        """Rows in one full pass over the source (estimated from the text read when stopped early: by
-        bytes, since documents differ in length, else by document count)."""
-        if self.fraction_read:
-            return len(self) / self.fraction_read
-        if self.documents_total and self.documents_used < self.documents_total:
-            return len(self) * self.documents_total / self.documents_used
-        return float(len(self))
 
 
 # ---------------------------------------------------------------- sources
@@ -141,79 +80,7 @@ def _texts(ds: Any, field: str, source: str, counts: DataCounts) -> Iterator[str
             yield text
 
 
-def _encoded_batches(docs: Iterable[str], tokenizer: Tokenizer, num_proc: int | None
-                     ) -> Iterator[tuple[list[str], list[list[int]]]]:
-    """(documents, their ids) by batches of _BATCH_DOCS documents or about _CHUNK_CHARS of text, in order (num_proc:
-    encoded in worker processes). The text bound keeps a capped read of long documents from generating and
-    encoding many more than its rows need (64 synthetic 1M-token documents for 4 rows of 1M)."""
-    held: deque[list[str]] = deque()  # batches handed to the workers, whose ids come back in this order
-
-    def fed() -> Iterator[list[str]]:
-        for raw in chunks_of(docs, _BATCH_DOCS, len, _CHUNK_CHARS):
-            held.append([d for d in raw if d])  # (the sources skip and count empty documents themselves)
-            yield held[-1]
-
-    for ids in ordered_map(tokenizer.encode_batch, fed(), num_proc):
-        yield held.popleft(), ids
-
-
 # ---------------------------------------------------------------- building
-def _pack(docs: Iterable[str], tokenizer: Tokenizer, max_length: int, packing: bool,
-          max_rows: int | None, counts: DataCounts | None = None,
-          pad_last: bool = False, num_proc: int | None = None
-          ) -> tuple[np.ndarray, np.ndarray | None, int, int, int, int | None]:
-    """(tokens, positions or None, documents used, tokens seen, text bytes used, pad start or None) of whole
-    rows, stopping at max_rows. pad_last: the tokens after the last full row become one more row, padded
-    (eos as the pad id; its labels are masked). num_proc: tokenizing workers (without max_rows only: workers
-    read ahead, and a capped read must stop where its rows are full)."""
-    counts = counts if counts is not None else DataCounts()
-    chunks: list[np.ndarray] = []
-    pos_chunks: list[np.ndarray] = []
-    seen = used = text_bytes = 0
-    need = None if max_rows is None else max_rows * max_length
-    for batch, encoded in _encoded_batches(docs, tokenizer, None if need is not None else num_proc):
-        for k, (doc, ids) in enumerate(zip(batch, encoded)):
-            text_bytes += len(doc.encode("utf-8"))
-            row = np.asarray(ids + [tokenizer.eos_token_id], dtype=np.int32)
-            chunks.append(row)
-            if packing:
-                pos_chunks.append(np.arange(len(row), dtype=np.int32))
-            seen += len(row)
-            used += 1
-            counts.use(len(row))
-            if need is not None and seen >= need:
-                counts.documents_read -= len(batch) - k - 1  # pulled from the source with the batch, not used
-                break
-        if need is not None and seen >= need:
-            break  # (before the next batch is pulled from the source, which counts what it reads)
-    rows = seen // max_length if max_rows is None else min(seen // max_length, max_rows)
-    n = rows * max_length
-    tail = seen - n if (max_rows is None or rows < max_rows) else 0
-    pad_from = None
-    if pad_last and tail and rows * max_length < seen:
-        pad = max_length - tail
-        chunks.append(np.full(pad, tokenizer.eos_token_id, np.int32))
-        pad_from, rows, n = seen, rows + 1, (rows + 1) * max_length
-        counts.finish(rows, max_length, tail, "padded", pad)
-    else:
-        stopped_early = max_rows is not None and rows == max_rows
-        counts.finish(rows, max_length, 0 if stopped_early else tail,
-                      "not read" if stopped_early else ("dropped" if tail else "none"))
-    tokens = np.concatenate(chunks)[:n] if chunks else np.zeros(0, np.int32)
-    positions = None
-    if packing:
-        doc_pos = np.concatenate(pos_chunks) if pos_chunks else np.zeros(0, np.int32)
-        if pad_from is not None:  # the pads continue the last document's positions (they are masked)
-            last = doc_pos[-1] + 1 if len(doc_pos) else 0
-            doc_pos = np.concatenate([doc_pos, np.arange(last, last + n - len(doc_pos), dtype=np.int32)])
-        doc_pos = doc_pos[:n]
-        j = np.arange(n, dtype=np.int64)
-        starts = (doc_pos == 0) | (j % max_length == 0)  # a new segment: document start or row start
-        seg_start = np.maximum.accumulate(np.where(starts, j, 0))
-        positions = (j - seg_start).astype(np.int32)
-    return tokens, positions, used, seen, text_bytes, pad_from
-
-
 def _column_bytes(ds: Any, field: str) -> int | None:
     """UTF-8 bytes of a text column, from Arrow's offsets (no text is read); None if not available."""
     try:
@@ -271,7 +138,7 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
         counts = DataCounts(source="synthetic")
         if _whole_documents(cfg):
             return _documents_as_examples(_counted(docs, counts), cfg, tokenizer, "synthetic", None, rows, counts)
-        tokens, positions, used, _, _, _ = _pack(_counted(docs, counts), tokenizer, L, cfg.packing, rows, counts)
+        tokens, positions, used, _, _, _ = join_and_cut(_counted(docs, counts), tokenizer, L, cfg.packing, rows, counts)
         return SequenceDataset(tokens, positions, L, "synthetic", used, None, counts=counts)
 
     ds = load_text_dataset(source, hf_split, cfg.text_file_split)
@@ -292,7 +159,7 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
     if _whole_documents(cfg):
         return _documents_as_examples(_texts(ds, cfg.dataset_text_field, source, counts), cfg, tokenizer, source,
                                       len(ds), num_sequences, counts, _column_bytes(ds, cfg.dataset_text_field))
-    tokens, positions, used, seen, text_bytes, pad_from = _pack(
+    tokens, positions, used, seen, text_bytes, pad_from = join_and_cut(
         _texts(ds, cfg.dataset_text_field, source, counts), tokenizer, L, cfg.packing, num_sequences, counts,
         pad_last=cfg.pad_last_sequence, num_proc=cfg.dataset_num_proc)
     if len(tokens) == 0:
@@ -310,7 +177,7 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
 def _tokenized_examples(kind: str, rows: Iterable[dict], source: str, cfg: TrainConfig, tokenizer: Tokenizer,
                         template: TemplateRenderer | None, skipped: dict[str, int], num_proc: int | None
                         ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(ids, trained) of each example, rendered and tokenized in order (num_proc: by chunks of _BATCH_DOCS rows
+    """(ids, trained) of each example, rendered and tokenized in order (num_proc: by chunks of BATCH_DOCS rows
     in worker processes; only where the whole dataset is read, as workers read ahead); rows of another shape
     are counted in `skipped`."""
     def work(chunk: tuple[int, list[dict]]) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict[str, int]]:
@@ -327,7 +194,7 @@ def _tokenized_examples(kind: str, rows: Iterable[dict], source: str, cfg: Train
         return
     def numbered() -> Iterator[tuple[int, list[dict]]]:
         start = 0
-        for part in chunks_of(rows, _BATCH_DOCS, text_size, _CHUNK_CHARS):
+        for part in chunks_of(rows, BATCH_DOCS, text_size, CHUNK_CHARS):
             yield start, part
             start += len(part)
 
@@ -384,7 +251,7 @@ def _documents_as_examples(docs: Iterable[str], cfg: TrainConfig, tokenizer: Tok
 
     def examples() -> Iterator[tuple[np.ndarray, np.ndarray]]:
         nonlocal text_bytes
-        for batch, encoded in _encoded_batches(docs, tokenizer, cfg.dataset_num_proc if num_sequences is None
+        for batch, encoded in encoded_batches(docs, tokenizer, cfg.dataset_num_proc if num_sequences is None
                                                else None):  # bfd reads on past the rows it needs: no workers
             for doc, ids in zip(batch, encoded):
                 text_bytes += len(doc.encode("utf-8"))

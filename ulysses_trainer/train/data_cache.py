@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from ..config import TrainConfig, config_to_dict
-from ..data.documents import SequenceDataset, build_sequences
+from ..data.documents import build_sequences
+from ..data.sequences import SequenceDataset
 from ..errors import ConfigError
 from ..parallel.comm import gather_objects, world_rank
 from ..user_cache import user_cache_dir
