@@ -7,7 +7,8 @@ import pytest
 
 from ulysses_trainer.cli.argv import load_config
 from ulysses_trainer.cli.train import format_help
-from ulysses_trainer.config import TrainConfig, config_from_dict, config_to_dict, validate_config
+from ulysses_trainer.config import TrainConfig, config_to_dict, validate_config
+from ulysses_trainer.config_load import config_from_dict
 from ulysses_trainer.errors import ConfigError
 
 

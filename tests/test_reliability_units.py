@@ -13,7 +13,8 @@ import pytest
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 from ulysses_trainer.cli.argv import load_config
 from ulysses_trainer.cli.train import main
-from ulysses_trainer.config import build_config, config_to_dict
+from ulysses_trainer.config import config_to_dict
+from ulysses_trainer.config_load import build_config
 from ulysses_trainer.data.documents import build_sequences
 from ulysses_trainer.data.tokenizer import load_tokenizer
 from ulysses_trainer.errors import ConfigError

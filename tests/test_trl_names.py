@@ -3,7 +3,8 @@
 import pytest
 
 from ulysses_trainer.cli.argv import parse_overrides
-from ulysses_trainer.config import TrainConfig, build_config, config_from_dict, config_to_dict
+from ulysses_trainer.config import TrainConfig, config_to_dict
+from ulysses_trainer.config_load import build_config, config_from_dict
 from ulysses_trainer.errors import ConfigError
 
 
@@ -78,7 +79,8 @@ def test_every_sft_config_field_is_a_field_a_spelling_or_refused():
     import dataclasses
 
     trl = pytest.importorskip("trl")
-    from ulysses_trainer.config import FIELDS, IGNORED
+    from ulysses_trainer.config import FIELDS
+    from ulysses_trainer.config_load import IGNORED
     from ulysses_trainer.name_hints import REFUSED, TRL_NAMES
 
     names = {f.name for f in dataclasses.fields(trl.SFTConfig) if not f.name.startswith("_")}

@@ -1,28 +1,22 @@
-"""The typed training config: defaults < YAML recipe < `--name value` on the command line.
+"""The typed training config: every field, its type, default and help line.
 
-Field names follow TRL's SFTConfig / TrainingArguments where TRL has one; the rest
-are ours. Every problem is a ConfigError (exit 2) whose message names the fix.
+Field names follow TRL's SFTConfig / TrainingArguments where TRL has one; the rest are ours. Made from
+defaults < YAML recipe < `--name value` on the command line by config_load.py; TRL's spellings are decoded
+when it is made (config_trl.py). Every problem is a ConfigError (exit 2) whose message names the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import typing
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
 
-import yaml
-
 from .config_checks import validate_config as validate_config  # re-exported: callers import it from here
-from .errors import ConfigError
-from .name_hints import refusal, suggest
-from .typed_values import NO_MATCH, coerce, describe, literal_choices
-from .yaml_numbers import load_yaml
+from .config_trl import decode_trl_spellings
 
 # the checkout's root (recipes, benchmarks); an installed package has only PACKAGE_DIR, which ships the ZeRO
 # JSONs as package data (ulysses_trainer/ds_configs/, the same files as the checkout's ds_configs/)
@@ -224,198 +218,22 @@ class TrainConfig:
         "instead of dropping them")
 
     def __post_init__(self) -> None:
-        """TRL's spellings become the fields they stand for (the same values again are no conflict)."""
-        if self.max_steps == -1:
-            self.max_steps = None
-        gck = self.gradient_checkpointing_kwargs
-        if gck is not None:
-            bad = sorted(set(gck) - {"offload", "use_reentrant"})
-            if bad:
-                raise ConfigError(f"gradient_checkpointing_kwargs: unknown keys {bad}; accepted: offload (bool), "
-                                  f"use_reentrant")
-            if "offload" in gck:
-                if not isinstance(gck["offload"], bool):
-                    raise ConfigError(f"gradient_checkpointing_kwargs.offload must be true or false, "
-                                      f"got {gck['offload']!r}")
-                self.activation_offload = _same_or_auto("activation_offload", self.activation_offload,
-                                                        gck["offload"], "gradient_checkpointing_kwargs.offload")
-        if self.dtype is not None and self.dtype != "auto":
-            if self.dtype == "float16":
-                raise ConfigError("dtype float16 is not supported (fp16 needs loss scaling); use bfloat16")
-            self.bf16 = _same_or_auto("bf16", self.bf16, self.dtype == "bfloat16", f"dtype {self.dtype}")
-        self._decode_trl_options()
-        if self.eval_strategy == "no":
-            self.eval_steps = None
-        elif self.eval_strategy == "steps" and self.eval_steps is None:
-            self.eval_steps = self.logging_steps
-        elif self.eval_strategy == "epoch" and self.eval_steps is not None:
-            raise ConfigError(f"eval_strategy epoch evaluates at each epoch end, but eval_steps is "
-                              f"{self.eval_steps}; set only one of them")
+        decode_trl_spellings(self)  # TRL's spellings become the fields they stand for
 
     @property
     def evaluates(self) -> bool:
         """Whether the run evaluates at all (every eval_steps, or at each epoch end)."""
         return bool(self.eval_steps) or self.eval_strategy == "epoch"
 
-    def _decode_trl_options(self) -> None:
-        """TRL options that stand for one of our settings (the rest are read where they act)."""
-        if self.padding_free:  # TRL: padding-free = packed examples, attention kept within each one
-            self.packing = True
-        if self.use_liger_kernel:
-            if not self.lean_norm:
-                raise ConfigError("use_liger_kernel true uses Liger's RMSNorm through the lean norms; "
-                                  "set lean_norm true (or use_liger_kernel false)")
-            self.norm_kernel = _same_or_auto("norm_kernel", self.norm_kernel, "triton", "use_liger_kernel true")
-        if not self.save_safetensors:
-            raise ConfigError("save_safetensors false is not supported: final/ is always written as safetensors; "
-                              "remove save_safetensors")
-        if not (0.0 <= self.warmup_ratio <= 1.0):
-            raise ConfigError(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
-        if not self.use_peft:  # LoRA settings without LoRA would be accepted and ignored
-            unused = [n for n in _LORA_FIELDS if getattr(self, n) != FIELDS[n].default]
-            if unused:
-                raise ConfigError(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without "
-                                  f"use_peft true (every weight is trained); set use_peft true or remove "
-                                  f"{'it' if len(unused) == 1 else 'them'}")
-        # (save_strategy / logging_strategy no over a recipe's intervals is a dry run's override: let through)
-        if self.save_strategy == "epoch" and self.save_steps is not None:
-            raise ConfigError(f"save_steps {self.save_steps} has no effect with save_strategy {self.save_strategy}; "
-                              f"set save_strategy steps or remove save_steps")
-        if self.logging_strategy == "epoch" and self.logging_steps != 1:
-            raise ConfigError(f"logging_steps {self.logging_steps} has no effect with logging_strategy "
-                              f"{self.logging_strategy}; set logging_strategy steps or remove logging_steps")
-        if self.logging_strategy == "no" and self.logging_first_step:
-            raise ConfigError("logging_first_step true has no effect with logging_strategy no; remove one of them")
-        if self.dataset_num_proc is not None and self.dataset_num_proc < 1:
-            raise ConfigError(f"dataset_num_proc must be >= 1 (or null), got {self.dataset_num_proc}")
-        if self.save_only_model and self.save_strategy == "no":
-            raise ConfigError("save_only_model true has no effect with save_strategy no (no checkpoint is written); "
-                              "remove one of them")
-        if self.run_name is not None and (not self.run_name.strip() or "/" in self.run_name
-                                          or self.run_name in (".", "..")):
-            raise ConfigError(f"run_name {self.run_name!r} must be a non-empty name without '/' (it names "
-                              f"output_dir/runs/RUN_NAME/)")
-
     def warmup_for(self, total_steps: int) -> int:
         """Warmup steps: warmup_steps when > 0, else ceil(warmup_ratio × total) (HF's get_warmup_steps)."""
         return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * total_steps)
 
 
-def _same_or_auto(name: str, current: Any, wanted: Any, spelling: str) -> Any:
-    """`wanted` for a field left at auto (or already equal); a contradiction is an error."""
-    if current == "auto" or current == wanted and type(current) is type(wanted):
-        return wanted
-    raise ConfigError(f"{spelling} asks for {name} {json.dumps(wanted)} but {name} is {json.dumps(current)}; "
-                      f"set only one of them")
-
-
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
-_LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "peft_config", "merge_lora")
 HINTS: dict[str, Any] = typing.get_type_hints(TrainConfig)
-# Launcher arguments that are accepted and dropped (deepspeed adds --local_rank).
-IGNORED = {"local_rank"}
-# The fields a bare `--name` sets true (`--packing`): those whose type takes true.
-TAKES_TRUE = frozenset(n for n, tp in HINTS.items() if coerce(True, tp) is True)
-
-
-# ---------------------------------------------------------------- types
-def _check_value(name: str, value: Any, where: str) -> Any:
-    tp = HINTS[name]
-    out = coerce(value, tp)
-    if out is NO_MATCH:
-        msg = f"{name} must be {describe(tp)}, got {value!r} ({where})"
-        choices = literal_choices(tp)
-        close = difflib.get_close_matches(value, choices, 1, 0.4) if isinstance(value, str) else []
-        if close:
-            msg += f"; did you mean {close[0]!r}?"
-        raise ConfigError(msg)
-    return out
-
-
-def unknown_name(name: str, where: str) -> ConfigError:
-    reason = refusal(name)
-    if reason is not None:  # a TRL option that does not apply here: its reason, never a look-alike's name
-        return ConfigError(f"{name} ({where}) is a TRL option this trainer does not support: {reason}; remove it")
-    return ConfigError(f"unknown config name {name!r} ({where}){suggest(name, list(FIELDS))}")
-
-
-# ---------------------------------------------------------------- loading
-def yaml_error(exc: yaml.YAMLError, what: str) -> ConfigError:
-    mark = getattr(exc, "problem_mark", None)
-    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    problem = getattr(exc, "problem", None) or str(exc)
-    return ConfigError(f"{what} is not valid YAML{at}: {problem}; fix the syntax there")
-
-
-def read_recipe(path: str) -> dict[str, Any]:
-    """The mapping of a YAML recipe (unvalidated)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"recipe {path!r} not found; pass an existing YAML file to --config "
-                          f"(recipes live in launch/recipes/)")
-    try:
-        data = load_yaml(p.read_text())
-    except yaml.YAMLError as exc:
-        raise yaml_error(exc, f"recipe {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read recipe {path}: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"recipe {path} must be a mapping of `name: value` lines, "
-                          f"got {type(data).__name__}")
-    return data
-
-
-def build_config(recipe: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
-                 recipe_name: str = "recipe") -> TrainConfig:
-    """Defaults, then the recipe, then the overrides, each value type-checked."""
-    values: dict[str, Any] = {}
-    for source, where in ((recipe or {}, f"in {recipe_name}"), (overrides or {}, "on the command line")):
-        for name, value in source.items():
-            if name in IGNORED:
-                continue
-            if name not in FIELDS:
-                raise unknown_name(name, where)
-            values[name] = _check_value(name, value, where)
-    return TrainConfig(**values)
-
-
-def command_line_values(options: Iterable[tuple[str, str | None]]) -> dict[str, Any]:
-    """{name: value read as YAML} of the command line's options `(name, text)` in the order written (cli/argv
-    splits them); text None: written bare, true for a field that takes true (`--packing`); the launcher's
-    --local_rank is dropped. The names are checked here, the values' types by build_config."""
-    pairs: dict[str, Any] = {}
-    for name, text in options:
-        if name not in FIELDS and name not in IGNORED:
-            raise unknown_name(name, "command line")
-        if text is None:
-            if name not in TAKES_TRUE:
-                raise ConfigError(f"--{name} needs a value: `--{name} VALUE`")
-            pairs[name] = True  # `--bf16` alone = true
-        elif name not in IGNORED:
-            try:
-                pairs[name] = load_yaml(text)
-            except yaml.YAMLError as exc:
-                raise yaml_error(exc, f"the value of --{name} ({text!r})") from None
-    return pairs
-
-
-def config_from(recipe_path: str | None = None, overrides: dict[str, Any] | None = None,
-                command_line: Iterable[tuple[str, str | None]] = ()) -> TrainConfig:
-    """The recipe's values (a YAML file, when given) over the defaults, then `overrides` and the `command_line`
-    options (command_line_values) over them: cli/argv.load_config splits `--config R --name value ...` into the
-    recipe path and the options, and everything else is read here, in one pass."""
-    values = {**(overrides or {}), **command_line_values(command_line)}
-    recipe = read_recipe(recipe_path) if recipe_path else {}
-    return build_config(recipe, values, recipe_name=f"recipe {recipe_path}")
 
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     """The resolved config as a JSON-safe dict (saved next to checkpoints)."""
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
-
-
-def config_from_dict(data: dict[str, Any]) -> TrainConfig:
-    """Inverse of config_to_dict (for resume), with the same checks as a recipe."""
-    return build_config(data, recipe_name="saved config")

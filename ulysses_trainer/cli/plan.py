@@ -25,7 +25,8 @@ from dataclasses import replace
 from typing import Any
 
 from .. import probe  # read through the module: its functions are the test seam
-from ..config import build_config, read_recipe, validate_config
+from ..config import validate_config
+from ..config_load import build_config, read_recipe
 from ..data.attention_share import AttentionShare, timed_from_data
 from ..ds_config import load_ds_config
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
