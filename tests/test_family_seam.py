@@ -136,3 +136,18 @@ def test_no_family_branch_outside_the_families():
         if hits:
             found[str(path.relative_to(PKG))] = hits
     assert found == {}, f"ask the family (model/families/) instead: {found}"
+
+
+def test_a_block_missing_part_of_its_behaviour_is_refused_when_it_is_made():
+    """MlpBlock's abstract methods: a family's block without `install` (or any of params, saved, backward_extra,
+    weight_grad_numel) fails when the family module makes it, not later inside the plan or the model build."""
+    from tests.plain_mlp_family import PlainMlp
+    from ulysses_trainer.model.families.base import MlpBlock
+
+    missing = {name for name in ("params", "saved", "backward_extra", "weight_grad_numel", "install")
+               if getattr(getattr(MlpBlock, name), "__isabstractmethod__", False)}
+    assert missing == {"params", "saved", "backward_extra", "weight_grad_numel", "install"}
+    without_install = type("NoInstall", (MlpBlock,), {n: getattr(PlainMlp, n) for n in missing - {"install"}})
+    with pytest.raises(TypeError, match="install"):
+        without_install()
+    PlainMlp()  # the whole behaviour: made

@@ -8,6 +8,7 @@ The methods that install modules import torch lazily: the planner reads a family
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,8 +57,9 @@ class AllReduce:
     crosses_nodes: bool = False
 
 
-class MlpBlock:
-    """One family's MLP block: the base holds what every block shares; a family's module subclasses it.
+class MlpBlock(ABC):
+    """One family's MLP block: the base holds what every block shares; a family's module subclasses it and
+    defines the abstract methods (a block missing one is refused when it is made, not when the plan needs it).
 
     Parameters in module order (`params`: what the memory model, the ZeRO-3 trace and the FLOP counts assume);
     `saved` / `backward_extra`: the plan's memory terms (plan/layer_terms.py) by what keeps them; `time_parts`:
@@ -78,9 +80,11 @@ class MlpBlock:
 
     def training_config(self, config: Any, model_init_kwargs: dict[str, Any]) -> None:
         """Set what training needs on a loaded config, unless model_init_kwargs sets it."""
+        return None  # the default: nothing to set
 
+    @abstractmethod
     def params(self, d: LayerDims) -> list[tuple[str, int]]:
-        raise NotImplementedError
+        """The block's tensors and their element counts, in module order."""
 
     def trace_groups(self, d: LayerDims) -> tuple[list[str], list[str]]:
         """(the block's tensors used once per pass, those used once per tile), in module order."""
@@ -94,18 +98,18 @@ class MlpBlock:
         """Intermediate values per token, what the tile rules size by."""
         return d.intermediate
 
+    @abstractmethod
     def saved(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
         """Bytes autograd keeps from the block's (re)computed forward, by what keeps them (a tiled block keeps
         only its input, counted with the post-attention norm's output)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def backward_extra(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
         """Bytes beyond the saved tensors during the block's backward."""
-        raise NotImplementedError
 
+    @abstractmethod
     def weight_grad_numel(self, d: LayerDims, run: MlpRun) -> int:
         """Full-size weight-grad elements alive at once in the block's backward under ZeRO-3."""
-        raise NotImplementedError
 
     def time_parts(self, d: LayerDims, run: MlpRun, layers: int, vocab: int,
                    rates: Any) -> tuple[float, dict[str, float], list[str]]:
@@ -119,10 +123,10 @@ class MlpBlock:
         """The block's own collectives per optimizer step (beyond ZeRO-3's gathers of its parameters)."""
         return []
 
+    @abstractmethod
     def install(self, model: Any, layers: Any, tiles: int, experts_implementation: str) -> tuple[Any, float]:
         """Swap each decoder layer's block for the trainer's (tiled when tiles > 1); (load-balancing statistics
         or None, their coefficient)."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
