@@ -3,6 +3,7 @@ model of the job's collectives that it adds (plan/comm_model.py), checked agains
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -276,6 +277,16 @@ def test_rehearse_rank_of_4_in_this_process(rank, tmp_path, monkeypatch, capsys)
     assert r["comm"]["all_to_all_s"] > 0 and r["comm"]["bandwidth_source"]
     printed = capsys.readouterr().out
     assert "losses meaningless" in printed and f"rehearsal rank {rank}/4" in printed
+
+
+def test_the_rehearsed_compute_is_the_median_of_the_steps_after_the_warm_up(tmp_path):
+    """compute_s as the trainer's end-of-run line measures a step (train/metrics.steady_step_s): with four steps,
+    the median of the three after the warm-up, not their mean."""
+    out = tmp_path / "r.json"
+    assert _main(["--config", RECIPE, "--gpus", "2", "--max_length", "256", "--steps", "4", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert len(r["step_s"]) == 4 and r["optimizer_step_s_added"] is None
+    assert r["compute_s"] == statistics.median(r["step_s"][1:])
 
 
 def test_a_skipped_update_under_local_fill_is_an_error(tmp_path, monkeypatch, capsys):

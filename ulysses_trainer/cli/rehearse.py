@@ -135,10 +135,11 @@ def load_rehearsal_config(args: argparse.Namespace, overrides: list[str]):
 def rehearse(plan, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:
     """Measure rank opts.rank, add the modelled communication, and return the whole result."""
     from ..plan.comm_model import estimate
+    from ..train.metrics import steady_step_s
 
     measured = run_rehearsal(plan, opts)
-    timed = measured["step_s"][1:] or measured["step_s"]
-    compute = sum(timed) / len(timed) + (measured["optimizer_step_s_added"] or 0.0)
+    # the steps after the warm-up, measured as the trainer's end-of-run line measures them
+    compute = steady_step_s(measured["step_s"]) + (measured["optimizer_step_s_added"] or 0.0)
     compute_s = None if opts.standin else compute
     job = comm_job(plan, opts.gpus_per_node, measured["mlp_tiles"], measured["checkpoint_every"])
     comm = estimate(plan.shape, job, bandwidth, compute_s, overlap)

@@ -32,15 +32,20 @@ def peak_host_mem_gb() -> float:
     return kb / 2**20 if sys.platform != "darwin" else kb / 2**30
 
 
-def predicted_vs_measured(pred_s: float, pred_peak_gb: float, step_times: list[float], peak_gb: float) -> str:
-    """The end-of-run line: the plan's step time and GPU peak next to what the run measured.
+def steady_step_s(step_times: list[float]) -> float:
+    """The step the plan predicts, from a run's step times: the median of the steps after the first.
 
-    The plan predicts a steady step. The first step also compiles and autotunes, and the second still warms up
-    (the slowest of six in every run of benchmarks/results/gpu_tests/steps_0.6b/: 18.1 s against a steady
-    14.8 s at 131,072 tokens), so the measure is the median of the steps after the first, which outvotes the
-    second from three steps on; with fewer the line says that it may include the warm-up."""
+    The first step also compiles and autotunes, and on a small model the second still warms up (the slowest of
+    six in every run of benchmarks/results/gpu_tests/steps_0.6b/: 18.1 s against a steady 14.8 s for Qwen3-0.6B
+    at 131,072 tokens; 0.5% over for Qwen3-4B): the median outvotes it from three steps after the first on."""
+    return statistics.median(step_times[1:] or step_times)
+
+
+def predicted_vs_measured(pred_s: float, pred_peak_gb: float, step_times: list[float], peak_gb: float) -> str:
+    """The end-of-run line: the plan's step time and GPU peak next to what the run measured (steady_step_s);
+    with fewer than three steps after the first it says that the figure may include the warm-up."""
     steady = step_times[1:] or step_times
-    measured = statistics.median(steady)
+    measured = steady_step_s(step_times)
     which = f"median of {len(steady)} step(s){' after the first' if len(step_times) > 1 else ''}"
     if len(steady) < 3:
         which += ", which may include the warm-up (3 or more show the steady step)"
