@@ -77,17 +77,10 @@ class RunLog:
 
     def step_row(self, row: dict, bar) -> None:
         """A training row: the reference-style line above the progress bar, metrics.jsonl, the reporters."""
-        if self.is_main:
-            bar.write(log_line(row))
-            self._append(row)
-            self.reporters.log(row)
+        self._emit(row, log_line(row), bar)
 
     def eval_row(self, step: int, eval_loss: float, bar) -> None:
-        if self.is_main:
-            bar.write(str({"eval_loss": round(eval_loss, 4), "step": step}))
-            row = {"step": step, "eval_loss": eval_loss}
-            self._append(row)
-            self.reporters.log(row)
+        self._emit({"step": step, "eval_loss": eval_loss}, str({"eval_loss": round(eval_loss, 4), "step": step}), bar)
 
     def failure_code(self) -> int:
         """This rank's failed row write (0: none), for the step end's all-reduce."""
@@ -99,6 +92,13 @@ class RunLog:
 
     def close(self) -> None:
         self.reporters.close()  # (a stopped run's rows are flushed as they are logged)
+
+    def _emit(self, row: dict, line: str, bar) -> None:
+        """Rank 0: the line above the progress bar, the row in metrics.jsonl and to the reporters."""
+        if self.is_main:
+            bar.write(line)
+            self._append(row)
+            self.reporters.log(row)
 
     def _append(self, row: dict) -> None:
         try:
