@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import re
+import shlex
 
 import pytest
 import torch
@@ -19,8 +20,9 @@ from torch import nn
 import ulysses_trainer.train.out_of_memory as oom
 from tests.dist_utils import run_ranks
 from tests.tiny_checkpoint import write_checkpoint, write_documents
+from ulysses_trainer.cli.argv import plan_command
 from ulysses_trainer.levers.recompute import LayerRecompute
-from ulysses_trainer.train.out_of_memory import Where, plan_command
+from ulysses_trainer.train.out_of_memory import Where
 
 
 class _Layer(nn.Module):
@@ -64,6 +66,20 @@ def test_plan_command_drops_the_pinned_flags_and_resets_a_recipes():
     line = plan_command(argv, ("checkpoint_every", "tiled_mlp", "activation_offload"), 2)
     # activation_offload was pinned by the recipe: set back to auto, the others just dropped
     assert line == "ulysses-trainer plan --gpus 2 --config r.yaml --max_length 8192 --activation_offload auto"
+
+
+def test_plan_command_reads_back_with_a_bare_pinned_boolean(tmp_path):
+    """A pinned boolean lever written bare, as the command line allows, takes nothing after it: the suggested
+    command keeps --max_length and `plan` reads it back (a second hand-made parser once left a stray `8192`)."""
+    from ulysses_trainer.cli.plan import build_plan_inputs
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model_name_or_path: tiny\nmax_length: 4096\n")
+    argv = ["--config", str(recipe), "--gradient_checkpointing", "--max_length", "8192", "--local_rank=0"]
+    line = plan_command(argv, ("gradient_checkpointing",), 2)
+    assert line == f"ulysses-trainer plan --gpus 2 --config {recipe} --max_length 8192"
+    cfg, *_ = build_plan_inputs([*shlex.split(line)[2:], "--gpu_memory_gb", "80"])
+    assert cfg.max_length == 8192 and cfg.gradient_checkpointing is True
 
 
 # ------------------------------------------------------------------ an OOM in a step, 2 CPU ranks

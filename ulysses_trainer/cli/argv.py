@@ -3,10 +3,13 @@
 options from training-config overrides (plan, rehearse, data, the train launcher), `split_overrides` parts
 `[--config RECIPE] [--name value ...]` into the recipe path and the options as written, `load_config` hands
 both to config_load.config_from, which reads them in one pass (the rank entry, data, rehearse); `parse_overrides`
-gives the typed overrides alone (plan)."""
+gives the typed overrides alone (plan). A command suggested to the user (`plan_command`) is built from the same
+walk, so what it keeps is what the commands read back."""
 
 from __future__ import annotations
 
+import shlex
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -92,3 +95,22 @@ def load_config(argv: list[str]) -> TrainConfig:
     overrides the recipe, the recipe the defaults). Bad input is a ConfigError naming the fix."""
     recipe, options = split_overrides(argv)
     return config_from(recipe, command_line=options)
+
+
+def plan_command(argv: list[str], pinned: Iterable[str], world_size: int) -> str:
+    """`ulysses-trainer plan` with the user's training arguments minus the pinned levers' options (each with the
+    value walk gave it, so a bare `--gradient_checkpointing` takes nothing after it); a lever pinned by the recipe
+    instead is set back to its default (auto; gradient_checkpointing true) on the command line."""
+    pinned = tuple(pinned)
+    drop = {*pinned, "local_rank"}
+    kept: list[str] = []
+    given: set[str] = set()
+    for a in walk(list(argv)):
+        if a.name in drop:
+            given.add(a.name)
+        else:
+            kept.extend(a.args)
+    # pinned in a recipe (not on the command line): set back explicitly, or the recipe would pin it again
+    reset = [x for n in pinned if n not in given
+             for x in (f"--{n}", "true" if n == "gradient_checkpointing" else "auto")]
+    return shlex.join(["ulysses-trainer", "plan", "--gpus", str(world_size), *kept, *reset])

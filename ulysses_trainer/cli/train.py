@@ -97,7 +97,7 @@ def _end_group() -> None:
 
 def _fitting_plan(argv: list[str], pinned: tuple[str, ...], world_size: int) -> str:
     """After an out-of-memory error: the plan command that searches the levers the run had pinned."""
-    from ..train.out_of_memory import plan_command
+    from .argv import plan_command
 
     command = plan_command(argv, pinned, world_size)
     if pinned:

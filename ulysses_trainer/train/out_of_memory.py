@@ -19,7 +19,6 @@ entry and may raise torch.OutOfMemoryError there, as a real allocation would.
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
@@ -183,25 +182,3 @@ def check_gpu_fits(resolved: Plan, cfg: TrainConfig, auto_plan) -> None:
                           f"max_length (now {cfg.max_length}) or add GPUs (sp); {override}")
     raise ConfigError(f"{head}; every lever is auto already: shorten max_length (now {cfg.max_length}) or add GPUs "
                       f"(sp); {override}")
-
-
-def plan_command(argv: list[str], pinned: Iterable[str], world_size: int) -> str:
-    """`ulysses-trainer plan` with the user's arguments minus the pinned levers' flags; a lever pinned by the
-    recipe instead is set back to its default (auto; gradient_checkpointing true) on the command line."""
-    pinned = tuple(pinned)
-    drop = {f"--{name}" for name in pinned} | {"--local_rank"}
-    kept, given, skip = [], set(), False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in drop:
-            given.add(name[2:])
-            skip = "=" not in arg
-            continue
-        kept.append(arg)
-    # pinned in a recipe (not on the command line): set back explicitly, or the recipe would pin it again
-    reset = [a for n in pinned if n not in given
-             for a in (f"--{n}", "true" if n == "gradient_checkpointing" else "auto")]
-    return shlex.join(["ulysses-trainer", "plan", "--gpus", str(world_size), *kept, *reset])
