@@ -28,6 +28,7 @@ FIELD_TESTS = {
     "lean_norm": "test_field_effects.py::test_memory_levers_of_the_config_move_the_planned_peak",
     "norm_kernel": "test_resolve.py::test_auto_takes_the_fused_norm_kernel_where_installed_and_predicts_it_faster",
     "experts_implementation": "test_field_effects.py::test_memory_levers_of_the_config_move_the_planned_peak",
+    "deltanet_kernel": "test_qwen3_5.py::test_deltanet_kernel_auto_takes_fla_where_installed_and_the_plan_names_it",
     "optimizer_offload": "test_resolve.py::test_the_ds_config_gets_the_plans_optimizer_placement",
     "host_memory_gb": "test_reliability_units.py::test_cpu_run_that_exceeds_host_memory_is_refused_with_the_"
                       "plans_numbers",

@@ -27,6 +27,7 @@ DEFAULT_DS_CONFIG = "ds_configs/zero3.json"  # a shipped name: the working direc
 AttnImpl = Literal["auto", "sdpa", "flash_attention_2", "flash_attention_4"]
 NormKernel = Literal["auto", "triton", "torch"]
 ExpertsImpl = Literal["auto", "eager", "batched_mm", "grouped_mm"]
+DeltanetKernel = Literal["auto", "fla", "torch"]
 LossType = Literal["chunked_nll", "nll"]
 NanPolicy = Literal["skip", "stop"]
 SaveStrategy = Literal["steps", "no", "epoch"]
@@ -74,6 +75,9 @@ class TrainConfig:
     experts_implementation: ExpertsImpl = _f(
         "auto", "a sparse (MoE) model's experts kernel, transformers' experts_implementation: grouped_mm, eager "
         "(a loop over experts), batched_mm (gathers each token's expert weights: far more memory); auto = grouped_mm")
+    deltanet_kernel: DeltanetKernel = _f(
+        "auto", "a Gated DeltaNet layer's (Qwen3.5) rule kernel: fla (flash-linear-attention, CUDA), torch (the "
+        "chunked rule in torch ops); auto = fla where installed on a GPU")
     optimizer_offload: Union[bool, Auto] = _f(
         "auto", "Adam's fp32 master, m and v on the host (ZeRO-Offload, DeepSpeed's CPU Adam): true, false, or "
         "auto (when it makes the step faster, e.g. by leaving room to keep attention outputs); an "

@@ -36,9 +36,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_heads(sp: int, num_heads: int, num_kv_heads: int | None = None) -> None:
-    """ConfigError (naming sp values that work) unless sp splits the model's query and KV heads."""
-    ok = [d for d in _divisors(num_heads) if num_kv_heads is None or num_kv_heads % d == 0 or d % num_kv_heads == 0]
+def check_heads(sp: int, num_heads: int, num_kv_heads: int | None = None, divides: tuple[int, ...] = ()) -> None:
+    """ConfigError (naming sp values that work) unless sp splits the model's query and KV heads, and divides each
+    of `divides` (a linear-attention mixer's key and value heads: Qwen3.5's Gated DeltaNet)."""
+    ok = [d for d in _divisors(num_heads) if (num_kv_heads is None or num_kv_heads % d == 0 or d % num_kv_heads == 0)
+          and all(n % d == 0 for n in divides)]
+    bad = [n for n in divides if n % sp]
+    if bad:
+        raise ConfigError(f"sp_size={sp} does not divide the model's {bad[0]} linear-attention (Gated DeltaNet) "
+                          f"heads, which are split over the SP group; sp_size values that work for this model: {ok}")
     if num_heads % sp != 0:
         raise ConfigError(f"sp_size={sp} does not divide the model's {num_heads} query heads; "
                           f"sp_size values that work for this model: {ok}")

@@ -27,3 +27,4 @@ class ModelPlan:
     host_memory_gb: float | None = None  # host RAM the offload may pin; None: detected
     ranks_per_host: int = 1  # ranks sharing this host's RAM (splits the offload budget)
     experts_implementation: str = "grouped_mm"  # a sparse model's experts kernel (transformers' name)
+    deltanet_kernel: str = "torch"  # a Gated DeltaNet layer's rule kernel (names.DELTANET_KERNELS): fla | torch

@@ -24,9 +24,11 @@ STANDINS = (STANDIN, STANDIN_FA4)
 PLANNED_KERNELS = (*ATTENTION_KERNELS, *STANDINS)  # what the memory model plans
 KEEPING_KERNELS = ("sdpa", "flash_attention_4", *STANDINS)  # kernels whose outputs can be kept (attention/grouped.py)
 NORM_KERNELS = ("triton", "torch")  # the lean RMSNorms' kernels (levers/lean_norm.py)
+DELTANET_KERNELS = ("fla", "torch")  # a Gated DeltaNet layer's rule kernels (attention/deltanet.py)
 INSTALL_HINT = {"flash_attention_2": "pip install 'ulysses_trainer[flash]' (needs CUDA)",
                 "flash_attention_4": "pip install 'ulysses_trainer[fa4]' (flash_attn.cute; Hopper/Blackwell GPUs)",
-                "triton": "pip install 'ulysses_trainer[liger]' (Liger-Kernel's Triton RMSNorm; needs CUDA)"}
+                "triton": "pip install 'ulysses_trainer[liger]' (Liger-Kernel's Triton RMSNorm; needs CUDA)",
+                "fla": "pip install flash-linear-attention (Triton kernels; needs CUDA)"}
 
 
 def _installed_choice(field: str, name: str, known: tuple[str, ...], installed: tuple[str, ...],
@@ -66,6 +68,12 @@ def choose_experts_implementation(name: str) -> str:
     return "grouped_mm" if name == "auto" else name
 
 
+def choose_deltanet_kernel(name: str, installed: tuple[str, ...]) -> str:
+    """A Gated DeltaNet layer's rule kernel: `auto` -> fla where flash-linear-attention runs (CUDA), else torch;
+    a named one must be installed."""
+    return _installed_choice("deltanet_kernel", name, DELTANET_KERNELS, installed, "torch")
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The run's kernels, chosen together (choose_kernels)."""
@@ -73,15 +81,18 @@ class Kernels:
     attention: str  # attn_implementation
     norm: str  # the lean RMSNorms' kernel (torch without lean norms)
     experts: str  # a sparse model's experts_implementation (unused by a dense one)
+    deltanet: str = "torch"  # a Gated DeltaNet layer's rule kernel (unused by a model without one)
 
 
 def choose_kernels(attn_implementation: str, norm_kernel: str, experts_implementation: str, lean_norm: bool,
-                   installed: tuple[str, ...], installed_norms: tuple[str, ...]) -> Kernels:
+                   installed: tuple[str, ...], installed_norms: tuple[str, ...], deltanet_kernel: str = "auto",
+                   installed_deltanet: tuple[str, ...] = ("torch",)) -> Kernels:
     """Every kernel setting decided in one step from what is installed (ConfigError naming the fix): the
-    attention kernel, the RMSNorm kernel and the experts kernel."""
+    attention kernel, the RMSNorm kernel, the experts kernel and the Gated DeltaNet rule's kernel."""
     return Kernels(attention=choose_kernel(attn_implementation, installed),
                    norm=choose_norm_kernel(norm_kernel, installed_norms, lean_norm),
-                   experts=choose_experts_implementation(experts_implementation))
+                   experts=choose_experts_implementation(experts_implementation),
+                   deltanet=choose_deltanet_kernel(deltanet_kernel, installed_deltanet))
 
 
 def groups_one_at_a_time(kv_heads: int, keeps_output: bool) -> bool:

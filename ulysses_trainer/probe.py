@@ -41,6 +41,13 @@ def installed_kernels() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(available_kernels()), tuple(available_norm_kernels())
 
 
+def installed_deltanet_kernels() -> tuple[str, ...]:
+    """Gated DeltaNet rule kernels installed here, fastest first."""
+    from .attention.deltanet import available_deltanet_kernels
+
+    return tuple(available_deltanet_kernels())
+
+
 def host_memory(given_gb: float | None) -> tuple[float, str]:
     """(host RAM in GiB the run may use, where the figure comes from): host_memory_gb, else detected here."""
     if given_gb is not None:
@@ -71,5 +78,6 @@ def this_machine(world_size: int, host_memory_gb: float | None) -> Machine:
     kernels, norms = installed_kernels()
     return Machine(gpus=world_size, gpu_memory_gb=gpu.memory_gb, host_memory_gb=host,
                    gpus_per_host=ranks_per_node(default=world_size), kernels=kernels, norm_kernels=norms,
+                   deltanet_kernels=installed_deltanet_kernels(),
                    gpu_name=gpu.name, host_memory_source=source,
                    bf16_supported=gpu.bf16)

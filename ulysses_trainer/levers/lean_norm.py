@@ -44,23 +44,29 @@ def available_norm_kernels() -> list[str]:
     return ["triton", "torch"] if fused else ["torch"]
 
 
-def rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """HF RMSNorm's forward, op for op; also returns rstd = 1/sqrt(mean(x^2) + eps), fp32 [..., 1]."""
+def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> tuple[Tensor, Tensor]:
+    """HF RMSNorm's forward, op for op; also returns rstd = 1/sqrt(mean(x^2) + eps), fp32 [..., 1]. offset 0:
+    Qwen3's (normalized, cast, times weight); offset > 0: the zero-centred norm of Qwen3.5 (normalized times
+    offset + weight in fp32, then cast)."""
     xf = x.to(torch.float32)
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return ((xf * rstd) * (offset + weight.float())).type_as(x), rstd
     return weight * (xf * rstd).to(x.dtype), rstd
 
 
 class _LeanRMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        out, rstd = rms_norm_forward(x, weight, eps)
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
+        out, rstd = rms_norm_forward(x, weight, eps, offset)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x, weight, rstd = ctx.saved_tensors
+        offset = ctx.offset
         width = x.shape[-1]
         x2 = x.reshape(-1, width)  # [..., W] -> [N, W]: rows are independent
         g2 = grad_out.reshape(-1, width)  # [N, W]
@@ -71,26 +77,34 @@ class _LeanRMSNormFunction(torch.autograd.Function):
         for s in range(0, x2.shape[0], rows):
             xf = x2[s:s + rows].to(torch.float32)  # [n, W]
             r, g = r2[s:s + rows], g2[s:s + rows]
-            n = (xf * r).to(x.dtype)  # the forward's normalized tensor, rebuilt
-            if grad_w is not None:  # d(weight * n)/d(weight), summed over rows (fp32 across slabs)
-                grad_w += (g * n).to(torch.float32).sum(0)
-            if grad_x is not None:
+            if offset:  # fp32 throughout: out = (x * rstd) * (offset + weight)
+                nf = xf * r  # [n, W]
+                gf = g.to(torch.float32)
+                if grad_w is not None:
+                    grad_w += (gf * nf).sum(0)
+                gn = gf * (offset + weight.float())  # [n, W]
+            else:
+                n = (xf * r).to(x.dtype)  # the forward's normalized tensor, rebuilt
+                if grad_w is not None:  # d(weight * n)/d(weight), summed over rows (fp32 across slabs)
+                    grad_w += (g * n).to(torch.float32).sum(0)
                 # the chain rule through weight*, .to(dtype), x*rstd, rsqrt, mean and pow(2), as autograd
                 # takes it for the HF module
                 gn = (g * weight).to(torch.float32)  # [n, W]
+            if grad_x is not None:
                 grad_r = (gn * xf).sum(-1, keepdim=True)  # [n, 1]
                 grad_var = -0.5 * grad_r * r.pow(3)  # rsqrt'(v) = -1/2 rsqrt(v)^3
                 grad_x[s:s + rows] = (gn * r + (grad_var.expand_as(xf) / width) * (2 * xf)).to(x.dtype)
         return (None if grad_x is None else grad_x.view_as(x),
-                None if grad_w is None else grad_w.to(weight.dtype), None)
+                None if grad_w is None else grad_w.to(weight.dtype), None, None)
 
 
 class LeanRMSNorm(nn.Module):
     """Drop-in for an HF RMSNorm (Qwen3RMSNorm, LlamaRMSNorm): `weight` and `variance_epsilon` are
     adopted under the same names, so state_dict keys are unchanged."""
 
-    def __init__(self, norm: nn.Module, kernel: str = "torch"):
+    def __init__(self, norm: nn.Module, kernel: str = "torch", offset: float = 0.0):
         super().__init__()
+        self.offset = float(offset)  # scale by offset + weight (Qwen3.5's zero-centred norms: 1.0)
         if kernel not in NORM_KERNELS:
             raise ValueError(f"norm kernel {kernel!r}: use one of {', '.join(NORM_KERNELS)}")
         if kernel == "triton" and _triton_function() is None:
@@ -105,15 +119,17 @@ class LeanRMSNorm(nn.Module):
         self.variance_epsilon = float(eps)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, kernel={self.kernel}"
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}, kernel={self.kernel}"
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel == "triton" and x.is_cuda:
-            # (x, weight, eps, offset, casting "llama": fp32 rms, cast, then * weight; dx not written into dy)
-            return _triton_function().apply(x, self.weight, self.variance_epsilon, 0.0, "llama", False)
+            # (x, weight, eps, offset, casting: "llama" fp32 rms, cast, then * weight; "gemma" all in fp32 with
+            # offset + weight, then cast; dx not written into dy)
+            casting = "gemma" if self.offset else "llama"
+            return _triton_function().apply(x, self.weight, self.variance_epsilon, self.offset, casting, False)
         if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad):
-            return rms_norm_forward(x, self.weight, self.variance_epsilon)[0]
-        return _LeanRMSNormFunction.apply(x, self.weight, self.variance_epsilon)
+            return rms_norm_forward(x, self.weight, self.variance_epsilon, self.offset)[0]
+        return _LeanRMSNormFunction.apply(x, self.weight, self.variance_epsilon, self.offset)
 
 
 def is_rms_norm(module: nn.Module) -> bool:
@@ -121,10 +137,11 @@ def is_rms_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and not isinstance(module, LeanRMSNorm)
 
 
-def use_lean_norms(model: nn.Module, kernel: str = "torch") -> int:
-    """Replace every HF RMSNorm in `model` by a LeanRMSNorm (running `kernel`) in place; returns how many."""
+def use_lean_norms(model: nn.Module, kernel: str = "torch", offset: float = 0.0) -> int:
+    """Replace every HF RMSNorm in `model` by a LeanRMSNorm (running `kernel`, scaling by offset + weight: the
+    family's norm_offset) in place; returns how many."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if is_rms_norm(child)]
     for parent, name, child in targets:
-        setattr(parent, name, LeanRMSNorm(child, kernel))
+        setattr(parent, name, LeanRMSNorm(child, kernel, offset))
     return len(targets)

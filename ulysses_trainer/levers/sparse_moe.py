@@ -203,6 +203,9 @@ class SparseMoE(TiledBlock, nn.Module):
             raise ConfigError(f"tiled_mlp tiles must be an int >= 1, got {num_tiles!r}")
         self.gate = block.gate
         self.experts = experts
+        # Qwen3.5-MoE's always-on shared expert (an MLP on every row) and its sigmoid gate: None without one
+        self.shared_expert = getattr(block, "shared_expert", None)
+        self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
         self.num_tiles = num_tiles
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.stats = stats
@@ -211,6 +214,7 @@ class SparseMoE(TiledBlock, nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2d = x.reshape(-1, shape[-1])  # [b, s, H] -> [N, H]: routing is per row
+        shared = None if self.shared_expert is None else self.shared_expert(x2d)  # [N, H]
         logits, weights, idx = route(self.gate, x2d, self.top_k, self.norm_topk_prob)  # [N, E], [N, k], [N, k]
         if self.num_tiles == 1 and not self.output_unused:
             out = self.experts(x2d, idx, weights)  # [N, H]
@@ -218,6 +222,8 @@ class SparseMoE(TiledBlock, nn.Module):
             if torch.is_grad_enabled() and not x2d.requires_grad and any(p.requires_grad for p in self.parameters()):
                 x2d = x2d.detach().requires_grad_(True)  # the Function's backward makes the weight grads
             out = _TiledExperts.apply(x2d, weights, idx, self)
+        if shared is not None:  # transformers' order: routed experts + sigmoid(gate(x)) * shared expert
+            out = out + torch.sigmoid(self.shared_expert_gate(x2d)) * shared
         if self.stats is not None:
             out = self._statistics(out, logits, idx)
         return out.view(shape)  # [N, H] -> [b, s, H]

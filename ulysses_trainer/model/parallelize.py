@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..attention.deltanet import available_deltanet_kernels
 from ..attention.kernels import available_kernels
 from ..attention.stash import AttentionStash
 from ..config import FIELDS
@@ -34,7 +35,14 @@ from ..levers.lean_norm import available_norm_kernels, use_lean_norms
 from ..levers.recompute import LayerRecompute
 from ..levers.sparse_moe import RouterStats
 from ..model_plan import ModelPlan
-from ..names import auto_num_tiles, choose_experts_implementation, choose_kernel, choose_norm_kernel, default_mlp_tiles
+from ..names import (
+    auto_num_tiles,
+    choose_deltanet_kernel,
+    choose_experts_implementation,
+    choose_kernel,
+    choose_norm_kernel,
+    default_mlp_tiles,
+)
 from ..parallel.state import ParallelState
 from ..parallel.ulysses import UlyssesAttention
 from .families import family
@@ -66,6 +74,8 @@ class ParallelizeConfig:
     keep_attention_outputs: bool | int | str = _default("keep_attention_outputs")
     # a sparse model's experts kernel (transformers' experts_implementation): eager | batched_mm | grouped_mm | auto
     experts_implementation: str = _default("experts_implementation")
+    # a Gated DeltaNet layer's rule kernel (Qwen3.5): fla | torch | auto (fla where installed on a GPU)
+    deltanet_kernel: str = _default("deltanet_kernel")
     host_memory_gb: float | None = _default("host_memory_gb")  # None: detected
     local_seq_len: int | None = None  # tokens per rank per row; needed for tiling decisions
     ranks_per_host: int = 1  # ranks sharing this host's RAM (splits the offload budget)
@@ -82,6 +92,8 @@ class ParallelizeConfig:
                        loss_type=self.loss_type, loss_chunk_size=self.loss_chunk_size,
                        tiles=auto_tiles if fx.tiles is None else fx.tiles,
                        experts_implementation=choose_experts_implementation(self.experts_implementation),
+                       deltanet_kernel=choose_deltanet_kernel(self.deltanet_kernel,
+                                                              tuple(available_deltanet_kernels())),
                        lean_norm=self.lean_norm, norm_kernel=norm, gradient_checkpointing=self.gradient_checkpointing,
                        host_memory_gb=self.host_memory_gb, ranks_per_host=self.ranks_per_host)
 
@@ -192,14 +204,16 @@ def parallelize(model: nn.Module, state: ParallelState,
     c = model.config
     fam = family(getattr(c, "model_type", "qwen3"))
     layers = _decoder_layers(model)
-    # 1. attention
+    # 1. attention, and the family's other token mixer where it has one (Qwen3.5: Gated DeltaNet, split by head)
     attention = UlyssesAttention(state, plan.kernel, c.num_attention_heads, c.num_key_value_heads)
     model.set_attn_implementation(attention.register(model))
+    if fam.mixer is not None:
+        fam.mixer.install(layers, state, plan.deltanet_kernel)
     # 2. loss head
     model.lm_head = LossHead(model.lm_head, plan.loss_type, plan.loss_chunk_size)
     # 3. lean norms (before tiling and checkpointing, which only wrap what is there)
     if plan.lean_norm:
-        use_lean_norms(model, plan.norm_kernel)
+        use_lean_norms(model, plan.norm_kernel, fam.norm_offset)
     # 4. the family's MLP block: tiled, and its load-balancing statistics where it has them (sparse: router)
     tiles = plan.tiles
     stats, coef = fam.mlp.install(model, layers, tiles, plan.experts_implementation)

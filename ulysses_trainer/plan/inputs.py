@@ -42,6 +42,15 @@ class ModelShape:
     model_type: str = "qwen3"
     experts: int = 0  # sparse MLP: experts per layer, and how many each token runs through
     top_k: int = 0
+    shared_expert: int = 0  # a sparse block's always-on shared expert width (0: none)
+    # the layers running the family's token mixer instead of attention (Qwen3.5: 3 of every 4 run Gated
+    # DeltaNet), and the mixer's heads and widths (LayerDims)
+    mixer_layers: tuple[int, ...] = ()
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv: int = 0
     # ---- derived in __post_init__ (also after dataclasses.replace), never passed in
     family: Family = field(init=False, repr=False, compare=False)
     dims: LayerDims = field(init=False, repr=False, compare=False)
@@ -75,23 +84,39 @@ class ModelShape:
         fam = family(self.model_type)
         d = LayerDims(hidden=self.hidden, intermediate=self.intermediate, q_width=self.heads * self.head_dim,
                       kv_width=self.kv_heads * self.head_dim, head_dim=self.head_dim, experts=self.experts,
-                      top_k=self.top_k)
+                      top_k=self.top_k, linear_k_heads=self.linear_k_heads, linear_v_heads=self.linear_v_heads,
+                      linear_k_dim=self.linear_k_dim, linear_v_dim=self.linear_v_dim, linear_conv=self.linear_conv,
+                      shared_expert=self.shared_expert)
         attention, mlp = fam.attention_params(d), fam.mlp_params(d)
+        norms = (("input_norm", self.hidden), ("post_attention_norm", self.hidden))
         layer = (*sorted(attention, key=lambda kv: kv[0].endswith("_norm")),  # projections, then q/k norms
-                 *mlp, ("input_norm", self.hidden), ("post_attention_norm", self.hidden))
+                 *mlp, *norms)
+        mixed = set(self.mixer_layers)
+        mixer = fam.mixer.params(d) if fam.mixer is not None and mixed else []
+        mixer_layer = (*mixer, *mlp, *norms)
+        kinds = [mixer_layer if i in mixed else layer for i in range(self.layers)]
+        # the per-layer terms (memory, ZeRO-3 trace) read the larger of the two kinds: the worst layer
+        mixer_first = bool(mixed) and sum(n for _, n in mixer_layer) > sum(n for _, n in layer)
         embed = self.vocab * self.hidden
         head = () if self.tied_embeddings else (embed,)
-        every = (embed, *[n for _ in range(self.layers) for _, n in layer], self.hidden, *head)
-        active = sum(n for _, n in attention) + fam.active_mlp_numel(d) + 2 * self.hidden
-        linear = sum(n for name, n in attention if not name.endswith("_norm")) + fam.active_mlp_numel(d)
+        every = (embed, *[n for kind in kinds for _, n in kind], self.hidden, *head)
+        n_mixer, n_attn = len(mixed), self.layers - len(mixed)
+        mixer_active = sum(n for _, n in mixer)
+        mixer_linear = fam.mixer.linear_numel(d) if mixer else 0
+        # one layer's average over the kinds, so that layers x active is the model's total
+        active = (n_attn * sum(n for _, n in attention) + n_mixer * mixer_active) / self.layers \
+            + fam.active_mlp_numel(d) + 2 * self.hidden
+        linear = n_attn * sum(n for name, n in attention if not name.endswith("_norm")) + n_mixer * mixer_linear \
+            + self.layers * fam.active_mlp_numel(d)
         once, tiled = fam.mlp.trace_groups(d)
+        token_mixer = mixer if mixer_first else attention
         derived = {
-            "family": fam, "dims": d, "layer_params": layer,
-            "numels": {**dict(layer), "embed": embed, "lm_head": embed, "final_norm": self.hidden},
+            "family": fam, "dims": d, "layer_params": mixer_layer if mixer_first else layer,
+            "numels": {**dict(layer), **dict(mixer), "embed": embed, "lm_head": embed, "final_norm": self.hidden},
             "param_numels": every, "num_params": sum(every), "active_layer_numel": active,
-            "num_active_params": embed + self.layers * active + self.hidden + sum(head),
-            "matmul_params": self.layers * linear + embed, "mlp_row_width": fam.mlp_row_width(d),
-            "forward_order": ("input_norm", *[n for n, _ in attention], "post_attention_norm", *once, *tiled),
+            "num_active_params": round(embed + self.layers * active + self.hidden + sum(head)),
+            "matmul_params": linear + embed, "mlp_row_width": fam.mlp_row_width(d),
+            "forward_order": ("input_norm", *[n for n, _ in token_mixer], "post_attention_norm", *once, *tiled),
             "mlp_once": tuple(once), "mlp_tiled": tuple(tiled),
             "auto_reduce_bucket": reduce_bucket_size(self.hidden),
             "auto_prefetch_bucket": prefetch_bucket_size(self.hidden),
@@ -108,7 +133,10 @@ class ModelShape:
                    layers=config.num_hidden_layers, heads=config.num_attention_heads,
                    kv_heads=config.num_key_value_heads, head_dim=d.head_dim,
                    tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)), qk_norm=fam.qk_norm,
-                   model_type=fam.model_type, experts=d.experts, top_k=d.top_k)
+                   model_type=fam.model_type, experts=d.experts, top_k=d.top_k, shared_expert=d.shared_expert,
+                   mixer_layers=fam.mixer_layers(config), linear_k_heads=d.linear_k_heads,
+                   linear_v_heads=d.linear_v_heads, linear_k_dim=d.linear_k_dim, linear_v_dim=d.linear_v_dim,
+                   linear_conv=d.linear_conv)
 
     @classmethod
     def preset(cls, name: str) -> ModelShape:
@@ -178,6 +206,7 @@ class Settings:
     attention: str = "sdpa"
     # a sparse model's experts kernel (transformers' experts_implementation; plan/rates.EXPERTS_TFLOPS)
     experts_implementation: str = "grouped_mm"
+    deltanet_kernel: str = ""  # a Gated DeltaNet layer's rule kernel ("": the model has none)
     pad_to_multiple_of: int | None = None
     pinned_rounding: Literal["exact", "pow2"] = "exact"  # our HostPool vs per-tensor pin_memory()
     prefetch_offloaded: bool = True  # ours fetches the next offloaded layer one layer ahead
@@ -226,7 +255,9 @@ def check_settings(shape: ModelShape, s: Settings) -> None:
 
     need(s.max_length >= 2, f"max_length must be >= 2 tokens, got {s.max_length}")
     need(s.sp >= 1 and s.dp >= 1, f"sp and dp must be >= 1, got sp={s.sp}, dp={s.dp}")
-    check_heads(s.sp, shape.heads, shape.kv_heads)
+    mixer = shape.family.mixer
+    check_heads(s.sp, shape.heads, shape.kv_heads,
+                mixer.sp_heads(shape.dims) if mixer is not None and shape.mixer_layers else ())
     need(s.micro_batch >= 1, f"per_device_train_batch_size must be >= 1, got {s.micro_batch}")
     need(s.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {s.checkpoint_every}")
     need(0 <= s.kept_attention_layers <= shape.layers and (s.kept_attention_layers == 0 or s.gradient_checkpointing),

@@ -53,6 +53,8 @@ def decided(cfg: Any, asked: Fixed, s: Settings) -> tuple[str, ...]:
         out.append(f"attn_implementation {s.attention}")
     if cfg.norm_kernel == "auto" and s.lean_norm:
         out.append(f"norm_kernel {s.norm_kernel}")
+    if cfg.deltanet_kernel == "auto" and s.deltanet_kernel:
+        out.append(f"deltanet_kernel {s.deltanet_kernel}")
     for name, fixed, value in (("activation_offload", asked.offload, s.activation_offload),
                                ("keep_attention_outputs", asked.keep, s.kept_attention_layers),
                                ("tiled_mlp", asked.tiles, s.tiled_mlp),

@@ -46,13 +46,14 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
         layout = resolve_layout(cfg.sp_size, machine.gpus)
     assert layout.world == machine.gpus, f"layout of {layout.world} ranks planned on {machine.gpus} GPUs"
     kernels = choose_kernels(cfg.attn_implementation, cfg.norm_kernel, cfg.experts_implementation, cfg.lean_norm,
-                             machine.kernels, machine.norm_kernels)
+                             machine.kernels, machine.norm_kernels, cfg.deltanet_kernel, machine.deltanet_kernels)
     base = Settings(max_length=cfg.max_length, sp=layout.sp, dp=layout.dp,
                     micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
                     gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
                     loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, norm_kernel=kernels.norm,
                     attention=kernels.attention, pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs,
                     gpus_per_host=machine.ranks_per_host, experts_implementation=kernels.experts,
+                    deltanet_kernel=kernels.deltanet if shape.mixer_layers else "",
                     attention_fraction=attention.mean if cfg.packing and attention is not None else 1.0,
                     trainable_numels=_lora_numels(cfg, shape))
     # the levers (lever_settings.decode_levers), the ZeRO JSON's optimizer placement winning over auto, bound to
@@ -123,7 +124,8 @@ def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: F
         notes=plan_notes(cfg, machine, s, attention=attention, budget_note=budget_note, st=st,
                          engine_plan=engine_plan, fx=fx, best=best),
         settings=s, estimate=chosen, fixed=asked, zero3_by_placement=by_placement,
-        experts_implementation=s.experts_implementation, attention_fraction=s.attention_fraction,
+        experts_implementation=s.experts_implementation, deltanet_kernel=s.deltanet_kernel,
+        attention_fraction=s.attention_fraction,
         attention_from="" if not cfg.packing else "data" if attention else "one document (worst case)",
         search_base=base)
 

@@ -30,6 +30,7 @@ class Machine:
     kernels: tuple[str, ...] = ("sdpa",)  # installed attention kernels, fastest first
     kernels_known: bool = True  # False: planning another machine (auto = the first of `kernels`, said)
     norm_kernels: tuple[str, ...] = ("torch",)  # installed RMSNorm kernels, fastest first
+    deltanet_kernels: tuple[str, ...] = ("torch",)  # installed Gated DeltaNet rule kernels, fastest first
     gpu_name: str | None = None
     gpu_free_after_engine_gb: float | None = None  # measured once the engine holds the model states
     host_memory_source: str = "given"  # how host_memory_gb was obtained (said in the plan)
@@ -153,6 +154,7 @@ class Plan:
     # the ZeRO-3 sizes per optimizer placement (ZeroSettings.by_placement): the longest-length search's too
     zero3_by_placement: dict[bool, Zero3Knobs] = field(default_factory=dict, compare=False, repr=False)
     experts_implementation: str = "grouped_mm"  # a sparse model's experts kernel (unused by a dense one)
+    deltanet_kernel: str = ""  # the Gated DeltaNet rule's kernel ("": the model has no DeltaNet layer)
     # packed rows: attention timed as this share of one document of max_length (sum(l_i^2) / L^2), taken from
     # "data" or "one document (worst case)"; "" without packing
     attention_fraction: float = 1.0
@@ -177,14 +179,16 @@ class Plan:
             attention_stash=self.fixed.attention_stash,
             checkpoint_bytes_per_layer=self.checkpoint_bytes_per_layer if levers else 0,
             host_memory_gb=host_memory_gb, ranks_per_host=ranks_per_host,
-            experts_implementation=self.experts_implementation)
+            experts_implementation=self.experts_implementation, deltanet_kernel=self.deltanet_kernel or "torch")
 
     def summary(self) -> str:
         """One line: what runs, the predicted step time and peak memory."""
         gpu = self.gpu_budget_gb is not None
         adam = "Adam on the host" if self.optimizer_offload else f"Adam on the {'GPU' if gpu else 'device'}"
         step = f"{format_seconds(self.predicted_step_s)} s/step" if gpu else "no step time (no GPU)"
-        return (f"sp {self.sp} x dp {self.dp}, {self.kernel}, {self.norm_kernel} norms, tiled_mlp {self.tiles}, "
+        deltanet = f", {self.deltanet_kernel} deltanet" if self.deltanet_kernel else ""
+        return (f"sp {self.sp} x dp {self.dp}, {self.kernel}{deltanet}, {self.norm_kernel} norms, "
+                f"tiled_mlp {self.tiles}, "
                 f"checkpoint_every {self.checkpoint_every}, {len(self.offload_layers)}/{len(self.saved_layers)} "
                 f"layer inputs offloaded, {len(self.kept_attention_layers)}/{self.num_layers} attention outputs kept, "
                 f"{adam}{self._attention()}; predicted {step}, peak {self.predicted_peak_gpu_gb:.1f} GiB "
@@ -218,7 +222,7 @@ class Plan:
                 "sp_size": self.sp, "dp": self.dp, "attn_implementation": self.kernel,
                 "loss_type": self.loss_type, "loss_chunk_size": self.loss_chunk_size, "tiled_mlp": self.tiles,
                 "lean_norm": self.lean_norm, "norm_kernel": self.norm_kernel,
-                "experts_implementation": self.experts_implementation,
+                "experts_implementation": self.experts_implementation, "deltanet_kernel": self.deltanet_kernel,
                 "gradient_checkpointing": self.gradient_checkpointing,
                 "checkpoint_every": self.checkpoint_every, "saved_layers": list(self.saved_layers),
                 "offload_layers": list(self.offload_layers), "activation_offload": len(self.offload_layers),

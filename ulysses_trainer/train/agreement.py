@@ -39,6 +39,7 @@ def combine_machines(machines: list[Machine]) -> Machine:
                    gpu_free_after_engine_gb=_least([m.gpu_free_after_engine_gb for m in machines]),
                    kernels=_shared([m.kernels for m in machines]),
                    norm_kernels=_shared([m.norm_kernels for m in machines]),
+                   deltanet_kernels=_shared([m.deltanet_kernels for m in machines]),
                    bf16_supported=all(m.bf16_supported for m in machines),
                    # the source of the figure the plan uses: the rank that saw the least
                    host_memory_source=machines[host.index(min(host))].host_memory_source)

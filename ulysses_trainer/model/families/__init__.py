@@ -12,11 +12,12 @@ package asks which family it has. Another family is one new module here plus its
 from __future__ import annotations
 
 from ...errors import ConfigError
-from .base import AllReduce, Family, LayerDims, MlpBlock, MlpRun
+from .base import AllReduce, Family, LayerDims, MlpBlock, MlpRun, TokenMixer
 from .qwen3 import QWEN3
+from .qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from .qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN3, QWEN3_MOE)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE)}
 # preset name -> its family (a name belongs to one family)
 _PRESET_FAMILY: dict[str, Family] = {name: f for f in FAMILIES.values() for name in f.presets}
 PRESETS: tuple[str, ...] = tuple(_PRESET_FAMILY)
@@ -28,7 +29,7 @@ def family(model_type: str) -> Family:
     f = FAMILIES.get(model_type)
     if f is None:
         raise ConfigError(f"model_type {model_type!r} is not supported; this trainer supports "
-                          f"{', '.join(FAMILIES)} (Qwen3 and Qwen3-MoE checkpoints or the presets)")
+                          f"{', '.join(FAMILIES)} (Qwen3, Qwen3-MoE and Qwen3.5 text checkpoints or the presets)")
     return f
 
 
@@ -54,5 +55,5 @@ def preset_family(name: str) -> Family | None:
     return _PRESET_FAMILY.get(name.lower())
 
 
-__all__ = ["FAMILIES", "MODEL_TYPES", "PRESETS", "AllReduce", "Family", "LayerDims", "MlpBlock", "MlpRun", "family",
-           "preset_family", "register", "unregister"]
+__all__ = ["FAMILIES", "MODEL_TYPES", "PRESETS", "AllReduce", "Family", "LayerDims", "MlpBlock", "MlpRun", "TokenMixer",
+           "family", "preset_family", "register", "unregister"]

@@ -31,6 +31,13 @@ class LayerDims:
     head_dim: int
     experts: int = 0
     top_k: int = 0
+    # a linear-attention mixer's (Qwen3.5's Gated DeltaNet): key / value heads and their widths, conv kernel
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv: int = 0
+    shared_expert: int = 0  # a sparse block's always-on shared expert width (0: none)
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,34 @@ class MlpBlock(ABC):
         or None, their coefficient)."""
 
 
+class TokenMixer(ABC):
+    """A token mixer that some layers of a family run instead of softmax attention (Qwen3.5's Gated DeltaNet):
+    the layers whose config `layer_types` entry is `kind`. Its parameters in module order (the plan's counts and
+    ZeRO-3 trace), the SP sizes it refuses, and what parallelize installs on those layers."""
+
+    kind: str = ""  # the transformers config's layer_types entry of the layers that run it
+
+    @abstractmethod
+    def dims(self, config: Any) -> dict[str, int]:
+        """Its LayerDims fields from a transformers config."""
+
+    @abstractmethod
+    def params(self, d: LayerDims) -> list[tuple[str, int]]:
+        """Its tensors and their element counts, in the order its forward uses them."""
+
+    def linear_numel(self, d: LayerDims) -> int:
+        """Of its parameters, those in a matmul per token."""
+        return sum(n for _, n in self.params(d))
+
+    @abstractmethod
+    def sp_heads(self, d: LayerDims) -> tuple[int, ...]:
+        """Head counts sp must divide."""
+
+    @abstractmethod
+    def install(self, layers: Any, state: Any, kernel: str) -> int:
+        """Swap its modules in the layers that run it for the SP ones; how many it swapped."""
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family.
@@ -144,10 +179,19 @@ class Family:
     mlp: MlpBlock
     qk_norm: bool
     presets: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> config kwargs
+    # the attention's output gate (Qwen3.5): q_proj also yields a sigmoid gate per head, twice the query width
+    gated_attention: bool = False
+    # RMSNorms scale by (offset + weight) in fp32 (Qwen3.5's zero-centred norms: 1.0); 0.0: weight, Qwen3's way
+    norm_offset: float = 0.0
+    # the layers whose layer_types entry is mixer.kind run it instead of attention (None: every layer attends)
+    mixer: TokenMixer | None = None
 
     def attention_params(self, d: LayerDims) -> list[tuple[str, int]]:
         """q, (q_norm,) k, (k_norm,) v, o: the attention's modules in the order they run."""
         h, q, k = d.hidden, d.q_width, d.kv_width
+        if self.gated_attention:
+            return [("q", h * 2 * q), ("q_norm", d.head_dim), ("k", h * k), ("k_norm", d.head_dim), ("v", h * k),
+                    ("o", q * h)]
         if self.qk_norm:
             return [("q", h * q), ("q_norm", d.head_dim), ("k", h * k), ("k_norm", d.head_dim), ("v", h * k),
                     ("o", q * h)]
@@ -190,8 +234,15 @@ class Family:
     def layer_dims(self, config: Any) -> LayerDims:
         """From a transformers config of this family."""
         d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        mixer = self.mixer.dims(config) if self.mixer is not None else {}
         return LayerDims(hidden=config.hidden_size, q_width=config.num_attention_heads * d,
-                         kv_width=config.num_key_value_heads * d, head_dim=d, **self.mlp.dims(config))
+                         kv_width=config.num_key_value_heads * d, head_dim=d, **self.mlp.dims(config), **mixer)
+
+    def mixer_layers(self, config: Any) -> tuple[int, ...]:
+        """The layers that run the family's mixer instead of attention (none without one)."""
+        if self.mixer is None:
+            return ()
+        return tuple(i for i, t in enumerate(config.layer_types[:config.num_hidden_layers]) if t == self.mixer.kind)
 
     def check_config(self, config: Any) -> str | None:
         """Why this trainer cannot run a config of this family (None: it can)."""

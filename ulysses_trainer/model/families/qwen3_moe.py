@@ -187,7 +187,8 @@ class SparseMoeMlp(MlpBlock):
         if getattr(c, "output_router_logits", False):
             stats, coef = RouterStats(d["experts"], d["top_k"]), float(getattr(c, "router_aux_loss_coef", 0.0))
         for layer in layers:
-            layer.mlp = SparseMoE(layer.mlp, tiles, stats, d["top_k"], bool(c.norm_topk_prob))
+            # a config without norm_topk_prob (Qwen3.5-MoE) has a router that always renormalises
+            layer.mlp = SparseMoE(layer.mlp, tiles, stats, d["top_k"], bool(getattr(c, "norm_topk_prob", True)))
         if hasattr(model, "set_experts_implementation"):
             model.set_experts_implementation(experts_implementation)
         elif experts_implementation != "eager":  # a transformers without the choice runs its loop

@@ -1,0 +1,197 @@
+"""Qwen3.5 (Gated DeltaNet + gated full attention, dense and MoE) under Ulysses SP equals stock transformers.
+
+Ranks are threads (tests/threaded_ranks.py: the all-to-alls move the data for real). The reference shares no code
+with the SP path: the stock Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM with SDPA, one forward per packed document
+(so "a packed row equals its documents run one by one"), F.cross_entropy over the trained targets. fp32 on the CPU:
+loss rel <= 1e-5, every gradient ||g - g_ref|| / ||g_ref|| <= 1e-5.
+
+The models are the tiny presets with a 503-token vocabulary (the preset's 248,320 only makes the embedding big).
+A_log is drawn from [-3, 0] (decay rates 0.05..1 per unit softplus) rather than transformers' init (rates up to
+16, whose decays underflow to 0 and leave A_log / dt_bias gradients made of rounding alone).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.threaded_ranks import run_threads
+from ulysses_trainer.errors import ConfigError
+
+VOCAB = 503
+IGNORE = -100
+
+
+def build(preset: str, seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_trainer.model.presets import preset_config
+
+    config = preset_config(preset)
+    config.vocab_size = VOCAB
+    config.output_router_logits = False  # the CE alone: the aux loss is RouterStats' (tests/test_moe.py)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.uniform_(-3.0, 0.0)
+    return model
+
+
+def batch(length: int, docs: list[int] | None, seed: int = 0, masked: bool = False):
+    """ids [1, L], positions restarting per document, labels (masked: the first third of each document is a
+    prompt, not trained on)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (1, length), generator=g)
+    docs = docs or [length]
+    pos = torch.cat([torch.arange(n) for n in docs])[None]
+    labels = ids.clone()
+    if masked:
+        labels[0, pos[0] < torch.cat([torch.full((n,), n // 3) for n in docs])] = IGNORE
+    return ids, pos, labels
+
+
+def reference(model, ids, pos, labels):
+    """Stock transformers, one forward per document: (loss, grads)."""
+    total, count = 0.0, 0
+    starts = (pos[0] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+    for a, e in zip(starts[:-1], starts[1:]):
+        logits = model(input_ids=ids[:, a:e]).logits.float()
+        target = labels[0, a + 1:e]
+        total = total + F.cross_entropy(logits[0, :-1], target, reduction="sum", ignore_index=IGNORE)
+        count += int((target != IGNORE).sum())
+    loss = total / count
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def sp_run(models, ids, pos, labels, **levers):
+    """Each thread a rank with its own copy of the model: (global loss, summed grads)."""
+    def rank(r: int, world: int):
+        from ulysses_trainer import (
+            ParallelizeConfig,
+            global_loss,
+            make_parallel_state,
+            parallelize,
+            shard_batch,
+            step_token_count,
+        )
+
+        state = make_parallel_state(world)
+        cfg = dict(attn_implementation="sdpa", loss_chunk_size=7, tiled_mlp=False, gradient_checkpointing=False)
+        model = parallelize(models[r], state, ParallelizeConfig(**{**cfg, **levers}))
+        shard = shard_batch(ids, position_ids=pos, labels=labels, sp_size=world, sp_rank=state.sp_rank)
+        count = step_token_count(shard.num_valid, state)
+        local = model(**shard.model_inputs())
+        (local / count).backward()  # replicated weights: the full gradient is the sum over ranks
+        grads = {n.removeprefix("causal_lm."): p.grad.detach().clone() for n, p in model.named_parameters()}
+        return float(global_loss(local.detach(), count, state)), grads
+
+    out = run_threads(len(models), rank)
+    return out[0][0], {n: sum(g[n] for _, g in out) for n in out[0][1]}
+
+
+def assert_equal(got, ref):
+    (loss, grads), (ref_loss, ref_grads) = got, ref
+    assert abs(loss - ref_loss) / abs(ref_loss) <= 1e-5, (loss, ref_loss)
+    assert set(grads) == set(ref_grads), set(grads) ^ set(ref_grads)
+    for name, g_ref in ref_grads.items():
+        rel = float(torch.linalg.norm(grads[name] - g_ref) / torch.linalg.norm(g_ref))
+        assert rel <= 1e-5, f"{name}: relative gradient error {rel:.2e}"
+
+
+# sp 1, 2, 4 (4 > the 2 KV heads: replicated; the 4 key / 8 value DeltaNet heads split); packed documents (two
+# cross a rank boundary, one a 64-token chunk boundary); assistant-only style masks; the MoE model
+CASES = [
+    ("tiny-qwen3.5", 1, None, False),
+    ("tiny-qwen3.5", 2, [30, 41], True),
+    ("tiny-qwen3.5", 4, [9, 66, 12, 3], False),
+    ("tiny-qwen3.5-moe", 2, None, True),
+    ("tiny-qwen3.5-moe", 4, [20, 51, 19], False),
+]
+
+
+@pytest.mark.parametrize("preset, sp, docs, masked", CASES)
+def test_sp_equals_stock_transformers(preset, sp, docs, masked):
+    length = sum(docs) if docs else 67  # 67: padded to 68 (sp 2, 4)
+    ids, pos, labels = batch(length, docs, seed=sp, masked=masked)
+    ref = reference(build(preset), ids, pos, labels)
+    assert_equal(sp_run([build(preset) for _ in range(sp)], ids, pos, labels), ref)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-qwen3.5-moe"])
+def test_levers_change_memory_not_results(preset):
+    # checkpointing with every input offloaded to the host pool, checkpoint_every 2, MLP / experts in 3 tiles
+    ids, pos, labels = batch(70, [33, 37], seed=5, masked=True)
+    ref = reference(build(preset), ids, pos, labels)
+    levers = dict(gradient_checkpointing=True, activation_offload=True, checkpoint_every=2, tiled_mlp=3)
+    assert_equal(sp_run([build(preset) for _ in range(2)], ids, pos, labels, **levers), ref)
+
+
+def test_yarn_reaches_the_full_attention_layers_only():
+    from ulysses_trainer.model.load import resolve_rope_parameters
+    from ulysses_trainer.model.presets import preset_config
+
+    yarn = preset_config("tiny-qwen3.5")
+    resolve_rope_parameters(yarn, {"rope_type": "yarn", "factor": "auto",
+                                   "original_max_position_embeddings": 32}, 128)
+    assert yarn.rope_parameters["rope_type"] == "yarn" and yarn.rope_parameters["factor"] == 4.0
+    over = dict(rope_parameters=yarn.rope_parameters, max_position_embeddings=yarn.max_position_embeddings)
+    ids, pos, labels = batch(70, [70], seed=6)
+    ref = reference(build("tiny-qwen3.5", **over), ids, pos, labels)
+    plain = reference(build("tiny-qwen3.5"), ids, pos, labels)
+    assert abs(ref[0] - plain[0]) > 1e-6  # the lever changes the model (positions past 32 rotate differently)
+    assert_equal(sp_run([build("tiny-qwen3.5", **over) for _ in range(2)], ids, pos, labels), ref)
+
+
+def test_sp_sizes_the_deltanet_heads_refuse():
+    from ulysses_trainer.plan.inputs import ModelShape, Settings, check_settings
+
+    shape = ModelShape.preset("qwen3.5-27b")  # 24 q / 4 kv heads; DeltaNet 16 key / 48 value heads
+    check_settings(shape, Settings(max_length=1024, sp=8))  # 8 > 4 KV heads: replicated
+    with pytest.raises(ConfigError, match=r"sp_size=3 does not divide the model's 16 linear-attention .*"
+                                          r"sp_size values that work for this model: \[1, 2, 4, 8\]"):
+        check_settings(shape, Settings(max_length=1024, sp=3))
+
+
+def test_presets_count_the_published_sizes():
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_trainer.model.presets import preset_config
+    from ulysses_trainer.plan.inputs import ModelShape
+
+    for name in ("tiny-qwen3.5", "tiny-qwen3.5-moe"):  # the plan's count is the built model's
+        model = AutoModelForCausalLM.from_config(preset_config(name))
+        assert ModelShape.preset(name).num_params == sum(p.numel() for p in model.parameters())
+    billions = {n: (ModelShape.preset(n).num_params / 1e9, ModelShape.preset(n).num_active_params / 1e9)
+                for n in ("qwen3.5-27b", "qwen3.5-35b-a3b", "qwen3.5-397b-a17b")}
+    assert 26.5 < billions["qwen3.5-27b"][0] < 27.5
+    assert 34 < billions["qwen3.5-35b-a3b"][0] < 36 and 3 < billions["qwen3.5-35b-a3b"][1] < 3.6
+    assert 390 < billions["qwen3.5-397b-a17b"][0] < 400 and 16.5 < billions["qwen3.5-397b-a17b"][1] < 18
+
+
+def test_deltanet_kernel_auto_takes_fla_where_installed_and_the_plan_names_it():
+    from ulysses_trainer.config import TrainConfig
+    from ulysses_trainer.plan.inputs import ModelShape
+    from ulysses_trainer.plan.resolve import resolve_plan
+    from ulysses_trainer.plan.types import Machine, ZeroSettings
+
+    def plan(model, installed, **cfg):
+        machine = Machine(gpus=1, gpu_memory_gb=139.8, host_memory_gb=125.9, gpu_name="NVIDIA H200",
+                          deltanet_kernels=installed)
+        config = TrainConfig(model_name_or_path=model, max_length=32768, sp_size=1, **cfg)
+        return resolve_plan(config, ModelShape.preset(model), machine, ZeroSettings())
+
+    fla = plan("qwen3.5-9b", ("fla", "torch"))
+    assert fla.deltanet_kernel == "fla" and ", fla deltanet," in fla.summary()
+    assert "deltanet_kernel fla" in fla.decided and fla.model_plan(None, 1).deltanet_kernel == "fla"
+    assert plan("qwen3.5-9b", ("torch",)).deltanet_kernel == "torch"
+    assert plan("qwen3.5-9b", ("fla", "torch"), deltanet_kernel="torch").deltanet_kernel == "torch"
+    with pytest.raises(ConfigError, match="deltanet_kernel='fla' is not installed here .*flash-linear-attention"):
+        plan("qwen3.5-9b", ("torch",), deltanet_kernel="fla")
+    qwen3 = plan("qwen3-4b", ("fla", "torch"))  # no DeltaNet layer: no kernel named
+    assert qwen3.deltanet_kernel == "" and "deltanet" not in qwen3.summary()

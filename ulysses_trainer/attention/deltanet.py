@@ -1,0 +1,144 @@
+"""Gated DeltaNet kernels (Qwen3.5's linear-attention layers): the causal depthwise conv and the gated delta rule,
+each over the whole sequence of the heads it is given, with packed documents kept apart.
+
+Two rule kernels under one name each (names.DELTANET_KERNELS): `fla`, flash-linear-attention's
+chunk_gated_delta_rule (Triton, CUDA; its varlen path takes cu_seqlens), and `torch`, the same chunked algorithm
+in fp32 torch ops (any device; packed documents one at a time). Both take q, k with one head per value head
+(GQA-style key heads already repeated), L2-normalise q and k, scale q by dk^-0.5, and start every document from a
+zero state. The fla call stays in `_fla_rule` alone, so another kernel is one function here.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+CHUNK = 64  # the torch kernel's chunk length (fla's too)
+
+
+@functools.cache
+def _fla_function():
+    """fla's chunk_gated_delta_rule, None where flash-linear-attention (or Triton) is not installed."""
+    try:
+        return importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+    except Exception:  # ImportError, or a Triton that fails to load without a GPU
+        return None
+
+
+def available_deltanet_kernels() -> list[str]:
+    """Installed gated-delta-rule kernels, fastest first: fla needs CUDA and flash-linear-attention."""
+    return ["fla", "torch"] if torch.cuda.is_available() and _fla_function() is not None else ["torch"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the causal depthwise conv
+
+
+def document_starts(cu_seqlens: Tensor, total: int) -> Tensor:
+    """[total] int64: each position's offset from its document's first token (cu_seqlens: int starts + end)."""
+    cu = cu_seqlens.to(torch.long)
+    idx = torch.arange(total, device=cu.device)
+    doc = torch.searchsorted(cu[1:], idx, right=True)  # the document each position belongs to
+    return idx - cu[doc]
+
+
+def causal_conv(x: Tensor, weight: Tensor, cu_seqlens: Tensor | None, activation: bool = True) -> Tensor:
+    """Depthwise causal conv of x [b, C, s] with weight [C, k] (+ SiLU), per channel. With cu_seqlens (over the
+    flattened b*s tokens), no window reaches back past its document's first token (the taps that would are
+    zero, as for a document run alone)."""
+    b, c, s = x.shape
+    k = weight.shape[-1]
+    if cu_seqlens is None:
+        out = F.conv1d(x.to(weight.dtype), weight.unsqueeze(1), padding=k - 1, groups=c)[..., :s]  # [b, C, s]
+    else:
+        flat = x.transpose(0, 1).reshape(1, c, b * s).to(weight.dtype)  # [b, C, s] -> [1, C, b*s]
+        offset = document_starts(cu_seqlens, b * s)  # [b*s]
+        out = flat * weight[:, k - 1, None]  # tap 0: the token itself
+        for j in range(1, k):  # tap j reads token t - j, zero where t - j is in an earlier document
+            shifted = F.pad(flat[..., :-j], (j, 0))  # [1, C, b*s]
+            out = out + shifted * weight[:, k - 1 - j, None] * (offset >= j).to(flat.dtype)
+        out = out.reshape(c, b, s).transpose(0, 1)  # [1, C, b*s] -> [b, C, s]
+    return (F.silu(out) if activation else out).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the gated delta rule
+
+
+def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _torch_rule_one(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+    """One sequence per row, zero initial state: q, k [b, t, h, dk], v [b, t, h, dv], g, beta [b, t, h] ->
+    o [b, t, h, dv] in fp32. Chunks of CHUNK tokens: inside a chunk the delta-rule updates are solved as one
+    unit-triangular system (the WY form); the state [dk, dv] per head carries across chunks."""
+    t = q.shape[1]
+    # [b, t, h, d] -> [b, h, t, d] fp32
+    q, k, v, beta, g = (x.transpose(1, 2).to(torch.float32).contiguous() for x in (q, k, v, beta, g))
+    q, k = _l2norm(q), _l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    pad = (CHUNK - t % CHUNK) % CHUNK
+    if pad:  # padded positions have k = v = 0, g = 0: they change no state and are cut from the output
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    b, h, tp, dk = k.shape
+    dv = v.shape[-1]
+    n = tp // CHUNK
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    # [b, h, tp, d] -> [b, h, n, C, d]
+    q, k, kb, vb = (x.reshape(b, h, n, CHUNK, x.shape[-1]) for x in (q, k, kb, vb))
+    g = g.reshape(b, h, n, CHUNK).cumsum(-1)  # log decay from the chunk start, inclusive
+    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [b, h, n, C, C]
+    system = (kb @ k.transpose(-1, -2)) * decay  # its strictly lower part and a unit diagonal: the WY system
+    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)  # [b, h, n, C, dv]
+    w = torch.linalg.solve_triangular(system, kb * g.exp()[..., None], upper=False, unitriangular=True)
+    inner = (q @ k.transpose(-1, -2)) * decay  # [b, h, n, C, C] causal within the chunk
+    q_dec = q * g.exp()[..., None]
+    k_dec = k * (g[..., -1:] - g).exp()[..., None]
+    step = g[..., -1].exp()[..., None, None]  # [b, h, n, 1, 1] decay over a whole chunk
+    state = q.new_zeros(b, h, dk, dv)
+    outs = []
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ state  # [b, h, C, dv]
+        outs.append(q_dec[:, :, i] @ state + inner[:, :, i] @ v_new)
+        state = state * step[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
+    o = torch.stack(outs, dim=2).reshape(b, h, tp, dv)[:, :, :t]  # [b, h, n, C, dv] -> [b, h, t, dv]
+    return o.transpose(1, 2)  # [b, t, h, dv]
+
+
+def torch_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+    """The torch kernel; with cu_seqlens (over the flattened b*t tokens) each document runs alone."""
+    if cu_seqlens is None:
+        return _torch_rule_one(q, k, v, g, beta).to(v.dtype)
+    b, t = q.shape[:2]
+    # [b, t, h, d] -> [1, b*t, h, d]: documents are contiguous in the flattened batch
+    q, k, v, g, beta = (x.reshape(1, b * t, *x.shape[2:]) for x in (q, k, v, g, beta))
+    bounds = cu_seqlens.tolist()
+    outs = [_torch_rule_one(*(x[:, s:e] for x in (q, k, v, g, beta))) for s, e in zip(bounds[:-1], bounds[1:])
+            if e > s]
+    return torch.cat(outs, dim=1).reshape(b, t, *v.shape[2:]).to(v.dtype)  # [1, b*t, h, dv] -> [b, t, h, dv]
+
+
+def _fla_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+    """flash-linear-attention's chunked kernel; its varlen path takes the batch flattened to one row."""
+    fn = _fla_function()
+    if fn is None:
+        raise RuntimeError("deltanet kernel fla needs flash-linear-attention on CUDA (pip install "
+                           "flash-linear-attention); use deltanet_kernel: torch")
+    b, t = q.shape[:2]
+    if cu_seqlens is not None:
+        # [b, t, h, d] -> [1, b*t, h, d]
+        q, k, v, g, beta = (x.reshape(1, b * t, *x.shape[2:]) for x in (q, k, v, g, beta))
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
+    o, _ = fn(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False, cu_seqlens=cu_seqlens,
+              use_qk_l2norm_in_kernel=True)
+    return o.reshape(b, t, *v.shape[2:])  # [1, b*t, h, dv] -> [b, t, h, dv]
+
+
+DELTANET_FUNCTIONS = {"fla": _fla_rule, "torch": torch_rule}
