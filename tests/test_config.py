@@ -150,6 +150,12 @@ def test_eval_on_local_data_needs_an_eval_dataset(tmp_path):
     validate_config(TrainConfig(eval_steps=2), 1)  # synthetic data makes its own eval documents
 
 
+def test_eval_recall_probe_needs_evaluation():
+    with pytest.raises(ConfigError, match="eval_recall_probe runs with evaluation, which is off: set eval_steps"):
+        validate_config(TrainConfig(eval_recall_probe=True), 1)
+    validate_config(TrainConfig(eval_recall_probe=True, eval_steps=2), 1)
+
+
 def test_validation_accepts_good_shapes():
     validate_config(TrainConfig(max_length=4096, pad_to_multiple_of=64, sp_size=4), 8)
     validate_config(TrainConfig(max_length=1200, pad_to_multiple_of=8, sp_size=3), 3)  # 1200 = 50 x lcm 24

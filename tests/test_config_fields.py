@@ -88,6 +88,8 @@ FIELD_TESTS = {
     "eval_steps": "test_reporters.py::test_real_command_report_to_tensorboard_has_the_losses_of_metrics_jsonl",
     "report_to": "test_reporters.py::test_real_command_report_to_tensorboard_has_the_losses_of_metrics_jsonl",
     "max_eval_samples": "test_prepare.py::test_max_eval_samples_bounds_the_eval_set",
+    "eval_recall_probe": "test_position_loss.py::test_eval_rows_carry_the_loss_by_position_and_the_recall_probe_"
+                         "and_the_plot_is_written",
     "resume_from_checkpoint": "test_e2e_train.py::test_resume_from_step_2_is_bitwise_the_straight_run",
     # conversations, prompt-completion, TRL spellings
     "assistant_only_loss": "test_data_command.py::test_data_json_trains_every_assistant_content_and_no_other",

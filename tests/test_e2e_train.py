@@ -247,6 +247,25 @@ def test_sp1_sp2_sp4_same_losses_grad_norms_and_eval_loss(runs):
 
 
 @pytest.mark.slow
+def test_sp2_sp4_loss_by_position_equals_sp1_bucket_by_bucket_and_the_plot_is_written(runs):
+    """The eval rows' loss by position under ZeRO-3 and SP (the sums taken in each rank's chunked loss, then
+    all-reduced) equal one process's, bucket by bucket; eval_loss is their total."""
+    _, ref_eval = read_metrics(runs.get("sp1")[0])
+    for name in ("sp1", "sp2", "sp4"):
+        out = runs.get(name)[0]
+        _, evals = read_metrics(out)
+        for r, ref in zip(evals, ref_eval):
+            pos, ref_pos = r["eval_loss_by_position"], ref["eval_loss_by_position"]
+            # 4 eval rows of 256 tokens, 255 targets each at positions 1..255
+            assert pos["edges"] == [0, 128, 256] and pos["tokens"] == ref_pos["tokens"] == [4 * 127, 4 * 128]
+            for got, want in zip(pos["loss"], ref_pos["loss"]):
+                assert rel(got, want) <= 1e-5, (name, r["step"], pos, ref_pos)
+            total = sum(loss * n for loss, n in zip(pos["loss"], pos["tokens"])) / sum(pos["tokens"])
+            assert rel(total, r["eval_loss"]) <= 1e-12, (name, total, r["eval_loss"])
+        assert (out / "eval_loss_by_position.png").read_bytes()[:4] == b"\x89PNG", name
+
+
+@pytest.mark.slow
 def test_checkpoint_every_2_with_offload_and_kept_attention_trains_as_every_layer(runs):
     ref_train, ref_eval = read_metrics(runs.get("sp2")[0])
     out, proc = runs.get("thin2")

@@ -170,6 +170,9 @@ class TrainConfig:
         "(every installed one) or auto (tensorboard when installed)")
     max_eval_samples: Union[int, None] = _f(
         None, "evaluate on at most N sequences of max_length (the first N of the eval data); null = all of it")
+    eval_recall_probe: bool = _f(
+        False, "each evaluation also runs the recall probe: facts placed early in every eval row are asked for at "
+        "its end, the accuracy by distance goes in metrics.jsonl (one more forward per eval row)")
     resume_from_checkpoint: Union[str, bool, None] = _f(
         None, "checkpoint dir to resume from; true = the latest in output_dir")
     # conversations and prompt-completion data (TRL SFTConfig names)

@@ -69,6 +69,9 @@ def _check_io(cfg: Any) -> None:
         raise ConfigError(f"evaluation is on (eval_steps or eval_strategy) but dataset_name {cfg.dataset_name} is "
                           f"a local path with no test split; set eval_dataset_name to the evaluation data (or "
                           f"eval_steps null, eval_strategy no)")
+    _need(not cfg.eval_recall_probe or cfg.evaluates,
+          "eval_recall_probe runs with evaluation, which is off: set eval_steps (or eval_strategy epoch), or "
+          "eval_recall_probe false")
     if cfg.model_init_kwargs is not None:
         bad = sorted(set(cfg.model_init_kwargs) & {"torch_dtype", "dtype", "attn_implementation"})
         _need(not bad, f"model_init_kwargs may not set {bad}: use the bf16 and attn_implementation fields")

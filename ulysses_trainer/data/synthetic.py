@@ -44,15 +44,31 @@ def _sentence(rng: random.Random) -> str:
     return text[0].upper() + text[1:] + "."
 
 
-def synthetic_document(rng: random.Random, num_words: int, num_pairs: int = 12) -> str:
-    """One document of about `num_words` words: ledger, filler, recall (in that order)."""
+def new_facts(rng: random.Random, num_pairs: int) -> dict[str, tuple[str, int]]:
+    """`num_pairs` facts {key: (attribute, value)} with distinct keys ("Velmora": ("code", 4821))."""
     pairs: dict[str, tuple[str, int]] = {}
     while len(pairs) < num_pairs:
         pairs.setdefault(_name(rng), (rng.choice(_ATTRIBUTES), rng.randint(1000, 99999)))
-    ledger = " ".join(f"The {attr} of {key} is {value}." for key, (attr, value) in pairs.items())
+    return pairs
+
+
+def fact_statement(key: str, attr: str, value: int) -> tuple[str, str, str]:
+    """The ledger's sentence, cut around its value: ("The code of Velmora is", " 4821", ".")."""
+    return f"The {attr} of {key} is", f" {value}", "."
+
+
+def fact_question(key: str, attr: str, value: int) -> tuple[str, str, str]:
+    """The recall line, cut around its answer: ("Question: what is the code of Velmora? Answer:", " 4821", ".")."""
+    return f"Question: what is the {attr} of {key}? Answer:", f" {value}", "."
+
+
+def synthetic_document(rng: random.Random, num_words: int, num_pairs: int = 12) -> str:
+    """One document of about `num_words` words: ledger, filler, recall (in that order)."""
+    pairs = new_facts(rng, num_pairs)
+    ledger = " ".join("".join(fact_statement(key, attr, value)) for key, (attr, value) in pairs.items())
     order = list(pairs)
     rng.shuffle(order)
-    recall = "\n".join(f"Question: what is the {pairs[k][0]} of {k}? Answer: {pairs[k][1]}." for k in order)
+    recall = "\n".join("".join(fact_question(k, *pairs[k])) for k in order)
 
     paragraphs, words = [], len(ledger.split()) + len(recall.split())
     while words < num_words:

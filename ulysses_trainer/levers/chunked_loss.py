@@ -155,6 +155,46 @@ class _ChunkedNLLSum(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None
 
 
+BUCKET_COLUMNS = ("nll", "hits", "tokens")  # the columns of chunked_bucket_sums
+
+
+@torch.no_grad()
+def chunked_bucket_sums(hidden: Tensor, weight: Tensor, labels: Tensor, buckets: Tensor, num_buckets: int,
+                        chunk_size: int = 256) -> Tensor:
+    """Evaluation's sums by bucket, never building the full logits: [num_buckets, 3] float64, per bucket the sum
+    of token NLLs, the tokens whose label is an argmax of their logits (teacher-forced hits) and the tokens,
+    over labels != IGNORE_INDEX. buckets: labels' shape, each token's bucket in [0, num_buckets). No gradient.
+
+    The logits and NLLs are chunked_nll_sum's (input-dtype matmul, fp32 softmax); only the sums differ."""
+    _check_inputs(hidden, weight, labels, chunk_size)
+    if tuple(buckets.shape) != tuple(labels.shape):
+        raise ValueError(f"buckets {tuple(buckets.shape)} must have labels' shape {tuple(labels.shape)}")
+    h2d = hidden.reshape(-1, hidden.shape[-1])  # [..., H] -> [N, H]
+    y, b = labels.reshape(-1), buckets.reshape(-1)  # [...] -> [N]
+    n_rows = h2d.shape[0]
+    n_chunks = -(-n_rows // chunk_size)
+    valid = y != IGNORE_INDEX  # [N]
+    pad = n_chunks * chunk_size - n_rows
+    # one host sync up front: chunks without a valid label are skipped (a recall probe labels a few tokens)
+    per_chunk = F.pad(valid.int(), (0, pad)).view(n_chunks, chunk_size).sum(1).tolist() if n_rows else []
+    sums = torch.zeros(len(BUCKET_COLUMNS), num_buckets, dtype=torch.float64, device=hidden.device)  # [3, k]
+    for c in range(n_chunks):
+        if per_chunk[c] == 0:
+            continue
+        s, e = c * chunk_size, min((c + 1) * chunk_size, n_rows)
+        vc = valid[s:e]
+        logits = torch.mm(h2d[s:e], weight.t()).float()  # [c, V]: input-dtype matmul, fp32 softmax
+        tgt = logits.gather(1, torch.where(vc, y[s:e], 0).unsqueeze(1)).squeeze(1)  # [c]
+        nll = torch.logsumexp(logits, dim=-1) - tgt  # [c]
+        hit = tgt >= logits.amax(dim=-1)  # [c]: the label is an argmax (a tie counts)
+        idx = b[s:e][vc]  # [valid in chunk]
+        sums[0].index_add_(0, idx, nll[vc].double())
+        sums[1].index_add_(0, idx, hit[vc].double())
+        sums[2].index_add_(0, idx, torch.ones_like(idx, dtype=torch.float64))
+        del logits
+    return sums.t()  # [3, k] -> [k, 3]
+
+
 def chunked_nll_sum(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 256) -> Tensor:
     """fp32 sum of token NLLs over labels != IGNORE_INDEX, never building the full logits.
 

@@ -10,14 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..levers.chunked_loss import chunked_nll_sum, nll_sum
+from ..levers.chunked_loss import chunked_bucket_sums, chunked_nll_sum, nll_sum
 
 LOSS_TYPES = ("chunked_nll", "nll")
 
 
 class LossHead(nn.Module):
     """Replaces `lm_head` (same `weight` Parameter, same state_dict key). forward(hidden) gives
-    logits as before; forward(hidden, labels) gives the fp32 sum of token NLLs over valid labels."""
+    logits as before; forward(hidden, labels) gives the fp32 sum of token NLLs over valid labels;
+    forward(hidden, labels, buckets, num_buckets) evaluation's [num_buckets, 3] sums (chunked_bucket_sums)."""
 
     def __init__(self, lm_head: nn.Linear, loss_type: str = "chunked_nll", chunk_size: int = 256):
         super().__init__()
@@ -27,9 +28,13 @@ class LossHead(nn.Module):
         self.in_features, self.out_features = lm_head.in_features, lm_head.out_features
         self.loss_type, self.chunk_size = loss_type, chunk_size
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, buckets: torch.Tensor | None = None,
+                num_buckets: int = 0) -> torch.Tensor:
         if labels is None:
             return F.linear(hidden, self.weight)
+        if buckets is not None:  # plain nll: every row in one chunk, the full logits as its loss builds them
+            chunk = self.chunk_size if self.loss_type == "chunked_nll" else max(1, labels.numel())
+            return chunked_bucket_sums(hidden, self.weight, labels, buckets, num_buckets, chunk)
         if self.loss_type == "chunked_nll":
             return chunked_nll_sum(hidden, self.weight, labels, self.chunk_size)
         return nll_sum(hidden, self.weight, labels)

@@ -149,9 +149,12 @@ class SequenceParallelCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
                 cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                real_rows: int | tuple[int, ...] | None = None) -> torch.Tensor:
+                real_rows: int | tuple[int, ...] | None = None, buckets: torch.Tensor | None = None,
+                num_buckets: int = 0) -> torch.Tensor:
         """`real_rows`: leading positions of each row that are not pads, one count for all rows or one per
-        row (parallel/sharding.Shard); the router statistics leave pads out."""
+        row (parallel/sharding.Shard); the router statistics leave pads out. With `buckets` (labels' shape, each
+        token's bucket in [0, num_buckets)) it returns evaluation's [num_buckets, 3] sums on this rank instead:
+        NLL, argmax hits, tokens (levers/chunked_loss.chunked_bucket_sums)."""
         stats = self.router_stats
         if stats is not None:
             b, s = input_ids.shape
@@ -167,6 +170,8 @@ class SequenceParallelCausalLM(nn.Module):
         if stats is not None:
             group = self.state.sp_group if self.state.sp_size > 1 else None
             hidden, self.aux_loss = stats.aux_loss(hidden, group)
+        if buckets is not None:
+            return self.causal_lm.lm_head(hidden, labels=labels, buckets=buckets, num_buckets=num_buckets)
         return self.causal_lm.lm_head(hidden, labels=labels)
 
 

@@ -33,8 +33,8 @@ MARKER = CHECKPOINT_MARKER  # in every checkpoint this trainer writes: what may 
 WEIGHTS_ONLY = "weights_only"  # in a save_only_model checkpoint: HF weights, no optimizer state (not resumable)
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 # what a run writes into output_dir: a directory holding any of these holds a previous run
-RUN_FILES = ("config.json", "metrics.jsonl", LATEST, "final", "per_position_loss.png", "checkpoint-[0-9]*",
-             ".tmp-checkpoint-[0-9]*", "final.tmp")
+RUN_FILES = ("config.json", "metrics.jsonl", LATEST, "final", "per_position_loss.png", "eval_loss_by_position*.png",
+             "checkpoint-[0-9]*", ".tmp-checkpoint-[0-9]*", "final.tmp")
 EVENTS = "events.out.tfevents.*"  # TensorBoard's event files (in output_dir/runs/, reporters.py)
 _MODEL_DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "vocab_size")

@@ -17,6 +17,7 @@ import torch
 from ..config import TrainConfig, config_to_dict, validate_config
 from ..data.accounting import check_something_trained
 from ..data.attention_share import AttentionShare, timed_from_data
+from ..data.recall_probe import RecallProbe, build_recall_probe
 from ..data.tokenizer import apply_tokenizer_options, check_tokenizer_fits, load_tokenizer
 from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
 from ..errors import ConfigError
@@ -31,6 +32,7 @@ from ..probe import this_machine
 from .agreement import agree_machine, check_same_plan
 from .checkpoint import CHECKPOINT, check_checkpoint_model, check_output_dir, find_checkpoint, trainer_checkpoints
 from .data_cache import prepared_sequences
+from .evaluation import covered_rows, position_edges
 from .out_of_memory import check_gpu_fits, check_host_fits
 from .output_guard import DiskNeed, check_writable, disk_line, peak_checkpoints, run_need
 from .resume_check import check_resume_config, run_record
@@ -68,6 +70,7 @@ class RunPlan:
     plan_digest: str = ""  # the digest of `resolved`, the same on every rank (train/agreement.py)
     source: str | None = None  # the weights' directory or Hub id (model/load.checkpoint_source); None: a preset
     reporters: list[str] = field(default_factory=list)  # report_to, decoded once (names.resolve_report_to)
+    recall_probe: RecallProbe | None = None  # eval_recall_probe: the probe rows (data/recall_probe.py)
 
     @property
     def sp_size(self) -> int:
@@ -145,6 +148,10 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
                               f"but one eval round needs {per_round} (dp {dp} x per_device_eval_batch_size "
                               f"{cfg.per_device_eval_batch_size}); add eval data, raise max_eval_samples "
                               f"or lower those")
+    recall_probe = None
+    if cfg.eval_recall_probe and eval_data is not None:  # before heavy work: a row too short for it is exit 2
+        recall_probe = build_recall_probe(eval_data, position_edges(cfg.max_length), cfg.seed, tokenizer.encode,
+                                          covered_rows(len(eval_data), cfg.per_device_eval_batch_size, dp))
     if timed_from_data(cfg):  # attention timed from the packed rows' documents (the plan above: one a row)
         share = AttentionShare.of(train)
         resolved = plan_of(cfg, share)
@@ -182,7 +189,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
                    epoch_steps=epoch_steps, total_steps=total, sequences_per_step=per_step,
                    resume_path=resume_path, clear_output_dir=clear_output_dir,
                    config_changes=config_changes, plan_digest=digest, disk=disk, source=source,
-                   reporters=reporters)
+                   reporters=reporters, recall_probe=recall_probe)
 
 
 def disk_need(cfg: TrainConfig, resume_path: str | None, clear_output_dir: bool, total_steps: int, params: int,

@@ -20,7 +20,7 @@ HARMLESS = frozenset({
     "output_dir", "max_shard_size",
     "logging_steps", "save_steps", "save_strategy", "save_total_limit", "eval_steps", "max_eval_samples",
     "per_device_eval_batch_size", "eval_dataset_name", "dataset_test_split", "report_to",
-    "plot_per_position_loss", "nan_policy", "deepspeed",
+    "plot_per_position_loss", "eval_recall_probe", "nan_policy", "deepspeed",
     "logging_strategy", "logging_first_step", "run_name", "save_only_model", "eval_strategy", "dataset_num_proc",
     "attn_implementation", "gradient_checkpointing", "checkpoint_every", "activation_offload",
     "keep_attention_outputs", "tiled_mlp", "lean_norm", "norm_kernel", "optimizer_offload", "host_memory_gb",

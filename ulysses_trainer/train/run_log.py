@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from ..parallel.comm import all_reduce
 from . import run_report as report
 from .checkpoint import agree_on_failure
+from .eval_plot import PLOT, eval_rows, native_window, plot_eval_by_position
 from .logging import MetricsFile, log_line
 from .output_guard import OutputWriteError, describe_failure, failure_message
 from .prepare import RunPlan
@@ -34,6 +35,8 @@ class RunLog:
         self.metrics = MetricsFile(cfg.output_dir)
         self.reporters = Reporters(plan.reporters, cfg.output_dir, config_to_dict(cfg), cfg.run_name)
         self.failure: Failure | None = None  # rank 0's failed row write, agreed at the step's end
+        self.window = native_window(plan.model_config)  # drawn on the eval plot
+        self.title = f"{cfg.model_name_or_path}, max_length {cfg.max_length:,}: eval loss by position"
 
     def write_run_config(self, plan: RunPlan, step: int) -> None:
         """config.json: this run's config, layout and data accounting; on resume the earlier runs' configs
@@ -79,8 +82,19 @@ class RunLog:
         """A training row: the reference-style line above the progress bar, metrics.jsonl, the reporters."""
         self._emit(row, log_line(row), bar)
 
-    def eval_row(self, step: int, eval_loss: float, bar) -> None:
-        self._emit({"step": step, "eval_loss": eval_loss}, str({"eval_loss": round(eval_loss, 4), "step": step}), bar)
+    def eval_row(self, step: int, fields: dict, bar) -> None:
+        """An eval row (evaluation.EvalResult.fields: eval_loss, its loss by position, the recall probe's), then
+        output_dir/eval_loss_by_position.png redrawn from metrics.jsonl's eval rows."""
+        shown = {"eval_loss": round(fields["eval_loss"], 4), "step": step}
+        if "eval_recall" in fields:
+            shown["eval_recall"] = round(fields["eval_recall"], 4)
+        self._emit({"step": step, **fields}, str(shown), bar)
+        if self.is_main and self.failure is None:
+            path = os.path.join(self.output_dir, PLOT)
+            try:
+                plot_eval_by_position(eval_rows(self.metrics.path), path, self.window, self.title)
+            except OSError as exc:  # rank 0 only: the ranks agree on it at the step's end
+                self.failure = (path, describe_failure(exc, path), str(exc))
 
     def failure_code(self) -> int:
         """This rank's failed row write (0: none), for the step end's all-reduce."""

@@ -18,9 +18,10 @@ from ..parallel.state import ParallelState, make_parallel_state
 from ..plan.types import Plan
 from . import checkpoint as ckpt
 from . import data_order as order
-from . import export
+from . import evaluation, export
 from . import run_report as report
 from .build import build_engine, build_model
+from .evaluation import EvalResult
 from .log_interval import LogInterval
 from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, train_flops_per_sequence
 from .non_finite import NonFiniteError, non_finite_step
@@ -114,23 +115,15 @@ class Trainer:
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         return loss, grad_norm, tokens
 
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Token-weighted eval loss, sharded exactly like training."""
-        data, b = self.plan.eval_data, self.cfg.per_device_eval_batch_size
+    def evaluate(self) -> EvalResult:
+        """Token-weighted eval loss, its loss by position and the recall probe's score (evaluation.py), sharded
+        exactly like training. Collective."""
         self.engine.eval()
-        total, count = 0.0, 0
-        per_round = b * self.plan.dp_size
-        rounds = range(0, len(data) - per_round + 1, per_round)  # every rank runs the same rounds
-        for start in tqdm(rounds, desc="eval", unit="batch", leave=False, dynamic_ncols=True,
-                          disable=not self.state.is_main):
-            lo = start + self.state.dp_rank * b
-            shard = self._shard([data[i] for i in range(lo, lo + b)])  # SequenceDataset takes int indices
-            total += float(self.engine(**shard.model_inputs()))
-            count += shard.num_valid
-        self.engine.train()
-        tokens = step_token_count(count, self.state)
-        return global_loss(total, tokens, self.state)
+        try:
+            return evaluation.evaluate(self.engine, self.plan.eval_data, self.cfg.per_device_eval_batch_size,
+                                       self.cfg.max_length, self.state, self._shard, self.plan.recall_probe)
+        finally:
+            self.engine.train()
 
     # ------------------------------------------------------------------ loop
     def _client_state(self) -> dict:
@@ -292,5 +285,5 @@ class Trainer:
             row["aux_loss"] = aux_loss
         self.run_log.step_row(row, bar)
 
-    def _log_eval(self, eval_loss: float, bar) -> None:
-        self.run_log.eval_row(self.step, eval_loss, bar)
+    def _log_eval(self, result: EvalResult, bar) -> None:
+        self.run_log.eval_row(self.step, result.fields(), bar)
