@@ -247,11 +247,11 @@ def test_sp1_sp2_sp4_same_losses_grad_norms_and_eval_loss(runs):
 
 
 @pytest.mark.slow
-def test_sp2_sp4_loss_by_position_equals_sp1_bucket_by_bucket_and_the_plot_is_written(runs):
-    """The eval rows' loss by position under ZeRO-3 and SP (the sums taken in each rank's chunked loss, then
+def test_sp2_sp4_dp2_loss_by_position_equals_sp1_bucket_by_bucket_and_the_plot_is_written(runs):
+    """The eval rows' loss by position under ZeRO-3, SP and dp (the sums taken in each rank's chunked loss, then
     all-reduced) equal one process's, bucket by bucket; eval_loss is their total."""
     _, ref_eval = read_metrics(runs.get("sp1")[0])
-    for name in ("sp1", "sp2", "sp4"):
+    for name in ("sp1", "sp2", "sp4", "dp2"):
         out = runs.get(name)[0]
         _, evals = read_metrics(out)
         for r, ref in zip(evals, ref_eval):

@@ -178,3 +178,13 @@ def test_built_probe_states_each_fact_its_distance_before_its_answer():
     # the same rows on every rank and every evaluation: they derive from the seed only
     again = build_recall_probe(ds, edges, seed=7, encode=encode, num_rows=2)
     assert (again.tokens == probe.tokens).all()
+
+
+def test_a_row_too_short_for_one_fact_per_bucket_is_refused_naming_the_length_it_needs():
+    from ulysses_trainer.data.tokenizer import load_tokenizer
+    from ulysses_trainer.errors import ConfigError
+
+    length = 128
+    ds = SequenceDataset(np.zeros(2 * length, dtype=np.int32), None, length, "test", 2, 2)
+    with pytest.raises(ConfigError, match=r"eval_recall_probe: .* raise max_length to at least \d+"):
+        build_recall_probe(ds, position_edges(length), seed=0, encode=load_tokenizer(None).encode)
