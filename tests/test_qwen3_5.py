@@ -236,3 +236,27 @@ def test_sp2_under_zero3_equals_stock_transformers(preset):
     ref = reference(build(preset), ids, pos, labels)
     for got in run_ranks(2, _zero3_rank, preset, ids, pos, labels):
         assert_equal(got, ref)
+
+
+def test_conv_and_rule_keep_packed_documents_apart():
+    from ulysses_trainer.attention.deltanet import causal_conv, torch_rule
+
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(2, 12, 50, generator=g), torch.randn(12, 4, generator=g)  # rows of 50: docs 20+30 | 50
+    cu = torch.tensor([0, 20, 50, 100])
+
+    def conv(xd):  # one document alone, torch's own causal conv
+        return F.silu(F.conv1d(xd, w.unsqueeze(1), padding=3, groups=12)[..., :xd.shape[-1]])
+
+    alone = torch.cat([torch.cat([conv(x[:1, :, :20]), conv(x[:1, :, 20:])], -1), conv(x[1:])])
+    assert torch.allclose(causal_conv(x, w, cu), alone, atol=1e-5)
+    assert torch.allclose(causal_conv(x, w, None), torch.cat([conv(x[:1]), conv(x[1:])]), atol=1e-5)
+    assert not torch.allclose(causal_conv(x, w, None), alone, atol=1e-3)  # the boundary matters
+    q, k = torch.randn(1, 100, 2, 8, generator=g), torch.randn(1, 100, 2, 8, generator=g)
+    v, gate = torch.randn(1, 100, 4, 8, generator=g), -torch.rand(1, 100, 4, generator=g)
+    beta = torch.rand(1, 100, 4, generator=g)
+    docs = torch.tensor([0, 70, 100])  # 70 crosses the 64-token chunk
+    packed = torch_rule(q, k, v, gate, beta, docs)
+    one = [torch_rule(*(t[:, a:e] for t in (q, k, v, gate, beta)), None) for a, e in ((0, 70), (70, 100))]
+    assert torch.allclose(packed, torch.cat(one, dim=1), atol=1e-6)
+    assert not torch.allclose(torch_rule(q, k, v, gate, beta, None), packed, atol=1e-3)

@@ -3,9 +3,9 @@ each over the whole sequence of the heads it is given, with packed documents kep
 
 Two rule kernels under one name each (names.DELTANET_KERNELS): `fla`, flash-linear-attention's
 chunk_gated_delta_rule (Triton, CUDA; its varlen path takes cu_seqlens), and `torch`, the same chunked algorithm
-in fp32 torch ops (any device; packed documents one at a time). Both take q, k with one head per value head
-(GQA-style key heads already repeated), L2-normalise q and k, scale q by dk^-0.5, and start every document from a
-zero state. The fla call stays in `_fla_rule` alone, so another kernel is one function here.
+in fp32 torch ops (any device; packed documents one at a time). Both take q, k with K key heads and v with V value
+heads (value head j reads key head j // (V / K)), L2-normalise q and k, scale q by dk^-0.5, and start every
+document from a zero state. The fla call stays in `_fla_rule` alone, so another kernel is one function here.
 """
 
 from __future__ import annotations
@@ -29,6 +29,21 @@ def _fla_function():
         return None
 
 
+@functools.cache
+def _fla_groups_values() -> bool:
+    """fla-core >= 0.6 takes fewer key than value heads itself (measured exact on the H200,
+    benchmarks/deltanet_kernels.py); older releases get the key heads repeated."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("fla-core", "flash-linear-attention"):
+        try:
+            major, minor = (int(p) for p in version(dist).split(".")[:2])
+            return (major, minor) >= (0, 6)
+        except (PackageNotFoundError, ValueError):
+            continue
+    return False
+
+
 def available_deltanet_kernels() -> list[str]:
     """Installed gated-delta-rule kernels, fastest first: fla needs CUDA and flash-linear-attention."""
     return ["fla", "torch"] if torch.cuda.is_available() and _fla_function() is not None else ["torch"]
@@ -46,23 +61,70 @@ def document_starts(cu_seqlens: Tensor, total: int) -> Tensor:
     return idx - cu[doc]
 
 
+_SLAB_ELEMENTS = 2**26  # fp32 elements of one slab of channels (256 MiB): the conv's only transient
+
+
+def _taps(x: Tensor, weight: Tensor, offset: Tensor) -> Tensor:
+    """sum_j weight[:, k-1-j] * x[t-j] where offset[t] >= j (taps inside the token's document), fp32 accumulation
+    one slab of channels at a time; x [b, C, T], weight [C, k], offset [T] -> [b, C, T] in x's dtype."""
+    b, c, t = x.shape
+    k = weight.shape[-1]
+    out = torch.empty_like(x)
+    step = max(1, _SLAB_ELEMENTS // max(1, b * t))
+    masks = [(offset[j:] >= j).to(torch.float32) for j in range(1, k)]  # [T - j] each
+    for a in range(0, c, step):
+        xs, ws = x[:, a:a + step].float(), weight[a:a + step].float()  # [b, n, T], [n, k]
+        acc = xs * ws[:, k - 1, None]
+        for j in range(1, k):  # tap j reads token t - j
+            acc[..., j:] += xs[..., :-j] * ws[:, k - 1 - j, None] * masks[j - 1]
+        out[:, a:a + step] = acc.to(x.dtype)
+    return out
+
+
+class _CausalConv(torch.autograd.Function):
+    """The depthwise causal conv, keeping only its input (and the weight) for backward: torch's conv1d saves the
+    same but its depthwise weight gradient is slow on long sequences; these are a few multiply-adds per tap."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, offset: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight, offset)
+        return _taps(x, weight, offset)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight, offset = ctx.saved_tensors
+        b, c, t = x.shape
+        k = weight.shape[-1]
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(c, k, dtype=torch.float32, device=x.device)
+        step = max(1, _SLAB_ELEMENTS // max(1, b * t))
+        masks = [(offset[j:] >= j).to(torch.float32) for j in range(1, k)]
+        for a in range(0, c, step):
+            xs, ws, gs = x[:, a:a + step].float(), weight[a:a + step].float(), grad[:, a:a + step].float()
+            gx = gs * ws[:, k - 1, None]  # [b, n, T]
+            grad_w[a:a + step, k - 1] = (gs * xs).sum(dim=(0, 2))
+            for j in range(1, k):  # out[t] += w[k-1-j] x[t-j] (in the document): x[t-j] gets w[k-1-j] g[t]
+                gm = gs[..., j:] * masks[j - 1]  # [b, n, T - j]
+                gx[..., :-j] += gm * ws[:, k - 1 - j, None]
+                grad_w[a:a + step, k - 1 - j] = (gm * xs[..., :-j]).sum(dim=(0, 2))
+            if grad_x is not None:
+                grad_x[:, a:a + step] = gx.to(x.dtype)
+        return grad_x, grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None, None
+
+
 def causal_conv(x: Tensor, weight: Tensor, cu_seqlens: Tensor | None, activation: bool = True) -> Tensor:
     """Depthwise causal conv of x [b, C, s] with weight [C, k] (+ SiLU), per channel. With cu_seqlens (over the
     flattened b*s tokens), no window reaches back past its document's first token (the taps that would are
     zero, as for a document run alone)."""
     b, c, s = x.shape
-    k = weight.shape[-1]
     if cu_seqlens is None:
-        out = F.conv1d(x.to(weight.dtype), weight.unsqueeze(1), padding=k - 1, groups=c)[..., :s]  # [b, C, s]
+        offset = torch.arange(s, device=x.device)  # every row one document
+        out = _CausalConv.apply(x, weight, offset)  # [b, C, s]
     else:
-        flat = x.transpose(0, 1).reshape(1, c, b * s).to(weight.dtype)  # [b, C, s] -> [1, C, b*s]
-        offset = document_starts(cu_seqlens, b * s)  # [b*s]
-        out = flat * weight[:, k - 1, None]  # tap 0: the token itself
-        for j in range(1, k):  # tap j reads token t - j, zero where t - j is in an earlier document
-            shifted = F.pad(flat[..., :-j], (j, 0))  # [1, C, b*s]
-            out = out + shifted * weight[:, k - 1 - j, None] * (offset >= j).to(flat.dtype)
+        flat = x.transpose(0, 1).reshape(1, c, b * s)  # [b, C, s] -> [1, C, b*s]: documents are contiguous
+        out = _CausalConv.apply(flat, weight, document_starts(cu_seqlens, b * s))
         out = out.reshape(c, b, s).transpose(0, 1)  # [1, C, b*s] -> [b, C, s]
-    return (F.silu(out) if activation else out).to(x.dtype)
+    return F.silu(out) if activation else out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -112,8 +174,15 @@ def _torch_rule_one(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) ->
     return o.transpose(1, 2)  # [b, t, h, dv]
 
 
+def _grouped(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """q, k [b, t, K, dk] -> [b, t, V, dk]: each key head copied to the V / K value heads that read it."""
+    m = v.shape[2] // q.shape[2]
+    return (q, k) if m == 1 else (q.repeat_interleave(m, dim=2), k.repeat_interleave(m, dim=2))
+
+
 def torch_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor | None) -> Tensor:
     """The torch kernel; with cu_seqlens (over the flattened b*t tokens) each document runs alone."""
+    q, k = _grouped(q, k, v)
     if cu_seqlens is None:
         return _torch_rule_one(q, k, v, g, beta).to(v.dtype)
     b, t = q.shape[:2]
@@ -131,6 +200,8 @@ def _fla_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqle
     if fn is None:
         raise RuntimeError("deltanet kernel fla needs flash-linear-attention on CUDA (pip install "
                            "flash-linear-attention); use deltanet_kernel: torch")
+    if not _fla_groups_values():
+        q, k = _grouped(q, k, v)
     b, t = q.shape[:2]
     if cu_seqlens is not None:
         # [b, t, h, d] -> [1, b*t, h, d]

@@ -101,9 +101,7 @@ class UlyssesGatedDeltaNet(nn.Module):
         mixed = self.conv1d(conv_in.transpose(1, 2), self.channels, cu).transpose(1, 2)
         q, k, v = mixed.split([kl * dk, kl * dk, vl * dv], dim=-1)
         q, k = q.reshape(b, s, kl, dk), k.reshape(b, s, kl, dk)  # [b, s, K/sp, dk]
-        v = v.reshape(b, s, vl, dv)  # [b, s, V/sp, dv]
-        if vl > kl:  # value head j reads key head j // m
-            q, k = (t.repeat_interleave(vl // kl, dim=2) for t in (q, k))  # [b, s, V/sp, dk]
+        v = v.reshape(b, s, vl, dv)  # [b, s, V/sp, dv]; value head j reads key head j // (V / K)
         beta = beta_in.sigmoid()  # [b, s, V/sp]
         g = -self.A_log[self.heads].float().exp() * F.softplus(a.float() + self.dt_bias[self.heads])
         out = self.rule(q, k, v, g, beta, cu)  # [b, s, V/sp, dv]
