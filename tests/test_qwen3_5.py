@@ -260,3 +260,32 @@ def test_conv_and_rule_keep_packed_documents_apart():
     one = [torch_rule(*(t[:, a:e] for t in (q, k, v, gate, beta)), None) for a, e in ((0, 70), (70, 100))]
     assert torch.allclose(packed, torch.cat(one, dim=1), atol=1e-6)
     assert not torch.allclose(torch_rule(q, k, v, gate, beta, None), packed, atol=1e-3)
+
+
+def test_the_plan_times_and_sizes_deltanet_layers_by_their_own_terms():
+    from pathlib import Path
+
+    from ulysses_trainer.plan import rates
+    from ulysses_trainer.plan.inputs import ModelShape, Settings
+    from ulysses_trainer.plan.layer_terms import layer_working_set
+    from ulysses_trainer.plan.step_time import step_time
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    assert rates.deltanet_rates_from_results(results) == (rates.DELTANET_RULE_S, rates.DELTANET_RULE_PEAK_BYTES,
+                                                          rates.DELTANET_CONV_S)  # the table is the file's
+    shape = ModelShape.preset("qwen3.5-27b")  # 48 DeltaNet + 16 full-attention layers
+    s = Settings(max_length=1048576, sp=8, attention="sdpa", deltanet_kernel="fla", tiled_mlp=16)
+    st = step_time(shape, s, shape.num_params)
+    every = step_time(shape.__class__(**{**_fields(shape), "mixer_layers": ()}), s, shape.num_params)
+    assert st.parts["attention backward"] * 4 == pytest.approx(every.parts["attention backward"])  # 16 of 64 attend
+    assert 0 < st.parts["linear_attention kernels"] < st.parts["attention backward"] / 10
+    size, phase, terms = layer_working_set(shape, s)
+    assert phase.startswith("linear_attention") and "DeltaNet backward: the rule's measured fwd+bwd peak" in terms
+    # the rule's measured peak at this shape: 1M tokens x 6 value heads a rank, 24.4 GiB in the benchmark
+    assert terms["DeltaNet backward: the rule's measured fwd+bwd peak"] / 2**30 == pytest.approx(24.4, rel=0.01)
+
+
+def _fields(shape):
+    import dataclasses
+
+    return {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape) if f.init}

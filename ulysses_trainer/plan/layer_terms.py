@@ -7,6 +7,7 @@ on top, and the ZeRO-3 / tied-embedding terms alive during it. Notation as in pl
 from __future__ import annotations
 
 from ..names import KEEPING_KERNELS, STANDIN_FA4, groups_one_at_a_time
+from . import rates
 from .inputs import ModelShape, Settings, kv_repeat, mlp_run
 
 FP32 = 4
@@ -159,7 +160,20 @@ def layer_working_set(shape: ModelShape, s: Settings,
     if not s.gradient_checkpointing:  # the saved tensors are counted under activations already
         mlp = {k: v for k, v in mlp.items() if k not in saved}
         attn = {k: v for k, v in attn.items() if k not in saved}
-    best = max((("MLP backward", mlp), ("attention backward", attn)), key=lambda kv: sum(kv[1].values()))
+    phases = [("MLP backward", mlp), ("attention backward", attn)]
+    mixer = shape.family.mixer
+    if mixer is not None and shape.mixer_layers:  # the other layer kind (Qwen3.5's Gated DeltaNet layers)
+        run = mlp_run(shape, s)
+        own = {k: v for k, v in saved.items() if not k.startswith(("q_norm", "attention", "o_proj"))}
+        own.update(mixer.saved(shape.dims, run))
+        mixer_mlp = {**flow, **own, **mlp_backward_extra(shape, s)}
+        mixer_own = {**flow, **{k: v for k, v in own.items() if not k.startswith(("post-attention", "MLP"))},
+                     **mixer.backward_extra(shape.dims, run, rates)}
+        if not s.gradient_checkpointing:
+            mixer_mlp = {k: v for k, v in mixer_mlp.items() if k not in own}
+            mixer_own = {k: v for k, v in mixer_own.items() if k not in own}
+        phases += [(f"{mixer.kind} layer: MLP backward", mixer_mlp), (f"{mixer.kind} backward", mixer_own)]
+    best = max(phases, key=lambda kv: sum(kv[1].values()))
     return sum(best[1].values()), best[0], best[1]
 
 

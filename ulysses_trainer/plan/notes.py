@@ -31,6 +31,9 @@ def plan_notes(cfg: Any, machine: Machine, s: Settings, *, attention: AttentionS
     if cfg.norm_kernel == "auto" and cfg.lean_norm and not machine.kernels_known:
         notes.append(f"norm_kernel auto planned as {s.norm_kernel} (pass --norm_kernel triton where liger-kernel "
                      f"is installed)")
+    if cfg.deltanet_kernel == "auto" and s.deltanet_kernel and not machine.kernels_known:
+        notes.append(f"deltanet_kernel auto planned as {s.deltanet_kernel} (pass --deltanet_kernel fla where "
+                     f"flash-linear-attention is installed)")
     if budget_note:
         notes.append(budget_note)
     if st is not None:

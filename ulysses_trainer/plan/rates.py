@@ -65,6 +65,15 @@ EXPERTS_MEASURED_ROWS = 131072
 LOSS_SOURCES = ("profile_262144_l1_offtrue_tiledauto_fixed.json", "profile_262144_l8_offtrue_tiledauto_fixed.json")
 LOSS_MATMUL_TFLOPS = 775.9
 LOSS_S_PER_LOGIT = 2.6794e-11
+# Gated DeltaNet (Qwen3.5), one H200, bf16, fla-core 0.6.0 (deltanet_kernels/h200.json): the chunked rule's
+# forward and forward+backward seconds and its fwd+bwd peak bytes, per token and value head of 128 x 128 (the
+# 1,048,576-token row of Qwen3.5-27B's heads at sp=8: 2 key / 6 value heads); the causal conv's fwd+bwd seconds
+# per token and channel (fla's conv, 1,280 channels, 1M tokens). The torch rule and the trainer's own conv
+# (attention/deltanet.py) are not measured: they are planned at these rates (the plan says so).
+DELTANET_SOURCE = "deltanet_kernels/h200.json"
+DELTANET_RULE_S = (4.5796e-09, 1.6679e-08)  # (forward, forward + backward) s per token and value head
+DELTANET_RULE_PEAK_BYTES = 4158.7  # fwd+bwd peak per token and value head
+DELTANET_CONV_S = 8.9255e-12  # fwd+bwd s per token and channel
 
 
 def norm_rates_from_results(results_dir: str | Path) -> dict[str, dict[str, tuple[float, float]]]:
@@ -134,3 +143,15 @@ def loss_rates_from_results(results_dir: str | Path) -> tuple[float, float]:
     vocab, hidden, t = 151936, 2560, one["length"]  # Qwen3-4B
     rest = sum(fixed(b) for b in one["seconds_by_bucket"] if b != "matmul" and not b.startswith("attention"))
     return round(6.0 * vocab * hidden * t / fixed("matmul") / 1e12, 1), float(f"{rest / (t * vocab):.5g}")
+
+
+def deltanet_rates_from_results(results_dir: str | Path) -> tuple[tuple[float, float], float, float]:
+    """(DELTANET_RULE_S, DELTANET_RULE_PEAK_BYTES, DELTANET_CONV_S) rebuilt from the benchmark file: its longest
+    Qwen3.5-27B rule row and its longest conv row (a test ties the table to it)."""
+    data = json.loads((Path(results_dir) / DELTANET_SOURCE).read_text())
+    rule = max((r for r in data["delta_rule"] if r["model"].startswith("qwen3.5-27b")), key=lambda r: r["tokens"])
+    n = rule["tokens"] * rule["value_heads"]
+    conv = max(data["conv"], key=lambda r: r["tokens"])
+    conv_s = conv["fwd_bwd_s"] / (conv["tokens"] * conv["channels"])
+    return ((float(f"{rule['fwd_s'] / n:.5g}"), float(f"{rule['fwd_bwd_s'] / n:.5g}")),
+            round(rule["peak_gib"] * 2**30 / n, 1), float(f"{conv_s:.5g}"))

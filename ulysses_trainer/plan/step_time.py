@@ -147,11 +147,23 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
             notes.append("flash_attention_2 not measured: torch's flash kernel's rate used")
         if (shape.heads // s.sp, shape.kv_heads, shape.head_dim) != MEASURED_HEAD_SHAPE and s.sp == 1:
             notes.append(f"kernel rates measured with {MEASURED_HEAD_SHAPE[0]} heads of {MEASURED_HEAD_SHAPE[2]}")
+    if shape.head_dim != MEASURED_HEAD_SHAPE[2] and s.attention in KERNEL_RATES:
+        notes.append(f"attention kernel rates measured at head_dim {MEASURED_HEAD_SHAPE[2]}, used at "
+                     f"{shape.head_dim} (H200 at 256: ~405 cuDNN / 433 flash-attn-4 TFLOP/s fwd+bwd, "
+                     f"{rates.DELTANET_SOURCE}: optimistic there)")
     kept = s.kept_attention_layers if s.gradient_checkpointing else 0
-    forwards = run.forward_passes * shape.layers - kept
+    # a family's mixer layers (Qwen3.5's Gated DeltaNet) run no attention kernel, and keep no attention output
+    mixed = set(shape.mixer_layers)
+    attending = [i for i in range(shape.layers) if i not in mixed]
+    forwards = run.forward_passes * len(attending) - sum(1 for i in attending if i < kept)
     parts = {"attention forward": forwards * fwd * accumulation,
-             "attention backward": shape.layers * bwd * accumulation,
+             "attention backward": len(attending) * bwd * accumulation,
              "matmuls and the rest": dense_flops(shape, run) / (DENSE_TFLOPS * 1e12) * accumulation}
+    mixer = shape.family.mixer
+    if mixer is not None and mixed:
+        seconds, mixer_notes = mixer.seconds(shape.dims, run, rates)
+        parts[f"{mixer.kind} kernels"] = len(mixed) * seconds * accumulation
+        notes.extend(mixer_notes)
     # the lean norms by kernel: the torch kernel's share is inside the dense rate, which was fitted with it
     norms = {k: norm_seconds(shape, run, k) for k in ("torch", s.norm_kernel)} if s.lean_norm else {}
     # the family's MLP block may time parts at their own measured rates in place of the dense rate

@@ -160,6 +160,20 @@ class TokenMixer(ABC):
         """Head counts sp must divide."""
 
     @abstractmethod
+    def saved(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
+        """Bytes autograd keeps from the mixer's (re)computed forward on one rank (run.tokens of its tokens, all
+        heads; after its all-to-all the same bytes as all tokens of its heads), by what keeps them."""
+
+    @abstractmethod
+    def backward_extra(self, d: LayerDims, run: MlpRun, rates: Any) -> dict[str, int]:
+        """Bytes beyond the saved tensors during the mixer's backward on one rank (`rates`: plan/rates.py)."""
+
+    @abstractmethod
+    def seconds(self, d: LayerDims, run: MlpRun, rates: Any) -> tuple[float, list[str]]:
+        """(seconds of one layer's mixer kernels in one micro-step on one rank: run.forward_passes forwards and
+        a backward, notes); its projections are matmuls, timed with the layer's dense FLOPs."""
+
+    @abstractmethod
     def install(self, layers: Any, state: Any, kernel: str) -> int:
         """Swap its modules in the layers that run it for the SP ones; how many it swapped."""
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Family, LayerDims, TokenMixer
+from .base import FP32, Family, LayerDims, MlpRun, TokenMixer
 from .qwen3 import GatedMlp
 from .qwen3_moe import ROUTER_AUX_LOSS_COEF, SparseMoeMlp
 
@@ -57,6 +57,44 @@ class GatedDeltaNet(TokenMixer):
 
     def sp_heads(self, d: LayerDims) -> tuple[int, ...]:
         return (d.linear_k_heads, d.linear_v_heads)
+
+    def saved(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
+        """parallel/ulysses_deltanet.py per rank (t tokens x all heads = all tokens x its heads): the all-to-all's
+        result (the conv's input), the conv output (SiLU's input) and q/k/v (the rule's input), the decay (fp32)
+        and beta, the rule's output back on the rank's tokens, z, transformers' gated RMSNorm (fp32 upcasts of
+        its input and gate, the normalised tensor) and out_proj's input."""
+        t, e = run.tokens, run.act_bytes
+        conv, value, nv = self._conv(d), d.linear_v_heads * d.linear_v_dim, d.linear_v_heads
+        return {"DeltaNet: all-to-all result (conv input), conv output, q/k/v": t * (3 * conv + 2 * nv) * e,
+                "DeltaNet: decay (fp32), beta": t * nv * (FP32 + e),
+                "DeltaNet: rule output, z, gated norm (fp32 input, gate; normalised), out_proj input":
+                    t * value * (3 * e + 2 * FP32 + e)}
+
+    def backward_extra(self, d: LayerDims, run: MlpRun, rates: Any) -> dict[str, int]:
+        """The rule's forward+backward peak as measured (plan/rates.DELTANET_RULE_PEAK_BYTES per token and value
+        head: its chunk states and transients, counted whole although its inputs are among the saved tensors),
+        the conv's input grad and the residual-stream grad."""
+        t, e = run.tokens, run.act_bytes
+        head = d.linear_k_dim * d.linear_v_dim / (128 * 128)  # the measured heads were 128 x 128
+        peak = int(t * d.linear_v_heads * head * rates.DELTANET_RULE_PEAK_BYTES)
+        return {"DeltaNet backward: the rule's measured fwd+bwd peak": peak,
+                "DeltaNet backward: conv input grad": t * self._conv(d) * e,
+                "residual-stream grad": t * d.hidden * e}
+
+    def seconds(self, d: LayerDims, run: MlpRun, rates: Any) -> tuple[float, list[str]]:
+        """The rule at its measured fla rate per token and value head (forward+backward, plus a forward per
+        further forward pass), the conv at fla's conv rate per token and channel (its forward taken as a third)."""
+        t, head = run.tokens, d.linear_k_dim * d.linear_v_dim / (128 * 128)
+        fwd, fwd_bwd = rates.DELTANET_RULE_S
+        extra = max(0.0, run.forward_passes - 1.0)
+        rule = t * d.linear_v_heads * head * (fwd_bwd + extra * fwd)
+        conv = t * self._conv(d) * rates.DELTANET_CONV_S * (1.0 + extra / 3.0)
+        return rule + conv, ["DeltaNet layers timed at fla's measured rule and conv rates (H200, one shape; the "
+                             "torch rule and the trainer's conv are not measured)"]
+
+    @staticmethod
+    def _conv(d: LayerDims) -> int:
+        return 2 * d.linear_k_heads * d.linear_k_dim + d.linear_v_heads * d.linear_v_dim
 
     def install(self, layers: Any, state: Any, kernel: str) -> int:
         """Each DeltaNet layer's linear_attn becomes an UlyssesGatedDeltaNet (same state-dict keys)."""
