@@ -140,6 +140,9 @@ def test_yarn_reaches_the_full_attention_layers_only():
     resolve_rope_parameters(yarn, {"rope_type": "yarn", "factor": "auto",
                                    "original_max_position_embeddings": 32}, 128)
     assert yarn.rope_parameters["rope_type"] == "yarn" and yarn.rope_parameters["factor"] == 4.0
+    assert yarn.rope_parameters["partial_rotary_factor"] == 0.25  # still the first 8 of 32 dimensions rotate
+    rotary = build("tiny-qwen3.5", rope_parameters=yarn.rope_parameters).model.rotary_emb
+    assert rotary.inv_freq.shape == (4,)
     over = dict(rope_parameters=yarn.rope_parameters, max_position_embeddings=yarn.max_position_embeddings)
     ids, pos, labels = batch(70, [70], seed=6)
     ref = reference(build("tiny-qwen3.5", **over), ids, pos, labels)

@@ -28,6 +28,8 @@ from .presets import PRESETS, is_preset, preset_config
 
 _YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
 _ROPE_KEYS = ("rope_parameters", "rope_scaling")  # rope_scaling: the pre-5.0 name
+# rope keys kept from the checkpoint whatever scaling is asked for: which dimensions rotate (Qwen3.5)
+_ROPE_SHAPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -227,11 +229,14 @@ def resolve_rope_parameters(config: PretrainedConfig, rope_params: dict | None,
                 f"rope_parameters.rope_theta {want:g} differs from the checkpoint's rope_theta {theta}: the "
                 f"weights were trained with {theta}; drop rope_theta from rope_parameters "
                 f"(YaRN keeps the base)")
+    # what the rope is applied to (Qwen3.5: the first 25% of each head; its multimodal sections), not how
+    # positions are scaled: the checkpoint's, whatever the scaling asked for
+    shape = {k: ckpt[k] for k in _ROPE_SHAPE_KEYS if k in ckpt}
     if rope_type == "default":
         if params:
             raise ConfigError(f"rope_parameters with rope_type default takes only rope_theta; "
                               f"got {sorted(params)}")
-        resolved = {"rope_type": "default", "rope_theta": theta}
+        resolved = {"rope_type": "default", "rope_theta": theta, **shape}
         config.rope_parameters = resolved
         return resolved
     if rope_type != "yarn":
@@ -261,7 +266,7 @@ def resolve_rope_parameters(config: PretrainedConfig, rope_params: dict | None,
         raise ConfigError(f"rope_parameters: unknown YaRN keys {unknown}; allowed: rope_type, factor, "
                           f"original_max_position_embeddings, rope_theta, {', '.join(_YARN_OPTIONAL)}")
     resolved = {"rope_type": "yarn", "rope_theta": theta, "factor": float(factor),
-                "original_max_position_embeddings": int(original), **params}
+                "original_max_position_embeddings": int(original), **params, **shape}
     config.rope_parameters = resolved
     config.max_position_embeddings = int(round(original * factor))
     return resolved
