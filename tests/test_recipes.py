@@ -16,7 +16,8 @@ from ulysses_trainer.model.load import model_config_for
 RECIPES = Path(__file__).resolve().parent.parent / "launch" / "recipes"
 WORLD = {"reference_8gpu_1m.yaml": 8, "one_gpu_4b_long.yaml": 1, "one_gpu_4b_1m.yaml": 1, "cpu_default.yaml": 2,
          "moe_8gpu_1m.yaml": 8,
-         "agent_sessions_1m.yaml": 1, "one_gpu_4b_sessions.yaml": 1, "sessions_8gpu_1m.yaml": 8}
+         "agent_sessions_1m.yaml": 1, "one_gpu_4b_sessions.yaml": 1, "sessions_8gpu_1m.yaml": 8,
+         "qwen3_5_27b_8gpu_1m.yaml": 8, "qwen3_5_35b_a3b_8gpu_1m.yaml": 8, "qwen3_5_9b_one_gpu_256k.yaml": 1}
 
 
 def _load(name: str) -> TrainConfig:
@@ -120,3 +121,17 @@ def test_mixed_sessions_recipes_pack_whole_sessions_best_fit(name, model, length
     assert (cfg.model_name_or_path, cfg.max_length, cfg.sp_size) == (model, length, sp)
     assert cfg.dataset_name == "synthetic:agent_sessions_mixed" and cfg.assistant_only_loss
     assert cfg.packing and cfg.packing_strategy == "bfd"
+
+
+@pytest.mark.parametrize("name, model, sp, yarn", [("qwen3_5_27b_8gpu_1m.yaml", "qwen3.5-27b", 8, True),
+                                                   ("qwen3_5_35b_a3b_8gpu_1m.yaml", "qwen3.5-35b-a3b", 8, True),
+                                                   ("qwen3_5_9b_one_gpu_256k.yaml", "qwen3.5-9b", 1, False)])
+def test_qwen3_5_recipes(name, model, sp, yarn):
+    cfg = _load(name)
+    config = model_config_for(cfg)
+    assert (cfg.model_name_or_path, cfg.sp_size) == (model, sp) and cfg.max_length >= 262144
+    rope = config.rope_parameters
+    assert rope["partial_rotary_factor"] == 0.25 and rope["rope_theta"] == 1e7  # YaRN keeps the partial rotary
+    assert (rope["rope_type"], rope.get("factor")) == (("yarn", 4.0) if yarn else ("default", None))
+    if yarn:
+        assert rope["original_max_position_embeddings"] * rope["factor"] == cfg.max_length == 1048576
