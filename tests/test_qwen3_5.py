@@ -23,13 +23,13 @@ VOCAB = 503
 IGNORE = -100
 
 
-def build(preset: str, seed: int = 0, **overrides):
+def build(preset: str, seed: int = 0, vocab: int = VOCAB, **overrides):
     from transformers import AutoModelForCausalLM
 
     from ulysses_trainer.model.presets import preset_config
 
     config = preset_config(preset)
-    config.vocab_size = VOCAB
+    config.vocab_size = vocab
     config.output_router_logits = False  # the CE alone: the aux loss is RouterStats' (tests/test_moe.py)
     for key, value in overrides.items():
         setattr(config, key, value)
@@ -42,11 +42,11 @@ def build(preset: str, seed: int = 0, **overrides):
     return model
 
 
-def batch(length: int, docs: list[int] | None, seed: int = 0, masked: bool = False):
+def batch(length: int, docs: list[int] | None, seed: int = 0, masked: bool = False, vocab: int = VOCAB):
     """ids [1, L], positions restarting per document, labels (masked: the first third of each document is a
     prompt, not trained on)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (1, length), generator=g)
+    ids = torch.randint(0, vocab, (1, length), generator=g)
     docs = docs or [length]
     pos = torch.cat([torch.arange(n) for n in docs])[None]
     labels = ids.clone()
@@ -130,6 +130,13 @@ def test_levers_change_memory_not_results(preset):
     ref = reference(build(preset), ids, pos, labels)
     levers = dict(gradient_checkpointing=True, activation_offload=True, checkpoint_every=2, tiled_mlp=3)
     assert_equal(sp_run([build(preset) for _ in range(2)], ids, pos, labels, **levers), ref)
+
+
+def test_chunked_loss_at_the_real_vocabulary():
+    # the preset's 248,320-token vocabulary (tied): the loss head's 7-row chunks against full logits
+    ids, pos, labels = batch(41, [19, 22], seed=8, vocab=248320)
+    ref = reference(build("tiny-qwen3.5", vocab=248320), ids, pos, labels)
+    assert_equal(sp_run([build("tiny-qwen3.5", vocab=248320) for _ in range(2)], ids, pos, labels), ref)
 
 
 def test_yarn_reaches_the_full_attention_layers_only():
@@ -292,3 +299,16 @@ def _fields(shape):
     import dataclasses
 
     return {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape) if f.init}
+
+
+def test_lora_adapters_counted_where_peft_puts_them():
+    from peft import LoraConfig, get_peft_model
+
+    from ulysses_trainer.plan.inputs import ModelShape, lora_numels
+
+    model = build("tiny-qwen3.5")  # 3 DeltaNet layers (no q/k/v/o_proj), 1 gated full-attention layer
+    targets = ["q_proj", "v_proj", "up_proj"]
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
+    trained = sorted(p.numel() for p in peft.parameters() if p.requires_grad)
+    shape = ModelShape.from_config(model.config)
+    assert trained == sorted(lora_numels(shape, targets, 4))

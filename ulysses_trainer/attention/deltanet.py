@@ -44,9 +44,23 @@ def _fla_groups_values() -> bool:
     return False
 
 
+def _triton_runs_fla() -> bool:
+    """Triton older than 3.7.1 computes fla's gated chunk backward wrongly on Hopper (and fla-core refuses it;
+    measured on the H200 with torch 2.11's Triton 3.6, benchmarks/deltanet_kernels.py)."""
+    try:
+        import triton
+
+        version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:3])
+    except Exception:  # no Triton, or a version string of another form
+        return False
+    return version >= (3, 7, 1) or torch.cuda.get_device_capability()[0] != 9
+
+
 def available_deltanet_kernels() -> list[str]:
-    """Installed gated-delta-rule kernels, fastest first: fla needs CUDA and flash-linear-attention."""
-    return ["fla", "torch"] if torch.cuda.is_available() and _fla_function() is not None else ["torch"]
+    """Installed gated-delta-rule kernels, fastest first: fla needs CUDA, flash-linear-attention and a Triton that
+    runs it."""
+    fla = torch.cuda.is_available() and _fla_function() is not None and _triton_runs_fla()
+    return ["fla", "torch"] if fla else ["torch"]
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -368,12 +368,15 @@ def lora_numels(shape: ModelShape, target_modules: Any, r: int) -> tuple[int, ..
     as the family reads it (Family.lora_targets)."""
     names = shape.family.lora_targets(target_modules)
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    dims = {"q_proj": (shape.hidden, q), "k_proj": (shape.hidden, kv), "v_proj": (shape.hidden, kv),
+    q_out = 2 * q if shape.family.gated_attention else q  # an output gate doubles q_proj's width (Qwen3.5)
+    dims = {"q_proj": (shape.hidden, q_out), "k_proj": (shape.hidden, kv), "v_proj": (shape.hidden, kv),
             "o_proj": (q, shape.hidden), "gate_proj": (shape.hidden, shape.intermediate),
             "up_proj": (shape.hidden, shape.intermediate), "down_proj": (shape.intermediate, shape.hidden)}
-    per_layer = [n for name in shape.family.lora_linears() if name in names
+    per_layer = [(name, n) for name in shape.family.lora_linears() if name in names
                  for n in (r * dims[name][0], dims[name][1] * r)]
-    return tuple(per_layer * shape.layers)
+    mixed = set(shape.mixer_layers)  # a mixer layer (Gated DeltaNet) has no q/k/v/o_proj
+    return tuple(n for i in range(shape.layers) for name, n in per_layer
+                 if i not in mixed or name not in ("q_proj", "k_proj", "v_proj", "o_proj"))
 
 
 def trainable_numels(shape: ModelShape, s: Settings) -> list[int]:
