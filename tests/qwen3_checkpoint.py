@@ -49,8 +49,15 @@ def write_qwen3_tokenizer(path: Path, chat_template: str | None) -> Path:
     return path
 
 
-def write_qwen3_checkpoint(path: Path, chat_template: str | None, seed: int = 0) -> Path:
-    """The tiny preset's weights with Qwen3's generation_config (eos [<|im_end|>, <|endoftext|>])."""
+# Qwen/Qwen3-8B's generation_config.json (the sampling settings its model card recommends)
+QWEN3_GENERATION = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
+                    "temperature": 0.6, "top_k": 20, "top_p": 0.95, "transformers_version": "4.51.0"}
+
+
+def write_qwen3_checkpoint(path: Path, chat_template: str | None, seed: int = 0,
+                           generation: dict | None = None) -> Path:
+    """The tiny preset's weights with Qwen3's generation_config (`generation`, default QWEN3_GENERATION: eos
+    [<|im_end|>, <|endoftext|>], sampling at temperature 0.6, top_p 0.95, top_k 20)."""
     import torch
 
     from ulysses_trainer.config import TrainConfig
@@ -59,7 +66,5 @@ def write_qwen3_checkpoint(path: Path, chat_template: str | None, seed: int = 0)
     write_qwen3_tokenizer(path, chat_template)
     model = build_model(model_config_for(TrainConfig(max_length=512)), torch.float32, None, seed=seed)
     model.save_pretrained(str(path), safe_serialization=True)
-    gen = json.loads((path / "generation_config.json").read_text())
-    gen.update(eos_token_id=[151645, 151643], pad_token_id=151643)
-    (path / "generation_config.json").write_text(json.dumps(gen, indent=1))
+    (path / "generation_config.json").write_text(json.dumps(generation or QWEN3_GENERATION, indent=1))
     return path

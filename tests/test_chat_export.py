@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from tests.qwen3_checkpoint import qwen3_template_or_skip, write_qwen3_checkpoint
+from tests.qwen3_checkpoint import QWEN3_GENERATION, qwen3_template_or_skip, write_qwen3_checkpoint
 from tests.test_e2e_train import read_metrics, rel, run_train
 
 IM_END, ENDOFTEXT = 151645, 151643
@@ -88,6 +88,7 @@ def test_qwen3_checkpoint_with_its_template_trains_assistant_turns_sp1_sp2_and_e
     assert tok.chat_template == template  # the checkpoint's own template, as loaded
     model = AutoModelForCausalLM.from_pretrained(str(final), dtype=torch.float32).eval()
     assert model.generation_config.eos_token_id == [IM_END, ENDOFTEXT]
+    assert json.loads((final / "generation_config.json").read_text()) == QWEN3_GENERATION  # the checkpoint's own
     _stops_at_turn_end(model, tok, conversations(1, seed=2)[0]["messages"][:1])
 
 

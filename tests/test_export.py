@@ -140,3 +140,28 @@ def test_per_expert_moe_trains_and_exports_sharded_as_the_hub_stores_it(moe, tmp
     text = "alpha bravo zulu"
     assert AutoTokenizer.from_pretrained(final)(text)["input_ids"] == AutoTokenizer.from_pretrained(moe)(text)[
         "input_ids"]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_generation_config_is_the_checkpoints_own_with_the_turn_end_first_for_chat(tmp_path, chat):
+    """final/generation_config.json is the checkpoint's file (Qwen3's sampling settings kept: do_sample,
+    temperature 0.6, top_p 0.95, top_k 20, pad), not transformers' rendering of the config (token ids only); a
+    chat export puts <|im_end|> first among its eos ids."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from tests.qwen3_checkpoint import QWEN3_GENERATION, write_qwen3_checkpoint
+    from ulysses_trainer.data.qwen3_template import QWEN3_CHAT_TEMPLATE
+    from ulysses_trainer.data.tokenizer import load_tokenizer
+    from ulysses_trainer.train.chat_export import ExportFiles
+    from ulysses_trainer.train.export import _write_export
+
+    base = {**QWEN3_GENERATION, "eos_token_id": 151643}  # a base checkpoint's: <|endoftext|> alone
+    ckpt = write_qwen3_checkpoint(tmp_path / "ckpt", QWEN3_CHAT_TEMPLATE, generation=base)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    state = {"causal_lm." + k: v for k, v in model.state_dict().items()}
+    final = tmp_path / "final"
+    files = ExportFiles(load_tokenizer(str(ckpt)), chat=chat, source=str(ckpt))
+    _write_export(state, model.config, str(final) + ".tmp", str(final), files, "causal_lm.", source_dir=str(ckpt))
+    written = json.loads((final / "generation_config.json").read_text())
+    assert written == ({**base, "eos_token_id": [151645, 151643]} if chat else base)
+    assert GenerationConfig.from_pretrained(final).top_k == 20

@@ -4,7 +4,9 @@ For a checkpoint that is its own config.json, key for key (the Hub's names such 
 `rope_theta` stay as written), with: the dtype trained in; what model_init_kwargs changed; the rope as trained
 (YaRN's `rope_parameters` and `max_position_embeddings`). Settings that only the training run needed go back to
 the user's values: `use_cache` (off while training) and `output_router_logits` (on while training for the
-load-balancing loss, unless model_init_kwargs set it). For a preset: its config with the same rules.
+load-balancing loss, unless model_init_kwargs set it). For a preset: its config with the same rules. A multimodal
+checkpoint (Qwen3.5's `text_config` + `vision_config`) keeps every section as written; its language-model section
+takes the rules above.
 """
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ def exported_config(trained: PretrainedConfig, source: PretrainedConfig, origina
     preset's config as loaded (no overrides); original_json: the checkpoint's config.json (None for a preset)."""
     import transformers
 
+    text = source.get_text_config(decoder=True)
+    if text is not source and original_json is not None:  # multimodal: the language model is one section of it
+        key = next(k for k in source.sub_configs if getattr(source, k, None) is text)
+        out = dict(original_json)
+        out[key] = exported_config(trained, text, original_json.get(key) or {}, dtype, model_init_kwargs)
+        out[key].pop("transformers_version", None)
+        for k in [k for k in ("dtype", "torch_dtype") if k in out] or ["dtype"]:
+            out[k] = _dtype_name(dtype)
+        out["transformers_version"] = transformers.__version__
+        return out
     ours, theirs = trained.to_dict(), source.to_dict()
     kept = {k for k in _RUN_ONLY if k not in (model_init_kwargs or {})}
     changed = {k: v for k, v in ours.items()

@@ -145,12 +145,21 @@ def source_config(name_or_path: str) -> PretrainedConfig:
         else _load_checkpoint_config(name_or_path)
 
 
+def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The part of `config` that text training builds: a multimodal checkpoint's language model (Qwen3.5's
+    `Qwen3_5Config` -> its `text_config`), else `config` itself. transformers loads such a checkpoint's
+    language-model tensors into the text model's causal LM and leaves the vision tower's unread."""
+    text = config.get_text_config(decoder=True)
+    return text if text is not config and text.model_type in FAMILIES else config
+
+
 def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) -> PretrainedConfig:
-    """The model config of a preset or checkpoint, with `model_init_kwargs` overrides applied.
+    """The model config of a preset or checkpoint (its language model, for a multimodal one), with
+    `model_init_kwargs` overrides applied.
 
     rope_parameters / rope_scaling in model_init_kwargs are left for resolve_rope_parameters.
     """
-    config = source_config(name_or_path)
+    config = language_model_config(source_config(name_or_path))
     if config.model_type not in FAMILIES:
         raise ConfigError(f"model {name_or_path!r} has model_type {config.model_type!r}; this trainer "
                           f"supports {', '.join(FAMILIES)} (Qwen3 / Qwen3-MoE checkpoints or the "

@@ -1,32 +1,60 @@
-"""What `final/` holds beside the weights so that a chat-trained export is a chat model.
+"""What `final/` holds beside the weights: the checkpoint's own files, and what makes a chat-trained export a chat
+model.
 
-The tokenizer as loaded (a checkpoint's own chat template with it); where the tokenizer has no template
-(the built-in Qwen3 format), this project's Jinja rendering of that format; for a ChatML format the turn end
-`<|im_end|>` first among the generation_config's eos ids, as Qwen3 checkpoints ship them; for a LoRA adapter
-a `base_model_name_or_path` that loads.
+The tokenizer as loaded (a checkpoint's own chat template with it); the checkpoint's generation_config.json and
+its image/video processor files as they were; where the tokenizer has no template (the built-in Qwen3 format),
+this project's Jinja rendering of that format; for a ChatML format the turn end `<|im_end|>` first among the
+generation_config's eos ids, as Qwen3 checkpoints ship them; for a LoRA adapter a `base_model_name_or_path` that
+loads.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 from ..data.qwen3_template import QWEN3_CHAT_TEMPLATE, TURN_END
 
 _GENERATION_CONFIG = "generation_config.json"
+# a multimodal checkpoint's processor files (Qwen3.5: image and video preprocessors), kept for its vision tower
+_PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+
+
+def source_file(source: str | None, name: str) -> Path | None:
+    """The file `name` of the checkpoint trained from (a local directory, or a Hub id's cached copy); None for
+    a preset or where it has none."""
+    if source is None:
+        return None
+    path = Path(source) / name
+    if path.is_file():
+        return path
+    if Path(source).is_dir():
+        return None
+    from transformers.utils import cached_file
+
+    try:
+        found = cached_file(source, name, local_files_only=True, _raise_exceptions_for_missing_entries=False)
+    except Exception:  # not cached, or no such entry
+        return None
+    return Path(found) if found else None
 
 
 class ExportFiles:
-    """Passed where the export takes a tokenizer: `save_pretrained(dir)` runs after the weights are written."""
+    """Passed where the export takes a tokenizer: `save_pretrained(dir)` runs after the weights are written.
+    source: the checkpoint trained from (a directory or Hub id; None for a preset), whose generation_config and
+    processor files final/ keeps; an adapter's directory takes none of them."""
 
     def __init__(self, tokenizer: Any, chat: bool, adapter_base: str | None = None,
-                 source_dir: str | None = None) -> None:
-        self.tokenizer, self.chat, self.adapter_base, self.source_dir = tokenizer, chat, adapter_base, source_dir
+                 source: str | None = None) -> None:
+        self.tokenizer, self.chat, self.adapter_base, self.source = tokenizer, chat, adapter_base, source
 
     def save_pretrained(self, directory: str) -> None:
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(directory)
+        self._copy_source_files(directory)
         template = saved_chat_template(directory)
         if self.chat and template is None:  # the built-in format: its template, so apply_chat_template works
             with open(os.path.join(directory, "chat_template.jinja"), "w", encoding="utf-8") as f:
@@ -35,9 +63,23 @@ class ExportFiles:
         if self.chat and template is not None and TURN_END in template:
             turn_end = self.tokenizer.special_token_id(TURN_END) if self.tokenizer is not None else None
             if turn_end is not None:
-                _add_eos(directory, int(turn_end), self.source_dir)
+                _add_eos(directory, int(turn_end))
         if self.adapter_base is not None:
             _set_adapter_base(directory, self.adapter_base)
+
+    def _copy_source_files(self, directory: str) -> None:
+        """The checkpoint's generation_config.json over the one save_pretrained rendered from the config (which
+        keeps only the token ids: do_sample, temperature, top_p, top_k would be lost), where the export has one
+        (an adapter's directory has none and keeps none); its processor files where the export wrote none."""
+        generation = source_file(self.source, _GENERATION_CONFIG)
+        if generation is not None and os.path.isfile(os.path.join(directory, _GENERATION_CONFIG)):
+            shutil.copyfile(generation, os.path.join(directory, _GENERATION_CONFIG))
+        if self.adapter_base is not None:
+            return
+        for name in _PROCESSOR_FILES:
+            found = source_file(self.source, name)
+            if found is not None and not os.path.exists(os.path.join(directory, name)):
+                shutil.copyfile(found, os.path.join(directory, name))
 
 
 def saved_chat_template(directory: str) -> str | None:
@@ -53,18 +95,14 @@ def saved_chat_template(directory: str) -> str | None:
     return None
 
 
-def _add_eos(directory: str, turn_end: int, source_dir: str | None) -> None:
-    """The turn end first among the eos ids of the export's generation_config (written by the model's
-    save_pretrained; an adapter's directory has none and keeps none)."""
+def _add_eos(directory: str, turn_end: int) -> None:
+    """The turn end first among the eos ids of the export's generation_config (the checkpoint's own, with its eos
+    list, e.g. Qwen3's [<|im_end|>, <|endoftext|>]; an adapter's directory has none and keeps none)."""
     path = os.path.join(directory, _GENERATION_CONFIG)
     if not os.path.isfile(path):
         return
     with open(path) as f:
         gen = json.load(f)
-    source = os.path.join(source_dir, _GENERATION_CONFIG) if source_dir else None
-    if source and os.path.isfile(source):  # the checkpoint's own eos list (Qwen3: [<|im_end|>, <|endoftext|>])
-        with open(source) as f:
-            gen["eos_token_id"] = json.load(f).get("eos_token_id", gen.get("eos_token_id"))
     eos = gen.get("eos_token_id")
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     gen["eos_token_id"] = [turn_end] + [e for e in eos if e != turn_end]

@@ -10,11 +10,10 @@ import os
 import shutil
 from collections.abc import Callable
 
-import torch
-
 from ..config_checks import shard_bytes
 from ..data.formats import CONVERSATIONAL, PROMPT_COMPLETION
 from ..model.export_config import export_config_json
+from ..model.export_layout import add_carried, user_layout
 from ..model.lora import lora_scaling, merged_state_dict
 from .chat_export import ExportFiles, adapter_base
 from .checkpoint import agree_on_failure, fsync_tree
@@ -27,7 +26,8 @@ def export_model(engine, plan: RunPlan, peft_model, is_main: bool, name: str) ->
     (LoRA without merge_lora) or the whole, merged model. Collective."""
     cfg, source = plan.cfg, plan.source
     chat = getattr(plan.train_data, "kind", None) in (CONVERSATIONAL, PROMPT_COMPLETION)
-    files = ExportFiles(plan.tokenizer, chat, source_dir=source if source and os.path.isdir(source) else None)
+    source_dir = source if source and os.path.isdir(source) else None
+    files = ExportFiles(plan.tokenizer, chat, source=source)
     shard = shard_bytes(cfg.max_shard_size)
     if peft_model is not None and not cfg.merge_lora:
         base = adapter_base(cfg.model_name_or_path, source, cfg.output_dir, name)
@@ -40,7 +40,8 @@ def export_model(engine, plan: RunPlan, peft_model, is_main: bool, name: str) ->
     else:
         merge = (lambda sd: merged_state_dict(sd, lora_scaling(peft_model))) if peft_model else None
         export_hf(engine, plan.model_config, cfg.output_dir, files, is_main, transform=merge,
-                  config_json=export_config_json(cfg, plan.model_config, plan.bf16), max_shard_size=shard, name=name)
+                  config_json=export_config_json(cfg, plan.model_config, plan.bf16), max_shard_size=shard, name=name,
+                  source_dir=source_dir)
 
 
 def export_adapter(engine, peft_model, output_dir: str, tokenizer, is_main: bool, name: str = "final") -> str | None:
@@ -58,17 +59,19 @@ def export_adapter(engine, peft_model, output_dir: str, tokenizer, is_main: bool
 
 def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix: str = "causal_lm.",
               transform=None, config_json: dict | None = None, max_shard_size: int | str = "5GB",
-              name: str = "final") -> str | None:
+              name: str = "final", source_dir: str | None = None) -> str | None:
     """Consolidate the ZeRO-3 shards (collective) and write `final/` as HF safetensors on rank 0, sharded as
     save_pretrained shards (model.safetensors.index.json beside several files; a Qwen3-MoE in the Hub's
     per-expert layout); a failed write raises OutputWriteError on every rank (the checkpoints stay).
     transform: applied to the consolidated state dict first (LoRA: merge the adapters into the weights);
-    config_json: written as final/config.json (model/export_config.py), else transformers' rendering of config."""
+    config_json: written as final/config.json (model/export_config.py), else transformers' rendering of config;
+    source_dir: the checkpoint directory trained from, whose layout final/ takes (model/export_layout.py)."""
 
     state = engine._zero3_consolidated_16bit_state_dict()
     target = os.path.join(output_dir, name)  # name: final, or final/base (a preset adapter's base)
     _export_on_main(is_main, target, lambda: _write_export(state, config, target + ".tmp", target, tokenizer,
-                                                           prefix, transform, config_json, max_shard_size))
+                                                           prefix, transform, config_json, max_shard_size,
+                                                           source_dir))
     return target if is_main else None
 
 
@@ -92,27 +95,21 @@ def _export_on_main(is_main: bool, target: str, write: Callable[[], None]) -> No
 
 
 def _write_export(state: dict, config, tmp: str, target: str, tokenizer, prefix: str, transform=None,
-                  config_json: dict | None = None, max_shard_size: int | str = "5GB") -> None:
-    from transformers import AutoModelForCausalLM
-
+                  config_json: dict | None = None, max_shard_size: int | str = "5GB",
+                  source_dir: str | None = None) -> None:
+    """The state dict of the trained causal LM as the checkpoint it came from (model/export_layout.py: its
+    class, the tensors it keeps untouched) or, for a preset, as the causal LM."""
     state = {k.removeprefix(prefix): v for k, v in state.items()}
     if transform is not None:
         state = transform(state)
     config = copy.deepcopy(config)
-    config._attn_implementation = "sdpa"  # the export loads anywhere, without our SP attention
     config.use_cache = True  # training turned the KV cache off; generation from the export wants it
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    if model.generation_config is not None:
-        model.generation_config.use_cache = True
-    model.load_state_dict(state, strict=False, assign=True)
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    assert not missing, f"export lacks weights for {missing[:3]}"
+    layout = user_layout(config, source_dir, config_json)
+    model = layout.build(state)
 
     def write(d: str) -> None:
         model.save_pretrained(d, max_shard_size=max_shard_size)
+        add_carried(d, layout.carried(), layout.source, max_shard_size)
         if config_json is not None:  # the user's config, not transformers' rendering of the training one
             with open(os.path.join(d, "config.json"), "w") as f:
                 f.write(json.dumps(config_json, indent=2, sort_keys=True) + "\n")

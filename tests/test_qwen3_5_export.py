@@ -1,0 +1,140 @@
+"""A Qwen3.5 checkpoint as the Hub has it trains its language model only and is exported in its own layout.
+
+The trained causal LM's state (the checkpoint's language model, changed as a step changes it) goes through the
+export's writer: final/ is loaded by `from_pretrained` of the checkpoint's own class and gives the trained model's
+logits; it holds the checkpoint's tensor names, shapes and dtypes; the vision tower and the MTP head are the
+checkpoint's bytes; config.json keeps both sections; tokenizer, chat template, generation_config and processor
+files come through. Dense and MoE, the multimodal layout and the text-only one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.qwen3_5_checkpoint import (
+    GENERATION,
+    INDEX,
+    PREPROCESSOR,
+    TEMPLATE,
+    VIDEO_PREPROCESSOR,
+    write_qwen3_5_checkpoint,
+)
+from ulysses_trainer.model.checkpoint_keys import header_tensors, loading_problems
+
+CASES = [(False, "conditional"), (True, "conditional"), (False, "causal"), (True, "causal")]
+
+
+def _files(d: Path) -> list[Path]:
+    return sorted({d / f for f in json.loads((d / INDEX).read_text())["weight_map"].values()})
+
+
+def _stored(d: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in _files(d):
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{'moe' if m else 'dense'}-{lay}" for m, lay in CASES])
+def exported(request, tmp_path_factory):
+    """(checkpoint, final/, the trained causal LM): one changed step's weights exported by the trainer's writer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ulysses_trainer.data.tokenizer import load_tokenizer
+    from ulysses_trainer.model.export_config import exported_config
+    from ulysses_trainer.train.chat_export import ExportFiles
+    from ulysses_trainer.train.export import _write_export
+
+    moe, layout = request.param
+    root = tmp_path_factory.mktemp("q35")
+    ckpt = write_qwen3_5_checkpoint(root / "ckpt", moe=moe, layout=layout)
+    original = json.loads((ckpt / "config.json").read_text())
+    text = AutoConfig.from_pretrained(ckpt).get_text_config(decoder=True)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, config=text, dtype=torch.float32)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        for p in model.parameters():  # what a training step does: every trained tensor changes
+            p.add_(0.01 * torch.randn_like(p))
+    state = {"causal_lm." + k: v for k, v in model.state_dict().items()}
+    final = root / "final"
+    files = ExportFiles(load_tokenizer(str(ckpt)), chat=False, source=str(ckpt))
+    trained = copy.deepcopy(text)
+    trained.use_cache = False  # as the run trains it
+    config_json = exported_config(trained, AutoConfig.from_pretrained(ckpt), original, torch.float32, None)
+    _write_export(state, trained, str(final) + ".tmp", str(final), files, "causal_lm.", None, config_json, "40KB",
+                  str(ckpt))
+    return ckpt, final, model.eval()
+
+
+def test_the_checkpoint_loads_into_the_language_model_alone(exported):
+    """The training model is the text causal LM; the vision tower and MTP head are left unread, nothing else."""
+    from transformers import AutoConfig
+
+    ckpt, _, _ = exported
+    text = AutoConfig.from_pretrained(ckpt).get_text_config(decoder=True)
+    assert text.model_type in ("qwen3_5_text", "qwen3_5_moe_text")
+    assert loading_problems(text, header_tensors(_files(ckpt))) == []
+
+
+def test_from_pretrained_of_the_checkpoints_class_gives_the_trained_logits(exported):
+    import transformers
+
+    ckpt, final, trained = exported
+    cls = getattr(transformers, json.loads((ckpt / "config.json").read_text())["architectures"][0])
+    back = cls.from_pretrained(final, dtype=torch.float32).eval()
+    before = cls.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want, start = (m(input_ids=ids).logits for m in (back, trained, before))
+    assert torch.equal(got, want)
+    assert (got - start).abs().max() > 1e-3  # the export is the trained model, not the checkpoint
+
+
+def test_the_export_is_in_the_checkpoints_layout_and_keeps_its_other_tensors(exported):
+    """Every tensor name and shape of the checkpoint (a MoE language model's experts fused, its MTP layer's one by
+    one); the language model in the dtype trained in (fp32 here); the vision tower and MTP head byte for byte."""
+    ckpt, final, _ = exported
+    src, out = _stored(ckpt), _stored(final)
+    assert set(out) == set(src)
+    assert {k: tuple(v.shape) for k, v in out.items()} == {k: tuple(v.shape) for k, v in src.items()}
+    untouched = [k for k in src if k.startswith(("model.visual.", "mtp."))]
+    assert any(k.startswith("mtp.") for k in untouched)
+    assert all(out[k].dtype == src[k].dtype and _bytes(out[k]) == _bytes(src[k]) for k in untouched)
+    trained = [k for k in src if k not in untouched]
+    assert all(out[k].dtype == torch.float32 for k in trained)
+    assert len(_files(final)) > 1 and not (final / "model.safetensors").exists()
+
+
+def test_config_tokenizer_generation_config_and_processor_files_come_through(exported):
+    from transformers import AutoTokenizer
+
+    ckpt, final, _ = exported
+    written, original = (json.loads((d / "config.json").read_text()) for d in (final, ckpt))
+    text_key = "text_config" if "text_config" in original else None
+    assert written["dtype"] == "float32" and (not text_key or written[text_key]["dtype"] == "float32")
+    for cfg in (written, original):
+        cfg.pop("transformers_version", None)
+        cfg.pop("dtype", None)
+        if text_key:
+            cfg[text_key].pop("dtype", None)
+    assert written == original  # every section as the user wrote it (use_cache too), the dtype trained in apart
+    assert json.loads((final / "generation_config.json").read_text()) == GENERATION
+    if text_key:
+        assert json.loads((final / "preprocessor_config.json").read_text()) == PREPROCESSOR
+        assert json.loads((final / "video_preprocessor_config.json").read_text()) == VIDEO_PREPROCESSOR
+    tok = AutoTokenizer.from_pretrained(final)
+    assert tok.chat_template == TEMPLATE
+    assert tok("alpha bravo")["input_ids"] == AutoTokenizer.from_pretrained(ckpt)("alpha bravo")["input_ids"]
+
