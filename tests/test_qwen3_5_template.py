@@ -9,7 +9,6 @@ skip where it is absent.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -159,7 +158,26 @@ def test_the_training_variants_ship_with_the_package():
 
     root = resources.files("ulysses_trainer.data").joinpath("chat_templates")
     names = sorted(p.name for p in root.iterdir() if p.name.endswith(".jinja"))
-    assert names == sorted(TRAINING_VARIANTS.values())
+    assert names == sorted([*TRAINING_VARIANTS.values(), "qwen3_5_think.jinja"])  # + the presets' template
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert "data/chat_templates/*.jinja" in pyproject
-    assert json.dumps(sorted(TRAINING_VARIANTS.values()))  # names are plain strings
+
+
+def test_the_qwen3_5_preset_tokenizer_is_qwen3_5s_bpe_with_its_shipped_template():
+    """Offline: Qwen3.5's vocabulary (specials from 248,044, within the model's 248,320), text encoded as the
+    tiktoken BPE encodes it, and Qwen3.5's shipped template, recognised as such (its training variant for
+    assistant_only_loss), so a preset's chat data is rendered as a Qwen3.5 checkpoint's is."""
+    from ulysses_trainer.data.documents import chat_template_of
+    from ulysses_trainer.data.tokenizer import QwenBPETokenizer, preset_tokenizer
+
+    tok, bpe = preset_tokenizer("qwen3.5"), QwenBPETokenizer("qwen3.5")
+    assert tok.eos_token_id == bpe.eos_token_id == 248044 and tok.vocab_size == bpe.vocab_size <= 248320
+    assert tok.special_token_id("<|im_end|>") == 248046
+    rng = random.Random(0)
+    words = ["hello", "wörld", "déjà", "日本語", "  ", "\n", "x=1;", "Ünïcode", "tab\t", "🙂", "123456"]
+    for _ in range(50):
+        text = "".join(rng.choice(words) + rng.choice([" ", "", "\n"]) for _ in range(rng.randint(1, 40)))
+        assert tok.encode(text) == bpe.encode(text), text
+    renderer = chat_template_of(tok)
+    assert renderer is not None and renderer.training == training_variant(tok.hf_tokenizer.chat_template)
+    assert "{% generation %}" in renderer.training.replace("{%- generation %}", "{% generation %}")

