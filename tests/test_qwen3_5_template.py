@@ -181,3 +181,26 @@ def test_the_qwen3_5_preset_tokenizer_is_qwen3_5s_bpe_with_its_shipped_template(
     renderer = chat_template_of(tok)
     assert renderer is not None and renderer.training == training_variant(tok.hf_tokenizer.chat_template)
     assert "{% generation %}" in renderer.training.replace("{%- generation %}", "{% generation %}")
+
+
+def test_tool_call_arguments_given_as_json_strings_render_as_their_mappings(qwen3_5_tokenizer_dir):
+    """Qwen3.5's template writes each argument by name (`<parameter=path>`) and cannot render a string: arguments
+    given as a JSON string (as the synthetic agent sessions give them) train the same tokens as the mapping."""
+    import json as _json
+
+    from ulysses_trainer.data.documents import chat_template_of
+    from ulysses_trainer.errors import ConfigError
+
+    renderer = chat_template_of(_tokenizer(qwen3_5_tokenizer_dir, _fixture("qwen3_5_think")))
+    tok = _tokenizer(qwen3_5_tokenizer_dir, _fixture("qwen3_5_think"))
+    for msgs, tools in conversations(6, seed=11):
+        as_strings = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _json.dumps(
+            c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in msgs]
+        for assistant_only in (True, False):
+            a = tokenize_segments(renderer.conversation(msgs, tools, assistant_only, "x"), tok)
+            b = tokenize_segments(renderer.conversation(as_strings, tools, assistant_only, "x"), tok)
+            assert a[0].tolist() == b[0].tolist() and a[1].tolist() == b[1].tolist()
+    bad = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "run", "arguments": "[1, 2]"}}]}]
+    with pytest.raises(ConfigError, match="JSON object"):
+        renderer.conversation(bad, None, True, "x")

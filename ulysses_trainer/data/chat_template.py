@@ -23,6 +23,7 @@ that token (and could forge a turn).
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -34,6 +35,8 @@ from .chat import IM_END, IM_START, Segment, normalize_messages
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # TRL's test for markers (trim variants too)
 ASSISTANT_TURN = re.compile(re.escape(IM_START) + "assistant\n(.*?)" + re.escape(IM_END) + "\n?", re.DOTALL)
 MARKERS, CHATML, PREFIXES = "generation markers", "ChatML turns", "prefixes"
+# a template that writes each argument of a tool call (Qwen3.5's XML `<parameter=NAME>`) renders only a mapping
+ARGUMENTS_BY_NAME = re.compile(r"arguments\s*\|\s*items")
 
 
 def template_text(template: Any) -> str:
@@ -51,6 +54,7 @@ class TemplateRenderer:
 
     def __init__(self, hf_tokenizer: Any, name: str, training: str | None = None) -> None:
         self.tok, self.name, self.training = hf_tokenizer, name, training
+        self.arguments_by_name = bool(ARGUMENTS_BY_NAME.search(template_text(hf_tokenizer.chat_template)))
         specials = sorted({t.content for t in hf_tokenizer.added_tokens_decoder.values() if t.special}, key=len,
                           reverse=True)
         self.specials = specials
@@ -125,9 +129,36 @@ class TemplateRenderer:
             spans.append((len(head), len(upto)))
         return spans
 
+    def _arguments_as_mappings(self, msgs: list[dict], where: str) -> list[dict]:
+        """Tool-call arguments given as a JSON string (checked to be JSON) as the mapping it encodes, for a template
+        that writes each argument by name and cannot render a string."""
+        if not self.arguments_by_name:
+            return msgs
+        out = []
+        for i, m in enumerate(msgs):
+            calls = m.get("tool_calls")
+            if calls:
+                m = dict(m)
+                m["tool_calls"] = [self._call_with_mapping(c, f"{where}, message {i}") for c in calls]
+            out.append(m)
+        return out
+
+    @staticmethod
+    def _call_with_mapping(call: Any, where: str) -> Any:
+        fn = call.get("function") if isinstance(call, dict) and isinstance(call.get("function"), dict) else call
+        if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+            return call
+        args = json.loads(fn["arguments"])
+        if not isinstance(args, dict):
+            raise ConfigError(f"{where}: tool call {fn.get('name')!r} has arguments {fn['arguments'][:80]!r}; the chat "
+                              f"template writes each argument by name, so they must be a JSON object")
+        if fn is call:  # {"name", "arguments"}
+            return {**fn, "arguments": args}
+        return {**call, "function": {**fn, "arguments": args}}
+
     # ------------------------------------------------------------ examples
     def conversation(self, msgs: list[dict], tools: list | None, assistant_only: bool, where: str) -> list[Segment]:
-        msgs = normalize_messages(msgs, where, empty=None)
+        msgs = self._arguments_as_mappings(normalize_messages(msgs, where, empty=None), where)
         self._check_text(msgs, where)
         if assistant_only and self.training is not None:  # TRL's training variant: its markers say what is trained
             full = self._render(msgs, tools, False, self.training)
@@ -148,7 +179,8 @@ class TemplateRenderer:
                           where: str) -> list[Segment]:
         """The pair rendered together; the completion starts where the prompt rendered with the generation
         prompt ends, and is trained to the rendering's end (its last newline included)."""
-        prompt, completion = normalize_messages(prompt, where, None), normalize_messages(completion, where, None)
+        prompt = self._arguments_as_mappings(normalize_messages(prompt, where, None), where)
+        completion = self._arguments_as_mappings(normalize_messages(completion, where, None), where)
         self._check_text([prompt, completion], where)
         full = self._render(prompt + completion, tools, False)
         head = self._render(prompt, tools, True)
