@@ -147,3 +147,26 @@ def test_rope_theta_equal_to_checkpoint_is_accepted():
 def test_both_rope_names_is_an_error():
     with pytest.raises(ConfigError, match="both rope_parameters and rope_scaling"):
         model_config_for(TrainConfig(model_init_kwargs={"rope_parameters": {}, "rope_scaling": {}}))
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "yarn", "factor": "auto"}, {"rope_type": "default"}])
+def test_qwen3_5s_partial_rotary_is_kept_in_the_resolved_rope(rope):
+    """Qwen3.5 rotates the first 25% of each head (rope_parameters.partial_rotary_factor) in sections for its
+    multimodal positions: the resolved rope keeps both, so YaRN stretches those 64 of 256 dimensions, as
+    transformers computes YaRN for a Qwen3.5 config that states it."""
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    config = Qwen3_5TextConfig(head_dim=256, max_position_embeddings=4096, num_hidden_layers=4)
+    kept = {k: config.rope_parameters[k] for k in ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+            if k in config.rope_parameters}
+    assert kept.get("partial_rotary_factor") == 0.25
+    resolved = resolve_rope_parameters(config, rope, 16384)
+    assert {k: resolved[k] for k in kept} == kept
+    inv_freq = Qwen3_5TextRotaryEmbedding(config).inv_freq
+    assert inv_freq.numel() == 256 // 4 // 2  # 64 rotated dimensions: 32 frequencies
+    if rope["rope_type"] == "yarn":
+        stated = Qwen3_5TextConfig(head_dim=256, max_position_embeddings=16384, num_hidden_layers=4,
+                                   rope_parameters={**kept, "rope_type": "yarn", "rope_theta": resolved["rope_theta"],
+                                                    "factor": 4.0, "original_max_position_embeddings": 4096})
+        assert torch.equal(inv_freq, Qwen3_5TextRotaryEmbedding(stated).inv_freq)
