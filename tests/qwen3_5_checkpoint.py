@@ -17,9 +17,9 @@ import importlib
 import json
 from pathlib import Path
 
-from tests.tiny_checkpoint import _write_tokenizer
+from tests.tiny_checkpoint import WORDS
 
-VOCAB = 64
+VOCAB = 384
 TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
             linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=512,
@@ -120,9 +120,25 @@ def write_qwen3_5_checkpoint(path: Path, *, moe: bool = False, layout: str = "co
         (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
         (path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR, indent=2))
     _write_tokenizer(path)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(str(path))
     return path
+
+
+def _write_tokenizer(path: Path) -> None:
+    """A byte-level BPE with Qwen3.5's pre-tokenizer, trained on the test words (each a token or two), eos
+    <|endoftext|> = 0: transformers loads a qwen3_5 directory's tokenizer as Qwen3_5Tokenizer, which reads a BPE."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([" ".join(WORDS)] * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(str(path))

@@ -95,7 +95,7 @@ def test_from_pretrained_of_the_checkpoints_class_gives_the_trained_logits(expor
     cls = getattr(transformers, json.loads((ckpt / "config.json").read_text())["architectures"][0])
     back = cls.from_pretrained(final, dtype=torch.float32).eval()
     before = cls.from_pretrained(ckpt, dtype=torch.float32).eval()
-    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want, start = (m(input_ids=ids).logits for m in (back, trained, before))
     assert torch.equal(got, want)
@@ -136,5 +136,79 @@ def test_config_tokenizer_generation_config_and_processor_files_come_through(exp
         assert json.loads((final / "video_preprocessor_config.json").read_text()) == VIDEO_PREPROCESSOR
     tok = AutoTokenizer.from_pretrained(final)
     assert tok.chat_template == TEMPLATE
-    assert tok("alpha bravo")["input_ids"] == AutoTokenizer.from_pretrained(ckpt)("alpha bravo")["input_ids"]
+    ids = tok("alpha bravo zulu")["input_ids"]
+    assert ids == AutoTokenizer.from_pretrained(ckpt)("alpha bravo zulu")["input_ids"] and 0 < len(ids) <= 6
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moe, layout", [(False, "conditional"), (True, "conditional"), (False, "causal")],
+                         ids=["dense", "moe", "text-only"])
+def test_a_hub_layout_checkpoint_trains_and_exports_to_the_same_logits(moe, layout, tmp_path):
+    """The whole path: the trainer on a Qwen3.5 checkpoint in the Hub's multimodal layout (or a text-only one), one
+    step; final/ loaded by from_pretrained of the checkpoint's class gives the logits of the run's own last
+    checkpoint (its ZeRO-3 fp32 state), which differ from the checkpoint trained from; the vision tower and the MTP
+    head are the checkpoint's bytes."""
+    import subprocess
+    import sys
+
+    import transformers
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.dist_utils import JOB_TIMEOUT_S, ROOT, job_failure, train_env
+    from tests.tiny_checkpoint import write_documents
+
+    ckpt = write_qwen3_5_checkpoint(tmp_path / "ckpt", moe=moe, layout=layout)
+    docs = write_documents(tmp_path / "docs.jsonl", num_docs=8, words_per_doc=31)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "launch/train.py", "--model_name_or_path", str(ckpt), "--dataset_name",
+                           str(docs), "--max_length", "32", "--max_steps", "1", "--learning_rate", "1e-2",
+                           "--bf16", "false", "--max_shard_size", "40KB", "--output_dir", str(out)],
+                          cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert proc.returncode == 0, job_failure(proc)
+    final = out / "final"
+    cls = getattr(transformers, json.loads((ckpt / "config.json").read_text())["architectures"][0])
+    exported = cls.from_pretrained(final, dtype=torch.float32).eval()
+    state = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoint-1"), tag="ds")
+    state = {k.removeprefix("causal_lm."): v for k, v in state.items()}
+    text = AutoConfig.from_pretrained(ckpt).get_text_config(decoder=True)
+    rebuilt = AutoModelForCausalLM.from_config(text, dtype=torch.float32, attn_implementation="sdpa")
+    missing, unexpected = rebuilt.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    before = cls.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ids = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want, start = (m.eval()(input_ids=ids).logits for m in (exported, rebuilt, before))
+    assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
+    assert (got - start).abs().max() > 1e-3  # the step changed the model
+    src, written = _stored(ckpt), _stored(final)
+    assert set(written) == set(src)
+    assert all(_bytes(written[k]) == _bytes(src[k]) for k in src if k.startswith(("model.visual.", "mtp.")))
+    assert json.loads((final / "generation_config.json").read_text()) == GENERATION
+
+
+def test_a_misnamed_language_model_tensor_is_refused_before_training(tmp_path):
+    """The language model of a multimodal checkpoint is checked as a Qwen3 checkpoint is: a renamed tensor is
+    named (missing and unused); the vision tower and MTP head are not counted as unused."""
+    from safetensors.torch import load_file, save_file
+
+    from ulysses_trainer.config import TrainConfig
+    from ulysses_trainer.errors import ConfigError
+    from ulysses_trainer.model.load import check_local_weights, model_config_for
+
+    ckpt = write_qwen3_5_checkpoint(tmp_path / "ckpt")
+    cfg = TrainConfig(model_name_or_path=str(ckpt), max_length=64)
+    config = model_config_for(cfg)
+    assert config.model_type == "qwen3_5_text"  # the language model, not the multimodal wrapper
+    check_local_weights(str(ckpt), config)  # complete: passes
+    index = json.loads((ckpt / INDEX).read_text())
+    name = "model.language_model.norm.weight"
+    f = ckpt / index["weight_map"][name]
+    tensors = load_file(str(f))
+    tensors["model.language_model.final_norm.weight"] = tensors.pop(name)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    index["weight_map"]["model.language_model.final_norm.weight"] = index["weight_map"].pop(name)
+    (ckpt / INDEX).write_text(json.dumps(index))
+    with pytest.raises(ConfigError) as err:
+        check_local_weights(str(ckpt), config)
+    assert "norm.weight" in str(err.value) and "final_norm" in str(err.value) and "visual" not in str(err.value)

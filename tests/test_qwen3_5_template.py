@@ -204,3 +204,17 @@ def test_tool_call_arguments_given_as_json_strings_render_as_their_mappings(qwen
         {"type": "function", "function": {"name": "run", "arguments": "[1, 2]"}}]}]
     with pytest.raises(ConfigError, match="JSON object"):
         renderer.conversation(bad, None, True, "x")
+
+
+def test_a_qwen3_5_presets_agent_sessions_are_rendered_in_qwen3_5s_format():
+    """`ulysses-trainer data` on tiny-qwen3.5: the family's tokenizer (Qwen3.5's BPE and template), the sessions'
+    tool calls as Qwen3.5's XML, assistant turns trained with their think blocks."""
+    from ulysses_trainer.cli.data import describe
+
+    out, _ = describe(["--model_name_or_path", "tiny-qwen3.5", "--assistant_only_loss", "true", "--max_length",
+                       "4096", "--max_steps", "1", "--json", "--show", "1"])
+    segments = out["sequences"][0]["segments"]
+    trained = "".join(s["text"] for s in segments if s["trained"])
+    assert "<function=read_file>\n<parameter=path>" in trained and '{"name": "read_file"' not in trained
+    assert trained.count("<think>") >= 2 and "<|im_start|>assistant" not in trained
+    assert out["counts"]["trained_tokens"] > 0

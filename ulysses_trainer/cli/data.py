@@ -60,12 +60,14 @@ def sequence_segments(row: dict[str, Any], real_tokens: int, tokenizer: Any) -> 
 def describe(argv: list[str]) -> tuple[dict[str, Any], bool]:
     from ..data.documents import build_sequences
     from ..data.tokenizer import apply_tokenizer_options, load_tokenizer
-    from ..model.load import checkpoint_source
+    from ..model.families import family
+    from ..model.load import checkpoint_source, model_config_for
     from ..train.data_order import epoch_permutation
 
     as_json, show, rest = _split(argv)
     cfg = load_config(rest)
-    tokenizer = apply_tokenizer_options(load_tokenizer(checkpoint_source(cfg.model_name_or_path)),
+    vocabulary = family(model_config_for(cfg).model_type).tokenizer  # the Qwen BPE a preset's family names
+    tokenizer = apply_tokenizer_options(load_tokenizer(checkpoint_source(cfg.model_name_or_path), vocabulary),
                                         cfg.chat_template_path, cfg.eos_token)
     ds = build_sequences(cfg, tokenizer, split="train")
     first = epoch_permutation(cfg.seed, len(ds), 0)[:show].tolist()  # what step 1 onwards trains, in order

@@ -150,7 +150,7 @@ def run_plan(argv: list[str]) -> int:
     max_length that fits. Exit 0 when it fits, 1 when it does not (the binding limit is named)."""
     cfg, model_config, ds, machine, args = build_plan_inputs(argv)
     # the trainer's own call (train/prepare.py)
-    plan = plan_for(cfg, model_config, ds, machine, attention=data_attention(cfg, machine.gpus))
+    plan = plan_for(cfg, model_config, ds, machine, attention=data_attention(cfg, machine.gpus, model_config))
     hw = Hardware(machine.gpus, machine.gpu_memory_gb, machine.host_memory_gb, machine.gpus_per_host)
     # the plan's layout, kernels and loss, none of its length-dependent choices: the longest does not depend
     # on the max_length asked (the ZeRO-3 sizes per placement as the plan's own search had them)
@@ -174,7 +174,7 @@ def run_plan(argv: list[str]) -> int:
     return EXIT_OK
 
 
-def data_attention(cfg: Any, gpus: int) -> AttentionShare | None:
+def data_attention(cfg: Any, gpus: int, model_config: Any) -> AttentionShare | None:
     """The packed data's attention cost, from the sequences the trainer would build (the rows max_steps needs,
     else all); None without packing or without a dataset (the plan then times one document per row)."""
     if not timed_from_data(cfg):
@@ -182,12 +182,14 @@ def data_attention(cfg: Any, gpus: int) -> AttentionShare | None:
     from ..data.documents import build_sequences
     from ..data.tokenizer import apply_tokenizer_options, load_tokenizer
     from ..layout import resolve_layout
+    from ..model.families import family
     from ..model.load import checkpoint_source
 
     dp = resolve_layout(cfg.sp_size, gpus).dp
     rows = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp * cfg.max_steps \
         if cfg.max_steps else None
-    tokenizer = apply_tokenizer_options(load_tokenizer(checkpoint_source(cfg.model_name_or_path)),
+    vocabulary = family(model_config.model_type).tokenizer
+    tokenizer = apply_tokenizer_options(load_tokenizer(checkpoint_source(cfg.model_name_or_path), vocabulary),
                                         cfg.chat_template_path, cfg.eos_token)
     data = build_sequences(cfg, tokenizer, split="train",
                            dp_size=dp, num_sequences=rows)

@@ -22,6 +22,7 @@ from ..data.tokenizer import apply_tokenizer_options, check_tokenizer_fits, load
 from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
 from ..errors import ConfigError
 from ..layout import Layout
+from ..model.families import family
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
 from ..model.lora import check_lora
 from ..names import resolve_report_to
@@ -127,7 +128,8 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     if training:  # a rehearsal measures what fits: it is not refused
         check_gpu_fits(resolved, cfg, plan_of)
     source = checkpoint_source(cfg.model_name_or_path)
-    tokenizer = apply_tokenizer_options(load_tokenizer(source), cfg.chat_template_path, cfg.eos_token)
+    tokenizer = apply_tokenizer_options(load_tokenizer(source, family(model_config.model_type).tokenizer),
+                                        cfg.chat_template_path, cfg.eos_token)
     check_tokenizer_fits(tokenizer, model_config)
     per_step = dp * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     # the whole dataset: the order is a permutation of all of it, whatever max_steps (TRL's sampler)

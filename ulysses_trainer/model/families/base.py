@@ -199,6 +199,8 @@ class Family:
     norm_offset: float = 0.0
     # the layers whose layer_types entry is mixer.kind run it instead of attention (None: every layer attends)
     mixer: TokenMixer | None = None
+    # the Qwen BPE its presets (and a checkpoint without tokenizer files) are tokenized with (data/tokenizer.py)
+    tokenizer: str = "qwen3"
 
     def attention_params(self, d: LayerDims) -> list[tuple[str, int]]:
         """q, (q_norm,) k, (k_norm,) v, o: the attention's modules in the order they run."""

@@ -190,11 +190,11 @@ def _moe(name: str) -> dict[str, Any]:
 
 QWEN3_5 = Family(model_type="qwen3_5_text", config_class="Qwen3_5TextConfig", causal_lm_class="Qwen3_5ForCausalLM",
                  mlp=GatedMlp(), qk_norm=True, gated_attention=True, norm_offset=1.0, mixer=GatedDeltaNet(),
-                 presets={"tiny-qwen3.5": dict(_tiny(), intermediate_size=128),
+                 tokenizer="qwen3.5", presets={"tiny-qwen3.5": dict(_tiny(), intermediate_size=128),
                           **{n: _dense(n) for n in _DENSE}})
 
 QWEN3_5_MOE = Family(model_type="qwen3_5_moe_text", config_class="Qwen3_5MoeTextConfig",
                      causal_lm_class="Qwen3_5MoeForCausalLM", mlp=SharedExpertMoeMlp(), qk_norm=True,
-                     gated_attention=True, norm_offset=1.0, mixer=GatedDeltaNet(),
+                     gated_attention=True, norm_offset=1.0, mixer=GatedDeltaNet(), tokenizer="qwen3.5",
                      presets={"tiny-qwen3.5-moe": dict(_tiny(), **_moe_kwargs(8, 2, 32, 32)),
                               **{n: _moe(n) for n in _MOE}})
