@@ -212,3 +212,25 @@ def test_a_misnamed_language_model_tensor_is_refused_before_training(tmp_path):
     with pytest.raises(ConfigError) as err:
         check_local_weights(str(ckpt), config)
     assert "norm.weight" in str(err.value) and "final_norm" in str(err.value) and "visual" not in str(err.value)
+
+
+def test_a_hub_ids_cached_snapshot_is_the_source_of_its_files(tmp_path, monkeypatch):
+    """A checkpoint given as a Hub id is read from its cached snapshot: the export takes its layout and files from
+    there (config.json's directory), as from a local directory."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from ulysses_trainer.train.chat_export import source_file
+
+    ckpt = write_qwen3_5_checkpoint(tmp_path / "ckpt")
+    repo = tmp_path / "hub" / "models--Qwen--Qwen3.5-tiny"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(ckpt, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert source_file("Qwen/Qwen3.5-tiny", "config.json") == snapshot / "config.json"
+    assert source_file("Qwen/Qwen3.5-tiny", "generation_config.json") == snapshot / "generation_config.json"
+    assert source_file("Qwen/Qwen3.5-tiny", "processor_config.json") is None
+    assert source_file(None, "config.json") is None

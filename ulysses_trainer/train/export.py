@@ -15,7 +15,7 @@ from ..data.formats import CONVERSATIONAL, PROMPT_COMPLETION
 from ..model.export_config import export_config_json
 from ..model.export_layout import add_carried, user_layout
 from ..model.lora import lora_scaling, merged_state_dict
-from .chat_export import ExportFiles, adapter_base
+from .chat_export import ExportFiles, adapter_base, source_file
 from .checkpoint import agree_on_failure, fsync_tree
 from .output_guard import OutputWriteError, describe_failure, failure_message
 from .prepare import RunPlan
@@ -26,7 +26,8 @@ def export_model(engine, plan: RunPlan, peft_model, is_main: bool, name: str) ->
     (LoRA without merge_lora) or the whole, merged model. Collective."""
     cfg, source = plan.cfg, plan.source
     chat = getattr(plan.train_data, "kind", None) in (CONVERSATIONAL, PROMPT_COMPLETION)
-    source_dir = source if source and os.path.isdir(source) else None
+    config_file = source_file(source, "config.json")  # a Hub id: its cached snapshot, which the run loaded
+    source_dir = str(config_file.parent) if config_file is not None else None
     files = ExportFiles(plan.tokenizer, chat, source=source)
     shard = shard_bytes(cfg.max_shard_size)
     if peft_model is not None and not cfg.merge_lora:
