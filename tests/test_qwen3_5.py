@@ -293,6 +293,14 @@ def test_the_plan_times_and_sizes_deltanet_layers_by_their_own_terms():
     assert phase.startswith("linear_attention") and "DeltaNet backward: the rule's measured fwd+bwd peak" in terms
     # the rule's measured peak at this shape: 1M tokens x 6 value heads a rank, 24.4 GiB in the benchmark
     assert terms["DeltaNet backward: the rule's measured fwd+bwd peak"] / 2**30 == pytest.approx(24.4, rel=0.01)
+    from dataclasses import replace
+
+    from ulysses_trainer.plan.memory import kept_attention_at
+
+    # keep_attention_outputs 16: of the first 16 layers, layers 3, 7, 11, 15 attend and keep an output
+    assert kept_attention_at(shape, replace(s, kept_attention_layers=16), 64) == 4
+    assert st.parts["attention forward"] > step_time(shape, replace(s, kept_attention_layers=16),
+                                                     shape.num_params).parts["attention forward"]
 
 
 def _fields(shape):

@@ -70,6 +70,9 @@ class ModelShape:
     # parameters in a matmul per token (linear weights of the layers, active experts, lm_head): train/metrics.py
     matmul_params: int = field(init=False, repr=False, compare=False)
     mlp_row_width: int = field(init=False, repr=False, compare=False)  # what the MLP tile rules size by
+    # attending_before[i]: layers below i that run attention (all of them without a mixer): the ones that can keep
+    # an attention output for the recompute
+    attending_before: tuple[int, ...] = field(init=False, repr=False, compare=False)
     # the layer's tensors in the order its modules use them (ZeRO-3's trace), and of them the MLP's used once a
     # pass and once a tile (MlpBlock.trace_groups)
     forward_order: tuple[str, ...] = field(init=False, repr=False, compare=False)
@@ -116,6 +119,7 @@ class ModelShape:
             "param_numels": every, "num_params": sum(every), "active_layer_numel": active,
             "num_active_params": round(embed + self.layers * active + self.hidden + sum(head)),
             "matmul_params": linear + embed, "mlp_row_width": fam.mlp_row_width(d),
+            "attending_before": tuple(sum(1 for j in range(i) if j not in mixed) for i in range(self.layers + 1)),
             "forward_order": ("input_norm", *[n for n, _ in token_mixer], "post_attention_norm", *once, *tiled),
             "mlp_once": tuple(once), "mlp_tiled": tuple(tiled),
             "auto_reduce_bucket": reduce_bucket_size(self.hidden),

@@ -174,8 +174,9 @@ def grads_so_far_bytes(shape: ModelShape, s: Settings, j: int) -> int:
 
 def kept_attention_at(shape: ModelShape, s: Settings, j: int) -> int:
     """Kept attention outputs held during layer j's backward: those of the kept layers below j (layer j's
-    own became its attention's saved output, counted in the working set; those above are used up)."""
-    return min(s.kept_attention_layers, j)
+    own became its attention's saved output, counted in the working set; those above are used up). Only
+    attention layers keep one (not a family's mixer layers: Qwen3.5's Gated DeltaNet)."""
+    return shape.attending_before[min(s.kept_attention_layers, j)]
 
 
 def backward_peak_layer(shape: ModelShape, s: Settings) -> int:
