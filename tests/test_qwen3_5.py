@@ -320,3 +320,32 @@ def test_lora_adapters_counted_where_peft_puts_them():
     trained = sorted(p.numel() for p in peft.parameters() if p.requires_grad)
     shape = ModelShape.from_config(model.config)
     assert trained == sorted(lora_numels(shape, targets, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_gated_norm_equals_transformers_and_keeps_less(dtype):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    from tests.saved_tensors import saved_bytes
+    from ulysses_trainer.levers.lean_gated_norm import LeanGatedRMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    hf = Qwen3_5RMSNormGated(16, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(1 + 0.1 * torch.randn(16, generator=g))
+    lean = LeanGatedRMSNorm(hf)
+    x, z = (torch.randn(50, 16, generator=g).to(dtype) for _ in range(2))
+    grad = torch.randn(50, 16, generator=g).to(dtype)
+    runs = []
+    for module in (hf, lean):
+        xi, zi = x.clone().requires_grad_(), z.clone().requires_grad_()
+        hf.weight.grad = None
+        out, kept = saved_bytes(module, lambda m=module, a=xi, b=zi: m(a, b))
+        out.backward(grad)
+        runs.append((out, xi.grad, zi.grad, hf.weight.grad.clone(), kept))
+    (o1, x1, z1, w1, k1), (o2, x2, z2, w2, k2) = runs
+    assert torch.equal(o1, o2)  # the same forward ops
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for a, b in ((x1, x2), (z1, z2), (w1, w2)):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) <= tol
+    assert k2 < k1 and k2 <= 2 * x.numel() * x.element_size() + 50 * 4  # x, gate, one fp32 scale per row

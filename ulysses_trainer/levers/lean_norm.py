@@ -140,8 +140,11 @@ def is_rms_norm(module: nn.Module) -> bool:
 def use_lean_norms(model: nn.Module, kernel: str = "torch", offset: float = 0.0) -> int:
     """Replace every HF RMSNorm in `model` by a LeanRMSNorm (running `kernel`, scaling by offset + weight: the
     family's norm_offset) in place; returns how many."""
+    from .lean_gated_norm import LeanGatedRMSNorm, is_gated_rms_norm
+
     targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if is_rms_norm(child)]
-    for parent, name, child in targets:
-        setattr(parent, name, LeanRMSNorm(child, kernel, offset))
+               for name, child in parent.named_children() if is_rms_norm(child) or is_gated_rms_norm(child)]
+    for parent, name, child in targets:  # a Gated DeltaNet's gated norm: its own lean norm (torch ops)
+        lean = LeanGatedRMSNorm(child) if is_gated_rms_norm(child) else LeanRMSNorm(child, kernel, offset)
+        setattr(parent, name, lean)
     return len(targets)

@@ -50,6 +50,7 @@ class MlpRun:
     gradient_checkpointing: bool = True
     forward_passes: float = 1.0  # forwards per layer on average (recompute and checkpoint_every rebuilds)
     experts_implementation: str = "grouped_mm"
+    lean_norm: bool = True  # the norms keep only their inputs (levers/lean_norm.py, lean_gated_norm.py)
 
 
 @dataclass(frozen=True)

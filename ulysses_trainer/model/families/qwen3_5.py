@@ -61,14 +61,16 @@ class GatedDeltaNet(TokenMixer):
     def saved(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
         """parallel/ulysses_deltanet.py per rank (t tokens x all heads = all tokens x its heads): the all-to-all's
         result (the conv's input), the conv output (SiLU's input) and q/k/v (the rule's input), the decay (fp32)
-        and beta, the rule's output back on the rank's tokens, z, transformers' gated RMSNorm (fp32 upcasts of
-        its input and gate, the normalised tensor) and out_proj's input."""
+        and beta, the rule's output back on the rank's tokens, z, out_proj's input, and with transformers' gated
+        RMSNorm (lean_norm false) its fp32 upcasts of input and gate and the normalised tensor (the lean one,
+        levers/lean_gated_norm.py, keeps its input and z, counted already)."""
         t, e = run.tokens, run.act_bytes
         conv, value, nv = self._conv(d), d.linear_v_heads * d.linear_v_dim, d.linear_v_heads
         return {"DeltaNet: all-to-all result (conv input), conv output, q/k/v": t * (3 * conv + 2 * nv) * e,
                 "DeltaNet: decay (fp32), beta": t * nv * (FP32 + e),
-                "DeltaNet: rule output, z, gated norm (fp32 input, gate; normalised), out_proj input":
-                    t * value * (3 * e + 2 * FP32 + e)}
+                "DeltaNet: rule output, z, out_proj input": 3 * t * value * e,
+                "DeltaNet: gated norm (fp32 input and gate, normalised)": 0 if run.lean_norm else
+                    t * value * (2 * FP32 + e)}
 
     def backward_extra(self, d: LayerDims, run: MlpRun, rates: Any) -> dict[str, int]:
         """The rule's forward+backward peak as measured (plan/rates.DELTANET_RULE_PEAK_BYTES per token and value
