@@ -349,3 +349,28 @@ def test_lean_gated_norm_equals_transformers_and_keeps_less(dtype):
     for a, b in ((x1, x2), (z1, z2), (w1, w2)):
         assert float((a.float() - b.float()).norm() / b.float().norm()) <= tol
     assert k2 < k1 and k2 <= 2 * x.numel() * x.element_size() + 50 * 4  # x, gate, one fp32 scale per row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, sp", [("tiny-qwen3.5", 4), ("tiny-qwen3.5-moe", 2)])
+def test_the_trainer_sp_runs_log_the_one_process_losses(tmp_path, preset, sp):
+    # the whole trainer (preset, tokenizer, packed synthetic documents, plan, ZeRO-3, chunked loss, checkpoints)
+    # through the rank entry of `deepspeed --num_gpus N launch/train.py`: two steps, sp ranks vs one
+    import json
+
+    from tests.dist_utils import JOB_TIMEOUT_S, job_failure
+    from tests.warm_ranks import run_trainer
+
+    args = ["--model_name_or_path", preset, "--max_length", "192", "--max_steps", "2", "--learning_rate", "1e-3",
+            "--bf16", "false", "--seed", "3", "--logging_steps", "1", "--packing", "true", "--save_strategy", "no"]
+    rows = {}
+    for ranks in (1, sp):
+        out = tmp_path / f"sp{ranks}"
+        proc = run_trainer(ranks, [*args, "--sp_size", str(ranks), "--output_dir", str(out)], timeout=JOB_TIMEOUT_S)
+        assert proc.returncode == 0, job_failure(proc)
+        assert "deltanet" in proc.stdout  # the plan line names the DeltaNet kernel
+        rows[ranks] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert len(rows[1]) == len(rows[sp]) == 2
+    for a, b in zip(rows[sp], rows[1]):
+        assert abs(a["loss"] - b["loss"]) / b["loss"] <= 1e-5 and a["num_tokens"] == b["num_tokens"], (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] <= 1e-5, (a, b)
