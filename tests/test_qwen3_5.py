@@ -314,12 +314,13 @@ def test_lora_adapters_counted_where_peft_puts_them():
 
     from ulysses_trainer.plan.inputs import ModelShape, lora_numels
 
-    model = build("tiny-qwen3.5")  # 3 DeltaNet layers (no q/k/v/o_proj), 1 gated full-attention layer
-    targets = ["q_proj", "v_proj", "up_proj"]
-    peft = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
-    trained = sorted(p.numel() for p in peft.parameters() if p.requires_grad)
-    shape = ModelShape.from_config(model.config)
-    assert trained == sorted(lora_numels(shape, targets, 4))
+    shape = ModelShape.from_config(build("tiny-qwen3.5").config)
+    for targets in (["q_proj", "v_proj", "up_proj"], ["in_proj_qkv", "out_proj"], "all-linear"):
+        # 3 DeltaNet layers (in_proj_*, out_proj; no q/k/v/o_proj), 1 gated full-attention layer
+        names = list(shape.family.lora_targets(targets))
+        peft = get_peft_model(build("tiny-qwen3.5"), LoraConfig(r=4, target_modules=names))
+        trained = sorted(p.numel() for p in peft.parameters() if p.requires_grad)
+        assert trained == sorted(lora_numels(shape, targets, 4)), targets
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -376,11 +376,15 @@ def lora_numels(shape: ModelShape, target_modules: Any, r: int) -> tuple[int, ..
     dims = {"q_proj": (shape.hidden, q_out), "k_proj": (shape.hidden, kv), "v_proj": (shape.hidden, kv),
             "o_proj": (q, shape.hidden), "gate_proj": (shape.hidden, shape.intermediate),
             "up_proj": (shape.hidden, shape.intermediate), "down_proj": (shape.intermediate, shape.hidden)}
+    mixer = shape.family.mixer
+    own = mixer.lora_shapes(shape.dims) if mixer is not None else {}  # the mixer's Linears (Gated DeltaNet)
+    dims.update(own)
     per_layer = [(name, n) for name in shape.family.lora_linears() if name in names
                  for n in (r * dims[name][0], dims[name][1] * r)]
-    mixed = set(shape.mixer_layers)  # a mixer layer (Gated DeltaNet) has no q/k/v/o_proj
+    mixed = set(shape.mixer_layers)  # a mixer layer has its own Linears instead of q/k/v/o_proj
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
     return tuple(n for i in range(shape.layers) for name, n in per_layer
-                 if i not in mixed or name not in ("q_proj", "k_proj", "v_proj", "o_proj"))
+                 if (name not in attention or i not in mixed) and (name not in own or i in mixed))
 
 
 def trainable_numels(shape: ModelShape, s: Settings) -> list[int]:

@@ -143,6 +143,11 @@ class TokenMixer(ABC):
     ZeRO-3 trace), the SP sizes it refuses, and what parallelize installs on those layers."""
 
     kind: str = ""  # the transformers config's layer_types entry of the layers that run it
+    lora_linears: tuple[str, ...] = ()  # its nn.Linear names, in module order (what LoRA can adapt)
+
+    def lora_shapes(self, d: LayerDims) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each of its lora_linears."""
+        return {}
 
     @abstractmethod
     def dims(self, config: Any) -> dict[str, int]:
@@ -221,7 +226,7 @@ class Family:
     def lora_linears(self) -> tuple[str, ...]:
         """A decoder layer's nn.Linear modules, what LoRA can adapt ("all-linear"), in module order: the attention
         projections, then the MLP block's."""
-        return ATTENTION_LINEARS + self.mlp.lora_linears
+        return ATTENTION_LINEARS + (self.mixer.lora_linears if self.mixer else ()) + self.mlp.lora_linears
 
     def lora_targets(self, target_modules: Any) -> tuple[str, ...]:
         """The Linear names LoRA adapts, from target_modules as PEFT takes it (names, "all-linear", or None: the

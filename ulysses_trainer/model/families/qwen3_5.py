@@ -37,6 +37,12 @@ class GatedDeltaNet(TokenMixer):
     """transformers' Qwen3_5GatedDeltaNet; under SP, parallel/ulysses_deltanet.UlyssesGatedDeltaNet."""
 
     kind = "linear_attention"
+    lora_linears = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+
+    def lora_shapes(self, d: LayerDims) -> dict[str, tuple[int, int]]:
+        h, value, nv = d.hidden, d.linear_v_heads * d.linear_v_dim, d.linear_v_heads
+        return {"in_proj_qkv": (h, self._conv(d)), "in_proj_z": (h, value), "in_proj_b": (h, nv),
+                "in_proj_a": (h, nv), "out_proj": (value, h)}
 
     def dims(self, config: Any) -> dict[str, int]:
         return {"linear_k_heads": config.linear_num_key_heads, "linear_v_heads": config.linear_num_value_heads,
