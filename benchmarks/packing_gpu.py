@@ -9,8 +9,8 @@ over an epoch of mixed-length sessions, not only the fill.
 `rows`: --sessions session lengths drawn from the mixed agent-sessions distribution (data/agent_sessions.py:
 log-normal, median 60K, 4K-400K; seed --seed; a session over max_length keeps its first max_length tokens, as
 max_length_policy truncate), packed by both strategies with the data pipeline's own rules, and for each
-strategy rows at given percentiles of attention work (--pick; sum of l_i^2 / L^2, the pads counted with
-the last document, whose positions they continue). A packed row's step costs the same MLP, norms and loss
+strategy rows at given percentiles of attention work (--pick; sum of l_i^2 / L^2 over the real documents: the
+pads are segments of their own that the kernels leave out). A packed row's step costs the same MLP, norms and loss
 whatever its documents, plus attention in proportion to that ratio: `epoch` fits step_s = a + b * ratio to the
 timed rows and sums it over every row of each strategy's epoch, giving the epoch's time and real tokens/s.
 """
@@ -43,9 +43,8 @@ def next_fit(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def ratio(row: list[int], capacity: int) -> float:
-    """Causal attention work of the row (pads continue the last document) over one document of capacity."""
-    docs = row[:-1] + [row[-1] + capacity - sum(row)]
-    return sum(n * (n + 1) for n in docs) / (capacity * (capacity + 1))
+    """Causal attention work of the row's documents (its pads cost none) over one document of capacity."""
+    return sum(n * (n + 1) for n in row) / (capacity * (capacity + 1))
 
 
 def packings(sessions: int, seed: int, capacity: int) -> dict[str, list[list[int]]]:

@@ -117,7 +117,7 @@ def _varlen_cpu_backend(calls: list) -> Backend:
         calls.append(("fwd", q.shape[2], k.shape[2]))
         r = q.shape[2]
         out, lse = torch.empty_like(q), torch.empty(1, r, q.shape[1], dtype=torch.float32)
-        for a, e in docs.spans:
+        for a, e in docs.segments:  # a varlen kernel runs every segment, pads' included
             o, lg, _ = cpu.fwd(q[:, a:e].transpose(1, 2), k[:, a:e].transpose(1, 2).expand(-1, r, -1, -1),
                                v[:, a:e].transpose(1, 2).expand(-1, r, -1, -1), scale)
             out[:, a:e], lse[..., a:e] = o.transpose(1, 2), lg
@@ -127,7 +127,7 @@ def _varlen_cpu_backend(calls: list) -> Backend:
         calls.append(("bwd", q.shape[2], k.shape[2]))
         r = q.shape[2]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for a, e in docs.spans:
+        for a, e in docs.segments:  # a varlen kernel runs every segment, pads' included
             t = [x[:, a:e].transpose(1, 2) for x in (g, q, k, v, out)]
             t[2], t[3] = t[2].expand(-1, r, -1, -1), t[3].expand(-1, r, -1, -1)
             gq, gk, gv = cpu.bwd(*t[:5], lse[..., a:e].contiguous(), (), scale)

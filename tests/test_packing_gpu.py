@@ -1,5 +1,6 @@
-"""benchmarks/packing_gpu.py and packed_step.py's rows: first-fit keeps the order, the attention share counts pads
-with the last document (as the kernel sees them), and the epoch's fit recovers a straight line's step times."""
+"""benchmarks/packing_gpu.py and packed_step.py's rows: first-fit keeps the order, the attention share counts
+the real documents only (the pads are segments the kernels leave out), and the epoch's fit recovers a straight
+line's step times."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,14 +18,16 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import packing_gpu  # noqa: E402
 from benchmarks.packed_step import packed_row  # noqa: E402
 from ulysses_trainer.data.attention_share import row_fractions  # noqa: E402
+from ulysses_trainer.data.sequences import SequenceDataset  # noqa: E402
 
 
-def test_next_fit_keeps_the_order_and_the_share_counts_pads_with_the_last_document():
+def test_next_fit_keeps_the_order_and_the_share_counts_the_documents_only():
     assert packing_gpu.next_fit([5, 4, 3, 6, 1], 10) == [[5, 4], [3, 6, 1]]
     pos, keep = packed_row([3, 2], 8)  # 3 pads continue the second document
     assert pos[0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4] and keep[0].tolist() == [True] * 5 + [False] * 3
-    assert packing_gpu.ratio([3, 2], 8) == pytest.approx((3 * 4 + 5 * 6) / (8 * 9))
-    assert row_fractions(pos[0].numpy(), 8, 1)[0] == pytest.approx((9 + 25) / 64)  # the plan's l^2, same spans
+    assert packing_gpu.ratio([3, 2], 8) == pytest.approx((3 * 4 + 2 * 3) / (8 * 9))
+    ds = SequenceDataset(np.zeros(8, np.int32), pos[0].numpy().astype(np.int32), 8, "t", 2, None, lengths=np.array([5]))
+    assert row_fractions(ds)[0] == pytest.approx((9 + 4) / 64)  # the plan's l^2, same spans
 
 
 def test_epoch_fit_recovers_a_line_and_sums_it_over_each_strategy(tmp_path):

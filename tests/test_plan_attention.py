@@ -28,11 +28,24 @@ H200 = dict(gpu_memory_gb=139.8, host_memory_gb=1000.0, gpu_name="NVIDIA H200")
 def test_segments_and_fractions_by_hand():
     pos = np.array([0, 1, 2, 0, 1, 2, 3, 4] + [0] * 8, np.int32)  # row 0: documents 3 + 5; row 1: 8 one-token
     assert segment_lengths(pos[:8]).tolist() == [3, 5]
-    assert row_fractions(pos, 8, 2).tolist() == [(9 + 25) / 64, 8 / 64]
-    assert row_fractions(None, 8, 3).tolist() == [1.0, 1.0, 1.0]  # no packing: one span per row
     ds = SequenceDataset(np.zeros(16, np.int32), pos, 8, "t", 10, None)
+    assert row_fractions(ds).tolist() == [(9 + 25) / 64, 8 / 64]
+    unpacked = SequenceDataset(np.zeros(24, np.int32), None, 8, "t", 3, None)
+    assert row_fractions(unpacked).tolist() == [1.0, 1.0, 1.0]  # no packing: one span per row
     share = AttentionShare.of(ds)
     assert (share.rows, share.low, share.high) == (2, 8 / 64, 34 / 64) and share.mean == pytest.approx(21 / 64)
+    # the rows a run trains, in order, repeats counted: row 0 twice and row 1 once
+    assert AttentionShare.of(ds, np.array([0, 1, 0])).mean == pytest.approx((34 + 8 + 34) / 3 / 64)
+
+
+def test_pads_count_no_attention():
+    """A row's pads are segments the kernels leave out (parallel/sharding.py): only its real documents count,
+    whatever positions the pads carry (they continue the last document's)."""
+    pos = np.array([0, 1, 2, 0, 1, 2, 3, 4], np.int32)  # documents 3 + 2, then 3 pads continuing the second
+    ds = SequenceDataset(np.zeros(8, np.int32), pos, 8, "t", 2, None, lengths=np.array([5]))
+    assert row_fractions(ds).tolist() == [(9 + 4) / 64]
+    one = SequenceDataset(np.zeros(8, np.int32), None, 8, "t", 1, None, lengths=np.array([6]))
+    assert row_fractions(one).tolist() == [36 / 64]  # one conversation and its pads
 
 
 def test_attention_time_scales_with_the_fraction_and_memory_does_not_move():
@@ -75,6 +88,7 @@ def test_the_plan_line_says_the_packed_attention_fraction():
 def test_plan_command_takes_the_attention_from_the_data(capsys):
     from ulysses_trainer.cli.argv import load_config
     from ulysses_trainer.data.documents import build_sequences
+    from ulysses_trainer.data.order import trained_rows
     from ulysses_trainer.data.tokenizer import QwenBPETokenizer
 
     recipe = str(ROOT / "launch" / "recipes" / "one_gpu_4b_sessions.yaml")
@@ -83,7 +97,8 @@ def test_plan_command_takes_the_attention_from_the_data(capsys):
     assert cli_main(args) == 0
     plan = json.loads(capsys.readouterr().out)["plan"]
     cfg = load_config(["--config", recipe, "--max_steps", "2"])
-    want = AttentionShare.of(build_sequences(cfg, QwenBPETokenizer(), num_sequences=2))
+    data = build_sequences(cfg, QwenBPETokenizer())  # all of it, as the trainer reads it: then its first 2 rows
+    want = AttentionShare.of(data, trained_rows(cfg.seed, len(data), 1, 2))
     assert plan["attention_from"] == "data" and plan["attention_fraction"] == pytest.approx(want.mean)
     assert 0 < plan["attention_fraction"] < 1
     assert cli_main(args[:-1] + ["--dataset_name", "null", "--json"]) == 0  # no data: the worst case, said
@@ -110,7 +125,7 @@ def test_the_replan_after_the_engine_keeps_the_datas_attention(monkeypatch):
                       checkpoint_every=1, optimizer_offload=False)
     machine = Machine(gpus=1, kernels=("flash_attention_4",), norm_kernels=("torch",), **H200)
     plan = SimpleNamespace(device="cuda", machine=machine, shape=Q4, zero=ZeroSettings(), resolved=first,
-                           train_data=data, layout=None)
+                           train_data=data, layout=None, attention=share)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (120 * 2**30, 140 * 2**30))
     monkeypatch.setattr(build, "agree_free_memory", lambda gb: gb)

@@ -13,6 +13,7 @@ import pytest
 from ulysses_trainer import probe
 from ulysses_trainer.__main__ import main as cli_main
 from ulysses_trainer.cli.argv import load_config
+from ulysses_trainer.data.attention_share import AttentionShare
 from ulysses_trainer.train.prepare import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,3 +64,19 @@ def test_plan_json_is_the_plan_prepare_resolves_for_the_default(stand_in_h200, c
     monkeypatch.setattr(probe, "local_gpus", lambda index=0: probe.LocalGpus(1, 139.8, "a GPU without bf16", False))
     printed = _printed_plan(["--max_length", "4096"], capsys)
     assert printed == _prepared_plan([], 1, tmp_path) and printed["bf16"] is False
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5])
+def test_plan_and_trainer_time_the_same_rows_for_max_steps(steps, stand_in_h200, capsys, tmp_path):
+    """`plan --max_steps N` and the trainer's startup plan time attention from one data share: the rows of the
+    trainer's first N steps, in its order, of all the sequences it builds (not a shorter read packed otherwise)."""
+    from ulysses_trainer.data.order import trained_rows
+
+    argv = ["--config", str(ROOT / "launch" / "recipes" / "one_gpu_4b_sessions.yaml"), "--max_steps", str(steps)]
+    printed = _printed_plan(argv, capsys)
+    cfg = load_config([*argv, "--output_dir", str(tmp_path / "out")])
+    run = prepare(cfg, 1, training=False)
+    assert printed == json.loads(json.dumps(run.resolved.to_dict()))
+    rows = trained_rows(cfg.seed, len(run.train_data), 1, steps)
+    assert run.attention.rows == steps and printed["attention_from"] == "data"
+    assert printed["attention_fraction"] == pytest.approx(AttentionShare.of(run.train_data, rows).mean, rel=1e-12)

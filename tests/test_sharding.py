@@ -30,7 +30,24 @@ def test_batch_rows_are_documents():
     ids = torch.zeros(2, 6, dtype=torch.long)
     s = shard_batch(ids, sp_size=2, sp_rank=1, pad_to_multiple_of=4)
     assert s.input_ids.shape == (2, 4)  # 6 -> 8, half each
-    assert s.cu_seqlens.tolist() == [0, 8, 16] and not s.packed
+    # each row's sp padding is a segment of its own, which the kernels leave out
+    assert s.cu_seqlens.tolist() == [0, 6, 8, 14, 16] and not s.packed and s.pad_spans == ((6, 8), (14, 16))
+
+
+def test_pads_are_segments_of_their_own_cut_at_pad_segment():
+    from ulysses_trainer.parallel.sharding import PAD_SEGMENT
+
+    L, real = 2 * PAD_SEGMENT + 40, [PAD_SEGMENT + 10, 2 * PAD_SEGMENT + 40]
+    pos = torch.cat([torch.arange(60), torch.arange(L - 60)])[None].repeat(2, 1)  # two documents a row
+    pos[0, real[0]:] = pos[0, real[0] - 1] + 1 + torch.arange(L - real[0])  # pads continue the last document
+    s = shard_batch(torch.ones(2, L, dtype=torch.long), position_ids=pos, sp_size=4, sp_rank=0, real_lengths=real)
+    total = padded_length(L, 4)  # 296: no sp padding
+    row0 = [0, 60, real[0], real[0] + PAD_SEGMENT]  # the pads: 158 tokens, in segments of 128 and 30
+    row1 = [total, total + 60]
+    assert s.cu_seqlens.tolist() == row0 + row1 + [2 * total] and s.packed
+    assert s.pad_spans == ((real[0], total),) and s.max_seqlen == L - 60
+    last = shard_batch(torch.ones(2, L, dtype=torch.long), position_ids=pos, sp_size=4, sp_rank=3, real_lengths=real)
+    assert last.real_rows == (0, total // 4) and last.cu_seqlens.tolist() == s.cu_seqlens.tolist()
 
 
 def test_padded_length_and_bad_rank():

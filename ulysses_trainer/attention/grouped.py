@@ -15,7 +15,8 @@ head as it is (no repeat), with tiles chosen for head_dim 128 on Hopper (FA4_SM9
 Packed rows (several documents in one flattened row, `Documents`): the same groups, and within a group either
 one varlen call over all documents (flash-attn-4's cu_seqlens kernel: `Backend.fwd_varlen`) or one call per
 document (the others); out and lse are written in place, so the kept outputs and the transients are those of a
-dense row of the same length.
+dense row of the same length. A row's pads are segments of their own (parallel/sharding.py): the varlen call runs
+them at one tile each, the per-document calls skip them, so no real document's attention spans them.
 """
 
 from __future__ import annotations
@@ -52,18 +53,36 @@ class Backend:
 
 class Documents:
     """The documents of one flattened row [1, total, h, d]: cu_seqlens (int32 starts + end, on the kernel's
-    device), the longest length, and the (start, end) spans, read from the device only when asked for."""
+    device: every segment, the pads' included), the longest segment, the pads' (start, end) spans (host ints:
+    parallel/sharding.Shard.pad_spans), and the documents' (start, end) spans, the pads' segments left out, read
+    from the device only when asked for. A varlen kernel runs every segment of cu_seqlens (a pad segment is at
+    most one tile); the per-document paths run `spans` and leave the pads' output, lse and grads 0."""
 
-    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int | None = None):
+    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int | None = None,
+                 pad_spans: tuple[tuple[int, int], ...] = ()):
         self.cu_seqlens = cu_seqlens.to(torch.int32)
+        self.pad_spans = tuple(pad_spans)
         self._bounds: list[int] | None = None
-        self.max_seqlen = int(max_seqlen) if max_seqlen is not None else max(e - a for a, e in self.spans)
+        self.max_seqlen = int(max_seqlen) if max_seqlen is not None else max(e - a for a, e in self.segments)
 
     @property
-    def spans(self) -> list[tuple[int, int]]:
+    def segments(self) -> list[tuple[int, int]]:
+        """Every segment of cu_seqlens, the pads' included."""
         if self._bounds is None:
             self._bounds = self.cu_seqlens.tolist()
         return list(zip(self._bounds[:-1], self._bounds[1:]))
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """The documents' segments: those inside a pad span left out."""
+        if not self.pad_spans:
+            return self.segments
+        return [(a, e) for a, e in self.segments if not any(p <= a < q for p, q in self.pad_spans)]
+
+    def pieces(self) -> list[tuple[int, int, bool]]:
+        """(start, end, is_pad) covering the row in order: each document, and each pad span as one piece."""
+        out = [(a, e, False) for a, e in self.spans] + [(a, e, True) for a, e in self.pad_spans]
+        return sorted(out)
 
 
 def _cudnn_fwd(q, k, v, scale):
@@ -243,6 +262,11 @@ def _spans(s: int, docs: Documents | None, backend: Backend) -> list[tuple[int, 
     return [(0, s)] if docs is None or backend.fwd_varlen is not None else docs.spans
 
 
+def _skips_pads(docs: Documents | None, backend: Backend) -> bool:
+    """Whether the calls leave the pads out (one call per document with pads in the row)."""
+    return docs is not None and bool(docs.pad_spans) and backend.fwd_varlen is None
+
+
 def _one_token_fwd(q, k, v, scale, lay):
     """A one-token document (cuDNN refuses s_q = s_kv = 1): the softmax over one key is 1, so out = v and
     lse = scale * q.k. q [1, 1, r, d] (bshd) or [1, r, 1, d] (bhsd), k/v the group's (bshd: [1, 1, 1, d])."""
@@ -285,10 +309,12 @@ class GroupedAttention(torch.autograd.Function):
         hq, hkv = q.shape[2], k.shape[2]
         r = hq // hkv
         dout = dout.contiguous()  # [b, s, hq, d], the layout of out
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         backend, docs = ctx.backend, ctx.docs
         lay = backend.layout
         varlen = docs is not None and backend.bwd_varlen is not None
+        # pads the per-document calls leave out get no gradient (none flows to them: no real token reads them)
+        new = torch.zeros_like if _skips_pads(docs, backend) else torch.empty_like
+        dq, dk, dv = new(q), new(k), new(v)
         for j in range(hkv):
             for (a, e), aux in zip(_spans(q.shape[1], docs, backend), ctx.aux):
                 args = (_group(dout[:, a:e], j, r, lay), _group(q[:, a:e], j, r, lay),
@@ -315,8 +341,9 @@ def _forward(q, k, v, scale, backend, docs=None):
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     r = hq // hkv
-    out = q.new_empty(b, s, hq, d)
-    lse = torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
+    skips = _skips_pads(docs, backend)  # the pads' output and lse stay 0
+    out = q.new_zeros(b, s, hq, d) if skips else q.new_empty(b, s, hq, d)
+    lse = (torch.zeros if skips else torch.empty)(b, hq, s, dtype=torch.float32, device=q.device)
     spans = _spans(s, docs, backend)
     varlen = docs is not None and backend.fwd_varlen is not None
     aux: list = [()] * len(spans)

@@ -1,8 +1,10 @@
 """Causal attention over the full sequence for a slice of heads, with packed documents kept apart.
 
 Every kernel takes q [b, s, hq, d] and k, v [b, s, hkv, d] (hq a multiple of hkv) and returns
-[b, s, hq, d]. `cu_seqlens` (int32 document starts over the flattened [b*s] batch, plus the end)
-says where documents begin; with one document per row the dense causal kernel runs.
+[b, s, hq, d]. `cu_seqlens` (int32 segment starts over the flattened [b*s] batch, plus the end)
+says where documents begin; with one document per row the dense causal kernel runs. `pad_spans` (host
+(start, end) pairs, parallel/sharding.Shard.pad_spans): the rows' pads, segments of their own in cu_seqlens;
+the per-document paths skip them (output 0), a varlen kernel runs them at one tile a segment.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def sdpa_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None, stash=None,
-                   layer=None) -> torch.Tensor:
+                   layer=None, pad_spans=()) -> torch.Tensor:
     """SDPA; packed documents run one at a time (no s x s mask is ever built), and like dense rows one KV-head
     group at a time with the explicit-LSE kernels where the planner's rule says so (attention/grouped.py), so
     `stash`/`layer` keep/reuse the kernel's outputs across a checkpoint's recompute (attention/stash.py)."""
@@ -68,29 +70,31 @@ def sdpa_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None, s
     if _single_doc_per_row(cu_seqlens, b):
         return _sdpa_dense(q, k, v, scale, stash, layer)
     backend = default_backend(q.device)
+    docs = Documents(cu_seqlens, max_seqlen, pad_spans)
     if backend is not None and runs_grouped(k.shape[2], stash):
-        docs = Documents(cu_seqlens, max_seqlen)
         return grouped_attention(_flat(q), _flat(k), _flat(v), scale, backend, stash, layer, docs).reshape(q.shape)
     qf, kf, vf = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))  # [b, s, h, d] -> [b*s, h, d]
-    bounds = cu_seqlens.tolist()
-    outs = [_sdpa_dense(qf[None, a:e], kf[None, a:e], vf[None, a:e], scale)[0]
-            for a, e in zip(bounds[:-1], bounds[1:])]
+    outs = [qf.new_zeros(e - a, *qf.shape[1:]) if pad else _sdpa_dense(qf[None, a:e], kf[None, a:e], vf[None, a:e],
+                                                                        scale)[0]
+            for a, e, pad in docs.pieces()]  # the pads' output is 0: no kernel runs on them
     return torch.cat(outs).reshape(q.shape)  # [b*s, h, d] -> [b, s, h, d]
 
 
 def flash4_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None, stash=None,
-                     layer=None) -> torch.Tensor:
+                     layer=None, pad_spans=()) -> torch.Tensor:
     """flash-attn-4, one KV-head group at a time through its explicit-LSE forward and backward (attention/grouped.py:
     the same transients-per-group saving as sdpa, and the outputs can be kept for the recompute); packed documents
     through its varlen (cu_seqlens) kernels, one call per group over all documents."""
     b = q.shape[0]
     if _single_doc_per_row(cu_seqlens, b):
         return grouped_attention(q, k, v, scale, BACKENDS["fa4"], stash, layer)
-    docs = Documents(cu_seqlens, max_seqlen)
+    docs = Documents(cu_seqlens, max_seqlen, pad_spans)
     return grouped_attention(_flat(q), _flat(k), _flat(v), scale, BACKENDS["fa4"], stash, layer, docs).reshape(q.shape)
 
 
-def flash2_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
+def flash2_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None, pad_spans=()) -> torch.Tensor:
+    """flash-attn 2: packed rows (and rows with pads, whose segments are at most PAD_SEGMENT tokens) through its
+    varlen kernel over every segment."""
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
     b, s = q.shape[:2]

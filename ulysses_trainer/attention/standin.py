@@ -35,7 +35,7 @@ class _StandInFullHeads(torch.autograd.Function):
 
 
 def standin_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None, stash=None,
-                      layer=None) -> torch.Tensor:
+                      layer=None, pad_spans=()) -> torch.Tensor:
     """q [b, s, hq, d], k/v [b, s, hkv, d] -> [b, s, hq, d]; memory-faithful to ours, numerically meaningless."""
     if not runs_grouped(k.shape[2], stash):  # ours runs F.sdpa on all heads then (attention/kernels.py)
         return _StandInFullHeads.apply(q, k, v)
@@ -43,7 +43,7 @@ def standin_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None
 
 
 def standin_attention_fa4(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None, stash=None,
-                          layer=None) -> torch.Tensor:
+                          layer=None, pad_spans=()) -> torch.Tensor:
     """As standin_attention, on flash-attn-4's path (attention/kernels.py flash4_attention): dense rows one
     KV-head group at a time whatever the count, so a memory-only run at a length flash-attn-4 cannot reach in
     time allocates per layer what the plan counts for it (its group term is the same as the stand-in's)."""

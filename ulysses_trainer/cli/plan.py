@@ -9,8 +9,9 @@ Any other `--name value` is a training-config override (as for launch/train.py),
 `--tiled_mlp 8 --activation_offload 4 --loss_type nll --per_device_train_batch_size 2`. Levers left at
 `auto` are chosen by the search (the fastest predicted step that fits); fixed ones are planned as given.
 With `packing: true` and a dataset (`dataset_name` in the recipe or `--dataset_name ...`) the plan builds the
-training sequences as the trainer does (the rows of max_steps, else all) and times attention from their document
-lengths (sum of l_i^2, causal varlen); without data it times one document of max_length, the worst case, and
+training sequences as the trainer does (all of them) and times attention from the real documents of the rows its
+max_steps (else its epochs) train, in its order (sum of l_i^2, causal varlen; pads cost none); without data it
+times one document of max_length, the worst case, and
 says so. Memory is in GiB (2**30 bytes). Exit 0: it fits; 1: it does not (the binding limit and the missing GiB
 are named); 2: invalid input.
 """
@@ -175,25 +176,26 @@ def run_plan(argv: list[str]) -> int:
 
 
 def data_attention(cfg: Any, gpus: int, model_config: Any) -> AttentionShare | None:
-    """The packed data's attention cost, from the sequences the trainer would build (the rows max_steps needs,
-    else all); None without packing or without a dataset (the plan then times one document per row)."""
+    """The packed data's attention cost, from the rows the trainer trains: all the sequences it builds, then the
+    rows of its max_steps (else its epochs) in its order (train/prepare.data_share, the trainer's own function);
+    None without packing or without a dataset (the plan then times one document per row)."""
     if not timed_from_data(cfg):
         return None
     from ..data.documents import build_sequences
+    from ..data.order import steps_of
     from ..data.tokenizer import apply_tokenizer_options, load_tokenizer
     from ..layout import resolve_layout
     from ..model.families import family
     from ..model.load import checkpoint_source
+    from ..train.prepare import data_share
 
     dp = resolve_layout(cfg.sp_size, gpus).dp
-    rows = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp * cfg.max_steps \
-        if cfg.max_steps else None
+    per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp
     vocabulary = family(model_config.model_type).tokenizer
     tokenizer = apply_tokenizer_options(load_tokenizer(checkpoint_source(cfg.model_name_or_path), vocabulary),
                                         cfg.chat_template_path, cfg.eos_token)
-    data = build_sequences(cfg, tokenizer, split="train",
-                           dp_size=dp, num_sequences=rows)
-    return AttentionShare.of(data)
+    data = build_sequences(cfg, tokenizer, split="train", dp_size=dp)  # the whole dataset, as the trainer reads it
+    return data_share(data, cfg.seed, per_step, steps_of(cfg.max_steps, cfg.num_train_epochs, len(data), per_step))
 
 
 def _shortage(plan: Plan) -> str:

@@ -4,7 +4,9 @@ Untiled, a gated MLP holds four [rows, intermediate] tensors (gate, up, act, pro
 wide as the hidden size for Qwen3 and four of them: at long sequence lengths they dominate a
 layer's memory. Tiled, forward runs the tiles under no_grad and keeps only x; backward recomputes
 one tile at a time and backpropagates through it, so those tensors exist for one tile at a time.
-Each row is computed by the same ops as untiled, so results match the untiled MLP.
+Each row is computed by the same ops as untiled, so results match the untiled MLP. Rows that are pads
+(`real_spans`, set per forward from the shard: parallel/sharding.Shard.real_rows) are left out of the tiles:
+their output is 0 and they get no gradient (nothing downstream of a pad is trained or read by a real token).
 """
 
 from __future__ import annotations
@@ -16,6 +18,32 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
+
+Spans = tuple[tuple[int, int], ...] | None  # (start, end) row ranges of [N, H] that are not pads; None: all
+
+
+def _take(t: Tensor, spans: Spans) -> Tensor:
+    """The rows of t in spans: [N, H] -> [n_real, H] (a view for one span, a copy for several)."""
+    if spans is None:
+        return t
+    if len(spans) == 1:
+        return t[spans[0][0]:spans[0][1]]
+    return torch.cat([t[a:e] for a, e in spans]) if spans else t[:0]
+
+
+def _put(dst: Tensor, src: Tensor, spans: Spans) -> None:
+    """dst[spans] = src, the inverse of _take (dst [N, H], src [n_real, H])."""
+    s = 0
+    for a, e in spans or ():
+        dst[a:e] = src[s:s + e - a]
+        s += e - a
+
+
+def _real_rows_of(dst: Tensor, spans: Spans) -> tuple[Tensor, bool]:
+    """Where the real rows' results go: a view of dst (None or one span), else a new tensor put back after."""
+    if spans is None or len(spans) <= 1:
+        return _take(dst, spans), False
+    return dst.new_empty((sum(e - a for a, e in spans), *dst.shape[1:])), True
 
 
 def _set_grad_ready(params: list[nn.Parameter], ready: bool) -> None:
@@ -29,12 +57,23 @@ class _TiledMLPFunction(torch.autograd.Function):
     """Saves only x; backward recomputes and backpropagates one tile at a time."""
 
     @staticmethod
-    def forward(ctx, x2d: Tensor, mlp: TiledMLP) -> Tensor:
-        ctx.mlp = mlp
+    def forward(ctx, x2d: Tensor, mlp: TiledMLP, spans: Spans = None) -> Tensor:
+        ctx.mlp, ctx.spans = mlp, spans
         ctx.save_for_backward(x2d)
         if mlp.output_unused:  # a checkpoint's recompute: backward recomputes the tiles anyway
             return x2d.new_zeros((x2d.shape[0], mlp.down_proj.out_features))  # [N, H]
-        out, s = None, 0
+        if spans is not None:  # pads: output 0, the tiles run over the real rows only
+            full = x2d.new_zeros((x2d.shape[0], mlp.down_proj.out_features))  # [N, H]
+            into, copied = _real_rows_of(full, spans)
+            _TiledMLPFunction._tiles(_take(x2d, spans), mlp, into)
+            if copied:
+                _put(full, into, spans)
+            return full
+        return _TiledMLPFunction._tiles(x2d, mlp, None)
+
+    @staticmethod
+    def _tiles(x2d: Tensor, mlp: TiledMLP, out: Tensor | None) -> Tensor:
+        s = 0
         # Collective invariant: every rank runs exactly num_tiles tiles, empty ones included
         # (tensor_split always returns num_tiles pieces; torch.chunk may return fewer). Under ZeRO-3
         # each child forward all-gathers its parameters, so a rank that skipped a tile would leave
@@ -50,11 +89,16 @@ class _TiledMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        (x2d,) = ctx.saved_tensors
+        (x_all,) = ctx.saved_tensors
         mlp: TiledMLP = ctx.mlp
+        spans = ctx.spans
         x_needs_grad = ctx.needs_input_grad[0]
-        grad_out = grad_out.reshape(x2d.shape[0], -1)  # [N, H]
-        grad_x = torch.zeros_like(x2d) if x_needs_grad else None
+        grad_all = torch.zeros_like(x_all) if x_needs_grad else None  # the pads' grad stays 0
+        x2d = _take(x_all, spans)  # [N, H] -> [n_real, H]
+        grad_out = _take(grad_out.reshape(x_all.shape[0], -1), spans)  # [N, H] -> [n_real, H]
+        grad_x, copied = _real_rows_of(grad_all, spans) if grad_all is not None else (None, False)
+        if copied:
+            grad_x.zero_()
         params = [p for p in mlp.parameters() if p.requires_grad]
         n = mlp.num_tiles
         try:
@@ -74,7 +118,9 @@ class _TiledMLPFunction(torch.autograd.Function):
                 s = e
         finally:
             _set_grad_ready(params, True)
-        return grad_x, None
+        if copied:
+            _put(grad_all, grad_x, spans)
+        return grad_all, None, None
 
 
 class TiledBlock:
@@ -122,6 +168,8 @@ class TiledMLP(TiledBlock, nn.Module):
         self.act_fn = mlp.act_fn
         self.num_tiles = num_tiles
         self.output_unused = False  # see unused_output()
+        # (rows of x, the spans of them that are not pads), set per batch (SequenceParallelCausalLM.mark_pads)
+        self.real_spans: tuple[int, Spans] = (0, None)
 
     def tile_forward(self, x: Tensor) -> Tensor:
         """The untiled gated MLP on some rows."""
@@ -135,5 +183,7 @@ class TiledMLP(TiledBlock, nn.Module):
             # The Function's backward is what produces the weight gradients; it runs only if the
             # output requires grad, so give x a (discarded) gradient when only the weights need one.
             x2d = x2d.detach().requires_grad_(True)
-        out = _TiledMLPFunction.apply(x2d, self)
+        rows, spans = self.real_spans
+        spans = spans if rows == x2d.shape[0] else None  # another batch's marks: every row runs
+        out = _TiledMLPFunction.apply(x2d, self, spans)
         return out.view(*shape[:-1], out.shape[-1])  # [b*s, H] -> [b, s, H]

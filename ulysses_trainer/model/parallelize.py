@@ -34,6 +34,7 @@ from ..levers.host_pool import HostPool
 from ..levers.lean_norm import available_norm_kernels, use_lean_norms
 from ..levers.recompute import LayerRecompute
 from ..levers.sparse_moe import RouterStats
+from ..levers.tiled_mlp import TiledMLP
 from ..model_plan import ModelPlan
 from ..names import (
     auto_num_tiles,
@@ -142,19 +143,33 @@ class SequenceParallelCausalLM(nn.Module):
         self.router_stats = router_stats
         self.aux_loss_coef = aux_loss_coef
         self.aux_loss: torch.Tensor | None = None
+        self._tiled = [m for m in causal_lm.modules() if isinstance(m, TiledMLP)]  # they leave pads out
 
     @property
     def config(self):
         return self.causal_lm.config
 
+    def mark_pads(self, shape: tuple[int, ...], real_rows: int | tuple[int, ...] | None) -> None:
+        """Tell the tiled MLPs which rows of the next batch [b, s] are pads (left out of their tiles): kept until
+        the next batch, for the checkpoint's recompute and the backward."""
+        b, s = shape
+        rows = tuple(real_rows) if isinstance(real_rows, (tuple, list)) else (real_rows,) * b
+        spans = None
+        if real_rows is not None and min(rows) < s:
+            spans = tuple((i * s, i * s + n) for i, n in enumerate(rows) if n > 0)  # over [b*s] rows
+        for m in self._tiled:
+            m.real_spans = (b * s, spans)
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
                 cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
                 real_rows: int | tuple[int, ...] | None = None, buckets: torch.Tensor | None = None,
-                num_buckets: int = 0) -> torch.Tensor:
+                num_buckets: int = 0, pad_spans: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
         """`real_rows`: leading positions of each row that are not pads, one count for all rows or one per
         row (parallel/sharding.Shard); the router statistics leave pads out. With `buckets` (labels' shape, each
         token's bucket in [0, num_buckets)) it returns evaluation's [num_buckets, 3] sums on this rank instead:
-        NLL, argmax hits, tokens (levers/chunked_loss.chunked_bucket_sums)."""
+        NLL, argmax hits, tokens (levers/chunked_loss.chunked_bucket_sums). `pad_spans`: the pads over the
+        flattened full batch, which attention leaves out (parallel/sharding.Shard.pad_spans)."""
+        self.mark_pads(input_ids.shape, real_rows)
         stats = self.router_stats
         if stats is not None:
             b, s = input_ids.shape
@@ -165,7 +180,7 @@ class SequenceParallelCausalLM(nn.Module):
                 mask = (torch.arange(s, device=input_ids.device)[None, :] < counts).float().reshape(-1)  # [b*s]
             stats.begin(mask)
         out = self.causal_lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                   sp_cu_seqlens=cu_seqlens, sp_max_seqlen=max_seqlen)
+                                   sp_cu_seqlens=cu_seqlens, sp_max_seqlen=max_seqlen, sp_pad_spans=pad_spans)
         hidden = out.last_hidden_state
         if stats is not None:
             group = self.state.sp_group if self.state.sp_size > 1 else None

@@ -13,6 +13,10 @@ import torch
 from ..layout import padded_length
 
 IGNORE_INDEX = -100  # a label that is not trained on (torch cross_entropy's default ignore_index)
+# a row's pads are cut into segments of at most this many tokens in cu_seqlens: a varlen kernel (one call over
+# every segment) then spends one tile per segment on them, not the last document's length times theirs; the
+# per-document paths skip them (Shard.pad_spans)
+PAD_SEGMENT = 128
 
 
 @dataclass
@@ -27,6 +31,9 @@ class Shard:
     packed: bool  # more than one document in some row: kernels need the varlen / per-document path
     # leading positions of each row that are not pads: one count for every row, or one per row (None: all)
     real_rows: int | tuple[int, ...] | None = None
+    # (start, end) over the flattened [b * L_pad] batch of each row's pads (after its real tokens): segments of
+    # their own in cu_seqlens, attended by no real token; kernels leave them out (their output is 0)
+    pad_spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_valid(self) -> int:
@@ -35,11 +42,12 @@ class Shard:
     def model_inputs(self) -> dict:
         """Keyword arguments for SequenceParallelCausalLM.forward."""
         return {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids,
-                "cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen, "real_rows": self.real_rows}
+                "cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen, "real_rows": self.real_rows,
+                "pad_spans": self.pad_spans}
 
     def to(self, device) -> Shard:
         return Shard(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device),
-                     self.cu_seqlens.to(device), self.max_seqlen, self.packed, self.real_rows)
+                     self.cu_seqlens.to(device), self.max_seqlen, self.packed, self.real_rows, self.pad_spans)
 
 
 def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -51,15 +59,27 @@ def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tens
     return shifted
 
 
-def document_layout(position_ids: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
-    """cu_seqlens (int32, over the flattened [b*L] batch), max document length, and whether packed."""
+def document_layout(position_ids: torch.Tensor, real_lengths: Sequence[int] | None = None
+                    ) -> tuple[torch.Tensor, int, bool, tuple[tuple[int, int], ...]]:
+    """cu_seqlens (int32, over the flattened [b*L] batch), the longest segment, whether some row holds more than
+    one document, and the pads' spans. real_lengths: each row's tokens before its pads (default: none are pads);
+    a row's pads are segments of their own, at most PAD_SEGMENT tokens each, whatever their positions say."""
     b, length = position_ids.shape
+    real = [length] * b if real_lengths is None else [int(n) for n in real_lengths]
     starts = position_ids == 0
     starts[:, 0] = True  # every row starts a document, whatever its first position
-    flat = torch.nonzero(starts.reshape(-1), as_tuple=False).flatten()  # [n_docs]
+    packed = bool((starts.sum(1) > 1).any()) if real_lengths is None else \
+        any(int(starts[i, :n].sum()) > 1 for i, n in enumerate(real))
+    pads = []
+    for i, n in enumerate(real):
+        if n < length:
+            starts[i, n:] = False
+            starts[i, n::PAD_SEGMENT] = True  # [n, length) in segments of PAD_SEGMENT tokens
+            pads.append((i * length + n, (i + 1) * length))
+    flat = torch.nonzero(starts.reshape(-1), as_tuple=False).flatten()  # [n_segments]
     cu = torch.cat([flat, flat.new_tensor([b * length])]).to(torch.int32)
     max_len = int((cu[1:] - cu[:-1]).max())
-    return cu, max_len, len(cu) - 1 > b
+    return cu, max_len, packed, tuple(pads)
 
 
 def shard_batch(input_ids: torch.Tensor, *, sp_size: int, sp_rank: int,
@@ -93,7 +113,12 @@ def shard_batch(input_ids: torch.Tensor, *, sp_size: int, sp_rank: int,
         input_ids = torch.cat([input_ids, input_ids.new_full((b, n_pad), pad_token_id)], dim=1)
         shifted = torch.cat([shifted, shifted.new_full((b, n_pad), IGNORE_INDEX)], dim=1)
         position_ids = torch.cat([position_ids, pad_pos], dim=1)
-    cu, max_len, packed = document_layout(position_ids)
+    if real_lengths is not None and (len(real_lengths) != b or not all(0 <= n <= length for n in real_lengths)):
+        raise ValueError(f"real_lengths must give one count in [0, {length}] per row of {b}, got {real_lengths}")
+    real = [length] * b if real_lengths is None else [int(n) for n in real_lengths]
+    # the sp padding and each row's own pads: segments of their own, which kernels leave out
+    cu, max_len, packed, pad_spans = document_layout(position_ids, real if total > length or min(real) < length
+                                                     else None)
 
     local = total // sp_size
     sl = slice(sp_rank * local, (sp_rank + 1) * local)  # [b, L_pad] -> [b, L_pad/sp]
@@ -101,12 +126,7 @@ def shard_batch(input_ids: torch.Tensor, *, sp_size: int, sp_rank: int,
     def here(real: int) -> int:  # of a row's first `real` tokens, how many fall in this rank's slice
         return max(0, min(local, real - sp_rank * local))
 
-    if real_lengths is None:
-        real_rows: int | tuple[int, ...] = here(length)
-    else:
-        if len(real_lengths) != b or not all(0 <= n <= length for n in real_lengths):
-            raise ValueError(f"real_lengths must give one count in [0, {length}] per row of {b}, got {real_lengths}")
-        counts = tuple(here(int(n)) for n in real_lengths)
-        real_rows = counts[0] if len(set(counts)) == 1 else counts
+    counts = tuple(here(n) for n in real)
+    real_rows: int | tuple[int, ...] = counts[0] if len(set(counts)) == 1 else counts
     return Shard(input_ids[:, sl].contiguous(), shifted[:, sl].contiguous(),
-                 position_ids[:, sl].contiguous(), cu, max_len, packed, real_rows=real_rows)
+                 position_ids[:, sl].contiguous(), cu, max_len, packed, real_rows=real_rows, pad_spans=pad_spans)

@@ -50,7 +50,7 @@ class UlyssesAttention:
                  value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                  scaling: float | None = None, sliding_window: int | None = None,
                  sp_cu_seqlens: torch.Tensor | None = None, sp_max_seqlen: int | None = None,
-                 **kwargs) -> tuple[torch.Tensor, None]:
+                 sp_pad_spans: tuple[tuple[int, int], ...] = (), **kwargs) -> tuple[torch.Tensor, None]:
         assert attention_mask is None, "Ulysses attention builds causality from position_ids; pass no mask"
         assert not dropout, "attention dropout is not supported under Ulysses SP; set attention_dropout=0"
         assert sliding_window is None, "sliding-window layers are not supported; disable use_sliding_window"
@@ -70,6 +70,8 @@ class UlyssesAttention:
         layer = getattr(module, "layer_idx", None)
         if self.stash is not None and self.kernel in KEEPING_KERNELS and self.stash.wants(layer, module.training):
             keep = {"stash": self.stash, "layer": layer}  # the recompute reuses the kernel's outputs
-        out = self.attend(q, k, v, scale=scale, cu_seqlens=sp_cu_seqlens, max_seqlen=sp_max_seqlen, **keep)
+        # pads (sp_pad_spans): segments of their own that the kernel leaves out (parallel/sharding.py)
+        out = self.attend(q, k, v, scale=scale, cu_seqlens=sp_cu_seqlens, max_seqlen=sp_max_seqlen,
+                          pad_spans=sp_pad_spans, **keep)
         # [b, s, h/sp, d] -> [b, s/sp, h, d]: what HF attention functions return
         return heads_to_seq(out, sp, group), None

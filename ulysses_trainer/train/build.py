@@ -10,7 +10,6 @@ import deepspeed
 import torch
 
 from .. import probe
-from ..data.attention_share import AttentionShare, timed_from_data
 from ..model.load import build_model as load_model
 from ..model.lora import add_lora
 from ..model.parallelize import SequenceParallelCausalLM, apply, parallelize
@@ -63,6 +62,5 @@ def resolve_after_engine(plan: RunPlan, device: torch.device | str) -> Plan:
     if free is None:
         return plan.resolved
     machine = replace(plan.machine, gpu_free_after_engine_gb=agree_free_memory(free))
-    # packed rows: attention timed from the same documents as the first plan, not as one document a row
-    share = AttentionShare.of(plan.train_data) if timed_from_data(plan.cfg) else None
-    return replan_after_engine(plan.resolved, plan.cfg, plan.shape, machine, attention=share)
+    # packed rows: attention timed from the same rows as the first plan (prepare.data_share), not one document a row
+    return replan_after_engine(plan.resolved, plan.cfg, plan.shape, machine, attention=plan.attention)

@@ -7,21 +7,12 @@ run stops: a run extended on resume continues the same order. Every rank compute
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
+from ..data.order import epoch_permutation, stream_rows
 from ..parallel.sharding import Shard, shard_batch
 from ..parallel.state import ParallelState
 from .prepare import RunPlan
-
-
-@lru_cache(maxsize=4)
-def epoch_permutation(seed: int, rows: int, epoch: int) -> torch.Tensor:
-    """Row indices of pass `epoch` (from 0) over `rows` rows: the seeded permutation (`ulysses-trainer data` shows
-    the rows in this order)."""
-    g = torch.Generator().manual_seed(seed + epoch)
-    return torch.randperm(rows, generator=g)
 
 
 def epoch_order(plan: RunPlan, epoch: int) -> torch.Tensor:
@@ -31,14 +22,8 @@ def epoch_order(plan: RunPlan, epoch: int) -> torch.Tensor:
 
 def step_rows(plan: RunPlan, step: int) -> torch.Tensor:
     """Row indices of optimizer step `step`, all dp ranks and micro-steps (the same on every rank)."""
-    rows, per_step = len(plan.train_data), plan.sequences_per_step
-    parts, at, end = [], step * per_step, (step + 1) * per_step
-    while at < end:
-        epoch, j = divmod(at, rows)
-        take = min(end - at, rows - j)
-        parts.append(epoch_order(plan, epoch)[j:j + take])
-        at += take
-    return torch.cat(parts)
+    per_step = plan.sequences_per_step
+    return stream_rows(plan.cfg.seed, len(plan.train_data), step * per_step, (step + 1) * per_step)
 
 
 def epoch_of(plan: RunPlan, steps: int) -> float:

@@ -7,7 +7,6 @@ the run with exit code 2 and nothing written to output_dir.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +16,7 @@ import torch
 from ..config import TrainConfig, config_to_dict, validate_config
 from ..data.accounting import check_something_trained
 from ..data.attention_share import AttentionShare, timed_from_data
+from ..data.order import steps_of, trained_rows
 from ..data.recall_probe import RecallProbe, build_recall_probe
 from ..data.tokenizer import apply_tokenizer_options, check_tokenizer_fits, load_tokenizer
 from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
@@ -72,6 +72,8 @@ class RunPlan:
     source: str | None = None  # the weights' directory or Hub id (model/load.checkpoint_source); None: a preset
     reporters: list[str] = field(default_factory=list)  # report_to, decoded once (names.resolve_report_to)
     recall_probe: RecallProbe | None = None  # eval_recall_probe: the probe rows (data/recall_probe.py)
+    # packed rows: the attention of the rows the run trains (data_share), the plan's after the engine too
+    attention: AttentionShare | None = None
 
     @property
     def sp_size(self) -> int:
@@ -150,12 +152,15 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
                               f"but one eval round needs {per_round} (dp {dp} x per_device_eval_batch_size "
                               f"{cfg.per_device_eval_batch_size}); add eval data, raise max_eval_samples "
                               f"or lower those")
+    # num_train_epochs: every row trained that many times (a step may straddle two epochs: data_order.py)
+    total = steps_of(cfg.max_steps, cfg.num_train_epochs, len(train), per_step)
+    share = None
     recall_probe = None
     if cfg.eval_recall_probe and eval_data is not None:  # before heavy work: a row too short for it is exit 2
         recall_probe = build_recall_probe(eval_data, position_edges(cfg.max_length), cfg.seed, tokenizer.encode,
                                           covered_rows(len(eval_data), cfg.per_device_eval_batch_size, dp))
     if timed_from_data(cfg):  # attention timed from the packed rows' documents (the plan above: one a row)
-        share = AttentionShare.of(train)
+        share = data_share(train, cfg.seed, per_step, total)
         resolved = plan_of(cfg, share)
         digest = check_same_plan(resolved, "after the data is read")  # every rank reads the same rows
         check_host_fits(resolved, machine, device, ranks_here=None if training else 1)
@@ -170,9 +175,6 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
         clear_output_dir = check_output_dir(cfg.output_dir, resume_path, cfg.overwrite_output_dir)
     steps_per_epoch = len(train) // per_step
     epoch_steps = steps_per_epoch
-    # num_train_epochs: every row trained that many times (a step may straddle two epochs: data_order.py)
-    total = cfg.max_steps if cfg.max_steps is not None else \
-        max(1, math.ceil(cfg.num_train_epochs * len(train) / per_step))
     disk = ""
     if training:
         need = disk_need(cfg, resume_path, clear_output_dir, total, num_params(shape), world_size, bf16)
@@ -191,7 +193,13 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
                    epoch_steps=epoch_steps, total_steps=total, sequences_per_step=per_step,
                    resume_path=resume_path, clear_output_dir=clear_output_dir,
                    config_changes=config_changes, plan_digest=digest, disk=disk, source=source,
-                   reporters=reporters, recall_probe=recall_probe)
+                   reporters=reporters, recall_probe=recall_probe, attention=share)
+
+
+def data_share(train: Any, seed: int, per_step: int, steps: int) -> AttentionShare:
+    """The attention of the rows a run of `steps` optimizer steps trains, in the trainer's order: what the trainer
+    and `ulysses-trainer plan` (the same function) time attention from."""
+    return AttentionShare.of(train, trained_rows(seed, len(train), per_step, steps))
 
 
 def disk_need(cfg: TrainConfig, resume_path: str | None, clear_output_dir: bool, total_steps: int, params: int,
