@@ -37,7 +37,7 @@ MAX_STEPS = 4
 MAX_LENGTH = 256
 LR = 1e-3
 CONTRACT_KEYS = {"step", "loss", "grad_norm", "learning_rate", "num_tokens", "epoch", "tokens_per_s",
-                 "tflops_per_gpu", "peak_gpu_mem_gb", "peak_host_mem_gb", "num_loss_tokens"}
+                 "tflops_per_gpu", "mfu", "peak_gpu_mem_gb", "peak_host_mem_gb", "num_loss_tokens"}
 LOG_KEYS = ["loss", "grad_norm", "learning_rate", "num_tokens", "epoch"]
 # The sp runs: dp = 1 everywhere, 2 sequences per optimizer step as 2 micro-steps of 1.
 COMMON = ["--max_length", str(MAX_LENGTH), "--max_steps", str(MAX_STEPS), "--learning_rate", str(LR),
@@ -159,7 +159,7 @@ def test_two_ranks_log_metrics_and_export(runs):
         assert r["epoch"] == pytest.approx(r["step"] / MAX_STEPS), r
         assert r["learning_rate"] == pytest.approx(LR * (1 - r["step"] / MAX_STEPS), abs=1e-12), r
         assert r["tokens_per_s"] > 0 and r["tflops_per_gpu"] > 0 and r["peak_host_mem_gb"] > 0, r
-        assert r["peak_gpu_mem_gb"] >= 0, r
+        assert r["peak_gpu_mem_gb"] >= 0 and r["mfu"] is None, r  # a CPU has no dense bf16 peak in the table
     assert train[-1]["loss"] < train[0]["loss"], "the loss did not fall in 4 steps at lr 1e-3"
     assert [r["step"] for r in evals] == [2, 4] and all(math.isfinite(r["eval_loss"]) for r in evals)
 

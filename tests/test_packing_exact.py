@@ -181,3 +181,34 @@ def test_fill_ratio_in_the_counts_and_the_data_line():
         assert f"fill {100 * c.tokens / (c.sequences * 100):.1f}% (real tokens / sequence tokens)" in counts.summary()
     bfd = DataCounts.of_examples(build_rows(ex, 100, True, "truncate", 0)[-1], "t", None, 100)  # bfd: the default
     assert bfd.fill_ratio == round(205 / 300, 4)  # 65 + 35, 50 + 40, 15
+
+
+def test_bfd_packs_into_fewer_rows_where_best_fit_leaves_one_too_many():
+    from ulysses_trainer.data.rows import fewest_bins, lower_bound
+
+    lengths = [4, 4, 3, 3, 3, 3]  # best fit: [4, 4], [3, 3, 3], [3]; 20 tokens fit 2 rows of 10: [4, 3, 3] twice
+    assert len(best_fit_decreasing(lengths, 10)) == 3 and lower_bound(lengths, 10) == 2
+    bins = fewest_bins(lengths, 10, best_fit_decreasing(lengths, 10))
+    assert sorted(sorted(lengths[i] for i in b) for b in bins) == [[3, 3, 4], [3, 3, 4]]
+    tokens, _, positions, real, counts = build_rows(_examples("all", lengths), 10, True, "truncate", 0)
+    assert real.tolist() == [10, 10] and counts.pad_tokens == 0 and counts.examples_used == 6
+    assert counts.rows_over_10pct_padding == 0 and counts.padding_why == ""
+    # the same documents, whole: every one of them once
+    assert sorted(np.diff(np.flatnonzero(np.append(positions, 0) == 0)).tolist()) == sorted(lengths)
+
+
+def test_rows_over_a_tenth_of_padding_are_counted_with_why():
+    # two sessions over half a row need one each; the rest cannot fill them: not a packing's fault
+    _, _, _, real, counts = build_rows(_examples("all", [70, 60, 10, 5]), 100, True, "truncate", 0)
+    assert real.tolist() == [85, 60] and counts.rows_over_10pct_padding == 2
+    assert "2 examples are over half of max_length 100" in counts.padding_why and "never split" in counts.padding_why
+    # the fewest rows: 250 tokens need 3 rows of 100, 50 pads whatever the packing
+    _, _, _, real, counts = build_rows(_examples("all", [50, 50, 50, 50, 50]), 100, True, "truncate", 0)
+    assert real.tolist() == [100, 100, 50] and counts.rows_over_10pct_padding == 1
+    assert "250 tokens need at least 3" in counts.padding_why
+    _, _, _, real, counts = build_rows(_examples("all", [60, 50, 40]), 100, True, "truncate", 0, strategy="next_fit")
+    assert real.tolist() == [60, 90] and "next_fit keeps the examples' order" in counts.padding_why
+    from ulysses_trainer.data.accounting import DataCounts
+
+    line = DataCounts.of_examples(counts, "t", None, 100).summary()
+    assert "1 of 2 sequences over 10% padding: next_fit keeps" in line

@@ -26,7 +26,8 @@ class DataCounts:
     tail: str = "none"  # what happened to them: "dropped" | "padded" | "none" | "not read" (stopped early)
     pad_tokens: int = 0
     documents_total: int | None = None  # rows in the source, when known
-    details: dict[str, int] = field(default_factory=dict)  # whole examples: read, used, truncated, trained tokens
+    # whole examples: read, used, truncated, trained tokens, rows over 10% padding and why (data/rows.RowCounts)
+    details: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of_examples(cls, rows: Any, source: str, total: int | None, max_length: int) -> DataCounts:
@@ -77,6 +78,9 @@ class DataCounts:
             end += f"; {self.details.get('trained_tokens', 0)} trained tokens, " \
                    f"{self.details.get('truncated', 0)} truncated to max_length, {self.pad_tokens} pad tokens"
         end += f"; fill {100 * self.fill_ratio:.1f}% (real tokens / sequence tokens)"
+        heavy = self.details.get("rows_over_10pct_padding", 0)
+        if heavy:
+            end += f"; {heavy} of {self.sequences} sequences over 10% padding: {self.details.get('padding_why', '')}"
         return (f"{self.source}: {self.documents_read}{total} documents read, {self.documents_used} used, "
                 f"skipped: {skipped}; {self.tokens} tokens -> {self.sequences} sequences of {self.max_length}; "
                 f"{end}")

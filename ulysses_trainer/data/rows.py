@@ -2,7 +2,9 @@
 
 One example per row (the rest padded), or, with packing, several per row by packing_strategy:
 - `bfd` (best-fit decreasing, TRL's default): whole examples, longest first, each into the fullest row
-  it still fits; the rows come out nearly full whatever the order of the lengths.
+  it still fits; the rows come out nearly full whatever the order of the lengths. Where that leaves more rows
+  than the lower bound (the tokens over max_length, the examples over half of it), a bounded exact search
+  (fewest_bins) looks for a packing into fewer rows: every pad a row fewer saves is one no kernel runs.
 - `next_fit`: whole examples in their order; a new row when the next does not fit.
 - `wrapped` (TRL's other value): examples joined end to end and cut at max_length; an example cut by a
   row edge goes on as a fresh segment of the next row (the only strategy that splits an example).
@@ -39,6 +41,8 @@ class RowCounts:
     trained_tokens: int = 0  # tokens that are a trained target (an example's first token never is)
     pad_tokens: int = 0
     skipped: dict = field(default_factory=dict)  # reason -> examples
+    rows_over_10pct_padding: int = 0  # rows whose pads are more than a tenth of max_length
+    padding_why: str = ""  # why those rows could not be fuller (padding_report)
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -68,6 +72,91 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+# the exact search's budget: placements tried per bin count (under a second of Python)
+SEARCH_NODES = 50_000
+SEARCH_MAX_ITEMS = 400  # more examples than this: bfd's rows are kept (their fill is then near 100%)
+
+
+def lower_bound(lengths: list[int], capacity: int) -> int:
+    """Fewest bins any packing needs: the total over the capacity, and one each for the lengths over half of it."""
+    if not lengths:
+        return 0
+    return max(-(-sum(lengths) // capacity), sum(2 * n > capacity for n in lengths))
+
+
+def _pack_into(lengths: list[int], capacity: int, k: int, budget: int) -> list[list[int]] | None:
+    """k bins holding every length (indices, longest first), found by depth-first search, or None (none exist or
+    the budget ran out). Symmetry cut: a length tries each distinct room once."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    rooms = [capacity] * k
+    bins: list[list[int]] = [[] for _ in range(k)]
+    suffix = [0] * (len(order) + 1)
+    for j in range(len(order) - 1, -1, -1):
+        suffix[j] = suffix[j + 1] + lengths[order[j]]
+    nodes = [0]
+
+    def place(j: int) -> bool:
+        if j == len(order):
+            return True
+        nodes[0] += 1
+        if nodes[0] > budget or suffix[j] > sum(rooms):
+            return False
+        i, tried = order[j], set()
+        for b in range(k):
+            if rooms[b] >= lengths[i] and rooms[b] not in tried:
+                tried.add(rooms[b])
+                rooms[b] -= lengths[i]
+                bins[b].append(i)
+                if place(j + 1):
+                    return True
+                bins[b].pop()
+                rooms[b] += lengths[i]
+        return False
+
+    return bins if place(0) else None
+
+
+def fewest_bins(lengths: list[int], capacity: int, bins: list[list[int]]) -> list[list[int]]:
+    """bins (best_fit_decreasing's), or a packing into fewer found by a bounded exact search while more than the
+    lower bound are used."""
+    bound = lower_bound(lengths, capacity)
+    if len(lengths) > SEARCH_MAX_ITEMS:
+        return bins
+    while len(bins) > bound:
+        fewer = _pack_into(lengths, capacity, len(bins) - 1, SEARCH_NODES)
+        if fewer is None:
+            break
+        bins = [b for b in fewer if b]
+    return bins
+
+
+def padding_report(real: list[int], L: int, lengths: list[int], packing: bool, strategy: str) -> tuple[int, str]:
+    """(rows with more than 10% of max_length in pads, why they could not be fuller); lengths: the examples'."""
+    heavy = sum(L - n > L // 10 for n in real)
+    if not heavy:
+        return 0, ""
+    if not packing:
+        return heavy, "one example per sequence (packing false): packing: true puts several in one"
+    if strategy == "next_fit":
+        return heavy, ("next_fit keeps the examples' order and starts a sequence when the next does not fit; "
+                       "bfd packs fuller")
+    if strategy == "wrapped":
+        return heavy, "the last sequence holds the end of the data"
+    bound = lower_bound(lengths, L)
+    if len(real) > bound:
+        searched = f"a search of {SEARCH_NODES} placements" if len(lengths) <= SEARCH_MAX_ITEMS else \
+            f"no search over {SEARCH_MAX_ITEMS} examples"
+        return heavy, (f"{len(real)} sequences where at least {bound} are needed: no packing into fewer was found "
+                       f"(best fit, then {searched})")
+    total, over_half = sum(lengths), sum(2 * n > L for n in lengths)
+    if over_half == bound and over_half * L - total >= L // 10:
+        return heavy, (f"{over_half} examples are over half of max_length {L}, so each needs a sequence of its own; "
+                       f"the shorter ones do not fill the rest (a session is never split: packing_strategy wrapped "
+                       f"splits them)")
+    return heavy, (f"the fewest sequences that hold every example whole: {total} tokens need at least {bound} of {L} "
+                   f"({total / L:.2f} sequences' worth), so {bound * L - total} pads are left whatever the packing")
+
+
 class _Rows:
     """Rows being written: whole rows of L tokens with their trained mask and positions."""
 
@@ -77,6 +166,7 @@ class _Rows:
         self.m: list[np.ndarray] = []
         self.p: list[np.ndarray] = []
         self.lengths: list[int] = []
+        self.doc_lengths: list[int] = []  # every segment's length, row by row
 
     def add(self, parts: list[Example]) -> None:
         """One row of these segments (each starting at position 0), padded to L."""
@@ -88,6 +178,7 @@ class _Rows:
         self.m.append(np.concatenate([m, np.zeros(n_pad, bool)]))
         self.p.append(np.concatenate([p, p[-1] + 1 + np.arange(n_pad, dtype=np.int32)]))
         self.lengths.append(len(t))
+        self.doc_lengths += [len(ids) for ids, _ in parts]
         self.counts.pad_tokens += n_pad
         self.counts.sequences += 1
 
@@ -146,6 +237,8 @@ def build_rows(examples: Iterable[Example], max_length: int, packing: bool, poli
         _wrapped(_admitted(examples, L, policy, counts, truncate=False), rows, max_rows)
     else:
         _in_order(examples, rows, policy, packing, max_rows)
+    counts.rows_over_10pct_padding, counts.padding_why = padding_report(
+        rows.lengths, L, rows.doc_lengths, packing, strategy)
     cat = (lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dt))  # noqa: E731
     positions = cat(rows.p, np.int32) if packing else None
     return cat(rows.t, np.int32), cat(rows.m, bool), positions, np.asarray(rows.lengths, np.int64), counts
@@ -194,7 +287,8 @@ def _bfd(examples: Iterator[Example], rows: _Rows, max_rows: int | None) -> None
         total += len(ex[0])
         if max_rows is not None and total >= max_rows * L:
             break  # enough tokens for max_rows full rows: bfd makes at least that many
-    bins = best_fit_decreasing([len(ids) for ids, _ in held], L)
+    lengths = [len(ids) for ids, _ in held]
+    bins = fewest_bins(lengths, L, best_fit_decreasing(lengths, L))
     if max_rows is not None and len(bins) > max_rows:
         counts.examples_read -= sum(len(b) for b in bins[max_rows:])
         bins = bins[:max_rows]

@@ -1,4 +1,10 @@
-"""Model FLOPs and memory readings for the log (metrics.jsonl's tflops_per_gpu and peak memory keys)."""
+"""Model FLOPs and memory readings for the log (metrics.jsonl's tflops_per_gpu, mfu and peak memory keys).
+
+The model FLOPs of a row are those of its real documents l_1..l_k (its pads left out: the kernels skip them,
+parallel/sharding.py): 6 x matmul parameters x sum(l_i) (forward + backward, 2 + 4 FLOPs a weight a token) plus
+6 x sum(l_i^2) x heads x head_dim x layers (QK^T and PV, 2 FLOPs each, causal as half of full, x3 for forward +
+backward); recompute not counted. tflops_per_gpu = the step's FLOPs / step seconds / GPUs; mfu = that / the
+device's dense bf16 peak (DEVICE_PEAK_TFLOPS; None where the device is not in the table, e.g. a CPU run).""" 
 
 from __future__ import annotations
 
@@ -6,20 +12,55 @@ import resource
 import statistics
 import sys
 
+import numpy as np
 import torch
 
+from ..data.attention_share import row_costs
 from ..plan.inputs import ModelShape, matmul_params
 from ..plan.step_time import MODELLED_FROM_S, format_seconds
 
+# dense (no sparsity) bf16 tensor-core peaks in TFLOP/s per GPU, from the vendors' datasheets; matched against
+# torch.cuda.get_device_name, the first entry found in it wins (the more specific names first)
+DEVICE_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989.4), ("H200", 989.4), ("H100 PCIe", 756.0), ("H100 NVL", 835.5), ("H100", 989.4), ("H800", 989.4),
+    ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.05), ("A10G", 70.0),
+)
+
+
+def model_flops(shape: ModelShape, tokens: float, sum_sq: float) -> float:
+    """Forward+backward model FLOPs of documents of sum(l_i) = tokens and sum(l_i^2) = sum_sq (the module
+    docstring's formula)."""
+    dense = 6.0 * matmul_params(shape) * tokens
+    # QK^T and PV: 2 matmuls x 2 FLOPs x l^2 x heads x d, halved for causal, x3 for fwd+bwd
+    attn = 3 * 2 * 2 * sum_sq * shape.heads * shape.head_dim / 2 * shape.layers
+    return dense + attn
+
 
 def train_flops_per_sequence(config, seq_len: int) -> float:
-    """Forward+backward model FLOPs for one sequence (3x forward), causal attention as half of full
-    attention, recompute not counted."""
-    shape = ModelShape.from_config(config)
-    dense = 6.0 * matmul_params(shape) * seq_len
-    # QK^T and PV: 2 matmuls x 2 FLOPs x L^2 x heads x d, halved for causal, x3 for fwd+bwd
-    attn = 3 * 2 * 2 * seq_len**2 * shape.heads * shape.head_dim / 2 * shape.layers
-    return dense + attn
+    """Forward+backward model FLOPs for one document of seq_len tokens (3x forward), causal attention as half of
+    full attention, recompute not counted."""
+    return model_flops(ModelShape.from_config(config), float(seq_len), float(seq_len) ** 2)
+
+
+def row_model_flops(shape: ModelShape, ds) -> np.ndarray:
+    """Model FLOPs of each row of a data/sequences.SequenceDataset: its real documents only."""
+    tokens, squares = row_costs(ds)
+    return model_flops(shape, tokens, squares)
+
+
+def device_peak_tflops(device: torch.device | str) -> tuple[float, str] | None:
+    """(dense bf16 peak TFLOP/s, the device's name) of a CUDA device in DEVICE_PEAK_TFLOPS; None elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next(((peak, name) for key, peak in DEVICE_PEAK_TFLOPS if key in name), None)
+
+
+def throughput(flops: float, seconds: float, gpus: int, peak: tuple[float, str] | None) -> dict[str, float | None]:
+    """metrics.jsonl's tflops_per_gpu and mfu for a step of `flops` model FLOPs."""
+    per_gpu = flops / seconds / gpus / 1e12
+    return {"tflops_per_gpu": per_gpu, "mfu": per_gpu / peak[0] if peak is not None else None}
 
 
 def peak_gpu_mem_gb() -> float:

@@ -23,7 +23,7 @@ from . import run_report as report
 from .build import build_engine, build_model
 from .evaluation import EvalResult
 from .log_interval import LogInterval
-from .metrics import peak_gpu_mem_gb, peak_host_mem_gb, train_flops_per_sequence
+from .metrics import device_peak_tflops, peak_gpu_mem_gb, peak_host_mem_gb, row_model_flops, throughput
 from .non_finite import NonFiniteError, non_finite_step
 from .out_of_memory import OutOfGpuMemory, Where, decoder_layers, oom_message, pinned_levers
 from .position_loss import write_per_position_loss
@@ -194,7 +194,12 @@ class Trainer:
         self.run_log.open_reporters()
         self.stop.install()
         saving = cfg.save_strategy != "no"
-        flops_per_step = train_flops_per_sequence(plan.model_config, cfg.max_length) * plan.sequences_per_step
+        row_flops = row_model_flops(plan.shape, plan.train_data)  # each row's real documents (metrics.py)
+        peak = device_peak_tflops(self.device)
+        if self.state.is_main:
+            log.info("mfu: model FLOPs of the real documents / " + (
+                f"{peak[0]:g} TFLOP/s per GPU, the dense bf16 peak of an {peak[1]}" if peak else
+                "no known peak for this device (mfu null)"))
         bar = self._bar = tqdm(total=plan.total_steps, initial=self.step, disable=not self.state.is_main,
                                unit="it", dynamic_ncols=True)
         step_times: list[float] = []
@@ -206,6 +211,7 @@ class Trainer:
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 self._non_finite_step(loss, grad_norm, self.engine.skipped_steps > skipped_before, bar)
             real_tokens = order.step_real_tokens(plan, self.step)
+            flops = float(row_flops[order.step_rows(plan, self.step).numpy()].sum())
             self.step += 1
             self.num_tokens += real_tokens
             self.num_loss_tokens += tokens
@@ -215,7 +221,7 @@ class Trainer:
             bar.update(1)
             epoch_end = ends_epoch(self.step, plan.sequences_per_step, len(plan.train_data))
             if log_due(cfg, self.step, plan.total_steps, epoch_end):
-                self._log(loss, grad_norm, dt, real_tokens, flops_per_step, bar)
+                self._log(loss, grad_norm, dt, real_tokens, throughput(flops, dt, self.state.world_size, peak), bar)
             if eval_due(cfg, self.step, epoch_end):
                 self.where.enter("evaluation")
                 self._log_eval(self.evaluate(), bar)
@@ -272,14 +278,14 @@ class Trainer:
             self.run_log.raise_failure(int(code))
         return stop > 0
 
-    def _log(self, loss, grad_norm, dt, tokens, flops_per_step, bar) -> None:
+    def _log(self, loss, grad_norm, dt, tokens, rates, bar) -> None:
         """One row: loss (and aux_loss) the mean over the steps since the last row, the rest of the last step."""
         loss, aux_loss = self.interval.take(loss)
         lr = self.engine.lr_scheduler.get_last_lr()[0]
         epoch = order.epoch_of(self.plan, self.step)  # passes over the data
         row = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "learning_rate": lr,
                "num_tokens": self.num_tokens, "num_loss_tokens": self.num_loss_tokens, "epoch": epoch,
-               "tokens_per_s": tokens / dt, "tflops_per_gpu": flops_per_step / dt / self.state.world_size / 1e12,
+               "tokens_per_s": tokens / dt, **rates,  # tflops_per_gpu, mfu: the real documents' FLOPs
                "peak_gpu_mem_gb": peak_gpu_mem_gb(), "peak_host_mem_gb": peak_host_mem_gb()}
         if aux_loss is not None:
             row["aux_loss"] = aux_loss
