@@ -14,7 +14,8 @@ phase, so a run stopped by a time limit keeps what it measured; a phase that wou
 
 `--phases rows --rows ROWS.json` times given packed rows instead (ROWS.json: {"name": [document lengths], ...},
 each summing to at most max_length; the rest of a row is pads that continue the last document's positions, as the
-data pipeline builds them, with no label): the first row once untimed (kernel compilation), then every row, each
+data pipeline builds them, with no label, and are passed as pads (real_lengths) as the trainer passes them, so the
+kernels leave them out): the first row once untimed (kernel compilation), then every row, each
 with its real tokens/s. `benchmarks/packing_gpu.py` writes such rows for first-fit and best-fit packings.
 """
 
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, lens in rows.items():
             rpos, keep = packed_row(lens, ids.shape[1])
             labels = ids.masked_fill(~keep, IGNORE_INDEX)
-            shard = shard_batch(ids, position_ids=rpos, labels=labels, sp_size=1, sp_rank=0)
+            shard = shard_batch(ids, position_ids=rpos, labels=labels, sp_size=1, sp_rank=0, real_lengths=[sum(lens)])
             built[name] = ([shard.to(trainer.device)], sum(lens))
         first_name = next(iter(built))
         step("rows_warmup_untimed", built[first_name][0], real_tokens=built[first_name][1])
@@ -283,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                 break
             step("row " + name, shards, real_tokens=real)
             result["phases"]["row " + name]["lengths"] = rows[name]
-            result["phases"]["row " + name]["sum_l2_ratio"] = attention_ratio(
-                rows[name][:-1] + [rows[name][-1] + ids.shape[1] - sum(rows[name])])
+            # the real documents' attention (the pads are segments the kernels leave out) over one full document
+            result["phases"]["row " + name]["sum_l2_ratio"] = \
+                sum(n * (n + 1) for n in rows[name]) / (ids.shape[1] * (ids.shape[1] + 1))
             save()
         return 0
     first = step("one_document_step1_untimed", dense)
