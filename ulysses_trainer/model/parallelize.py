@@ -1,7 +1,8 @@
 """`parallelize(model, state, plan)` installs the mechanisms on an HF causal LM; `apply(model, plan)` sets them.
 
 Order (each step relies on the ones before it):
-  1. Ulysses attention: register the SP attention function and switch the model to it.
+  1. Ulysses attention: register the SP attention function and switch the model to it; a Qwen3 attention module
+     applies RoPE in one pass over q and k (levers/rope.py).
   2. Loss head: lm_head also returns the chunked (or plain) loss sum, never the L x V logits.
   3. Lean norms: every RMSNorm keeps only its input for backward, not fp32 copies (fused Triton kernel on
      CUDA where liger-kernel is installed).
@@ -33,6 +34,7 @@ from ..lever_settings import Fixed, decode_levers
 from ..levers.host_pool import HostPool
 from ..levers.lean_norm import available_norm_kernels, use_lean_norms
 from ..levers.recompute import LayerRecompute
+from ..levers.rope import use_fused_rope
 from ..levers.sparse_moe import RouterStats
 from ..levers.tiled_mlp import TiledMLP
 from ..model_plan import ModelPlan
@@ -229,6 +231,7 @@ def parallelize(model: nn.Module, state: ParallelState,
     model.set_attn_implementation(attention.register(model))
     if fam.mixer is not None:
         fam.mixer.install(layers, state, plan.deltanet_kernel)
+    use_fused_rope(model)  # RoPE in one pass over q and k (Triton on CUDA; HF's ops elsewhere)
     # 2. loss head
     model.lm_head = LossHead(model.lm_head, plan.loss_type, plan.loss_chunk_size)
     # 3. lean norms (before tiling and checkpointing, which only wrap what is there)
