@@ -61,3 +61,30 @@ def test_packed_grouped_matches_sdpa_per_document_bf16(kernel):
     assert stash.replays == 1
     for a, b in zip([out.detach().float()] + [t.grad.float() for t in leaves], plain):
         assert _rel(a, b) <= 1e-3  # deterministic kernels: bitwise in practice; FA4's dq accumulates atomically
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flash_attention_4", "flash_attention_2"])
+def test_rows_with_pads_leave_them_out_on_every_kernel(kernel):
+    """A packed row whose last 1,500 tokens are pads (parallel/sharding.py: segments of their own): the real tokens'
+    outputs and every gradient equal stock SDPA per document (the pads get no gradient: none flows to them), and the
+    pads' output is finite (0 on the per-document paths, their own short segments on a varlen kernel)."""
+    if kernel not in kernels.available_kernels():
+        pytest.skip(f"{kernel} is not installed here")
+    from ulysses_trainer.parallel.sharding import document_layout
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    real, hq, hkv, d = sum(DOCS), 8, 2, 128
+    s = real + 1500
+    q, k, v = (torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
+    dout = torch.randn(1, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    dout[:, real:] = 0  # what flows back to pads in training
+    pos = torch.cat([torch.arange(n) for n in DOCS] + [torch.arange(DOCS[-1], DOCS[-1] + 1500)])[None]
+    cu, longest, _, pads = document_layout(pos, [real])
+    scale = d ** -0.5
+    ref = _run(lambda q, k, v: _reference(q[:, :real], k[:, :real], v[:, :real], DOCS, scale), q, k, v, dout[:, :real])
+    got = _run(kernels.KERNEL_FUNCTIONS[kernel], q, k, v, dout, scale=scale, cu_seqlens=cu.cuda(),
+               max_seqlen=longest, pad_spans=pads)
+    assert torch.isfinite(got[0]).all()
+    for a, r in zip(got, ref):
+        assert _rel(a[:, :real], r[:, :real]) <= 1e-2
+    assert all(float(t[:, real:].abs().max()) == 0 for t in got[1:])  # no gradient to a pad
