@@ -10,6 +10,7 @@ import deepspeed
 import torch
 
 from .. import probe
+from ..levers.copy_back import PinnedCopyBack
 from ..model.load import build_model as load_model
 from ..model.lora import add_lora
 from ..model.parallelize import SequenceParallelCausalLM, apply, parallelize
@@ -48,6 +49,8 @@ def build_engine(plan: RunPlan, model: SequenceParallelCausalLM, device: torch.d
 
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=plan.ds_config,
                                            lr_scheduler=schedule)
+    # Adam on the host: the parameters go back to the GPU through pinned buffers, beside the next sub-group's step
+    PinnedCopyBack.install(engine.optimizer)
     resolved = resolve_after_engine(plan, device)
     digest = check_same_plan(resolved, "with the free GPU memory measured")  # before step 1
     apply(model, resolved)
