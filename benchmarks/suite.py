@@ -195,6 +195,16 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
                                        "8 GPUs with 560 GB host, rank 0", [
         _rehearse("moe_longest_5865472", "--config", MOE, "--gpus", "8", "--max_length", "5865472",
                   "--host_memory_gb", "560", "--standin", "--steps", "1")]),
+    "rope": ("RoPE alone per rank, 131,072-1,048,576 tokens, Qwen3-4B/8B heads: transformers' rotate_half vs the "
+             "fused Triton kernel (vs Liger's where installed), then the GPU exactness tests of it and of rows "
+             "with pads on every attention kernel", [
+        ("benchmarks/rope_kernels.py", "--out", f"{OUT}/rope"),
+        ("-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_gpu_packed.py", "tests/test_gpu_rope.py")]),
+    "packed_epoch": ("a mixed packed epoch through the trainer on one H200 (Qwen3-4B, 262,144 tokens, 6 rows of "
+                     "synthetic mixed agent sessions): each row's step against FLOP-proportional a + b*sum(l_i^2)/L^2",
+                     [("benchmarks/packed_epoch.py", "--out", f"{OUT}/packed_epoch", "--rows", "6", "--budget_s", "540",
+                       "--", "--config", "launch/recipes/one_gpu_4b_sessions.yaml", "--output_dir",
+                       f"{OUT}/packed_epoch/run")]),
     "smoke": ("CPU check of the scripts: tiny preset, 256 tokens", [
         (LC, "--system", "ours", "--model", "tiny", "--lengths", "256", *FWDBWD, "--out", "smoke_long_context.json"),
         (PROFILE, "--model", "tiny", "--length", "128", "--keep-attention-outputs", "true",
