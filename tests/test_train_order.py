@@ -91,6 +91,23 @@ def test_nothing_to_train_exits_2_before_the_model_naming_the_examples(tmp_path,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("packing", ["false", "true"])
+def test_nothing_to_train_because_max_length_cut_the_assistant_turns_says_so(tmp_path, monkeypatch, capsys, packing):
+    long_prompt = [{"messages": [{"role": "user", "content": f"question {i} " * 60},
+                                 {"role": "assistant", "content": f"answer {i}"}]} for i in range(3)]
+    data = _conversations(tmp_path / "chat.jsonl", long_prompt)
+    out = tmp_path / "out"
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    rc = main(["--dataset_name", str(data), "--assistant_only_loss", "true", "--max_length", "64",
+               "--packing", packing, "--max_steps", "3", "--output_dir", str(out)])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert rc == 2 and len(errors) == 1, errors
+    assert "3 of them had assistant turns that max_length 64 cut off" in errors[0]
+    assert "raise max_length" in errors[0] and "add conversations with an assistant turn" not in errors[0]
+    assert not out.exists()
+
+
 def test_rows_of_another_shape_are_counted_by_reason(tmp_path):
     rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"ok {i}"}]}
             for i in range(4)]

@@ -99,7 +99,14 @@ def check_something_trained(counts: DataCounts, what: str, assistant_only_loss: 
     if not counts.details or counts.details.get("trained_tokens", 0) > 0:
         return  # text: every token but a document's first is trained
     none = counts.details.get("without_trained_tokens", 0)
-    if assistant_only_loss:
+    cut = counts.details.get("trained_cut_off", 0)
+    if cut:  # the data has what trains; max_length cut it off
+        part = "assistant turns" if assistant_only_loss else "completions" if completion_only_loss is not False \
+            else "trained tokens"
+        why = (f"{cut} of them had {part} that max_length {counts.max_length} cut off (max_length_policy truncate "
+               f"keeps an example's first max_length tokens); raise max_length to hold them, or shorten the prompts "
+               f"before them")
+    elif assistant_only_loss:
         why = "assistant_only_loss true trains only assistant turns; add conversations with an assistant turn " \
               "or set assistant_only_loss false"
     elif completion_only_loss is not False:

@@ -35,6 +35,7 @@ class RowCounts:
     truncated: int = 0
     dropped_too_long: int = 0
     without_trained_tokens: int = 0
+    trained_cut_off: int = 0  # truncated examples whose trained tokens all lay past max_length
     split: int = 0  # examples cut by a row edge (packing_strategy wrapped)
     sequences: int = 0
     tokens: int = 0  # real tokens in the rows (pads excluded)
@@ -215,9 +216,15 @@ def _admitted(examples: Iterable[Example], L: int, policy: str, counts: RowCount
             continue
         counts.examples_read += 1
         if len(ids) > L and truncate:
-            counts.truncated += 1
-            ids, trained = ids[:L], trained[:L]
+            ids, trained = _truncated(ids, trained, L, counts)
         yield ids, trained
+
+
+def _truncated(ids: np.ndarray, trained: np.ndarray, L: int, counts: RowCounts) -> Example:
+    """An example's first L tokens, counted (and whether the cut took every token it trains)."""
+    counts.truncated += 1
+    counts.trained_cut_off += bool(_target(trained).any() and not _target(trained[:L]).any())
+    return ids[:L], trained[:L]
 
 
 def build_rows(examples: Iterable[Example], max_length: int, packing: bool, policy: str,
@@ -263,8 +270,7 @@ def _in_order(examples: Iterable[Example], rows: _Rows, policy: str, packing: bo
             break  # the rows asked for are full: this example is not read
         counts.examples_read += 1
         if len(ids) > L:
-            counts.truncated += 1
-            ids, trained = ids[:L], trained[:L]
+            ids, trained = _truncated(ids, trained, L, counts)
         target = _target(trained)
         _use(counts, target)
         if new_row and cur:
