@@ -47,6 +47,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     f["bad_parquet"].write_bytes(b"this is not a parquet file\n" * 4)
     f["words"] = write_checkpoint(d / "words")  # a good small checkpoint with its own tokenizer
     f["words_docs"] = write_documents(d / "words.jsonl", num_docs=8, words_per_doc=31)
+    f["yarn_ckpt"] = write_checkpoint(d / "yarn", max_position_embeddings=512, rope_parameters={  # scaled down
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "rope_theta": 1e6})
     f["kv3"] = write_checkpoint(d / "kv3", num_attention_heads=6, num_key_value_heads=3)
     f["no_weights"] = d / "no_weights"
     shutil.copytree(f["words"], f["no_weights"])
@@ -166,6 +168,18 @@ CASES = {
         lambda f: _yarn(original_max_position_embeddings=8192) + ["--max_length", "4096"], 1,
         r"YaRN original_max_position_embeddings 8192 exceeds the target length max_length 4096.*drop "
         r"rope_parameters .* or raise max_length"),
+    "max_length_beyond_positions": (
+        lambda f: ["--max_length", "65536"], 1,
+        r"max_length 65,536 is beyond the model's positions: max_position_embeddings is 40,960 and it has no rope "
+        r"scaling; stretch them with YaRN to max_length: --model_init_kwargs "
+        r"'\{\"rope_parameters\": \{\"rope_type\": \"yarn\", \"factor\": \"auto\"\}\}', or set "
+        r"allow_beyond_positions true to train past them anyway"),
+    "max_length_beyond_the_checkpoints_own_yarn": (
+        lambda f: ["--model_name_or_path", str(f["yarn_ckpt"]), "--dataset_name", str(f["words_docs"]),
+                   "--max_length", "4096"], 1,
+        r"max_length 4,096 is beyond the model's positions: the checkpoint's own yarn scaling \(factor 4\) covers "
+        r"2,048; stretch them with YaRN to max_length: --model_init_kwargs .*\"factor\": \"auto\".*, or set "
+        r"allow_beyond_positions true"),
     "dataset_empty": (lambda f: ["--dataset_name", str(f["empty"])], 1,
                       r"dataset .*empty\.jsonl is empty; point dataset_name at data with documents"),
     "text_field_missing": (lambda f: ["--dataset_name", str(f["content"])], 1,

@@ -68,6 +68,7 @@ FIELD_TESTS = {
     "per_device_eval_batch_size": "test_field_effects.py::test_per_device_eval_batch_size_is_the_eval_round",
     "gradient_accumulation_steps": "test_e2e_train.py::test_two_accumulation_steps_equal_one_step_of_both_sequences",
     "bf16": "test_config.py::test_resolve_bf16",
+    "allow_beyond_positions": "test_plan.py::test_cli_refuses_a_max_length_past_the_positions_naming_yarn",
     "allow_over_plan": "test_out_of_memory.py::test_allow_over_plan_goes_past_the_check_and_says_what_to_expect",
     "seed": "test_field_effects.py::test_seed_decides_the_data_order",
     "nan_policy": "test_faults.py::test_nan_policy_skip_leaves_the_state_bitwise_unchanged_and_trains_on",

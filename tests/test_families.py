@@ -102,7 +102,8 @@ def test_plan_of_the_moe_recipe_and_the_one_line_question(capsys):
     from ulysses_trainer.__main__ import main as cli_main
 
     args = ["plan", "--model", "qwen3-30b-a3b", "--max_length", "1048576", "--gpus", "8", "--gpu_memory_gb", "139.8",
-            "--host_memory_gb", "2000", "--json"]
+            "--host_memory_gb", "2000", "--json",
+            "--model_init_kwargs", "{rope_parameters: {rope_type: yarn, factor: auto}}"]
     assert cli_main(args) == 0
     data = json.loads(capsys.readouterr().out)
     plan = data["plan"]

@@ -110,7 +110,8 @@ def _plan(capsys, *args: str, model: str = "qwen3-4b", gpus: str = "1") -> dict:
     fixed = ["--activation_offload", "true", "--keep_attention_outputs", "false", "--checkpoint_every", "1",
              "--optimizer_offload", "true"]
     cli_main(["plan", "--model", model, "--gpus", gpus, "--gpu_memory_gb", "139.8", "--host_memory_gb", "500",
-              "--max_length", "65536", "--json", *fixed, *args])
+              "--max_length", "65536", "--json",
+              "--model_init_kwargs", "{rope_parameters: {rope_type: yarn, factor: auto}}", *fixed, *args])
     return json.loads(capsys.readouterr().out)["plan"]
 
 

@@ -163,7 +163,8 @@ def test_oom_while_the_model_or_the_engine_is_built_is_the_same_one_line(tmp_pat
 # 36 layers of the tiny model at 65,536 tokens without gradient checkpointing: 8.8 GiB planned on a 4 GiB GPU
 # (2.2x); with gradient_checkpointing and activation_offload to the search the plan fits
 OVER = ["--max_length", "65536", "--bf16", "false", "--host_memory_gb", "16", "--model_init_kwargs",
-        "{num_hidden_layers: 36}", "--gradient_checkpointing", "false", "--activation_offload", "0",
+        "{num_hidden_layers: 36, rope_parameters: {rope_type: yarn, factor: auto}}",
+        "--gradient_checkpointing", "false", "--activation_offload", "0",
         "--max_steps", "1"]
 
 

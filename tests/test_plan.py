@@ -26,6 +26,7 @@ V = 151936
 # untied embedding and lm_head, final norm.
 PER_LAYER_8B = 4096 * 4096 + 2 * 4096 * 1024 + 1024 * 4 * 4096 + 2 * 128 + 3 * 4096 * 12288 + 2 * 4096
 N_8B = 36 * PER_LAYER_8B + 2 * V * 4096 + 4096
+YARN = ["--model_init_kwargs", '{"rope_parameters": {"rope_type": "yarn", "factor": "auto"}}']  # past 40,960 positions
 
 
 def test_parameter_count_qwen3_8b():
@@ -235,9 +236,24 @@ def test_load_measurements_reads_benchmark_results(tmp_path):
 # ------------------------------------------------------------------ command line
 
 
-def test_cli_table_and_json(capsys):
+def test_cli_refuses_a_max_length_past_the_positions_naming_yarn(capsys):
     args = ["plan", "--model", "qwen3-8b", "--max_length", "1048576", "--gpus", "8", "--gpu_memory_gb", "80",
             "--host_memory_gb", "1000"]
+    assert cli_main(args) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(errors) == 1 and not captured.out, captured
+    assert errors[0].startswith("error: max_length 1,048,576 is beyond the model's positions: "
+                                "max_position_embeddings is 40,960") and "allow_beyond_positions true" in errors[0]
+    assert """'{"rope_parameters": {"rope_type": "yarn", "factor": "auto"}}'""" in errors[0]
+    assert cli_main(args + YARN + ["--json"]) == 0  # the fix it names
+    assert json.loads(capsys.readouterr().out)["fits"] is True
+    assert cli_main(args + ["--allow_beyond_positions", "true", "--json"]) == 0  # or the user means it
+
+
+def test_cli_table_and_json(capsys):
+    args = ["plan", "--model", "qwen3-8b", "--max_length", "1048576", "--gpus", "8", "--gpu_memory_gb", "80",
+            "--host_memory_gb", "1000", *YARN]
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert "layer checkpoints" in out and "largest max_length that fits" in out and "fits:" in out
@@ -316,7 +332,7 @@ def test_search_thins_checkpoints_only_when_nothing_else_fits():
 
 def test_cli_one_gpu_million_tokens_names_checkpoint_every_and_its_cost(capsys):
     args = ["plan", "--model", "qwen3-4b", "--max_length", "1000000", "--gpus", "1", "--gpu_memory_gb", "139.8",
-            "--host_memory_gb", "125.9"]
+            "--host_memory_gb", "125.9", *YARN]
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     k = int(re.search(r"recipe lines: .*checkpoint_every: (\d+)", out).group(1))
@@ -430,7 +446,7 @@ def test_offload_sub_groups_stay_under_a_power_of_two():
 
 def test_cli_keeps_attention_outputs_in_what_is_left(capsys):
     args = ["plan", "--model", "qwen3-4b", "--gpus", "1", "--gpu_memory_gb", "139.8", "--host_memory_gb", "125.9",
-            "--json"]
+            "--json", *YARN]
     assert cli_main(args + ["--max_length", "131072"]) == 0
     plan = json.loads(capsys.readouterr().out)["plan"]
     kept = plan["keep_attention_outputs"]

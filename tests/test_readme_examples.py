@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -58,7 +59,7 @@ def test_readme_commands_run_in_order_on_a_fresh_checkout(tmp_path):
     ran, refused = [], []
     for cmd in commands:
         outputs_before = set((repo / "out").glob("*")) if (repo / "out").exists() else set()
-        argv = cmd.split()
+        argv = shlex.split(cmd)  # as a shell reads it: a quoted --model_init_kwargs is one argument
         if argv[0] == "deepspeed":  # as written, on a free port: DeepSpeed's default (29500) may be another job's
             argv[1:1] = ["--master_port", str(free_port())]
         proc = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)

@@ -171,6 +171,7 @@ def test_missing_data_is_reported_before_an_occupied_output_dir(tmp_path, monkey
 def test_cpu_run_that_exceeds_host_memory_is_refused_with_the_plans_numbers(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     rc, errors = _main(["--model_name_or_path", "qwen3-4b", "--max_length", "262144", "--bf16", "true",
+                        "--model_init_kwargs", "{rope_parameters: {rope_type: yarn, factor: auto}}",
                         "--host_memory_gb", "24", "--output_dir", str(out)], monkeypatch, capsys)
     assert rc == 2 and len(errors) == 1
     assert "GiB of host memory on this CPU machine" in errors[0] and "lower max_length (now 262144)" in errors[0]

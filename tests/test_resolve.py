@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "launch" / "recipes").glob("*.yaml"))
 Q4 = ModelShape.preset("qwen3-4b")
 H200 = dict(gpu_memory_gb=139.8, host_memory_gb=125.9, gpu_name="NVIDIA H200")  # one H200 and its host
+YARN = ["--model_init_kwargs", '{"rope_parameters": {"rope_type": "yarn", "factor": "auto"}}']  # past 40,960 positions
 
 
 def _plan(kernels=("sdpa",), norm_kernels=("torch",), **cfg):
@@ -57,7 +58,7 @@ def test_prepare_resolves_with_plan_for():
 
 
 def test_activation_offload_true_with_checkpoint_every_2_plans(capsys):
-    args = ["plan", "--model", "qwen3-4b", "--max_length", "131072", "--activation_offload", "true",
+    args = ["plan", "--model", "qwen3-4b", "--max_length", "131072", *YARN, "--activation_offload", "true",
             "--checkpoint_every", "2", "--gpus", "1", "--gpu_memory_gb", "139.8", "--host_memory_gb", "125.9",
             "--json"]
     assert cli_main(args) == 0
@@ -188,7 +189,7 @@ def test_the_engine_measurement_changes_the_plan_only_when_memory_is_short():
 
 
 def test_planning_another_machine_assumes_host_ram_and_says_so(capsys):
-    args = ["plan", "--model", "qwen3-8b", "--max_length", "1048576", "--gpus", "8", "--gpu_memory_gb", "80"]
+    args = ["plan", "--model", "qwen3-8b", "--max_length", "1048576", *YARN, "--gpus", "8", "--gpu_memory_gb", "80"]
     assert cli_main(args + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["hardware"]["host_memory_gb"] == 2 * 80 * 8 and "ASSUMED" in out["hardware"]["host_memory_source"]
@@ -201,7 +202,7 @@ def test_planning_another_machine_assumes_host_ram_and_says_so(capsys):
 
 
 def test_does_not_fit_names_the_limit_and_the_missing_gib(capsys):
-    args = ["plan", "--model", "qwen3-32b", "--max_length", "1048576", "--gpus", "1", "--gpu_memory_gb", "80",
+    args = ["plan", "--model", "qwen3-32b", "--max_length", "1048576", *YARN, "--gpus", "1", "--gpu_memory_gb", "80",
             "--host_memory_gb", "200"]
     assert cli_main(args) == 1
     out, err = capsys.readouterr()

@@ -96,8 +96,9 @@ def test_factor_auto_is_max_length_over_original():
 
 
 def test_no_rope_parameters_keeps_the_checkpoint_rope():
-    config = model_config_for(TrainConfig(max_length=1_048_576))
+    config = model_config_for(TrainConfig(max_length=1_048_576, allow_beyond_positions=True))  # meant: kept
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
+    assert config.max_position_embeddings == 40960
 
 
 def test_saved_config_reloads_to_the_same_rope(tmp_path):

@@ -36,7 +36,7 @@ def write_checkpoint(path: Path, *, poison: bool = False, seed: int = 0, dtype=N
     _write_tokenizer(path)
     kwargs = dict(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-                  max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                  max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
     kwargs.update(config_overrides)
     with torch.random.fork_rng(devices=[]):

@@ -217,6 +217,9 @@ class TrainConfig:
     allow_config_change: bool = _f(
         False, "resume even where the config differs from the checkpoint's in a way that changes the results "
         "(model, max_length, sp/dp layout, data, seed, batch, optimizer); harmless changes always go through")
+    allow_beyond_positions: bool = _f(
+        False, "train a max_length beyond the positions the model covers (max_position_embeddings, or what its "
+        "rope scaling stretches them to) without YaRN factor auto; without it such a max_length is refused")
     allow_over_plan: bool = _f(
         False, "start even where the plan's GPU memory exceeds the device by more than the memory model's "
         "worst measured under-prediction (3.1%); the run then most likely stops out of GPU memory")

@@ -2,7 +2,7 @@
 
     ulysses-trainer plan --config RECIPE.yaml --gpus 8 --gpu_memory_gb 80 [--host_memory_gb 1000] [--json]
     ulysses-trainer plan --model qwen3-8b --max_length 1048576 --gpus 8 --gpu_memory_gb 80 \
-        --host_memory_gb 1000 [--sp 8]
+        --host_memory_gb 1000 [--sp 8] --model_init_kwargs '{rope_parameters: {rope_type: yarn, factor: auto}}'
     ulysses-trainer plan calibrate [--results_dir benchmarks/results] [--json]
 
 Any other `--name value` is a training-config override (as for launch/train.py), e.g.

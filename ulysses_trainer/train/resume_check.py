@@ -35,7 +35,8 @@ NOTED = {
 }
 LAYOUT = ("world_size", "sp_size", "dp_size")
 # how this run was started, not what it trains: never compared
-NOT_COMPARED = frozenset({"resume_from_checkpoint", "allow_config_change", "overwrite_output_dir"})
+NOT_COMPARED = frozenset({"resume_from_checkpoint", "allow_config_change", "overwrite_output_dir",
+                          "allow_beyond_positions"})
 
 
 def run_record(config: dict[str, Any], world_size: int, sp_size: int, dp_size: int) -> dict[str, Any]:
