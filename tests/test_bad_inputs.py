@@ -155,7 +155,7 @@ CASES = {
     "data_unreadable": (lambda f: ["--dataset_name", str(f["bad_parquet"])], 1,
                         r"cannot read dataset .*bad\.parquet as parquet"),
     "tokenizer_vocab_exceeds_model": (lambda f: ["--model_init_kwargs", '{"vocab_size": 1000}'], 1,
-                                      r"tokenizer qwen-bpe .* has 151851 ids but the model's vocab_size is 1000; "
+                                      r"tokenizer qwen-bpe .* has 151669 ids but the model's vocab_size is 1000; "
                                       r"use the model's own tokenizer or a model with a larger vocabulary"),
     "rope_theta_mismatch": (lambda f: _yarn(factor=4, rope_theta=10000), 1,
                             r"rope_parameters\.rope_theta 10000 differs from the checkpoint's rope_theta "

