@@ -36,6 +36,22 @@ def test_peak_counts_the_kept_checkpoints_and_the_one_being_written(total, save_
     assert peak_checkpoints(total, save_steps, limit, start, on_disk) == peak
 
 
+@pytest.mark.parametrize("epochs, limit, held", [(2, None, 2), (3, None, 3), (3, 1, 2), (1, None, 1)])
+def test_save_strategy_epoch_counts_a_checkpoint_per_epoch(tmp_path, epochs, limit, held):
+    """The synthetic data holds 4 steps an epoch: save_strategy epoch saves at steps 4, 8, ..., as the trainer
+    does (train/strategies.save_due), and the disk line says how many the run holds (it said 1 for any)."""
+    from ulysses_trainer.cli.argv import load_config
+    from ulysses_trainer.train.prepare import prepare
+
+    args = ["--save_strategy", "epoch", "--num_train_epochs", str(epochs), "--max_steps", "null",
+            "--max_length", "256", "--output_dir", str(tmp_path / "out")]
+    plan = prepare(load_config(args + ([] if limit is None else ["--save_total_limit", str(limit)])), 1)
+    assert plan.total_steps == 4 * epochs
+    n = f"{held} checkpoint{'s' if held != 1 else ''}"
+    assert f"the run holds at most {n} + the export" in plan.disk, plan.disk
+    assert peak_checkpoints(12, lambda s: s % 4 == 0, None) == 3
+
+
 def test_the_need_counts_only_what_is_not_on_disk_yet():
     need = run_need(1000, world_size=2, bf16=True, checkpoints=3, on_disk=1)
     ckpt = 1000 * 12 + 2 * 64 * 1024

@@ -55,13 +55,15 @@ def export_bytes(num_params: int, bf16: bool) -> int:
 _LOG_BYTES = 256 * 1024  # config.json, metrics.jsonl, tensorboard events of a short run
 
 
-def peak_checkpoints(total_steps: int, save_steps: int | None, limit: int | None, start_step: int = 0,
-                     on_disk: Iterable[int] = ()) -> int:
+def peak_checkpoints(total_steps: int, save_steps: int | Callable[[int], bool] | None, limit: int | None,
+                     start_step: int = 0, on_disk: Iterable[int] = ()) -> int:
     """The most checkpoint-<step>/ directories output_dir holds at once: those on disk (a resume's) plus the
-    saves of steps start_step+1..total_steps (every save_steps, and the last step), each written beside the
-    ones kept (save_total_limit rotates only once the new one is complete)."""
+    saves of steps start_step+1..total_steps (every save_steps, or the steps `save_steps(step)` says save, e.g.
+    each epoch's end; and the last step), each written beside the ones kept (save_total_limit rotates only once
+    the new one is complete)."""
     held = set(on_disk)
-    saves = [s for s in range(start_step + 1, total_steps + 1) if save_steps and s % save_steps == 0]
+    due = save_steps if callable(save_steps) else (lambda s: bool(save_steps) and s % save_steps == 0)
+    saves = [s for s in range(start_step + 1, total_steps + 1) if due(s)]
     if total_steps > start_step and total_steps not in saves:
         saves.append(total_steps)  # the end of training always saves
     peak = len(held)

@@ -37,6 +37,7 @@ from .evaluation import covered_rows, position_edges
 from .out_of_memory import check_gpu_fits, check_host_fits
 from .output_guard import DiskNeed, check_writable, disk_line, peak_checkpoints, run_need
 from .resume_check import check_resume_config, run_record
+from .strategies import ends_epoch, save_due
 
 
 @dataclass
@@ -177,7 +178,8 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     epoch_steps = steps_per_epoch
     disk = ""
     if training:
-        need = disk_need(cfg, resume_path, clear_output_dir, total, num_params(shape), world_size, bf16)
+        need = disk_need(cfg, resume_path, clear_output_dir, total, num_params(shape), world_size, bf16,
+                         per_step, len(train))
         problem = check_writable(cfg.output_dir, need)
         if problem:
             raise ConfigError(problem)
@@ -203,16 +205,20 @@ def data_share(train: Any, seed: int, per_step: int, steps: int) -> AttentionSha
 
 
 def disk_need(cfg: TrainConfig, resume_path: str | None, clear_output_dir: bool, total_steps: int, params: int,
-              world_size: int, bf16: bool) -> DiskNeed:
+              world_size: int, bf16: bool, sequences_per_step: int, rows: int) -> DiskNeed:
     """What the run holds in output_dir at its peak (train/output_guard.py): a resume starts from its
-    checkpoint's step, beside the checkpoints already on disk (none once overwrite_output_dir clears them)."""
+    checkpoint's step, beside the checkpoints already on disk (none once overwrite_output_dir clears them). The
+    saves are the trainer's own rule (train/strategies.save_due: every save_steps, or each epoch's end)."""
     if cfg.save_strategy == "no":
         return run_need(params, world_size, bf16, 0)
     # a fresh start clears the previous run's files (trainer.py), a resume keeps its checkpoints
     on_disk = list(trainer_checkpoints(cfg.output_dir)) if resume_path and not clear_output_dir else []
     named = CHECKPOINT.fullmatch(os.path.basename(os.path.normpath(resume_path))) if resume_path else None
     start = int(named.group(1)) if named else 0
-    peak = peak_checkpoints(total_steps, cfg.save_steps, cfg.save_total_limit, start, on_disk)
+    def due(step: int) -> bool:
+        return save_due(cfg, step, ends_epoch(step, sequences_per_step, rows))
+
+    peak = peak_checkpoints(total_steps, due, cfg.save_total_limit, start, on_disk)
     return run_need(params, world_size, bf16, peak, len(on_disk))
 
 
