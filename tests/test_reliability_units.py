@@ -106,6 +106,30 @@ def _record(**changes) -> dict:
     return run_record(config_to_dict(build_config(overrides=changes)), 2, 2, 1)
 
 
+def test_a_config_change_at_a_resume_goes_to_events_jsonl_not_between_the_training_rows(tmp_path):
+    """metrics.jsonl holds training (and eval) rows, each with its loss; the change is an event, in events.jsonl,
+    and both files drop what lies past the checkpoint's step."""
+    from types import SimpleNamespace
+
+    from ulysses_trainer.config import TrainConfig
+    from ulysses_trainer.train.run_log import RunLog
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0 - s / 10}) + "\n" for s in (1, 2, 3)))
+    (out / "events.jsonl").write_text(json.dumps({"step": 3, "config_change": {"learning_rate": [1, 2]}}) + "\n")
+    from ulysses_trainer.model.presets import preset_config
+
+    plan = SimpleNamespace(cfg=TrainConfig(output_dir=str(out), report_to="none"), reporters=[],
+                           model_config=preset_config("tiny"))
+    run_log = RunLog(plan, True)
+    run_log.resume_at(2, str(out / "checkpoint-2"), {"learning_rate": (1e-4, 5e-5)})
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics == [{"step": 1, "loss": 2.9}, {"step": 2, "loss": 2.8}]  # every row a training row with loss
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert events == [{"step": 2, "config_change": {"learning_rate": [1e-4, 5e-5]}}]
+
+
 def test_resume_comparison_refuses_what_breaks_exactness_naming_both_values(tmp_path):
     saved = _record(max_length=64)
     breaking, harmless = compare(saved, _record(max_length=128, logging_steps=5, learning_rate=5e-5))

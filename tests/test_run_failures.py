@@ -211,7 +211,8 @@ def test_ctrl_c_saves_and_waits_and_a_run_interrupted_before_training_leaves_not
                              "--learning_rate", "5e-5"], 2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = _rows(out)
-    change = [r for r in rows if "config_change" in r]
+    assert all("loss" in r or "eval_loss" in r for r in rows)  # metrics.jsonl: training (and eval) rows only
+    change = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     assert change == [{"step": step, "config_change": {"learning_rate": [1e-4, 5e-5],
                                                        "max_steps": [40, step + 1]}}]
     assert [r["learning_rate"] for r in rows if r.get("step") == step + 1 and "loss" in r] == [5e-5]

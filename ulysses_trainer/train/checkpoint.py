@@ -33,8 +33,9 @@ MARKER = CHECKPOINT_MARKER  # in every checkpoint this trainer writes: what may 
 WEIGHTS_ONLY = "weights_only"  # in a save_only_model checkpoint: HF weights, no optimizer state (not resumable)
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 # what a run writes into output_dir: a directory holding any of these holds a previous run
-RUN_FILES = ("config.json", "metrics.jsonl", LATEST, "final", "per_position_loss.png", "eval_loss_by_position*.png",
-             "checkpoint-[0-9]*", ".tmp-checkpoint-[0-9]*", "final.tmp")
+EVENTS_FILE = "events.jsonl"  # a run's events that are not training rows (a config change at a resume)
+RUN_FILES = ("config.json", "metrics.jsonl", EVENTS_FILE, LATEST, "final", "per_position_loss.png",
+             "eval_loss_by_position*.png", "checkpoint-[0-9]*", ".tmp-checkpoint-[0-9]*", "final.tmp")
 EVENTS = "events.out.tfevents.*"  # TensorBoard's event files (in output_dir/runs/, reporters.py)
 _MODEL_DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "vocab_size")
@@ -248,8 +249,8 @@ def check_output_dir(output_dir: str, resume_path: str | None, overwrite: bool) 
 
 def clear_previous_run(output_dir: str) -> list[str]:
     """Remove what a previous run wrote (overwrite_output_dir, or a fresh start over a run that trained no step):
-    its checkpoints (those holding MARKER), final/, metrics.jsonl, config.json, latest, its temporary directories
-    and TensorBoard's event files in runs/. Anything else stays (a user's checkpoint-best/, a checkpoint-<N>
+    its checkpoints (those holding MARKER), final/, metrics.jsonl, events.jsonl, config.json, latest, its temporary
+    directories and TensorBoard's event files in runs/. Anything else stays (a user's checkpoint-best/, a checkpoint-<N>
     without the marker, other files in runs/). Returns the removed paths."""
     ours = {os.path.basename(p) for p in trainer_checkpoints(output_dir).values()}
     removed = []

@@ -20,10 +20,11 @@ def log_line(row: dict) -> str:
 
 
 class MetricsFile:
-    """Appends one JSON object per logged step; on resume drops rows past the checkpoint's step."""
+    """Appends one JSON object per logged step (metrics.jsonl; events.jsonl: what happened at a step that is not a
+    logged step, e.g. a config change at a resume); on resume drops rows past the checkpoint's step."""
 
-    def __init__(self, output_dir: str):
-        self.path = os.path.join(output_dir, "metrics.jsonl")
+    def __init__(self, output_dir: str, name: str = "metrics.jsonl"):
+        self.path = os.path.join(output_dir, name)
 
     def truncate_after(self, step: int) -> None:
         if not os.path.exists(self.path):

@@ -3,7 +3,7 @@
 A resumed run reproduces the uninterrupted one bitwise only if everything that decides the model, the
 data, their order and the numerics is the same. Such a change is refused, naming both values, unless
 `allow_config_change` is true. Settings that change memory or bookkeeping, not results, go through;
-each change is recorded (metrics.jsonl, config.json's history) at the step it took effect.
+each change is recorded (events.jsonl, config.json's history) at the step it took effect.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from ..config import config_to_dict
 from ..errors import ConfigError
 from ..parallel.comm import all_reduce
 from . import run_report as report
-from .checkpoint import agree_on_failure
+from .checkpoint import EVENTS_FILE, agree_on_failure
 from .eval_plot import PLOT, eval_rows, native_window, plot_eval_by_position
 from .logging import MetricsFile, log_line
 from .output_guard import OutputWriteError, describe_failure, failure_message
@@ -33,6 +33,7 @@ class RunLog:
         self.is_main = is_main
         self.output_dir = cfg.output_dir
         self.metrics = MetricsFile(cfg.output_dir)
+        self.events = MetricsFile(cfg.output_dir, EVENTS_FILE)  # not training rows: metrics.jsonl's all carry loss
         self.reporters = Reporters(plan.reporters, cfg.output_dir, config_to_dict(cfg), cfg.run_name)
         self.failure: Failure | None = None  # rank 0's failed row write, agreed at the step's end
         self.window = native_window(plan.model_config)  # drawn on the eval plot
@@ -71,12 +72,13 @@ class RunLog:
         if not self.is_main:
             return
         self.metrics.truncate_after(step)
+        self.events.truncate_after(step)
         self.reporters.resume_at(step)
         log.info(f"resumed from {path} at step {step}")
         if changes:
             for line in resume_notes(changes):
                 log.info(f"config change at step {step}: {line}")
-            self.metrics.append({"step": step, "config_change": {k: list(v) for k, v in changes.items()}})
+            self.events.append({"step": step, "config_change": {k: list(v) for k, v in changes.items()}})
 
     def step_row(self, row: dict, bar) -> None:
         """A training row: the reference-style line above the progress bar, metrics.jsonl, the reporters."""
