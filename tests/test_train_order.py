@@ -131,17 +131,19 @@ def test_rows_of_another_shape_are_counted_by_reason(tmp_path):
 
 
 # ---------------------------------------------------------------- logged loss
-def test_logged_loss_is_the_token_weighted_mean_of_the_interval():
+def test_logged_loss_is_the_mean_of_the_step_losses_as_hf_logs_it():
+    """transformers' Trainer (and TRL's SFTTrainer, which keeps its `loss`) logs sum(step losses) / steps since the
+    last log; the token-weighted mean of the window stays under token_weighted_loss."""
     interval = LogInterval()
     interval.add(2.0, 10, 0.5)
     interval.add(4.0, 30, 1.5)
-    assert interval.take(4.0) == (pytest.approx((2.0 * 10 + 4.0 * 30) / 40), pytest.approx(1.0))
+    assert interval.take(4.0) == (pytest.approx(3.0), pytest.approx((2.0 * 10 + 4.0 * 30) / 40), pytest.approx(1.0))
     interval.add(1.2345678901234567, 7)
-    assert interval.take(1.2345678901234567) == (1.2345678901234567, None)  # one step: its value, bit for bit
+    assert interval.take(1.2345678901234567) == (1.2345678901234567, None, None)  # one step: bit for bit
     interval.add(3.0, 5)
     interval.add(float("nan"), 5)  # nan_policy skip: a non-finite step stays out of the mean
     saved = LogInterval.from_state(json.loads(json.dumps(interval.state())))  # across a checkpoint
-    assert saved.take(float("nan"))[0] == 3.0
+    assert saved.take(float("nan"))[:2] == (3.0, 3.0)
     interval = LogInterval()
     interval.add(float("inf"), 5)
     assert math.isinf(interval.take(float("inf"))[0])  # nothing finite: the last value shows

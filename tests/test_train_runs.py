@@ -128,8 +128,10 @@ def test_logged_loss_is_the_mean_over_the_logging_interval(runs):
     assert len(set(tokens.tolist())) > 1  # the steps train different numbers of tokens: the weights matter
     assert [r["step"] for r in interval] == [4, 6]  # every 4 steps, and the last step
     for row, steps in zip(interval, ([0, 1, 2, 3], [4, 5])):
-        mean = sum(six[i]["loss"] * tokens[i] for i in steps) / sum(tokens[i] for i in steps)
+        mean = sum(six[i]["loss"] for i in steps) / len(steps)  # HF's: the step losses' plain mean
         assert row["loss"] == pytest.approx(mean, rel=1e-12)
+        weighted = sum(six[i]["loss"] * tokens[i] for i in steps) / sum(tokens[i] for i in steps)
+        assert row["token_weighted_loss"] == pytest.approx(weighted, rel=1e-12)
         assert row["loss"] != pytest.approx(six[steps[-1]]["loss"], rel=1e-9)  # not the last step's
         last = six[steps[-1]]
         assert (row["grad_norm"], row["num_loss_tokens"]) == (last["grad_norm"], last["num_loss_tokens"])

@@ -1,9 +1,11 @@
-"""The steps since the last logged row: their loss is logged as one mean, as the HF Trainer does.
+"""The steps since the last logged row: their loss is logged as one mean, as the HF Trainer (and TRL) log it.
 
-The logged `loss` is the token-weighted mean over the logging interval: sum(step loss x its trained tokens) /
-their sum, which is the loss of all the interval's tokens together (the step loss is already token-weighted).
-A non-finite step (nan_policy skip) stays out of the mean, as HF's logging_nan_inf_filter keeps it out; an
-interval of only non-finite steps logs the last one's value. `aux_loss` (MoE) is the mean of the steps'.
+The logged `loss` is the plain mean of the interval's step losses: sum(step loss) / steps, what transformers'
+Trainer logs (the per-step losses summed, divided by the steps since the last log). Each step's loss is the
+token-weighted mean over that step's trained tokens (all ranks, all micro-steps). Where the interval spans more
+than one step, `token_weighted_loss` is the loss of all its tokens together: sum(step loss x its trained tokens)
+/ their sum. A non-finite step (nan_policy skip) stays out of both means, as HF's logging_nan_inf_filter keeps it
+out; an interval of only non-finite steps logs the last one's value. `aux_loss` (MoE) is the mean of the steps'.
 The interval is saved in checkpoints, so a resume between two rows logs what the uninterrupted run logs.
 """
 
@@ -23,21 +25,22 @@ class LogInterval:
         if aux_loss is not None:
             self.aux.append(float(aux_loss))
 
-    def take(self, last_loss: float) -> tuple[float, float | None]:
-        """(mean loss, mean aux_loss or None) of the interval, which starts again empty."""
+    def take(self, last_loss: float) -> tuple[float, float | None, float | None]:
+        """(mean of the step losses, their token-weighted mean or None for a one-step interval, mean aux_loss or
+        None) of the interval, which starts again empty."""
+        spanned = len(self.steps) > 1
         finite = [(loss, n) for loss, n in self.steps if math.isfinite(loss)]
         tokens = sum(n for _, n in finite)
         if not finite:
-            loss = last_loss
+            loss = weighted = last_loss
         elif len(finite) == 1:  # logging_steps 1: the step's own value, bit for bit
-            loss = finite[0][0]
-        elif tokens == 0:  # no step trained a token (each contributes 0)
-            loss = sum(v for v, _ in finite) / len(finite)
+            loss = weighted = finite[0][0]
         else:
-            loss = sum(v * n for v, n in finite) / tokens
+            loss = sum(v for v, _ in finite) / len(finite)
+            weighted = sum(v * n for v, n in finite) / tokens if tokens else loss  # no token trained: each is 0
         aux = sum(self.aux) / len(self.aux) if self.aux else None
         self.steps, self.aux = [], []
-        return loss, aux
+        return loss, weighted if spanned else None, aux
 
     def state(self) -> dict:
         return {"steps": [list(s) for s in self.steps], "aux": list(self.aux)}

@@ -279,14 +279,17 @@ class Trainer:
         return stop > 0
 
     def _log(self, loss, grad_norm, dt, tokens, rates, bar) -> None:
-        """One row: loss (and aux_loss) the mean over the steps since the last row, the rest of the last step."""
-        loss, aux_loss = self.interval.take(loss)
+        """One row: loss (and aux_loss) the mean of the step losses since the last row (HF's), token_weighted_loss
+        their token-weighted mean where there are several; the rest of the last step."""
+        loss, token_weighted, aux_loss = self.interval.take(loss)
         lr = self.engine.lr_scheduler.get_last_lr()[0]
         epoch = order.epoch_of(self.plan, self.step)  # passes over the data
         row = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "learning_rate": lr,
                "num_tokens": self.num_tokens, "num_loss_tokens": self.num_loss_tokens, "epoch": epoch,
                "tokens_per_s": tokens / dt, **rates,  # tflops_per_gpu, mfu: the real documents' FLOPs
                "peak_gpu_mem_gb": peak_gpu_mem_gb(), "peak_host_mem_gb": peak_host_mem_gb()}
+        if token_weighted is not None:  # a row over several steps: the loss of all their tokens together
+            row["token_weighted_loss"] = token_weighted
         if aux_loss is not None:
             row["aux_loss"] = aux_loss
         self.run_log.step_row(row, bar)
