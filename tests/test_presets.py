@@ -123,5 +123,31 @@ def test_missing_and_bad_models(tmp_path):
         load_model_config("tiny", {"hidden_size": "big"})
     with pytest.raises(ConfigError, match="may not set dtype"):
         load_model_config("tiny", {"dtype": "bfloat16"})
-    with pytest.raises(ConfigError, match="not loadable as a Hub id"):
+    with pytest.raises(ConfigError, match="not in the Hugging Face cache, and HF_HUB_OFFLINE is set; download it"):
         load_model_config("nobody-here/no-such-model-xyz")  # HF_HUB_OFFLINE=1 in tests
+
+
+def test_a_hub_id_without_the_network_says_the_hub_cannot_be_reached_at_once(monkeypatch):
+    """One probe of HF_ENDPOINT (here a closed local port); transformers' own load, which retries for half a
+    minute and ends in a bare OSError, is never asked."""
+    from transformers import AutoConfig
+
+    from ulysses_trainer.model import load
+
+    asked = []
+    real = AutoConfig.from_pretrained
+
+    def from_pretrained(name, **kw):
+        if not kw.get("local_files_only"):
+            asked.append(name)
+        return real(name, **kw)
+
+    monkeypatch.setattr(load.AutoConfig, "from_pretrained", from_pretrained)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(ConfigError, match=r"'nobody-here/no-such-model-xyz': no such path and not in the Hugging "
+                                          r"Face cache, and the Hub cannot be reached: http://127.0.0.1:9 did not "
+                                          r"answer .*; download it where the network allows \(hf download"):
+        load_model_config("nobody-here/no-such-model-xyz")
+    assert asked == []

@@ -81,6 +81,18 @@ def _load_checkpoint_config(name_or_path: str) -> PretrainedConfig:
         return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
     except Exception:
         pass
+    from .hub import hub_offline, hub_unreachable
+
+    fetch = (f"download it where the network allows (hf download {name_or_path} --local-dir DIR) and set "
+             f"model_name_or_path to DIR")
+    if hub_offline():
+        raise ConfigError(f"model_name_or_path {name_or_path!r}: no such path and not in the Hugging Face cache, "
+                          f"and HF_HUB_OFFLINE is set; {fetch}, or unset HF_HUB_OFFLINE")
+    unreachable = hub_unreachable()  # one short probe: transformers would retry for half a minute
+    if unreachable:
+        raise ConfigError(f"model_name_or_path {name_or_path!r}: no such path and not in the Hugging Face cache, "
+                          f"and the Hub cannot be reached: {unreachable}; {fetch}, or check the network "
+                          f"(HF_ENDPOINT for a mirror)")
     try:
         return AutoConfig.from_pretrained(name_or_path)
     except Exception as exc:
