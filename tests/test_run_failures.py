@@ -294,18 +294,29 @@ def test_the_commands_import_no_torch_before_they_handle_ctrl_c():
 
 
 @pytest.mark.slow
-def test_a_port_another_job_holds_is_one_line_and_exit_1(tmp_path):
-    """The launcher's master port held by another program: one line naming the port and the fix, no traceback."""
+@pytest.mark.parametrize("holder", ["socket", "torch_store"])
+def test_a_port_another_job_holds_is_one_line_and_exit_1(tmp_path, holder):
+    """The launcher's master port held by another program (a plain socket, or another torch job's store, which
+    rank 1 must not join): one line naming the port and the fix, no traceback."""
     import socket
 
+    import torch.distributed as dist
+
     out = tmp_path / "run"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
+        if holder == "socket":
+            held.bind(("127.0.0.1", port))
+            held.listen()
+        else:  # another job's rendezvous store, as torch's env:// opens it
+            other = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
         cmd = train_command(2, ["--max_steps", "1", "--output_dir", str(out)])
         cmd[cmd.index("--master_port") + 1] = str(port)
         proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+        if holder != "socket":
+            del other
     said = proc.stdout + proc.stderr
     errors = [line for line in said.splitlines() if line.startswith("error:")]
     assert proc.returncode == 1, said[-3000:]

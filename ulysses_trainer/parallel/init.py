@@ -71,11 +71,17 @@ def init_distributed(backend: str) -> None:
 
 def _start_failure(error: str) -> str:
     """The line for a process group that could not start (its port taken, most often)."""
+    from .rendezvous import port_taken_line
+
     addr, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
     taken = "EADDRINUSE" in error
-    why = "that port is in use (another job on this machine?)" if taken else error.splitlines()[0]
-    return (f"cannot start the process group on {addr}:{port}: {why}; pass a free port to the launcher, "
-            f"e.g. deepspeed --master_port 29600 --num_gpus N launch/train.py ...")
+    return port_taken_line(addr, port, "that port is in use (another job on this machine?)" if taken
+                           else error.splitlines()[0])
+
+
+def group_started() -> bool:
+    """Whether this process's group exists (started before the checks, for a launched job)."""
+    return _initialized()
 
 
 def _initialized() -> bool:
