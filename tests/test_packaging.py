@@ -51,6 +51,65 @@ def test_shipped_zero_json_names_resolve_to_the_package_outside_a_checkout(tmp_p
     assert resolve_ds_path(DEFAULT_DS_CONFIG).resolve() == own
 
 
+def test_the_packages_recipes_are_the_checkouts_and_ship_as_package_data():
+    checkout = REPO_ROOT / "launch" / "recipes"
+    if not checkout.is_dir():
+        pytest.skip("not a checkout")
+    shipped = {f.name: f.read_bytes() for f in (PACKAGE_DIR / "recipes").glob("*.yaml")}
+    assert shipped == {f.name: f.read_bytes() for f in checkout.glob("*.yaml")}
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        pytest.skip("tomllib needs Python 3.11")
+    patterns = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert all(any(Path("recipes", name).match(p) for p in patterns["ulysses_trainer"]) for name in shipped)
+
+
+def test_a_recipe_named_as_the_readme_does_resolves_outside_a_checkout(tmp_path, monkeypatch):
+    from ulysses_trainer.config_load import read_recipe, resolve_recipe
+    from ulysses_trainer.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)  # no launch/recipes/ here
+    ref = PACKAGE_DIR / "recipes" / "reference_8gpu_1m.yaml"
+    for name in ("launch/recipes/reference_8gpu_1m.yaml", "reference_8gpu_1m.yaml", "reference_8gpu_1m"):
+        assert resolve_recipe(name) == ref
+    assert read_recipe("launch/recipes/one_gpu_4b_long.yaml")["model_name_or_path"] == "qwen3-4b"
+    own = tmp_path / "launch" / "recipes" / "reference_8gpu_1m.yaml"  # the working directory's own file first
+    own.parent.mkdir(parents=True)
+    own.write_text("max_length: 64\n")
+    assert read_recipe("launch/recipes/reference_8gpu_1m.yaml") == {"max_length": 64}
+    with pytest.raises(ConfigError, match=r"recipe 'nope' not found; .*a shipped recipe by name \(agent_sessions_1m, "):
+        read_recipe("nope")
+
+
+def test_plan_calibrate_outside_a_checkout_says_what_it_lacks(tmp_path, monkeypatch, capsys):
+    from ulysses_trainer.__main__ import main as cli_main
+    from ulysses_trainer.cli import plan as plan_cli
+    from ulysses_trainer.plan.calibration import load_calibration
+
+    if not (REPO_ROOT / "benchmarks" / "results").is_dir():
+        pytest.skip("not a checkout")
+    monkeypatch.chdir(REPO_ROOT)
+    assert cli_main(["plan", "calibrate", "--json"]) == 0
+    in_checkout = capsys.readouterr()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(plan_cli, "REPO_ROOT", tmp_path)  # as installed: no benchmarks/results beside the package
+    assert cli_main(["plan", "calibrate", "--json"]) == 0
+    installed = capsys.readouterr()
+    assert len(json.loads(installed.out)) == len(load_calibration()) < len(json.loads(in_checkout.out))
+    assert "note: no benchmarks/results here" in installed.err and "note:" not in in_checkout.err
+    assert "run it in a checkout of the repository or pass --results_dir" in installed.err
+    assert cli_main(["plan", "calibrate", "--results_dir", str(tmp_path / "nope")]) == 2
+
+
+def test_a_built_wheel_leaves_no_untracked_build_folder():
+    """`pip wheel .` writes build/ (setuptools' staging) beside the sources; dist/ is `python -m build`'s."""
+    ignore = REPO_ROOT / ".gitignore"
+    if not ignore.is_file():
+        pytest.skip("not a checkout")
+    assert {"/build/", "/dist/"} <= set(ignore.read_text().splitlines())
+
+
 def _installed(tmp: Path) -> Path:
     """A wheel built from a copy of the package's sources (nothing else of the checkout), installed into a fresh
     folder with pip --target."""
@@ -74,6 +133,7 @@ def _installed(tmp: Path) -> Path:
 def test_an_installed_wheel_trains_plans_and_prepares_data_from_any_directory(tmp_path):
     target = _installed(tmp_path)
     assert (target / "ulysses_trainer" / "ds_configs" / "zero3.json").is_file()
+    assert (target / "ulysses_trainer" / "recipes" / "reference_8gpu_1m.yaml").is_file()
     assert not (target / "launch").exists() and not (target / "ds_configs").exists()
     away = tmp_path / "elsewhere"  # no checkout here or above
     away.mkdir()
@@ -113,3 +173,7 @@ def test_an_installed_wheel_trains_plans_and_prepares_data_from_any_directory(tm
     assert in_checkout.returncode == 0, in_checkout.stderr[-3000:]
     assert json.loads(planned.stdout) == json.loads(in_checkout.stdout)
     assert "communication modelled (measured bandwidth" in planned.stdout  # the package's table, not a guess
+    # the README's commands name launch/recipes/...: the package's copies answer them from any directory
+    readme = run(*["launch/recipes/reference_8gpu_1m.yaml" if a == str(RECIPE) else a for a in PLAN_ARGS])
+    assert readme.returncode == 0, readme.stderr[-3000:]
+    assert json.loads(readme.stdout) == json.loads(planned.stdout)

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from .config import FIELDS, HINTS, TrainConfig
+from .config import FIELDS, HINTS, PACKAGE_DIR, TrainConfig
 from .errors import ConfigError
 from .name_hints import refusal, suggest
 from .typed_values import NO_MATCH, coerce, describe, literal_choices
@@ -52,12 +52,27 @@ def yaml_error(exc: yaml.YAMLError, what: str) -> ConfigError:
     return ConfigError(f"{what} is not valid YAML{at}: {problem}; fix the syntax there")
 
 
+def resolve_recipe(path: str) -> Path:
+    """The recipe file: the path as given, else the package's copy of a shipped recipe named by its file
+    (`launch/recipes/NAME.yaml`, `NAME.yaml` or `NAME`): the same file in a checkout and in an installed package."""
+    p = Path(path)
+    if p.is_file() or p.is_absolute():
+        return p
+    name = p.name if p.suffix in (".yaml", ".yml") else p.name + ".yaml"
+    shipped = PACKAGE_DIR / "recipes" / name
+    return shipped if shipped.is_file() else p
+
+
+def shipped_recipes() -> list[str]:
+    return sorted(f.stem for f in (PACKAGE_DIR / "recipes").glob("*.yaml"))
+
+
 def read_recipe(path: str) -> dict[str, Any]:
     """The mapping of a YAML recipe (unvalidated)."""
-    p = Path(path)
+    p = resolve_recipe(path)
     if not p.is_file():
-        raise ConfigError(f"recipe {path!r} not found; pass an existing YAML file to --config "
-                          f"(recipes live in launch/recipes/)")
+        raise ConfigError(f"recipe {path!r} not found; pass an existing YAML file to --config, or a shipped "
+                          f"recipe by name ({', '.join(shipped_recipes())}; the checkout's launch/recipes/)")
     try:
         data = load_yaml(p.read_text())
     except yaml.YAMLError as exc:

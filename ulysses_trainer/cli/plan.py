@@ -23,10 +23,11 @@ import json
 import math
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from .. import probe  # read through the module: its functions are the test seam
-from ..config import validate_config
+from ..config import REPO_ROOT, validate_config
 from ..config_load import build_config, read_recipe
 from ..data.attention_share import AttentionShare, timed_from_data
 from ..ds_config import load_ds_config
@@ -252,11 +253,25 @@ def run_calibrate(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="ulysses-trainer plan calibrate",
                                  description="predicted vs measured peak memory")
-    ap.add_argument("--results_dir", default="benchmarks/results",
-                    help="where benchmarks/long_context.py wrote long_context_*.json")
+    ap.add_argument("--results_dir", default=None,
+                    help="where benchmarks/long_context.py wrote long_context_*.json (default: a checkout's "
+                         "benchmarks/results)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    rows = compare(load_calibration() + load_measurements(args.results_dir))
+    results = Path(args.results_dir or "benchmarks/results")
+    if not results.is_dir() and args.results_dir is None:  # run outside a checkout: the repo's own folder
+        results = REPO_ROOT / "benchmarks" / "results"
+    shipped = load_calibration()
+    if not results.is_dir():
+        if args.results_dir is not None:
+            raise ConfigError(f"--results_dir {args.results_dir}: no such directory; give the folder holding "
+                              f"benchmarks/long_context.py's long_context_*.json")
+        # an installed package ships plan/calibration.json, not the checkout's benchmark results: say so
+        print(f"note: no benchmarks/results here (an installed package ships only plan/calibration.json): "
+              f"{len(shipped)} shipped points, without the long_context_*.json measurements a checkout's "
+              f"benchmarks/results holds; run it in a checkout of the repository or pass --results_dir",
+              file=sys.stderr)
+    rows = compare(shipped + (load_measurements(results) if results.is_dir() else []))
     if args.json:
         print(json.dumps([{"source": c.measurement.source, "system": c.measurement.system,
                            "model": c.measurement.model, "seq_len": c.measurement.settings.max_length,
