@@ -88,3 +88,18 @@ def export_config_json(cfg: TrainConfig, trained: PretrainedConfig, bf16: bool) 
     source = checkpoint_source(cfg.model_name_or_path)
     return exported_config(trained, source_config(cfg.model_name_or_path), read_config_json(source),
                            torch.bfloat16 if bf16 else torch.float32, cfg.model_init_kwargs)
+
+
+def dtype_change_note(source: str | None, bf16: bool) -> str | None:
+    """The line saying final/ holds another dtype than the checkpoint it started from (a bf16 checkpoint trained
+    in fp32 on a CPU exports float32: the weights as trained, twice the size); None when they agree or for a
+    preset."""
+    written = read_config_json(source) or {}
+    stored = written.get("dtype") or written.get("torch_dtype")
+    trained = "bfloat16" if bf16 else "float32"
+    if not isinstance(stored, str) or stored == trained:
+        return None
+    how = ("bf16 was off (bf16 auto is off without a CUDA device that has it)" if not bf16
+           else "bf16 was on")
+    return (f"final/ holds {trained} weights, the dtype trained in, while {source} stores {stored}: {how}; "
+            f"load it with dtype=torch.{stored} to get {stored} back")

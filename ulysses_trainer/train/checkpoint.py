@@ -8,6 +8,7 @@ directory holding it is ever deleted, by save_total_limit's rotation or by overw
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
 import os
@@ -251,7 +252,7 @@ def clear_previous_run(output_dir: str) -> list[str]:
     """Remove what a previous run wrote (overwrite_output_dir, or a fresh start over a run that trained no step):
     its checkpoints (those holding MARKER), final/, metrics.jsonl, events.jsonl, config.json, latest, its temporary
     directories and TensorBoard's event files in runs/. Anything else stays (a user's checkpoint-best/, a checkpoint-<N>
-    without the marker, other files in runs/). Returns the removed paths."""
+    without the marker, other files in runs/). Returns the removed paths (a directory's ends with a separator)."""
     ours = {os.path.basename(p) for p in trainer_checkpoints(output_dir).values()}
     removed = []
     for name in sorted(_run_names(output_dir)):
@@ -260,9 +261,10 @@ def clear_previous_run(output_dir: str) -> list[str]:
             continue  # not this trainer's (no marker): never deleted
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
+            removed.append(os.path.join(path, ""))  # a directory: with its trailing separator
         else:
             os.remove(path)
-        removed.append(path)
+            removed.append(path)
     runs = os.path.join(output_dir, TENSORBOARD_DIR)
     # runs/ itself, and runs/RUN_NAME/ (a run given a run_name writes there)
     events = glob.glob(os.path.join(glob.escape(runs), EVENTS)) + \
@@ -276,6 +278,16 @@ def clear_previous_run(output_dir: str) -> list[str]:
     if events and os.path.isdir(runs) and not os.listdir(runs):
         os.rmdir(runs)
     return removed
+
+
+def describe_removed(output_dir: str, removed: list[str], overwrite: bool) -> str:
+    """The line saying what clear_previous_run removed: the names under output_dir, TensorBoard's files counted."""
+    events = [p for p in removed if fnmatch.fnmatch(os.path.basename(p), EVENTS)]
+    names = [os.path.relpath(p, output_dir) + ("/" if p.endswith(os.sep) else "") for p in removed if p not in events]
+    if events:
+        names.append(f"{len(events)} TensorBoard event file{'s' if len(events) != 1 else ''} in {TENSORBOARD_DIR}/")
+    why = "overwrite_output_dir" if overwrite else "a fresh start over a run that trained no step"
+    return f"{why}: removed the previous run's files from {output_dir}: {', '.join(names)}"
 
 
 def _dims(config) -> dict:

@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
 
 from ..config_checks import shard_bytes
 from ..data.formats import CONVERSATIONAL, PROMPT_COMPLETION
-from ..model.export_config import export_config_json
+from ..model.export_config import dtype_change_note, export_config_json
 from ..model.export_layout import add_carried, user_layout
 from ..model.lora import lora_scaling, merged_state_dict
 from .chat_export import ExportFiles, adapter_base, source_file
 from .checkpoint import agree_on_failure, fsync_tree
 from .output_guard import OutputWriteError, describe_failure, failure_message
 from .prepare import RunPlan
+
+log = logging.getLogger(__name__)
 
 
 def export_model(engine, plan: RunPlan, peft_model, is_main: bool, name: str) -> None:
@@ -43,6 +46,9 @@ def export_model(engine, plan: RunPlan, peft_model, is_main: bool, name: str) ->
         export_hf(engine, plan.model_config, cfg.output_dir, files, is_main, transform=merge,
                   config_json=export_config_json(cfg, plan.model_config, plan.bf16), max_shard_size=shard, name=name,
                   source_dir=source_dir)
+        note = dtype_change_note(source, plan.bf16) if is_main else None
+        if note:  # said, not silently kept: the weights are what was trained
+            log.info(note if name == "final" else note.replace("final/", f"{name}/", 1))
 
 
 def export_adapter(engine, peft_model, output_dir: str, tokenizer, is_main: bool, name: str = "final") -> str | None:

@@ -182,7 +182,9 @@ class Trainer:
             # overwrite_output_dir, or a fresh start where a run stopped before its first step (config.json, empty
             # TensorBoard events): nothing the trainer wrote before survives, and nothing else is touched
             if plan.clear_output_dir or not plan.resume_path:
-                ckpt.clear_previous_run(cfg.output_dir)
+                removed = ckpt.clear_previous_run(cfg.output_dir)
+                if removed:  # said: what overwrite_output_dir deleted
+                    log.info(ckpt.describe_removed(cfg.output_dir, removed, plan.clear_output_dir))
             os.makedirs(cfg.output_dir, exist_ok=True)
         if plan.resume_path:  # found and checked by prepare()
             self.where.enter("loading the checkpoint")
