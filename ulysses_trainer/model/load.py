@@ -24,6 +24,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from ..names import CHECKPOINT_MARKER
 from .families import FAMILIES, family
+from .positions import check_positions, rope_dict
 from .presets import PRESETS, is_preset, preset_config
 
 _YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
@@ -210,15 +211,6 @@ def _override(config: PretrainedConfig, overrides: dict[str, Any]) -> Pretrained
                           f"{str(exc).strip()}") from None
 
 
-def _rope_dict(config: PretrainedConfig) -> dict[str, Any]:
-    rp = getattr(config, "rope_parameters", None)
-    rp = dict(rp) if isinstance(rp, dict) else {}
-    if "rope_theta" not in rp and getattr(config, "rope_theta", None) is not None:
-        rp["rope_theta"] = config.rope_theta
-    rp.setdefault("rope_type", "default")
-    return rp
-
-
 def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"rope_parameters.{name} must be a number, got {value!r}")
@@ -240,7 +232,7 @@ def resolve_rope_parameters(config: PretrainedConfig, rope_params: dict | None,
         raise ConfigError(f"rope_parameters must be a mapping like {{rope_type: yarn, factor: auto}}, "
                           f"got {rope_params!r}")
     params = dict(rope_params)
-    ckpt = _rope_dict(config)
+    ckpt = rope_dict(config)
     rope_type = params.pop("rope_type", params.pop("type", None))
     theta = ckpt.get("rope_theta")
     if "rope_theta" in params:
@@ -303,51 +295,11 @@ def model_config_for(cfg: TrainConfig) -> PretrainedConfig:
     config = load_model_config(cfg.model_name_or_path, kwargs)
     family(config.model_type).mlp.training_config(config, kwargs)  # e.g. the router logits of a sparse block
     rope = kwargs.get(both[0]) if both else None
-    own = _rope_dict(config)  # the checkpoint's own rope, before any requested one replaces it
+    own = rope_dict(config)  # the checkpoint's own rope, before any requested one replaces it
     resolve_rope_parameters(config, rope, cfg.max_length)
     if not cfg.allow_beyond_positions:
         check_positions(config, cfg.max_length, own, requested=rope is not None)
     return config
-
-
-def positions_covered(config: PretrainedConfig) -> int | None:
-    """The positions the model covers: max_position_embeddings, or original x factor where its rope scales
-    them (YaRN, linear, dynamic), whichever is larger. None for a config without max_position_embeddings."""
-    base = getattr(config, "max_position_embeddings", None)
-    if not isinstance(base, int):
-        return None
-    rp = _rope_dict(config)
-    factor = rp.get("factor")
-    if rp.get("rope_type", "default") == "default" or not isinstance(factor, (int, float)) or factor <= 1:
-        return base
-    original = rp.get("original_max_position_embeddings") or base
-    return max(base, int(round(original * factor)))
-
-
-YARN_AUTO = """--model_init_kwargs '{"rope_parameters": {"rope_type": "yarn", "factor": "auto"}}'"""
-
-
-def check_positions(config: PretrainedConfig, max_length: int, own_rope: dict[str, Any],
-                    requested: bool) -> None:
-    """A max_length past the positions the model covers is refused (ConfigError) naming YaRN with factor auto,
-    which stretches them to max_length; allow_beyond_positions lets it through (the fields' docs say so)."""
-    covered = positions_covered(config)
-    if covered is None or max_length <= covered:
-        return
-    rp = _rope_dict(config)
-    if requested:
-        how = (f"the rope_parameters given ({rp.get('rope_type')} factor {rp.get('factor', 1):g} over "
-               f"{rp.get('original_max_position_embeddings', config.max_position_embeddings):,} positions) "
-               f"cover {covered:,}")
-        fix = 'set rope_parameters factor to auto (= max_length / original_max_position_embeddings)'
-    else:
-        scaled = own_rope.get("rope_type", "default") != "default"
-        how = (f"the checkpoint's own {own_rope.get('rope_type')} scaling (factor {own_rope.get('factor', 1):g}) "
-               f"covers {covered:,}" if scaled else f"max_position_embeddings is {covered:,} and it has no rope "
-               f"scaling")
-        fix = f"stretch them with YaRN to max_length: {YARN_AUTO}"
-    raise ConfigError(f"max_length {max_length:,} is beyond the model's positions: {how}; {fix}, or set "
-                      f"allow_beyond_positions true to train past them anyway")
 
 
 def build_model(config: PretrainedConfig, dtype: torch.dtype, from_pretrained_path: str | None = None,

@@ -1,0 +1,60 @@
+"""The positions a model covers: max_position_embeddings, or what its rope scaling stretches them to; a max_length
+past them is refused unless the user says they mean it (allow_beyond_positions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from ..errors import ConfigError
+
+
+def rope_dict(config: PretrainedConfig) -> dict[str, Any]:
+    """The config's rope parameters as a dict, rope_theta and rope_type filled in."""
+    rp = getattr(config, "rope_parameters", None)
+    rp = dict(rp) if isinstance(rp, dict) else {}
+    if "rope_theta" not in rp and getattr(config, "rope_theta", None) is not None:
+        rp["rope_theta"] = config.rope_theta
+    rp.setdefault("rope_type", "default")
+    return rp
+
+
+def positions_covered(config: PretrainedConfig) -> int | None:
+    """The positions the model covers: max_position_embeddings, or original x factor where its rope scales
+    them (YaRN, linear, dynamic), whichever is larger. None for a config without max_position_embeddings."""
+    base = getattr(config, "max_position_embeddings", None)
+    if not isinstance(base, int):
+        return None
+    rp = rope_dict(config)
+    factor = rp.get("factor")
+    if rp.get("rope_type", "default") == "default" or not isinstance(factor, (int, float)) or factor <= 1:
+        return base
+    original = rp.get("original_max_position_embeddings") or base
+    return max(base, int(round(original * factor)))
+
+
+YARN_AUTO = """--model_init_kwargs '{"rope_parameters": {"rope_type": "yarn", "factor": "auto"}}'"""
+
+
+def check_positions(config: PretrainedConfig, max_length: int, own_rope: dict[str, Any],
+                    requested: bool) -> None:
+    """A max_length past the positions the model covers is refused (ConfigError) naming YaRN with factor auto,
+    which stretches them to max_length; allow_beyond_positions lets it through (the fields' docs say so)."""
+    covered = positions_covered(config)
+    if covered is None or max_length <= covered:
+        return
+    rp = rope_dict(config)
+    if requested:
+        how = (f"the rope_parameters given ({rp.get('rope_type')} factor {rp.get('factor', 1):g} over "
+               f"{rp.get('original_max_position_embeddings', config.max_position_embeddings):,} positions) "
+               f"cover {covered:,}")
+        fix = 'set rope_parameters factor to auto (= max_length / original_max_position_embeddings)'
+    else:
+        scaled = own_rope.get("rope_type", "default") != "default"
+        how = (f"the checkpoint's own {own_rope.get('rope_type')} scaling (factor {own_rope.get('factor', 1):g}) "
+               f"covers {covered:,}" if scaled else f"max_position_embeddings is {covered:,} and it has no rope "
+               f"scaling")
+        fix = f"stretch them with YaRN to max_length: {YARN_AUTO}"
+    raise ConfigError(f"max_length {max_length:,} is beyond the model's positions: {how}; {fix}, or set "
+                      f"allow_beyond_positions true to train past them anyway")
