@@ -23,6 +23,7 @@ def rope_dict(config: PretrainedConfig) -> dict[str, Any]:
 def positions_covered(config: PretrainedConfig) -> int | None:
     """The positions the model covers: max_position_embeddings, or original x factor where its rope scales
     them (YaRN, linear, dynamic), whichever is larger. None for a config without max_position_embeddings."""
+    config = getattr(config, "text_config", None) or config  # a multimodal layout: its text model's
     base = getattr(config, "max_position_embeddings", None)
     if not isinstance(base, int):
         return None
@@ -41,6 +42,7 @@ def check_positions(config: PretrainedConfig, max_length: int, own_rope: dict[st
                     requested: bool) -> None:
     """A max_length past the positions the model covers is refused (ConfigError) naming YaRN with factor auto,
     which stretches them to max_length; allow_beyond_positions lets it through (the fields' docs say so)."""
+    config = getattr(config, "text_config", None) or config  # a multimodal layout: its text model's
     covered = positions_covered(config)
     if covered is None or max_length <= covered:
         return
