@@ -230,6 +230,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         decode_trl_spellings(self)  # TRL's spellings become the fields they stand for
 
+    def origin(self, name: str) -> str:
+        """Where a field's value came from, for messages: "recipe PATH", "the command line", or "the default" (the
+        field's default, or a value it holds that config_load.build_config did not record)."""
+        given = self.__dict__.get("_origins", {})  # set by build_config; not a field, so never saved
+        if name in given:
+            return given[name]
+        return "the default" if getattr(self, name) == FIELDS[name].default else "the training config"
+
     @property
     def evaluates(self) -> bool:
         """Whether the run evaluates at all (every eval_steps, or at each epoch end)."""

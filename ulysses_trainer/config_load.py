@@ -16,6 +16,7 @@ from .errors import ConfigError
 from .name_hints import refusal, suggest
 from .typed_values import NO_MATCH, coerce, describe, literal_choices
 from .yaml_numbers import load_yaml
+from .zero_json import DEEPSPEED_TOP_LEVEL
 
 # Launcher arguments that are accepted and dropped (deepspeed adds --local_rank).
 IGNORED = {"local_rank"}
@@ -41,7 +42,21 @@ def unknown_name(name: str, where: str) -> ConfigError:
     reason = refusal(name)
     if reason is not None:  # a TRL option that does not apply here: its reason, never a look-alike's name
         return ConfigError(f"{name} ({where}) is a TRL option this trainer does not support: {reason}; remove it")
+    if name in DEEPSPEED_TOP_LEVEL:  # a ZeRO JSON key given as a training setting
+        return ConfigError(f"unknown config name {name!r} ({where}): it is a key of the ZeRO (DeepSpeed) JSON, not a "
+                           f"training setting; write it in the JSON that `deepspeed` names (ds_configs/zero3.json)")
     return ConfigError(f"unknown config name {name!r} ({where}){suggest(name, list(FIELDS))}")
+
+
+def _zero_json_as_recipe(recipe: dict[str, Any], path: str) -> ConfigError | None:
+    """A ZeRO JSON passed where the recipe goes (`--config ds_configs/zero3.json`): say where it goes instead."""
+    ours = [k for k in recipe if k in FIELDS]
+    theirs = [k for k in recipe if k in DEEPSPEED_TOP_LEVEL and k not in FIELDS]
+    if "zero_optimization" in recipe or (theirs and len(theirs) >= len(ours)):
+        return ConfigError(f"{path} is a ZeRO (DeepSpeed) JSON, not a training recipe: pass it with --deepspeed "
+                           f"{path} (or `deepspeed: {path}` in a recipe); --config takes a YAML recipe of training "
+                           f"settings (launch/recipes/)")
+    return None
 
 
 # ---------------------------------------------------------------- loading
@@ -84,6 +99,9 @@ def read_recipe(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"recipe {path} must be a mapping of `name: value` lines, "
                           f"got {type(data).__name__}")
+    wrong = _zero_json_as_recipe(data, path)
+    if wrong is not None:
+        raise wrong
     return data
 
 
@@ -91,14 +109,19 @@ def build_config(recipe: dict[str, Any] | None = None, overrides: dict[str, Any]
                  recipe_name: str = "recipe") -> TrainConfig:
     """Defaults, then the recipe, then the overrides, each value type-checked."""
     values: dict[str, Any] = {}
-    for source, where in ((recipe or {}, f"in {recipe_name}"), (overrides or {}, "on the command line")):
+    origins: dict[str, str] = {}  # where each value given came from (TrainConfig.origin, for messages)
+    for source, where, origin in ((recipe or {}, f"in {recipe_name}", recipe_name),
+                                  (overrides or {}, "on the command line", "the command line")):
         for name, value in source.items():
             if name in IGNORED:
                 continue
             if name not in FIELDS:
                 raise unknown_name(name, where)
             values[name] = _check_value(name, value, where)
-    return TrainConfig(**values)
+            origins[name] = origin
+    cfg = TrainConfig(**values)
+    cfg.__dict__["_origins"] = origins
+    return cfg
 
 
 def command_line_values(options: Iterable[tuple[str, str | None]]) -> dict[str, Any]:

@@ -23,9 +23,11 @@ from typing import Any
 
 import torch
 
-from .config import PACKAGE_DIR, TrainConfig
+from .config import FIELDS, PACKAGE_DIR, TrainConfig
 from .errors import ConfigError
 from .names import ZERO_AUTO_SIZES, check_zero_stage, offload_sub_group_size
+from .zero_json import check_zero_keys, read_zero_json, zero_key
+from .zero_json import resolve_ds_path as _resolve_ds_path
 
 AUTO = "auto"
 
@@ -47,35 +49,14 @@ class OptimizerSpec:
 
 
 def resolve_ds_path(path: str) -> Path:
-    """The JSON path as given, else the package's copy of a shipped one (recipes say ds_configs/zero3.json):
-    the same file in a checkout and in an installed package."""
-    p = Path(path)
-    if p.is_file() or p.is_absolute():
-        return p
-    alt = PACKAGE_DIR / p
-    return alt if alt.is_file() else p
+    """The JSON path as given, else the package's copy of a shipped one (zero_json.resolve_ds_path)."""
+    return _resolve_ds_path(path, PACKAGE_DIR)
 
 
 def load_ds_config(path: str | dict) -> dict:
-    """Read a ZeRO JSON; malformed JSON is a ConfigError with the line and column."""
-    if isinstance(path, dict):
-        return copy.deepcopy(path)
-    p = resolve_ds_path(path)
-    if not p.is_file():
-        raise ConfigError(f"ZeRO config {path!r} not found; set `deepspeed` to a JSON file such as "
-                          f"ds_configs/zero3.json or ds_configs/zero3_offload.json")
-    try:
-        text = p.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read ZeRO config {p}: {exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"ZeRO config {p} is not valid JSON at line {exc.lineno}, column {exc.colno}: "
-                          f"{exc.msg}; fix the syntax there") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"ZeRO config {p} must be a JSON object, got {type(data).__name__}")
-    return data
+    """Read a ZeRO JSON as DeepSpeed reads it (zero_json.read_zero_json: hjson, duplicate keys refused) and refuse
+    the keys DeepSpeed would ignore or this trainer would not honour; a ConfigError naming the fix."""
+    return read_zero_json(path, PACKAGE_DIR)
 
 
 def deepspeed_adam_buildable(offload_optimizer: bool) -> bool:
@@ -98,10 +79,24 @@ def deepspeed_adam_buildable(offload_optimizer: bool) -> bool:
 
 
 class _Filler:
-    """Fills one key at a time; an explicit value that disagrees with the training config is an error."""
+    """Fills one key at a time; an explicit value that disagrees with the training config is an error naming where
+    the training config's value came from (the recipe, the command line or the default: TrainConfig.origin)."""
 
-    def __init__(self, ds: dict, path: str) -> None:
-        self.ds, self.path = ds, path
+    def __init__(self, ds: dict, path: str, cfg: TrainConfig) -> None:
+        self.ds, self.path, self.cfg = ds, path, cfg
+
+    def _from(self, cfg_name: str) -> str:
+        names = [n for n in FIELDS if n == cfg_name or f"[{n}," in cfg_name or f" {n}]" in cfg_name]
+        origins = list(dict.fromkeys(self.cfg.origin(n) for n in names))  # [adam_beta1, adam_beta2]: both
+        return " and ".join(origins) if origins else "the trainer"
+
+    def _fix(self, cfg_name: str, have: Any) -> str:
+        origin, value = self._from(cfg_name), json.dumps(have)
+        if origin == "the command line":
+            return f"pass --{cfg_name} {value} on the command line"
+        if origin.startswith("recipe ") and " and " not in origin:
+            return f"set {cfg_name} {value} in {origin}"
+        return f"set {cfg_name} {value} in the recipe or on the command line"
 
     def fill(self, section: dict, key: str, want: Any, where: str, cfg_name: str, fix: str | None = None,
              equal: Any = None) -> None:
@@ -113,8 +108,8 @@ class _Filler:
         if not same:
             raise ConfigError(
                 f"{where} is {json.dumps(have)} in {self.path} but the training config gives {cfg_name} = "
-                f"{json.dumps(want)}; set it to \"auto\" in the JSON"
-                + (f" or {fix}" if fix else f" or set {cfg_name} {json.dumps(have)} in the recipe"))
+                f"{json.dumps(want)} (from {self._from(cfg_name)}); set it to \"auto\" in the JSON or "
+                f"{fix or self._fix(cfg_name, have)}")
 
 
 def _close(a: Any, b: Any) -> bool:
@@ -156,14 +151,9 @@ def _fill_precision(ds: dict, f: _Filler, cfg: TrainConfig, bf16: bool, source: 
     if not isinstance(bf16_sec, dict):
         raise ConfigError(f"{bf16_key} in {source} must be an object like {{\"enabled\": \"auto\"}}")
     f.fill(bf16_sec, "enabled", bf16, f"{bf16_key}.enabled", "bf16")
-    fp16 = ds.get("fp16", {})
-    if isinstance(fp16, dict) and fp16.get("enabled", False) not in (False, AUTO):
-        raise ConfigError(f"fp16.enabled is true in {source}; fp16 is not supported (use bf16: set "
-                          f"fp16.enabled false or \"auto\", and bf16 true in the recipe)")
+    fp16 = ds.get("fp16", {})  # enabled true or amp was refused with the keys (zero_json.check_zero_keys)
     if isinstance(fp16, dict) and fp16:
         fp16["enabled"] = False
-    if "amp" in ds and isinstance(ds["amp"], dict) and ds["amp"].get("enabled"):
-        raise ConfigError(f"amp.enabled is true in {source}; use bf16 instead (set amp.enabled false)")
 
 
 def _fill_zero(ds: dict, hidden_size: int | None, optimizer_offload: bool | None, source: str) -> bool:
@@ -172,7 +162,8 @@ def _fill_zero(ds: dict, hidden_size: int | None, optimizer_offload: bool | None
     check_zero_stage(zero, source)
     if not isinstance(zero, dict):
         return False
-    for key, rule in ZERO_AUTO_SIZES.items():
+    for name, rule in ZERO_AUTO_SIZES.items():
+        key = zero_key(zero, name)  # DeepSpeed takes the alias or the field name
         if zero.get(key) == AUTO:
             if hidden_size:
                 zero[key] = rule(hidden_size)
@@ -201,7 +192,8 @@ def _fill_optimizer(ds: dict, f: _Filler, spec: OptimizerSpec, source: str) -> N
     params = opt.setdefault("params", {})
     f.fill(params, "lr", spec.lr, "optimizer.params.lr", "learning_rate", equal=_close)
     f.fill(params, "betas", list(spec.betas), "optimizer.params.betas", "[adam_beta1, adam_beta2]",
-           fix="set adam_beta1 and adam_beta2 in the recipe", equal=_betas_equal)
+           fix=f"set adam_beta1 and adam_beta2 to those values (from {f._from('[adam_beta1, adam_beta2]')})",
+           equal=_betas_equal)
     f.fill(params, "eps", spec.eps, "optimizer.params.eps", "adam_epsilon", equal=_close)
     f.fill(params, "weight_decay", spec.weight_decay, "optimizer.params.weight_decay", "weight_decay",
            equal=_close)
@@ -222,7 +214,8 @@ def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, de
     JSON in messages.
     """
     ds = copy.deepcopy(ds)
-    f = _Filler(ds, source)
+    check_zero_keys(ds, source)  # what load_ds_config refuses, for a dict given here directly
+    f = _Filler(ds, source, cfg)
     if world_size % dp_size:
         raise ValueError(f"dp_size {dp_size} must divide world_size {world_size}")  # caller bug
     _fill_batch(ds, f, cfg, world_size, dp_size, source)
@@ -254,6 +247,19 @@ def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, de
                           f"write a value there")
     validate_with_deepspeed(ds, source)
     return ds, out_spec
+
+
+def zero_config_for(ds: dict, cfg: TrainConfig, plan: Any, world_size: int, *, device_is_cuda: bool,
+                    hidden_size: int | None, source: str, total_steps: int | None = None
+                    ) -> tuple[dict, OptimizerSpec | None]:
+    """The ZeRO JSON the trainer hands DeepSpeed for a resolved plan (plan/types.Plan: its dp, precision and
+    Adam's placement) and AdamW's settings (fill_ds_config). The trainer calls it right after planning, so a
+    conflict is refused before the data is read, and again once the run's steps are known; `ulysses-trainer
+    plan` calls it too: both refuse the same JSONs with the same message (exit 2)."""
+    return fill_ds_config(ds, cfg, world_size, plan.dp, device_is_cuda, bf16=plan.bf16, total_steps=total_steps,
+                          hidden_size=hidden_size, source=source,
+                          use_deepspeed_optimizer=None if plan.optimizer_offload else False,
+                          optimizer_offload=plan.optimizer_offload)
 
 
 def fill_zero_config(config: str | os.PathLike | dict, *, world_size: int, dp_size: int, micro_batch: int = 1,

@@ -109,7 +109,12 @@ def suggest(name: str, fields: list[str]) -> str:
     """'; did you mean ...?' for an unknown name that is truly close to a field, or a pointer to --help."""
     if name in TRL_NAMES and name not in fields:
         return f"; this trainer's setting for that is {TRL_NAMES[name]}"
-    # 0.8: a typo (learning_rat, gradient_acumulation_steps), not a different name sharing a suffix
-    # (dataset_config / peft_config scores 0.72)
-    close = difflib.get_close_matches(name, fields, n=1, cutoff=0.8)
-    return f"; did you mean {close[0]!r}?" if close else "; run with --help for the list of fields"
+    close = close_name(name, fields)
+    return f"; did you mean {close!r}?" if close else "; run with --help for the list of fields"
+
+
+def close_name(name: str, names: list[str]) -> str | None:
+    """The one of `names` that `name` is a near typo of, or None. 0.8: a typo (learning_rat,
+    gradient_acumulation_steps), not a different name sharing a suffix (dataset_config / peft_config scores 0.72)."""
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
+    return close[0] if close else None

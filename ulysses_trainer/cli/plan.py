@@ -19,6 +19,7 @@ are named); 2: invalid input.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -30,7 +31,7 @@ from .. import probe  # read through the module: its functions are the test seam
 from ..config import REPO_ROOT, validate_config
 from ..config_load import build_config, read_recipe
 from ..data.attention_share import AttentionShare, timed_from_data
-from ..ds_config import load_ds_config
+from ..ds_config import load_ds_config, zero_config_for
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
 from ..model.load import model_config_for
 from ..plan.longest_fit import Choice, Hardware, largest_max_length
@@ -149,10 +150,25 @@ def _settings_summary(s: Settings) -> dict[str, Any]:
 
 def run_plan(argv: list[str]) -> int:
     """`ulysses-trainer plan`: the plan the trainer would run (the same resolve_plan), then the longest
-    max_length that fits. Exit 0 when it fits, 1 when it does not (the binding limit is named)."""
-    cfg, model_config, ds, machine, args = build_plan_inputs(argv)
-    # the trainer's own call (train/prepare.py)
-    plan = plan_for(cfg, model_config, ds, machine, attention=data_attention(cfg, machine.gpus, model_config))
+    max_length that fits. Exit 0 when it fits, 1 when it does not (the binding limit is named), 2 for what the
+    trainer refuses (the ZeRO JSON checked against the config as the trainer checks it)."""
+    # stdout holds the report only: what libraries log on their import (DeepSpeed's accelerator line) goes to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        cfg, model_config, ds, machine, args = build_plan_inputs(argv)
+
+        def checked(plan: Plan) -> Plan:
+            # the trainer's own check of the JSON against the config and the plan (train/prepare.py): the same
+            # refusals, before the data is read
+            zero_config_for(ds, cfg, plan, machine.gpus, device_is_cuda=machine.gpu_memory_gb is not None,
+                            hidden_size=model_config.hidden_size, source=str(cfg.deepspeed),
+                            total_steps=cfg.max_steps)
+            return plan
+
+        # the trainer's own calls (train/prepare.py): without the data, then with the packed rows' attention
+        plan = checked(plan_for(cfg, model_config, ds, machine))
+        attention = data_attention(cfg, machine.gpus, model_config)
+        if attention is not None:
+            plan = checked(plan_for(cfg, model_config, ds, machine, attention=attention))
     hw = Hardware(machine.gpus, machine.gpu_memory_gb, machine.host_memory_gb, machine.gpus_per_host)
     # the plan's layout, kernels and loss, none of its length-dependent choices: the longest does not depend
     # on the max_length asked (the ZeRO-3 sizes per placement as the plan's own search had them)

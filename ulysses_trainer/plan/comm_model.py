@@ -47,6 +47,7 @@ import math
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from .inputs import ModelShape
 from .zero3_trace import gathers_per_micro_step
@@ -82,6 +83,14 @@ class Job:
     @property
     def dp_size(self) -> int:
         return self.world_size // self.sp_size
+
+    @classmethod
+    def of(cls, zero3: Any, **layout: Any) -> Job:
+        """The job with the ZeRO-3 sizes the run's JSON gives (plan/inputs.Zero3Knobs, read once by
+        plan/types.read_zero): the plan's step time and the rehearsal build their jobs here."""
+        return cls(param_persistence_threshold=zero3.param_persistence_threshold,
+                   reduce_bucket_size=zero3.reduce_bucket_size, max_reuse_distance=zero3.max_reuse_distance,
+                   **layout)
 
 
 @dataclass(frozen=True)

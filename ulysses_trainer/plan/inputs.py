@@ -166,6 +166,13 @@ class Zero3Knobs:
     param_persistence_threshold: int | None = None  # elements; None: 10 * hidden
     sub_group_size: int = DEFAULT_SUB_GROUP_SIZE  # elements of one optimizer sub-group
     max_live_parameters: int = DEFAULT_SUB_GROUP_SIZE  # elements gathered at most (stage3_max_live_parameters)
+    # elements fetched in between within which a parameter stays gathered (stage3_max_reuse_distance): it times
+    # ZeRO-3's gathers (plan/comm_model.py), it sizes no memory term
+    max_reuse_distance: int = DEFAULT_SUB_GROUP_SIZE
+
+    def memory_sizes(self) -> dict[str, int | None]:
+        """The sizes the memory terms read (MemoryEstimate.to_dict writes these)."""
+        return {k: v for k, v in self.__dict__.items() if k != "max_reuse_distance"}
 
 
 @dataclass(frozen=True)

@@ -325,7 +325,7 @@ class MemoryEstimate:
     def to_dict(self) -> dict[str, Any]:
         s = self.settings
         return {
-            "settings": {k: v for k, v in s.__dict__.items() if k != "zero3"} | {"zero3": s.zero3.__dict__},
+            "settings": {k: v for k, v in s.__dict__.items() if k != "zero3"} | {"zero3": s.zero3.memory_sizes()},
             "local_tokens": s.local_tokens, "padded_length": s.padded_length,
             "parameters": self.shape.num_params,
             "terms": [{"name": t.name, "phase": t.phase, "gpu_gb": t.gpu / GIB, "host_gb": t.host / GIB,

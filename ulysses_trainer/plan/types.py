@@ -9,6 +9,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..model_plan import ModelPlan
 from ..names import DEFAULT_SUB_GROUP_SIZE, check_zero_stage, offload_sub_group_size
+from ..zero_json import zero_size
 from .fit_search import Fixed
 from .inputs import Settings, Zero3Knobs
 from .memory import GIB, MemoryEstimate
@@ -89,7 +90,9 @@ class ZeroSettings:
 
 
 def read_zero(ds: dict, source: str = "the ZeRO config") -> ZeroSettings:
-    """ZeroSettings of a loaded ZeRO JSON (dict); only stage 3 is planned."""
+    """ZeroSettings of a loaded ZeRO JSON (dict; only stage 3 is planned): its sizes as DeepSpeed runs them
+    (zero_json.zero_size: the value written, DeepSpeed's default for a key left out, None for "auto", which the
+    trainer fills per hidden size). The plan, the filler and the rehearsal's communication read these."""
     zero = ds.get("zero_optimization", {}) or {}
     check_zero_stage(zero, source)
     stage = zero["stage"]
@@ -97,15 +100,14 @@ def read_zero(ds: dict, source: str = "the ZeRO config") -> ZeroSettings:
     offload = None if off is None else isinstance(off, dict) and off.get("device", "none") not in ("none", None)
 
     def num(key: str) -> int | None:
-        v = zero.get(key, "auto")
-        return None if v == "auto" else int(float(v))
+        return zero_size(zero, key, source)
 
-    sub = num("sub_group_size")
     return ZeroSettings(stage, offload, Zero3Knobs(
         reduce_bucket_size=num("reduce_bucket_size"), prefetch_bucket_size=num("stage3_prefetch_bucket_size"),
         param_persistence_threshold=num("stage3_param_persistence_threshold"),
-        sub_group_size=sub if sub is not None else DEFAULT_SUB_GROUP_SIZE,
-        max_live_parameters=num("stage3_max_live_parameters") or DEFAULT_SUB_GROUP_SIZE))
+        sub_group_size=num("sub_group_size") or DEFAULT_SUB_GROUP_SIZE,
+        max_live_parameters=num("stage3_max_live_parameters") or DEFAULT_SUB_GROUP_SIZE,
+        max_reuse_distance=num("stage3_max_reuse_distance") or DEFAULT_SUB_GROUP_SIZE))
 
 
 @dataclass(frozen=True)

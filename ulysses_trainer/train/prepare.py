@@ -19,7 +19,7 @@ from ..data.attention_share import AttentionShare, timed_from_data
 from ..data.order import steps_of, trained_rows
 from ..data.recall_probe import RecallProbe, build_recall_probe
 from ..data.tokenizer import apply_tokenizer_options, check_tokenizer_fits, load_tokenizer
-from ..ds_config import OptimizerSpec, fill_ds_config, load_ds_config
+from ..ds_config import OptimizerSpec, load_ds_config, zero_config_for
 from ..errors import ConfigError
 from ..layout import Layout
 from ..model.families import family
@@ -125,6 +125,13 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
 
     resolved = plan_of(cfg)  # every lever checked and decided here
     bf16 = resolved.bf16  # machine.bf16: the one rule
+
+    def zero_config(plan: Plan, total_steps: int | None) -> tuple[dict, OptimizerSpec | None]:
+        return zero_config_for(ds_raw, cfg, plan, world_size, device_is_cuda=device == "cuda",
+                               hidden_size=model_config.hidden_size, source=str(cfg.deepspeed),
+                               total_steps=total_steps)
+
+    zero_config(resolved, cfg.max_steps)  # the JSON against the config, before the data (as `plan` checks it)
     digest = check_same_plan(resolved, "before the model is built")
     sp, dp = resolved.sp, resolved.dp
     check_host_fits(resolved, machine, device, ranks_here=None if training else 1)  # a rehearsal runs one rank
@@ -185,10 +192,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
             raise ConfigError(problem)
         disk = disk_line(cfg.output_dir, need)
     # torch's fused AdamW on the GPU (no JIT build); DeepSpeed's CPU Adam only where states live on the host
-    ds, opt = fill_ds_config(ds_raw, cfg, world_size, dp, device == "cuda", bf16=bf16, total_steps=total,
-                             hidden_size=model_config.hidden_size, source=str(cfg.deepspeed),
-                             use_deepspeed_optimizer=None if resolved.optimizer_offload else False,
-                             optimizer_offload=resolved.optimizer_offload)
+    ds, opt = zero_config(resolved, total)
     return RunPlan(cfg=cfg, world_size=world_size, device=device, resolved=resolved, layout=layout, machine=machine,
                    zero=zero, shape=shape, model_config=model_config, tokenizer=tokenizer, train_data=train,
                    eval_data=eval_data, ds_config=ds, optimizer=opt, steps_per_epoch=steps_per_epoch,

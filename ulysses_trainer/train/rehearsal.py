@@ -20,18 +20,14 @@ def comm_job(plan, gpus_per_node: int, tiles: int, checkpoint_every: int):
     resolved plan decided them)."""
     from ..plan.comm_model import Job
 
-    zero = plan.ds_config.get("zero_optimization", {})
-    # "auto" is filled by now (ds_config.py); a key left out takes DeepSpeed's default
-    num = lambda key, default: int(float(zero.get(key, default)))  # noqa: E731
     cfg = plan.cfg
-    return Job(world_size=plan.world_size, sp_size=plan.sp_size, mlp_tiles=tiles,
-               local_tokens=plan.padded_length // plan.sp_size * cfg.per_device_train_batch_size,
-               grad_accum=cfg.gradient_accumulation_steps, bytes_per_el=2 if plan.bf16 else 4,
-               gradient_checkpointing=plan.resolved.gradient_checkpointing, checkpoint_every=checkpoint_every,
-               gpus_per_node=gpus_per_node,
-               param_persistence_threshold=num("stage3_param_persistence_threshold", 100_000),
-               reduce_bucket_size=num("reduce_bucket_size", 500_000_000),
-               max_reuse_distance=num("stage3_max_reuse_distance", 1_000_000_000))
+    # the ZeRO-3 sizes as the plan read them (plan/types.read_zero: "auto" per hidden size, a key left out at
+    # DeepSpeed's default), the numbers ds_config.py filled the engine's JSON with
+    return Job.of(plan.zero.knobs, world_size=plan.world_size, sp_size=plan.sp_size, mlp_tiles=tiles,
+                  local_tokens=plan.padded_length // plan.sp_size * cfg.per_device_train_batch_size,
+                  grad_accum=cfg.gradient_accumulation_steps, bytes_per_el=2 if plan.bf16 else 4,
+                  gradient_checkpointing=plan.resolved.gradient_checkpointing, checkpoint_every=checkpoint_every,
+                  gpus_per_node=gpus_per_node)
 
 
 def _sync(device: str) -> None:
