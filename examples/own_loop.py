@@ -24,6 +24,7 @@ from ulysses_trainer import (
     loss_for_backward,
     make_parallel_state,
     parallelize,
+    save_stock_model,
     shard_batch,
     step_token_count,
 )
@@ -48,6 +49,7 @@ def main() -> None:
     parser.add_argument("--max_length", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--save_dir", default=None, help="write the trained weights there, with the stock keys")
     parser.add_argument("--local_rank", type=int, default=0)  # added by the deepspeed launcher
     args = parser.parse_args()
 
@@ -80,6 +82,8 @@ def main() -> None:
         loss = global_loss(float(loss_sum.detach()), tokens, state)  # token-weighted mean over all ranks
         if state.is_main:
             print(f"step {step + 1} loss {loss!r}", flush=True)
+    if args.save_dir:  # every rank (ZeRO-3 gathers); rank 0 writes pytorch_model.bin with the stock model's keys
+        save_stock_model(engine, args.save_dir)
     destroy_distributed()  # every rank leaves together: gloo can abort at exit otherwise
 
 

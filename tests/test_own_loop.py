@@ -28,13 +28,27 @@ def run_example(num_gpus: int, args: list[str]) -> list[float]:
 
 
 @pytest.mark.slow
-def test_example_sp2_on_two_ranks_equals_one_rank_and_learns():
-    sp2 = run_example(2, ["--sp_size", "2", "--steps", "3"])
+def test_example_sp2_on_two_ranks_equals_one_rank_and_learns(tmp_path):
+    sp2 = run_example(2, ["--sp_size", "2", "--steps", "3", "--save_dir", str(tmp_path / "sp2")])
     sp1 = run_example(1, ["--steps", "3"])
     assert len(sp2) == len(sp1) == 3
     for a, b in zip(sp2, sp1):
         assert abs(a - b) / b <= 1e-5, (sp2, sp1)
     assert sp2[-1] < sp2[0] - 0.1, sp2  # AdamW at 1e-3 moves the random model off uniform (ln V = 11.93)
+    # the trained weights, saved by the engine with the stock keys: a stock model loads them, nothing missing
+    import torch
+
+    from ulysses_trainer.model.load import build_model
+    from ulysses_trainer.model.presets import preset_config
+
+    state = torch.load(tmp_path / "sp2" / "pytorch_model.bin")
+    assert not any(k.startswith("causal_lm.") for k in state)
+    stock = build_model(preset_config("tiny"), torch.float32, seed=0)
+    untrained = {k: v.clone() for k, v in stock.state_dict().items()}
+    result = stock.load_state_dict(state, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert not torch.equal(stock.state_dict()["model.layers.0.mlp.up_proj.weight"],
+                           untrained["model.layers.0.mlp.up_proj.weight"])  # trained weights, not the initial ones
 
 
 def test_fill_zero_config_fills_every_auto_of_the_shipped_json():
@@ -70,6 +84,15 @@ def test_fill_zero_config_refuses_conflicts_and_unfilled_autos():
 def test_destroy_distributed_without_a_process_group_is_a_no_op():
     destroy_distributed()
     destroy_distributed(together=False)
+
+
+def test_the_loop_without_an_engine_is_the_tested_one():
+    """docs/library-api.md's block 'Without a DeepSpeed engine' is the code tests/test_library_api.py runs."""
+    section = (ROOT / "docs" / "library-api.md").read_text().split("## Without a DeepSpeed engine", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    source = (ROOT / "tests" / "test_library_api.py").read_text().splitlines()
+    lines = [line for line in block.splitlines() if line.strip()]
+    assert len(lines) >= 7 and all(line in source for line in lines), [x for x in lines if x not in source]
 
 
 @pytest.mark.parametrize("page, heading", [("README.md", "## Bring your own loop"),

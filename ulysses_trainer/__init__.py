@@ -24,7 +24,8 @@ from typing import Any
 _WHERE = {
     "fill_zero_config": ".ds_config",
     "ParallelizeConfig": ".model.parallelize", "SequenceParallelCausalLM": ".model.parallelize",
-    "parallelize": ".model.parallelize",
+    "parallelize": ".model.parallelize", "unparallelize": ".model.parallelize",
+    "save_stock_model": ".model.stock", "stock_state_dict": ".model.stock",
     "destroy_distributed": ".parallel.init", "init_distributed": ".parallel.init",
     "global_loss": ".parallel.loss", "loss_for_backward": ".parallel.loss", "step_token_count": ".parallel.loss",
     "Shard": ".parallel.sharding", "shard_batch": ".parallel.sharding",

@@ -23,20 +23,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..attention.deltanet import available_deltanet_kernels
 from ..attention.kernels import available_kernels
 from ..attention.stash import AttentionStash
 from ..config import FIELDS
+from ..errors import ConfigError
 from ..lever_settings import Fixed, decode_levers
 from ..levers.host_pool import HostPool
 from ..levers.lean_norm import available_norm_kernels, use_lean_norms
 from ..levers.recompute import LayerRecompute
 from ..levers.rope import use_fused_rope
-from ..levers.sparse_moe import RouterStats
-from ..levers.tiled_mlp import TiledMLP
 from ..model_plan import ModelPlan
 from ..names import (
     auto_num_tiles,
@@ -46,10 +44,15 @@ from ..names import (
     choose_norm_kernel,
     default_mlp_tiles,
 )
+from ..parallel.integrations import unregister_attention
 from ..parallel.state import ParallelState
-from ..parallel.ulysses import UlyssesAttention
+from ..parallel.ulysses import UlyssesAttention, _no_mask
 from .families import family
-from .loss_head import LossHead
+from .loss_head import LOSS_TYPES, LossHead
+from .sp_model import SequenceParallelCausalLM
+from .undo import ModelSnapshot, use_private_config
+
+__all__ = ["ParallelizeConfig", "SequenceParallelCausalLM", "apply", "parallelize", "unparallelize"]
 
 
 def _default(name: str) -> Any:
@@ -87,6 +90,8 @@ class ParallelizeConfig:
         """The ModelPlan of these settings for an HF model config: `auto` decided with the kernels installed
         here and the tile rules. ConfigError for values that cannot run."""
         fx = self.levers(config)
+        if self.loss_type not in LOSS_TYPES:
+            raise ConfigError(f"loss_type {self.loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
         norm = choose_norm_kernel(self.norm_kernel, tuple(available_norm_kernels())) if self.lean_norm else "torch"
         width = _row_width(config)
         auto_tiles = default_mlp_tiles(self.local_seq_len, width) if self.local_seq_len else 1
@@ -117,82 +122,6 @@ def _row_width(config: Any) -> int:
     return fam.mlp_row_width(fam.layer_dims(config))
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    assert isinstance(layers, nn.ModuleList), "expected an HF causal LM with .model.layers (Qwen3, Llama...)"
-    return layers
-
-
-class SequenceParallelCausalLM(nn.Module):
-    """An HF causal LM under Ulysses SP. forward(shard inputs) -> fp32 sum of token NLLs on this rank.
-
-    The caller divides by the number of valid tokens in the whole optimizer step (all ranks, all
-    micro-steps) — see `ulysses_trainer.loss.step_token_count`.
-    """
-
-    def __init__(self, causal_lm: nn.Module, state: ParallelState, attention: UlyssesAttention,
-                 checkpointer: LayerRecompute | None, tiles: int = 1, router_stats: RouterStats | None = None,
-                 aux_loss_coef: float = 0.0):
-        super().__init__()
-        self.causal_lm = causal_lm
-        self.state = state
-        self.attention = attention
-        self.checkpointer = checkpointer
-        self.tiles = tiles
-        # a sparse model's load-balancing loss (levers/sparse_moe.py): None without one; after each forward,
-        # `aux_loss` holds it (over the whole sequence, the same on every SP rank) for the trainer to add
-        # aux_loss_coef times (parallel/loss.aux_for_backward)
-        self.router_stats = router_stats
-        self.aux_loss_coef = aux_loss_coef
-        self.aux_loss: torch.Tensor | None = None
-        self._tiled = [m for m in causal_lm.modules() if isinstance(m, TiledMLP)]  # they leave pads out
-
-    @property
-    def config(self):
-        return self.causal_lm.config
-
-    def mark_pads(self, shape: tuple[int, ...], real_rows: int | tuple[int, ...] | None) -> None:
-        """Tell the tiled MLPs which rows of the next batch [b, s] are pads (left out of their tiles): kept until
-        the next batch, for the checkpoint's recompute and the backward."""
-        b, s = shape
-        rows = tuple(real_rows) if isinstance(real_rows, (tuple, list)) else (real_rows,) * b
-        spans = None
-        if real_rows is not None and min(rows) < s:
-            spans = tuple((i * s, i * s + n) for i, n in enumerate(rows) if n > 0)  # over [b*s] rows
-        for m in self._tiled:
-            m.real_spans = (b * s, spans)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
-                cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                real_rows: int | tuple[int, ...] | None = None, buckets: torch.Tensor | None = None,
-                num_buckets: int = 0, pad_spans: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
-        """`real_rows`: leading positions of each row that are not pads, one count for all rows or one per
-        row (parallel/sharding.Shard); the router statistics leave pads out. With `buckets` (labels' shape, each
-        token's bucket in [0, num_buckets)) it returns evaluation's [num_buckets, 3] sums on this rank instead:
-        NLL, argmax hits, tokens (levers/chunked_loss.chunked_bucket_sums). `pad_spans`: the pads over the
-        flattened full batch, which attention leaves out (parallel/sharding.Shard.pad_spans)."""
-        self.mark_pads(input_ids.shape, real_rows)
-        stats = self.router_stats
-        if stats is not None:
-            b, s = input_ids.shape
-            mask = None
-            rows = tuple(real_rows) if isinstance(real_rows, (tuple, list)) else (real_rows,) * b
-            if real_rows is not None and min(rows) < s:  # decided on the host: no device sync for rows without pads
-                counts = torch.tensor(rows, device=input_ids.device)[:, None]
-                mask = (torch.arange(s, device=input_ids.device)[None, :] < counts).float().reshape(-1)  # [b*s]
-            stats.begin(mask)
-        out = self.causal_lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                   sp_cu_seqlens=cu_seqlens, sp_max_seqlen=max_seqlen, sp_pad_spans=pad_spans)
-        hidden = out.last_hidden_state
-        if stats is not None:
-            group = self.state.sp_group if self.state.sp_size > 1 else None
-            hidden, self.aux_loss = stats.aux_loss(hidden, group)
-        if buckets is not None:
-            return self.causal_lm.lm_head(hidden, labels=labels, buckets=buckets, num_buckets=num_buckets)
-        return self.causal_lm.lm_head(hidden, labels=labels)
-
-
-
 def apply(model: SequenceParallelCausalLM, plan: Any) -> None:
     """Set the levers parallelize installed: the thinning, the offloaded layer inputs (their pinned pool is
     allocated now when the plan gives the bytes, so a shortage is an error before step 1, not mid-run) and
@@ -218,16 +147,61 @@ def apply(model: SequenceParallelCausalLM, plan: Any) -> None:
     stash.set_layers(kept)
 
 
+def _check(model: nn.Module, plan: ModelPlan) -> nn.ModuleList:
+    """Everything parallelize needs of the model and the plan, checked before it changes anything: its decoder
+    layers, a bias-free lm_head, the loss and the stash's need; ConfigError / TypeError naming the fix."""
+    if isinstance(model, SequenceParallelCausalLM) or getattr(model, _PARALLELIZED, False):
+        raise TypeError("this model is already parallelized; parallelize the stock model once "
+                        "(ulysses_trainer.unparallelize gives it back)")
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not isinstance(getattr(model, "lm_head", None), nn.Linear):
+        raise TypeError(f"parallelize takes an HF causal LM with .model.layers and an nn.Linear lm_head (Qwen3, "
+                        f"Qwen3-MoE, Qwen3.5), got {type(model).__name__}")
+    if model.lm_head.bias is not None:
+        raise TypeError("an lm_head with a bias is not supported (the chunked loss reads its weight only)")
+    if plan.loss_type not in LOSS_TYPES:
+        raise ConfigError(f"loss_type {plan.loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
+    if plan.loss_chunk_size < 1:
+        raise ConfigError(f"loss_chunk_size must be >= 1, got {plan.loss_chunk_size}")
+    if plan.attention_stash and not plan.gradient_checkpointing:
+        raise ConfigError("keeping attention outputs needs gradient_checkpointing (only a recompute reuses them): "
+                          "set gradient_checkpointing true or keep_attention_outputs false")
+    return layers
+
+
+_PARALLELIZED = "_ulysses_parallelized"  # set on the HF model while it is parallelized
+
+
 def parallelize(model: nn.Module, state: ParallelState,
                 plan: ModelPlan | ParallelizeConfig) -> SequenceParallelCausalLM:
-    """Apply SP attention, the loss head, lean norms, tiled MLP and checkpointing/offload, in that order."""
+    """Apply SP attention, the loss head, lean norms, tiled MLP and checkpointing/offload, in that order.
+
+    Every input is checked before the model is changed (ConfigError / TypeError naming the fix); the caller's
+    config object is never changed (the model runs on a private copy); `unparallelize` (or a failure half-way)
+    puts the model back as it was."""
     if isinstance(plan, ParallelizeConfig):
         plan = plan.resolve(model.config)
+    layers = _check(model, plan)
     c = model.config
     fam = family(getattr(c, "model_type", "qwen3"))
-    layers = _decoder_layers(model)
-    # 1. attention, and the family's other token mixer where it has one (Qwen3.5: Gated DeltaNet, split by head)
     attention = UlyssesAttention(state, plan.kernel, c.num_attention_heads, c.num_key_value_heads)
+    snapshot = ModelSnapshot(model)  # before any change: what unparallelize restores
+    try:
+        use_private_config(model)
+        sp_model = _install(model, layers, state, plan, fam, attention)
+    except BaseException:
+        snapshot.restore()
+        unregister_attention(attention.name, attention, _no_mask)
+        raise
+    sp_model.snapshot = snapshot
+    setattr(model, _PARALLELIZED, True)
+    return sp_model
+
+
+def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan: ModelPlan, fam: Any,
+             attention: UlyssesAttention) -> SequenceParallelCausalLM:
+    # 1. attention (on the model's private config: use_private_config), and the family's other token mixer where
+    # it has one (Qwen3.5: Gated DeltaNet, split by head)
     model.set_attn_implementation(attention.register(model))
     if fam.mixer is not None:
         fam.mixer.install(layers, state, plan.deltanet_kernel)
@@ -250,14 +224,37 @@ def parallelize(model: nn.Module, state: ParallelState,
             layer._gradient_checkpointing_func = checkpointer.for_layer(i)
         if tiles > 1:  # the recompute needs the tiled MLP's graph, not its output (TiledMLP.unused_output)
             checkpointer.recompute_context = lambda i: layers[i].mlp.unused_output()
-    # 6. the stash for kept attention outputs (only a recompute can reuse them)
+    # 6. the stash for kept attention outputs (only a recompute can reuse them: checked in _check)
     if plan.attention_stash:  # decided once (lever_settings.Fixed.attention_stash)
-        assert plan.gradient_checkpointing, "the attention-output stash needs gradient_checkpointing"
         attention.stash = AttentionStash()
     model.train()
     sp_model = SequenceParallelCausalLM(model, state, attention, checkpointer, tiles, stats, coef)
     apply(sp_model, plan)
     return sp_model
+
+
+def unparallelize(model: SequenceParallelCausalLM) -> nn.Module:
+    """The stock HF model back from what parallelize returned: its own modules (the wrappers dropped; they share
+    the parameters, so trained weights stay), its config object (the caller's, as it was), its checkpointing
+    flags and training mode, and transformers' attention registry without the SP entry. The wrapper cannot run
+    afterwards. For a model no DeepSpeed engine partitions: before deepspeed.initialize, or without an engine;
+    for the weights an engine trained, save `stock_state_dict(engine)` and load it into a stock model."""
+    if not isinstance(model, SequenceParallelCausalLM):
+        raise TypeError(f"unparallelize takes what parallelize returned, got {type(model).__name__}")
+    if model._undone:
+        return model.causal_lm
+    partitioned = [n for n, p in model.named_parameters()
+                   if getattr(getattr(p, "ds_status", None), "name", "") == "NOT_AVAILABLE"]
+    if partitioned:
+        raise RuntimeError(f"the parameters are partitioned by a DeepSpeed ZeRO-3 engine ({partitioned[0]}, ...): "
+                           f"the stock model would hold no weights; save stock_state_dict(engine) and load it into a "
+                           f"stock model instead")
+    model.snapshot.restore()
+    unregister_attention(model.attention.name, model.attention, _no_mask)
+    hf = model.causal_lm
+    hf.__dict__.pop(_PARALLELIZED, None)
+    model._undone = True
+    return hf
 
 
 def levers_of(cfg: ParallelizeConfig, num_layers: int) -> ModelPlan:

@@ -34,6 +34,7 @@ class Shard:
     # (start, end) over the flattened [b * L_pad] batch of each row's pads (after its real tokens): segments of
     # their own in cu_seqlens, attended by no real token; kernels leave them out (their output is 0)
     pad_spans: tuple[tuple[int, int], ...] = ()
+    seq_len: int | None = None  # the padded row length L (the wrapper checks L/sp x sp against it)
 
     @property
     def num_valid(self) -> int:
@@ -43,11 +44,12 @@ class Shard:
         """Keyword arguments for SequenceParallelCausalLM.forward."""
         return {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids,
                 "cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen, "real_rows": self.real_rows,
-                "pad_spans": self.pad_spans}
+                "pad_spans": self.pad_spans, "seq_len": self.seq_len}
 
     def to(self, device) -> Shard:
         return Shard(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device),
-                     self.cu_seqlens.to(device), self.max_seqlen, self.packed, self.real_rows, self.pad_spans)
+                     self.cu_seqlens.to(device), self.max_seqlen, self.packed, self.real_rows, self.pad_spans,
+                     self.seq_len)
 
 
 def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -129,4 +131,5 @@ def shard_batch(input_ids: torch.Tensor, *, sp_size: int, sp_rank: int,
     counts = tuple(here(n) for n in real)
     real_rows: int | tuple[int, ...] = counts[0] if len(set(counts)) == 1 else counts
     return Shard(input_ids[:, sl].contiguous(), shifted[:, sl].contiguous(),
-                 position_ids[:, sl].contiguous(), cu, max_len, packed, real_rows=real_rows, pad_spans=pad_spans)
+                 position_ids[:, sl].contiguous(), cu, max_len, packed, real_rows=real_rows, pad_spans=pad_spans,
+                 seq_len=total)

@@ -18,6 +18,9 @@ from .comm import heads_to_seq, seq_to_heads
 from .integrations import register_attention
 from .state import ParallelState
 
+# what the wrapper always passes (None or not): its absence means a forward that bypassed SequenceParallelCausalLM
+_NOT_GIVEN = object()
+
 
 def _no_mask(*args, **kwargs) -> None:
     # the kernels build causality themselves from cu_seqlens; HF must not build an s/sp x s/sp mask
@@ -49,8 +52,13 @@ class UlyssesAttention:
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                  scaling: float | None = None, sliding_window: int | None = None,
-                 sp_cu_seqlens: torch.Tensor | None = None, sp_max_seqlen: int | None = None,
+                 sp_cu_seqlens: torch.Tensor | None = _NOT_GIVEN, sp_max_seqlen: int | None = None,
                  sp_pad_spans: tuple[tuple[int, int], ...] = (), **kwargs) -> tuple[torch.Tensor, None]:
+        if sp_cu_seqlens is _NOT_GIVEN:
+            raise RuntimeError(
+                "this model's attention is Ulysses sequence parallelism (parallelize): it runs only through the "
+                "SequenceParallelCausalLM parallelize returned, on each rank's L/sp shard of every row; for a plain "
+                "forward of the whole sequence, ulysses_trainer.unparallelize(model) gives the stock model back")
         assert attention_mask is None, "Ulysses attention builds causality from position_ids; pass no mask"
         assert not dropout, "attention dropout is not supported under Ulysses SP; set attention_dropout=0"
         assert sliding_window is None, "sliding-window layers are not supported; disable use_sliding_window"
