@@ -23,6 +23,8 @@ class SequenceParallelCausalLM(nn.Module):
     micro-steps): `ulysses_trainer.step_token_count` (parallel/loss.py). `unparallelize` gives the stock model back.
     """
 
+    _undone = False  # set by unparallelize: the wrapper no longer runs
+
     def __init__(self, causal_lm: nn.Module, state: ParallelState, attention: UlyssesAttention,
                  checkpointer: LayerRecompute | None, tiles: int = 1, router_stats: RouterStats | None = None,
                  aux_loss_coef: float = 0.0):
@@ -104,5 +106,3 @@ class SequenceParallelCausalLM(nn.Module):
         if not logits:
             return CausalLMOutputWithPast(hidden_states=(hidden,))
         return CausalLMOutputWithPast(logits=self.causal_lm.lm_head(hidden).float())
-
-    _undone = False
