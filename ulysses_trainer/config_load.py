@@ -13,10 +13,10 @@ import yaml
 
 from .config import FIELDS, HINTS, PACKAGE_DIR, TrainConfig
 from .errors import ConfigError
-from .name_hints import refusal, suggest
+from .name_hints import TRL_NAMES, refusal, suggest
 from .typed_values import NO_MATCH, coerce, describe, literal_choices
 from .yaml_numbers import load_yaml
-from .zero_json import DEEPSPEED_TOP_LEVEL
+from .zero_json import DEEPSPEED_TOP_LEVEL, FILLED_FROM
 
 # Launcher arguments that are accepted and dropped (deepspeed adds --local_rank).
 IGNORED = {"local_rank"}
@@ -42,9 +42,12 @@ def unknown_name(name: str, where: str) -> ConfigError:
     reason = refusal(name)
     if reason is not None:  # a TRL option that does not apply here: its reason, never a look-alike's name
         return ConfigError(f"{name} ({where}) is a TRL option this trainer does not support: {reason}; remove it")
-    if name in DEEPSPEED_TOP_LEVEL:  # a ZeRO JSON key given as a training setting
+    if name in DEEPSPEED_TOP_LEVEL and name not in TRL_NAMES:  # a ZeRO JSON key given as a training setting
+        filled = FILLED_FROM.get(name)
+        fix = (f"the trainer fills it from {filled}: set that" if filled else
+               "write it in the JSON that `deepspeed` names (ds_configs/zero3.json)")
         return ConfigError(f"unknown config name {name!r} ({where}): it is a key of the ZeRO (DeepSpeed) JSON, not a "
-                           f"training setting; write it in the JSON that `deepspeed` names (ds_configs/zero3.json)")
+                           f"training setting; {fix}")
     return ConfigError(f"unknown config name {name!r} ({where}){suggest(name, list(FIELDS))}")
 
 

@@ -38,6 +38,12 @@ DEEPSPEED_TOP_LEVEL = frozenset({
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "zero_optimization",
 })
 
+# ZeRO JSON keys the trainer fills from the training config -> the setting(s) to use instead
+FILLED_FROM = {"gradient_clipping": "max_grad_norm", "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+               "train_batch_size": "per_device_train_batch_size (x gradient_accumulation_steps x dp)",
+               "optimizer": "learning_rate, adam_beta1, adam_beta2, adam_epsilon, weight_decay",
+               "scheduler": "lr_scheduler_type, warmup_steps"}
+
 # DeepSpeedZeroConfig's defaults for the sizes the plan reads (a key left out runs with these; a test ties them to
 # DeepSpeed's model). "auto" is the trainer's fill instead (names.ZERO_AUTO_SIZES: per hidden size).
 DEEPSPEED_ZERO_DEFAULTS = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
