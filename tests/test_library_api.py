@@ -152,8 +152,6 @@ def _sp2(models, ids, pos, rank, world, job):
 
 
 def _hf_shaped(model, state, ids, pos):
-    from ulysses_trainer.parallel.comm import gather_sequence
-
     s = ids.shape[1] // state.sp_size
     mine = ids[:, state.sp_rank * s:(state.sp_rank + 1) * s]  # this rank's slice; position_ids left to the default
     with torch.no_grad():
@@ -161,7 +159,9 @@ def _hf_shaped(model, state, ids, pos):
         hidden = model(input_ids=mine, logits=False)
     assert isinstance(out, CausalLMOutputWithPast) and out.logits.shape == (1, s, model.config.vocab_size)
     assert out.loss is None and hidden.logits is None and hidden.hidden_states[0].shape == (1, s, 64)
-    full = gather_sequence(out.logits[0], state.sp_size, state.sp_group)  # [s, V] -> [L, V]
+    pieces = [torch.empty_like(out.logits[0]) for _ in range(state.sp_size)]
+    torch.distributed.all_gather(pieces, out.logits[0].contiguous(), group=state.sp_group)
+    full = torch.cat(pieces)  # [s, V] per rank -> [L, V], in rank order
     errors = []
     for bad in (dict(input_ids=ids), dict(input_ids=ids, position_ids=pos)):  # the whole row on every rank
         try:

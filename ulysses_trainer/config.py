@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import typing
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -233,7 +234,7 @@ class TrainConfig:
     def origin(self, name: str) -> str:
         """Where a field's value came from, for messages: "recipe PATH", "the command line", or "the default" (the
         field's default, or a value it holds that config_load.build_config did not record)."""
-        given = self.__dict__.get("_origins", {})  # set by build_config; not a field, so never saved
+        given = _ORIGINS.get(id(self), {})  # recorded by config_load.build_config; not a field, so never saved
         if name in given:
             return given[name]
         return "the default" if getattr(self, name) == FIELDS[name].default else "the training config"
@@ -249,6 +250,16 @@ class TrainConfig:
 
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+# id(TrainConfig) -> {field: where its value came from} for the configs build_config made (TrainConfig.origin);
+# outside the instance, so that its __dict__ holds its fields only; an entry goes with its config
+_ORIGINS: dict[int, dict[str, str]] = {}
+
+
+def record_origins(cfg: TrainConfig, origins: dict[str, str]) -> None:
+    """Remember where `cfg`'s given values came from ("recipe PATH", "the command line"), for its messages."""
+    _ORIGINS[id(cfg)] = origins
+    weakref.finalize(cfg, _ORIGINS.pop, id(cfg), None)
 HINTS: dict[str, Any] = typing.get_type_hints(TrainConfig)
 
 

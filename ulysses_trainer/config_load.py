@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from .config import FIELDS, HINTS, PACKAGE_DIR, TrainConfig
+from .config import FIELDS, HINTS, PACKAGE_DIR, TrainConfig, record_origins
 from .errors import ConfigError
 from .name_hints import TRL_NAMES, refusal, suggest
 from .typed_values import NO_MATCH, coerce, describe, literal_choices
@@ -123,7 +123,7 @@ def build_config(recipe: dict[str, Any] | None = None, overrides: dict[str, Any]
             values[name] = _check_value(name, value, where)
             origins[name] = origin
     cfg = TrainConfig(**values)
-    cfg.__dict__["_origins"] = origins
+    record_origins(cfg, origins)
     return cfg
 
 
