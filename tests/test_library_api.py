@@ -6,6 +6,7 @@ answers HF-shaped (logits of each rank's shard), gives a stock state dict, and t
 from __future__ import annotations
 
 import gc
+import re
 
 import pytest
 import torch
@@ -57,9 +58,6 @@ def test_the_callers_config_is_never_changed_and_undo_gives_the_stock_model():
     reference_model = build_model(config, torch.float32, seed=0)  # built from the caller's config meanwhile: stock
     with torch.no_grad():
         assert torch.equal(reference_model(ids).logits, stock)
-    with pytest.raises(RuntimeError, match=r"runs only through the SequenceParallelCausalLM parallelize returned.*"
-                                           r"ulysses_trainer\.unparallelize\(model\) gives the stock model back"):
-        model(ids)  # a plain forward of the parallelized HF model
     back = unparallelize(sp)
     assert back is model and back.config is config and _module_types(back) == types
     assert not back.model.layers[0].gradient_checkpointing
@@ -168,6 +166,10 @@ def _hf_shaped(model, state, ids, pos):
             model(**bad)
         except ValueError as exc:
             errors.append(str(exc))
+    try:  # a plain forward of the parallelized HF model (the whole row, bypassing the wrapper)
+        model.causal_lm(input_ids=ids, use_cache=False)
+    except RuntimeError as exc:
+        errors.append(str(exc))
     return full, errors
 
 
@@ -182,7 +184,9 @@ def test_hf_shaped_forward_gives_each_ranks_logits_and_an_unsharded_row_is_refus
     out = run_threads(2, lambda rank, world: _sp2(models, ids, pos, rank, world, _hf_shaped))
     for full, errors in out:
         assert torch.linalg.norm(full - stock) / torch.linalg.norm(stock) <= 1e-5
-        assert len(errors) == 2 and all("tokens per rank x sp is not the row" in e for e in errors), errors
+        assert len(errors) == 3 and all("tokens per rank x sp is not the row" in e for e in errors[:2]), errors
+        assert re.search(r"runs only through the SequenceParallelCausalLM parallelize returned.*"
+                         r"ulysses_trainer\.unparallelize\(model\) gives the stock model back", errors[2]), errors
 
 
 def _loop_without_engine(model, state, ids, pos):

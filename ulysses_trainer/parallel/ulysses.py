@@ -18,7 +18,8 @@ from .comm import heads_to_seq, seq_to_heads
 from .integrations import register_attention
 from .state import ParallelState
 
-# what the wrapper always passes (None or not): its absence means a forward that bypassed SequenceParallelCausalLM
+# what the wrapper always passes (None or not): its absence means a forward that bypassed SequenceParallelCausalLM,
+# which at sp > 1 would run the all-to-alls on a whole sequence per rank
 _NOT_GIVEN = object()
 
 
@@ -54,11 +55,13 @@ class UlyssesAttention:
                  scaling: float | None = None, sliding_window: int | None = None,
                  sp_cu_seqlens: torch.Tensor | None = _NOT_GIVEN, sp_max_seqlen: int | None = None,
                  sp_pad_spans: tuple[tuple[int, int], ...] = (), **kwargs) -> tuple[torch.Tensor, None]:
-        if sp_cu_seqlens is _NOT_GIVEN:
+        if sp_cu_seqlens is _NOT_GIVEN and self.state.sp_size > 1:  # at sp=1 a plain forward is the stock one
             raise RuntimeError(
                 "this model's attention is Ulysses sequence parallelism (parallelize): it runs only through the "
                 "SequenceParallelCausalLM parallelize returned, on each rank's L/sp shard of every row; for a plain "
                 "forward of the whole sequence, ulysses_trainer.unparallelize(model) gives the stock model back")
+        if sp_cu_seqlens is _NOT_GIVEN:
+            sp_cu_seqlens = None  # one rank: the whole sequence is its shard
         assert attention_mask is None, "Ulysses attention builds causality from position_ids; pass no mask"
         assert not dropout, "attention dropout is not supported under Ulysses SP; set attention_dropout=0"
         assert sliding_window is None, "sliding-window layers are not supported; disable use_sliding_window"
