@@ -168,7 +168,10 @@ def _sp_rank_step(rank: int, world: int, per_rank_aux: bool):
     assert not any(z3_leaf_module(layer.mlp) for layer in model.causal_lm.model.layers)
     shard = shard_batch(batch(seed=10, b=1, length=38), sp_size=world, sp_rank=rank)  # 38: pads at sp=4
     tokens = step_token_count(shard.num_valid, state)
-    loss_sum = engine(**shard.model_inputs())
+    inputs = shard.model_inputs()
+    if per_rank_aux:  # the wrapper's shard check reads the replaced state too: leave it the all-gather path, which
+        inputs.pop("seq_len")  # at sp 1 checks nothing (the attention's all-to-alls keep the real group)
+    loss_sum = engine(**inputs)
     aux = model.aux_loss
     engine.backward(loss_for_backward(loss_sum, tokens, state) + aux_for_backward(aux, model.aux_loss_coef, 1),
                     scale_wrt_gas=False)
