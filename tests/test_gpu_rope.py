@@ -98,3 +98,16 @@ def test_a_parallelized_model_on_cuda_runs_the_kernel_and_matches_hf():
     assert ((outs[1][0].float() - outs[0][0].float()).norm() / outs[0][0].float().norm()).item() <= 1e-2
     for n, g in outs[0][1].items():
         assert ((outs[1][1][n].float() - g.float()).norm() / g.float().norm()).item() <= 1e-2, n
+
+
+def test_triton_rope_at_1m_tokens_per_rank_indexes_past_int32():
+    """Qwen3-4B's 32 query heads x 128 at 1,048,576 tokens per rank (the one-GPU 1M recipe): q holds 2^32 elements,
+    so a token's offset s x h x d passes 2^31; the kernel's offsets are int64 (with int32 ones it read out of bounds:
+    an illegal memory access). Forward only (the backward runs the same indexing), bitwise HF's in bf16."""
+    s, hq, hkv, d = 1_048_576, 32, 8, 128
+    q, k, cos, sin = _inputs(1, s, hq, hkv, d, torch.bfloat16)
+    with torch.no_grad():
+        got = rope.TritonRope.apply(q, k, cos, sin)
+        torch.cuda.synchronize()
+        for name, a, r in zip(("q", "k"), got, apply_rotary_pos_emb(q, k, cos, sin)):
+            assert torch.equal(a, r), name

@@ -48,3 +48,31 @@ def test_tflops_and_mfu_name_the_peak_used(monkeypatch):
     assert metrics.device_peak_tflops("cuda:0") is None
     assert metrics.throughput(flops, 2.0, 4, None)["mfu"] is None
     assert metrics.device_peak_tflops("cpu") is None
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-qwen3.5-moe", "qwen3.5-9b"])
+def test_a_hybrid_counts_l_squared_on_its_attention_layers_only_and_its_recurrence_linear(preset):
+    """Qwen3.5: 3 of 4 layers are Gated DeltaNet (no l^2 term). The matmul weights are the model's own Linears (built
+    on the meta device), the attention term runs over the layers that have self_attn."""
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_trainer.model.presets import preset_config
+
+    config = preset_config(preset)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layers = model.model.layers
+    attending = sum(1 for layer in layers if hasattr(layer, "self_attn"))
+    assert 0 < attending < len(layers)
+    shape = ModelShape.from_config(config)
+    if shape.experts == 0:  # dense: every Linear runs for every token
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        assert shape.matmul_params == linear
+    t, sq = 1000.0, 1000.0**2
+    got = metrics.model_flops(shape, t, sq)
+    deltanet = len(layers) - attending
+    expected = (6.0 * shape.matmul_params * t + 6.0 * sq * shape.heads * shape.head_dim * attending
+                + 18.0 * t * shape.linear_v_heads * shape.linear_k_dim * shape.linear_v_dim * deltanet)
+    assert got == pytest.approx(expected, rel=1e-12)
+    every_layer = 6.0 * shape.matmul_params * t + 6.0 * sq * shape.heads * shape.head_dim * len(layers)
+    assert got < every_layer  # what it counted before: l^2 attention in the DeltaNet layers too

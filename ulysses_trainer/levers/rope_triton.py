@@ -21,10 +21,11 @@ def _rnd(x, dt: tl.constexpr):
 def rope_kernel(x_ptr, o_ptr, cos_ptr, sin_ptr, S, H, x_sb, x_sh, x_ss, o_sb, o_sh, o_ss, c_sb, c_ss,
                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
     # one token (b, s) per program, all its heads: x [b, h, s, d] (unit stride over d), cos/sin [b, s, d]
-    t = tl.program_id(0)
+    # offsets in int64: at 1M tokens x 32 heads x 128 a tensor holds 2^32 elements, past int32 (s * x_ss overflowed)
+    t = tl.program_id(0).to(tl.int64)
     b, s = t // S, t % S
     j = tl.arange(0, HALF)
-    h = tl.arange(0, BLOCK_H)
+    h = tl.arange(0, BLOCK_H).to(tl.int64)
     c = cos_ptr + b * c_sb + s * c_ss
     cos1, cos2 = tl.load(c + j).to(tl.float32), tl.load(c + HALF + j).to(tl.float32)
     sn = sin_ptr + b * c_sb + s * c_ss

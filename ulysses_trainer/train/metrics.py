@@ -2,8 +2,10 @@
 
 The model FLOPs of a row are those of its real documents l_1..l_k (its pads left out: the kernels skip them,
 parallel/sharding.py): 6 x matmul parameters x sum(l_i) (forward + backward, 2 + 4 FLOPs a weight a token) plus
-6 x sum(l_i^2) x heads x head_dim x layers (QK^T and PV, 2 FLOPs each, causal as half of full, x3 for forward +
-backward); recompute not counted. tflops_per_gpu = the step's FLOPs / step seconds / GPUs; mfu = that / the
+6 x sum(l_i^2) x heads x head_dim x attention layers (QK^T and PV, 2 FLOPs each, causal as half of full, x3 for
+forward + backward) plus, for a hybrid (Qwen3.5's Gated DeltaNet layers, linear in l), 18 x sum(l_i) x value heads x
+key dim x value dim x DeltaNet layers (a token's state read-out, delta and rank-1 update, 2 x dk x dv FLOPs each, x3);
+recompute not counted. tflops_per_gpu = the step's FLOPs / step seconds / GPUs; mfu = that / the
 device's dense bf16 peak (DEVICE_PEAK_TFLOPS; None where the device is not in the table, e.g. a CPU run).""" 
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ def model_flops(shape: ModelShape, tokens: float, sum_sq: float) -> float:
     """Forward+backward model FLOPs of documents of sum(l_i) = tokens and sum(l_i^2) = sum_sq (the module
     docstring's formula)."""
     dense = 6.0 * matmul_params(shape) * tokens
+    mixers = len(shape.mixer_layers)  # Gated DeltaNet layers run no l^2 attention
     # QK^T and PV: 2 matmuls x 2 FLOPs x l^2 x heads x d, halved for causal, x3 for fwd+bwd
-    attn = 3 * 2 * 2 * sum_sq * shape.heads * shape.head_dim / 2 * shape.layers
-    return dense + attn
+    attn = 3 * 2 * 2 * sum_sq * shape.heads * shape.head_dim / 2 * (shape.layers - mixers)
+    # the recurrence per token and value head: read-out q.S, delta S.k, update k (x) v: 3 x 2 x dk x dv, x3 fwd+bwd
+    recurrence = 3 * 3 * 2 * tokens * shape.linear_v_heads * shape.linear_k_dim * shape.linear_v_dim * mixers
+    return dense + attn + recurrence
 
 
 def train_flops_per_sequence(config, seq_len: int) -> float:
