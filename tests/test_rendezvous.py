@@ -26,13 +26,13 @@ def test_the_token_is_the_same_on_every_rank_of_a_launch():
     assert job_token(["--config", "r.yaml"], 2) != job_token(["--config", "r.yaml"], 4)
 
 
-def test_the_ranks_of_one_job_meet_and_leave_the_port_free():
+def test_the_ranks_of_one_job_meet_on_one_store_and_leave_the_port_free():
     port = _free_port()
-    errors = []
+    errors, stores = [], {}
 
     def rank(r: int) -> None:
         try:
-            check_one_job("127.0.0.1", port, r, 3, "abc", timeout_s=60)
+            stores[r] = check_one_job("127.0.0.1", port, r, 3, "abc", timeout_s=60)
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -42,8 +42,45 @@ def test_the_ranks_of_one_job_meet_and_leave_the_port_free():
     for t in threads:
         t.join(timeout=120)
     assert not errors and not any(t.is_alive() for t in threads), errors
-    again = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)  # torch's store binds
+    stores[1].set("from/rank1", "x")  # one store: what a peer writes, rank 0's server holds
+    assert stores[0].get("from/rank1") == b"x"
+    stores.clear()
+    again = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)  # the port is free again
     del again
+
+
+def _group_on_the_checked_store(rank: int, port: int, queue) -> None:
+    import os
+
+    import torch
+
+    from ulysses_trainer.parallel.init import destroy_distributed, init_distributed
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    store = check_one_job("127.0.0.1", port, rank, 4, "abc", timeout_s=120)
+    init_distributed("gloo", store=store)
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    queue.put((rank, float(t)))
+    destroy_distributed()
+
+
+@pytest.mark.slow
+def test_four_ranks_start_their_group_on_the_checked_store():
+    """The group runs on the store the check opened (the port opened once): a peer that moves on before rank 0
+    has no second store to miss (closing the checked store and reopening the port raced: "Failed to recv")."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_group_on_the_checked_store, args=(r, port, queue)) for r in (3, 1, 2, 0)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=120)
+    codes = [p.exitcode for p in procs]
+    assert got == {r: 10.0 for r in range(4)} and codes == [0, 0, 0, 0], (got, codes)
 
 
 def test_another_jobs_store_on_the_port_is_one_line_and_never_joined():

@@ -80,6 +80,7 @@ def _init_distributed() -> None:
 
     if group_started():
         return  # started before the checks (a launched job)
+    store = None
     if not _launched():
         # `python launch/train.py` without a launcher: a one-rank group (DeepSpeed would try MPI)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -87,12 +88,12 @@ def _init_distributed() -> None:
     else:  # several ranks: the store on the master port must be this job's before torch's rendezvous joins it
         from ..parallel.rendezvous import check_one_job, job_token
 
-        check_one_job(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), _rank(),
-                      int(os.environ["WORLD_SIZE"]), job_token())
+        store = check_one_job(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), _rank(),
+                              int(os.environ["WORLD_SIZE"]), job_token())
     cuda = torch.cuda.is_available()
     if cuda:  # each rank's own GPU before the first collective (NCCL keys its communicator on it)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    init_distributed("nccl" if cuda else "gloo")
+    init_distributed("nccl" if cuda else "gloo", store=store)
 
 
 def _end_group() -> None:

@@ -54,9 +54,11 @@ def _destroy() -> None:
         dist.destroy_process_group()
 
 
-def init_distributed(backend: str) -> None:
+def init_distributed(backend: str, store=None) -> None:
     """`deepspeed.init_distributed(backend)`; on "gloo" the shared-memory op is neither built nor mapped.
-    Again is a no-op (DeepSpeed's own check); a torch group DeepSpeed has not seen (the rehearsal's) it adopts."""
+    Again is a no-op (DeepSpeed's own check); a torch group DeepSpeed has not seen (the rehearsal's) it adopts.
+    `store`: the job's checked store on the master port (parallel/rendezvous.py), which the group then uses
+    instead of opening the port a second time (RANK and WORLD_SIZE from the launcher's environment)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -64,6 +66,9 @@ def init_distributed(backend: str) -> None:
 
     with without_deepspeed_shm_op() if backend == "gloo" else contextlib.nullcontext():
         try:
+            if store is not None and not dist.is_initialized():  # the group on the checked store; DeepSpeed adopts it
+                dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                        world_size=int(os.environ["WORLD_SIZE"]))
             deepspeed.init_distributed(dist_backend=backend, verbose=False)
         except dist.DistNetworkError as exc:  # rank 0 could not open the rendezvous port
             raise JobStartError(_start_failure(str(exc))) from None

@@ -4,9 +4,10 @@ torch's env:// rendezvous has rank 0 open a TCPStore on MASTER_PORT and the othe
 answers there. When another job holds that port, rank 0 fails to bind (EADDRINUSE) while the other ranks join
 the other job's store and later die inside gloo with a traceback. Here rank 0 opens a store on the port first and
 writes this job's token (a digest of the command line every rank runs and the world size); the other ranks
-connect, read nothing but that key, and acknowledge. A store without the token within the timeout is another
-job's: the rank says so in one line (JobStartError) instead of joining it. Rank 0 closes its store once every
-rank has acknowledged, and torch's own rendezvous then opens the port again.
+connect and read nothing but that key. A store without the token within the timeout is another job's: the rank
+says so in one line (JobStartError) instead of joining it. The checked store is then the process group's own
+(init_process_group(store=...)): the port is opened once. (Closing it and letting torch's env:// rendezvous open
+it again raced: a peer that moved on first connected to the closing store and died with "Failed to recv".)
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import hashlib
 import json
 import os
 import sys
-import time
 from datetime import timedelta
 
 from ..errors import JobStartError
@@ -46,11 +46,12 @@ def port_taken_line(addr: str, port: int | str, why: str) -> str:
 
 
 def check_one_job(addr: str, port: int, rank: int, world_size: int, token: str,
-                  timeout_s: float | None = None) -> None:
-    """Rank 0: open the store on addr:port and publish `token`; the others: find `token` there and acknowledge.
-    JobStartError (one line) on the rank that finds the port taken or the store another job's."""
+                  timeout_s: float | None = None):
+    """Rank 0: open the store on addr:port and publish `token`; the others: connect and find `token` there.
+    Returns the store (None for one rank), which the process group then uses. JobStartError (one line) on the
+    rank that finds the port taken or the store another job's."""
     if world_size <= 1:
-        return
+        return None
     timeout_s = TOKEN_TIMEOUT_S if timeout_s is None else timeout_s
     import torch.distributed as dist
 
@@ -64,16 +65,7 @@ def check_one_job(addr: str, port: int, rank: int, world_size: int, token: str,
             raise JobStartError(port_taken_line(addr, port, "that port is in use (another job on this machine?)"
                                                 if taken else str(exc).splitlines()[0])) from None
         store.set(key, "1")
-        deadline = time.monotonic() + timeout_s
-        while store.add(key + "/acks", 0) < world_size - 1:  # every peer has seen the token
-            if time.monotonic() > deadline:
-                raise JobStartError(f"cannot start the process group on {addr}:{port}: only "
-                                    f"{store.add(key + '/acks', 0)} of {world_size - 1} ranks reached it within "
-                                    f"{timeout_s:g} s; check that every rank was launched with the same "
-                                    f"MASTER_ADDR and --master_port")
-            time.sleep(0.05)
-        del store  # the port is free again for torch's own rendezvous
-        return
+        return store
     try:
         # world size None: the client adds no counter of its own, so another job's store stays untouched
         store = dist.TCPStore(addr, port, None, is_master=False, timeout=wait)
@@ -83,5 +75,4 @@ def check_one_job(addr: str, port: int, rank: int, world_size: int, token: str,
             addr, port, f"rank {rank} found no store of this job there within {timeout_s:g} s (another job holds "
                         f"the port, or rank 0 did not start: see its error; {str(exc).splitlines()[0][:120]})")) \
             from None
-    store.add(key + "/acks", 1)
-    del store
+    return store
