@@ -12,10 +12,11 @@ import pytest
 
 from tests.dist_utils import JOB_TIMEOUT_S
 from ulysses_trainer.__main__ import main as cli_main
+from ulysses_trainer.names import GIB
 from ulysses_trainer.plan import memory as M
 from ulysses_trainer.plan.calibration import compare, load_calibration, load_measurements
 from ulysses_trainer.plan.longest_fit import Hardware, choose_settings, largest_max_length
-from ulysses_trainer.plan.memory import GIB, ModelShape, Settings, estimate
+from ulysses_trainer.plan.memory import ModelShape, Settings, estimate
 
 ROOT = Path(__file__).resolve().parent.parent
 Q8 = ModelShape.preset("qwen3-8b")

@@ -14,6 +14,8 @@ from typing import Any
 
 from .errors import ConfigError
 
+GIB = 2**30  # bytes in a GiB: every byte count the package prints or budgets is in these
+
 # --------------------------------------------------------------------------------------------
 # Kernels
 
@@ -127,7 +129,7 @@ def auto_num_tiles(seq_len: int, hidden_size: int, intermediate_size: int) -> in
 def default_mlp_tiles(local_tokens: int, intermediate_size: int) -> int:
     """`tiled_mlp: auto`: tile once the MLP's four intermediate-width bf16 tensors would pass 1 GiB, and then
     keep each tile's near 1 GiB (bigger tiles run faster matmuls; smaller ones save nothing that matters)."""
-    return max(1, math.ceil(local_tokens * intermediate_size * _INTERMEDIATES_PER_ROW * 2 / 2**30))
+    return max(1, math.ceil(local_tokens * intermediate_size * _INTERMEDIATES_PER_ROW * 2 / GIB))
 
 
 # --------------------------------------------------------------------------------------------

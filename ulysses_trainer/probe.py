@@ -10,9 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .names import GIB
 from .plan.types import Machine
-
-GIB = 2**30
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
+from ..names import GIB
 
-GIB = 1024**3
 # Slots start on page boundaries: each slot is whole pages, and any dtype view of it is aligned.
 _SLOT_ALIGN = 4096
 # Kept free when the host memory is detected rather than given: the OS, the dataloader, DeepSpeed.

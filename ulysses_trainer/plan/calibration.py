@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS, STANDIN, STANDINS, auto_num_tiles
-from .memory import GIB, ModelShape, Settings, Zero3Knobs, estimate
+from ..names import DEFAULT_SUB_GROUP_SIZE, GIB, PLANNED_KERNELS, STANDIN, STANDINS, auto_num_tiles
+from .memory import ModelShape, Settings, Zero3Knobs, estimate
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 SYSTEMS = ("ours", "alst", "hf")

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from ..names import GIB
 from .host_terms import PAGE, host_optimizer_bytes, host_pool_bytes  # noqa: F401 - re-exported
 from .inputs import (  # noqa: F401 - the planner's inputs, re-exported with the terms
     ModelShape,
@@ -66,7 +67,6 @@ from .layer_terms import (  # noqa: F401 - one decoder layer's terms, re-exporte
     unattributed_bytes,
 )
 
-GIB = 1024**3
 # the memory model's worst measured under-prediction of a GPU peak: -3.1% (ALST at 393,216 tokens; the trainer's
 # own points within -0.7%), from `ulysses-trainer plan calibrate` (docs/plan.md#calibration,
 # tests/test_plan.py checks it stays the worst). A plan needing more than the GPU by more than this cannot fit.

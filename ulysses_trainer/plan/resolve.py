@@ -19,11 +19,10 @@ from ..data.attention_share import AttentionShare
 from ..errors import ConfigError
 from ..layout import Layout, resolve_layout
 from ..lever_settings import Fixed, decode_levers
-from ..names import KEEPING_KERNELS, auto_num_tiles, choose_kernels
+from ..names import GIB, KEEPING_KERNELS, auto_num_tiles, choose_kernels
 from .fit_search import cheapest_autos, fastest_fit, shortfall, with_headroom
 from .inputs import ModelShape, Settings, Zero3Knobs, check_settings, lora_numels
 from .layer_terms import kept_attention_bytes_per_layer
-from .memory import GIB
 from .notes import WORST_CASE, decided, plan_notes  # noqa: F401 - WORST_CASE: the packing note, re-exported
 from .step_time import StepTime, step_time
 from .types import Machine, Plan, ZeroSettings, read_zero

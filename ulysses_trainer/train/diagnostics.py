@@ -20,10 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..names import GIB
 from ..parallel.sharding import IGNORE_INDEX
-
-GIB = 1024**3
-
 
 # --------------------------------------------------------------------------------------------
 # Per-position loss
