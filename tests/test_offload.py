@@ -33,18 +33,21 @@ def test_configure_sets_thinning_and_the_offloaded_block_starts():
 
 
 def test_fixed_levers_of_a_parallelize_config():
-    from ulysses_trainer.model.parallelize import ParallelizeConfig, levers_of
+    from ulysses_trainer.model.parallelize import ParallelizeConfig
+
+    def resolved(**kw):  # what parallelize(model, state, ParallelizeConfig(...)) installs on a 5-layer model
+        return ParallelizeConfig(**kw).resolve(transformers.Qwen3Config(num_hidden_layers=5))
 
     # true = every kept input (the block starts with checkpoint_every 2), n = the first n of them
-    assert levers_of(ParallelizeConfig(activation_offload=True, checkpoint_every=2), 5).offload_layers == (0, 2, 4)
-    assert levers_of(ParallelizeConfig(activation_offload=2, checkpoint_every=2), 5).offload_layers == (0, 2)
+    assert resolved(activation_offload=True, checkpoint_every=2).offload_layers == (0, 2, 4)
+    assert resolved(activation_offload=2, checkpoint_every=2).offload_layers == (0, 2)
     # auto is left to apply(model, plan): nothing offloaded or kept until then
-    auto = levers_of(ParallelizeConfig(), 5)
+    auto = resolved()
     assert (auto.checkpoint_every, auto.offload_layers, auto.kept_attention_layers) == (1, (), ())
     with pytest.raises(ConfigError, match="between 0 and 3 layers"):
-        levers_of(ParallelizeConfig(activation_offload=4, checkpoint_every=2), 5)
+        resolved(activation_offload=4, checkpoint_every=2)
     with pytest.raises(ConfigError, match="activation_offload 1 needs gradient_checkpointing: true"):
-        levers_of(ParallelizeConfig(activation_offload=1, gradient_checkpointing=False), 5)
+        resolved(activation_offload=1, gradient_checkpointing=False)
 
 
 def test_host_bytes_needed():

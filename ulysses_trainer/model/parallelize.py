@@ -257,12 +257,6 @@ def unparallelize(model: SequenceParallelCausalLM) -> nn.Module:
     return hf
 
 
-def levers_of(cfg: ParallelizeConfig, num_layers: int) -> ModelPlan:
-    """The fixed levers of a ParallelizeConfig (`auto` ones unset: left to apply(plan)); ConfigError for values
-    that cannot run."""
-    return _fixed_levers(decode_levers(cfg).bind(num_layers, lambda: 1), num_layers)
-
-
 def _fixed_levers(fx: Fixed, num_layers: int) -> ModelPlan:
     """What a loop of your own installs before apply: auto is every layer keeping its input, none offloaded
     or kept (the stash installed when a layer may keep its output)."""
