@@ -1,17 +1,19 @@
 """A test-only model family in one module: Qwen3 with a plain (not gated) MLP, down(act(up(x))), of width
-intermediate_size. Registering it (model/families.register, transformers' Auto classes) is all it takes for the
-planner, parallelize and the trainer's model loading to run it: nothing else in the package names it."""
+intermediate_size. Registering it (`register_plain`: model/families.register and transformers' Auto classes) is all
+it takes for the planner, parallelize and the trainer's model loading to run it: nothing else in the package names
+it. `unregister_plain` takes both back, so no other test sees it."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.activations import ACT2FN
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ulysses_trainer.errors import ConfigError
-from ulysses_trainer.model.families import Family, LayerDims, MlpBlock, MlpRun
+from ulysses_trainer.model.families import Family, LayerDims, MlpBlock, MlpRun, register, unregister
 from ulysses_trainer.model.families.qwen3 import common_kwargs
 
 MODEL_TYPE = "qwen3_plain_mlp"
@@ -73,5 +75,18 @@ PLAIN = Family(model_type=MODEL_TYPE, config_class="PlainConfig", causal_lm_clas
                                                    num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                                                    tie_word_embeddings=True, **common_kwargs(2))})
 
-AutoConfig.register(MODEL_TYPE, PlainConfig, exist_ok=True)
-AutoModelForCausalLM.register(PlainConfig, PlainForCausalLM, exist_ok=True)
+
+def register_plain() -> None:
+    """What a user's own family module does: the family, and its classes for transformers' Auto maps (which
+    preset_config and build_model go through). Raises if any of it is registered already."""
+    AutoConfig.register(MODEL_TYPE, PlainConfig)
+    AutoModelForCausalLM.register(PlainConfig, PlainForCausalLM)
+    register(PLAIN)
+
+
+def unregister_plain() -> None:
+    """register_plain undone: the family's unregister, and the Auto maps' entries dropped (transformers has no
+    unregister; `register` adds to each map's `_extra_content`)."""
+    unregister(MODEL_TYPE)
+    CONFIG_MAPPING._extra_content.pop(MODEL_TYPE, None)
+    MODEL_FOR_CAUSAL_LM_MAPPING._extra_content.pop(PlainConfig, None)

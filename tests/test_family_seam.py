@@ -11,11 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.plain_mlp_family import MODEL_TYPE, PLAIN, PRESET, PlainForCausalLM, PlainMLP
+from tests.plain_mlp_family import (
+    MODEL_TYPE,
+    PLAIN,
+    PRESET,
+    PlainConfig,
+    PlainForCausalLM,
+    PlainMLP,
+    register_plain,
+    unregister_plain,
+)
 from ulysses_trainer import parallelize, shard_batch
 from ulysses_trainer.config import TrainConfig
 from ulysses_trainer.ds_config import load_ds_config
-from ulysses_trainer.model.families import FAMILIES, register, unregister
+from ulysses_trainer.errors import ConfigError
+from ulysses_trainer.model.families import FAMILIES, family, preset_family, register
 from ulysses_trainer.model.load import build_model, model_config_for
 from ulysses_trainer.parallel.state import single_process_state
 from ulysses_trainer.plan.inputs import ModelShape, Settings, layer_param_numels, lora_numels, num_params
@@ -30,11 +40,11 @@ FAMILY_NAMES = {"qwen3", "qwen3_moe", "dense", "sparse"}  # model types and the 
 
 @pytest.fixture
 def plain_family():
-    register(PLAIN)
+    register_plain()
     try:
         yield PLAIN
     finally:
-        unregister(MODEL_TYPE)
+        unregister_plain()
 
 
 def _config():
@@ -95,10 +105,41 @@ def test_the_trainers_model_path_runs_it_and_matches_transformers(plain_family):
         assert (g - p.grad).norm() <= 1e-5 * p.grad.norm() + 1e-12, name
 
 
-def test_registering_refuses_a_taken_name_and_unregistering_removes_it(plain_family):
+def test_registering_refuses_a_taken_name(plain_family):
     with pytest.raises(ValueError, match="already registered"):
         register(PLAIN)
     assert FAMILIES[MODEL_TYPE] is PLAIN
+
+
+def _registered() -> dict[str, bool]:
+    """Where the test family can be found: the family registry, its presets, transformers' Auto maps."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return {"families": MODEL_TYPE in FAMILIES, "presets": preset_family(PRESET) is not None,
+            "auto config": MODEL_TYPE in CONFIG_MAPPING, "auto causal lm": PlainConfig in MODEL_FOR_CAUSAL_LM_MAPPING}
+
+
+def test_unregistering_leaves_nothing_registered():
+    """After unregister the package and transformers know the family no more, and it registers again cleanly
+    (each register raises on a name still taken)."""
+    from transformers import AutoConfig
+
+    from ulysses_trainer.model.presets import preset_config
+
+    assert not any(_registered().values()), _registered()
+    for _ in range(2):
+        register_plain()
+        assert all(_registered().values()), _registered()
+        assert type(preset_config(PRESET)) is PlainConfig
+        unregister_plain()
+        assert not any(_registered().values()), _registered()
+    with pytest.raises(ConfigError, match="not supported"):
+        family(MODEL_TYPE)
+    with pytest.raises(ConfigError, match="unknown model preset"):
+        preset_config(PRESET)
+    with pytest.raises(ValueError, match="Unrecognized model identifier"):
+        AutoConfig.for_model(MODEL_TYPE)
 
 
 def _family_branches(tree: ast.AST) -> list[str]:
