@@ -43,7 +43,8 @@ def test_a_target_the_family_lacks_is_refused_naming_what_it_has():
 
 
 def test_plan_with_lora_holds_no_gradient_or_adam_state_for_frozen_weights():
-    from ulysses_trainer.plan.memory import Settings, adam_states_bytes, gradients_bytes, weights_bytes
+    from ulysses_trainer.plan.inputs import Settings
+    from ulysses_trainer.plan.memory import adam_states_bytes, gradients_bytes, weights_bytes
 
     shape = ModelShape.preset("qwen3-4b")
     adapters = lora_numels(shape, None, 16)

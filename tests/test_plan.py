@@ -13,10 +13,12 @@ import pytest
 from tests.dist_utils import JOB_TIMEOUT_S
 from ulysses_trainer.__main__ import main as cli_main
 from ulysses_trainer.names import GIB
+from ulysses_trainer.plan import host_terms, inputs, layer_terms
 from ulysses_trainer.plan import memory as M
 from ulysses_trainer.plan.calibration import compare, load_calibration, load_measurements
+from ulysses_trainer.plan.inputs import ModelShape, Settings
 from ulysses_trainer.plan.longest_fit import Hardware, choose_settings, largest_max_length
-from ulysses_trainer.plan.memory import ModelShape, Settings, estimate
+from ulysses_trainer.plan.memory import estimate
 
 ROOT = Path(__file__).resolve().parent.parent
 Q8 = ModelShape.preset("qwen3-8b")
@@ -32,7 +34,7 @@ YARN = ["--model_init_kwargs", '{"rope_parameters": {"rope_type": "yarn", "facto
 
 def test_parameter_count_qwen3_8b():
     assert PER_LAYER_8B == 192_946_432
-    assert M.num_params(Q8) == N_8B == 8_190_735_360
+    assert inputs.num_params(Q8) == N_8B == 8_190_735_360
 
 
 def test_model_states_qwen3_8b_zero3_8_ranks():
@@ -45,25 +47,25 @@ def test_model_states_qwen3_8b_zero3_8_ranks():
     # optimizer offload: nothing of the optimizer left on the GPU, 12 bytes/param + pinned grads on the host
     off = replace(s, offload_optimizer=True)
     assert M.gradients_bytes(Q8, off) == M.master_weights_bytes(Q8, off) == M.adam_states_bytes(Q8, off) == 0
-    assert M.host_optimizer_bytes(Q8, off) >= 12 * N_8B // 8 + 4 * N_8B // 8 + 2 * N_8B // 8
+    assert host_terms.host_optimizer_bytes(Q8, off) >= 12 * N_8B // 8 + 4 * N_8B // 8 + 2 * N_8B // 8
 
 
 def test_zero3_partition_pads_each_tensor():
     tiny = ModelShape.preset("tiny")
     s = Settings(max_length=64, sp=1, dp=3)  # world 3: tensors that 3 does not divide are padded
-    want = sum(-(-n // 3) for n in M.param_numels(tiny))
-    assert want > M.num_params(tiny) / 3
+    want = sum(-(-n // 3) for n in inputs.param_numels(tiny))
+    assert want > inputs.num_params(tiny) / 3
     assert M.weights_bytes(tiny, s) == 2 * want
 
 
 def test_checkpoints_1m_tokens_sp8():
     s = Settings(max_length=1_048_576, sp=8)
-    assert M.local_tokens(s) == 131_072
+    assert inputs.local_tokens(s) == 131_072
     assert M.checkpoint_bytes_per_layer(Q8, s) == 131_072 * 4096 * 2 == GIB
     assert M.checkpoints_gpu_bytes(Q8, s) == 36 * GIB
     off = replace(s, activation_offload=6)
     assert M.checkpoints_gpu_bytes(Q8, off) == 30 * GIB
-    assert M.host_pool_bytes(Q8, off) == 6 * GIB + 4096  # exact sum (page-aligned slots) + alignment
+    assert host_terms.host_pool_bytes(Q8, off) == 6 * GIB + 4096  # exact sum (page-aligned slots) + alignment
     every = replace(s, activation_offload=36)
     assert M.checkpoints_gpu_bytes(Q8, every) == 2 * GIB  # the one recomputed + the one prefetched
 
@@ -73,9 +75,9 @@ def test_pinned_power_of_two_rounding_reproduces_the_448k_host_story():
     s = Settings(max_length=448 * 1024, activation_offload=36)
     per = M.checkpoint_bytes_per_layer(Q4, s)
     assert per == 458_752 * 2560 * 2
-    assert M.host_pool_bytes(Q4, replace(s, pinned_rounding="pow2")) == 36 * 4 * GIB
-    assert M.host_pool_bytes(Q4, s) == 36 * (-(-per // 4096) * 4096) + 4096  # ~78.8 GiB, not 144
-    assert M.pinned_bytes(3 * GIB // 2, "pow2") == 2 * GIB and M.pinned_bytes(GIB, "pow2") == GIB
+    assert host_terms.host_pool_bytes(Q4, replace(s, pinned_rounding="pow2")) == 36 * 4 * GIB
+    assert host_terms.host_pool_bytes(Q4, s) == 36 * (-(-per // 4096) * 4096) + 4096  # ~78.8 GiB, not 144
+    assert inputs.pinned_bytes(3 * GIB // 2, "pow2") == 2 * GIB and inputs.pinned_bytes(GIB, "pow2") == GIB
 
 
 def test_loss_terms_by_hand():
@@ -100,15 +102,15 @@ def test_loss_grad_group_matches_the_lever():
 def test_layer_terms_by_hand():
     s = Settings(max_length=65_536)  # sp 1: t = 65,536
     t, h, i, q, k = 65_536, 2560, 9728, 4096, 1024
-    assert M.rmsnorm_saved_bytes(t, h, 2) == t * h * (4 + 2)  # fp32 upcast + bf16 normalized
-    assert M.rmsnorm_saved_bytes(t, h, 4) == t * h * 4  # fp32 input: no upcast copy
-    assert M.rmsnorm_saved_bytes(t, h, 2, lean=True) == t * h * 2  # lean: the bf16 input only
-    saved = M.layer_forward_saved(Q4, replace(s, lean_norm=False))  # HF's norms
+    assert layer_terms.rmsnorm_saved_bytes(t, h, 2) == t * h * (4 + 2)  # fp32 upcast + bf16 normalized
+    assert layer_terms.rmsnorm_saved_bytes(t, h, 4) == t * h * 4  # fp32 input: no upcast copy
+    assert layer_terms.rmsnorm_saved_bytes(t, h, 2, lean=True) == t * h * 2  # lean: the bf16 input only
+    saved = layer_terms.layer_forward_saved(Q4, replace(s, lean_norm=False))  # HF's norms
     assert saved["MLP intermediates (gate, act, up, product)"] == 4 * t * i * 2
     assert saved["q_norm, k_norm (fp32 upcast, normalized)"] == 6 * t * q + 6 * t * k
     assert saved["input norm (fp32 upcast, normalized, output)"] == 8 * t * h
     assert saved["post-attention norm (fp32 upcast, normalized, output)"] == 8 * t * h
-    lean = M.layer_forward_saved(Q4, s)  # the default: the norms keep their bf16 inputs only
+    lean = layer_terms.layer_forward_saved(Q4, s)  # the default: the norms keep their bf16 inputs only
     assert lean["q_norm, k_norm (inputs)"] == 2 * t * q + 2 * t * k
     assert lean["input norm (output)"] == 2 * t * h  # its input is the checkpoint, counted there
     assert lean["post-attention norm (input, output)"] == 4 * t * h
@@ -118,14 +120,15 @@ def test_layer_terms_by_hand():
     assert saved["attention output + LSE (fp32)"] == t * q * 2 + t * 32 * 4
     assert saved["o_proj input"] == 0  # sp 1: the kernel's output itself
     tiled = replace(s, tiled_mlp=16)
-    assert M.layer_forward_saved(Q4, tiled)["MLP intermediates (gate, act, up, product)"] == 0
+    assert layer_terms.layer_forward_saved(Q4, tiled)["MLP intermediates (gate, act, up, product)"] == 0
     r = t // 16
-    extra = M.mlp_backward_extra(Q4, tiled)
+    extra = layer_terms.mlp_backward_extra(Q4, tiled)
     assert sum(extra.values()) == t * h * 2 + 6 * r * i * 2 + 2 * r * h * 2
     # sp 8 > 8 KV heads? no: 8 divides 8, no replication; sp 16 on a 32q/8kv model replicates KV twice
-    assert M.kv_repeat(Q4, 8) == 1 and M.kv_repeat(Q4, 16) == 2
+    assert inputs.kv_repeat(Q4, 8) == 1 and inputs.kv_repeat(Q4, 16) == 2
     sp16 = Settings(max_length=16 * 4096, sp=16)
-    assert M.layer_forward_saved(Q4, sp16)["attention q, k, v (after rope / all-to-all)"] == 4096 * (q + 2 * 2 * k) * 2
+    saved = layer_terms.layer_forward_saved(Q4, sp16)
+    assert saved["attention q, k, v (after rope / all-to-all)"] == 4096 * (q + 2 * 2 * k) * 2
 
 
 def test_tiling_lowers_the_layer_working_set_and_offload_lowers_the_peak():
@@ -135,7 +138,7 @@ def test_tiling_lowers_the_layer_working_set_and_offload_lowers_the_peak():
     assert tiled.phases["layer_backward"] < untiled.phases["layer_backward"]
     off = estimate(Q4, replace(s, tiled_mlp=16, activation_offload=20))
     assert off.gpu_peak == tiled.gpu_peak - 20 * M.checkpoint_bytes_per_layer(Q4, s)
-    assert off.host_per_rank - tiled.host_per_rank == M.host_pool_bytes(Q4, replace(s, activation_offload=20))
+    assert off.host_per_rank - tiled.host_per_rank == host_terms.host_pool_bytes(Q4, replace(s, activation_offload=20))
 
 
 def test_estimate_adds_up():
@@ -151,8 +154,8 @@ def test_first_step_has_no_adam_states_until_the_step():
     s = Settings(max_length=32_768, tiled_mlp=16)
     first = estimate(Q4, replace(s, first_step=True))
     steady = estimate(Q4, s)
-    assert first.term("Adam m, v").gpu == 0 and steady.term("Adam m, v").gpu == 8 * M.num_params(Q4)
-    assert first.phases["optimizer_step"] == steady.phases["optimizer_step"] + 8 * M.num_params(Q4)
+    assert first.term("Adam m, v").gpu == 0 and steady.term("Adam m, v").gpu == 8 * inputs.num_params(Q4)
+    assert first.phases["optimizer_step"] == steady.phases["optimizer_step"] + 8 * inputs.num_params(Q4)
 
 
 def test_bad_settings_are_config_errors():
@@ -439,9 +442,9 @@ def test_offload_sub_groups_stay_under_a_power_of_two():
     from ulysses_trainer.plan.inputs import Zero3Knobs
 
     size = json.loads(Path("ds_configs/zero3_offload.json").read_text())["zero_optimization"]["sub_group_size"]
-    host = {g: M.host_optimizer_bytes(Q4, Settings(max_length=1024, offload_optimizer=True,
+    host = {g: host_terms.host_optimizer_bytes(Q4, Settings(max_length=1024, offload_optimizer=True,
                                                    zero3=Zero3Knobs(sub_group_size=g))) for g in (size, 2**28)}
-    exact = M.num_params(Q4) * 12 + M.num_params(Q4) * 4 + 8 * GIB
+    exact = inputs.num_params(Q4) * 12 + inputs.num_params(Q4) * 4 + 8 * GIB
     assert host[size] < 1.03 * exact < host[2**28] - 10 * GIB
 
 

@@ -35,8 +35,9 @@ from ..ds_config import load_ds_config, zero_config_for
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
 from ..model.load import model_config_for
 from ..names import GIB
+from ..plan.inputs import ModelShape, Settings, local_tokens
 from ..plan.longest_fit import Choice, Hardware, largest_max_length
-from ..plan.memory import MemoryEstimate, ModelShape, Settings, local_tokens
+from ..plan.memory import MemoryEstimate
 from ..plan.resolve import plan_for
 from ..plan.types import Machine, Plan
 from .argv import parse_overrides, split_argv

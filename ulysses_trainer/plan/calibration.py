@@ -17,7 +17,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..names import DEFAULT_SUB_GROUP_SIZE, GIB, PLANNED_KERNELS, STANDIN, STANDINS, auto_num_tiles
-from .memory import ModelShape, Settings, Zero3Knobs, estimate
+from .inputs import ModelShape, Settings, Zero3Knobs
+from .memory import estimate
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 SYSTEMS = ("ours", "alst", "hf")

@@ -33,35 +33,23 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ..names import GIB
-from .host_terms import PAGE, host_optimizer_bytes, host_pool_bytes  # noqa: F401 - re-exported
-from .inputs import (  # noqa: F401 - the planner's inputs, re-exported with the terms
+from .host_terms import host_optimizer_bytes, host_pool_bytes
+from .inputs import (
     ModelShape,
     Settings,
-    Zero3Knobs,
     _persistence_threshold,
     _shard_numel,
     _sub_group_numels,
     _trainable_shard_numel,
     check_settings,
-    kv_repeat,
-    layer_param_numels,
-    local_tokens,
-    num_params,
-    padded_length,
-    param_numels,
-    pinned_bytes,
-    saved_layer_count,
     trainable_numels,
 )
-from .layer_terms import (  # noqa: F401 - one decoder layer's terms, re-exported with the rest
+from .layer_terms import (
     FP32,
-    attention_backward_extra,
     kept_attention_bytes_per_layer,
-    layer_flow_bytes,
     layer_forward_saved,
     layer_gathered_params_bytes,
     layer_working_set,
-    mlp_backward_extra,
     rmsnorm_saved_bytes,
     tied_embedding_grad_bytes,
     unattributed_bytes,
