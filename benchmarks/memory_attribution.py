@@ -210,10 +210,10 @@ def main():
                    offloaded=len(trainer.model.checkpointer.offload_layers),
                    predicted_by_plan_peak_gpu_gb=trainer.resolved.predicted_peak_gpu_gb, build_s=time.time() - t0)
         print("built", res, flush=True)
-        batches = trainer._micro_batches(0)
+        batches = trainer.micro_batches(0)
         if "--warm" in sys.argv[:sys.argv.index("--")]:
             trainer.train_step(batches)  # step 1 unrecorded: the recorded step is a steady one
-            batches = trainer._micro_batches(1)
+            batches = trainer.micro_batches(1)
         namer = OpNamer(track=not cuda)
         if cuda:
             torch.cuda.synchronize()

@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                       "startup_s": time.perf_counter() - T0}
     save()
     timer = PhaseTimer(trainer.engine)
-    dense = trainer._micro_batches(0)
+    dense = trainer.micro_batches(0)
     ids = dense[0].input_ids.cpu()
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     packed = [shard_batch(ids, position_ids=pos, sp_size=1, sp_rank=0).to(trainer.device)]

@@ -105,7 +105,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = []
     for step in range(2):
-        shards = trainer._micro_batches(step)
+        shards = trainer.micro_batches(step)
         sync()
         t0 = time.perf_counter()
         if step == 0:

@@ -68,12 +68,12 @@ def _warmup_batches(trainer, length: int | None) -> list:
     """Step 0's shards, cut to `length` tokens (kernels compile and DeepSpeed records its module order
     the same at any length, in less time)."""
     if length is None:
-        return trainer._micro_batches(0)
+        return trainer.micro_batches(0)
     plan, micro = trainer.plan, trainer.cfg.per_device_train_batch_size
     rows = [plan.train_data[i] for i in range(plan.dp_size * micro)]  # any rows will do
     cut = [{k: r[k][:length] for k in ("input_ids", "position_ids", "labels")} for r in rows]
     start = trainer.state.dp_rank * micro
-    return [trainer._shard(cut[start:start + micro]) for _ in range(trainer.cfg.gradient_accumulation_steps)]
+    return [trainer.shard_rows(cut[start:start + micro]) for _ in range(trainer.cfg.gradient_accumulation_steps)]
 
 
 def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
@@ -98,7 +98,7 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
             _sync(plan.device)
             t0 = time.perf_counter()
             before = engine.skipped_steps
-            batches = _warmup_batches(trainer, opts.warmup_length) if warmup else trainer._micro_batches(step)
+            batches = _warmup_batches(trainer, opts.warmup_length) if warmup else trainer.micro_batches(step)
             with opts.around_step(step, opts.steps) if opts.around_step else contextlib.nullcontext():
                 loss, grad_norm, _ = trainer.train_step(batches)
                 _sync(plan.device)
@@ -128,7 +128,7 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
         counted = None
         if opts.count_collectives:  # after the memory and time readings it would distort
             with CollectiveLog() as issued:
-                trainer.train_step(trainer._micro_batches(opts.steps))
+                trainer.train_step(trainer.micro_batches(opts.steps))
             counted = issued.ops
         ck = trainer.model.checkpointer
         stash = trainer.model.attention.stash

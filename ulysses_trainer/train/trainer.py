@@ -81,11 +81,14 @@ class Trainer:
             report.say_stopping(self.cfg.save_strategy)
 
     # ------------------------------------------------------------------ data
-    def _micro_batches(self, step: int) -> list[Shard]:
+    # public with train_step, engine, model, plan, resolved and state: what a rehearsal (rehearsal.py) and the
+    # benchmarks drive a step with
+    def micro_batches(self, step: int) -> list[Shard]:
         """This rank's shards for optimizer step `step` (deterministic: resume lands on the same data)."""
-        return [self._shard(rows) for rows in order.micro_batch_rows(self.plan, self.state.dp_rank, step)]
+        return [self.shard_rows(rows) for rows in order.micro_batch_rows(self.plan, self.state.dp_rank, step)]
 
-    def _shard(self, rows: list[dict]) -> Shard:
+    def shard_rows(self, rows: list[dict]) -> Shard:
+        """This rank's shard of one micro-batch of rows (any rows: a rehearsal's warm-up cuts its own)."""
         return order.shard_rows(rows, self.plan, self.state, self.device)
 
     # ------------------------------------------------------------------ steps
@@ -209,7 +212,7 @@ class Trainer:
             t0 = time.perf_counter()
             skipped_before = self.engine.skipped_steps
             self.where.step = self.step + 1
-            loss, grad_norm, tokens = self.train_step(self._micro_batches(self.step))
+            loss, grad_norm, tokens = self.train_step(self.micro_batches(self.step))
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 self._non_finite_step(loss, grad_norm, self.engine.skipped_steps > skipped_before, bar)
             real_tokens = order.step_real_tokens(plan, self.step)
@@ -243,7 +246,7 @@ class Trainer:
             report.report_predicted_vs_measured(self.resolved, step_times)
         if cfg.plot_per_position_loss:
             self.where.enter("per-position loss")
-            write_per_position_loss(self.engine, self.model, self._micro_batches(self.step - 1)[-1], self.state,
+            write_per_position_loss(self.engine, self.model, self.micro_batches(self.step - 1)[-1], self.state,
                                     cfg.loss_chunk_size, cfg.max_length,
                                     os.path.join(cfg.output_dir, "per_position_loss.png"),
                                     f"{cfg.model_name_or_path}: per-position loss after step {self.step}")
