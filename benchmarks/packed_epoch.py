@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     flops = row_model_flops(plan.shape, ds)
     peak = device_peak_tflops(trainer.device)
     line = plan_line(r)
-    result["plan"] = {"line": r.summary(), "kernel": plan.kernel, "predicted_step_s": r.predicted_step_s,
+    result["plan"] = {"line": r.summary(), "kernel": plan.attn_implementation, "predicted_step_s": r.predicted_step_s,
                       "attention_fraction": r.attention_fraction, "a_s": line and line[0], "b_s": line and line[1]}
     result["data"] = ds.counts.summary()
     result["peak_tflops"] = list(peak) if peak else None

@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     _init_distributed()
     trainer = Trainer(plan)
     r = trainer.resolved
-    result["plan"] = {"line": r.summary(), "kernel": plan.kernel,
+    result["plan"] = {"line": r.summary(), "kernel": plan.attn_implementation,
                       "predicted_step_s": r.predicted_step_s, "predicted_peak_gpu_gb": r.predicted_peak_gpu_gb,
                       "predicted_host_gb": r.predicted_host_gb, "kept_attention_layers": len(r.kept_attention_layers),
                       "startup_s": time.perf_counter() - T0}

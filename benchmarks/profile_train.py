@@ -119,7 +119,7 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
     if trainer.state.is_main:
         result = {"model": cfg.model_name_or_path, "max_length": cfg.max_length, "world_size": plan.world_size,
-                  "sp_size": plan.sp_size, "kernel": plan.kernel,
+                  "sp_size": plan.sp_size, "kernel": plan.attn_implementation,
                   "device": torch.cuda.get_device_name() if cuda else "cpu",
                   "torch": torch.__version__, "step_s_unprofiled": times[0], "step_s_profiled": times[1],
                   "loss": loss, "grad_norm": norm,

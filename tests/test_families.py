@@ -68,10 +68,10 @@ def test_dense_layer_order_is_unchanged():
 def test_sparse_trace_runs_the_router_once_and_the_experts_per_tile():
     shape = ModelShape.preset("tiny-moe")
     assert forward_order(shape)[-3:] == ["router", "experts_gate_up", "experts_down"]
-    trace = [n for i, n in module_trace(shape, mlp_tiles=3) if i == 0]
+    trace = [n for i, n in module_trace(shape, tiled_mlp=3) if i == 0]
     # forward 1 router + 3 tiles; recompute: the router; backward: 3 x (forward + backward) of the experts
     assert trace.count("router") == 3 and trace.count("experts_down") == 3 + 6
-    assert gathers_per_micro_step(shape, persistence_threshold=0, mlp_tiles=3)["experts_gate_up"] >= 2
+    assert gathers_per_micro_step(shape, persistence_threshold=0, tiled_mlp=3)["experts_gate_up"] >= 2
 
 
 def test_sparse_memory_terms_scale_with_top_k_and_tiles():

@@ -42,9 +42,10 @@ def test_a_training_config_and_a_parallelize_config_decode_alike(values):
 
 def test_decoded_meanings():
     lv = decode_levers(TrainConfig(tiled_mlp=True, activation_offload=True, keep_attention_outputs=False))
-    assert (lv.tiles, lv.offload, lv.keep, lv.every, lv.optimizer_offload) == (TRUE_TILES, "all", 0, None, None)
+    assert (lv.tiled_mlp, lv.activation_offload, lv.keep_attention_outputs, lv.checkpoint_every,
+            lv.optimizer_offload) == (TRUE_TILES, "all", 0, None, None)
     off = decode_levers(TrainConfig(gradient_checkpointing=False, tiled_mlp=False))
-    assert (off.tiles, off.offload, off.keep, off.every) == (1, 0, 0, 1)
+    assert (off.tiled_mlp, off.activation_offload, off.keep_attention_outputs, off.checkpoint_every) == (1, 0, 0, 1)
     assert off.pinned == ("gradient_checkpointing", "tiled_mlp")
 
 
@@ -59,8 +60,8 @@ def test_tiled_mlp_0_is_refused_by_the_config_the_plan_and_a_loop_of_your_own(ca
     with pytest.raises(ConfigError, match="tiled_mlp must be >= 1 tiles"):
         ParallelizeConfig(tiled_mlp=0).resolve(preset_config("tiny"))
     # the untiled spellings stay accepted by both
-    assert ParallelizeConfig(tiled_mlp=1).resolve(preset_config("tiny")).tiles == 1
-    assert resolve_plan(TrainConfig(tiled_mlp=False), ModelShape.from_config(preset_config("tiny")), CPU).tiles == 1
+    assert ParallelizeConfig(tiled_mlp=1).resolve(preset_config("tiny")).tiled_mlp == 1
+    assert resolve_plan(TrainConfig(tiled_mlp=False), ModelShape.from_config(preset_config("tiny")), CPU).tiled_mlp == 1
 
 
 @pytest.mark.parametrize("ckpt, keep, stash", [

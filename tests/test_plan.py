@@ -45,7 +45,7 @@ def test_model_states_qwen3_8b_zero3_8_ranks():
     assert M.master_weights_bytes(Q8, s) == 4 * N_8B // 8
     assert M.adam_states_bytes(Q8, s) == 8 * N_8B // 8
     # optimizer offload: nothing of the optimizer left on the GPU, 12 bytes/param + pinned grads on the host
-    off = replace(s, offload_optimizer=True)
+    off = replace(s, optimizer_offload=True)
     assert M.gradients_bytes(Q8, off) == M.master_weights_bytes(Q8, off) == M.adam_states_bytes(Q8, off) == 0
     assert host_terms.host_optimizer_bytes(Q8, off) >= 12 * N_8B // 8 + 4 * N_8B // 8 + 2 * N_8B // 8
 
@@ -173,14 +173,14 @@ def test_bad_settings_are_config_errors():
 def test_search_no_levers_when_memory_is_ample():
     c = choose_settings(Q8, Settings(max_length=32_768, sp=8), Hardware(8, 141, 2000))
     assert c.fits
-    assert (c.settings.activation_offload, c.settings.tiled_mlp, c.settings.offload_optimizer) == (0, 1, False)
+    assert (c.settings.activation_offload, c.settings.tiled_mlp, c.settings.optimizer_offload) == (0, 1, False)
 
 
 def test_search_offloads_when_tight_and_picks_the_fewest():
     hw = Hardware(8, 76, 1000)
     c = choose_settings(Q8, Settings(max_length=1_048_576, sp=8, lean_norm=False), hw)  # HF's norms: tight
     s = c.settings
-    assert c.fits and s.activation_offload > 0 and not s.offload_optimizer
+    assert c.fits and s.activation_offload > 0 and not s.optimizer_offload
     lean = choose_settings(Q8, Settings(max_length=1_048_576, sp=8), hw)  # lean norms: no offload needed
     assert lean.fits and lean.settings.activation_offload == 0 and lean.estimate.gpu_peak < c.estimate.gpu_peak
     fits = lambda **kw: estimate(Q8, replace(s, **kw)).fits(hw.gpu_memory_gb, hw.host_memory_gb)  # noqa: E731
@@ -190,8 +190,8 @@ def test_search_offloads_when_tight_and_picks_the_fewest():
 
 def test_search_uses_optimizer_offload_only_when_needed_and_reports_no_fit():
     tight = choose_settings(Q8, Settings(max_length=65_536, sp=1), Hardware(1, 80, 500))
-    assert tight.fits and tight.settings.offload_optimizer  # 16 bytes x 8.2B params alone exceed 80 GiB
-    fixed = choose_settings(Q8, Settings(max_length=65_536, sp=1), Hardware(1, 80, 500), offload_optimizer=False)
+    assert tight.fits and tight.settings.optimizer_offload  # 16 bytes x 8.2B params alone exceed 80 GiB
+    fixed = choose_settings(Q8, Settings(max_length=65_536, sp=1), Hardware(1, 80, 500), optimizer_offload=False)
     assert not fixed.fits
 
 
@@ -325,9 +325,9 @@ def test_search_thins_checkpoints_only_when_nothing_else_fits():
     hw = Hardware(1, 139.8, 125.87)  # one H200 and its host, as measured
     base = Settings(max_length=131_072)
     assert choose_settings(Q4, base, hw).settings.checkpoint_every == 1  # 128K fits without it
-    per_layer, _ = largest_max_length(Q4, base, hw, every=1)
+    per_layer, _ = largest_max_length(Q4, base, hw, checkpoint_every=1)
     thinned, choice = largest_max_length(Q4, base, hw)
-    assert choice.settings.checkpoint_every > 1 and choice.settings.offload_optimizer
+    assert choice.settings.checkpoint_every > 1 and choice.settings.optimizer_offload
     assert thinned > 1.5 * per_layer  # what checkpoint_every buys on one GPU
     near = choose_settings(Q4, replace(base, max_length=1_048_576), hw)
     tried_12 = estimate(Q4, replace(near.settings, checkpoint_every=12, activation_offload=3))
@@ -382,7 +382,7 @@ def test_attention_path_at_sp8_one_kv_head_per_rank():
     t = 131_072
     u, rows = t * 4096 * 2, t * 32 * 4  # rows: fp32 row sums (LSE-sized) of the 32 heads' worth
     # the variants ran one step each: no ZeRO-3 trace yet (zero3_trace false)
-    s = Settings(max_length=8 * t, sp=8, tiled_mlp=12, attention="standin_memory_only", zero3_trace=False)
+    s = Settings(max_length=8 * t, sp=8, tiled_mlp=12, attn_implementation="standin_memory_only", zero3_trace=False)
     full, grouped = attention_backward_extra(Q8, s), attention_backward_extra(Q8, s, keeps_output=True)
     # both: d(out) (the all-to-all's result; its send buffer and o_proj's input grad are freed) 1, the
     # residual-stream grad 1; all heads: the kernel's dq, dk, dv 1.5 and its fp32 dq accumulator 2
@@ -402,10 +402,10 @@ def test_attention_path_at_sp8_one_kv_head_per_rank():
     assert M.backward_peak_layer(Q8, replace(s, kept_attention_layers=36)) == 35
     # the real F.sdpa on 4 query heads and their 1 KV head (cuDNN's GQA backward, 256K rehearsal on the H200):
     # one fp32 workspace of twice the accumulator, 2 u more than the stand-in
-    sdpa = attention_backward_extra(Q8, replace(s, attention="sdpa"))
+    sdpa = attention_backward_extra(Q8, replace(s, attn_implementation="sdpa"))
     assert sum(sdpa.values()) - sum(full.values()) == t * 4096 * 4
     # flash_attention_4 runs its dense rows group by group whatever is kept
-    assert attention_backward_extra(Q8, replace(s, attention="flash_attention_4")) == grouped
+    assert attention_backward_extra(Q8, replace(s, attn_implementation="flash_attention_4")) == grouped
     # the measured rehearsals: every variant within 0..2% over
     doc = json.loads((ROOT / "benchmarks/results/rehearsal/memory_variants_8b_sp8.json").read_text())
     for p in doc["points"]:
@@ -442,7 +442,7 @@ def test_offload_sub_groups_stay_under_a_power_of_two():
     from ulysses_trainer.plan.inputs import Zero3Knobs
 
     size = json.loads(Path("ds_configs/zero3_offload.json").read_text())["zero_optimization"]["sub_group_size"]
-    host = {g: host_terms.host_optimizer_bytes(Q4, Settings(max_length=1024, offload_optimizer=True,
+    host = {g: host_terms.host_optimizer_bytes(Q4, Settings(max_length=1024, optimizer_offload=True,
                                                    zero3=Zero3Knobs(sub_group_size=g))) for g in (size, 2**28)}
     exact = inputs.num_params(Q4) * 12 + inputs.num_params(Q4) * 4 + 8 * GIB
     assert host[size] < 1.03 * exact < host[2**28] - 10 * GIB
@@ -490,7 +490,8 @@ def test_the_fa4_stand_in_is_planned_as_flash_attention_4():
     moe = ModelShape.from_config(preset_config("qwen3-30b-a3b"))
     for shape in (Q8, moe):
         s = Settings(max_length=4_194_304, sp=8, tiled_mlp=32, checkpoint_every=2, activation_offload=18)
-        fa4, twin, plain = (estimate(shape, replace(s, attention=k)) for k in ("flash_attention_4", STANDIN_FA4,
+        fa4, twin, plain = (estimate(shape, replace(s, attn_implementation=k))
+                             for k in ("flash_attention_4", STANDIN_FA4,
                                                                              STANDIN))
         assert twin.gpu_peak == fa4.gpu_peak and twin.host_per_host == fa4.host_per_host
         assert plain.gpu_peak != fa4.gpu_peak

@@ -49,7 +49,7 @@ def test_pads_count_no_attention():
 
 
 def test_attention_time_scales_with_the_fraction_and_memory_does_not_move():
-    s = Settings(max_length=262144, attention="flash_attention_4", gradient_checkpointing=True)
+    s = Settings(max_length=262144, attn_implementation="flash_attention_4", gradient_checkpointing=True)
     packed = replace(s, attention_fraction=0.3)
     n = 4_000_000_000
     full, part = step_time(Q4, s, n).parts, step_time(Q4, packed, n).parts

@@ -284,7 +284,7 @@ def test_the_plan_times_and_sizes_deltanet_layers_by_their_own_terms():
     assert rates.deltanet_rates_from_results(results) == (rates.DELTANET_RULE_S, rates.DELTANET_RULE_PEAK_BYTES,
                                                           rates.DELTANET_CONV_S)  # the table is the file's
     shape = ModelShape.preset("qwen3.5-27b")  # 48 DeltaNet + 16 full-attention layers
-    s = Settings(max_length=1048576, sp=8, attention="sdpa", deltanet_kernel="fla", tiled_mlp=16)
+    s = Settings(max_length=1048576, sp=8, attn_implementation="sdpa", deltanet_kernel="fla", tiled_mlp=16)
     st = step_time(shape, s, shape.num_params)
     every = step_time(shape.__class__(**{**_fields(shape), "mixer_layers": ()}), s, shape.num_params)
     assert st.parts["attention backward"] * 4 == pytest.approx(every.parts["attention backward"])  # 16 of 64 attend

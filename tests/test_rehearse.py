@@ -130,7 +130,7 @@ def test_zero3_collectives_qwen3_8b_w4_by_hand():
     # a tiled MLP (12 tiles: what auto picks at 131,072 tokens per rank) runs gate/up/down 12 x 2 times
     # between a layer's recompute and its attention's backward (12 x 6 x 50M elements > 1e9): q, k, v, o
     # are gathered a third time there; the MLP weights stay gathered across the tiles (2 per layer)
-    tiled = step_collectives(s, Job(world_size=4, sp_size=4, local_tokens=65536, mlp_tiles=12))
+    tiled = step_collectives(s, Job(world_size=4, sp_size=4, local_tokens=65536, tiled_mlp=12))
     assert 12 * 6 * mlp > 1e9
     assert _by_name(tiled, "zero3 gather: q/o").count == 2 * 3 * 36
     assert _by_name(tiled, "zero3 gather: k/v").count == 2 * 3 * 36

@@ -52,7 +52,7 @@ def test_prepare_resolves_with_plan_for():
     cfg = load_config(["--config", str(ROOT / "launch" / "recipes" / "cpu_default.yaml")])
     run = prepare(cfg, 2)
     again = plan_for(cfg, run.model_config, load_ds_config(cfg.deepspeed), run.machine)
-    assert run.resolved == again and run.kernel == again.kernel
+    assert run.resolved == again and run.attn_implementation == again.attn_implementation
     assert run.bf16 is again.bf16 is False and run.ds_config["bf16"]["enabled"] is False  # one rule: no GPU
     assert run.resolved.predicted_step_s is None  # no GPU: no time model, nothing searched
 
@@ -83,7 +83,7 @@ def test_without_checkpointing_the_autos_offload_and_keep_nothing():
 
 def test_flash_attention_2_keeps_no_attention_outputs():
     plan = _plan(kernels=("flash_attention_2", "sdpa"))
-    assert plan.kernel == "flash_attention_2" and plan.kept_attention_layers == ()
+    assert plan.attn_implementation == "flash_attention_2" and plan.kept_attention_layers == ()
     assert "0/36 attention outputs kept" in plan.summary()
     with pytest.raises(ConfigError, match="flash_attention_2 cannot: set keep_attention_outputs false"):
         _plan(kernels=("flash_attention_2", "sdpa"), keep_attention_outputs=True)
@@ -92,7 +92,7 @@ def test_flash_attention_2_keeps_no_attention_outputs():
 
 
 def test_auto_takes_flash_attention_4_whenever_installed():
-    assert _plan(kernels=("flash_attention_4", "flash_attention_2", "sdpa")).kernel == "flash_attention_4"
+    assert _plan(kernels=("flash_attention_4", "flash_attention_2", "sdpa")).attn_implementation == "flash_attention_4"
     with pytest.raises(ConfigError, match=r"flash_attention_4.*not installed here .*\[fa4\]"):
         _plan(attn_implementation="flash_attention_4")
 
@@ -149,11 +149,11 @@ def test_auto_chooses_the_fastest_plan_that_fits_not_the_first():
     assert any("optimizer_offload auto: Adam on the host" in n for n in best.notes)
     # the JSON's offload_optimizer section wins over auto
     json_says_gpu = resolve_plan(TrainConfig(model_name_or_path="qwen3-4b", max_length=262144, sp_size=1), Q4,
-                                 Machine(gpus=1, **H200), ZeroSettings(offload_optimizer=False))
+                                 Machine(gpus=1, **H200), ZeroSettings(optimizer_offload=False))
     assert not json_says_gpu.optimizer_offload
     with pytest.raises(ConfigError, match="optimizer_offload true but the ZeRO JSON has no offload_optimizer"):
         resolve_plan(TrainConfig(model_name_or_path="qwen3-4b", max_length=262144, optimizer_offload=True), Q4,
-                     Machine(gpus=1, **H200), ZeroSettings(offload_optimizer=False))
+                     Machine(gpus=1, **H200), ZeroSettings(optimizer_offload=False))
 
 
 def test_the_ds_config_gets_the_plans_optimizer_placement():
@@ -177,7 +177,8 @@ def test_the_engine_measurement_changes_the_plan_only_when_memory_is_short():
     crowded = replace(as_predicted, gpu_free_after_engine_gb=as_predicted.gpu_free_after_engine_gb - 20)
     second = replan_after_engine(first, cfg, Q4, crowded)
     assert second.fits and second.gpu_budget_gb == pytest.approx(119.8, abs=0.01)
-    assert second.optimizer_offload == first.optimizer_offload and second.tiles == first.tiles  # fixed by the engine
+    # fixed by the engine
+    assert second.optimizer_offload == first.optimizer_offload and second.tiled_mlp == first.tiled_mlp
     assert len(second.kept_attention_layers) + len(second.saved_layers) - len(second.offload_layers) < \
         len(first.kept_attention_layers) + len(first.saved_layers) - len(first.offload_layers)
     assert any("measured" in n for n in second.notes)
@@ -224,9 +225,9 @@ def test_step_time_rates_are_the_benchmark_files():
     # benchmarks/results/long_context_ours_fwdbwd_qwen3-4b_262144_kept_cudnn_warm.json (forward+backward)
     ("cudnn kept", dict(max_length=262144, kept_attention_layers=36, optimizer="none"), 155.90),
     ("fa4 kept", dict(max_length=262144, kept_attention_layers=36, optimizer="none",
-                      attention="flash_attention_4"), 134.78),
+                      attn_implementation="flash_attention_4"), 134.78),
     ("fa4 kept 128K", dict(max_length=131072, kept_attention_layers=36, optimizer="none",
-                           attention="flash_attention_4"), 39.40),
+                           attn_implementation="flash_attention_4"), 39.40),
 ])
 def test_step_time_reproduces_the_calibration_runs(source, settings, measured):
     s = Settings(**settings)
@@ -270,7 +271,7 @@ def test_the_measured_step_is_the_steady_one_not_the_warm_up():
 
 
 def test_step_time_says_where_it_extrapolates():
-    s = Settings(max_length=1_048_576, sp=8, attention="flash_attention_2")
+    s = Settings(max_length=1_048_576, sp=8, attn_implementation="flash_attention_2")
     notes = " ".join(step_time(ModelShape.preset("qwen3-8b"), s, 8_000_000_000).extrapolated)
     assert "held constant at 1,048,576" in notes and "flash_attention_2 not measured" in notes
     assert "communication modelled" in notes and "rates of an H200 assumed" in notes

@@ -211,7 +211,7 @@ def test_the_rehearsal_times_communication_with_the_plans_sizes():
                                             "reduce_bucket_size": "auto"}})
     plan = SimpleNamespace(zero=zero, cfg=TrainConfig(), world_size=2, sp_size=2, padded_length=64, bf16=False,
                            resolved=SimpleNamespace(gradient_checkpointing=True))
-    job = comm_job(plan, gpus_per_node=8, tiles=1, checkpoint_every=1)
+    job = comm_job(plan, gpus_per_node=8, tiled_mlp=1, checkpoint_every=1)
     assert (job.max_reuse_distance, job.reduce_bucket_size, job.param_persistence_threshold) == (12345, None, 100_000)
 
 

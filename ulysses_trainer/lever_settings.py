@@ -39,20 +39,20 @@ class Fixed:
     """The levers bound to a model (None = auto, to be searched): what `Levers.bind` gives the planner's search
     and the ModelPlan. Without checkpointing offload and keep are 0 and every is 1."""
 
-    offload: int | Literal["all"] | None  # offloaded layer inputs; "all": every layer that keeps one
-    keep: int | None
-    tiles: int | None
-    every: int | None
+    activation_offload: int | Literal["all"] | None  # offloaded layer inputs; "all": every layer that keeps one
+    keep_attention_outputs: int | None
+    tiled_mlp: int | None
+    checkpoint_every: int | None
     optimizer_offload: bool | None
 
     def offload_for(self, saved: int) -> int | None:
         """The fixed offload count where `saved` layers keep an input (None: auto)."""
-        return saved if self.offload == "all" else self.offload
+        return saved if self.activation_offload == "all" else self.activation_offload
 
     @property
     def attention_stash(self) -> bool:
         """Whether the attention-output stash is installed: some layer may keep its output (auto or > 0)."""
-        return self.keep != 0
+        return self.keep_attention_outputs != 0
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,10 @@ class Levers:
     """The levers of one config, checked on their own (no model yet); None = auto."""
 
     gradient_checkpointing: bool
-    every: int | None  # checkpoint_every; 1 without checkpointing
-    offload: int | Literal["all"] | None  # activation_offload; 0 without checkpointing
-    keep: int | Literal["all"] | None  # keep_attention_outputs; 0 without checkpointing
-    tiles: int | Literal["rule"] | None  # tiled_mlp: 1 untiled, TRUE_TILES: names.auto_num_tiles
+    checkpoint_every: int | None  # 1 without checkpointing
+    activation_offload: int | Literal["all"] | None  # 0 without checkpointing
+    keep_attention_outputs: int | Literal["all"] | None  # 0 without checkpointing
+    tiled_mlp: int | Literal["rule"] | None  # 1 untiled, TRUE_TILES: names.auto_num_tiles
     optimizer_offload: bool | None
     pinned: tuple[str, ...]  # the searched levers the config fixed; "gradient_checkpointing" first when it is off
 
@@ -82,17 +82,20 @@ class Levers:
     def bind(self, layers: int, true_tiles: Callable[[], int]) -> Fixed:
         """The levers against a model of `layers` decoder layers (ConfigError naming the fix); true_tiles: the
         tile count `tiled_mlp: true` stands for (asked only then)."""
-        if _is_int(self.keep) and self.keep > layers:
-            raise ConfigError(f"keep_attention_outputs={self.keep} exceeds the model's {layers} layers; "
+        keep = self.keep_attention_outputs
+        if _is_int(keep) and keep > layers:
+            raise ConfigError(f"keep_attention_outputs={keep} exceeds the model's {layers} layers; "
                               f"give 0..{layers}, true (all of them) or auto")
-        if _is_int(self.offload):
-            saved = -(-layers // (self.every or 1))  # checkpoint_every auto: at most every layer keeps one
-            if self.offload > saved:
-                raise ConfigError(f"activation_offload={self.offload} must be between 0 and {saved} layers (the "
-                                  f"layers that keep an input: {layers} / checkpoint_every {self.every or 1}, "
+        offload, every = self.activation_offload, self.checkpoint_every or 1
+        if _is_int(offload):
+            saved = -(-layers // every)  # checkpoint_every auto: at most every layer keeps one
+            if offload > saved:
+                raise ConfigError(f"activation_offload={offload} must be between 0 and {saved} layers (the "
+                                  f"layers that keep an input: {layers} / checkpoint_every {every}, "
                                   f"rounded up); true offloads all of them")
-        return Fixed(offload=self.offload, keep=layers if self.keep == "all" else self.keep,
-                     tiles=true_tiles() if self.tiles == TRUE_TILES else self.tiles, every=self.every,
+        return Fixed(activation_offload=offload, keep_attention_outputs=layers if keep == "all" else keep,
+                     tiled_mlp=true_tiles() if self.tiled_mlp == TRUE_TILES else self.tiled_mlp,
+                     checkpoint_every=self.checkpoint_every,
                      optimizer_offload=self.optimizer_offload)
 
 
@@ -131,6 +134,8 @@ def decode_levers(cfg: Any) -> Levers:
     pinned = ("gradient_checkpointing",) * (not ckpt) + tuple(n for n in AUTO_LEVERS if raw[n] != "auto")
     if not ckpt:  # nothing to offload or keep without checkpoints; every layer keeps its input
         offload, kept, every = 0, 0, 1
-    return Levers(gradient_checkpointing=ckpt, every=None if every == "auto" else every, offload=offload, keep=kept,
-                  tiles=None if tiled == "auto" else 1 if tiled is False else TRUE_TILES if tiled is True else tiled,
+    return Levers(gradient_checkpointing=ckpt, checkpoint_every=None if every == "auto" else every,
+                  activation_offload=offload, keep_attention_outputs=kept,
+                  tiled_mlp=None if tiled == "auto" else 1 if tiled is False else TRUE_TILES if tiled is True
+                  else tiled,
                   optimizer_offload=None if opt == "auto" else opt, pinned=pinned)

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 class ModelPlan:
     """The mechanisms (kernel, loss head, norms, tiles, checkpointing) and the levers set on them."""
 
-    kernel: str = "sdpa"  # attention kernel (names.ATTENTION_KERNELS, or the stand-in)
+    attn_implementation: str = "sdpa"  # attention kernel (names.ATTENTION_KERNELS, or the stand-in)
     loss_type: str = "chunked_nll"
     loss_chunk_size: int = 256
-    tiles: int = 1  # MLP tiles, 1 = untiled
+    tiled_mlp: int = 1  # MLP tiles, 1 = untiled
     lean_norm: bool = True  # RMSNorms keep only their input for backward (levers/lean_norm.py)
     norm_kernel: str = "torch"  # their kernel: triton | torch
     gradient_checkpointing: bool = True

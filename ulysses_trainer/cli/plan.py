@@ -146,7 +146,7 @@ def format_estimate(e: MemoryEstimate) -> str:
 
 def _settings_summary(s: Settings) -> dict[str, Any]:
     return {"max_length": s.max_length, "sp_size": s.sp, "dp": s.dp, "activation_offload": s.activation_offload,
-            "tiled_mlp": s.tiled_mlp if s.tiled_mlp > 1 else False, "offload_optimizer": s.offload_optimizer,
+            "tiled_mlp": s.tiled_mlp if s.tiled_mlp > 1 else False, "offload_optimizer": s.optimizer_offload,
             "checkpoint_every": s.checkpoint_every, "loss_type": s.loss_type, "loss_chunk_size": s.loss_chunk_size}
 
 
@@ -179,7 +179,7 @@ def run_plan(argv: list[str]) -> int:
                    zero3=knobs[False])
     # Adam's placement as the config and the ZeRO JSON fixed it (lever_settings: decode_levers, with_json_placement)
     longest, best = largest_max_length(ModelShape.from_config(model_config), base, hw,
-                                       offload_optimizer=plan.fixed.optimizer_offload, knobs=knobs)
+                                       optimizer_offload=plan.fixed.optimizer_offload, knobs=knobs)
     if args.json:
         out = {"model": plan.model, "hardware": {**machine.__dict__, "kernels": list(machine.kernels)},
                "fits": plan.fits, "plan": plan.to_dict(), "chosen": _settings_summary(plan.settings),
@@ -242,14 +242,15 @@ def _report(plan: Plan, machine: Machine, longest: int, best: Choice | None) -> 
         lines.append("recipe lines: " + "; ".join(
             [f"activation_offload: {len(plan.offload_layers)}",
              f"keep_attention_outputs: {len(plan.kept_attention_layers)}",
-             f"tiled_mlp: {plan.tiles if plan.tiles > 1 else 'false'}", f"checkpoint_every: {plan.checkpoint_every}",
+             f"tiled_mlp: {plan.tiled_mlp if plan.tiled_mlp > 1 else 'false'}",
+             f"checkpoint_every: {plan.checkpoint_every}",
              f"optimizer_offload: {str(plan.optimizer_offload).lower()}"]))
     if s.checkpoint_every > 1:
         lines.append(_rebuild_cost(s.checkpoint_every))
     if best is not None:
         b = best.settings
         lines.append(f"largest max_length that fits: {longest:,} (activation_offload {b.activation_offload}, "
-                     f"tiled_mlp {b.tiled_mlp}, offload_optimizer {b.offload_optimizer}, "
+                     f"tiled_mlp {b.tiled_mlp}, offload_optimizer {b.optimizer_offload}, "
                      f"checkpoint_every {b.checkpoint_every}, no attention outputs kept; "
                      f"searched in multiples of {1024 * b.sp:,})")
     else:

@@ -96,9 +96,9 @@ class ParallelizeConfig:
         width = _row_width(config)
         auto_tiles = default_mlp_tiles(self.local_seq_len, width) if self.local_seq_len else 1
         return replace(_fixed_levers(fx, config.num_hidden_layers),
-                       kernel=choose_kernel(self.attn_implementation, tuple(available_kernels())),
+                       attn_implementation=choose_kernel(self.attn_implementation, tuple(available_kernels())),
                        loss_type=self.loss_type, loss_chunk_size=self.loss_chunk_size,
-                       tiles=auto_tiles if fx.tiles is None else fx.tiles,
+                       tiled_mlp=auto_tiles if fx.tiled_mlp is None else fx.tiled_mlp,
                        experts_implementation=choose_experts_implementation(self.experts_implementation),
                        deltanet_kernel=choose_deltanet_kernel(self.deltanet_kernel,
                                                               tuple(available_deltanet_kernels())),
@@ -127,7 +127,7 @@ def apply(model: SequenceParallelCausalLM, plan: Any) -> None:
     allocated now when the plan gives the bytes, so a shortage is an error before step 1, not mid-run) and
     the layers keeping their attention outputs. `plan`: a resolved Plan (plan/types.py) or a ModelPlan."""
     ck, stash = model.checkpointer, model.attention.stash
-    tiles = plan.tiles
+    tiles = plan.tiled_mlp
     if tiles != model.tiles:
         raise ValueError(f"the plan has {tiles} MLP tiles but parallelize installed {model.tiles}; tiles are "
                          f"installed with the model: pass tiled_mlp={tiles} to ParallelizeConfig")
@@ -184,7 +184,7 @@ def parallelize(model: nn.Module, state: ParallelState,
     layers = _check(model, plan)
     c = model.config
     fam = family(getattr(c, "model_type", "qwen3"))
-    attention = UlyssesAttention(state, plan.kernel, c.num_attention_heads, c.num_key_value_heads)
+    attention = UlyssesAttention(state, plan.attn_implementation, c.num_attention_heads, c.num_key_value_heads)
     snapshot = ModelSnapshot(model)  # before any change: what unparallelize restores
     try:
         use_private_config(model)
@@ -212,7 +212,7 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan
     if plan.lean_norm:
         use_lean_norms(model, plan.norm_kernel, fam.norm_offset)
     # 4. the family's MLP block: tiled, and its load-balancing statistics where it has them (sparse: router)
-    tiles = plan.tiles
+    tiles = plan.tiled_mlp
     stats, coef = fam.mlp.install(model, layers, tiles, plan.experts_implementation)
     # 5. checkpointing (+ offload, set by apply)
     checkpointer = None
@@ -260,6 +260,8 @@ def unparallelize(model: SequenceParallelCausalLM) -> nn.Module:
 def _fixed_levers(fx: Fixed, num_layers: int) -> ModelPlan:
     """What a loop of your own installs before apply: auto is every layer keeping its input, none offloaded
     or kept (the stash installed when a layer may keep its output)."""
-    saved = range(0, num_layers, fx.every or 1)
-    return ModelPlan(checkpoint_every=fx.every or 1, offload_layers=tuple(saved[:fx.offload_for(len(saved)) or 0]),
-                     kept_attention_layers=tuple(range(fx.keep or 0)), attention_stash=fx.attention_stash)
+    saved = range(0, num_layers, fx.checkpoint_every or 1)
+    return ModelPlan(checkpoint_every=fx.checkpoint_every or 1,
+                     offload_layers=tuple(saved[:fx.offload_for(len(saved)) or 0]),
+                     kept_attention_layers=tuple(range(fx.keep_attention_outputs or 0)),
+                     attention_stash=fx.attention_stash)

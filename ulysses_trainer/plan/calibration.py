@@ -66,7 +66,8 @@ def load_calibration(path: str | Path = CALIBRATION_FILE) -> list[Measurement]:
                                settings=settings_from_dict({"lean_norm": False, "grouped_attention": False,
                                                             **m["settings"]}),
                                peak_gpu_gb=m["peak_gpu_gb"],
-                               peak_host_gb=m.get("peak_host_gb"), attention=m["settings"].get("attention", "sdpa"),
+                               peak_host_gb=m.get("peak_host_gb"),
+                               attention=m["settings"].get("attn_implementation", "sdpa"),
                                note=m.get("note", ""), over_predicted=m.get("over_predicted", "")))
     return out
 
@@ -85,7 +86,7 @@ def benchmark_settings(system: str, shape: ModelShape, point: dict[str, Any], st
     if attention not in PLANNED_KERNELS:
         attention = STANDIN if "standin" in attention else "sdpa"
     first = point.get("first_step", steps < 2 or attention in STANDINS)
-    base = Settings(max_length=length, attention=attention, first_step=first, lean_norm=False,
+    base = Settings(max_length=length, attn_implementation=attention, first_step=first, lean_norm=False,
                     grouped_attention=False, zero3=DEEPSPEED_DEFAULT_KNOBS)
     if mode == "fwdbwd":
         base = replace(base, zero_stage=0, optimizer="none")
@@ -96,7 +97,7 @@ def benchmark_settings(system: str, shape: ModelShape, point: dict[str, Any], st
                        grouped_attention=bool(point.get("grouped_attention", False)),
                        kept_attention_layers=int(point.get("kept_attention_layers", 0)),
                        checkpoint_every=int(point.get("checkpoint_every", 1)),
-                       offload_optimizer=bool(point.get("offload_optimizer", False)),
+                       optimizer_offload=bool(point.get("offload_optimizer", False)),
                        # long_context.py sets smaller sub-groups with optimizer offload (2**28 in the first
                        # runs, which did not record it)
                        zero3=replace(DEEPSPEED_DEFAULT_KNOBS, sub_group_size=int(point.get("sub_group_size", 2**28)))
@@ -132,7 +133,7 @@ def load_measurements(results_dir: str | Path) -> list[Measurement]:
             s = benchmark_settings(system, shape, p, steps, mode)
             out.append(Measurement(source=path.name, system=system, model=model, shape=shape, settings=s,
                                    peak_gpu_gb=float(p["peak_gpu_gb"]), peak_host_gb=p.get("peak_host_rss_gb"),
-                                   attention=s.attention))
+                                   attention=s.attn_implementation))
     return out
 
 

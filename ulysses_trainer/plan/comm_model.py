@@ -78,7 +78,7 @@ class Job:
     param_persistence_threshold: int | None = None  # elements; None: 10 * hidden (the "auto" fill)
     reduce_bucket_size: int | None = None  # elements; None: hidden**2
     max_reuse_distance: int = 1_000_000_000  # stage3_max_reuse_distance, elements
-    mlp_tiles: int = 1  # tiled MLP tiles (model/parallelize.py mlp_tiles); 1 = untiled
+    tiled_mlp: int = 1  # MLP tiles; 1 = untiled
 
     @property
     def dp_size(self) -> int:
@@ -145,7 +145,7 @@ def zero3_collectives(shape: ModelShape, job: Job) -> list[Collective]:
     cross = w > job.gpus_per_node
     shard = lambda n: -(-n // w) * e  # noqa: E731 - per-rank input bytes of gathering an n-element tensor
     gathers = gathers_per_micro_step(shape, job.gradient_checkpointing, job.checkpoint_every, thr,
-                                     job.max_reuse_distance, job.mlp_tiles)
+                                     job.max_reuse_distance, job.tiled_mlp)
     size = shape.numels
     out = []
     by_size: dict[int, list[str]] = {}  # one row per tensor size: q/o, k/v, gate/up/down, embedding

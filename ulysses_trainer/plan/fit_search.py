@@ -48,7 +48,7 @@ class Rung:
     knobs: Zero3Knobs  # the ZeRO-3 sizes with this placement (an added offload shrinks the sub-groups)
 
     def kw(self) -> dict[str, Any]:
-        return {"checkpoint_every": self.every, "offload_optimizer": self.opt, "zero3": self.knobs}
+        return {"checkpoint_every": self.every, "optimizer_offload": self.opt, "zero3": self.knobs}
 
 
 @dataclass
@@ -72,14 +72,15 @@ class Search:
         if not self.base.gradient_checkpointing:
             everies = [1]
         else:
-            everies = [fx.every] if fx.every is not None else [c for c in EVERY_CHOICES if c <= layers]
+            everies = [fx.checkpoint_every] if fx.checkpoint_every is not None \
+                else [c for c in EVERY_CHOICES if c <= layers]
         opts = [fx.optimizer_offload] if fx.optimizer_offload is not None else [False, True]
         if self.base.zero_stage != 3:
             opts = [False]  # no ZeRO, no ZeRO-Offload
         for every in everies:
             saved = saved_layer_count(self.shape, every)
             offload = fx.offload_for(saved) if self.base.gradient_checkpointing else 0
-            if offload is not None and offload > saved and fx.every is None and every > 1:
+            if offload is not None and offload > saved and fx.checkpoint_every is None and every > 1:
                 continue  # a thinning the search tries keeps fewer inputs than the fixed offload asks for
             yield [Rung(every, opt, saved, offload, self.knobs[opt]) for opt in opts]
 
@@ -89,8 +90,8 @@ class Search:
     def tile_ladder(self, *, every_count: bool) -> list[int]:
         """The tile counts to try, ascending. every_count False: the shape rule (`default_mlp_tiles`), more only
         by powers of two (tiles are a memory lever; at 256K the tiled MLP measured no slower); True: each count."""
-        if self.fixed.tiles is not None:
-            return [self.fixed.tiles]
+        if self.fixed.tiled_mlp is not None:
+            return [self.fixed.tiled_mlp]
         top = self.top_tiles()
         if every_count:
             return list(range(1, top + 1))
@@ -169,8 +170,8 @@ def _timed_candidates(sr: Search, r: Rung, tiles: int, keep_max: int) -> list[Me
     """The settings worth timing at one rung and tile count: the fewest offloaded inputs for no kept outputs
     plus as many kept outputs as fit without more offload, and the most kept outputs that fit with any offload
     (time is near linear in both, so the best lies at one of the ends)."""
-    if sr.fixed.keep is not None:
-        e = sr.fewest_offloaded(r, kept_attention_layers=sr.fixed.keep, tiled_mlp=tiles)
+    if sr.fixed.keep_attention_outputs is not None:
+        e = sr.fewest_offloaded(r, kept_attention_layers=sr.fixed.keep_attention_outputs, tiled_mlp=tiles)
         return [e] if e is not None else []
     base = sr.fewest_offloaded(r, kept_attention_layers=0, tiled_mlp=tiles)
     if base is None:
@@ -211,7 +212,7 @@ def fastest_fit(shape: ModelShape, base: Settings, fx: Fixed, keep_max: int, gpu
     if not best:
         assert sr.closest is not None
         return sr.closest, False, {}
-    winner = min(best.values(), key=lambda te: (te[0], te[1].settings.offload_optimizer))
+    winner = min(best.values(), key=lambda te: (te[0], te[1].settings.optimizer_offload))
     return winner[1], True, best
 
 
@@ -232,11 +233,11 @@ def with_headroom(shape: ModelShape, chosen: MemoryEstimate, gpu_gb: float, host
 
 def cheapest_autos(shape: ModelShape, base: Settings, fx: Fixed) -> MemoryEstimate:
     """The CPU run (no GPU budget): nothing is short of memory; the autos take their cheapest values."""
-    every = fx.every or 1
-    tiles = fx.tiles if fx.tiles is not None else default_mlp_tiles(base.local_tokens, shape.mlp_row_width)
-    s = replace(base, checkpoint_every=every, tiled_mlp=tiles, offload_optimizer=bool(fx.optimizer_offload),
+    every = fx.checkpoint_every or 1
+    tiles = fx.tiled_mlp if fx.tiled_mlp is not None else default_mlp_tiles(base.local_tokens, shape.mlp_row_width)
+    s = replace(base, checkpoint_every=every, tiled_mlp=tiles, optimizer_offload=bool(fx.optimizer_offload),
                 activation_offload=fx.offload_for(saved_layer_count(shape, every)) or 0,
-                kept_attention_layers=fx.keep or 0)
+                kept_attention_layers=fx.keep_attention_outputs or 0)
     return estimate(shape, s)
 
 
@@ -251,7 +252,7 @@ def cheapest_fit(shape: ModelShape, base: Settings, fx: Fixed, gpu_gb: float, ho
 
     At each rung the fewest offloaded inputs are searched at the most tiles (GPU memory falls as tiles grow,
     host memory does not depend on them), then the fewest tiles for that count."""
-    sr = Search(shape, base, replace(fx, keep=base.kept_attention_layers), gpu_gb, host_gb,
+    sr = Search(shape, base, replace(fx, keep_attention_outputs=base.kept_attention_layers), gpu_gb, host_gb,
                 knobs or {False: base.zero3, True: base.zero3})
     ladder = sr.tile_ladder(every_count=True)
     for rungs in sr.rungs():

@@ -27,7 +27,7 @@ def host_optimizer_bytes(shape: ModelShape, s: Settings) -> int:
     PyTorch's allocator (power-of-two rounded). DeepSpeed fills a sub-group until it reaches sub_group_size,
     so groups land just over it: at 2**28 every 4B group's buffer rounds to 2 GiB (28.1 GiB, the 1M H200
     run: host 118.19 GiB measured, 118.58 predicted); ds_configs/zero3_offload.json uses 2**28 - 2**25."""
-    if not s.offload_optimizer or s.optimizer == "none":
+    if not s.optimizer_offload or s.optimizer == "none":
         return 0
     n = _trainable_shard_numel(shape, s)
     grads32 = sum(pinned_bytes(g * FP32, "pow2") for g in _sub_group_numels(shape, s))

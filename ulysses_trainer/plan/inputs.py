@@ -194,7 +194,7 @@ class Settings:
     # From the second step on ZeRO-3's prefetcher follows the trace of the first and keeps parameters
     # gathered up to stage3_max_live_parameters; False: a first step measured alone (no trace yet)
     zero3_trace: bool = True
-    offload_optimizer: bool = False  # ZeRO-Offload: fp32 master, Adam m, v and fp32 grads on the host
+    optimizer_offload: bool = False  # ZeRO-Offload: fp32 master, Adam m, v and fp32 grads on the host
     gradient_checkpointing: bool = True
     activation_offload: int = 0  # layers whose checkpointed input lives in pinned host memory
     checkpoint_every: int = 1  # only every k-th layer keeps its input; backward rebuilds the others
@@ -214,7 +214,7 @@ class Settings:
     # All kernels are modelled alike (flash-style: output + fp32 LSE saved, fp32 dq accumulator in
     # backward); on the H200, SDPA (cuDNN) and the memory-only stand-in measured the same working set on the
     # KV-group path; on all heads with fewer KV than query heads cuDNN's backward takes more (layer_terms.py).
-    attention: str = "sdpa"
+    attn_implementation: str = "sdpa"
     # a sparse model's experts kernel (transformers' experts_implementation; plan/rates.EXPERTS_TFLOPS)
     experts_implementation: str = "grouped_mm"
     deltanet_kernel: str = ""  # a Gated DeltaNet layer's rule kernel ("": the model has none)
@@ -283,9 +283,10 @@ def check_settings(shape: ModelShape, s: Settings) -> None:
          "activation_offload needs gradient_checkpointing: true (it offloads the checkpoints)")
     need(s.tiled_mlp >= 1, f"tiled_mlp must be >= 1 tiles, got {s.tiled_mlp}")
     need(s.loss_chunk_size >= 1, f"loss_chunk_size must be >= 1, got {s.loss_chunk_size}")
-    need(s.attention in PLANNED_KERNELS, f"attention kernel {s.attention!r} is unknown; use one of {PLANNED_KERNELS}")
+    need(s.attn_implementation in PLANNED_KERNELS,
+         f"attention kernel {s.attn_implementation!r} is unknown; use one of {PLANNED_KERNELS}")
     need(s.zero_stage in (0, 3), f"zero_stage {s.zero_stage} is not modelled; use 3 (or 0 for plain torch)")
-    need(not (s.offload_optimizer and s.zero_stage != 3), "optimizer offload needs ZeRO stage 3")
+    need(not (s.optimizer_offload and s.zero_stage != 3), "optimizer offload needs ZeRO stage 3")
     need(0 <= s.allocator_slack < 1, f"allocator_slack must be in [0, 1), got {s.allocator_slack}")
 
 
@@ -315,7 +316,7 @@ def forward_passes(shape: ModelShape, s: Settings) -> float:
 
 def mlp_run(shape: ModelShape, s: Settings) -> MlpRun:
     """What the family's MLP block terms read of these settings (model/families/base.MlpRun)."""
-    return MlpRun(tokens=s.local_tokens, act_bytes=s.act_bytes, tiles=s.tiled_mlp,
+    return MlpRun(tokens=s.local_tokens, act_bytes=s.act_bytes, tiled_mlp=s.tiled_mlp,
                   gradient_checkpointing=s.gradient_checkpointing, forward_passes=forward_passes(shape, s),
                   experts_implementation=s.experts_implementation, lean_norm=s.lean_norm)
 

@@ -82,16 +82,17 @@ def attention_runs_grouped(shape: ModelShape, s: Settings, keeps_output: bool) -
     one KV head per rank, or when the layer keeps its output for the recompute (grouped.runs_grouped: keeping needs the
     explicit-LSE path, even for one group); the baselines (grouped_attention off) and flash_attention_2
     never: one kernel on all heads (F.sdpa, flash_attn_func)."""
-    if not (s.grouped_attention and s.attention in GROUPED_KERNELS):
+    if not (s.grouped_attention and s.attn_implementation in GROUPED_KERNELS):
         return False
-    return s.attention in ("flash_attention_4", STANDIN_FA4) or \
+    return s.attn_implementation in ("flash_attention_4", STANDIN_FA4) or \
         groups_one_at_a_time(attention_groups(shape, s.sp), keeps_output)
 
 
 def sdpa_runs_gqa(shape: ModelShape, s: Settings) -> bool:
     """Whether ours calls F.sdpa with fewer KV heads than query heads on a rank (enable_gqa, attention/kernels.py),
     when a layer runs on all heads. The baselines (grouped_attention off) are calibrated as they ran."""
-    return s.attention == "sdpa" and s.grouped_attention and shape.heads > shape.kv_heads * kv_repeat(shape, s.sp)
+    return s.attn_implementation == "sdpa" and s.grouped_attention and \
+        shape.heads > shape.kv_heads * kv_repeat(shape, s.sp)
 
 
 def attention_backward_extra(shape: ModelShape, s: Settings, keeps_output: bool | None = None) -> dict[str, int]:

@@ -48,27 +48,28 @@ class Choice:
     fits: bool
 
 
-def choose_settings(shape: ModelShape, base: Settings, hw: Hardware, *, offload_layers: int | None = None,
-                    tiles: int | None = None, offload_optimizer: bool | None = None,
-                    every: int | None = None, knobs: dict[bool, Zero3Knobs] | None = None) -> Choice:
+def choose_settings(shape: ModelShape, base: Settings, hw: Hardware, *, activation_offload: int | None = None,
+                    tiled_mlp: int | None = None, optimizer_offload: bool | None = None,
+                    checkpoint_every: int | None = None, knobs: dict[bool, Zero3Knobs] | None = None) -> Choice:
     """The cheapest settings that fit, starting from `base` (layout, loss, kernel...): the cost order of
     plan/fit_search.cheapest_fit.
 
-    offload_layers / tiles / offload_optimizer / every (checkpoint_every): None = search ("auto"), else
+    activation_offload / tiled_mlp / optimizer_offload / checkpoint_every: None = search ("auto"), else
     fixed. knobs: the ZeRO-3 sizes per optimizer placement (Plan.zero3_by_placement; None: the base's).
     When nothing fits, the returned Choice has fits=False and holds the settings that came closest (the
     fewest bytes missing).
     """
     hw.check()
     base = replace(base, gpus_per_host=hw.gpus_per_host or hw.gpus)
-    fx = Fixed(offload=offload_layers, keep=None, tiles=tiles, every=every, optimizer_offload=offload_optimizer)
+    fx = Fixed(activation_offload=activation_offload, keep_attention_outputs=None, tiled_mlp=tiled_mlp,
+               checkpoint_every=checkpoint_every, optimizer_offload=optimizer_offload)
     e, fits = cheapest_fit(shape, base, fx, hw.gpu_memory_gb, hw.host_memory_gb, knobs)
     return Choice(e.settings, e, fits)
 
 
 def largest_max_length(shape: ModelShape, base: Settings, hw: Hardware, *, unit: int | None = None,
-                       offload_layers: int | None = None, tiles: int | None = None,
-                       offload_optimizer: bool | None = None, every: int | None = None,
+                       activation_offload: int | None = None, tiled_mlp: int | None = None,
+                       optimizer_offload: bool | None = None, checkpoint_every: int | None = None,
                        knobs: dict[bool, Zero3Knobs] | None = None, limit: int = 1 << 27
                        ) -> tuple[int, Choice | None]:
     """The longest max_length (a multiple of `unit`, default 1024 x sp) for which some settings fit,
@@ -79,8 +80,9 @@ def largest_max_length(shape: ModelShape, base: Settings, hw: Hardware, *, unit:
         unit = math.lcm(unit, base.pad_to_multiple_of)
 
     def at(n: int) -> Choice:
-        return choose_settings(shape, replace(base, max_length=n * unit), hw, offload_layers=offload_layers,
-                               tiles=tiles, offload_optimizer=offload_optimizer, every=every, knobs=knobs)
+        return choose_settings(shape, replace(base, max_length=n * unit), hw, activation_offload=activation_offload,
+                               tiled_mlp=tiled_mlp, optimizer_offload=optimizer_offload,
+                               checkpoint_every=checkpoint_every, knobs=knobs)
 
     if not at(1).fits:
         return 0, None

@@ -76,7 +76,7 @@ def weights_bytes(shape: ModelShape, s: Settings) -> int:
 def gradients_bytes(shape: ModelShape, s: Settings) -> int:
     """Reduced gradients in the training dtype: ZeRO-3's flat gradient partition (N/W), or full .grad
     tensors unsharded. Under optimizer offload the partition is on the host (see host terms)."""
-    if s.offload_optimizer or (s.zero_stage == 0 and s.first_step):
+    if s.optimizer_offload or (s.zero_stage == 0 and s.first_step):
         return 0
     return _trainable_shard_numel(shape, s) * s.act_bytes
 
@@ -93,7 +93,7 @@ def gradients_created_in_backward_bytes(shape: ModelShape, s: Settings) -> int:
 def master_weights_bytes(shape: ModelShape, s: Settings) -> int:
     """fp32 master copy of this rank's partition (4 N/W). None when the weights are fp32 already
     (DeepSpeed reuses them), when there is no optimizer, or when it is offloaded."""
-    if s.optimizer == "none" or s.offload_optimizer or not s.bf16:
+    if s.optimizer == "none" or s.optimizer_offload or not s.bf16:
         return 0
     return _trainable_shard_numel(shape, s) * FP32
 
@@ -101,7 +101,7 @@ def master_weights_bytes(shape: ModelShape, s: Settings) -> int:
 def adam_states_bytes(shape: ModelShape, s: Settings) -> int:
     """Adam m and v, fp32, for this rank's partition (8 N/W); on the host when offloaded. Before the
     first optimizer step they do not exist yet (counted in the optimizer-step phase instead)."""
-    if s.optimizer == "none" or s.offload_optimizer or s.first_step:
+    if s.optimizer == "none" or s.optimizer_offload or s.first_step:
         return 0
     return _trainable_shard_numel(shape, s) * 2 * FP32
 
@@ -254,7 +254,7 @@ def optimizer_step_bytes(shape: ModelShape, s: Settings) -> int:
     """During the step, per sub-group: its fp32 gradient copy (4 x sub-group elements), plus, for a
     non-fused torch AdamW, a full-size fp32 temporary; on the first step also Adam's m, v, created
     there. Nothing on the GPU when offloaded."""
-    if s.optimizer == "none" or s.offload_optimizer:
+    if s.optimizer == "none" or s.optimizer_offload:
         return 0
     largest = max(_sub_group_numels(shape, s)) if s.zero_stage == 3 else sum(trainable_numels(shape, s))
     grad = largest * FP32 if (s.bf16 or s.zero_stage == 0) else 0
@@ -268,6 +268,10 @@ def optimizer_step_bytes(shape: ModelShape, s: Settings) -> int:
 
 # --------------------------------------------------------------------------------------------
 # The estimate
+
+
+# `plan --json` keeps the keys it has always written for these two Settings fields
+_JSON_KEYS = {"optimizer_offload": "offload_optimizer", "attn_implementation": "attention"}
 
 
 @dataclass(frozen=True)
@@ -313,7 +317,8 @@ class MemoryEstimate:
     def to_dict(self) -> dict[str, Any]:
         s = self.settings
         return {
-            "settings": {k: v for k, v in s.__dict__.items() if k != "zero3"} | {"zero3": s.zero3.memory_sizes()},
+            "settings": {_JSON_KEYS.get(k, k): v for k, v in s.__dict__.items() if k != "zero3"}
+            | {"zero3": s.zero3.memory_sizes()},
             "local_tokens": s.local_tokens, "padded_length": s.padded_length,
             "parameters": self.shape.num_params,
             "terms": [{"name": t.name, "phase": t.phase, "gpu_gb": t.gpu / GIB, "host_gb": t.host / GIB,

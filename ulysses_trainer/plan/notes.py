@@ -26,7 +26,7 @@ def plan_notes(cfg: Any, machine: Machine, s: Settings, *, attention: AttentionS
     if cfg.packing:
         notes.append(attention.describe() + "; memory as a dense row of the same length" if attention else WORST_CASE)
     if cfg.attn_implementation == "auto" and not machine.kernels_known:
-        notes.append(f"the kernels installed there are unknown: auto planned as {s.attention} (pass "
+        notes.append(f"the kernels installed there are unknown: auto planned as {s.attn_implementation} (pass "
                      f"--attn_implementation flash_attention_4 where it is installed)")
     if cfg.norm_kernel == "auto" and cfg.lean_norm and not machine.kernels_known:
         notes.append(f"norm_kernel auto planned as {s.norm_kernel} (pass --norm_kernel triton where liger-kernel "
@@ -41,10 +41,10 @@ def plan_notes(cfg: Any, machine: Machine, s: Settings, *, attention: AttentionS
     if engine_plan is not None:  # the placement was weighed before the engine was built
         notes.extend(n for n in engine_plan.notes if n.startswith("optimizer_offload auto"))
     if fx.optimizer_offload is None and len(best) == 2:
-        other = best[not s.offload_optimizer]
-        notes.append(f"optimizer_offload auto: Adam on the {'host' if s.offload_optimizer else 'GPU'}, predicted "
-                     f"{format_seconds(best[s.offload_optimizer][0])} s/step against {format_seconds(other[0])} s "
-                     f"with Adam on the {'GPU' if s.offload_optimizer else 'host'}")
+        other = best[not s.optimizer_offload]
+        notes.append(f"optimizer_offload auto: Adam on the {'host' if s.optimizer_offload else 'GPU'}, predicted "
+                     f"{format_seconds(best[s.optimizer_offload][0])} s/step against {format_seconds(other[0])} s "
+                     f"with Adam on the {'GPU' if s.optimizer_offload else 'host'}")
     return tuple(notes)
 
 
@@ -53,16 +53,16 @@ def decided(cfg: Any, asked: Fixed, s: Settings) -> tuple[str, ...]:
     JSON fixed)."""
     out = []
     if cfg.attn_implementation == "auto":
-        out.append(f"attn_implementation {s.attention}")
+        out.append(f"attn_implementation {s.attn_implementation}")
     if cfg.norm_kernel == "auto" and s.lean_norm:
         out.append(f"norm_kernel {s.norm_kernel}")
     if cfg.deltanet_kernel == "auto" and s.deltanet_kernel:
         out.append(f"deltanet_kernel {s.deltanet_kernel}")
-    for name, fixed, value in (("activation_offload", asked.offload, s.activation_offload),
-                               ("keep_attention_outputs", asked.keep, s.kept_attention_layers),
-                               ("tiled_mlp", asked.tiles, s.tiled_mlp),
-                               ("checkpoint_every", asked.every, s.checkpoint_every),
-                               ("optimizer_offload", asked.optimizer_offload, s.offload_optimizer)):
+    for name, fixed, value in (("activation_offload", asked.activation_offload, s.activation_offload),
+                               ("keep_attention_outputs", asked.keep_attention_outputs, s.kept_attention_layers),
+                               ("tiled_mlp", asked.tiled_mlp, s.tiled_mlp),
+                               ("checkpoint_every", asked.checkpoint_every, s.checkpoint_every),
+                               ("optimizer_offload", asked.optimizer_offload, s.optimizer_offload)):
         if fixed is None:
             out.append(f"{name} {str(value).lower() if isinstance(value, bool) else value}")
     return tuple(out)

@@ -50,16 +50,16 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
                     micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
                     gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
                     loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, norm_kernel=kernels.norm,
-                    attention=kernels.attention, pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs,
+                    attn_implementation=kernels.attention, pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs,
                     gpus_per_host=machine.ranks_per_host, experts_implementation=kernels.experts,
                     deltanet_kernel=kernels.deltanet if shape.mixer_layers else "",
                     attention_fraction=attention.mean if cfg.packing and attention is not None else 1.0,
                     trainable_numels=_lora_numels(cfg, shape))
     # the levers (lever_settings.decode_levers), the ZeRO JSON's optimizer placement winning over auto, bound to
     # the model: `tiled_mlp: true` sizes its tiles by the tokens per rank. asked: what the config and JSON fixed
-    asked = decode_levers(cfg).with_json_placement(zero.offload_optimizer).bind(
+    asked = decode_levers(cfg).with_json_placement(zero.optimizer_offload).bind(
         shape.layers, lambda: auto_num_tiles(base.local_tokens, shape.hidden, shape.mlp_row_width))
-    if kernels.attention not in KEEPING_KERNELS and asked.keep not in (0, None):
+    if kernels.attention not in KEEPING_KERNELS and asked.keep_attention_outputs not in (0, None):
         raise ConfigError(f"keep_attention_outputs needs a kernel that can keep its outputs (sdpa, "
                           f"flash_attention_4); {kernels.attention} cannot: set keep_attention_outputs false or "
                           f"attn_implementation sdpa")
@@ -76,7 +76,7 @@ def replan_after_engine(first: Plan, cfg: Any, shape: ModelShape, machine: Machi
     `first`'s, and so are the two the engine fixed (optimizer placement, tiles). Equal to `first` when the
     GPU holds what the memory model expected."""
     budget, budget_note = machine.gpu_budget(first)
-    fx = replace(first.fixed, optimizer_offload=first.optimizer_offload, tiles=first.tiles)
+    fx = replace(first.fixed, optimizer_offload=first.optimizer_offload, tiled_mlp=first.tiled_mlp)
     return _search(cfg, shape, machine, first.search_base, fx, first.fixed, first.zero3_by_placement, budget,
                    budget_note, attention=attention, engine_plan=first)
 
@@ -95,10 +95,10 @@ def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: F
         chosen, fits, gpu_miss, host_miss = cheapest_autos(shape, base, fx), True, 0, 0
     else:
         # packed rows keep outputs as dense rows do (attention/grouped.py: per KV group, buffers of a dense row)
-        can_keep = cfg.gradient_checkpointing and base.attention in KEEPING_KERNELS
+        can_keep = cfg.gradient_checkpointing and base.attn_implementation in KEEPING_KERNELS
         chosen, fits, best = fastest_fit(shape, base, fx, shape.layers if can_keep else 0, budget,
                                          machine.host_memory_gb, by_placement, lambda s: time_of(s).total_s)
-        if fits and fx.offload is None:
+        if fits and fx.activation_offload is None:
             chosen = with_headroom(shape, chosen, budget, machine.host_memory_gb)
         gpu_miss, host_miss = shortfall(chosen, budget, machine.host_memory_gb)
     st = None if budget is None else time_of(chosen.settings)
@@ -107,11 +107,12 @@ def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: F
     saved_layers = tuple(range(0, shape.layers, s.checkpoint_every)) if s.gradient_checkpointing else ()
     return Plan(
         model=str(cfg.model_name_or_path), max_length=cfg.max_length, padded_length=s.padded_length, sp=s.sp,
-        dp=s.dp, kernel=s.attention, loss_type=s.loss_type, loss_chunk_size=s.loss_chunk_size, tiles=s.tiled_mlp,
+        dp=s.dp, attn_implementation=s.attn_implementation, loss_type=s.loss_type, loss_chunk_size=s.loss_chunk_size,
+        tiled_mlp=s.tiled_mlp,
         lean_norm=s.lean_norm, norm_kernel=s.norm_kernel, gradient_checkpointing=s.gradient_checkpointing,
         checkpoint_every=s.checkpoint_every,
         saved_layers=saved_layers, offload_layers=saved_layers[:s.activation_offload],
-        kept_attention_layers=tuple(range(s.kept_attention_layers)), optimizer_offload=s.offload_optimizer,
+        kept_attention_layers=tuple(range(s.kept_attention_layers)), optimizer_offload=s.optimizer_offload,
         num_layers=shape.layers, checkpoint_bytes_per_layer=s.local_tokens * shape.hidden * s.act_bytes,
         kept_attention_bytes_per_layer=kept_attention_bytes_per_layer(shape, s),
         terms=tuple((t.name, t.gpu if chosen.counts(t) else 0, t.host) for t in chosen.terms if t.gpu or t.host),

@@ -91,9 +91,9 @@ def _rate(kernel: str, length: int) -> tuple[float, float, bool]:
 
 def attention_seconds(shape: ModelShape, s: Settings) -> tuple[float, float, bool]:
     """(forward, backward seconds of one layer's kernel, extrapolated?); the stand-in costs nothing."""
-    if s.attention not in KERNEL_RATES:
+    if s.attn_implementation not in KERNEL_RATES:
         return 0.0, 0.0, False
-    fwd_tf, bwd_tf, extra = _rate(s.attention, s.padded_length)
+    fwd_tf, bwd_tf, extra = _rate(s.attn_implementation, s.padded_length)
     flops = attention_flops_forward(shape, s)
     return flops / (fwd_tf * 1e12), 2.5 * flops / (bwd_tf * 1e12), extra
 
@@ -126,7 +126,7 @@ def communication(shape: ModelShape, s: Settings, compute_s: float, accumulation
     job = Job.of(s.zero3, world_size=s.world, sp_size=s.sp, local_tokens=s.local_tokens, grad_accum=accumulation,
                  bytes_per_el=s.act_bytes, gradient_checkpointing=s.gradient_checkpointing,
                  checkpoint_every=s.checkpoint_every, gpus_per_node=s.gpus_per_host or s.world,
-                 mlp_tiles=s.tiled_mlp)
+                 tiled_mlp=s.tiled_mlp)
     # the stall term corrects the rehearsal's compute; these rates come from real runs already
     return estimate(shape, job, load_bandwidth(DEFAULT_COMM_FILE), compute_s, Overlap(a2a_stall_s_per_gb=0.0))
 
@@ -137,16 +137,16 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     notes: list[str] = []
     run = mlp_run(shape, s)  # tokens per rank and forwards per layer, what the terms below read
     fwd, bwd, extra = attention_seconds(shape, s)
-    if s.attention in KERNEL_RATES:
-        pts = KERNEL_RATES[s.attention]
+    if s.attn_implementation in KERNEL_RATES:
+        pts = KERNEL_RATES[s.attn_implementation]
         if extra:
-            notes.append(f"{s.attention} kernel rate measured at {pts[0][0]:,}-{pts[-1][0]:,} tokens, "
+            notes.append(f"{s.attn_implementation} kernel rate measured at {pts[0][0]:,}-{pts[-1][0]:,} tokens, "
                          f"held constant at {s.padded_length:,}")
-        if s.attention == "flash_attention_2":
+        if s.attn_implementation == "flash_attention_2":
             notes.append("flash_attention_2 not measured: torch's flash kernel's rate used")
         if (shape.heads // s.sp, shape.kv_heads, shape.head_dim) != MEASURED_HEAD_SHAPE and s.sp == 1:
             notes.append(f"kernel rates measured with {MEASURED_HEAD_SHAPE[0]} heads of {MEASURED_HEAD_SHAPE[2]}")
-    if shape.head_dim != MEASURED_HEAD_SHAPE[2] and s.attention in KERNEL_RATES:
+    if shape.head_dim != MEASURED_HEAD_SHAPE[2] and s.attn_implementation in KERNEL_RATES:
         notes.append(f"attention kernel rates measured at head_dim {MEASURED_HEAD_SHAPE[2]}, used at "
                      f"{shape.head_dim} (H200 at 256: ~405 cuDNN / 433 flash-attn-4 TFLOP/s fwd+bwd, "
                      f"{rates.DELTANET_SOURCE}: optimistic there)")
@@ -186,7 +186,7 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     shard = num_params / s.world
     if s.optimizer == "none":
         pass
-    elif s.offload_optimizer:
+    elif s.optimizer_offload:
         parts["optimizer (CPU Adam, ZeRO-Offload)"] = shard * s.ranks_per_host * CPU_ADAM_S_PER_PARAM
         if s.ranks_per_host > 1:
             notes.append("CPU Adam measured with one rank per host: assumed to share the host's cores")

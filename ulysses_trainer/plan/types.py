@@ -77,7 +77,7 @@ class ZeroSettings:
     """What the run's ZeRO JSON fixes: its stage, optimizer placement (None: not said) and bucket sizes."""
 
     stage: int = 3
-    offload_optimizer: bool | None = None
+    optimizer_offload: bool | None = None
     knobs: Zero3Knobs = field(default_factory=Zero3Knobs)
     # the ZeRO-3 sizes with Adam on the GPU (False) and on the host (True), derived once here: offload the JSON
     # did not ask for gets the smaller sub-groups ds_config.py fills in. Every search over the placement uses these
@@ -86,7 +86,7 @@ class ZeroSettings:
     def __post_init__(self) -> None:
         added = replace(self.knobs, sub_group_size=offload_sub_group_size(self.knobs.sub_group_size))
         object.__setattr__(self, "by_placement",
-                           {False: self.knobs, True: self.knobs if self.offload_optimizer else added})
+                           {False: self.knobs, True: self.knobs if self.optimizer_offload else added})
 
 
 def read_zero(ds: dict, source: str = "the ZeRO config") -> ZeroSettings:
@@ -119,10 +119,10 @@ class Plan:
     padded_length: int
     sp: int
     dp: int
-    kernel: str
+    attn_implementation: str
     loss_type: str
     loss_chunk_size: int
-    tiles: int  # MLP tiles, 1 = untiled
+    tiled_mlp: int  # MLP tiles, 1 = untiled
     lean_norm: bool
     norm_kernel: str  # the lean norms' kernel: triton | torch
     gradient_checkpointing: bool
@@ -174,7 +174,8 @@ class Plan:
         attention output kept yet: the trainer sets those with apply once the engine is built); the stash is
         installed wherever a layer may keep its output (lever_settings.Fixed.attention_stash), so that plan may."""
         return ModelPlan(
-            kernel=self.kernel, loss_type=self.loss_type, loss_chunk_size=self.loss_chunk_size, tiles=self.tiles,
+            attn_implementation=self.attn_implementation, loss_type=self.loss_type,
+            loss_chunk_size=self.loss_chunk_size, tiled_mlp=self.tiled_mlp,
             lean_norm=self.lean_norm, norm_kernel=self.norm_kernel, gradient_checkpointing=self.gradient_checkpointing,
             checkpoint_every=self.checkpoint_every, offload_layers=self.offload_layers if levers else (),
             kept_attention_layers=self.kept_attention_layers if levers else (),
@@ -189,8 +190,8 @@ class Plan:
         adam = "Adam on the host" if self.optimizer_offload else f"Adam on the {'GPU' if gpu else 'device'}"
         step = f"{format_seconds(self.predicted_step_s)} s/step" if gpu else "no step time (no GPU)"
         deltanet = f", {self.deltanet_kernel} deltanet" if self.deltanet_kernel else ""
-        return (f"sp {self.sp} x dp {self.dp}, {self.kernel}{deltanet}, {self.norm_kernel} norms, "
-                f"tiled_mlp {self.tiles}, "
+        return (f"sp {self.sp} x dp {self.dp}, {self.attn_implementation}{deltanet}, {self.norm_kernel} norms, "
+                f"tiled_mlp {self.tiled_mlp}, "
                 f"checkpoint_every {self.checkpoint_every}, {len(self.offload_layers)}/{len(self.saved_layers)} "
                 f"layer inputs offloaded, {len(self.kept_attention_layers)}/{self.num_layers} attention outputs kept, "
                 f"{adam}{self._attention()}; predicted {step}, peak {self.predicted_peak_gpu_gb:.1f} GiB "
@@ -221,8 +222,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "max_length": self.max_length, "padded_length": self.padded_length,
                 "bf16": self.bf16,
-                "sp_size": self.sp, "dp": self.dp, "attn_implementation": self.kernel,
-                "loss_type": self.loss_type, "loss_chunk_size": self.loss_chunk_size, "tiled_mlp": self.tiles,
+                "sp_size": self.sp, "dp": self.dp, "attn_implementation": self.attn_implementation,
+                "loss_type": self.loss_type, "loss_chunk_size": self.loss_chunk_size, "tiled_mlp": self.tiled_mlp,
                 "lean_norm": self.lean_norm, "norm_kernel": self.norm_kernel,
                 "experts_implementation": self.experts_implementation, "deltanet_kernel": self.deltanet_kernel,
                 "gradient_checkpointing": self.gradient_checkpointing,

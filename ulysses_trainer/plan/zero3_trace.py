@@ -46,16 +46,16 @@ def forward_order(shape: ModelShape) -> list[str]:
 
 
 def module_trace(shape: ModelShape, gradient_checkpointing: bool = True, checkpoint_every: int = 1,
-                 mlp_tiles: int = 1) -> list[Param]:
+                 tiled_mlp: int = 1) -> list[Param]:
     """The parameters in the order modules fetch them in one micro-step (one module uses one tensor here)."""
     mlp = list(shape.mlp_tiled)  # the family's MlpBlock.trace_groups: used once a tile
     attn = list(shape.forward_order[:-len(mlp)])  # input_norm .. post_attention_norm, a sparse MLP's router
-    tiled = mlp_tiles > 1  # levers/tiled_mlp.py: forward runs the tiles; backward re-runs each before its backward
+    tiled = tiled_mlp > 1  # levers/tiled_mlp.py: forward runs the tiles; backward re-runs each before its backward
     at = lambda i, names: [(i, n) for n in names]  # noqa: E731
-    forward = lambda i: at(i, attn + mlp * mlp_tiles)  # noqa: E731
+    forward = lambda i: at(i, attn + mlp * tiled_mlp)  # noqa: E731
     # a checkpoint's recompute skips a tiled MLP's forward (TiledMLP.unused_output): its backward recomputes
     recompute = lambda i: at(i, attn + ([] if tiled else mlp))  # noqa: E731
-    backward = lambda i: at(i, (mlp + mlp[::-1]) * mlp_tiles if tiled else mlp[::-1]) + at(i, attn[::-1])  # noqa: E731
+    backward = lambda i: at(i, (mlp + mlp[::-1]) * tiled_mlp if tiled else mlp[::-1]) + at(i, attn[::-1])  # noqa: E731
     head: Param = (-1, "embed") if shape.tied_embeddings else (-1, "lm_head")
     trace: list[Param] = [(-1, "embed")]
     for i in range(shape.layers):
@@ -74,11 +74,11 @@ def module_trace(shape: ModelShape, gradient_checkpointing: bool = True, checkpo
 
 def gathers_per_micro_step(shape: ModelShape, gradient_checkpointing: bool = True, checkpoint_every: int = 1,
                            persistence_threshold: int | None = None, max_reuse_distance: int = 1_000_000_000,
-                           mlp_tiles: int = 1) -> Counter:
+                           tiled_mlp: int = 1) -> Counter:
     """Tensor name -> all-gathers per micro-step, summed over layers ("q": every layer's q_proj)."""
     thr = shape.auto_persistence_threshold if persistence_threshold is None else persistence_threshold
     size = shape.numels
-    trace = module_trace(shape, gradient_checkpointing, checkpoint_every, mlp_tiles)
+    trace = module_trace(shape, gradient_checkpointing, checkpoint_every, tiled_mlp)
     prefix = [0]
     for _, name in trace:
         prefix.append(prefix[-1] + size[name])

@@ -89,8 +89,8 @@ class RunPlan:
         return self.resolved.bf16
 
     @property
-    def kernel(self) -> str:
-        return self.resolved.kernel
+    def attn_implementation(self) -> str:
+        return self.resolved.attn_implementation
 
     @property
     def padded_length(self) -> int:

@@ -15,15 +15,15 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def comm_job(plan, gpus_per_node: int, tiles: int, checkpoint_every: int):
-    """The comm model's view of the run the trainer makes from `plan` (tiles and checkpoint_every as its
+def comm_job(plan, gpus_per_node: int, tiled_mlp: int, checkpoint_every: int):
+    """The comm model's view of the run the trainer makes from `plan` (tiled_mlp and checkpoint_every as its
     resolved plan decided them)."""
     from ..plan.comm_model import Job
 
     cfg = plan.cfg
     # the ZeRO-3 sizes as the plan read them (plan/types.read_zero: "auto" per hidden size, a key left out at
     # DeepSpeed's default), the numbers ds_config.py filled the engine's JSON with
-    return Job.of(plan.zero.knobs, world_size=plan.world_size, sp_size=plan.sp_size, mlp_tiles=tiles,
+    return Job.of(plan.zero.knobs, world_size=plan.world_size, sp_size=plan.sp_size, tiled_mlp=tiled_mlp,
                   local_tokens=plan.padded_length // plan.sp_size * cfg.per_device_train_batch_size,
                   grad_accum=cfg.gradient_accumulation_steps, bytes_per_el=2 if plan.bf16 else 4,
                   gradient_checkpointing=plan.resolved.gradient_checkpointing, checkpoint_every=checkpoint_every,
@@ -137,7 +137,7 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
                "optimizer_step_s_added": opt_s, "adam_state_bytes": adam_bytes, "collectives_counted": counted,
                **memory, "offloaded_layers": len(ck.offload_layers) if ck is not None else 0,
                "kept_attention_layers": len(stash.layers) if stash is not None else 0,
-               "attention_kernel": trainer.model.attention.kernel, "mlp_tiles": trainer.resolved.tiles,
+               "attention_kernel": trainer.model.attention.kernel, "mlp_tiles": trainer.resolved.tiled_mlp,
                "checkpoint_every": trainer.resolved.checkpoint_every,
                "optimizer_offload": trainer.resolved.optimizer_offload,
                "predicted_by_plan_step_s": trainer.resolved.predicted_step_s,

@@ -46,7 +46,7 @@ class MlpRun:
 
     tokens: int  # t: tokens one rank holds per micro-step
     act_bytes: int  # 2 (bf16) or 4
-    tiles: int = 1  # sequence tiles (1 = untiled)
+    tiled_mlp: int = 1  # sequence tiles (1 = untiled)
     gradient_checkpointing: bool = True
     forward_passes: float = 1.0  # forwards per layer on average (recompute and checkpoint_every rebuilds)
     experts_implementation: str = "grouped_mm"
