@@ -279,6 +279,31 @@ def test_rehearse_rank_of_4_in_this_process(rank, tmp_path, monkeypatch, capsys)
     assert "losses meaningless" in printed and f"rehearsal rank {rank}/4" in printed
 
 
+@pytest.mark.parametrize("model, gpus", [("tiny-qwen3.5", 2), ("tiny-qwen3.5", 4), ("tiny-qwen3.5-moe", 2),
+                                         ("tiny-qwen3.5-moe", 4)])
+def test_rehearse_counts_the_qwen3_5_layers_as_modelled(model, gpus, tmp_path):
+    """Qwen3.5 (3 Gated DeltaNet layers, then one gated full-attention layer) as rank 1 of an sp=2 or sp=4 job: the
+    DeltaNet layers' all-to-alls (channels before the conv, output after the rule; forward, recompute, backward)
+    and their parameters' ZeRO-3 gathers and gradient buckets are the ones the comm model counts."""
+    out = tmp_path / "r.json"
+    assert _main(["--config", RECIPE, "--model_name_or_path", model, "--gpus", str(gpus), "--rank", "1",
+                  "--max_length", "256", "--warmup_length", "64", "--count_collectives", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert (r["world_size"], r["sp_size"]) == (gpus, gpus)
+    counted, modelled = r["collectives_counted"], r["comm"]["by_op"]
+    shape = ModelShape.preset(model)
+    # 3 DeltaNet layers x 2 a pass (forward, recompute, backward) + 1 attention layer x 4 a pass
+    assert counted["all_to_all"]["calls"] == 3 * 3 * 2 + 3 * 4
+    assert counted["all_to_all"] == modelled["all_to_all"]
+    assert counted["reduce_scatter"] == modelled["reduce_scatter"]  # calls (bucketing) and bytes
+    assert counted["all_gather"]["bytes"] == modelled["all_gather"]["bytes"]
+    assert counted["all_reduce"]["calls"] == modelled["all_reduce"]["calls"] - 1  # the stop flag is the loop's
+    rows = {o["name"]: o for o in r["comm"]["ops"]}
+    assert rows["ulysses forward DeltaNet rule output"]["count"] == 2 * len(shape.mixer_layers)  # fwd, recompute
+    gathered = {n for name in rows if name.startswith("zero3 gather: ") for n in name[14:].split("/")}
+    assert {"qkv", "conv", "z", "out", "q", "o"} <= gathered  # the DeltaNet layers' and the attention layer's
+
+
 def test_the_rehearsed_compute_is_the_median_of_the_steps_after_the_warm_up(tmp_path):
     """compute_s as the trainer's end-of-run line measures a step (train/metrics.steady_step_s): with four steps,
     the median of the three after the warm-up, not their mean."""

@@ -11,6 +11,9 @@ Ulysses all-to-alls, on the sp group (parallel/ulysses.py), per decoder layer an
   (1 op): 4 in the forward, 4 in the checkpoint's recompute (a kept attention output skips only the
   kernel there: q, k, v are still needed for its backward and the output still feeds o_proj), 4 in
   backward (the autograd reverse of each), and 4 more in each layer rebuilt with checkpoint_every > 1.
+  A Qwen3.5 Gated DeltaNet layer (parallel/ulysses_deltanet.py) issues 2 per pass: its projected q, k, v,
+  b, a channels packed into one before the conv (t*(2*K*dk + V*dv + 2V)*e) and the rule's output back after
+  it (t*V*dv*e); 2 in the recompute, 2 in backward, 2 more when rebuilt.
   Bytes per rank: q and the output t*nq*d*e; k and v t*nkv'*d*e, nkv' = nkv*max(1, sp/nkv) (KV heads
   are copied before the all-to-all when sp > nkv).
 ZeRO-3 (DeepSpeed, no mpu: every rank is data-parallel, so its collectives span all W ranks):
@@ -115,8 +118,17 @@ def rebuilt_layers(layers: int, checkpoint_every: int) -> int:
     return layers - -(-layers // checkpoint_every)
 
 
+def rebuilt_layer_ids(layers: int, checkpoint_every: int) -> list[int]:
+    """Which layers those are: all but each block's top (a block's top rebuilds the layers below it from the
+    block's kept input; plan/zero3_trace.module_trace)."""
+    k = checkpoint_every
+    return [i for i in range(layers) if i % k != k - 1 and i != layers - 1]
+
+
 def ulysses_all_to_alls(shape: ModelShape, job: Job) -> list[Collective]:
-    """The sp group's all-to-alls of one step (none at sp = 1)."""
+    """The sp group's all-to-alls of one step (none at sp = 1): the attention layers' q, k, v and output, and a
+    family's mixer layers' own (Qwen3.5's Gated DeltaNet: its projected channels before the conv, its output
+    after the rule; TokenMixer.all_to_alls)."""
     sp = job.sp_size
     if sp == 1:
         return []
@@ -124,14 +136,28 @@ def ulysses_all_to_alls(shape: ModelShape, job: Job) -> list[Collective]:
     q_bytes = job.local_tokens * shape.heads * shape.head_dim * job.bytes_per_el  # q and the output
     kv_bytes = job.local_tokens * kv_eff * shape.head_dim * job.bytes_per_el
     forwards = 1 + (1 if job.gradient_checkpointing else 0)  # forward, recompute
-    per_pass = shape.layers * job.grad_accum
-    rebuilt = rebuilt_layers(shape.layers, job.checkpoint_every) * job.grad_accum
+    mixed = set(shape.mixer_layers)
+    rebuilt_ids = rebuilt_layer_ids(shape.layers, job.checkpoint_every)
     cross = sp > job.gpus_per_node
     out = []
-    for phase, layers in (("forward", per_pass * forwards + rebuilt), ("backward", per_pass)):
-        out.append(Collective(f"ulysses {phase} q + attention output", "all_to_all", "sp", sp, q_bytes,
-                              2 * layers, cross))
-        out.append(Collective(f"ulysses {phase} k + v", "all_to_all", "sp", sp, kv_bytes, 2 * layers, cross))
+    kinds = [(shape.layers - len(mixed), [i for i in rebuilt_ids if i not in mixed], None)]
+    if mixed:
+        kinds.append((len(mixed), [i for i in rebuilt_ids if i in mixed], shape.family.mixer))
+    for n_layers, rebuilt_here, mixer in kinds:
+        per_pass = n_layers * job.grad_accum
+        rebuilt = len(rebuilt_here) * job.grad_accum
+        for phase, layers in (("forward", per_pass * forwards + rebuilt), ("backward", per_pass)):
+            if not layers:
+                continue
+            if mixer is None:
+                out.append(Collective(f"ulysses {phase} q + attention output", "all_to_all", "sp", sp, q_bytes,
+                                      2 * layers, cross))
+                out.append(Collective(f"ulysses {phase} k + v", "all_to_all", "sp", sp, kv_bytes, 2 * layers,
+                                      cross))
+                continue
+            for what, width in mixer.all_to_alls(shape.dims):
+                out.append(Collective(f"ulysses {phase} {what}", "all_to_all", "sp", sp,
+                                      job.local_tokens * width * job.bytes_per_el, layers, cross))
     return out
 
 
@@ -169,8 +195,8 @@ def reduce_buckets(shape: ModelShape, job: Job) -> Counter:
     """Bucket size (elements) -> reduce-scatters per micro-step. Gradients arrive in backward order and
     fill a bucket of reduce_bucket_size elements; one that would overflow a non-empty bucket sends it
     first (stage3.__add_grad_to_ipg_bucket), so a gradient larger than the bucket goes alone."""
-    names = list(reversed(shape.forward_order))
-    order = ["final_norm"] + [n for _ in range(shape.layers) for n in names] + ["embed"]
+    order = ["final_norm"] + [n for i in range(shape.layers - 1, -1, -1) for n in reversed(shape.layer_orders[i])] \
+        + ["embed"]
     if not shape.tied_embeddings:
         order.insert(0, "lm_head")
     size, limit = shape.numels, job.reduce_bucket_size or shape.auto_reduce_bucket

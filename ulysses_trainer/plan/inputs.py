@@ -76,6 +76,9 @@ class ModelShape:
     # the layer's tensors in the order its modules use them (ZeRO-3's trace), and of them the MLP's used once a
     # pass and once a tile (MlpBlock.trace_groups)
     forward_order: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    # each layer's own order (a mixer layer's differs from an attention layer's): what the ZeRO-3 trace and the
+    # gradient buckets walk
+    layer_orders: tuple[tuple[str, ...], ...] = field(init=False, repr=False, compare=False)
     mlp_once: tuple[str, ...] = field(init=False, repr=False, compare=False)
     mlp_tiled: tuple[str, ...] = field(init=False, repr=False, compare=False)
     # what ZeRO-3's "auto" sizes stand for with this hidden size (names.ZERO_AUTO_SIZES), in elements
@@ -113,6 +116,7 @@ class ModelShape:
             + self.layers * fam.active_mlp_numel(d)
         once, tiled = fam.mlp.trace_groups(d)
         token_mixer = mixer if mixer_first else attention
+        order = lambda names: ("input_norm", *[n for n, _ in names], "post_attention_norm", *once, *tiled)  # noqa: E731
         derived = {
             "family": fam, "dims": d, "layer_params": mixer_layer if mixer_first else layer,
             "numels": {**dict(layer), **dict(mixer), "embed": embed, "lm_head": embed, "final_norm": self.hidden},
@@ -120,7 +124,8 @@ class ModelShape:
             "num_active_params": round(embed + self.layers * active + self.hidden + sum(head)),
             "matmul_params": linear + embed, "mlp_row_width": fam.mlp_row_width(d),
             "attending_before": tuple(sum(1 for j in range(i) if j not in mixed) for i in range(self.layers + 1)),
-            "forward_order": ("input_norm", *[n for n, _ in token_mixer], "post_attention_norm", *once, *tiled),
+            "forward_order": order(token_mixer),
+            "layer_orders": tuple(order(mixer if i in mixed else attention) for i in range(self.layers)),
             "mlp_once": tuple(once), "mlp_tiled": tuple(tiled),
             "auto_reduce_bucket": reduce_bucket_size(self.hidden),
             "auto_prefetch_bucket": prefetch_bucket_size(self.hidden),

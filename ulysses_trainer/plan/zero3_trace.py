@@ -16,6 +16,9 @@ the block's lower layers from its kept input, levers/recompute.py):
             down], final norm, lm_head (the loss head; a tied one is the embedding)
   backward: lm_head, final norm, per layer from the top [rebuilds, recompute forward, backward in
             reverse module order], embed
+A Qwen3.5 Gated DeltaNet layer (parallel/ulysses_deltanet.py) uses in_proj_qkv, in_proj_b, in_proj_a, conv1d,
+A_log, dt_bias, in_proj_z, the gated norm, out_proj in place of q .. o (ModelShape.layer_orders: each layer
+its own kind's order).
 A tiled MLP (levers/tiled_mlp.py, T tiles) runs gate, up, down T times in forward, not at all in the
 recompute, and T times forward-then-backward in its backward: at long lengths those T x 3 MLP uses
 lie between a layer's recompute and its attention's backward, so with an 8B model and 12 tiles q, k,
@@ -49,13 +52,14 @@ def module_trace(shape: ModelShape, gradient_checkpointing: bool = True, checkpo
                  tiled_mlp: int = 1) -> list[Param]:
     """The parameters in the order modules fetch them in one micro-step (one module uses one tensor here)."""
     mlp = list(shape.mlp_tiled)  # the family's MlpBlock.trace_groups: used once a tile
-    attn = list(shape.forward_order[:-len(mlp)])  # input_norm .. post_attention_norm, a sparse MLP's router
+    # each layer's input_norm .. post_attention_norm (its attention's or its mixer's), a sparse MLP's router
+    attns = [list(order[:-len(mlp)]) for order in shape.layer_orders]
     tiled = tiled_mlp > 1  # levers/tiled_mlp.py: forward runs the tiles; backward re-runs each before its backward
     at = lambda i, names: [(i, n) for n in names]  # noqa: E731
-    forward = lambda i: at(i, attn + mlp * tiled_mlp)  # noqa: E731
+    forward = lambda i: at(i, attns[i] + mlp * tiled_mlp)  # noqa: E731
     # a checkpoint's recompute skips a tiled MLP's forward (TiledMLP.unused_output): its backward recomputes
-    recompute = lambda i: at(i, attn + ([] if tiled else mlp))  # noqa: E731
-    backward = lambda i: at(i, (mlp + mlp[::-1]) * tiled_mlp if tiled else mlp[::-1]) + at(i, attn[::-1])  # noqa: E731
+    recompute = lambda i: at(i, attns[i] + ([] if tiled else mlp))  # noqa: E731
+    backward = lambda i: at(i, (mlp + mlp[::-1]) * tiled_mlp if tiled else mlp[::-1]) + at(i, attns[i][::-1])  # noqa: E731
     head: Param = (-1, "embed") if shape.tied_embeddings else (-1, "lm_head")
     trace: list[Param] = [(-1, "embed")]
     for i in range(shape.layers):

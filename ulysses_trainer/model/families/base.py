@@ -166,6 +166,11 @@ class TokenMixer(ABC):
         """Head counts sp must divide."""
 
     @abstractmethod
+    def all_to_alls(self, d: LayerDims) -> list[tuple[str, int]]:
+        """The Ulysses all-to-alls of one forward of one layer: (what, input elements per local token), each one
+        call (the backward issues their reverse, plan/comm_model.ulysses_all_to_alls)."""
+
+    @abstractmethod
     def saved(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
         """Bytes autograd keeps from the mixer's (re)computed forward on one rank (run.tokens of its tokens, all
         heads; after its all-to-all the same bytes as all tokens of its heads), by what keeps them."""

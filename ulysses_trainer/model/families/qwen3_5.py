@@ -64,6 +64,12 @@ class GatedDeltaNet(TokenMixer):
     def sp_heads(self, d: LayerDims) -> tuple[int, ...]:
         return (d.linear_k_heads, d.linear_v_heads)
 
+    def all_to_alls(self, d: LayerDims) -> list[tuple[str, int]]:
+        """parallel/ulysses_deltanet.py: q, k, v, b, a packed into one before the conv; the rule's output after."""
+        nv = d.linear_v_heads
+        return [("DeltaNet q, k, v, b, a (before the conv)", self._conv(d) + 2 * nv),
+                ("DeltaNet rule output", nv * d.linear_v_dim)]
+
     def saved(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
         """parallel/ulysses_deltanet.py per rank (t tokens x all heads = all tokens x its heads): the all-to-all's
         result (the conv's input), the conv output (SiLU's input) and q/k/v (the rule's input), the decay (fp32)
