@@ -275,6 +275,22 @@ def test_cli_recipe(capsys):
     assert data["hardware"]["gpus"] == 8 and data["chosen"]["max_length"] == 1_048_576 and data["fits"]
 
 
+def test_cli_states_the_floor_qwen3_5_in_its_json_too(capsys):
+    """The text plan states the step's floor and the predicted step's ratio to it; the JSON of a Qwen3.5 recipe
+    carries it (with its DeltaNet kernels), a Qwen3 recipe's JSON stays as it was (no step_floor)."""
+    args = ["plan", "--gpu_memory_gb", "139.8", "--host_memory_gb", "2000"]
+    q35 = str(ROOT / "launch" / "recipes" / "qwen3_5_27b_8gpu_1m.yaml")
+    assert cli_main([*args, "--config", q35]) == 0
+    assert "x its floor" in capsys.readouterr().out
+    assert cli_main([*args, "--config", q35, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    floor = data["step_floor"]
+    assert floor["linear_attention kernels s"] > 0 and 1 < floor["predicted over floor"] < 2
+    assert floor["floor s"] * floor["predicted over floor"] == pytest.approx(data["plan"]["predicted_step_s"])
+    assert cli_main([*args, "--config", str(ROOT / "launch" / "recipes" / "reference_8gpu_1m.yaml"), "--json"]) == 0
+    assert "step_floor" not in json.loads(capsys.readouterr().out)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["plan", "--model", "qwen3-9b", "--max_length", "4096", "--gpus", "1", "--gpu_memory_gb", "80"], "qwen3-9b"),
     (["plan", "--model", "qwen3-8b", "--max_length", "4096", "--gpus", "8", "--sp", "3", "--gpu_memory_gb", "80",

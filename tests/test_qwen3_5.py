@@ -303,6 +303,32 @@ def test_the_plan_times_and_sizes_deltanet_layers_by_their_own_terms():
                                                      shape.num_params).parts["attention forward"]
 
 
+def test_the_floor_and_the_all_to_alls_count_the_deltanet_layers():
+    """Qwen3.5-27B at 1M tokens, sp=8: the step's floor holds the DeltaNet kernels besides the attention kernels
+    and the matmuls, and the comm model's all-to-alls are 16 attention layers' 4 a pass and 48 DeltaNet layers' 2
+    (their bytes by hand: 131,072 tokens x (2 x 16 x 128 + 48 x 128 + 2 x 48) channels before the conv, x 48 x 128
+    after the rule, bf16)."""
+    from ulysses_trainer.plan.comm_model import Job, ulysses_all_to_alls
+    from ulysses_trainer.plan.inputs import ModelShape, Settings
+    from ulysses_trainer.plan.step_time import step_floor, step_time
+
+    shape = ModelShape.preset("qwen3.5-27b")
+    s = Settings(max_length=1048576, sp=8, attn_implementation="sdpa", deltanet_kernel="fla", tiled_mlp=16)
+    st = step_time(shape, s, shape.num_params)
+    floor = step_floor(shape, s, st.parts)
+    kernels = st.parts["attention forward"] + st.parts["attention backward"] + st.parts["linear_attention kernels"]
+    assert floor["linear_attention kernels s"] == st.parts["linear_attention kernels"] > 0
+    assert floor["floor s"] == pytest.approx(kernels + floor["matmuls s"]) and floor["floor s"] < st.total_s
+    t = 131072
+    rows = {c.name: c for c in ulysses_all_to_alls(shape, Job(world_size=8, sp_size=8, local_tokens=t))}
+    assert rows["ulysses forward q + attention output"].count == 2 * 16 * 2  # forward + recompute, q and output
+    assert rows["ulysses backward k + v"].count == 2 * 16
+    before, after = rows["ulysses forward DeltaNet q, k, v, b, a (before the conv)"], \
+        rows["ulysses backward DeltaNet rule output"]
+    assert (before.bytes, before.count) == (t * (2 * 16 * 128 + 48 * 128 + 2 * 48) * 2, 2 * 48)
+    assert (after.bytes, after.count) == (t * 48 * 128 * 2, 48)
+
+
 def _fields(shape):
     import dataclasses
 

@@ -39,6 +39,7 @@ from ..plan.inputs import ModelShape, Settings, local_tokens
 from ..plan.longest_fit import Choice, Hardware, largest_max_length
 from ..plan.memory import MemoryEstimate
 from ..plan.resolve import plan_for
+from ..plan.step_time import step_floor
 from ..plan.types import Machine, Plan
 from .argv import parse_overrides, split_argv
 from .console import use_console
@@ -178,16 +179,19 @@ def run_plan(argv: list[str]) -> int:
     base = replace(plan.settings, max_length=cfg.max_length, activation_offload=0, kept_attention_layers=0,
                    zero3=knobs[False])
     # Adam's placement as the config and the ZeRO JSON fixed it (lever_settings: decode_levers, with_json_placement)
-    longest, best = largest_max_length(ModelShape.from_config(model_config), base, hw,
-                                       optimizer_offload=plan.fixed.optimizer_offload, knobs=knobs)
+    shape = ModelShape.from_config(model_config)
+    longest, best = largest_max_length(shape, base, hw, optimizer_offload=plan.fixed.optimizer_offload, knobs=knobs)
+    floor = _floor(shape, plan, cfg.gradient_accumulation_steps)
     if args.json:
         out = {"model": plan.model, "hardware": {**machine.__dict__, "kernels": list(machine.kernels)},
                "fits": plan.fits, "plan": plan.to_dict(), "chosen": _settings_summary(plan.settings),
                "estimate": plan.estimate.to_dict(), "largest_max_length": longest,
                "largest_settings": _settings_summary(best.settings) if best else None}
+        if floor is not None and shape.mixer_layers:  # Qwen3.5; Qwen3's JSON is held byte-equal (text only)
+            out["step_floor"] = floor
         print(json.dumps(out, indent=1))
     else:
-        print(_report(plan, machine, longest, best))
+        print(_report(plan, machine, longest, best, floor))
     if not plan.fits:
         print(f"error: does not fit: {_shortage(plan)}", file=sys.stderr)
         return EXIT_FAILURE
@@ -222,7 +226,16 @@ def _shortage(plan: Plan) -> str:
             f"(sp), shorten max_length or give the run more memory")
 
 
-def _report(plan: Plan, machine: Machine, longest: int, best: Choice | None) -> str:
+def _floor(shape: ModelShape, plan: Plan, accumulation: int) -> dict[str, float] | None:
+    """The predicted step's floor (plan/step_time.step_floor) and the step's ratio to it; None without a step time."""
+    if plan.predicted_step_s is None or not plan.step_parts:
+        return None
+    floor = step_floor(shape, plan.settings, dict(plan.step_parts), accumulation)
+    return {**floor, "predicted over floor": plan.predicted_step_s / floor["floor s"]}
+
+
+def _report(plan: Plan, machine: Machine, longest: int, best: Choice | None,
+            floor: dict[str, float] | None = None) -> str:
     s, e = plan.settings, plan.estimate
     head = (f"{plan.model}, max_length {plan.max_length:,}, {machine.gpus} GPU(s) x {machine.gpu_memory_gb:g} GiB, "
             f"host {machine.host_memory_gb:g} GiB per host ({machine.host_memory_source}), sp {plan.sp} x dp "
@@ -235,6 +248,10 @@ def _report(plan: Plan, machine: Machine, longest: int, best: Choice | None) -> 
         lines.append("closest: " + plan.summary())
     if plan.step_parts:
         lines.append("predicted step: " + ", ".join(f"{k} {v:.1f} s" for k, v in plan.step_parts))
+    if floor is not None:
+        terms = ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in floor.items() if k.endswith(" s") and k != "floor s")
+        lines.append(f"floor: {floor['floor s']:.1f} s ({terms}; matmuls at the measured {floor['matmul tflops']:g} "
+                     f"TFLOP/s); the predicted step is {floor['predicted over floor']:.2f}x its floor")
     if plan.decided:
         lines.append("auto chose: " + ", ".join(plan.decided))
     lines.extend(f"note: {n}" for n in plan.notes)

@@ -46,6 +46,7 @@ from .rates import (
     GPU_ADAM_BYTES_PER_PARAM,
     GPU_BANDWIDTH,
     KERNEL_RATES,
+    LOSS_MATMUL_TFLOPS,
     MEASURED_HEAD_SHAPE,
     NORM_S_PER_ELEMENT,
 )
@@ -201,3 +202,19 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
         notes.append(f"a step under {MODELLED_FROM_S:g} s: fixed per-step costs (kernel launches, Python) are not "
                      f"modelled, the prediction is a lower bound")
     return StepTime(total_s=total, parts=parts, extrapolated=tuple(notes))
+
+
+def step_floor(shape: ModelShape, s: Settings, parts: dict[str, float], accumulation: int = 1) -> dict[str, float]:
+    """The step's floor (docs/benchmarks.md's): the attention kernels as the step runs them and a mixer's kernels
+    (Qwen3.5's DeltaNet rule and conv), both from `parts` (step_time's), plus every matmul at the measured matmul
+    rate (LOSS_MATMUL_TFLOPS): the layers' weights (sparse: the active ones) forward per pass and backward, the
+    lm_head's 6 FLOPs a weight in the chunked loss. What the predicted step adds over it is the elementwise work,
+    the norms, the loss's softmax, the optimizer and the exposed communication."""
+    run = mlp_run(shape, s)
+    head = shape.vocab * shape.hidden
+    flops = ((2.0 * run.forward_passes + 4.0) * (shape.matmul_params - head) + 6.0 * head) * run.tokens
+    kernels = {k: v for k, v in parts.items() if k.startswith("attention ") or k.endswith(" kernels")}
+    out = {**{f"{k} s": v for k, v in kernels.items()},
+           "matmuls s": flops / (LOSS_MATMUL_TFLOPS * 1e12) * accumulation, "matmul tflops": LOSS_MATMUL_TFLOPS}
+    out["floor s"] = sum(kernels.values()) + out["matmuls s"]
+    return out
