@@ -208,14 +208,16 @@ def test_datasets_build_rows_with_labels(tok, tmp_path):
 
 def test_rows_pack_truncate_drop():
     ex = [(np.arange(1, n + 1, dtype=np.int32), np.ones(n, bool)) for n in (3, 4, 9, 2)]
-    t, m, p, lengths, c = build_rows(ex, 8, True, "truncate", 0, strategy="next_fit")
+    r = build_rows(ex, 8, True, "truncate", 0, strategy="next_fit")
+    t, m, p, lengths, c = r.tokens, r.trained, r.positions, r.lengths, r.counts
     assert lengths.tolist() == [7, 8, 2] and c.truncated == 1 and c.sequences == 3
     assert p[:8].tolist() == [0, 1, 2, 0, 1, 2, 3, 4] and t[7] == 0 and not m[7]
     assert not m[0] and not m[3] and m[1:3].all()  # an example's first token is nobody's target
-    t, m, p, lengths, c = build_rows(ex, 8, False, "drop", 0)
+    r = build_rows(ex, 8, False, "drop", 0)
+    p, lengths, c = r.positions, r.lengths, r.counts
     assert p is None and lengths.tolist() == [3, 4, 2] and c.dropped_too_long == 1 and c.pad_tokens == 15
-    _, _, _, lengths, c = build_rows(ex, 8, False, "truncate", 0, max_rows=2)
-    assert lengths.tolist() == [3, 4] and c.examples_read == 2
+    r = build_rows(ex, 8, False, "truncate", 0, max_rows=2)
+    assert r.lengths.tolist() == [3, 4] and r.counts.documents_read == 2
 
 
 def test_labels_travel_through_sp_sharding_and_an_empty_shard_exists(tok):

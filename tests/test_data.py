@@ -342,5 +342,5 @@ def test_missing_paths_and_formats(tok, tmp_path):
         build_sequences(TrainConfig(dataset_name="nobody-here/no-such-dataset-xyz"), tok)  # offline in tests
     local = tmp_path / "d.jsonl"
     _write_jsonl(local, _docs(3, 10))
-    with pytest.raises(ConfigError, match="evaluation needs eval_dataset_name"):
+    with pytest.raises(ConfigError, match="local path with no test split; set eval_dataset_name"):
         build_sequences(TrainConfig(dataset_name=str(local)), tok, split="eval")

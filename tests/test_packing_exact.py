@@ -39,9 +39,9 @@ def _examples(masks: str, lengths=LENGTHS, seed=0) -> list[tuple[np.ndarray, np.
 
 def _rows(strategy: str, masks: str) -> tuple[SequenceDataset, list[list[tuple[np.ndarray, np.ndarray]]]]:
     """The dataset rows, and each row's documents (segments) as (ids, trained) as the reference sees them."""
-    tokens, trained, positions, lengths, counts = build_rows(_examples(masks), L, True, "truncate", 0,
-                                                             strategy=strategy)
-    ds = SequenceDataset(tokens, positions, L, "test", counts.examples_used, None, trained=trained, lengths=lengths)
+    r = build_rows(_examples(masks), L, True, "truncate", 0, strategy=strategy)
+    tokens, trained, positions, lengths = r.tokens, r.trained, r.positions, r.lengths
+    ds = SequenceDataset(tokens, positions, L, "test", r.counts.documents_used, None, trained=trained, lengths=lengths)
     docs = []
     for i in range(len(ds)):
         n, pos = int(lengths[i]), positions[i * L:(i + 1) * L]
@@ -136,8 +136,8 @@ def test_bfd_fills_rows_that_in_order_packing_leaves_part_empty():
     ex = [(np.ones(n, np.int32), np.ones(n, bool)) for n in (rng.choice([15, 35, 50, 65]) for _ in range(300))]
     fills = {}
     for strategy in ("bfd", "next_fit", "wrapped"):
-        *_, lengths, c = build_rows(ex, 100, True, "truncate", 0, strategy=strategy)
-        assert c.examples_used == 300
+        c = build_rows(ex, 100, True, "truncate", 0, strategy=strategy).counts
+        assert c.documents_used == 300
         fills[strategy] = c.tokens / (c.sequences * 100)
         if strategy != "wrapped":
             assert c.tokens == sum(len(i) for i, _ in ex) and c.split == 0  # whole documents
@@ -147,22 +147,26 @@ def test_bfd_fills_rows_that_in_order_packing_leaves_part_empty():
 
 def test_bfd_stops_reading_once_the_rows_asked_for_are_full():
     ex = [(np.ones(n, np.int32), np.ones(n, bool)) for n in (5, 30, 20, 12, 40, 7)]
-    *_, lengths, c = build_rows(iter(ex), 32, True, "truncate", 0, max_rows=2, strategy="bfd")
+    r = build_rows(iter(ex), 32, True, "truncate", 0, max_rows=2, strategy="bfd")
+    lengths, c = r.lengths, r.counts
     # reads 5+30+20+12 = 67 >= 2 x 32 tokens, packs [30], [20, 12], [5]: the third row is left out, unread
-    assert lengths.tolist() == [30, 32] and c.examples_read == 3 and c.examples_used == 3 and c.sequences == 2
-    *_, lengths, c = build_rows(iter(ex), 32, True, "truncate", 0, max_rows=2, strategy="wrapped")
-    assert lengths.tolist() == [32, 32] and c.examples_read == 4 and c.tokens == 64 and c.split == 2
+    assert lengths.tolist() == [30, 32] and c.documents_read == 3 and c.documents_used == 3 and c.sequences == 2
+    r = build_rows(iter(ex), 32, True, "truncate", 0, max_rows=2, strategy="wrapped")
+    lengths, c = r.lengths, r.counts
+    assert lengths.tolist() == [32, 32] and c.documents_read == 4 and c.tokens == 64 and c.split == 2
 
 
 def test_wrapped_splits_and_the_others_keep_documents_whole():
     ex = [(np.arange(1, n + 1, dtype=np.int32), np.ones(n, bool)) for n in (20, 30, 14)]
-    tokens, trained, positions, lengths, c = build_rows(ex, 32, True, "drop", 0, strategy="wrapped")
+    r = build_rows(ex, 32, True, "drop", 0, strategy="wrapped")
+    tokens, trained, positions, lengths, c = r.tokens, r.trained, r.positions, r.lengths, r.counts
     assert lengths.tolist() == [32, 32] and c.split == 1 and c.dropped_too_long == 0
     assert tokens[:64].tolist() == list(range(1, 21)) + list(range(1, 31)) + list(range(1, 15))
     assert positions[:64].tolist() == list(range(20)) + list(range(12)) + list(range(18)) + list(range(14))
     assert not trained[32] and trained[33]  # a cut document's continuation starts a segment: no target at its start
     for strategy in ("bfd", "next_fit"):
-        tokens, _, positions, lengths, c = build_rows(ex, 32, True, "drop", 0, strategy=strategy)
+        r = build_rows(ex, 32, True, "drop", 0, strategy=strategy)
+        tokens, positions, lengths, c = r.tokens, r.positions, r.lengths, r.counts
         docs = []
         for r, n in enumerate(lengths.tolist()):
             t, p = tokens[r * 32:r * 32 + n], positions[r * 32:r * 32 + n]
@@ -171,15 +175,12 @@ def test_wrapped_splits_and_the_others_keep_documents_whole():
 
 
 def test_fill_ratio_in_the_counts_and_the_data_line():
-    from ulysses_trainer.data.accounting import DataCounts
-
     ex = [(np.ones(n, np.int32), np.ones(n, bool)) for n in (15, 35, 50, 65, 40)]
     for strategy in ("bfd", "next_fit"):
-        *_, c = build_rows(ex, 100, True, "truncate", 0, strategy=strategy)
-        counts = DataCounts.of_examples(c, "t", None, 100)
-        assert counts.to_dict()["fill_ratio"] == round(c.tokens / (c.sequences * 100), 4)
-        assert f"fill {100 * c.tokens / (c.sequences * 100):.1f}% (real tokens / sequence tokens)" in counts.summary()
-    bfd = DataCounts.of_examples(build_rows(ex, 100, True, "truncate", 0)[-1], "t", None, 100)  # bfd: the default
+        c = build_rows(ex, 100, True, "truncate", 0, strategy=strategy).counts
+        assert c.to_dict()["fill_ratio"] == round(c.tokens / (c.sequences * 100), 4)
+        assert f"fill {100 * c.tokens / (c.sequences * 100):.1f}% (real tokens / sequence tokens)" in c.summary()
+    bfd = build_rows(ex, 100, True, "truncate", 0).counts  # bfd: the default
     assert bfd.fill_ratio == round(205 / 300, 4)  # 65 + 35, 50 + 40, 15
 
 
@@ -190,8 +191,9 @@ def test_bfd_packs_into_fewer_rows_where_best_fit_leaves_one_too_many():
     assert len(best_fit_decreasing(lengths, 10)) == 3 and lower_bound(lengths, 10) == 2
     bins = fewest_bins(lengths, 10, best_fit_decreasing(lengths, 10))
     assert sorted(sorted(lengths[i] for i in b) for b in bins) == [[3, 3, 4], [3, 3, 4]]
-    tokens, _, positions, real, counts = build_rows(_examples("all", lengths), 10, True, "truncate", 0)
-    assert real.tolist() == [10, 10] and counts.pad_tokens == 0 and counts.examples_used == 6
+    r = build_rows(_examples("all", lengths), 10, True, "truncate", 0)
+    positions, real, counts = r.positions, r.lengths, r.counts
+    assert real.tolist() == [10, 10] and counts.pad_tokens == 0 and counts.documents_used == 6
     assert counts.rows_over_10pct_padding == 0 and counts.padding_why == ""
     # the same documents, whole: every one of them once
     assert sorted(np.diff(np.flatnonzero(np.append(positions, 0) == 0)).tolist()) == sorted(lengths)
@@ -199,16 +201,17 @@ def test_bfd_packs_into_fewer_rows_where_best_fit_leaves_one_too_many():
 
 def test_rows_over_a_tenth_of_padding_are_counted_with_why():
     # two sessions over half a row need one each; the rest cannot fill them: not a packing's fault
-    _, _, _, real, counts = build_rows(_examples("all", [70, 60, 10, 5]), 100, True, "truncate", 0)
+    r = build_rows(_examples("all", [70, 60, 10, 5]), 100, True, "truncate", 0)
+    real, counts = r.lengths, r.counts
     assert real.tolist() == [85, 60] and counts.rows_over_10pct_padding == 2
     assert "2 examples are over half of max_length 100" in counts.padding_why and "never split" in counts.padding_why
     # the fewest rows: 250 tokens need 3 rows of 100, 50 pads whatever the packing
-    _, _, _, real, counts = build_rows(_examples("all", [50, 50, 50, 50, 50]), 100, True, "truncate", 0)
+    r = build_rows(_examples("all", [50, 50, 50, 50, 50]), 100, True, "truncate", 0)
+    real, counts = r.lengths, r.counts
     assert real.tolist() == [100, 100, 50] and counts.rows_over_10pct_padding == 1
     assert "250 tokens need at least 3" in counts.padding_why
-    _, _, _, real, counts = build_rows(_examples("all", [60, 50, 40]), 100, True, "truncate", 0, strategy="next_fit")
+    r = build_rows(_examples("all", [60, 50, 40]), 100, True, "truncate", 0, strategy="next_fit")
+    real, counts = r.lengths, r.counts
     assert real.tolist() == [60, 90] and "next_fit keeps the examples' order" in counts.padding_why
-    from ulysses_trainer.data.accounting import DataCounts
-
-    line = DataCounts.of_examples(counts, "t", None, 100).summary()
+    line = counts.summary()
     assert "1 of 2 sequences over 10% padding: next_fit keeps" in line

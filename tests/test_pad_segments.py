@@ -133,8 +133,10 @@ def _rank(models, batch, real, rank, world):
 
 @pytest.mark.parametrize("sp", [1, 2, 4])
 def test_packed_rows_with_pads_equal_each_document_alone(sp):
-    tokens, trained, positions, lengths, counts = build_rows(_examples("assistant", LENGTHS), L, True, "truncate", 0)
-    ds = SequenceDataset(tokens, positions, L, "test", counts.examples_used, None, trained=trained, lengths=lengths)
+    built = build_rows(_examples("assistant", LENGTHS), L, True, "truncate", 0)
+    tokens, trained, positions, lengths = built.tokens, built.trained, built.positions, built.lengths
+    ds = SequenceDataset(tokens, positions, L, "test", built.counts.documents_used, None, trained=trained,
+                         lengths=lengths)
     assert all(n < L for n in lengths)  # every row ends in pads
     docs = []
     for i in range(len(ds)):

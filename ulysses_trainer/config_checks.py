@@ -62,13 +62,19 @@ def _check_length(cfg: Any, sp: int) -> None:
             f"or set pad_to_multiple_of null")
 
 
-def _check_io(cfg: Any) -> None:
-    """Evaluation data and model overrides (report_to is decoded once, in train/prepare.py)."""
-    if cfg.evaluates and cfg.eval_dataset_name is None and cfg.dataset_name is not None \
-            and Path(cfg.dataset_name).exists():
+def check_eval_source(cfg: Any) -> None:
+    """Evaluation data exists: a local dataset_name has no test split, so eval_dataset_name must name it
+    (checked with the config when evaluation is on, and by data/documents.py when eval rows are built)."""
+    if cfg.eval_dataset_name is None and cfg.dataset_name is not None and Path(cfg.dataset_name).exists():
         raise ConfigError(f"evaluation is on (eval_steps or eval_strategy) but dataset_name {cfg.dataset_name} is "
                           f"a local path with no test split; set eval_dataset_name to the evaluation data (or "
                           f"eval_steps null, eval_strategy no)")
+
+
+def _check_io(cfg: Any) -> None:
+    """Evaluation data and model overrides (report_to is decoded once, in train/prepare.py)."""
+    if cfg.evaluates:
+        check_eval_source(cfg)
     _need(not cfg.eval_recall_probe or cfg.evaluates,
           "eval_recall_probe runs with evaluation, which is off: set eval_steps (or eval_strategy epoch), or "
           "eval_recall_probe false")

@@ -1,8 +1,10 @@
 """What happened to the data on its way to sequences: documents read, used, skipped (why, how many),
 tokens, sequences, and what was dropped or padded at the end.
 
-A loader fills one DataCounts as it goes (`skip(reason)`, `use(tokens)`), the builder records the tail
-(`finish`); the trainer prints `summary()` before training and stores `to_dict()` in config.json.
+One DataCounts goes with the data from the source to the rows: a source counts what it leaves out
+(`skip(reason)`), a row builder (data/joined.py, data/rows.py) what it takes (`take()`, `use(tokens)`) and
+the rows it makes; a document is read when it is taken or skipped. The trainer prints `summary()` before
+training and stores `to_dict()` in config.json.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from typing import Any
 
 from ..errors import ConfigError
 
+DROPPED_TOO_LONG = "longer than max_length (max_length_policy drop)"  # a skip reason
+
 
 @dataclass
 class DataCounts:
     source: str = ""
-    documents_read: int = 0
+    taken: int = 0  # documents a row builder took (used, or truncated into a row)
     documents_used: int = 0
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> documents
     tokens: int = 0  # tokens of the used documents (eos included)
@@ -26,20 +30,33 @@ class DataCounts:
     tail: str = "none"  # what happened to them: "dropped" | "padded" | "none" | "not read" (stopped early)
     pad_tokens: int = 0
     documents_total: int | None = None  # rows in the source, when known
-    # whole examples: read, used, truncated, trained tokens, rows over 10% padding and why (data/rows.RowCounts)
-    details: dict[str, Any] = field(default_factory=dict)
+    # rows of whole examples (data/rows.py) count these too; they show in `details`
+    whole_examples: bool = False
+    truncated: int = 0
+    dropped_too_long: int = 0
+    without_trained_tokens: int = 0
+    trained_cut_off: int = 0  # truncated examples whose trained tokens all lay past max_length
+    split: int = 0  # examples cut by a row edge (packing_strategy wrapped)
+    trained_tokens: int = 0  # tokens that are a trained target (an example's first token never is)
+    rows_over_10pct_padding: int = 0  # rows whose pads are more than a tenth of max_length
+    padding_why: str = ""  # why those rows could not be fuller (rows.padding_report)
 
-    @classmethod
-    def of_examples(cls, rows: Any, source: str, total: int | None, max_length: int) -> DataCounts:
-        """The counts of rows built from whole examples (data/rows.RowCounts): an example is a document here."""
-        skipped = dict(rows.skipped)
-        if rows.dropped_too_long:
-            skipped["longer than max_length (max_length_policy drop)"] = rows.dropped_too_long
-        return cls(source=source, documents_read=rows.examples_read, documents_used=rows.examples_used,
-                   skipped=skipped, tokens=rows.tokens, sequences=rows.sequences, max_length=max_length,
-                   tail="none", pad_tokens=rows.pad_tokens, documents_total=total,
-                   details={k: v for k, v in vars(rows).items()
-                            if k not in ("skipped", "sequences", "tokens", "pad_tokens")})
+    @property
+    def documents_read(self) -> int:
+        """Documents taken or skipped (an example is a document here)."""
+        return self.taken + sum(self.skipped.values())
+
+    @property
+    def details(self) -> dict[str, Any]:
+        """Whole examples' counts: read, used, truncated, trained tokens, rows over 10% padding and why ({} for
+        text joined and cut)."""
+        if not self.whole_examples:
+            return {}
+        return {"examples_read": self.documents_read, "examples_used": self.documents_used,
+                "truncated": self.truncated, "dropped_too_long": self.dropped_too_long,
+                "without_trained_tokens": self.without_trained_tokens, "trained_cut_off": self.trained_cut_off,
+                "split": self.split, "trained_tokens": self.trained_tokens,
+                "rows_over_10pct_padding": self.rows_over_10pct_padding, "padding_why": self.padding_why}
 
     @property
     def fill_ratio(self) -> float:
@@ -47,11 +64,11 @@ class DataCounts:
         room = self.sequences * self.max_length
         return round(1.0 - self.pad_tokens / room, 4) if room else 0.0
 
-    def read(self) -> None:
-        self.documents_read += 1
+    def take(self) -> None:
+        self.taken += 1
 
-    def skip(self, reason: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+    def skip(self, reason: str, n: int = 1) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + n
 
     def use(self, tokens: int) -> None:
         self.documents_used += 1
@@ -74,13 +91,13 @@ class DataCounts:
             end = "reading stopped once the run's sequences existed"
         else:
             end = "nothing dropped"
-        if self.details:
-            end += f"; {self.details.get('trained_tokens', 0)} trained tokens, " \
-                   f"{self.details.get('truncated', 0)} truncated to max_length, {self.pad_tokens} pad tokens"
+        if self.whole_examples:
+            end += f"; {self.trained_tokens} trained tokens, " \
+                   f"{self.truncated} truncated to max_length, {self.pad_tokens} pad tokens"
         end += f"; fill {100 * self.fill_ratio:.1f}% (real tokens / sequence tokens)"
-        heavy = self.details.get("rows_over_10pct_padding", 0)
+        heavy = self.rows_over_10pct_padding if self.whole_examples else 0
         if heavy:
-            end += f"; {heavy} of {self.sequences} sequences over 10% padding: {self.details.get('padding_why', '')}"
+            end += f"; {heavy} of {self.sequences} sequences over 10% padding: {self.padding_why}"
         return (f"{self.source}: {self.documents_read}{total} documents read, {self.documents_used} used, "
                 f"skipped: {skipped}; {self.tokens} tokens -> {self.sequences} sequences of {self.max_length}; "
                 f"{end}")
@@ -96,10 +113,9 @@ def check_something_trained(counts: DataCounts, what: str, assistant_only_loss: 
                             completion_only_loss: bool | None) -> None:
     """Whole examples whose masks leave no token to train on: an error before any model is built (a run would
     log loss 0.0, grad_norm 0.0 and export an untrained model)."""
-    if not counts.details or counts.details.get("trained_tokens", 0) > 0:
+    if not counts.whole_examples or counts.trained_tokens > 0:
         return  # text: every token but a document's first is trained
-    none = counts.details.get("without_trained_tokens", 0)
-    cut = counts.details.get("trained_cut_off", 0)
+    none, cut = counts.without_trained_tokens, counts.trained_cut_off
     if cut:  # the data has what trains; max_length cut it off
         part = "assistant turns" if assistant_only_loss else "completions" if completion_only_loss is not False \
             else "trained tokens"

@@ -15,13 +15,14 @@ sharding puts its document boundaries (cu_seqlens) and masks the cross-document 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..config import TrainConfig
+from ..config_checks import check_eval_source
 from ..errors import ConfigError
 from .accounting import DataCounts
 from .agent_sessions import agent_sessions, mixed_agent_sessions
@@ -42,7 +43,7 @@ from .joined import BATCH_DOCS, CHUNK_CHARS, encoded_batches, join_and_cut
 from .loading import load_text_dataset
 from .qwen3_5_template import training_variant
 from .qwen3_template import is_qwen3_template
-from .rows import build_rows
+from .rows import Rows, build_rows
 from .sequences import SequenceDataset
 from .synthetic import synthetic_documents
 from .tokenizer import Tokenizer
@@ -60,15 +61,26 @@ EMPTY = "empty text"
 # ---------------------------------------------------------------- sources
 
 
+@dataclass
+class _Source:
+    """A source opened: its kind and what it yields (text documents, or (ids, trained) examples), with the
+    counts that its reading and the row builder fill."""
+
+    label: str  # the name the counts and messages use
+    kind: str
+    items: Iterable[Any]
+    counts: DataCounts
+    max_rows: int | None  # rows to build (None: all the source gives)
+    total: int | None = None  # documents in the source, when known
+    total_bytes: Callable[[], int | None] = lambda: None  # UTF-8 bytes of its text, when known
+
+
 def _texts(ds: Any, field: str, source: str, counts: DataCounts) -> Iterator[str]:
-    if len(ds) == 0:
-        raise ConfigError(f"dataset {source} is empty; point dataset_name at data with documents")
     if field not in ds.column_names:
         raise ConfigError(f"dataset {source} has no field {field!r}; its fields are {ds.column_names}; "
                           f"set dataset_text_field to one of them")
     for batch in ds.select_columns([field]).iter(batch_size=256):
         for text in batch[field]:
-            counts.read()
             if text is None:  # a jsonl record without the field reads as null
                 counts.skip(NO_FIELD)
                 continue
@@ -81,7 +93,6 @@ def _texts(ds: Any, field: str, source: str, counts: DataCounts) -> Iterator[str
             yield text
 
 
-# ---------------------------------------------------------------- building
 def _column_bytes(ds: Any, field: str) -> int | None:
     """UTF-8 bytes of a text column, from Arrow's offsets (no text is read); None if not available."""
     try:
@@ -101,86 +112,52 @@ def default_num_sequences(cfg: TrainConfig, split: str, dp_size: int = 1) -> int
     return 2 * cfg.per_device_eval_batch_size * dp_size
 
 
-def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train", dp_size: int = 1,
-                    num_sequences: int | None = None) -> SequenceDataset:
-    """Tokenize, join and cut the configured data into rows of cfg.max_length tokens.
-
-    split: "train" (dataset_name) or "eval" (eval_dataset_name, else dataset_test_split of
-    dataset_name). num_sequences caps the rows read from a dataset (tokenizing stops there) and
-    sets how many the synthetic source makes (default: default_num_sequences).
-    """
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    L = cfg.max_length
+def _open(cfg: TrainConfig, tokenizer: Tokenizer, split: str, dp_size: int, num_sequences: int | None) -> _Source:
+    """The configured source of `split`, its kind detected and the settings checked against it."""
     if split == "train":
         source, hf_split = cfg.dataset_name, cfg.dataset_train_split
     else:
+        check_eval_source(cfg)
         source, hf_split = cfg.eval_dataset_name or cfg.dataset_name, cfg.dataset_test_split
-        if cfg.eval_dataset_name is None and source is not None and Path(source).exists():
-            raise ConfigError(f"evaluation needs eval_dataset_name: dataset_name {source} is a local path "
-                              f"with no test split")
-
+    seed = cfg.seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
     if source in (AGENT_SESSIONS, MIXED_SESSIONS) or (source is None and cfg.assistant_only_loss):
         source = source or AGENT_SESSIONS  # the conversational default
-        rows = num_sequences or default_num_sequences(cfg, split, dp_size)
-        seed = cfg.seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
-        sessions = mixed_agent_sessions(seed) if source == MIXED_SESSIONS else agent_sessions(seed, mean_tokens=L)
+        sessions = mixed_agent_sessions(seed) if source == MIXED_SESSIONS else \
+            agent_sessions(seed, mean_tokens=cfg.max_length)
         template = chat_template_of(tokenizer)
         check_settings_for_kind(CONVERSATIONAL, cfg, source, template)
         segments = example_segments(CONVERSATIONAL, sessions, source, cfg.assistant_only_loss, None,
                                     tokenizer.eos_token, template)
-        return examples_dataset((tokenize_segments(s, tokenizer) for s in segments), cfg, tokenizer, source,
-                                CONVERSATIONAL, None, rows)
+        return _Source(source, CONVERSATIONAL, (tokenize_segments(s, tokenizer) for s in segments),
+                       DataCounts(source=source), num_sequences or default_num_sequences(cfg, split, dp_size))
     if source is None or source == "synthetic:text":
         check_settings_for_kind(LANGUAGE_MODELING, cfg, "synthetic:text", None)
-        rows = num_sequences or default_num_sequences(cfg, split, dp_size)
-        seed = cfg.seed + (_EVAL_SEED_OFFSET if split == "eval" else 0)
-        docs = synthetic_documents(seed, mean_words=max(64, math.ceil(L / _TOKENS_PER_WORD)))
-        counts = DataCounts(source="synthetic")
-        if _whole_documents(cfg):
-            return _documents_as_examples(_counted(docs, counts), cfg, tokenizer, "synthetic", None, rows, counts)
-        tokens, positions, used, _, _, _ = join_and_cut(_counted(docs, counts), tokenizer, L, cfg.packing, rows, counts)
-        return SequenceDataset(tokens, positions, L, "synthetic", used, None, counts=counts)
+        docs = synthetic_documents(seed, mean_words=max(64, math.ceil(cfg.max_length / _TOKENS_PER_WORD)))
+        return _Source("synthetic", LANGUAGE_MODELING, docs, DataCounts(source="synthetic"),
+                       num_sequences or default_num_sequences(cfg, split, dp_size))
 
     ds = load_text_dataset(source, hf_split, cfg.text_file_split)
-    if len(ds) == 0:
-        raise ConfigError(f"dataset {source} is empty; point dataset_name at data with documents")
     kind = detect_format(ds.column_names, cfg.dataset_text_field, source)
     check_loss_flags(kind, cfg.assistant_only_loss, source)
-    template = chat_template_of(tokenizer) if kind != LANGUAGE_MODELING else None
-    if kind != LANGUAGE_MODELING:
-        check_first_example(kind, ds[0], source)
-    check_settings_for_kind(kind, cfg, source, template, ds[0] if kind != LANGUAGE_MODELING else None)
-    if kind != LANGUAGE_MODELING:
-        shape: dict[str, int] = {}  # rows of another shape, by reason (filled as the rows are read)
-        examples = _tokenized_examples(kind, rows_of(ds), source, cfg, tokenizer, template, shape,
-                                       cfg.dataset_num_proc if num_sequences is None else None)
-        return examples_dataset(examples, cfg, tokenizer, source, kind, len(ds), num_sequences, skipped=shape)
     counts = DataCounts(source=source, documents_total=len(ds))
-    if _whole_documents(cfg):
-        return _documents_as_examples(_texts(ds, cfg.dataset_text_field, source, counts), cfg, tokenizer, source,
-                                      len(ds), num_sequences, counts, _column_bytes(ds, cfg.dataset_text_field))
-    tokens, positions, used, seen, text_bytes, pad_from = join_and_cut(
-        _texts(ds, cfg.dataset_text_field, source, counts), tokenizer, L, cfg.packing, num_sequences, counts,
-        pad_last=cfg.pad_last_sequence, num_proc=cfg.dataset_num_proc)
-    if len(tokens) == 0:
-        raise ConfigError(
-            f"dataset {source} gives {seen} tokens ({used} documents + eos) but one sequence needs "
-            f"max_length = {L} tokens; lower max_length to at most {seen} or add documents")
-    fraction = None
-    if used < len(ds):  # stopped early: the epoch is estimated from the share of the text read
-        total = _column_bytes(ds, cfg.dataset_text_field)
-        fraction = min(1.0, text_bytes / total) if total else None
-    return SequenceDataset(tokens, positions, L, source, used, len(ds), fraction, pad_from=pad_from,
-                           counts=counts)
+    if kind == LANGUAGE_MODELING:
+        check_settings_for_kind(kind, cfg, source, None)
+        return _Source(source, kind, _texts(ds, cfg.dataset_text_field, source, counts), counts, num_sequences,
+                       len(ds), lambda: _column_bytes(ds, cfg.dataset_text_field))
+    template = chat_template_of(tokenizer)
+    check_first_example(kind, ds[0], source)
+    check_settings_for_kind(kind, cfg, source, template, ds[0])
+    examples = _tokenized_examples(kind, rows_of(ds), source, cfg, tokenizer, template, counts,
+                                   cfg.dataset_num_proc if num_sequences is None else None)
+    return _Source(source, kind, examples, counts, num_sequences, len(ds))
 
 
 def _tokenized_examples(kind: str, rows: Iterable[dict], source: str, cfg: TrainConfig, tokenizer: Tokenizer,
-                        template: TemplateRenderer | None, skipped: dict[str, int], num_proc: int | None
+                        template: TemplateRenderer | None, counts: DataCounts, num_proc: int | None
                         ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(ids, trained) of each example, rendered and tokenized in order (num_proc: by chunks of BATCH_DOCS rows
     in worker processes; only where the whole dataset is read, as workers read ahead); rows of another shape
-    are counted in `skipped`."""
+    are counted as skipped, by reason."""
     def work(chunk: tuple[int, list[dict]]) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict[str, int]]:
         start, part = chunk
         shape: dict[str, int] = {}
@@ -190,7 +167,7 @@ def _tokenized_examples(kind: str, rows: Iterable[dict], source: str, cfg: Train
 
     if not num_proc or num_proc <= 1:  # one example at a time: a capped read stops where its rows are full
         segments = example_segments(kind, rows, source, cfg.assistant_only_loss, cfg.completion_only_loss,
-                                    tokenizer.eos_token, template, skipped=skipped)
+                                    tokenizer.eos_token, template, skipped=counts.skipped)
         yield from (tokenize_segments(s, tokenizer) for s in segments)
         return
     def numbered() -> Iterator[tuple[int, list[dict]]]:
@@ -201,7 +178,7 @@ def _tokenized_examples(kind: str, rows: Iterable[dict], source: str, cfg: Train
 
     for examples, shape in ordered_map(work, numbered(), num_proc):
         for reason, n in shape.items():
-            skipped[reason] = skipped.get(reason, 0) + n
+            counts.skip(reason, n)
         yield from examples
 
 
@@ -216,28 +193,34 @@ def chat_template_of(tokenizer: Tokenizer) -> TemplateRenderer | None:
     return TemplateRenderer(hf, tokenizer.name, training_variant(template))
 
 
-def examples_dataset(examples: Iterable[tuple[np.ndarray, np.ndarray]], cfg: TrainConfig, tokenizer: Tokenizer,
-                     source: str, kind: str, total: int | None, num_sequences: int | None,
-                     skipped: dict[str, int] | None = None) -> SequenceDataset:
-    """Rows of whole examples (one per row, or packed) with their trained masks. skipped: rows the reader left
-    out before tokenizing, by reason (read, and counted as skipped)."""
-    tokens, trained, positions, lengths, counts = build_rows(
-        examples, cfg.max_length, cfg.packing, cfg.max_length_policy, tokenizer.eos_token_id, num_sequences,
-        cfg.packing_strategy)
-    for reason, n in (skipped or {}).items():
-        counts.examples_read += n
-        counts.skipped[reason] = counts.skipped.get(reason, 0) + n
-    if counts.sequences == 0:
-        why = f"{counts.dropped_too_long} longer than max_length {cfg.max_length} were dropped " \
+# ---------------------------------------------------------------- building
+
+
+def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train", dp_size: int = 1,
+                    num_sequences: int | None = None) -> SequenceDataset:
+    """Tokenize, join and cut the configured data into rows of cfg.max_length tokens.
+
+    split: "train" (dataset_name) or "eval" (eval_dataset_name, else dataset_test_split of
+    dataset_name). num_sequences caps the rows read from a dataset (tokenizing stops there) and
+    sets how many the synthetic source makes (default: default_num_sequences).
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    src = _open(cfg, tokenizer, split, dp_size, num_sequences)
+    rows = _rows(src, cfg, tokenizer)
+    counts, L = rows.counts, cfg.max_length
+    if len(rows.tokens) == 0 and not counts.whole_examples:
+        raise ConfigError(
+            f"dataset {src.label} gives {counts.tokens} tokens ({counts.documents_used} documents + eos) but one "
+            f"sequence needs max_length = {L} tokens; lower max_length to at most {counts.tokens} or add documents")
+    if len(rows.tokens) == 0:
+        why = f"{counts.dropped_too_long} longer than max_length {L} were dropped " \
               f"(max_length_policy drop)" if counts.dropped_too_long else "none holds a token"
-        raise ConfigError(f"dataset {source} gives no sequence: {counts.examples_read} examples read, {why}; "
+        raise ConfigError(f"dataset {src.label} gives no sequence: {counts.documents_read} examples read, {why}; "
                           f"add examples or raise max_length")
-    fraction = None
-    if total is not None and counts.examples_read < total:  # stopped early: the epoch is estimated by count
-        fraction = counts.examples_read / total
-    return SequenceDataset(tokens, positions, cfg.max_length, source, counts.examples_used, total, fraction,
-                           trained=trained, lengths=lengths, kind=kind,
-                           counts=DataCounts.of_examples(counts, source, total, cfg.max_length))
+    return SequenceDataset(rows.tokens, rows.positions, L, src.label, counts.documents_used, src.total,
+                           _fraction_read(src, rows), trained=rows.trained, lengths=rows.lengths, kind=src.kind,
+                           pad_from=rows.pad_from, counts=counts)
 
 
 def _whole_documents(cfg: TrainConfig) -> bool:
@@ -246,32 +229,42 @@ def _whole_documents(cfg: TrainConfig) -> bool:
     return cfg.packing and cfg.packing_strategy != "wrapped"
 
 
-def _documents_as_examples(docs: Iterable[str], cfg: TrainConfig, tokenizer: Tokenizer, source: str,
-                           total: int | None, num_sequences: int | None, read: DataCounts,
-                           total_bytes: int | None = None) -> SequenceDataset:
-    """Text documents (+ eos, every token trained) packed whole; `read` holds what the source skipped."""
-    text_bytes = 0
+def _rows(src: _Source, cfg: TrainConfig, tokenizer: Tokenizer) -> Rows:
+    """The source's rows: text joined and cut (joined.py), or whole examples one per row or packed (rows.py)."""
+    num_proc = cfg.dataset_num_proc if src.max_rows is None else None  # workers read ahead: whole reads only
+    if src.kind == LANGUAGE_MODELING and not _whole_documents(cfg):
+        return join_and_cut(src.items, tokenizer, cfg.max_length, cfg.packing, src.max_rows, src.counts,
+                            pad_last=cfg.pad_last_sequence, num_proc=num_proc)
+    examples, text_bytes = src.items, [0]
+    if src.kind == LANGUAGE_MODELING:  # text documents packed whole: each + eos, every token trained
+        def documents() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            for batch, encoded in encoded_batches(src.items, tokenizer, num_proc):
+                for doc, ids in zip(batch, encoded):
+                    text_bytes[0] += len(doc.encode("utf-8"))
+                    row = np.asarray(ids + [tokenizer.eos_token_id], dtype=np.int32)
+                    yield row, np.ones(len(row), bool)
 
-    def examples() -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        nonlocal text_bytes
-        for batch, encoded in encoded_batches(docs, tokenizer, cfg.dataset_num_proc if num_sequences is None
-                                               else None):  # bfd reads on past the rows it needs: no workers
-            for doc, ids in zip(batch, encoded):
-                text_bytes += len(doc.encode("utf-8"))
-                row = np.asarray(ids + [tokenizer.eos_token_id], dtype=np.int32)
-                yield row, np.ones(len(row), bool)
-
-    ds = examples_dataset(examples(), cfg, tokenizer, source, LANGUAGE_MODELING, total, num_sequences)
-    ds.counts.skipped.update(read.skipped)
-    ds.counts.documents_read += sum(read.skipped.values())
-    if total is None or ds.counts.documents_read >= total:
-        ds.fraction_read = None
-    else:  # stopped early: the epoch is estimated by bytes (documents differ in length), else by count
-        ds.fraction_read = min(1.0, text_bytes / total_bytes) if total_bytes else ds.counts.documents_read / total
-    return ds
+        examples = documents()
+    rows = build_rows(examples, cfg.max_length, cfg.packing, cfg.max_length_policy, tokenizer.eos_token_id,
+                      src.max_rows, cfg.packing_strategy, src.counts)
+    rows.text_bytes = text_bytes[0]
+    return rows
 
 
-def _counted(docs: Iterable[str], counts: DataCounts) -> Iterator[str]:
-    for doc in docs:
-        counts.read()
-        yield doc
+def _fraction_read(src: _Source, rows: Rows) -> float | None:
+    """The share of the source read when reading stopped early (None: all of it, or its size is unknown): by
+    text bytes where they are known (documents differ in length), else by document count."""
+    counts = rows.counts
+    if src.total is None:
+        return None
+    if not counts.whole_examples:  # joined and cut
+        if counts.documents_used >= src.total:
+            return None
+        total = src.total_bytes()
+        return min(1.0, rows.text_bytes / total) if total else None
+    if counts.documents_read >= src.total:
+        return None
+    total = src.total_bytes() if src.kind == LANGUAGE_MODELING else None
+    return min(1.0, rows.text_bytes / total) if total else counts.documents_read / src.total
+
+

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from .accounting import DataCounts
+from .rows import Rows
 from .tokenizer import Tokenizer
 from .workers import chunks_of, ordered_map
 
@@ -35,31 +36,29 @@ def encoded_batches(docs: Iterable[str], tokenizer: Tokenizer, num_proc: int | N
 
 
 def join_and_cut(docs: Iterable[str], tokenizer: Tokenizer, max_length: int, packing: bool,
-          max_rows: int | None, counts: DataCounts | None = None,
-          pad_last: bool = False, num_proc: int | None = None
-          ) -> tuple[np.ndarray, np.ndarray | None, int, int, int, int | None]:
-    """(tokens, positions or None, documents used, tokens seen, text bytes used, pad start or None) of whole
-    rows, stopping at max_rows. pad_last: the tokens after the last full row become one more row, padded
-    (eos as the pad id; its labels are masked). num_proc: tokenizing workers (without max_rows only: workers
-    read ahead, and a capped read must stop where its rows are full)."""
+                 max_rows: int | None, counts: DataCounts | None = None,
+                 pad_last: bool = False, num_proc: int | None = None) -> Rows:
+    """Whole rows (positions None without packing), stopping at max_rows; counts.tokens: the tokens of the
+    documents used. pad_last: the tokens after the last full row become one more row, padded (eos as the pad
+    id; its labels are masked). num_proc: tokenizing workers (without max_rows only: workers read ahead, and a
+    capped read must stop where its rows are full)."""
     counts = counts if counts is not None else DataCounts()
     chunks: list[np.ndarray] = []
     pos_chunks: list[np.ndarray] = []
-    seen = used = text_bytes = 0
+    seen = text_bytes = 0
     need = None if max_rows is None else max_rows * max_length
     for batch, encoded in encoded_batches(docs, tokenizer, None if need is not None else num_proc):
-        for k, (doc, ids) in enumerate(zip(batch, encoded)):
+        for doc, ids in zip(batch, encoded):
             text_bytes += len(doc.encode("utf-8"))
             row = np.asarray(ids + [tokenizer.eos_token_id], dtype=np.int32)
             chunks.append(row)
             if packing:
                 pos_chunks.append(np.arange(len(row), dtype=np.int32))
             seen += len(row)
-            used += 1
+            counts.take()
             counts.use(len(row))
             if need is not None and seen >= need:
-                counts.documents_read -= len(batch) - k - 1  # pulled from the source with the batch, not used
-                break
+                break  # (the rest of the batch, pulled from the source, is not read)
         if need is not None and seen >= need:
             break  # (before the next batch is pulled from the source, which counts what it reads)
     rows = seen // max_length if max_rows is None else min(seen // max_length, max_rows)
@@ -87,4 +86,4 @@ def join_and_cut(docs: Iterable[str], tokenizer: Tokenizer, max_length: int, pac
         starts = (doc_pos == 0) | (j % max_length == 0)  # a new segment: document start or row start
         seg_start = np.maximum.accumulate(np.where(starts, j, 0))
         positions = (j - seg_start).astype(np.int32)
-    return tokens, positions, used, seen, text_bytes, pad_from
+    return Rows(tokens, positions, counts, pad_from=pad_from, text_bytes=text_bytes)

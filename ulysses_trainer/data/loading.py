@@ -80,11 +80,20 @@ def _first_bad_json_line(files: list[str]) -> tuple[str, int, str] | None:
 
 
 def load_text_dataset(source: str, split: str, text_file_split: str = "document") -> Any:
-    """A `datasets.Dataset` for a local path or an HF dataset name (`split` applies to HF names).
+    """A `datasets.Dataset` for a local path or an HF dataset name (`split` applies to HF names); ConfigError
+    for one without rows (the one place an empty source is refused).
 
     text_file_split: how a .txt file becomes documents: "document" (the whole file, newlines kept),
     "paragraph" (split at blank lines) or "line".
     """
+    ds = _load(source, split, text_file_split)
+    if ds is None or len(ds) == 0:
+        raise ConfigError(f"dataset {source} is empty; point dataset_name at data with documents")
+    return ds
+
+
+def _load(source: str, split: str, text_file_split: str) -> Any:
+    """The dataset, or None where the files hold no data."""
     import datasets
 
     path = Path(source)
@@ -101,16 +110,15 @@ def load_text_dataset(source: str, split: str, text_file_split: str = "document"
                 ds = ds[split]
             return ds
         builder, files = _local_files(path)
-        empty = ConfigError(f"dataset {source} is empty; point dataset_name at data with documents")
         if all(Path(f).stat().st_size == 0 for f in files):
-            raise empty
+            return None
         # the text builder's default is one document per line; a book is one document
         kwargs = {"sample_by": text_file_split} if builder == "text" else {}
         try:
             return datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
         except Exception as exc:
             if "corresponds to no data" in str(exc):  # datasets' wording for zero rows
-                raise empty from None
+                return None
             bad = _first_non_utf8(files) if builder in ("text", "json", "csv") else None
             if bad is not None:  # datasets says only "An error occurred while generating the dataset"
                 raise ConfigError(f"dataset file {bad[0]} is not UTF-8 text (byte {bad[1]}); convert it to "

@@ -18,35 +18,27 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
+
+from .accounting import DROPPED_TOO_LONG, DataCounts
 
 POLICIES = ("truncate", "drop")
 STRATEGIES = ("bfd", "wrapped", "next_fit")
 
 
 @dataclass
-class RowCounts:
-    """What building the rows saw (the `data` command prints it)."""
+class Rows:
+    """What a row builder made (this module's build_rows, joined.join_and_cut): rows of exactly L tokens."""
 
-    examples_read: int = 0
-    examples_used: int = 0
-    truncated: int = 0
-    dropped_too_long: int = 0
-    without_trained_tokens: int = 0
-    trained_cut_off: int = 0  # truncated examples whose trained tokens all lay past max_length
-    split: int = 0  # examples cut by a row edge (packing_strategy wrapped)
-    sequences: int = 0
-    tokens: int = 0  # real tokens in the rows (pads excluded)
-    trained_tokens: int = 0  # tokens that are a trained target (an example's first token never is)
-    pad_tokens: int = 0
-    skipped: dict = field(default_factory=dict)  # reason -> examples
-    rows_over_10pct_padding: int = 0  # rows whose pads are more than a tenth of max_length
-    padding_why: str = ""  # why those rows could not be fuller (padding_report)
-
-    def as_dict(self) -> dict:
-        return dict(vars(self))
+    tokens: np.ndarray  # int32 [n*L]
+    positions: np.ndarray | None  # int32 [n*L]; None: 0..L-1 in every row (packing false)
+    counts: DataCounts  # what building them saw (with what the source skipped)
+    trained: np.ndarray | None = None  # bool [n*L]: the token is a trained target; None: every token
+    lengths: np.ndarray | None = None  # int64 [n]: real (non-pad) tokens per row; None: every row is full
+    pad_from: int | None = None  # index into tokens where the padded last row's pads start (pad_last_sequence)
+    text_bytes: int = 0  # UTF-8 bytes of the text documents used (joined and cut)
 
 
 Example = tuple[np.ndarray, np.ndarray]  # (token ids, trained: bool per token)
@@ -161,7 +153,7 @@ def padding_report(real: list[int], L: int, lengths: list[int], packing: bool, s
 class _Rows:
     """Rows being written: whole rows of L tokens with their trained mask and positions."""
 
-    def __init__(self, L: int, pad_token_id: int, counts: RowCounts) -> None:
+    def __init__(self, L: int, pad_token_id: int, counts: DataCounts) -> None:
         self.L, self.pad, self.counts = L, pad_token_id, counts
         self.t: list[np.ndarray] = []
         self.m: list[np.ndarray] = []
@@ -193,34 +185,39 @@ def _target(trained: np.ndarray) -> np.ndarray:
     return target
 
 
-def _use(counts: RowCounts, target: np.ndarray) -> None:
-    counts.examples_used += 1
-    counts.tokens += len(target)
+def _use(counts: DataCounts, target: np.ndarray) -> None:
+    counts.use(len(target))
     counts.trained_tokens += int(target.sum())
     if not target.any():
         counts.without_trained_tokens += 1
 
 
-def _admitted(examples: Iterable[Example], L: int, policy: str, counts: RowCounts, truncate: bool
+def _admitted(examples: Iterable[Example], L: int, policy: str, counts: DataCounts, truncate: bool
               ) -> Iterator[Example]:
     """The examples that go into rows (empty ones and, under `drop`, too long ones counted and left out);
-    examples_read counts an example when it is yielded or left out."""
+    an example is taken when it is yielded."""
     for ids, trained in examples:
-        if len(ids) == 0:
-            counts.examples_read += 1
-            counts.skipped["empty"] = counts.skipped.get("empty", 0) + 1
+        if _left_out(ids, L, policy if truncate else "truncate", counts):
             continue
-        if len(ids) > L and truncate and policy == "drop":
-            counts.examples_read += 1
-            counts.dropped_too_long += 1
-            continue
-        counts.examples_read += 1
+        counts.take()
         if len(ids) > L and truncate:
             ids, trained = _truncated(ids, trained, L, counts)
         yield ids, trained
 
 
-def _truncated(ids: np.ndarray, trained: np.ndarray, L: int, counts: RowCounts) -> Example:
+def _left_out(ids: np.ndarray, L: int, policy: str, counts: DataCounts) -> bool:
+    """Whether an example stays out of the rows (empty, or over L under `drop`), counted as skipped."""
+    if len(ids) == 0:
+        counts.skip("empty")
+        return True
+    if len(ids) > L and policy == "drop":
+        counts.skip(DROPPED_TOO_LONG)
+        counts.dropped_too_long += 1
+        return True
+    return False
+
+
+def _truncated(ids: np.ndarray, trained: np.ndarray, L: int, counts: DataCounts) -> Example:
     """An example's first L tokens, counted (and whether the cut took every token it trains)."""
     counts.truncated += 1
     counts.trained_cut_off += bool(_target(trained).any() and not _target(trained[:L]).any())
@@ -228,15 +225,16 @@ def _truncated(ids: np.ndarray, trained: np.ndarray, L: int, counts: RowCounts) 
 
 
 def build_rows(examples: Iterable[Example], max_length: int, packing: bool, policy: str,
-               pad_token_id: int, max_rows: int | None = None, strategy: str = "bfd"
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, RowCounts]:
-    """(tokens int32 [n*L], trained bool [n*L], positions int32 [n*L] or None without packing,
-    real tokens per row int64 [n], counts) from (ids, trained) per example; max_rows stops reading once
-    that many rows exist (bfd: once the examples read fill them)."""
+               pad_token_id: int, max_rows: int | None = None, strategy: str = "bfd",
+               counts: DataCounts | None = None) -> Rows:
+    """Rows from (ids, trained) per example (positions None without packing); max_rows stops reading once that
+    many rows exist (bfd: once the examples read fill them). counts: where the source already counted what it
+    skipped (a fresh one if None)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"packing strategy must be one of {STRATEGIES}, got {strategy!r}")
     L = max_length
-    counts = RowCounts()
+    counts = counts if counts is not None else DataCounts()
+    counts.whole_examples, counts.max_length = True, L
     rows = _Rows(L, pad_token_id, counts)
     if packing and strategy == "bfd":
         _bfd(_admitted(examples, L, policy, counts, truncate=True), rows, max_rows)
@@ -247,8 +245,8 @@ def build_rows(examples: Iterable[Example], max_length: int, packing: bool, poli
     counts.rows_over_10pct_padding, counts.padding_why = padding_report(
         rows.lengths, L, rows.doc_lengths, packing, strategy)
     cat = (lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dt))  # noqa: E731
-    positions = cat(rows.p, np.int32) if packing else None
-    return cat(rows.t, np.int32), cat(rows.m, bool), positions, np.asarray(rows.lengths, np.int64), counts
+    return Rows(cat(rows.t, np.int32), cat(rows.p, np.int32) if packing else None, counts,
+                trained=cat(rows.m, bool), lengths=np.asarray(rows.lengths, np.int64))
 
 
 def _in_order(examples: Iterable[Example], rows: _Rows, policy: str, packing: bool, max_rows: int | None) -> None:
@@ -257,18 +255,12 @@ def _in_order(examples: Iterable[Example], rows: _Rows, policy: str, packing: bo
     cur: list[Example] = []
     used = 0
     for ids, trained in examples:
-        if len(ids) == 0:
-            counts.examples_read += 1
-            counts.skipped["empty"] = counts.skipped.get("empty", 0) + 1
-            continue
-        if len(ids) > L and policy == "drop":
-            counts.examples_read += 1
-            counts.dropped_too_long += 1
+        if _left_out(ids, L, policy, counts):
             continue
         new_row = not packing or used + min(len(ids), L) > L
         if new_row and max_rows is not None and len(rows) + bool(cur) >= max_rows:
             break  # the rows asked for are full: this example is not read
-        counts.examples_read += 1
+        counts.take()
         if len(ids) > L:
             ids, trained = _truncated(ids, trained, L, counts)
         target = _target(trained)
@@ -296,7 +288,7 @@ def _bfd(examples: Iterator[Example], rows: _Rows, max_rows: int | None) -> None
     lengths = [len(ids) for ids, _ in held]
     bins = fewest_bins(lengths, L, best_fit_decreasing(lengths, L))
     if max_rows is not None and len(bins) > max_rows:
-        counts.examples_read -= sum(len(b) for b in bins[max_rows:])
+        counts.taken -= sum(len(b) for b in bins[max_rows:])  # (not read)
         bins = bins[:max_rows]
     for b in bins:
         parts = [(held[i][0], _target(held[i][1])) for i in b]
@@ -314,9 +306,9 @@ def _wrapped(examples: Iterator[Example], rows: _Rows, max_rows: int | None) -> 
     used = 0
     for ids, trained in examples:
         if full():
-            counts.examples_read -= 1  # pulled, but the rows asked for are full: not read
+            counts.taken -= 1  # pulled, but the rows asked for are full: not read
             break
-        counts.examples_used += 1
+        counts.documents_used += 1
         counts.without_trained_tokens += not _target(trained).any()
         counts.split += len(ids) > L - used
         start = 0

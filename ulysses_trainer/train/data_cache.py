@@ -36,7 +36,7 @@ from ..user_cache import user_cache_dir
 log = logging.getLogger(__name__)
 
 _ARRAYS = ("tokens", "positions", "trained", "lengths")
-_FORMAT = 1  # bump when the stored layout changes
+_FORMAT = 2  # bump when the stored layout changes
 # config fields whose names hold one of these words shape the rows (read generically, so new data
 # settings join the key without an edit here)
 _DATA_WORDS = ("dataset", "packing", "pad_", "max_length", "max_seq_length", "loss", "text_file", "eval_samples",
