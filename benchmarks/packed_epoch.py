@@ -62,7 +62,7 @@ def plan_line(resolved) -> tuple[float, float] | None:
         return None
     parts = dict(resolved.step_parts)
     attention = sum(v for k, v in parts.items() if "attention" in k)
-    frac = resolved.attention_fraction or 1.0
+    frac = resolved.run.attention_fraction or 1.0
     return resolved.predicted_step_s - attention, attention / frac
 
 
@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     flops = row_model_flops(plan.shape, ds)
     peak = device_peak_tflops(trainer.device)
     line = plan_line(r)
-    result["plan"] = {"line": r.summary(), "kernel": plan.attn_implementation, "predicted_step_s": r.predicted_step_s,
-                      "attention_fraction": r.attention_fraction, "a_s": line and line[0], "b_s": line and line[1]}
+    result["plan"] = {"line": r.summary(), "kernel": plan.attn_implementation,
+                      "predicted_step_s": r.predicted_step_s,
+                      "attention_fraction": r.run.attention_fraction, "a_s": line and line[0], "b_s": line and line[1]}
     result["data"] = ds.counts.summary()
     result["peak_tflops"] = list(peak) if peak else None
     save()

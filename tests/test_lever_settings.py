@@ -61,7 +61,8 @@ def test_tiled_mlp_0_is_refused_by_the_config_the_plan_and_a_loop_of_your_own(ca
         ParallelizeConfig(tiled_mlp=0).resolve(preset_config("tiny"))
     # the untiled spellings stay accepted by both
     assert ParallelizeConfig(tiled_mlp=1).resolve(preset_config("tiny")).tiled_mlp == 1
-    assert resolve_plan(TrainConfig(tiled_mlp=False), ModelShape.from_config(preset_config("tiny")), CPU).tiled_mlp == 1
+    untiled = resolve_plan(TrainConfig(tiled_mlp=False), ModelShape.from_config(preset_config("tiny")), CPU)
+    assert untiled.run.tiled_mlp == 1
 
 
 @pytest.mark.parametrize("ckpt, keep, stash", [

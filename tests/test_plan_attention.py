@@ -71,9 +71,9 @@ def _plan(attention=None, **cfg):
 
 def test_the_plan_line_says_the_packed_attention_fraction():
     worst, packed = _plan(), _plan(AttentionShare(0.25, 0.1, 0.4, 8))
-    assert worst.attention_from == "one document (worst case)" and worst.attention_fraction == 1.0
+    assert worst.attention_from == "one document (worst case)" and worst.run.attention_fraction == 1.0
     assert WORST_CASE in worst.notes and "worst case" in worst.summary()
-    assert packed.attention_from == "data" and packed.attention_fraction == 0.25
+    assert packed.attention_from == "data" and packed.run.attention_fraction == 0.25
     assert "packed attention 25.0% of one document" in packed.summary()
     assert any("25.0% of one document of max_length" in n and "8 sequences" in n for n in packed.notes)
     wp, pp = dict(worst.step_parts), dict(packed.step_parts)
@@ -81,8 +81,8 @@ def test_the_plan_line_says_the_packed_attention_fraction():
     assert packed.predicted_step_s < worst.predicted_step_s
     assert packed.predicted_peak_gpu_gb == worst.predicted_peak_gpu_gb  # memory: as a dense row
     dense = _plan(packing=False)  # no packing: one span per row, nothing to say
-    assert dense.attention_from == "" and dense.attention_fraction == 1.0 and "packed" not in dense.summary()
-    assert _plan(AttentionShare(0.25, 0.1, 0.4, 8), packing=False).attention_fraction == 1.0
+    assert dense.attention_from == "" and dense.run.attention_fraction == 1.0 and "packed" not in dense.summary()
+    assert _plan(AttentionShare(0.25, 0.1, 0.4, 8), packing=False).run.attention_fraction == 1.0
 
 
 def test_plan_command_takes_the_attention_from_the_data(capsys):
@@ -130,6 +130,6 @@ def test_the_replan_after_the_engine_keeps_the_datas_attention(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (120 * 2**30, 140 * 2**30))
     monkeypatch.setattr(build, "agree_free_memory", lambda gb: gb)
     again = build.resolve_after_engine(SimpleNamespace(cfg=cfg, **vars(plan)), "cuda")
-    assert again.attention_from == "data" and again.attention_fraction == pytest.approx(share.mean)
-    assert again.attention_fraction == pytest.approx(34 / 64)
+    assert again.attention_from == "data" and again.run.attention_fraction == pytest.approx(share.mean)
+    assert again.run.attention_fraction == pytest.approx(34 / 64)
     assert again.predicted_step_s < _plan(None, dataset_name="some.jsonl").predicted_step_s

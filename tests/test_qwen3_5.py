@@ -197,14 +197,14 @@ def test_deltanet_kernel_auto_takes_fla_where_installed_and_the_plan_names_it():
         return resolve_plan(config, ModelShape.preset(model), machine, ZeroSettings())
 
     fla = plan("qwen3.5-9b", ("fla", "torch"))
-    assert fla.deltanet_kernel == "fla" and ", fla deltanet," in fla.summary()
+    assert fla.run.deltanet_kernel == "fla" and ", fla deltanet," in fla.summary()
     assert "deltanet_kernel fla" in fla.decided and fla.model_plan(None, 1).deltanet_kernel == "fla"
-    assert plan("qwen3.5-9b", ("torch",)).deltanet_kernel == "torch"
-    assert plan("qwen3.5-9b", ("fla", "torch"), deltanet_kernel="torch").deltanet_kernel == "torch"
+    assert plan("qwen3.5-9b", ("torch",)).run.deltanet_kernel == "torch"
+    assert plan("qwen3.5-9b", ("fla", "torch"), deltanet_kernel="torch").run.deltanet_kernel == "torch"
     with pytest.raises(ConfigError, match="deltanet_kernel='fla' is not installed here .*flash-linear-attention"):
         plan("qwen3.5-9b", ("torch",), deltanet_kernel="fla")
     qwen3 = plan("qwen3-4b", ("fla", "torch"))  # no DeltaNet layer: no kernel named
-    assert qwen3.deltanet_kernel == "" and "deltanet" not in qwen3.summary()
+    assert qwen3.run.deltanet_kernel == "" and "deltanet" not in qwen3.summary()
 
 
 def _zero3_rank(rank, world, preset, ids, pos, labels):

@@ -52,8 +52,8 @@ def test_prepare_resolves_with_plan_for():
     cfg = load_config(["--config", str(ROOT / "launch" / "recipes" / "cpu_default.yaml")])
     run = prepare(cfg, 2)
     again = plan_for(cfg, run.model_config, load_ds_config(cfg.deepspeed), run.machine)
-    assert run.resolved == again and run.attn_implementation == again.attn_implementation
-    assert run.bf16 is again.bf16 is False and run.ds_config["bf16"]["enabled"] is False  # one rule: no GPU
+    assert run.resolved == again and run.attn_implementation == again.run.attn_implementation
+    assert run.bf16 is again.run.bf16 is False and run.ds_config["bf16"]["enabled"] is False  # one rule: no GPU
     assert run.resolved.predicted_step_s is None  # no GPU: no time model, nothing searched
 
 
@@ -83,7 +83,7 @@ def test_without_checkpointing_the_autos_offload_and_keep_nothing():
 
 def test_flash_attention_2_keeps_no_attention_outputs():
     plan = _plan(kernels=("flash_attention_2", "sdpa"))
-    assert plan.attn_implementation == "flash_attention_2" and plan.kept_attention_layers == ()
+    assert plan.run.attn_implementation == "flash_attention_2" and plan.kept_attention_layers == ()
     assert "0/36 attention outputs kept" in plan.summary()
     with pytest.raises(ConfigError, match="flash_attention_2 cannot: set keep_attention_outputs false"):
         _plan(kernels=("flash_attention_2", "sdpa"), keep_attention_outputs=True)
@@ -92,14 +92,15 @@ def test_flash_attention_2_keeps_no_attention_outputs():
 
 
 def test_auto_takes_flash_attention_4_whenever_installed():
-    assert _plan(kernels=("flash_attention_4", "flash_attention_2", "sdpa")).attn_implementation == "flash_attention_4"
+    fastest = _plan(kernels=("flash_attention_4", "flash_attention_2", "sdpa"))
+    assert fastest.run.attn_implementation == "flash_attention_4"
     with pytest.raises(ConfigError, match=r"flash_attention_4.*not installed here .*\[fa4\]"):
         _plan(attn_implementation="flash_attention_4")
 
 
 def test_auto_takes_the_fused_norm_kernel_where_installed_and_predicts_it_faster():
     fused, plain = _plan(norm_kernels=("triton", "torch")), _plan()
-    assert (fused.norm_kernel, plain.norm_kernel) == ("triton", "torch")
+    assert (fused.run.norm_kernel, plain.run.norm_kernel) == ("triton", "torch")
     assert "norm_kernel triton" in fused.decided and "triton norms" in fused.summary()
     parts = dict(fused.step_parts)
     assert parts["RMSNorms (triton)"] < dict(plain.step_parts)["RMSNorms (torch)"]
@@ -108,7 +109,7 @@ def test_auto_takes_the_fused_norm_kernel_where_installed_and_predicts_it_faster
         _plan(norm_kernel="triton")
     with pytest.raises(ConfigError, match="set lean_norm true or norm_kernel auto"):
         _plan(norm_kernels=("triton", "torch"), norm_kernel="triton", lean_norm=False)
-    assert _plan(norm_kernels=("triton", "torch"), lean_norm=False).norm_kernel == "torch"  # HF's norms stay
+    assert _plan(norm_kernels=("triton", "torch"), lean_norm=False).run.norm_kernel == "torch"  # HF's norms stay
 
 
 def test_the_norm_split_leaves_the_calibrated_total_unchanged():
@@ -141,7 +142,7 @@ def test_the_lean_norm_module_refuses_a_kernel_it_cannot_run():
 
 def test_auto_chooses_the_fastest_plan_that_fits_not_the_first():
     best = _plan()
-    assert best.fits and best.optimizer_offload and len(best.kept_attention_layers) == 36
+    assert best.fits and best.run.optimizer_offload and len(best.kept_attention_layers) == 36
     on_gpu = _plan(optimizer_offload=False)
     assert on_gpu.fits and best.predicted_step_s < on_gpu.predicted_step_s
     first_fit = _plan(optimizer_offload=False, keep_attention_outputs=False)  # what `auto` used to run
@@ -150,7 +151,7 @@ def test_auto_chooses_the_fastest_plan_that_fits_not_the_first():
     # the JSON's offload_optimizer section wins over auto
     json_says_gpu = resolve_plan(TrainConfig(model_name_or_path="qwen3-4b", max_length=262144, sp_size=1), Q4,
                                  Machine(gpus=1, **H200), ZeroSettings(optimizer_offload=False))
-    assert not json_says_gpu.optimizer_offload
+    assert not json_says_gpu.run.optimizer_offload
     with pytest.raises(ConfigError, match="optimizer_offload true but the ZeRO JSON has no offload_optimizer"):
         resolve_plan(TrainConfig(model_name_or_path="qwen3-4b", max_length=262144, optimizer_offload=True), Q4,
                      Machine(gpus=1, **H200), ZeroSettings(optimizer_offload=False))
@@ -178,15 +179,15 @@ def test_the_engine_measurement_changes_the_plan_only_when_memory_is_short():
     second = replan_after_engine(first, cfg, Q4, crowded)
     assert second.fits and second.gpu_budget_gb == pytest.approx(119.8, abs=0.01)
     # fixed by the engine
-    assert second.optimizer_offload == first.optimizer_offload and second.tiled_mlp == first.tiled_mlp
+    assert second.run.optimizer_offload == first.run.optimizer_offload and second.run.tiled_mlp == first.run.tiled_mlp
     assert len(second.kept_attention_layers) + len(second.saved_layers) - len(second.offload_layers) < \
         len(first.kept_attention_layers) + len(first.saved_layers) - len(first.offload_layers)
     assert any("measured" in n for n in second.notes)
     # nothing but the budget is decided again: not the kernels, even where the machine now lists others
     fused = _plan(norm_kernels=("triton", "torch"))
-    assert fused.norm_kernel == "triton"
+    assert fused.run.norm_kernel == "triton"
     again = replan_after_engine(fused, cfg, Q4, replace(crowded, norm_kernels=("torch",)))
-    assert again.norm_kernel == "triton" and again.gpu_budget_gb == second.gpu_budget_gb
+    assert again.run.norm_kernel == "triton" and again.gpu_budget_gb == second.gpu_budget_gb
 
 
 def test_planning_another_machine_assumes_host_ram_and_says_so(capsys):

@@ -252,14 +252,14 @@ def fill_ds_config(ds: dict, cfg: TrainConfig, world_size: int, dp_size: int, de
 def zero_config_for(ds: dict, cfg: TrainConfig, plan: Any, world_size: int, *, device_is_cuda: bool,
                     hidden_size: int | None, source: str, total_steps: int | None = None
                     ) -> tuple[dict, OptimizerSpec | None]:
-    """The ZeRO JSON the trainer hands DeepSpeed for a resolved plan (plan/types.Plan: its dp, precision and
-    Adam's placement) and AdamW's settings (fill_ds_config). The trainer calls it right after planning, so a
+    """The ZeRO JSON the trainer hands DeepSpeed for a resolved plan (plan/types.Plan: its run's dp, precision
+    and Adam's placement) and AdamW's settings (fill_ds_config). The trainer calls it right after planning, so a
     conflict is refused before the data is read, and again once the run's steps are known; `ulysses-trainer
     plan` calls it too: both refuse the same JSONs with the same message (exit 2)."""
-    return fill_ds_config(ds, cfg, world_size, plan.dp, device_is_cuda, bf16=plan.bf16, total_steps=total_steps,
+    return fill_ds_config(ds, cfg, world_size, plan.run.dp, device_is_cuda, bf16=plan.run.bf16, total_steps=total_steps,
                           hidden_size=hidden_size, source=source,
-                          use_deepspeed_optimizer=None if plan.optimizer_offload else False,
-                          optimizer_offload=plan.optimizer_offload)
+                          use_deepspeed_optimizer=None if plan.run.optimizer_offload else False,
+                          optimizer_offload=plan.run.optimizer_offload)
 
 
 def fill_zero_config(config: str | os.PathLike | dict, *, world_size: int, dp_size: int, micro_batch: int = 1,

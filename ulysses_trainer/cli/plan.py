@@ -176,7 +176,7 @@ def run_plan(argv: list[str]) -> int:
     # the plan's layout, kernels and loss, none of its length-dependent choices: the longest does not depend
     # on the max_length asked (the ZeRO-3 sizes per placement as the plan's own search had them)
     knobs = plan.zero3_by_placement
-    base = replace(plan.settings, max_length=cfg.max_length, activation_offload=0, kept_attention_layers=0,
+    base = replace(plan.run, max_length=cfg.max_length, activation_offload=0, kept_attention_layers=0,
                    zero3=knobs[False])
     # Adam's placement as the config and the ZeRO JSON fixed it (lever_settings: decode_levers, with_json_placement)
     shape = ModelShape.from_config(model_config)
@@ -184,7 +184,7 @@ def run_plan(argv: list[str]) -> int:
     floor = _floor(shape, plan, cfg.gradient_accumulation_steps)
     if args.json:
         out = {"model": plan.model, "hardware": {**machine.__dict__, "kernels": list(machine.kernels)},
-               "fits": plan.fits, "plan": plan.to_dict(), "chosen": _settings_summary(plan.settings),
+               "fits": plan.fits, "plan": plan.to_dict(), "chosen": _settings_summary(plan.run),
                "estimate": plan.estimate.to_dict(), "largest_max_length": longest,
                "largest_settings": _settings_summary(best.settings) if best else None}
         if floor is not None and shape.mixer_layers:  # Qwen3.5; Qwen3's JSON is held byte-equal (text only)
@@ -230,16 +230,16 @@ def _floor(shape: ModelShape, plan: Plan, accumulation: int) -> dict[str, float]
     """The predicted step's floor (plan/step_time.step_floor) and the step's ratio to it; None without a step time."""
     if plan.predicted_step_s is None or not plan.step_parts:
         return None
-    floor = step_floor(shape, plan.settings, dict(plan.step_parts), accumulation)
+    floor = step_floor(shape, plan.run, dict(plan.step_parts), accumulation)
     return {**floor, "predicted over floor": plan.predicted_step_s / floor["floor s"]}
 
 
 def _report(plan: Plan, machine: Machine, longest: int, best: Choice | None,
             floor: dict[str, float] | None = None) -> str:
-    s, e = plan.settings, plan.estimate
-    head = (f"{plan.model}, max_length {plan.max_length:,}, {machine.gpus} GPU(s) x {machine.gpu_memory_gb:g} GiB, "
-            f"host {machine.host_memory_gb:g} GiB per host ({machine.host_memory_source}), sp {plan.sp} x dp "
-            f"{plan.dp}, {local_tokens(s):,} tokens per GPU")
+    s, e = plan.run, plan.estimate
+    head = (f"{plan.model}, max_length {s.max_length:,}, {machine.gpus} GPU(s) x {machine.gpu_memory_gb:g} GiB, "
+            f"host {machine.host_memory_gb:g} GiB per host ({machine.host_memory_source}), sp {s.sp} x dp "
+            f"{s.dp}, {local_tokens(s):,} tokens per GPU")
     lines = [head, "", format_estimate(e), ""]
     if plan.fits:
         lines.append("fits: " + plan.summary())
@@ -259,9 +259,9 @@ def _report(plan: Plan, machine: Machine, longest: int, best: Choice | None,
         lines.append("recipe lines: " + "; ".join(
             [f"activation_offload: {len(plan.offload_layers)}",
              f"keep_attention_outputs: {len(plan.kept_attention_layers)}",
-             f"tiled_mlp: {plan.tiled_mlp if plan.tiled_mlp > 1 else 'false'}",
-             f"checkpoint_every: {plan.checkpoint_every}",
-             f"optimizer_offload: {str(plan.optimizer_offload).lower()}"]))
+             f"tiled_mlp: {s.tiled_mlp if s.tiled_mlp > 1 else 'false'}",
+             f"checkpoint_every: {s.checkpoint_every}",
+             f"optimizer_offload: {str(s.optimizer_offload).lower()}"]))
     if s.checkpoint_every > 1:
         lines.append(_rebuild_cost(s.checkpoint_every))
     if best is not None:

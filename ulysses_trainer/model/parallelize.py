@@ -122,10 +122,10 @@ def _row_width(config: Any) -> int:
     return fam.mlp_row_width(fam.layer_dims(config))
 
 
-def apply(model: SequenceParallelCausalLM, plan: Any) -> None:
+def apply(model: SequenceParallelCausalLM, plan: ModelPlan) -> None:
     """Set the levers parallelize installed: the thinning, the offloaded layer inputs (their pinned pool is
     allocated now when the plan gives the bytes, so a shortage is an error before step 1, not mid-run) and
-    the layers keeping their attention outputs. `plan`: a resolved Plan (plan/types.py) or a ModelPlan."""
+    the layers keeping their attention outputs. `plan`: a ModelPlan (a resolved Plan's: Plan.model_plan)."""
     ck, stash = model.checkpointer, model.attention.stash
     tiles = plan.tiled_mlp
     if tiles != model.tiles:

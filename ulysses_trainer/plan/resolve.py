@@ -76,7 +76,7 @@ def replan_after_engine(first: Plan, cfg: Any, shape: ModelShape, machine: Machi
     `first`'s, and so are the two the engine fixed (optimizer placement, tiles). Equal to `first` when the
     GPU holds what the memory model expected."""
     budget, budget_note = machine.gpu_budget(first)
-    fx = replace(first.fixed, optimizer_offload=first.optimizer_offload, tiled_mlp=first.tiled_mlp)
+    fx = replace(first.fixed, optimizer_offload=first.run.optimizer_offload, tiled_mlp=first.run.tiled_mlp)
     return _search(cfg, shape, machine, first.search_base, fx, first.fixed, first.zero3_by_placement, budget,
                    budget_note, attention=attention, engine_plan=first)
 
@@ -104,16 +104,9 @@ def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: F
     st = None if budget is None else time_of(chosen.settings)
     s = chosen.settings
     limit = None if fits else " and ".join(n for n, m in (("GPU memory", gpu_miss), ("host memory", host_miss)) if m)
-    saved_layers = tuple(range(0, shape.layers, s.checkpoint_every)) if s.gradient_checkpointing else ()
     return Plan(
-        model=str(cfg.model_name_or_path), max_length=cfg.max_length, padded_length=s.padded_length, sp=s.sp,
-        dp=s.dp, attn_implementation=s.attn_implementation, loss_type=s.loss_type, loss_chunk_size=s.loss_chunk_size,
-        tiled_mlp=s.tiled_mlp,
-        lean_norm=s.lean_norm, norm_kernel=s.norm_kernel, gradient_checkpointing=s.gradient_checkpointing,
-        checkpoint_every=s.checkpoint_every,
-        saved_layers=saved_layers, offload_layers=saved_layers[:s.activation_offload],
-        kept_attention_layers=tuple(range(s.kept_attention_layers)), optimizer_offload=s.optimizer_offload,
-        num_layers=shape.layers, checkpoint_bytes_per_layer=s.local_tokens * shape.hidden * s.act_bytes,
+        model=str(cfg.model_name_or_path), run=s, num_layers=shape.layers,
+        checkpoint_bytes_per_layer=s.local_tokens * shape.hidden * s.act_bytes,
         kept_attention_bytes_per_layer=kept_attention_bytes_per_layer(shape, s),
         terms=tuple((t.name, t.gpu if chosen.counts(t) else 0, t.host) for t in chosen.terms if t.gpu or t.host),
         predicted_peak_gpu_gb=chosen.gpu_peak / GIB, predicted_gpu_required_gb=chosen.gpu_required / GIB,
@@ -123,9 +116,7 @@ def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: F
         host_budget_gb=machine.host_memory_gb, decided=decided(cfg, asked, s),
         notes=plan_notes(cfg, machine, s, attention=attention, budget_note=budget_note, st=st,
                          engine_plan=engine_plan, fx=fx, best=best),
-        settings=s, estimate=chosen, fixed=asked, zero3_by_placement=by_placement,
-        experts_implementation=s.experts_implementation, deltanet_kernel=s.deltanet_kernel,
-        attention_fraction=s.attention_fraction,
+        estimate=chosen, fixed=asked, zero3_by_placement=by_placement,
         attention_from="" if not cfg.packing else "data" if attention else "one document (worst case)",
         search_base=base)
 

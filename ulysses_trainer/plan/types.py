@@ -65,7 +65,7 @@ class Machine:
         if self.gpu_memory_gb is None or engine_plan is None or self.gpu_free_after_engine_gb is None:
             return self.gpu_memory_gb, None
         held = sum(t.gpu for t in engine_plan.estimate.terms if t.phase == "static" and t.name != "Adam m, v")
-        measured = self.gpu_free_after_engine_gb + (held + int(engine_plan.settings.cuda_context_gb * GIB)) / GIB
+        measured = self.gpu_free_after_engine_gb + (held + int(engine_plan.run.cuda_context_gb * GIB)) / GIB
         if measured >= self.gpu_memory_gb - ENGINE_TOLERANCE_GB:  # the planned budget stands
             return self.gpu_memory_gb, None
         return measured, (f"GPU budget {measured:.1f} GiB: measured {self.gpu_free_after_engine_gb:.1f} GiB free "
@@ -112,25 +112,12 @@ def read_zero(ds: dict, source: str = "the ZeRO config") -> ZeroSettings:
 
 @dataclass(frozen=True)
 class Plan:
-    """The concrete run: no `auto` left. Layers are indices; memory in GiB (allocated, as torch reads it)."""
+    """The concrete run: no `auto` left. `run` holds every setting under its training-config name (layout, kernels,
+    precision, each lever decided); the layers each lever covers are properties. Memory in GiB (allocated, as torch
+    reads it)."""
 
     model: str
-    max_length: int
-    padded_length: int
-    sp: int
-    dp: int
-    attn_implementation: str
-    loss_type: str
-    loss_chunk_size: int
-    tiled_mlp: int  # MLP tiles, 1 = untiled
-    lean_norm: bool
-    norm_kernel: str  # the lean norms' kernel: triton | torch
-    gradient_checkpointing: bool
-    checkpoint_every: int
-    saved_layers: tuple[int, ...]  # layers whose input is kept for backward
-    offload_layers: tuple[int, ...]  # of those, in pinned host memory
-    kept_attention_layers: tuple[int, ...]  # layers keeping their attention output for the recompute
-    optimizer_offload: bool  # Adam (fp32 master, m, v) on the host: ZeRO-Offload
+    run: Settings  # the settings the search chose
     num_layers: int
     checkpoint_bytes_per_layer: int
     kept_attention_bytes_per_layer: int
@@ -148,51 +135,60 @@ class Plan:
     host_budget_gb: float
     decided: tuple[str, ...]  # the `auto` settings and what they became
     notes: tuple[str, ...]  # extrapolations, assumptions, alternatives weighed
-    settings: Settings = field(compare=False, repr=False)
     estimate: MemoryEstimate = field(compare=False, repr=False)
     # the levers as the config and the ZeRO JSON fixed them (None: auto, decided by the search); the longest
     # length `plan` reports searches the same autos
     fixed: Fixed = field(compare=False, repr=False)
     # the ZeRO-3 sizes per optimizer placement (ZeroSettings.by_placement): the longest-length search's too
     zero3_by_placement: dict[bool, Zero3Knobs] = field(default_factory=dict, compare=False, repr=False)
-    experts_implementation: str = "grouped_mm"  # a sparse model's experts kernel (unused by a dense one)
-    deltanet_kernel: str = ""  # the Gated DeltaNet rule's kernel ("": the model has no DeltaNet layer)
-    # packed rows: attention timed as this share of one document of max_length (sum(l_i^2) / L^2), taken from
-    # "data" or "one document (worst case)"; "" without packing
-    attention_fraction: float = 1.0
+    # packed rows: where run.attention_fraction (sum(l_i^2) / L^2) came from: "data" or "one document (worst
+    # case)"; "" without packing
     attention_from: str = ""
     # the settings the search started from (layout, kernels, precision; every lever at its default): a re-plan
     # (plan/resolve.replan_after_engine) searches from them again instead of deciding them again
     search_base: Settings | None = field(default=None, compare=False, repr=False)
 
     @property
-    def world(self) -> int:
-        return self.sp * self.dp
+    def saved_layers(self) -> tuple[int, ...]:
+        """The layers whose input is kept for backward."""
+        r = self.run
+        return tuple(range(0, self.num_layers, r.checkpoint_every)) if r.gradient_checkpointing else ()
+
+    @property
+    def offload_layers(self) -> tuple[int, ...]:
+        """Of the saved layers, those whose input lives in pinned host memory."""
+        return self.saved_layers[:self.run.activation_offload]
+
+    @property
+    def kept_attention_layers(self) -> tuple[int, ...]:
+        """The layers keeping their attention output for the recompute."""
+        return tuple(range(self.run.kept_attention_layers))
 
     def model_plan(self, host_memory_gb: float | None, ranks_per_host: int, *, levers: bool = True) -> ModelPlan:
         """What parallelize installs for this plan. levers False: the mechanisms only (no input offloaded, no
         attention output kept yet: the trainer sets those with apply once the engine is built); the stash is
         installed wherever a layer may keep its output (lever_settings.Fixed.attention_stash), so that plan may."""
+        r = self.run
         return ModelPlan(
-            attn_implementation=self.attn_implementation, loss_type=self.loss_type,
-            loss_chunk_size=self.loss_chunk_size, tiled_mlp=self.tiled_mlp,
-            lean_norm=self.lean_norm, norm_kernel=self.norm_kernel, gradient_checkpointing=self.gradient_checkpointing,
-            checkpoint_every=self.checkpoint_every, offload_layers=self.offload_layers if levers else (),
+            attn_implementation=r.attn_implementation, loss_type=r.loss_type, loss_chunk_size=r.loss_chunk_size,
+            tiled_mlp=r.tiled_mlp, lean_norm=r.lean_norm, norm_kernel=r.norm_kernel,
+            gradient_checkpointing=r.gradient_checkpointing, checkpoint_every=r.checkpoint_every,
+            offload_layers=self.offload_layers if levers else (),
             kept_attention_layers=self.kept_attention_layers if levers else (),
             attention_stash=self.fixed.attention_stash,
             checkpoint_bytes_per_layer=self.checkpoint_bytes_per_layer if levers else 0,
             host_memory_gb=host_memory_gb, ranks_per_host=ranks_per_host,
-            experts_implementation=self.experts_implementation, deltanet_kernel=self.deltanet_kernel or "torch")
+            experts_implementation=r.experts_implementation, deltanet_kernel=r.deltanet_kernel or "torch")
 
     def summary(self) -> str:
         """One line: what runs, the predicted step time and peak memory."""
-        gpu = self.gpu_budget_gb is not None
-        adam = "Adam on the host" if self.optimizer_offload else f"Adam on the {'GPU' if gpu else 'device'}"
+        gpu, r = self.gpu_budget_gb is not None, self.run
+        adam = "Adam on the host" if r.optimizer_offload else f"Adam on the {'GPU' if gpu else 'device'}"
         step = f"{format_seconds(self.predicted_step_s)} s/step" if gpu else "no step time (no GPU)"
-        deltanet = f", {self.deltanet_kernel} deltanet" if self.deltanet_kernel else ""
-        return (f"sp {self.sp} x dp {self.dp}, {self.attn_implementation}{deltanet}, {self.norm_kernel} norms, "
-                f"tiled_mlp {self.tiled_mlp}, "
-                f"checkpoint_every {self.checkpoint_every}, {len(self.offload_layers)}/{len(self.saved_layers)} "
+        deltanet = f", {r.deltanet_kernel} deltanet" if r.deltanet_kernel else ""
+        return (f"sp {r.sp} x dp {r.dp}, {r.attn_implementation}{deltanet}, {r.norm_kernel} norms, "
+                f"tiled_mlp {r.tiled_mlp}, "
+                f"checkpoint_every {r.checkpoint_every}, {len(self.offload_layers)}/{len(self.saved_layers)} "
                 f"layer inputs offloaded, {len(self.kept_attention_layers)}/{self.num_layers} attention outputs kept, "
                 f"{adam}{self._attention()}; predicted {step}, peak {self.predicted_peak_gpu_gb:.1f} GiB "
                 f"{'GPU' if gpu else 'device'} (allocated), "
@@ -200,7 +196,7 @@ class Plan:
 
     def _attention(self) -> str:
         if self.attention_from == "data":
-            return f", packed attention {self.attention_fraction:.1%} of one document"
+            return f", packed attention {self.run.attention_fraction:.1%} of one document"
         return ", packed attention timed as one document (worst case)" if self.attention_from else ""
 
     def shortage(self) -> str:
@@ -214,24 +210,21 @@ class Plan:
                          f"{self.predicted_host_gb:.1f} of {self.host_budget_gb:.1f} GiB per host)")
         return " and ".join(parts)
 
-    @property
-    def bf16(self) -> bool:
-        """Whether the run trains in bf16 (Machine.bf16's rule)."""
-        return self.settings.bf16
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "max_length": self.max_length, "padded_length": self.padded_length,
-                "bf16": self.bf16,
-                "sp_size": self.sp, "dp": self.dp, "attn_implementation": self.attn_implementation,
-                "loss_type": self.loss_type, "loss_chunk_size": self.loss_chunk_size, "tiled_mlp": self.tiled_mlp,
-                "lean_norm": self.lean_norm, "norm_kernel": self.norm_kernel,
-                "experts_implementation": self.experts_implementation, "deltanet_kernel": self.deltanet_kernel,
-                "gradient_checkpointing": self.gradient_checkpointing,
-                "checkpoint_every": self.checkpoint_every, "saved_layers": list(self.saved_layers),
+        r = self.run
+        return {"model": self.model, "max_length": r.max_length, "padded_length": r.padded_length,
+                "bf16": r.bf16,
+                "sp_size": r.sp, "dp": r.dp, "attn_implementation": r.attn_implementation,
+                "loss_type": r.loss_type, "loss_chunk_size": r.loss_chunk_size, "tiled_mlp": r.tiled_mlp,
+                "lean_norm": r.lean_norm, "norm_kernel": r.norm_kernel,
+                "experts_implementation": r.experts_implementation, "deltanet_kernel": r.deltanet_kernel,
+                "gradient_checkpointing": r.gradient_checkpointing,
+                "checkpoint_every": r.checkpoint_every, "saved_layers": list(self.saved_layers),
                 "offload_layers": list(self.offload_layers), "activation_offload": len(self.offload_layers),
                 "keep_attention_outputs": len(self.kept_attention_layers),
                 "kept_attention_layers": list(self.kept_attention_layers),
-                "optimizer_offload": self.optimizer_offload, "num_layers": self.num_layers,
+                "optimizer_offload": r.optimizer_offload, "num_layers": self.num_layers,
                 "checkpoint_bytes_per_layer": self.checkpoint_bytes_per_layer,
                 "kept_attention_bytes_per_layer": self.kept_attention_bytes_per_layer,
                 "terms": [{"name": n, "gpu_bytes": g, "host_bytes": h} for n, g, h in self.terms],
@@ -242,4 +235,4 @@ class Plan:
                 "missing_gpu_gb": self.missing_gpu_gb, "missing_host_gb": self.missing_host_gb,
                 "gpu_budget_gb": self.gpu_budget_gb,
                 "host_budget_gb": self.host_budget_gb, "decided": list(self.decided), "notes": list(self.notes),
-                "attention_fraction": self.attention_fraction, "attention_from": self.attention_from}
+                "attention_fraction": r.attention_fraction, "attention_from": self.attention_from}

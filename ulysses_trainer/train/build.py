@@ -53,7 +53,7 @@ def build_engine(plan: RunPlan, model: SequenceParallelCausalLM, device: torch.d
     PinnedCopyBack.install(engine.optimizer)
     resolved = resolve_after_engine(plan, device)
     digest = check_same_plan(resolved, "with the free GPU memory measured")  # before step 1
-    apply(model, resolved)
+    apply(model, resolved.model_plan(cfg.host_memory_gb, plan.machine.ranks_per_host))
     return engine, replace(plan, resolved=resolved, plan_digest=digest)
 
 

@@ -145,14 +145,14 @@ def check_host_fits(resolved: Plan, machine: Machine, device: str, ranks_here: i
     if need > have:
         raise ConfigError(f"the plan needs {need:.1f} GiB of host memory on this CPU machine ({ranks} rank(s) x "
                           f"{resolved.predicted_peak_gpu_gb:.1f} GiB peak + {host_terms:.1f} GiB "
-                          f"host terms) but it has {have:.1f} GiB; lower max_length (now {resolved.max_length}) "
+                          f"host terms) but it has {have:.1f} GiB; lower max_length (now {resolved.run.max_length}) "
                           f"or use a smaller model (now {resolved.model}), or run on GPUs; set host_memory_gb if "
                           f"the detected size is wrong")
 
 
 def _lever_values(plan: Plan, names: tuple[str, ...]) -> str:
     d = plan.to_dict()
-    values = {**{n: d[n] for n in AUTO_LEVERS}, "gradient_checkpointing": plan.gradient_checkpointing}
+    values = {**{n: d[n] for n in AUTO_LEVERS}, "gradient_checkpointing": plan.run.gradient_checkpointing}
     return " ".join(f"--{n} {str(values[n]).lower()}" for n in names)
 
 

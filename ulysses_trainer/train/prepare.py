@@ -78,23 +78,23 @@ class RunPlan:
 
     @property
     def sp_size(self) -> int:
-        return self.resolved.sp
+        return self.resolved.run.sp
 
     @property
     def dp_size(self) -> int:
-        return self.resolved.dp
+        return self.resolved.run.dp
 
     @property
     def bf16(self) -> bool:
-        return self.resolved.bf16
+        return self.resolved.run.bf16
 
     @property
     def attn_implementation(self) -> str:
-        return self.resolved.attn_implementation
+        return self.resolved.run.attn_implementation
 
     @property
     def padded_length(self) -> int:
-        return self.resolved.padded_length
+        return self.resolved.run.padded_length
 
 
 def _device() -> str:
@@ -124,7 +124,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
         return resolve_plan(c, shape, machine, zero, attention=attention, layout=layout)
 
     resolved = plan_of(cfg)  # every lever checked and decided here
-    bf16 = resolved.bf16  # machine.bf16: the one rule
+    bf16 = resolved.run.bf16  # machine.bf16: the one rule
 
     def zero_config(plan: Plan, total_steps: int | None) -> tuple[dict, OptimizerSpec | None]:
         return zero_config_for(ds_raw, cfg, plan, world_size, device_is_cuda=device == "cuda",
@@ -133,7 +133,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
 
     zero_config(resolved, cfg.max_steps)  # the JSON against the config, before the data (as `plan` checks it)
     digest = check_same_plan(resolved, "before the model is built")
-    sp, dp = resolved.sp, resolved.dp
+    sp, dp = resolved.run.sp, resolved.run.dp
     check_host_fits(resolved, machine, device, ranks_here=None if training else 1)  # a rehearsal runs one rank
     if training:  # a rehearsal measures what fits: it is not refused
         check_gpu_fits(resolved, cfg, plan_of)

@@ -26,7 +26,7 @@ def comm_job(plan, gpus_per_node: int, tiled_mlp: int, checkpoint_every: int):
     return Job.of(plan.zero.knobs, world_size=plan.world_size, sp_size=plan.sp_size, tiled_mlp=tiled_mlp,
                   local_tokens=plan.padded_length // plan.sp_size * cfg.per_device_train_batch_size,
                   grad_accum=cfg.gradient_accumulation_steps, bytes_per_el=2 if plan.bf16 else 4,
-                  gradient_checkpointing=plan.resolved.gradient_checkpointing, checkpoint_every=checkpoint_every,
+                  gradient_checkpointing=plan.resolved.run.gradient_checkpointing, checkpoint_every=checkpoint_every,
                   gpus_per_node=gpus_per_node)
 
 
@@ -137,9 +137,9 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
                "optimizer_step_s_added": opt_s, "adam_state_bytes": adam_bytes, "collectives_counted": counted,
                **memory, "offloaded_layers": len(ck.offload_layers) if ck is not None else 0,
                "kept_attention_layers": len(stash.layers) if stash is not None else 0,
-               "attention_kernel": trainer.model.attention.kernel, "mlp_tiles": trainer.resolved.tiled_mlp,
-               "checkpoint_every": trainer.resolved.checkpoint_every,
-               "optimizer_offload": trainer.resolved.optimizer_offload,
+               "attention_kernel": trainer.model.attention.kernel, "mlp_tiles": trainer.resolved.run.tiled_mlp,
+               "checkpoint_every": trainer.resolved.run.checkpoint_every,
+               "optimizer_offload": trainer.resolved.run.optimizer_offload,
                "predicted_by_plan_step_s": trainer.resolved.predicted_step_s,
                "predicted_by_plan_peak_gpu_gb": trainer.resolved.predicted_peak_gpu_gb,
                "device": torch.cuda.get_device_name() if cuda else "cpu",

@@ -63,9 +63,9 @@ def report_plan(r: Plan, before_build: bool, digest: str) -> None:
             (f"within the memory model's worst measured under-prediction ({UNDER_PREDICTION:.1%}), and it errs on the "
              f"high side: the run may still fit")
         log.warning(f"warning: the plan does not fit: {r.shortage()} ({why})")
-    if r.gradient_checkpointing:
+    if r.run.gradient_checkpointing:
         n, saved, off = r.num_layers, len(r.saved_layers), len(r.offload_layers)
-        kept = f"1 in {r.checkpoint_every} layers keeps its input" if r.checkpoint_every > 1 else \
+        kept = f"1 in {r.run.checkpoint_every} layers keeps its input" if r.run.checkpoint_every > 1 else \
             "every layer keeps its input"
         log.info(f"checkpoints: {kept} ({saved}/{n}), {off} in pinned host memory "
               f"({r.checkpoint_bytes_per_layer * off / 2**30:.2f} GiB)")
