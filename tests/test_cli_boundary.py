@@ -14,7 +14,7 @@ from ulysses_trainer.cli import launcher
 from ulysses_trainer.cli.argv import Arg, load_config, parse_overrides, split_argv, split_overrides, walk
 from ulysses_trainer.cli.console import use_console
 from ulysses_trainer.config import TrainConfig
-from ulysses_trainer.config_load import config_from
+from ulysses_trainer.config.load import config_from
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.messages import ON_STDERR
 
@@ -74,7 +74,7 @@ def test_the_overrides_parse_as_the_trainer_reads_them(tmp_path):
 
 
 def test_the_command_line_is_read_in_one_pass_by_the_config(tmp_path):
-    """load_config only splits; config_load.config_from reads the options as written: the same config as the typed
+    """load_config only splits; config.load.config_from reads the options as written: the same config as the typed
     overrides, and the command line's names are checked before the recipe is read, as before."""
     recipe = tmp_path / "r.yaml"
     recipe.write_text("max_length: 128\n")

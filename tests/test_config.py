@@ -8,7 +8,7 @@ import pytest
 from ulysses_trainer.cli.argv import load_config
 from ulysses_trainer.cli.train import format_help
 from ulysses_trainer.config import TrainConfig, config_to_dict, validate_config
-from ulysses_trainer.config_load import config_from_dict
+from ulysses_trainer.config.load import config_from_dict
 from ulysses_trainer.errors import ConfigError
 
 

@@ -58,7 +58,7 @@ def data_dir(tmp_path_factory):
 def _empty_shards(path, extra) -> int:
     """Sequences of the dataset with an sp=4 shard that holds no trained token."""
     from ulysses_trainer.cli.argv import parse_overrides
-    from ulysses_trainer.config_load import build_config
+    from ulysses_trainer.config.load import build_config
     from ulysses_trainer.data.documents import build_sequences
     from ulysses_trainer.data.tokenizer import QwenBPETokenizer
     from ulysses_trainer.parallel.sharding import shard_batch

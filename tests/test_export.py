@@ -15,7 +15,7 @@ import torch
 from tests.dist_utils import JOB_TIMEOUT_S, ROOT, job_failure, train_env
 from tests.tiny_checkpoint import MOE_HUB_CONFIG, write_documents, write_moe_checkpoint
 from ulysses_trainer.config import TrainConfig
-from ulysses_trainer.config_checks import shard_bytes
+from ulysses_trainer.config.checks import shard_bytes
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.model.export_config import export_config_json
 from ulysses_trainer.model.load import model_config_for
@@ -87,7 +87,7 @@ def test_max_shard_size_reads_as_transformers_reads_it(size, ok):
 
 
 def test_a_malformed_max_shard_size_is_refused():
-    from ulysses_trainer.config_checks import validate_config
+    from ulysses_trainer.config.checks import validate_config
 
     with pytest.raises(ConfigError, match="max_shard_size must be a size like 5GB"):
         validate_config(TrainConfig(max_shard_size="5 gigs"), 1)

@@ -11,7 +11,7 @@ import torch
 
 from ulysses_trainer.cli.argv import load_config
 from ulysses_trainer.config import TrainConfig
-from ulysses_trainer.config_load import build_config
+from ulysses_trainer.config.load import build_config
 from ulysses_trainer.errors import ConfigError
 
 

@@ -101,7 +101,7 @@ def test_no_import_loop_between_the_packages_parts():
 
 def test_lower_parts_do_not_import_higher_ones():
     graph = part_graph()
-    for low in ("names", "layout", "errors", "typed_values", "model_plan"):
+    for low in ("names", "layout", "errors", "model_plan"):
         assert graph.get(low, set()) <= {"errors"}, (low, graph.get(low))
     for runtime in ("attention", "levers", "parallel"):  # names and rules come from names.py, not the planner
         assert "plan" not in graph[runtime] and "config" not in graph[runtime], (runtime, graph[runtime])

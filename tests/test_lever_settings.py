@@ -22,8 +22,9 @@ from ulysses_trainer.plan.types import Machine
 PACKAGE = Path(__file__).resolve().parent.parent / "ulysses_trainer"
 RAW_LEVERS = {"activation_offload", "keep_attention_outputs", "tiled_mlp", "checkpoint_every", "optimizer_offload"}
 # where the raw fields may be read: the decoder, and the config's own definition with TRL's spellings, which
-# config_trl.py maps onto its fields when a TrainConfig is made
-DECODER, DEFINITION = PACKAGE / "lever_settings.py", (PACKAGE / "config.py", PACKAGE / "config_trl.py")
+# config/trl.py maps onto its fields when a TrainConfig is made
+DECODER = PACKAGE / "lever_settings.py"
+DEFINITION = (PACKAGE / "config" / "train_config.py", PACKAGE / "config" / "trl.py")
 CPU = Machine(gpus=1, gpu_memory_gb=None, host_memory_gb=64.0)
 
 LEVER_VALUES = [

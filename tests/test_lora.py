@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ulysses_trainer.config import TrainConfig
-from ulysses_trainer.config_load import build_config
+from ulysses_trainer.config.load import build_config
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.model.load import build_model, model_config_for
 from ulysses_trainer.model.lora import add_lora, lora_scaling, merged_state_dict

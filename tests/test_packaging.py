@@ -68,7 +68,7 @@ def test_the_packages_recipes_are_the_checkouts_and_ship_as_package_data():
 
 
 def test_a_recipe_named_as_the_readme_does_resolves_outside_a_checkout(tmp_path, monkeypatch):
-    from ulysses_trainer.config_load import read_recipe, resolve_recipe
+    from ulysses_trainer.config.load import read_recipe, resolve_recipe
     from ulysses_trainer.errors import ConfigError
 
     monkeypatch.chdir(tmp_path)  # no launch/recipes/ here

@@ -14,14 +14,14 @@ from tests.tiny_checkpoint import write_checkpoint, write_documents
 from ulysses_trainer.cli.argv import load_config
 from ulysses_trainer.cli.train import main
 from ulysses_trainer.config import config_to_dict
-from ulysses_trainer.config_load import build_config
+from ulysses_trainer.config.load import build_config
+from ulysses_trainer.config.yaml_numbers import load_yaml
 from ulysses_trainer.data.documents import build_sequences
 from ulysses_trainer.data.tokenizer import load_tokenizer
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.train.checkpoint import previous_run
 from ulysses_trainer.train.output_guard import RecordingWriter, check_writable, failure_message
 from ulysses_trainer.train.resume_check import check_resume_config, compare, run_record
-from ulysses_trainer.yaml_numbers import load_yaml
 
 
 def test_yaml_numbers_read_as_a_user_means_them(tmp_path):

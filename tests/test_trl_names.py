@@ -4,7 +4,7 @@ import pytest
 
 from ulysses_trainer.cli.argv import parse_overrides
 from ulysses_trainer.config import TrainConfig, config_to_dict
-from ulysses_trainer.config_load import build_config, config_from_dict
+from ulysses_trainer.config.load import build_config, config_from_dict
 from ulysses_trainer.errors import ConfigError
 
 
@@ -67,7 +67,7 @@ def test_trl_options_that_do_not_apply_get_their_reason_not_a_look_alike():
 
 def test_did_you_mean_only_for_a_close_name():
     from ulysses_trainer.config import FIELDS
-    from ulysses_trainer.name_hints import suggest
+    from ulysses_trainer.config.name_hints import suggest
 
     assert suggest("learning_rat", list(FIELDS)) == "; did you mean 'learning_rate'?"
     assert suggest("logging_firststep", list(FIELDS)) == "; did you mean 'logging_first_step'?"
@@ -80,8 +80,8 @@ def test_every_sft_config_field_is_a_field_a_spelling_or_refused():
 
     trl = pytest.importorskip("trl")
     from ulysses_trainer.config import FIELDS
-    from ulysses_trainer.config_load import IGNORED
-    from ulysses_trainer.name_hints import REFUSED, TRL_NAMES
+    from ulysses_trainer.config.load import IGNORED
+    from ulysses_trainer.config.name_hints import REFUSED, TRL_NAMES
 
     names = {f.name for f in dataclasses.fields(trl.SFTConfig) if not f.name.startswith("_")}
     assert not names - set(FIELDS) - set(TRL_NAMES) - set(REFUSED) - IGNORED

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ulysses_trainer.config_load import build_config
+from ulysses_trainer.config.load import build_config
 from ulysses_trainer.errors import ConfigError
 
 

@@ -16,8 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .name_hints import close_name
+from .errors import ConfigError, close_name
 
 AUTO = "auto"
 

@@ -2,7 +2,7 @@
 `--name`) and other arguments; every command splits and parses through it. `split_argv` parts a command's own
 options from training-config overrides (plan, rehearse, data, the train launcher), `split_overrides` parts
 `[--config RECIPE] [--name value ...]` into the recipe path and the options as written, `load_config` hands
-both to config_load.config_from, which reads them in one pass (the rank entry, data, rehearse); `parse_overrides`
+both to config.load.config_from, which reads them in one pass (the rank entry, data, rehearse); `parse_overrides`
 gives the typed overrides alone (plan). A command suggested to the user (`plan_command`) is built from the same
 walk, so what it keeps is what the commands read back."""
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..config import TrainConfig
-from ..config_load import command_line_values, config_from
+from ..config.load import command_line_values, config_from
 from ..errors import ConfigError
 
 
@@ -68,7 +68,7 @@ def split_argv(argv: list[str], own: set[str], flags: set[str],
 
 def split_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str | None]]]:
     """(recipe path, [(name, text or None when written bare)]) from `[--config R] [--name value | --name=value]`,
-    in the order written: split only; config_load.command_line_values reads the options."""
+    in the order written: split only; config.load.command_line_values reads the options."""
     recipe: str | None = None
     options: list[tuple[str, str | None]] = []
     for a in walk(list(argv)):

@@ -120,7 +120,7 @@ def format_help() -> str:
     import json
 
     from ..config import HINTS, TrainConfig
-    from ..typed_values import describe
+    from ..config.typed_values import describe
 
     lines = ["usage: deepspeed [--num_gpus N] launch/train.py [--config RECIPE.yaml] [--name value ...]", "",
              "  --config (a path; default none)",

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..config import TrainConfig
-from ..config_checks import check_eval_source
+from ..config.checks import check_eval_source
 from ..errors import ConfigError
 from .accounting import DataCounts
 from .agent_sessions import agent_sessions, mixed_agent_sessions

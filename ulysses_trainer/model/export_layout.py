@@ -186,7 +186,7 @@ def add_carried(directory: str, names: list[str], source: dict[str, Path], max_s
         return
     from safetensors.torch import save_file
 
-    from ..config_checks import shard_bytes
+    from ..config.checks import shard_bytes
 
     d = Path(directory)
     limit = max_shard_size if isinstance(max_shard_size, int) else shard_bytes(max_shard_size)

@@ -58,7 +58,7 @@ def single_process_state() -> ParallelState:
 def make_parallel_state(layout: Layout | int | None = None) -> ParallelState:
     """Build the dp × sp groups. Every rank must call this, in the same order (new_group is collective).
 
-    layout: the run's Layout (the trainer's, decided once by config_checks.validate_config), or an sp_size for a
+    layout: the run's Layout (the trainer's, decided once by config.checks.validate_config), or an sp_size for a
     loop of your own (None: the world size, all ranks shard one sequence).
     """
     sp_size = layout.sp if isinstance(layout, Layout) else layout

@@ -35,7 +35,7 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     One pass down: the machine's budget, the layout, the kernels, the base settings, the levers decoded and
     bound, the search, the step time, then the Plan with its notes.
     attention: the packed data's attention cost (data/attention_share.py); None: one document per row.
-    layout: the run's (config_checks.validate_config decided it); None: resolve_layout of sp_size and machine.gpus.
+    layout: the run's (config.checks.validate_config decided it); None: resolve_layout of sp_size and machine.gpus.
     """
     zero = zero or ZeroSettings()
     machine.check()

@@ -11,7 +11,7 @@ import os
 import shutil
 from collections.abc import Callable
 
-from ..config_checks import shard_bytes
+from ..config.checks import shard_bytes
 from ..data.formats import CONVERSATIONAL, PROMPT_COMPLETION
 from ..model.export_config import dtype_change_note, export_config_json
 from ..model.export_layout import add_carried, user_layout

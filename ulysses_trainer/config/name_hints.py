@@ -7,7 +7,7 @@ tests/test_trl_names.py checks that every SFTConfig field is a field here or has
 
 from __future__ import annotations
 
-import difflib
+from ..errors import close_name
 
 # other trainers' name -> what to set here instead
 TRL_NAMES: dict[str, str] = {
@@ -111,10 +111,3 @@ def suggest(name: str, fields: list[str]) -> str:
         return f"; this trainer's setting for that is {TRL_NAMES[name]}"
     close = close_name(name, fields)
     return f"; did you mean {close!r}?" if close else "; run with --help for the list of fields"
-
-
-def close_name(name: str, names: list[str]) -> str | None:
-    """The one of `names` that `name` is a near typo of, or None. 0.8: a typo (learning_rat,
-    gradient_acumulation_steps), not a different name sharing a suffix (dataset_config / peft_config scores 0.72)."""
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
-    return close[0] if close else None

@@ -10,9 +10,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .layout import Layout, resolve_layout
-from .lever_settings import decode_levers
+from ..errors import ConfigError
+from ..layout import Layout, resolve_layout
+from ..lever_settings import decode_levers
 
 
 def _need(ok: bool, msg: str) -> None:

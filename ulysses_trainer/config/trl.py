@@ -9,7 +9,7 @@ import dataclasses
 import json
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 _LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "peft_config", "merge_lora")
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import yaml
 
-from .config import FIELDS, HINTS, PACKAGE_DIR, TrainConfig, record_origins
-from .errors import ConfigError
+from ..errors import ConfigError
+from ..zero_json import DEEPSPEED_TOP_LEVEL, FILLED_FROM
 from .name_hints import TRL_NAMES, refusal, suggest
+from .train_config import FIELDS, HINTS, PACKAGE_DIR, TrainConfig, record_origins
 from .typed_values import NO_MATCH, coerce, describe, literal_choices
 from .yaml_numbers import load_yaml
-from .zero_json import DEEPSPEED_TOP_LEVEL, FILLED_FROM
 
 # Launcher arguments that are accepted and dropped (deepspeed adds --local_rank).
 IGNORED = {"local_rank"}

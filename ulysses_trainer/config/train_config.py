@@ -1,8 +1,8 @@
 """The typed training config: every field, its type, default and help line.
 
 Field names follow TRL's SFTConfig / TrainingArguments where TRL has one; the rest are ours. Made from
-defaults < YAML recipe < `--name value` on the command line by config_load.py; TRL's spellings are decoded
-when it is made (config_trl.py). Every problem is a ConfigError (exit 2) whose message names the fix.
+defaults < YAML recipe < `--name value` on the command line by config/load.py; TRL's spellings are decoded
+when it is made (config/trl.py). Every problem is a ConfigError (exit 2) whose message names the fix.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from .config_checks import validate_config as validate_config  # re-exported: callers import it from here
-from .config_trl import decode_trl_spellings
+from .trl import decode_trl_spellings
 
 # the checkout's root (recipes, benchmarks); an installed package has only PACKAGE_DIR, which ships the ZeRO
 # JSONs as package data (ulysses_trainer/ds_configs/, the same files as the checkout's ds_configs/)
-REPO_ROOT = Path(__file__).resolve().parent.parent
-PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
 DEFAULT_DS_CONFIG = "ds_configs/zero3.json"  # a shipped name: the working directory's file, else the package's
 
 AttnImpl = Literal["auto", "sdpa", "flash_attention_2", "flash_attention_4"]
@@ -233,8 +232,8 @@ class TrainConfig:
 
     def origin(self, name: str) -> str:
         """Where a field's value came from, for messages: "recipe PATH", "the command line", or "the default" (the
-        field's default, or a value it holds that config_load.build_config did not record)."""
-        given = _ORIGINS.get(id(self), {})  # recorded by config_load.build_config; not a field, so never saved
+        field's default, or a value it holds that config.load.build_config did not record)."""
+        given = _ORIGINS.get(id(self), {})  # recorded by config.load.build_config; not a field, so never saved
         if name in given:
             return given[name]
         return "the default" if getattr(self, name) == FIELDS[name].default else "the training config"
