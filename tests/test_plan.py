@@ -382,7 +382,7 @@ def test_grouped_attention_and_kept_outputs_by_hand():
     # kept attention outputs: all 36 held at the top layer's backward but its own (now its saved output)
     per = t * Q4.q_width * 2 + t * Q4.heads * 4
     base = estimate(Q4, replace(s, activation_offload=36))
-    kept = estimate(Q4, replace(s, activation_offload=36, kept_attention_layers=36))
+    kept = estimate(Q4, replace(s, activation_offload=36, keep_attention_outputs=36))
     (term,) = [x for x in kept.terms if x.name.startswith("attention outputs kept")]
     assert term.gpu == 35 * per and kept.gpu_peak - base.gpu_peak == 35 * per
 
@@ -414,8 +414,8 @@ def test_attention_path_at_sp8_one_kv_head_per_rank():
     assert phase == "attention backward" and "o_proj input" not in detail
     # the kept layers are the lowest: with 35 of 36 kept the top layer runs on all heads and the peak is the
     # backward of layer 34, the highest one on the larger group path
-    assert M.backward_peak_layer(Q8, replace(s, kept_attention_layers=35)) == 34
-    assert M.backward_peak_layer(Q8, replace(s, kept_attention_layers=36)) == 35
+    assert M.backward_peak_layer(Q8, replace(s, keep_attention_outputs=35)) == 34
+    assert M.backward_peak_layer(Q8, replace(s, keep_attention_outputs=36)) == 35
     # the real F.sdpa on 4 query heads and their 1 KV head (cuDNN's GQA backward, 256K rehearsal on the H200):
     # one fp32 workspace of twice the accumulator, 2 u more than the stand-in
     sdpa = attention_backward_extra(Q8, replace(s, attn_implementation="sdpa"))
@@ -426,7 +426,7 @@ def test_attention_path_at_sp8_one_kv_head_per_rank():
     doc = json.loads((ROOT / "benchmarks/results/rehearsal/memory_variants_8b_sp8.json").read_text())
     for p in doc["points"]:
         v = replace(s, max_length=p["max_length"], checkpoint_every=p["checkpoint_every"],
-                    activation_offload=p["offloaded_layers"], kept_attention_layers=p["kept_attention_layers"])
+                    activation_offload=p["offloaded_layers"], keep_attention_outputs=p["kept_attention_layers"])
         err = estimate(Q8, v).gpu_peak / GIB / p["peak_gpu_mem_gb"] - 1
         assert 0 <= err <= (0.01 if p["variant"] in "AE" else 0.02), (p["variant"], err)
 
@@ -438,7 +438,7 @@ def test_zero3_holds_max_live_parameters_from_the_second_step():
     from ulysses_trainer.plan.inputs import Zero3Knobs, layer_param_numels
     from ulysses_trainer.plan.layer_terms import layer_gathered_params_bytes
 
-    s = Settings(max_length=131_072, sp=2, tiled_mlp=5, kept_attention_layers=36)
+    s = Settings(max_length=131_072, sp=2, tiled_mlp=5, keep_attention_outputs=36)
     steady, first = layer_gathered_params_bytes(Q4, s), layer_gathered_params_bytes(Q4, replace(s, zero3_trace=False))
     assert steady - first == 1_000_000_000 * 2 - (sum(layer_param_numels(Q4)) + int(0.9 * Q4.hidden**2)) * 2
     assert estimate(Q4, s).gpu_peak - estimate(Q4, replace(s, zero3_trace=False)).gpu_peak == steady - first

@@ -298,8 +298,8 @@ def test_the_plan_times_and_sizes_deltanet_layers_by_their_own_terms():
     from ulysses_trainer.plan.memory import kept_attention_at
 
     # keep_attention_outputs 16: of the first 16 layers, layers 3, 7, 11, 15 attend and keep an output
-    assert kept_attention_at(shape, replace(s, kept_attention_layers=16), 64) == 4
-    assert st.parts["attention forward"] > step_time(shape, replace(s, kept_attention_layers=16),
+    assert kept_attention_at(shape, replace(s, keep_attention_outputs=16), 64) == 4
+    assert st.parts["attention forward"] > step_time(shape, replace(s, keep_attention_outputs=16),
                                                      shape.num_params).parts["attention forward"]
 
 

@@ -115,7 +115,7 @@ def test_auto_takes_the_fused_norm_kernel_where_installed_and_predicts_it_faster
 def test_the_norm_split_leaves_the_calibrated_total_unchanged():
     from ulysses_trainer.plan.inputs import num_params
 
-    s = Settings(max_length=262144, kept_attention_layers=36, optimizer="none")
+    s = Settings(max_length=262144, keep_attention_outputs=36, optimizer="none")
     lean, hf = (step_time(Q4, replace(s, lean_norm=v), num_params(Q4)) for v in (True, False))
     assert lean.total_s == pytest.approx(hf.total_s, rel=1e-12)  # the torch norms were inside the dense rate
     assert "RMSNorms (torch)" in lean.parts and "RMSNorms (torch)" not in hf.parts
@@ -224,10 +224,10 @@ def test_step_time_rates_are_the_benchmark_files():
 
 @pytest.mark.parametrize("source, settings, measured", [
     # benchmarks/results/long_context_ours_fwdbwd_qwen3-4b_262144_kept_cudnn_warm.json (forward+backward)
-    ("cudnn kept", dict(max_length=262144, kept_attention_layers=36, optimizer="none"), 155.90),
-    ("fa4 kept", dict(max_length=262144, kept_attention_layers=36, optimizer="none",
+    ("cudnn kept", dict(max_length=262144, keep_attention_outputs=36, optimizer="none"), 155.90),
+    ("fa4 kept", dict(max_length=262144, keep_attention_outputs=36, optimizer="none",
                       attn_implementation="flash_attention_4"), 134.78),
-    ("fa4 kept 128K", dict(max_length=131072, kept_attention_layers=36, optimizer="none",
+    ("fa4 kept 128K", dict(max_length=131072, keep_attention_outputs=36, optimizer="none",
                            attn_implementation="flash_attention_4"), 39.40),
 ])
 def test_step_time_reproduces_the_calibration_runs(source, settings, measured):

@@ -80,10 +80,10 @@ def choose_deltanet_kernel(name: str, installed: tuple[str, ...]) -> str:
 class Kernels:
     """The run's kernels, chosen together (choose_kernels)."""
 
-    attention: str  # attn_implementation
-    norm: str  # the lean RMSNorms' kernel (torch without lean norms)
-    experts: str  # a sparse model's experts_implementation (unused by a dense one)
-    deltanet: str = "torch"  # a Gated DeltaNet layer's rule kernel (unused by a model without one)
+    attn_implementation: str
+    norm_kernel: str  # the lean RMSNorms' kernel (torch without lean norms)
+    experts_implementation: str  # a sparse model's (unused by a dense one)
+    deltanet_kernel: str = "torch"  # a Gated DeltaNet layer's rule kernel (unused by a model without one)
 
 
 def choose_kernels(attn_implementation: str, norm_kernel: str, experts_implementation: str, lean_norm: bool,
@@ -91,10 +91,10 @@ def choose_kernels(attn_implementation: str, norm_kernel: str, experts_implement
                    installed_deltanet: tuple[str, ...] = ("torch",)) -> Kernels:
     """Every kernel setting decided in one step from what is installed (ConfigError naming the fix): the
     attention kernel, the RMSNorm kernel, the experts kernel and the Gated DeltaNet rule's kernel."""
-    return Kernels(attention=choose_kernel(attn_implementation, installed),
-                   norm=choose_norm_kernel(norm_kernel, installed_norms, lean_norm),
-                   experts=choose_experts_implementation(experts_implementation),
-                   deltanet=choose_deltanet_kernel(deltanet_kernel, installed_deltanet))
+    return Kernels(attn_implementation=choose_kernel(attn_implementation, installed),
+                   norm_kernel=choose_norm_kernel(norm_kernel, installed_norms, lean_norm),
+                   experts_implementation=choose_experts_implementation(experts_implementation),
+                   deltanet_kernel=choose_deltanet_kernel(deltanet_kernel, installed_deltanet))
 
 
 def groups_one_at_a_time(kv_heads: int, keeps_output: bool) -> bool:

@@ -176,7 +176,7 @@ def run_plan(argv: list[str]) -> int:
     # the plan's layout, kernels and loss, none of its length-dependent choices: the longest does not depend
     # on the max_length asked (the ZeRO-3 sizes per placement as the plan's own search had them)
     knobs = plan.zero3_by_placement
-    base = replace(plan.run, max_length=cfg.max_length, activation_offload=0, kept_attention_layers=0,
+    base = replace(plan.run, max_length=cfg.max_length, activation_offload=0, keep_attention_outputs=0,
                    zero3=knobs[False])
     # Adam's placement as the config and the ZeRO JSON fixed it (lever_settings: decode_levers, with_json_placement)
     shape = ModelShape.from_config(model_config)

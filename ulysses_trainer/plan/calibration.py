@@ -95,7 +95,7 @@ def benchmark_settings(system: str, shape: ModelShape, point: dict[str, Any], st
         return replace(base, activation_offload=int(point.get("offloaded_layers") or 0),
                        lean_norm=bool(point.get("lean_norm", False)),
                        grouped_attention=bool(point.get("grouped_attention", False)),
-                       kept_attention_layers=int(point.get("kept_attention_layers", 0)),
+                       keep_attention_outputs=int(point.get("kept_attention_layers", 0)),
                        checkpoint_every=int(point.get("checkpoint_every", 1)),
                        optimizer_offload=bool(point.get("offload_optimizer", False)),
                        # long_context.py sets smaller sub-groups with optimizer offload (2**28 in the first

@@ -171,18 +171,18 @@ def _timed_candidates(sr: Search, r: Rung, tiles: int, keep_max: int) -> list[Me
     plus as many kept outputs as fit without more offload, and the most kept outputs that fit with any offload
     (time is near linear in both, so the best lies at one of the ends)."""
     if sr.fixed.keep_attention_outputs is not None:
-        e = sr.fewest_offloaded(r, kept_attention_layers=sr.fixed.keep_attention_outputs, tiled_mlp=tiles)
+        e = sr.fewest_offloaded(r, keep_attention_outputs=sr.fixed.keep_attention_outputs, tiled_mlp=tiles)
         return [e] if e is not None else []
-    base = sr.fewest_offloaded(r, kept_attention_layers=0, tiled_mlp=tiles)
+    base = sr.fewest_offloaded(r, keep_attention_outputs=0, tiled_mlp=tiles)
     if base is None:
         return []
     a0, kw = base.settings.activation_offload, {"tiled_mlp": tiles} | r.kw()
-    k_lo = sr.most_kept(0, keep_max, lambda k: sr.fits(sr.est(activation_offload=a0, kept_attention_layers=k, **kw)))
+    k_lo = sr.most_kept(0, keep_max, lambda k: sr.fits(sr.est(activation_offload=a0, keep_attention_outputs=k, **kw)))
     k_hi = sr.most_kept(k_lo, keep_max,
-                        lambda k: sr.fewest_offloaded(r, kept_attention_layers=k, tiled_mlp=tiles) is not None)
-    out = [sr.est(activation_offload=a0, kept_attention_layers=k_lo, **kw)]
+                        lambda k: sr.fewest_offloaded(r, keep_attention_outputs=k, tiled_mlp=tiles) is not None)
+    out = [sr.est(activation_offload=a0, keep_attention_outputs=k_lo, **kw)]
     if k_hi > k_lo:
-        out.append(sr.fewest_offloaded(r, kept_attention_layers=k_hi, tiled_mlp=tiles))
+        out.append(sr.fewest_offloaded(r, keep_attention_outputs=k_hi, tiled_mlp=tiles))
     return out
 
 
@@ -237,7 +237,7 @@ def cheapest_autos(shape: ModelShape, base: Settings, fx: Fixed) -> MemoryEstima
     tiles = fx.tiled_mlp if fx.tiled_mlp is not None else default_mlp_tiles(base.local_tokens, shape.mlp_row_width)
     s = replace(base, checkpoint_every=every, tiled_mlp=tiles, optimizer_offload=bool(fx.optimizer_offload),
                 activation_offload=fx.offload_for(saved_layer_count(shape, every)) or 0,
-                kept_attention_layers=fx.keep_attention_outputs or 0)
+                keep_attention_outputs=fx.keep_attention_outputs or 0)
     return estimate(shape, s)
 
 
@@ -252,7 +252,7 @@ def cheapest_fit(shape: ModelShape, base: Settings, fx: Fixed, gpu_gb: float, ho
 
     At each rung the fewest offloaded inputs are searched at the most tiles (GPU memory falls as tiles grow,
     host memory does not depend on them), then the fewest tiles for that count."""
-    sr = Search(shape, base, replace(fx, keep_attention_outputs=base.kept_attention_layers), gpu_gb, host_gb,
+    sr = Search(shape, base, replace(fx, keep_attention_outputs=base.keep_attention_outputs), gpu_gb, host_gb,
                 knobs or {False: base.zero3, True: base.zero3})
     ladder = sr.tile_ladder(every_count=True)
     for rungs in sr.rungs():

@@ -210,7 +210,7 @@ class Settings:
     # for layers keeping their output, see layer_terms.attention_runs_grouped); False: on all heads at once
     grouped_attention: bool = True
     # the first n layers keep their attention output + LSE from the checkpoint's forward (attention/stash.py)
-    kept_attention_layers: int = 0
+    keep_attention_outputs: int = 0
     # packed rows: their causal varlen attention, sum(l_i^2) over documents, as a share of one document of
     # max_length (mean over the data's rows, data/attention_share.py); 1.0: one document, the worst case
     attention_fraction: float = 1.0
@@ -276,9 +276,9 @@ def check_settings(shape: ModelShape, s: Settings) -> None:
                 mixer.sp_heads(shape.dims) if mixer is not None and shape.mixer_layers else ())
     need(s.micro_batch >= 1, f"per_device_train_batch_size must be >= 1, got {s.micro_batch}")
     need(s.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {s.checkpoint_every}")
-    need(0 <= s.kept_attention_layers <= shape.layers and (s.kept_attention_layers == 0 or s.gradient_checkpointing),
+    need(0 <= s.keep_attention_outputs <= shape.layers and (s.keep_attention_outputs == 0 or s.gradient_checkpointing),
          f"kept_attention_layers must be 0..{shape.layers} and needs gradient_checkpointing, "
-         f"got {s.kept_attention_layers}")
+         f"got {s.keep_attention_outputs}")
     need(s.checkpoint_every == 1 or s.gradient_checkpointing, "checkpoint_every > 1 needs gradient_checkpointing")
     saved = saved_layer_count(shape, s.checkpoint_every)
     need(0 <= s.activation_offload <= saved,

@@ -73,7 +73,7 @@ def attention_groups(shape: ModelShape, sp: int) -> int:
 def top_layer_keeps_output(shape: ModelShape, s: Settings) -> bool:
     """Whether the top layer keeps its attention output: the kept layers are the lowest ones
     (plan/memory.py kept_attention_at), so only when every layer does."""
-    return s.kept_attention_layers >= shape.layers
+    return s.keep_attention_outputs >= shape.layers
 
 
 def attention_runs_grouped(shape: ModelShape, s: Settings, keeps_output: bool) -> bool:

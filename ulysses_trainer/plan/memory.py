@@ -164,7 +164,7 @@ def kept_attention_at(shape: ModelShape, s: Settings, j: int) -> int:
     """Kept attention outputs held during layer j's backward: those of the kept layers below j (layer j's
     own became its attention's saved output, counted in the working set; those above are used up). Only
     attention layers keep one (not a family's mixer layers: Qwen3.5's Gated DeltaNet)."""
-    return shape.attending_before[min(s.kept_attention_layers, j)]
+    return shape.attending_before[min(s.keep_attention_outputs, j)]
 
 
 def backward_peak_layer(shape: ModelShape, s: Settings) -> int:
@@ -177,7 +177,7 @@ def backward_peak_layer(shape: ModelShape, s: Settings) -> int:
     ws = {keeps: layer_working_set(shape, s, keeps)[0] for keeps in (False, True)}
     return max(range(shape.layers - 1, -1, -1),
                key=lambda j: gpu_checkpoints_at(shape, s, j) * ck + kept_attention_at(shape, s, j) * kept
-               + grads_so_far_bytes(shape, s, j) + ws[j < s.kept_attention_layers])
+               + grads_so_far_bytes(shape, s, j) + ws[j < s.keep_attention_outputs])
 
 
 def gpu_checkpoints_held(shape: ModelShape, s: Settings) -> int:
@@ -270,8 +270,9 @@ def optimizer_step_bytes(shape: ModelShape, s: Settings) -> int:
 # The estimate
 
 
-# `plan --json` keeps the keys it has always written for these two Settings fields
-_JSON_KEYS = {"optimizer_offload": "offload_optimizer", "attn_implementation": "attention"}
+# `plan --json` keeps the keys it has always written for these Settings fields
+_JSON_KEYS = {"optimizer_offload": "offload_optimizer", "attn_implementation": "attention",
+              "keep_attention_outputs": "kept_attention_layers"}
 
 
 @dataclass(frozen=True)
@@ -336,7 +337,7 @@ def estimate(shape: ModelShape, s: Settings) -> MemoryEstimate:
     check_settings(shape, s)
     ck = checkpoint_bytes_per_layer(shape, s)
     peak_layer = backward_peak_layer(shape, s)
-    ws, ws_phase, ws_detail = layer_working_set(shape, s, peak_layer < s.kept_attention_layers)
+    ws, ws_phase, ws_detail = layer_working_set(shape, s, peak_layer < s.keep_attention_outputs)
     held = gpu_checkpoints_at(shape, s, peak_layer)
     terms = [
         Term("weights", weights_bytes(shape, s), 0, "static"),
@@ -350,7 +351,7 @@ def estimate(shape: ModelShape, s: Settings) -> MemoryEstimate:
              checkpoints_gpu_bytes(shape, s), host_pool_bytes(shape, s), "resident",
              {"per layer": ck}),
         Term("activations without checkpointing", activations_no_checkpointing_bytes(shape, s), 0, "resident"),
-        Term(f"attention outputs kept for the recompute ({s.kept_attention_layers} layers)",
+        Term(f"attention outputs kept for the recompute ({s.keep_attention_outputs} layers)",
              kept_attention_at(shape, s, peak_layer) * kept_attention_bytes_per_layer(shape, s),
              0, "resident"),
         Term("rope cos/sin", rope_bytes(shape, s), 0, "resident"),

@@ -59,7 +59,7 @@ def decided(cfg: Any, asked: Fixed, s: Settings) -> tuple[str, ...]:
     if cfg.deltanet_kernel == "auto" and s.deltanet_kernel:
         out.append(f"deltanet_kernel {s.deltanet_kernel}")
     for name, fixed, value in (("activation_offload", asked.activation_offload, s.activation_offload),
-                               ("keep_attention_outputs", asked.keep_attention_outputs, s.kept_attention_layers),
+                               ("keep_attention_outputs", asked.keep_attention_outputs, s.keep_attention_outputs),
                                ("tiled_mlp", asked.tiled_mlp, s.tiled_mlp),
                                ("checkpoint_every", asked.checkpoint_every, s.checkpoint_every),
                                ("optimizer_offload", asked.optimizer_offload, s.optimizer_offload)):

@@ -49,21 +49,22 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
     base = Settings(max_length=cfg.max_length, sp=layout.sp, dp=layout.dp,
                     micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
                     gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
-                    loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, norm_kernel=kernels.norm,
-                    attn_implementation=kernels.attention, pad_to_multiple_of=cfg.pad_to_multiple_of, zero3=zero.knobs,
-                    gpus_per_host=machine.ranks_per_host, experts_implementation=kernels.experts,
-                    deltanet_kernel=kernels.deltanet if shape.mixer_layers else "",
+                    loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, norm_kernel=kernels.norm_kernel,
+                    attn_implementation=kernels.attn_implementation, pad_to_multiple_of=cfg.pad_to_multiple_of,
+                    zero3=zero.knobs,
+                    gpus_per_host=machine.ranks_per_host, experts_implementation=kernels.experts_implementation,
+                    deltanet_kernel=kernels.deltanet_kernel if shape.mixer_layers else "",
                     attention_fraction=attention.mean if cfg.packing and attention is not None else 1.0,
                     trainable_numels=_lora_numels(cfg, shape))
     # the levers (lever_settings.decode_levers), the ZeRO JSON's optimizer placement winning over auto, bound to
     # the model: `tiled_mlp: true` sizes its tiles by the tokens per rank. asked: what the config and JSON fixed
     asked = decode_levers(cfg).with_json_placement(zero.optimizer_offload).bind(
         shape.layers, lambda: auto_num_tiles(base.local_tokens, shape.hidden, shape.mlp_row_width))
-    if kernels.attention not in KEEPING_KERNELS and asked.keep_attention_outputs not in (0, None):
+    if kernels.attn_implementation not in KEEPING_KERNELS and asked.keep_attention_outputs not in (0, None):
         raise ConfigError(f"keep_attention_outputs needs a kernel that can keep its outputs (sdpa, "
-                          f"flash_attention_4); {kernels.attention} cannot: set keep_attention_outputs false or "
-                          f"attn_implementation sdpa")
-    check_settings(shape, replace(base, kept_attention_layers=0))
+                          f"flash_attention_4); {kernels.attn_implementation} cannot: set keep_attention_outputs "
+                          f"false or attn_implementation sdpa")
+    check_settings(shape, replace(base, keep_attention_outputs=0))
     return _search(cfg, shape, machine, base, asked, asked, zero.by_placement, budget, budget_note,
                    attention=attention, engine_plan=None)
 

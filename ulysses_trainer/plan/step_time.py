@@ -151,7 +151,7 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
         notes.append(f"attention kernel rates measured at head_dim {MEASURED_HEAD_SHAPE[2]}, used at "
                      f"{shape.head_dim} (H200 at 256: ~405 cuDNN / 433 flash-attn-4 TFLOP/s fwd+bwd, "
                      f"{rates.DELTANET_SOURCE}: optimistic there)")
-    kept = s.kept_attention_layers if s.gradient_checkpointing else 0
+    kept = s.keep_attention_outputs if s.gradient_checkpointing else 0
     # a family's mixer layers (Qwen3.5's Gated DeltaNet) run no attention kernel, and keep no attention output
     mixed = set(shape.mixer_layers)
     attending = [i for i in range(shape.layers) if i not in mixed]

@@ -162,7 +162,7 @@ class Plan:
     @property
     def kept_attention_layers(self) -> tuple[int, ...]:
         """The layers keeping their attention output for the recompute."""
-        return tuple(range(self.run.kept_attention_layers))
+        return tuple(range(self.run.keep_attention_outputs))
 
     def model_plan(self, host_memory_gb: float | None, ranks_per_host: int, *, levers: bool = True) -> ModelPlan:
         """What parallelize installs for this plan. levers False: the mechanisms only (no input offloaded, no
