@@ -15,6 +15,7 @@ from ulysses_trainer.cli.train import main as train_main
 from ulysses_trainer.config import REPO_ROOT
 from ulysses_trainer.ds_config import load_ds_config
 from ulysses_trainer.errors import ConfigError
+from ulysses_trainer.plan.inputs import Settings
 from ulysses_trainer.plan.types import read_zero
 from ulysses_trainer.zero_json import DEEPSPEED_TOP_LEVEL, DEEPSPEED_ZERO_DEFAULTS
 
@@ -209,8 +210,8 @@ def test_the_rehearsal_times_communication_with_the_plans_sizes():
 
     zero = read_zero({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 12345,
                                             "reduce_bucket_size": "auto"}})
-    plan = SimpleNamespace(zero=zero, cfg=TrainConfig(), world_size=2, sp_size=2, padded_length=64, bf16=False,
-                           resolved=SimpleNamespace(gradient_checkpointing=True))
+    run = Settings(max_length=64, sp=2, bf16=False, zero3=zero.by_placement[False])
+    plan = SimpleNamespace(cfg=TrainConfig(), resolved=SimpleNamespace(run=run))
     job = comm_job(plan, gpus_per_node=8, tiled_mlp=1, checkpoint_every=1)
     assert (job.max_reuse_distance, job.reduce_bucket_size, job.param_persistence_threshold) == (12345, None, 100_000)
 

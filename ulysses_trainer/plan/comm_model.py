@@ -50,9 +50,8 @@ import math
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
-from .inputs import ModelShape
+from .inputs import ModelShape, Settings
 from .zero3_trace import gathers_per_micro_step
 
 # Assumed when no measured file is given: NCCL bus bandwidth of large messages over H200 NVLink
@@ -88,12 +87,16 @@ class Job:
         return self.world_size // self.sp_size
 
     @classmethod
-    def of(cls, zero3: Any, **layout: Any) -> Job:
-        """The job with the ZeRO-3 sizes the run's JSON gives (plan/inputs.Zero3Knobs, read once by
-        plan/types.read_zero): the plan's step time and the rehearsal build their jobs here."""
-        return cls(param_persistence_threshold=zero3.param_persistence_threshold,
-                   reduce_bucket_size=zero3.reduce_bucket_size, max_reuse_distance=zero3.max_reuse_distance,
-                   **layout)
+    def of(cls, s: Settings, accumulation: int = 1, gpus_per_node: int | None = None) -> Job:
+        """The job a plan's settings describe (layout, tokens per rank, precision, levers and the ZeRO-3 sizes the
+        run's JSON gives, plan/types.read_zero): the plan's step time and the rehearsal build their jobs here.
+        gpus_per_node None: the settings' ranks per host."""
+        z = s.zero3
+        return cls(world_size=s.world, sp_size=s.sp, local_tokens=s.local_tokens, grad_accum=accumulation,
+                   bytes_per_el=s.act_bytes, gradient_checkpointing=s.gradient_checkpointing,
+                   checkpoint_every=s.checkpoint_every, gpus_per_node=gpus_per_node or s.ranks_per_host,
+                   param_persistence_threshold=z.param_persistence_threshold, reduce_bucket_size=z.reduce_bucket_size,
+                   max_reuse_distance=z.max_reuse_distance, tiled_mlp=s.tiled_mlp)
 
 
 @dataclass(frozen=True)

@@ -124,10 +124,7 @@ def communication(shape: ModelShape, s: Settings, compute_s: float, accumulation
     """plan/comm_model.py's estimate for the job these settings describe (measured NCCL points if present)."""
     from .comm_model import DEFAULT_COMM_FILE, Job, Overlap, estimate, load_bandwidth
 
-    job = Job.of(s.zero3, world_size=s.world, sp_size=s.sp, local_tokens=s.local_tokens, grad_accum=accumulation,
-                 bytes_per_el=s.act_bytes, gradient_checkpointing=s.gradient_checkpointing,
-                 checkpoint_every=s.checkpoint_every, gpus_per_node=s.gpus_per_host or s.world,
-                 tiled_mlp=s.tiled_mlp)
+    job = Job.of(s, accumulation)
     # the stall term corrects the rehearsal's compute; these rates come from real runs already
     return estimate(shape, job, load_bandwidth(DEFAULT_COMM_FILE), compute_s, Overlap(a2a_stall_s_per_gb=0.0))
 

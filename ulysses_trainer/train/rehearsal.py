@@ -16,18 +16,13 @@ log = logging.getLogger(__name__)
 
 
 def comm_job(plan, gpus_per_node: int, tiled_mlp: int, checkpoint_every: int):
-    """The comm model's view of the run the trainer makes from `plan` (tiled_mlp and checkpoint_every as its
-    resolved plan decided them)."""
+    """The comm model's view of the run the trainer makes from `plan`: the planner's own call (Job.of of the
+    plan's settings, with the ZeRO-3 sizes as the plan read them), tiled_mlp and checkpoint_every as the
+    rehearsed model ran them."""
     from ..plan.comm_model import Job
 
-    cfg = plan.cfg
-    # the ZeRO-3 sizes as the plan read them (plan/types.read_zero: "auto" per hidden size, a key left out at
-    # DeepSpeed's default), the numbers ds_config.py filled the engine's JSON with
-    return Job.of(plan.zero.knobs, world_size=plan.world_size, sp_size=plan.sp_size, tiled_mlp=tiled_mlp,
-                  local_tokens=plan.padded_length // plan.sp_size * cfg.per_device_train_batch_size,
-                  grad_accum=cfg.gradient_accumulation_steps, bytes_per_el=2 if plan.bf16 else 4,
-                  gradient_checkpointing=plan.resolved.run.gradient_checkpointing, checkpoint_every=checkpoint_every,
-                  gpus_per_node=gpus_per_node)
+    run = dataclasses.replace(plan.resolved.run, tiled_mlp=tiled_mlp, checkpoint_every=checkpoint_every)
+    return Job.of(run, plan.cfg.gradient_accumulation_steps, gpus_per_node)
 
 
 def _sync(device: str) -> None:
