@@ -311,7 +311,7 @@ def run_calibrate(argv: list[str]) -> int:
     if args.json:
         print(json.dumps([{"source": c.measurement.source, "system": c.measurement.system,
                            "model": c.measurement.model, "seq_len": c.measurement.settings.max_length,
-                           "attention": c.measurement.attention,
+                           "attention": c.measurement.settings.attn_implementation,
                            "measured_gpu_gb": c.measurement.peak_gpu_gb, "predicted_gpu_gb": c.predicted_gpu_gb,
                            "gpu_error": c.gpu_error, "measured_host_gb": c.measurement.peak_host_gb,
                            "predicted_host_gb": c.predicted_host_gb,

@@ -38,7 +38,6 @@ class Measurement:
     settings: Settings
     peak_gpu_gb: float
     peak_host_gb: float | None = None
-    attention: str = "sdpa"
     note: str = ""
     # set (why) where the model is known to over-predict this point, i.e. to err on the safe side
     over_predicted: str = ""
@@ -67,7 +66,6 @@ def load_calibration(path: str | Path = CALIBRATION_FILE) -> list[Measurement]:
                                                             **m["settings"]}),
                                peak_gpu_gb=m["peak_gpu_gb"],
                                peak_host_gb=m.get("peak_host_gb"),
-                               attention=m["settings"].get("attn_implementation", "sdpa"),
                                note=m.get("note", ""), over_predicted=m.get("over_predicted", "")))
     return out
 
@@ -132,8 +130,7 @@ def load_measurements(results_dir: str | Path) -> list[Measurement]:
             shape = replace(shape, tied_embeddings=shape.tied_embeddings and bool(tied))
             s = benchmark_settings(system, shape, p, steps, mode)
             out.append(Measurement(source=path.name, system=system, model=model, shape=shape, settings=s,
-                                   peak_gpu_gb=float(p["peak_gpu_gb"]), peak_host_gb=p.get("peak_host_rss_gb"),
-                                   attention=s.attn_implementation))
+                                   peak_gpu_gb=float(p["peak_gpu_gb"]), peak_host_gb=p.get("peak_host_rss_gb")))
     return out
 
 
@@ -172,7 +169,7 @@ def format_comparison(rows: list[Comparison]) -> str:
         m, s = c.measurement, c.measurement.settings
         he = c.host_error
         lines.append(
-            f"{m.source[:34]:<34} {m.system:<6} {m.model:<10} {s.max_length:>9,} {m.attention[:10]:<10} "
+            f"{m.source[:34]:<34} {m.system:<6} {m.model:<10} {s.max_length:>9,} {s.attn_implementation[:10]:<10} "
             f"{s.activation_offload:>4} {m.peak_gpu_gb:>9.2f} {c.predicted_gpu_gb:>9.2f} {c.gpu_error:>+7.1%} "
             + (f"{m.peak_host_gb:>9.2f} {c.predicted_host_gb:>9.2f} {he:>+7.1%}" if he is not None
                else f"{'-':>9} {c.predicted_host_gb:>9.2f} {'-':>7}")
