@@ -175,7 +175,7 @@ def run_plan(argv: list[str]) -> int:
     hw = Hardware(machine.gpus, machine.gpu_memory_gb, machine.host_memory_gb, machine.gpus_per_host)
     # the plan's layout, kernels and loss, none of its length-dependent choices: the longest does not depend
     # on the max_length asked (the ZeRO-3 sizes per placement as the plan's own search had them)
-    knobs = plan.zero3_by_placement
+    knobs = plan.zero.by_placement
     base = replace(plan.run, max_length=cfg.max_length, activation_offload=0, keep_attention_outputs=0,
                    zero3=knobs[False])
     # Adam's placement as the config and the ZeRO JSON fixed it (lever_settings: decode_levers, with_json_placement)

@@ -55,7 +55,7 @@ def choose_settings(shape: ModelShape, base: Settings, hw: Hardware, *, activati
     plan/fit_search.cheapest_fit.
 
     activation_offload / tiled_mlp / optimizer_offload / checkpoint_every: None = search ("auto"), else
-    fixed. knobs: the ZeRO-3 sizes per optimizer placement (Plan.zero3_by_placement; None: the base's).
+    fixed. knobs: the ZeRO-3 sizes per optimizer placement (Plan.zero.by_placement; None: the base's).
     When nothing fits, the returned Choice has fits=False and holds the settings that came closest (the
     fewest bytes missing).
     """

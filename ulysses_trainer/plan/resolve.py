@@ -21,7 +21,7 @@ from ..layout import Layout, resolve_layout
 from ..lever_settings import Fixed, decode_levers
 from ..names import GIB, KEEPING_KERNELS, auto_num_tiles, choose_kernels
 from .fit_search import cheapest_autos, fastest_fit, shortfall, with_headroom
-from .inputs import ModelShape, Settings, Zero3Knobs, check_settings, lora_numels
+from .inputs import ModelShape, Settings, check_settings, lora_numels
 from .layer_terms import kept_attention_bytes_per_layer
 from .notes import WORST_CASE, decided, plan_notes  # noqa: F401 - WORST_CASE: the packing note, re-exported
 from .step_time import StepTime, step_time
@@ -65,7 +65,7 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
                           f"flash_attention_4); {kernels.attn_implementation} cannot: set keep_attention_outputs "
                           f"false or attn_implementation sdpa")
     check_settings(shape, replace(base, keep_attention_outputs=0))
-    return _search(cfg, shape, machine, base, asked, asked, zero.by_placement, budget, budget_note,
+    return _search(cfg, shape, machine, base, asked, asked, zero, budget, budget_note,
                    attention=attention, engine_plan=None)
 
 
@@ -78,12 +78,12 @@ def replan_after_engine(first: Plan, cfg: Any, shape: ModelShape, machine: Machi
     GPU holds what the memory model expected."""
     budget, budget_note = machine.gpu_budget(first)
     fx = replace(first.fixed, optimizer_offload=first.run.optimizer_offload, tiled_mlp=first.run.tiled_mlp)
-    return _search(cfg, shape, machine, first.search_base, fx, first.fixed, first.zero3_by_placement, budget,
+    return _search(cfg, shape, machine, first.search_base, fx, first.fixed, first.zero, budget,
                    budget_note, attention=attention, engine_plan=first)
 
 
 def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: Fixed, asked: Fixed,
-            by_placement: dict[bool, Zero3Knobs], budget: float | None, budget_note: str | None, *,
+            zero: ZeroSettings, budget: float | None, budget_note: str | None, *,
             attention: AttentionShare | None, engine_plan: Plan | None) -> Plan:
     """The search over the levers `fx` leaves open (None) within the budgets, the step time, and the Plan."""
 
@@ -98,7 +98,7 @@ def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: F
         # packed rows keep outputs as dense rows do (attention/grouped.py: per KV group, buffers of a dense row)
         can_keep = cfg.gradient_checkpointing and base.attn_implementation in KEEPING_KERNELS
         chosen, fits, best = fastest_fit(shape, base, fx, shape.layers if can_keep else 0, budget,
-                                         machine.host_memory_gb, by_placement, lambda s: time_of(s).total_s)
+                                         machine.host_memory_gb, zero.by_placement, lambda s: time_of(s).total_s)
         if fits and fx.activation_offload is None:
             chosen = with_headroom(shape, chosen, budget, machine.host_memory_gb)
         gpu_miss, host_miss = shortfall(chosen, budget, machine.host_memory_gb)
@@ -117,7 +117,7 @@ def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: F
         host_budget_gb=machine.host_memory_gb, decided=decided(cfg, asked, s),
         notes=plan_notes(cfg, machine, s, attention=attention, budget_note=budget_note, st=st,
                          engine_plan=engine_plan, fx=fx, best=best),
-        estimate=chosen, fixed=asked, zero3_by_placement=by_placement,
+        estimate=chosen, fixed=asked, zero=zero,
         attention_from="" if not cfg.packing else "data" if attention else "one document (worst case)",
         search_base=base)
 

@@ -139,8 +139,9 @@ class Plan:
     # the levers as the config and the ZeRO JSON fixed them (None: auto, decided by the search); the longest
     # length `plan` reports searches the same autos
     fixed: Fixed = field(compare=False, repr=False)
-    # the ZeRO-3 sizes per optimizer placement (ZeroSettings.by_placement): the longest-length search's too
-    zero3_by_placement: dict[bool, Zero3Knobs] = field(default_factory=dict, compare=False, repr=False)
+    # what the run's ZeRO JSON fixes (read_zero): its ZeRO-3 sizes per optimizer placement (by_placement) are the
+    # re-plan's and the longest-length search's too
+    zero: ZeroSettings = field(default_factory=ZeroSettings, compare=False, repr=False)
     # packed rows: where run.attention_fraction (sum(l_i^2) / L^2) came from: "data" or "one document (worst
     # case)"; "" without packing
     attention_from: str = ""

@@ -28,7 +28,7 @@ from ..model.lora import check_lora
 from ..names import resolve_report_to
 from ..plan.inputs import ModelShape, num_params
 from ..plan.resolve import resolve_plan
-from ..plan.types import Machine, Plan, ZeroSettings, read_zero
+from ..plan.types import Machine, Plan, read_zero
 from ..probe import this_machine
 from .agreement import agree_machine, check_same_plan
 from .checkpoint import CHECKPOINT, check_checkpoint_model, check_output_dir, find_checkpoint, trainer_checkpoints
@@ -53,7 +53,6 @@ class RunPlan:
     resolved: Plan
     layout: Layout  # decided once by validate_config: sp x dp
     machine: Machine
-    zero: ZeroSettings
     shape: ModelShape
     model_config: Any
     tokenizer: Any
@@ -194,7 +193,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     # torch's fused AdamW on the GPU (no JIT build); DeepSpeed's CPU Adam only where states live on the host
     ds, opt = zero_config(resolved, total)
     return RunPlan(cfg=cfg, world_size=world_size, device=device, resolved=resolved, layout=layout, machine=machine,
-                   zero=zero, shape=shape, model_config=model_config, tokenizer=tokenizer, train_data=train,
+                   shape=shape, model_config=model_config, tokenizer=tokenizer, train_data=train,
                    eval_data=eval_data, ds_config=ds, optimizer=opt, steps_per_epoch=steps_per_epoch,
                    epoch_steps=epoch_steps, total_steps=total, sequences_per_step=per_step,
                    resume_path=resume_path, clear_output_dir=clear_output_dir,
