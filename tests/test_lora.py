@@ -8,7 +8,8 @@ from ulysses_trainer.config.load import build_config
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.model.load import build_model, model_config_for
 from ulysses_trainer.model.lora import add_lora, lora_scaling, merged_state_dict
-from ulysses_trainer.plan.inputs import ModelShape, lora_numels
+from ulysses_trainer.plan.inputs import ModelShape
+from ulysses_trainer.plan.partitions import lora_numels
 
 
 @pytest.mark.parametrize("targets", [None, ["q_proj", "k_proj", "down_proj"], "all-linear"])

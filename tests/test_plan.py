@@ -13,7 +13,7 @@ import pytest
 from tests.dist_utils import JOB_TIMEOUT_S
 from ulysses_trainer.__main__ import main as cli_main
 from ulysses_trainer.names import GIB
-from ulysses_trainer.plan import host_terms, inputs, layer_terms
+from ulysses_trainer.plan import host_terms, inputs, layer_terms, partitions
 from ulysses_trainer.plan import memory as M
 from ulysses_trainer.plan.calibration import compare, load_calibration, load_measurements
 from ulysses_trainer.plan.inputs import ModelShape, Settings
@@ -77,7 +77,7 @@ def test_pinned_power_of_two_rounding_reproduces_the_448k_host_story():
     assert per == 458_752 * 2560 * 2
     assert host_terms.host_pool_bytes(Q4, replace(s, pinned_rounding="pow2")) == 36 * 4 * GIB
     assert host_terms.host_pool_bytes(Q4, s) == 36 * (-(-per // 4096) * 4096) + 4096  # ~78.8 GiB, not 144
-    assert inputs.pinned_bytes(3 * GIB // 2, "pow2") == 2 * GIB and inputs.pinned_bytes(GIB, "pow2") == GIB
+    assert partitions.pinned_bytes(3 * GIB // 2, "pow2") == 2 * GIB and partitions.pinned_bytes(GIB, "pow2") == GIB
 
 
 def test_loss_terms_by_hand():

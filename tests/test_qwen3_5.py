@@ -338,7 +338,8 @@ def _fields(shape):
 def test_lora_adapters_counted_where_peft_puts_them():
     from peft import LoraConfig, get_peft_model
 
-    from ulysses_trainer.plan.inputs import ModelShape, lora_numels
+    from ulysses_trainer.plan.inputs import ModelShape
+    from ulysses_trainer.plan.partitions import lora_numels
 
     shape = ModelShape.from_config(build("tiny-qwen3.5").config)
     for targets in (["q_proj", "v_proj", "up_proj"], ["in_proj_qkv", "out_proj"], "all-linear"):

@@ -3,8 +3,9 @@ buffers (the planner's host terms; the GPU terms are in plan/memory.py)."""
 
 from __future__ import annotations
 
-from .inputs import ModelShape, Settings, _sub_group_numels, _trainable_shard_numel, pinned_bytes
+from .inputs import ModelShape, Settings
 from .layer_terms import FP32
+from .partitions import _sub_group_numels, _trainable_shard_numel, pinned_bytes
 
 PAGE = 4096  # HostPool slots are page-aligned (levers/recompute.py)
 

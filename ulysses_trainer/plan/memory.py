@@ -34,16 +34,7 @@ from typing import Any, Literal
 
 from ..names import GIB
 from .host_terms import host_optimizer_bytes, host_pool_bytes
-from .inputs import (
-    ModelShape,
-    Settings,
-    _persistence_threshold,
-    _shard_numel,
-    _sub_group_numels,
-    _trainable_shard_numel,
-    check_settings,
-    trainable_numels,
-)
+from .inputs import ModelShape, Settings, check_settings
 from .layer_terms import (
     FP32,
     kept_attention_bytes_per_layer,
@@ -53,6 +44,13 @@ from .layer_terms import (
     rmsnorm_saved_bytes,
     tied_embedding_grad_bytes,
     unattributed_bytes,
+)
+from .partitions import (
+    _persistence_threshold,
+    _shard_numel,
+    _sub_group_numels,
+    _trainable_shard_numel,
+    trainable_numels,
 )
 
 # the memory model's worst measured under-prediction of a GPU peak: -3.1% (ALST at 393,216 tokens; the trainer's
