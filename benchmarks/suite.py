@@ -43,6 +43,7 @@ MOE = "launch/recipes/moe_8gpu_1m.yaml"
 MOE_REDUCED = ("--config", MOE, "--sp_size", "1", "--max_length", "131072", "--max_steps", "3",
                "--model_init_kwargs", '{"num_hidden_layers": 4, "rope_parameters": {"rope_type": "yarn", "factor": 4}}')
 AGENT, ONE_1M = "launch/recipes/agent_sessions_1m.yaml", "launch/recipes/one_gpu_4b_1m.yaml"
+Q35_27B, Q35_35B = "launch/recipes/qwen3_5_27b_8gpu_1m.yaml", "launch/recipes/qwen3_5_35b_a3b_8gpu_1m.yaml"
 AGENT_DATA = ("--dataset_name", "synthetic:agent_sessions", "--assistant_only_loss", "true")
 SP2_KERNELS = ("--attn_implementation", "sdpa", "--norm_kernel", "torch")  # the real sp=2 runs' (no FA4, no Liger)
 
@@ -205,6 +206,23 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
                      [("benchmarks/packed_epoch.py", "--out", f"{OUT}/packed_epoch", "--rows", "6", "--budget_s", "540",
                        "--", "--config", "launch/recipes/one_gpu_4b_sessions.yaml", "--output_dir",
                        f"{OUT}/packed_epoch/run")]),
+    "qwen3_5_gpu_tests": ("Qwen3.5 on the GPU: bf16 against stock transformers with each DeltaNet kernel, fla against "
+                          "torch on packed documents (needs fla-core; the first run compiles fla's kernels, ~3 min)", [
+        ("-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_gpu_qwen3_5.py")]),
+    "rehearse_qwen3_5_27b_1m": ("rank 0 of Qwen3.5-27B at 1,048,576 tokens on 8 GPUs (sp=8) on one GPU; the node's "
+                                "host RAM", [
+        _rehearse("qwen3_5_27b_8gpu_1m", "--config", Q35_27B, "--gpus", "8", "--host_memory_gb", "560",
+                  "--warmup_length", "8192")]),
+    "rehearse_qwen3_5_35b_1m": ("rank 0 of Qwen3.5-35B-A3B at 1,048,576 tokens on 8 GPUs (sp=8) on one GPU; the "
+                                "node's host RAM", [
+        _rehearse("qwen3_5_35b_a3b_8gpu_1m", "--config", Q35_35B, "--gpus", "8", "--host_memory_gb", "560",
+                  "--warmup_length", "8192")]),
+    "rehearse_qwen3_5_27b_longest": ("memory only (stand-in attention; DeltaNet, conv and the rest real): Qwen3.5-27B "
+                                     "at the plan's longest on 8 H200s, 2,777,088 tokens, rank 0", [
+        _rehearse("qwen3_5_27b_2777088_standin", "--config", Q35_27B, "--gpus", "8", "--max_length", "2777088",
+                  "--model_init_kwargs",
+                  "{rope_parameters: {rope_type: yarn, factor: auto, rope_theta: 10000000.0}}",
+                  "--standin", "--steps", "1", "--warmup_length", "8192")]),
     "smoke": ("CPU check of the scripts: tiny preset, 256 tokens", [
         (LC, "--system", "ours", "--model", "tiny", "--lengths", "256", *FWDBWD, "--out", "smoke_long_context.json"),
         (PROFILE, "--model", "tiny", "--length", "128", "--keep-attention-outputs", "true",
