@@ -5,8 +5,10 @@
   and the multi-token-prediction head `mtp.*` (which transformers does not load); the MoE language model's experts
   fused (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) and the MTP layer's experts one by one, as
   Qwen/Qwen3.5-35B-A3B stores them. bf16, two safetensors shards with model.safetensors.index.json; a tokenizer
-  with a chat template, generation_config.json as Qwen3.5 ships it (sampling settings), the image and video
-  preprocessor files.
+  (tokenizer.json beside vocab.json and merges.txt) with a chat template, generation_config.json as Qwen3.5 ships
+  it (sampling settings), the image and video preprocessor files and the processor's own chat template
+  (chat_template.json, which AutoProcessor reads before chat_template.jinja; another template here, so that a test
+  sees which one a loader took).
 - `causal`: a text-only `Qwen3_5ForCausalLM` directory as transformers saves one (config `qwen3_5_text`, tensors
   under `model.language_model.*`).
 """
@@ -38,6 +40,8 @@ PREPROCESSOR = {"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "pat
 VIDEO_PREPROCESSOR = {**PREPROCESSOR, "fps": 2, "video_processor_type": "Qwen3VLVideoProcessor"}
 TEMPLATE = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
             "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+PROCESSOR_TEMPLATE = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                      "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n{%- endif %}")
 INDEX = "model.safetensors.index.json"
 
 
@@ -63,8 +67,11 @@ def _mtp(moe: bool, text_cls, text_config):
 
 
 def write_qwen3_5_checkpoint(path: Path, *, moe: bool = False, layout: str = "conditional", seed: int = 0,
-                             mtp: bool = True, tie: bool = False) -> Path:
-    """A tiny Qwen3.5 (dense or MoE) checkpoint directory in `layout` ("conditional" or "causal"), see above."""
+                             mtp: bool = True, tie: bool = False, processor_template: str | None = PROCESSOR_TEMPLATE,
+                             tokenizer_template: str | None = TEMPLATE) -> Path:
+    """A tiny Qwen3.5 (dense or MoE) checkpoint directory in `layout` ("conditional" or "causal"), see above.
+    processor_template: the conditional layout's chat_template.json (None: none); tokenizer_template: the
+    tokenizer's chat_template.jinja (None: the tokenizer has no template, as where only the processor has one)."""
     import torch
     import transformers
     from safetensors.torch import save_file
@@ -119,11 +126,13 @@ def write_qwen3_5_checkpoint(path: Path, *, moe: bool = False, layout: str = "co
     if layout == "conditional":
         (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
         (path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR, indent=2))
-    _write_tokenizer(path)
+        if processor_template is not None:
+            (path / "chat_template.json").write_text(json.dumps({"chat_template": processor_template}, indent=2))
+    _write_tokenizer(path, tokenizer_template)
     return path
 
 
-def _write_tokenizer(path: Path) -> None:
+def _write_tokenizer(path: Path, template: str | None = TEMPLATE) -> None:
     """A byte-level BPE with Qwen3.5's pre-tokenizer, trained on the test words (each a token or two), eos
     <|endoftext|> = 0: transformers loads a qwen3_5 directory's tokenizer as Qwen3_5Tokenizer, which reads a BPE."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -140,5 +149,6 @@ def _write_tokenizer(path: Path) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([" ".join(WORDS)] * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    fast.chat_template = TEMPLATE
+    fast.chat_template = template
     fast.save_pretrained(str(path))
+    tok.model.save(str(path))  # vocab.json and merges.txt, which the Hub's Qwen3.5 directories ship too

@@ -3,8 +3,9 @@
 The trained causal LM's state (the checkpoint's language model, changed as a step changes it) goes through the
 export's writer: final/ is loaded by `from_pretrained` of the checkpoint's own class and gives the trained model's
 logits; it holds the checkpoint's tensor names, shapes and dtypes; the vision tower and the MTP head are the
-checkpoint's bytes; config.json keeps both sections; tokenizer, chat template, generation_config and processor
-files come through. Dense and MoE, the multimodal layout and the text-only one.
+checkpoint's bytes; config.json keeps both sections; tokenizer, chat template, generation_config and every processor
+and tokenizer side file (the processor's chat_template.json too) come through, so the processor reads in final/
+what it read in the checkpoint. Dense and MoE, the multimodal layout and the text-only one.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from tests.qwen3_5_checkpoint import (
     GENERATION,
     INDEX,
     PREPROCESSOR,
+    PROCESSOR_TEMPLATE,
     TEMPLATE,
     VIDEO_PREPROCESSOR,
     write_qwen3_5_checkpoint,
 )
+from tests.qwen3_checkpoint import fixtures_dir
 from ulysses_trainer.model.checkpoint_keys import header_tensors, loading_problems
 
 CASES = [(False, "conditional"), (True, "conditional"), (False, "causal"), (True, "causal")]
@@ -138,6 +141,96 @@ def test_config_tokenizer_generation_config_and_processor_files_come_through(exp
     assert tok.chat_template == TEMPLATE
     ids = tok("alpha bravo zulu")["input_ids"]
     assert ids == AutoTokenizer.from_pretrained(ckpt)("alpha bravo zulu")["input_ids"] and 0 < len(ids) <= 6
+
+
+# the files final/ writes anew (the tokenizer's save): compared by what loads from them, not byte for byte
+_RESAVED = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+
+
+def _side_files(d: Path) -> set[str]:
+    return {f.name for f in d.iterdir() if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX}
+
+
+def _processor_view(d: Path) -> tuple[dict, dict, dict]:
+    """What AutoProcessor reads of a directory (its own chat template resolution: chat_template.json before
+    chat_template.jinja; the image and video processor configs), without the image libraries it would import."""
+    from transformers import ProcessorMixin
+    from transformers.image_processing_base import ImageProcessingMixin
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    return (ProcessorMixin.get_processor_dict(str(d))[0], ImageProcessingMixin.get_image_processor_dict(str(d))[0],
+            BaseVideoProcessor.get_video_processor_dict(str(d))[0])
+
+
+def test_every_processor_and_tokenizer_side_file_comes_through(exported):
+    """final/ holds every file of the checkpoint beside its weights: the processor's chat_template.json,
+    preprocessor files, vocab.json and merges.txt byte for byte; AutoProcessor's view of final/ is the
+    checkpoint's (the processor's template, not the tokenizer's)."""
+    ckpt, final, _ = exported
+    assert _side_files(ckpt) <= _side_files(final), _side_files(ckpt) - _side_files(final)
+    assert all((final / f).read_bytes() == (ckpt / f).read_bytes() for f in _side_files(ckpt) - _RESAVED)
+    assert {"vocab.json", "merges.txt"} <= _side_files(final)
+    if (ckpt / "chat_template.json").exists():
+        assert _processor_view(final) == _processor_view(ckpt)
+        assert _processor_view(final)[0]["chat_template"] == PROCESSOR_TEMPLATE != TEMPLATE
+
+
+def _hub_template() -> str:
+    """Qwen3.5's shipped (thinking) chat template, from the fixtures folder; skip where it is absent."""
+    d = fixtures_dir()
+    path = d / "qwen3_5" / "qwen3_5_think.jinja" if d else None
+    if path is None or not path.is_file():
+        pytest.skip("the Qwen3.5 template fixture (shared/fixtures/qwen3_5/qwen3_5_think.jinja) is absent")
+    return path.read_text(encoding="utf-8")
+
+
+def _export_files(ckpt: Path, final: Path, chat: bool, chat_template_path: str | None = None) -> None:
+    """The export's files beside the weights (train/chat_export.ExportFiles), the tokenizer as a run loads it."""
+    from ulysses_trainer.data.tokenizer import apply_tokenizer_options, load_tokenizer
+    from ulysses_trainer.train.chat_export import ExportFiles
+
+    final.mkdir()
+    tok = apply_tokenizer_options(load_tokenizer(str(ckpt), "qwen3.5"), chat_template_path, None)
+    ExportFiles(tok, chat=chat, source=str(ckpt)).save_pretrained(str(final))
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_a_template_only_the_processor_carries_is_the_runs_and_the_exports(chat, tmp_path):
+    """A checkpoint whose chat template is in the processor's chat_template.json alone (Qwen3.5's own, no
+    chat_template.jinja): the run's tokenizer renders with it (not the built-in Qwen3 format), and final/ keeps
+    the file as it was, with the tokenizer's template the same, so both loaders of final/ render Qwen3.5's."""
+    from transformers import AutoTokenizer
+
+    from ulysses_trainer.data.tokenizer import load_tokenizer
+
+    hub = _hub_template()
+    ckpt = write_qwen3_5_checkpoint(tmp_path / "ckpt", processor_template=hub, tokenizer_template=None)
+    assert not (ckpt / "chat_template.jinja").exists() and AutoTokenizer.from_pretrained(ckpt).chat_template is None
+    assert load_tokenizer(str(ckpt), "qwen3.5").hf_tokenizer.chat_template == hub
+    final = tmp_path / "final"
+    _export_files(ckpt, final, chat)
+    assert (final / "chat_template.json").read_bytes() == (ckpt / "chat_template.json").read_bytes()
+    assert AutoTokenizer.from_pretrained(final).chat_template == hub
+    assert _processor_view(final) == _processor_view(ckpt)
+
+
+def test_a_replaced_template_is_the_processors_in_the_export(tmp_path):
+    """chat_template_path replaces the checkpoint's template for the run: final/'s chat_template.json carries the
+    template trained with (AutoProcessor would otherwise render the checkpoint's), its other keys kept."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    ckpt = write_qwen3_5_checkpoint(tmp_path / "ckpt")
+    processor = json.loads((ckpt / "chat_template.json").read_text())
+    (ckpt / "chat_template.json").write_text(json.dumps({**processor, "note": "kept"}))
+    trained = TEMPLATE.replace("<|im_start|>assistant", "<|im_start|>assistant (trained)")
+    (tmp_path / "mine.jinja").write_text(trained)
+    final = tmp_path / "final"
+    _export_files(ckpt, final, chat=True, chat_template_path=str(tmp_path / "mine.jinja"))
+    assert json.loads((final / "chat_template.json").read_text()) == {"chat_template": trained, "note": "kept"}
+    assert AutoTokenizer.from_pretrained(final).chat_template == trained
+    assert _processor_view(final)[0]["chat_template"] == trained
 
 
 @pytest.mark.slow

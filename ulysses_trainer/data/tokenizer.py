@@ -17,6 +17,8 @@ from ..errors import ConfigError
 from .qwen3_tokens import NOT_SPECIAL, QWEN3_ADDED_TOKENS
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+# a multimodal checkpoint's processor template (transformers' legacy file, which AutoProcessor reads first)
+PROCESSOR_TEMPLATE = "chat_template.json"
 
 
 class Tokenizer(Protocol):
@@ -308,8 +310,25 @@ def load_tokenizer(name_or_path: str | None, vocabulary: str = "qwen3") -> QwenB
         except Exception as exc:
             raise ConfigError(f"cannot load the tokenizer in {name_or_path}: {exc}; fix or remove its "
                               f"tokenizer files (the Qwen BPE is used when there are none)") from None
+        if tok.chat_template is None:  # a checkpoint whose template only its processor carries (chat_template.json)
+            tok.chat_template = processor_chat_template(Path(name_or_path))
         return HFTokenizer(tok, str(name_or_path))
     return preset_tokenizer(vocabulary)
+
+
+def processor_chat_template(directory: Path) -> str | None:
+    """The template of a checkpoint's processor file chat_template.json (`{"chat_template": "..."}`), which
+    AutoProcessor renders with; None without one."""
+    import json
+
+    path = directory / PROCESSOR_TEMPLATE
+    if not path.is_file():
+        return None
+    try:
+        template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"cannot read the processor's chat template {path} ({exc}); fix or remove it") from None
+    return template if isinstance(template, str) and template else None
 
 
 def read_chat_template(path: str) -> str:

@@ -2,7 +2,10 @@
 model.
 
 The tokenizer as loaded (a checkpoint's own chat template with it); the checkpoint's generation_config.json and
-its image/video processor files as they were; where the tokenizer has no template (the built-in Qwen3 format),
+its processor and tokenizer side files as they were (image/video preprocessors, the processor's chat_template.json,
+vocab.json and merges.txt), so AutoProcessor reads in final/ what it read in the checkpoint; where the run replaced
+the template (chat_template_path), the processor's chat_template.json carries the template trained with; where the
+tokenizer has no template (the built-in Qwen3 format),
 this project's Jinja rendering of that format; for a ChatML format the turn end `<|im_end|>` first among the
 generation_config's eos ids, as Qwen3 checkpoints ship them; for a LoRA adapter a `base_model_name_or_path` that
 loads.
@@ -17,10 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from ..data.qwen3_template import QWEN3_CHAT_TEMPLATE, TURN_END
+from ..data.tokenizer import PROCESSOR_TEMPLATE, processor_chat_template
 
 _GENERATION_CONFIG = "generation_config.json"
-# a multimodal checkpoint's processor files (Qwen3.5: image and video preprocessors), kept for its vision tower
-_PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+# the checkpoint's files beside its weights that final/ keeps where the export wrote none: a multimodal
+# checkpoint's processor files (Qwen3.5: image and video preprocessors, the processor's chat template, which
+# AutoProcessor reads before chat_template.jinja) and the tokenizer files its save_pretrained does not write
+_SIDE_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
+               PROCESSOR_TEMPLATE, "vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "added_tokens.json", "tokenizer.model")
 
 
 def source_file(source: str | None, name: str) -> Path | None:
@@ -70,16 +78,39 @@ class ExportFiles:
     def _copy_source_files(self, directory: str) -> None:
         """The checkpoint's generation_config.json over the one save_pretrained rendered from the config (which
         keeps only the token ids: do_sample, temperature, top_p, top_k would be lost), where the export has one
-        (an adapter's directory has none and keeps none); its processor files where the export wrote none."""
+        (an adapter's directory has none and keeps none); its processor and tokenizer side files where the export
+        wrote none."""
         generation = source_file(self.source, _GENERATION_CONFIG)
         if generation is not None and os.path.isfile(os.path.join(directory, _GENERATION_CONFIG)):
             shutil.copyfile(generation, os.path.join(directory, _GENERATION_CONFIG))
         if self.adapter_base is not None:
             return
-        for name in _PROCESSOR_FILES:
+        for name in _SIDE_FILES:
             found = source_file(self.source, name)
-            if found is not None and not os.path.exists(os.path.join(directory, name)):
+            if found is None or os.path.exists(os.path.join(directory, name)):
+                continue
+            if name == PROCESSOR_TEMPLATE:
+                _write_processor_template(found, directory)
+            else:
                 shutil.copyfile(found, os.path.join(directory, name))
+
+
+def _write_processor_template(found: Path, directory: str) -> None:
+    """The checkpoint's chat_template.json as it was, unless the run replaced the tokenizer's template
+    (chat_template_path): then with the template final/'s tokenizer carries, so the processor renders what was
+    trained (AutoProcessor prefers this file to chat_template.jinja)."""
+    target = os.path.join(directory, PROCESSOR_TEMPLATE)
+    ours = saved_chat_template(directory)
+    loaded = saved_chat_template(str(found.parent)) or processor_chat_template(found.parent)  # load_tokenizer's
+    if ours is None or ours == loaded:
+        shutil.copyfile(found, target)
+        return
+    with open(found, encoding="utf-8") as f:
+        processor = json.load(f)
+    processor["chat_template"] = ours
+    with open(target, "w", encoding="utf-8") as f:
+        json.dump(processor, f, indent=2, ensure_ascii=False)
+        f.write("\n")
 
 
 def saved_chat_template(directory: str) -> str | None:
