@@ -8,7 +8,7 @@ Inputs are random (never zeros: kernels run faster on zeros), the router's weigh
 spreads rows over the experts as a trained router roughly does. Active FLOPs: 6 x rows x top_k x 3 x H x I
 (forward 2, backward 4 per active expert parameter and row). A tile count of 1 is the untiled block; an
 implementation that runs out of memory is recorded with the error, not skipped. plan/rates.EXPERTS_TFLOPS
-holds the H200 rates this measures; the memory model's sparse terms (model/families/qwen3_moe.SparseMoeMlp.saved) are
+holds the H200 rates this measures; the memory model's sparse terms (families/qwen3_moe.SparseMoeMlp.saved) are
 compared with the measured peak above the block's input by whoever updates them.
 """
 
@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from ulysses_trainer.families.presets import preset_config  # noqa: E402
 from ulysses_trainer.levers.sparse_moe import SparseMoE  # noqa: E402
-from ulysses_trainer.model.presets import preset_config  # noqa: E402
 
 
 def _time(fn, iters: int, device: torch.device) -> float:

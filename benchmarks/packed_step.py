@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"packed row: {len(lengths)} documents {lengths}, sum l^2 / L^2 = {attention_ratio(lengths):.4f}", flush=True)
     if "attention" in phases:
         if cfg is not None:
-            from ulysses_trainer.model.presets import preset_config
+            from ulysses_trainer.families.presets import preset_config
 
             mc = preset_config(cfg.model_name_or_path)
             shape = (mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim)

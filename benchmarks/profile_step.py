@@ -25,8 +25,8 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from benchmarks.long_context import _init_dist, _plan_ours, _policy  # noqa: E402
 from benchmarks.systems import SYSTEMS  # noqa: E402
+from ulysses_trainer.families.presets import preset_config  # noqa: E402
 from ulysses_trainer.model.load import build_model  # noqa: E402
-from ulysses_trainer.model.presets import preset_config  # noqa: E402
 
 BUCKETS = (  # first match wins; names lower-cased
     ("attention backward", ("bprop", "flash_bwd", "attention_backward", "attention_for_cpu_backward",

@@ -46,8 +46,8 @@ def _record(out: Path, key: str, value: object) -> None:
 def _mixer(kernel: str, seed: int = 0):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
+    from ulysses_trainer.families.presets import preset_config
     from ulysses_trainer.levers.lean_norm import use_lean_norms
-    from ulysses_trainer.model.presets import preset_config
     from ulysses_trainer.parallel.state import single_process_state
     from ulysses_trainer.parallel.ulysses_deltanet import UlyssesGatedDeltaNet
 

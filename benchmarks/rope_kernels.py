@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
+    from ulysses_trainer.families.presets import preset_config
     from ulysses_trainer.levers.rope import TritonRope
-    from ulysses_trainer.model.presets import preset_config
 
     try:
         from liger_kernel.transformers.rope import liger_rotary_pos_emb

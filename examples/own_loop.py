@@ -30,8 +30,8 @@ from ulysses_trainer import (
 )
 from ulysses_trainer.data.synthetic import synthetic_document
 from ulysses_trainer.data.tokenizer import QwenBPETokenizer
+from ulysses_trainer.families.presets import preset_config
 from ulysses_trainer.model.load import build_model
-from ulysses_trainer.model.presets import preset_config
 
 
 def sequence(tokenizer: QwenBPETokenizer, index: int, length: int) -> torch.Tensor:

@@ -169,8 +169,8 @@ def tiny_zero3_sp_step(rank: int, world: int, pcfg, *, layers: int | None = None
     from deepspeed.utils import safe_get_full_grad
 
     from ulysses_trainer import make_parallel_state, parallelize, shard_batch
+    from ulysses_trainer.families.presets import preset_config
     from ulysses_trainer.model.load import build_model
-    from ulysses_trainer.model.presets import preset_config
 
     cfg = preset_config("tiny")
     if layers is not None:

@@ -1,7 +1,8 @@
 """A test-only model family in one module: Qwen3 with a plain (not gated) MLP, down(act(up(x))), of width
-intermediate_size. Registering it (`register_plain`: model/families.register and transformers' Auto classes) is all
-it takes for the planner, parallelize and the trainer's model loading to run it: nothing else in the package names
-it. `unregister_plain` takes both back, so no other test sees it."""
+intermediate_size. Registering it (`register_plain`: families.register, its block's install with
+model/install.register_install, and transformers' Auto classes) is all it takes for the planner, parallelize and the
+trainer's model loading to run it: nothing else in the package names it. `unregister_plain` takes all of it back,
+so no other test sees it."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from transformers.activations import ACT2FN
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ulysses_trainer.errors import ConfigError
-from ulysses_trainer.model.families import Family, LayerDims, MlpBlock, MlpRun, register, unregister
-from ulysses_trainer.model.families.qwen3 import common_kwargs
+from ulysses_trainer.families import Family, LayerDims, MlpBlock, MlpRun, register, unregister
+from ulysses_trainer.families.qwen3 import common_kwargs
+from ulysses_trainer.model.install import register_install, unregister_install
 
 MODEL_TYPE = "qwen3_plain_mlp"
 PRESET = "tiny-plain"
@@ -64,10 +66,13 @@ class PlainMlp(MlpBlock):
     def weight_grad_numel(self, d: LayerDims, run: MlpRun) -> int:
         return d.hidden * d.intermediate
 
-    def install(self, model: Any, layers: Any, tiles: int, experts_implementation: str) -> tuple[Any, float]:
-        if tiles > 1:
-            raise ConfigError("this test family has no tiled MLP: set tiled_mlp: false")
-        return None, 0.0
+
+def install_plain(block: PlainMlp, model: Any, layers: Any, tiles: int,
+                  experts_implementation: str) -> tuple[Any, float]:
+    """What parallelize swaps in for the block: nothing (no tiled version; no load-balancing statistics)."""
+    if tiles > 1:
+        raise ConfigError("this test family has no tiled MLP: set tiled_mlp: false")
+    return None, 0.0
 
 
 PLAIN = Family(model_type=MODEL_TYPE, config_class="PlainConfig", causal_lm_class="PlainForCausalLM", mlp=PlainMlp(),
@@ -78,15 +83,17 @@ PLAIN = Family(model_type=MODEL_TYPE, config_class="PlainConfig", causal_lm_clas
 
 def register_plain() -> None:
     """What a user's own family module does: the family, and its classes for transformers' Auto maps (which
-    preset_config and build_model go through). Raises if any of it is registered already."""
+    preset_config and build_model go through), and its block's install. Raises if any of it is registered already."""
     AutoConfig.register(MODEL_TYPE, PlainConfig)
     AutoModelForCausalLM.register(PlainConfig, PlainForCausalLM)
     register(PLAIN)
+    register_install(PlainMlp, install_plain)
 
 
 def unregister_plain() -> None:
     """register_plain undone: the family's unregister, and the Auto maps' entries dropped (transformers has no
     unregister; `register` adds to each map's `_extra_content`)."""
     unregister(MODEL_TYPE)
+    unregister_install(PlainMlp)
     CONFIG_MAPPING._extra_content.pop(MODEL_TYPE, None)
     MODEL_FOR_CAUSAL_LM_MAPPING._extra_content.pop(PlainConfig, None)

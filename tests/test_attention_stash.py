@@ -125,8 +125,8 @@ def test_kept_outputs_skip_the_kernel_and_give_the_same_grads():
 
 def _tiny_parallel(keep, every=1, layers=3, seed=5):
     from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize
+    from ulysses_trainer.families.presets import preset_config
     from ulysses_trainer.model.load import build_model
-    from ulysses_trainer.model.presets import preset_config
 
     cfg = preset_config("tiny")
     cfg.num_hidden_layers = layers
@@ -170,8 +170,8 @@ def test_eval_forward_keeps_nothing():
 
 def test_needs_checkpointing():
     from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize
+    from ulysses_trainer.families.presets import preset_config
     from ulysses_trainer.model.load import build_model
-    from ulysses_trainer.model.presets import preset_config
 
     with pytest.raises(ValueError, match="keep_attention_outputs needs gradient_checkpointing"):
         parallelize(build_model(preset_config("tiny"), torch.float32), make_parallel_state(1),

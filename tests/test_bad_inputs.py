@@ -22,8 +22,8 @@ from tests.dist_utils import JOB_TIMEOUT_S, train_command, train_env
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 from ulysses_trainer.attention.kernels import available_kernels
 from ulysses_trainer.cli.train import main
+from ulysses_trainer.families.presets import preset_config
 from ulysses_trainer.levers.lean_norm import available_norm_kernels
-from ulysses_trainer.model.presets import preset_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

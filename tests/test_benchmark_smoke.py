@@ -15,7 +15,7 @@ from transformers import Qwen3ForCausalLM
 
 from benchmarks import suite
 from tests.dist_utils import JOB_TIMEOUT_S, train_env
-from ulysses_trainer.model.presets import preset_config
+from ulysses_trainer.families.presets import preset_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

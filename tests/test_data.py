@@ -11,7 +11,7 @@ from ulysses_trainer.data.documents import build_sequences, default_num_sequence
 from ulysses_trainer.data.synthetic import synthetic_document, synthetic_documents
 from ulysses_trainer.data.tokenizer import QwenBPETokenizer, check_tokenizer_fits, load_tokenizer
 from ulysses_trainer.errors import ConfigError
-from ulysses_trainer.model.presets import preset_config
+from ulysses_trainer.families.presets import preset_config
 
 
 @pytest.fixture(scope="module")

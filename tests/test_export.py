@@ -67,7 +67,8 @@ def test_yarn_and_model_init_kwargs_are_exported_as_trained(moe):
 
 
 def test_a_presets_export_keeps_its_output_router_logits():
-    from ulysses_trainer.model.presets import PRESETS, preset_config
+    from ulysses_trainer.families import PRESETS
+    from ulysses_trainer.families.presets import preset_config
 
     name = next(p for p in PRESETS if preset_config(p).model_type == "qwen3_moe")
     cfg = TrainConfig(model_name_or_path=name, max_length=64)

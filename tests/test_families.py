@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 
 from ulysses_trainer.errors import ConfigError
-from ulysses_trainer.model.families import FAMILIES, PRESETS, family
-from ulysses_trainer.model.presets import preset_config
+from ulysses_trainer.families import FAMILIES, PRESETS, family
+from ulysses_trainer.families.presets import preset_config
 from ulysses_trainer.plan.inputs import (
     ModelShape,
     Settings,

@@ -1,6 +1,6 @@
 """A model family is one module: a test-only family (tests/plain_mlp_family.py, Qwen3 with a plain two-Linear MLP)
 registered here is planned, loaded, parallelized and trained one step on CPU without editing the package; and
-nothing outside model/families/ branches on which family (or MLP kind) a model has."""
+nothing outside families/ branches on which family (or MLP kind) a model has."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from tests.plain_mlp_family import (
     register_plain,
     unregister_plain,
 )
-from ulysses_trainer import parallelize, shard_batch
+from ulysses_trainer import ParallelizeConfig, parallelize, shard_batch
 from ulysses_trainer.config import TrainConfig
 from ulysses_trainer.ds_config import load_ds_config
 from ulysses_trainer.errors import ConfigError
-from ulysses_trainer.model.families import FAMILIES, family, preset_family, register
+from ulysses_trainer.families import FAMILIES, family, preset_family, register
 from ulysses_trainer.model.load import build_model, model_config_for
 from ulysses_trainer.parallel.state import single_process_state
 from ulysses_trainer.plan.inputs import ModelShape, Settings, layer_param_numels, num_params
@@ -49,7 +49,7 @@ def plain_family():
 
 
 def _config():
-    from ulysses_trainer.model.presets import preset_config
+    from ulysses_trainer.families.presets import preset_config
 
     return preset_config(PRESET)
 
@@ -117,7 +117,14 @@ def _registered() -> dict[str, bool]:
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    return {"families": MODEL_TYPE in FAMILIES, "presets": preset_family(PRESET) is not None,
+    from tests.plain_mlp_family import PlainMlp
+    from ulysses_trainer.model.install import installer
+
+    try:
+        installed = installer(PlainMlp()) is not None
+    except ConfigError:
+        installed = False
+    return {"families": MODEL_TYPE in FAMILIES, "presets": preset_family(PRESET) is not None, "install": installed,
             "auto config": MODEL_TYPE in CONFIG_MAPPING, "auto causal lm": PlainConfig in MODEL_FOR_CAUSAL_LM_MAPPING}
 
 
@@ -126,7 +133,7 @@ def test_unregistering_leaves_nothing_registered():
     (each register raises on a name still taken)."""
     from transformers import AutoConfig
 
-    from ulysses_trainer.model.presets import preset_config
+    from ulysses_trainer.families.presets import preset_config
 
     assert not any(_registered().values()), _registered()
     for _ in range(2):
@@ -172,24 +179,47 @@ def test_the_walker_sees_a_family_branch():
 def test_no_family_branch_outside_the_families():
     found = {}
     for path in PKG.rglob("*.py"):
-        if (PKG / "model" / "families") in path.parents:
+        if (PKG / "families") in path.parents:
             continue
         hits = _family_branches(ast.parse(path.read_text()))
         if hits:
             found[str(path.relative_to(PKG))] = hits
-    assert found == {}, f"ask the family (model/families/) instead: {found}"
+    assert found == {}, f"ask the family (families/) instead: {found}"
 
 
 def test_a_block_missing_part_of_its_behaviour_is_refused_when_it_is_made():
-    """MlpBlock's abstract methods: a family's block without `install` (or any of params, saved, backward_extra,
-    weight_grad_numel) fails when the family module makes it, not later inside the plan or the model build."""
+    """MlpBlock's abstract methods: a family's block without any of params, saved, backward_extra or
+    weight_grad_numel fails when the family module makes it, not later inside the plan."""
     from tests.plain_mlp_family import PlainMlp
-    from ulysses_trainer.model.families.base import MlpBlock
+    from ulysses_trainer.families.base import MlpBlock
 
-    missing = {name for name in ("params", "saved", "backward_extra", "weight_grad_numel", "install")
+    needed = ("params", "saved", "backward_extra", "weight_grad_numel")
+    missing = {name for name in (*needed, "time_parts", "dims")
                if getattr(getattr(MlpBlock, name), "__isabstractmethod__", False)}
-    assert missing == {"params", "saved", "backward_extra", "weight_grad_numel", "install"}
-    without_install = type("NoInstall", (MlpBlock,), {n: getattr(PlainMlp, n) for n in missing - {"install"}})
-    with pytest.raises(TypeError, match="install"):
-        without_install()
+    assert missing == set(needed)
+    without_saved = type("NoSaved", (MlpBlock,), {n: getattr(PlainMlp, n) for n in missing - {"saved"}})
+    with pytest.raises(TypeError, match="saved"):
+        without_saved()
     PlainMlp()  # the whole behaviour: made
+
+
+def test_a_block_without_an_install_is_refused_before_the_model_changes(plain_family):
+    """parallelize asks model/install.py for the block's install before it touches the model: a family whose block
+    has none registered is a ConfigError naming register_install, and the model is left as it was."""
+    from tests.plain_mlp_family import PlainMlp, install_plain
+    from ulysses_trainer.model.install import register_install, unregister_install
+
+    model = build_model(_config(), torch.float32, seed=5)
+    before, attn, config = {n: p.clone() for n, p in model.state_dict().items()}, model.config._attn_implementation, \
+        model.config
+    unregister_install(PlainMlp)
+    try:
+        with pytest.raises(ConfigError, match="register_install"):
+            parallelize(model, single_process_state(), ParallelizeConfig(gradient_checkpointing=False))
+    finally:
+        register_install(PlainMlp, install_plain)
+    assert isinstance(model.model.layers[0].mlp, PlainMLP) and model.config is config
+    assert model.config._attn_implementation == attn
+    assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
+    with pytest.raises(ValueError, match="already"):
+        register_install(PlainMlp, install_plain)

@@ -14,10 +14,10 @@ import torch
 from transformers import Qwen3MoeForCausalLM
 
 from ulysses_trainer import ParallelizeConfig, parallelize, shard_batch
+from ulysses_trainer.families.presets import preset_config
 from ulysses_trainer.levers.lean_norm import available_norm_kernels
 from ulysses_trainer.levers.sparse_moe import SparseMoE
 from ulysses_trainer.model.load import build_model
-from ulysses_trainer.model.presets import preset_config
 from ulysses_trainer.parallel.state import single_process_state
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

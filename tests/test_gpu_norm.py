@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from ulysses_trainer.families.presets import preset_config
 from ulysses_trainer.levers.lean_norm import LeanRMSNorm, available_norm_kernels, use_lean_norms
-from ulysses_trainer.model.presets import preset_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),

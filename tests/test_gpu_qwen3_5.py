@@ -21,7 +21,7 @@ DOCS = [1500, 2000, 596]
 def _model(dtype=torch.bfloat16):
     from transformers import AutoModelForCausalLM
 
-    from ulysses_trainer.model.presets import preset_config
+    from ulysses_trainer.families.presets import preset_config
 
     c = preset_config("qwen3.5-9b")
     c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers = VOCAB, 1024, 2816, 4

@@ -70,7 +70,7 @@ def test_a_parallelized_model_on_cuda_runs_the_kernel_and_matches_hf():
     from transformers import Qwen3ForCausalLM
 
     from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize
-    from ulysses_trainer.model.presets import preset_config
+    from ulysses_trainer.families.presets import preset_config
 
     cfg = preset_config("tiny")
     cfg._attn_implementation = "sdpa"

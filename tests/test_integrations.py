@@ -52,9 +52,9 @@ def test_an_attention_entry_lives_as_long_as_its_model():
 
 
 def test_parallelize_registers_its_attention_for_the_models_lifetime():
+    from ulysses_trainer.families.presets import preset_config
     from ulysses_trainer.model.load import build_model
     from ulysses_trainer.model.parallelize import ParallelizeConfig, parallelize
-    from ulysses_trainer.model.presets import preset_config
     from ulysses_trainer.parallel.state import single_process_state
 
     config = preset_config("tiny")

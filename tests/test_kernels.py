@@ -194,8 +194,8 @@ def test_sdpa_matches_torch_math_with_gqa():
 def test_every_kernel_registers_under_a_name_transformers_accepts(kernel):
     # transformers reads an implementation name containing "flash_attention" as a hub kernel to fetch; the
     # FA4 run on the H200 failed that way (ValueError before the first step)
+    from ulysses_trainer.families.presets import preset_config
     from ulysses_trainer.model.load import build_model
-    from ulysses_trainer.model.presets import preset_config
     from ulysses_trainer.parallel import ulysses
     from ulysses_trainer.parallel.state import single_process_state
 

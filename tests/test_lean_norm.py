@@ -6,9 +6,9 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMS
 
 from tests.dist_utils import run_ranks
 from tests.saved_tensors import saved_bytes
+from ulysses_trainer.families.presets import preset_config
 from ulysses_trainer.levers import lean_norm
 from ulysses_trainer.levers.lean_norm import LeanRMSNorm, use_lean_norms
-from ulysses_trainer.model.presets import preset_config
 
 
 def _pair(width: int, dtype: torch.dtype, seed: int = 0) -> tuple[Qwen3RMSNorm, LeanRMSNorm]:

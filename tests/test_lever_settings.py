@@ -12,9 +12,9 @@ import torch
 from ulysses_trainer.cli import plan as plan_cli
 from ulysses_trainer.config import TrainConfig
 from ulysses_trainer.errors import EXIT_INVALID, ConfigError
+from ulysses_trainer.families.presets import preset_config
 from ulysses_trainer.lever_settings import TRUE_TILES, decode_levers
 from ulysses_trainer.model.parallelize import ParallelizeConfig, parallelize
-from ulysses_trainer.model.presets import preset_config
 from ulysses_trainer.plan.inputs import ModelShape
 from ulysses_trainer.plan.resolve import resolve_plan
 from ulysses_trainer.plan.types import Machine

@@ -24,8 +24,8 @@ from ulysses_trainer import (
     unparallelize,
 )
 from ulysses_trainer.errors import ConfigError
+from ulysses_trainer.families.presets import preset_config
 from ulysses_trainer.model.load import build_model
-from ulysses_trainer.model.presets import preset_config
 
 LENGTH = 32
 
@@ -86,8 +86,9 @@ def test_a_refused_parallelize_changes_nothing(bad, pattern):
 
 
 def test_a_parallelize_failing_half_way_leaves_the_model_as_it_was(monkeypatch):
+    from ulysses_trainer.families import family
     from ulysses_trainer.levers.lean_norm import LeanRMSNorm
-    from ulysses_trainer.model.families import family
+    from ulysses_trainer.model import install
     from ulysses_trainer.parallel.integrations import attention_registered
 
     config = _config()
@@ -101,7 +102,7 @@ def test_a_parallelize_failing_half_way_leaves_the_model_as_it_was(monkeypatch):
         assert any(isinstance(m, LeanRMSNorm) for m in model.modules())
         raise RuntimeError("the MLP block could not be installed")
 
-    monkeypatch.setattr(type(family("qwen3").mlp), "install", broken)
+    monkeypatch.setitem(install._INSTALLS, type(family("qwen3").mlp), broken)
     with pytest.raises(RuntimeError, match="could not be installed"):
         parallelize(model, make_parallel_state(1), ParallelizeConfig(attn_implementation="sdpa"))
     assert _module_types(model) == types and model.config is config

@@ -56,7 +56,7 @@ def test_a_hybrid_counts_l_squared_on_its_attention_layers_only_and_its_recurren
     on the meta device), the attention term runs over the layers that have self_attn."""
     from transformers import AutoModelForCausalLM
 
-    from ulysses_trainer.model.presets import preset_config
+    from ulysses_trainer.families.presets import preset_config
 
     config = preset_config(preset)
     with torch.device("meta"):

@@ -11,9 +11,9 @@ from transformers import Qwen3MoeForCausalLM
 
 from tests.dist_utils import JOB_TIMEOUT_S
 from ulysses_trainer import ParallelizeConfig, parallelize, shard_batch
+from ulysses_trainer.families.presets import preset_config
 from ulysses_trainer.levers.sparse_moe import SparseMoE
 from ulysses_trainer.model.load import build_model
-from ulysses_trainer.model.presets import preset_config
 from ulysses_trainer.parallel.state import single_process_state
 
 

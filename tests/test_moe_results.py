@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ulysses_trainer.config import TrainConfig
 from ulysses_trainer.ds_config import load_ds_config
-from ulysses_trainer.model.families.qwen3_moe import experts_rate
+from ulysses_trainer.families.qwen3_moe import experts_rate
 from ulysses_trainer.model.load import model_config_for
 from ulysses_trainer.plan.rates import (
     EXPERTS_TFLOPS,

@@ -38,8 +38,8 @@ def test_example_sp2_on_two_ranks_equals_one_rank_and_learns(tmp_path):
     # the trained weights, saved by the engine with the stock keys: a stock model loads them, nothing missing
     import torch
 
+    from ulysses_trainer.families.presets import preset_config
     from ulysses_trainer.model.load import build_model
-    from ulysses_trainer.model.presets import preset_config
 
     state = torch.load(tmp_path / "sp2" / "pytorch_model.bin")
     assert not any(k.startswith("causal_lm.") for k in state)

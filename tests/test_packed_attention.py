@@ -186,8 +186,8 @@ def test_packed_kept_outputs_skip_the_kernel_and_give_bitwise_equal_grads():
 
 def _tiny(keep, layers=2):
     from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize
+    from ulysses_trainer.families.presets import preset_config
     from ulysses_trainer.model.load import build_model
-    from ulysses_trainer.model.presets import preset_config
 
     cfg = preset_config("tiny")
     cfg.num_hidden_layers = layers

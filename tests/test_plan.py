@@ -500,7 +500,7 @@ def test_the_fa4_stand_in_is_planned_as_flash_attention_4():
     """A memory-only rehearsal of a flash-attn-4 run: its stand-in takes the same per-layer path (every layer
     group by group, even one KV head per rank), so the plan holds the same bytes; the plain stand-in (ours' rule:
     all heads at once there) holds other bytes, which is why the rehearsal picks by the run's kernel."""
-    from ulysses_trainer.model.presets import preset_config
+    from ulysses_trainer.families.presets import preset_config
     from ulysses_trainer.names import STANDIN, STANDIN_FA4
 
     moe = ModelShape.from_config(preset_config("qwen3-30b-a3b"))

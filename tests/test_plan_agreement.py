@@ -43,7 +43,7 @@ def replace_kernels(m: Machine, kernels: tuple[str, ...]) -> Machine:
 
 def _plan(host_gb: float):
     from ulysses_trainer.config import TrainConfig
-    from ulysses_trainer.model.presets import preset_config
+    from ulysses_trainer.families.presets import preset_config
     from ulysses_trainer.plan.inputs import ModelShape
     from ulysses_trainer.plan.resolve import resolve_plan
 

@@ -5,8 +5,9 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from ulysses_trainer.errors import ConfigError
+from ulysses_trainer.families import PRESETS
+from ulysses_trainer.families.presets import preset_config
 from ulysses_trainer.model.load import build_model, checkpoint_source, load_model_config
-from ulysses_trainer.model.presets import PRESETS, preset_config
 from ulysses_trainer.plan.inputs import ModelShape, num_params
 
 # Published facts, not the presets' own numbers: the Qwen3 model cards (Qwen/Qwen3-*) and the technical

@@ -26,7 +26,7 @@ IGNORE = -100
 def build(preset: str, seed: int = 0, vocab: int = VOCAB, **overrides):
     from transformers import AutoModelForCausalLM
 
-    from ulysses_trainer.model.presets import preset_config
+    from ulysses_trainer.families.presets import preset_config
 
     config = preset_config(preset)
     config.vocab_size = vocab
@@ -140,8 +140,8 @@ def test_chunked_loss_at_the_real_vocabulary():
 
 
 def test_yarn_reaches_the_full_attention_layers_only():
+    from ulysses_trainer.families.presets import preset_config
     from ulysses_trainer.model.load import resolve_rope_parameters
-    from ulysses_trainer.model.presets import preset_config
 
     yarn = preset_config("tiny-qwen3.5")
     resolve_rope_parameters(yarn, {"rope_type": "yarn", "factor": "auto",
@@ -171,7 +171,7 @@ def test_sp_sizes_the_deltanet_heads_refuse():
 def test_presets_count_the_published_sizes():
     from transformers import AutoModelForCausalLM
 
-    from ulysses_trainer.model.presets import preset_config
+    from ulysses_trainer.families.presets import preset_config
     from ulysses_trainer.plan.inputs import ModelShape
 
     for name in ("tiny-qwen3.5", "tiny-qwen3.5-moe"):  # the plan's count is the built model's

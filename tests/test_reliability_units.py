@@ -118,7 +118,7 @@ def test_a_config_change_at_a_resume_goes_to_events_jsonl_not_between_the_traini
     out.mkdir()
     (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0 - s / 10}) + "\n" for s in (1, 2, 3)))
     (out / "events.jsonl").write_text(json.dumps({"step": 3, "config_change": {"learning_rate": [1, 2]}}) + "\n")
-    from ulysses_trainer.model.presets import preset_config
+    from ulysses_trainer.families.presets import preset_config
 
     plan = SimpleNamespace(cfg=TrainConfig(output_dir=str(out), report_to="none"), reporters=[],
                            model_config=preset_config("tiny"))

@@ -130,8 +130,8 @@ def test_tiled_matches_untiled_under_zero3():
 
 def _checkpointed_tiny(tiles, every, seed=5):
     from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize
+    from ulysses_trainer.families.presets import preset_config
     from ulysses_trainer.model.load import build_model
-    from ulysses_trainer.model.presets import preset_config
 
     cfg = preset_config("tiny")
     cfg.num_hidden_layers, cfg.layer_types = 3, ["full_attention"] * 3

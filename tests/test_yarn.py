@@ -9,8 +9,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ulysses_trainer.config import TrainConfig
 from ulysses_trainer.errors import ConfigError
+from ulysses_trainer.families.presets import preset_config
 from ulysses_trainer.model.load import build_model, model_config_for, resolve_rope_parameters
-from ulysses_trainer.model.presets import preset_config
 
 L = 163_840  # 4 x 40,960: the reference recipe's YaRN length
 SP = 4

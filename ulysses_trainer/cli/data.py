@@ -60,7 +60,7 @@ def sequence_segments(row: dict[str, Any], real_tokens: int, tokenizer: Any) -> 
 def describe(argv: list[str]) -> tuple[dict[str, Any], bool]:
     from ..data.documents import build_sequences
     from ..data.tokenizer import apply_tokenizer_options, load_tokenizer
-    from ..model.families import family
+    from ..families import family
     from ..model.load import checkpoint_source, model_config_for
     from ..train.data_order import epoch_permutation
 

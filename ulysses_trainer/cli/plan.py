@@ -207,8 +207,8 @@ def data_attention(cfg: Any, gpus: int, model_config: Any) -> AttentionShare | N
     from ..data.documents import build_sequences
     from ..data.order import steps_of
     from ..data.tokenizer import apply_tokenizer_options, load_tokenizer
+    from ..families import family
     from ..layout import resolve_layout
-    from ..model.families import family
     from ..model.load import checkpoint_source
     from ..train.prepare import data_share
 

@@ -22,10 +22,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..config import TrainConfig
 from ..errors import ConfigError
+from ..families import FAMILIES, PRESETS, family
+from ..families.presets import is_preset, preset_config
 from ..names import CHECKPOINT_MARKER
-from .families import FAMILIES, family
 from .positions import check_positions, rope_dict
-from .presets import PRESETS, is_preset, preset_config
 
 _YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
 _ROPE_KEYS = ("rope_parameters", "rope_scaling")  # rope_scaling: the pre-5.0 name

@@ -14,7 +14,7 @@ import torch
 
 from ..config import TrainConfig
 from ..errors import ConfigError
-from .families import Family, family
+from ..families import Family, family
 
 ADAPTER = "default"  # PEFT's adapter name
 

@@ -6,9 +6,9 @@ Order (each step relies on the ones before it):
   2. Loss head: lm_head also returns the chunked (or plain) loss sum, never the L x V logits.
   3. Lean norms: every RMSNorm keeps only its input for backward, not fp32 copies (fused Triton kernel on
      CUDA where liger-kernel is installed).
-  4. The family's MLP block (model/families/): each decoder layer's MLP runs by sequence tiles (a gated MLP:
-     levers/tiled_mlp.TiledMLP; Qwen3-MoE's block: levers/sparse_moe.SparseMoE, experts by tiles, router
-     statistics for the load-balancing loss).
+  4. The family's MLP block (families/; what is swapped in: model/install.py): each decoder layer's MLP runs by
+     sequence tiles (a gated MLP: levers/tiled_mlp.TiledMLP; Qwen3-MoE's block: levers/sparse_moe.SparseMoE,
+     experts by tiles, router statistics for the load-balancing loss).
   5. Checkpointing (+ offload): each decoder layer keeps only its input (or, with checkpoint_every=k,
      every k-th layer does and backward rebuilds the rest), on device or in pinned host memory, and
      recomputes in backward; there the tiled MLP skips its forward (its backward recomputes each tile).
@@ -30,6 +30,7 @@ from ..attention.kernels import available_kernels
 from ..attention.stash import AttentionStash
 from ..config import FIELDS
 from ..errors import ConfigError
+from ..families import family
 from ..lever_settings import Fixed, decode_levers
 from ..levers.host_pool import HostPool
 from ..levers.lean_norm import available_norm_kernels, use_lean_norms
@@ -47,7 +48,7 @@ from ..names import (
 from ..parallel.integrations import unregister_attention
 from ..parallel.state import ParallelState
 from ..parallel.ulysses import UlyssesAttention, _no_mask
-from .families import family
+from .install import installer
 from .loss_head import LOSS_TYPES, LossHead
 from .sp_model import SequenceParallelCausalLM
 from .undo import ModelSnapshot, use_private_config
@@ -184,11 +185,12 @@ def parallelize(model: nn.Module, state: ParallelState,
     layers = _check(model, plan)
     c = model.config
     fam = family(getattr(c, "model_type", "qwen3"))
+    installs = (installer(fam.mlp), installer(fam.mixer) if fam.mixer is not None else None)  # before any change
     attention = UlyssesAttention(state, plan.attn_implementation, c.num_attention_heads, c.num_key_value_heads)
     snapshot = ModelSnapshot(model)  # before any change: what unparallelize restores
     try:
         use_private_config(model)
-        sp_model = _install(model, layers, state, plan, fam, attention)
+        sp_model = _install(model, layers, state, plan, fam, installs, attention)
     except BaseException:
         snapshot.restore()
         unregister_attention(attention.name, attention, _no_mask)
@@ -199,12 +201,13 @@ def parallelize(model: nn.Module, state: ParallelState,
 
 
 def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan: ModelPlan, fam: Any,
-             attention: UlyssesAttention) -> SequenceParallelCausalLM:
+             installs: tuple[Any, Any], attention: UlyssesAttention) -> SequenceParallelCausalLM:
     # 1. attention (on the model's private config: use_private_config), and the family's other token mixer where
     # it has one (Qwen3.5: Gated DeltaNet, split by head)
     model.set_attn_implementation(attention.register(model))
-    if fam.mixer is not None:
-        fam.mixer.install(layers, state, plan.deltanet_kernel)
+    install_mlp, install_mixer = installs
+    if install_mixer is not None:
+        install_mixer(fam.mixer, layers, state, plan.deltanet_kernel)
     use_fused_rope(model)  # RoPE in one pass over q and k (Triton on CUDA; HF's ops elsewhere)
     # 2. loss head
     model.lm_head = LossHead(model.lm_head, plan.loss_type, plan.loss_chunk_size)
@@ -213,7 +216,7 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan
         use_lean_norms(model, plan.norm_kernel, fam.norm_offset)
     # 4. the family's MLP block: tiled, and its load-balancing statistics where it has them (sparse: router)
     tiles = plan.tiled_mlp
-    stats, coef = fam.mlp.install(model, layers, tiles, plan.experts_implementation)
+    stats, coef = install_mlp(fam.mlp, model, layers, tiles, plan.experts_implementation)
     # 5. checkpointing (+ offload, set by apply)
     checkpointer = None
     if plan.gradient_checkpointing:

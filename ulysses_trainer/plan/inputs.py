@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import ConfigError
+from ..families import Family, LayerDims, MlpRun, family
 from ..layout import check_heads
 from ..layout import padded_length as layout_padded_length
-from ..model.families import Family, LayerDims, MlpRun, family
 from ..names import (
     DEFAULT_SUB_GROUP_SIZE,
     PLANNED_KERNELS,
@@ -26,7 +26,7 @@ from ..names import (
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The dimensions the memory model needs, the model's family (model/families/: module order, MLP block,
+    """The dimensions the memory model needs, the model's family (families/: module order, MLP block,
     q/k norms), and the parameter facts derived from them once, when the shape is made: the stages of the plan
     read these fields, none re-derives them. `intermediate` is the dense MLP's width, or one expert's for a
     sparse family."""
@@ -136,7 +136,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
-        """From a transformers config of a supported family (model/families/)."""
+        """From a transformers config of a supported family (families/)."""
         fam = family(getattr(config, "model_type", "qwen3"))
         d = fam.layer_dims(config)
         return cls(vocab=config.vocab_size, hidden=d.hidden, intermediate=d.intermediate,
@@ -150,7 +150,7 @@ class ModelShape:
 
     @classmethod
     def preset(cls, name: str) -> ModelShape:
-        from ..model.presets import preset_config
+        from ..families.presets import preset_config
 
         return cls.from_config(preset_config(name))
 
@@ -321,7 +321,7 @@ def forward_passes(shape: ModelShape, s: Settings) -> float:
 
 
 def mlp_run(shape: ModelShape, s: Settings) -> MlpRun:
-    """What the family's MLP block terms read of these settings (model/families/base.MlpRun)."""
+    """What the family's MLP block terms read of these settings (families/base.MlpRun)."""
     return MlpRun(tokens=s.local_tokens, act_bytes=s.act_bytes, tiled_mlp=s.tiled_mlp,
                   gradient_checkpointing=s.gradient_checkpointing, forward_passes=forward_passes(shape, s),
                   experts_implementation=s.experts_implementation, lean_norm=s.lean_norm)

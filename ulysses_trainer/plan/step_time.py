@@ -23,7 +23,7 @@ benchmarks/results/:
   ZeRO-Offload (fp32 master, m, v on the host, gradients copied down, weights up) measured 7.1 s for
   Qwen3-4B on the H200 host (a 163 s train step against 155.9 s forward+backward with the same
   settings): 1.77 ns per parameter on one host, scaled by the parameters each host updates.
-- a family's MLP block may time parts at their own measured rates (MlpBlock.time_parts, model/families/):
+- a family's MLP block may time parts at their own measured rates (MlpBlock.time_parts, families/):
   Qwen3-MoE's sparse blocks at the block's measured rate by tile count (moe/moe_experts_h200.json, see
   qwen3_moe.experts_calls for what a tiled, checkpointed step runs of it) and its once-per-step part (embedding,
   final norm, chunked loss) at the cost the 1- and 8-layer profiles measure (profile_262144_l{1,8}_*), both taken
@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..model.families import MlpRun
+from ..families import MlpRun
 from . import rates
 from .inputs import ModelShape, Settings, mlp_run
 from .rates import (

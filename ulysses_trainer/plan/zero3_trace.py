@@ -8,7 +8,7 @@ parameter count, and stops once the sum reaches the distance). A released parame
 at its next use; the trace ends with the micro-step, so the last use always releases. Parameters at or
 below stage3_param_persistence_threshold stay gathered and are never fetched.
 
-The module order is the family's (model/families/), here that of a Qwen3 decoder under this trainer
+The module order is the family's (families/), here that of a Qwen3 decoder under this trainer
 (reentrant checkpointing: backward
 re-runs each layer's forward just before that layer's backward; checkpoint_every=k first rebuilds
 the block's lower layers from its kept input, levers/recompute.py):

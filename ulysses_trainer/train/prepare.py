@@ -21,8 +21,8 @@ from ..data.recall_probe import RecallProbe, build_recall_probe
 from ..data.tokenizer import apply_tokenizer_options, check_tokenizer_fits, load_tokenizer
 from ..ds_config import OptimizerSpec, load_ds_config, zero_config_for
 from ..errors import ConfigError
+from ..families import family
 from ..layout import Layout
-from ..model.families import family
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
 from ..model.lora import check_lora
 from ..names import resolve_report_to

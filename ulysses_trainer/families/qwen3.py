@@ -64,15 +64,6 @@ class GatedMlp(MlpBlock):
         """Tiled: the three weight grads accumulate in full over the tiles; untiled: one at a time."""
         return (3 if run.tiled_mlp > 1 else 1) * d.hidden * d.intermediate
 
-    def install(self, model: Any, layers: Any, tiles: int, experts_implementation: str) -> tuple[Any, float]:
-        """Tiled: each layer's MLP becomes a TiledMLP (same state-dict keys); untiled: left as it is."""
-        if tiles > 1:
-            from ...levers.tiled_mlp import TiledMLP
-
-            for layer in layers:
-                layer.mlp = TiledMLP(layer.mlp, tiles)
-        return None, 0.0
-
 
 def common_kwargs(layers: int) -> dict[str, Any]:
     """What every Qwen3-family preset shares (the published configs)."""

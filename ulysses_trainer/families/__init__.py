@@ -1,17 +1,19 @@
 """The model families: what is family-specific, one module each (a torchtitan TrainSpec in spirit).
 
-Torch-free, so the planner reads the same facts the trainer builds from. A family holds its
-transformers names (config and causal-LM classes), its presets, the decoder layer's parameters in
-module order (what the memory model, the ZeRO-3 trace and the FLOP counts assume), whether it has q/k norms,
-and its MLP block as behaviour (base.MlpBlock: parameters, memory and time terms, ZeRO-3 trace groups,
-collectives, LoRA targets, the block the trainer installs and its load-balancing loss). Nothing outside this
-package asks which family it has. Another family is one new module here plus its entry in FAMILIES, or
-`register(family)` from outside (tests/test_family_seam.py adds one that way).
+Torch-free and below both the planner and the model code (it imports nothing of the package but errors), so the
+planner reads the same facts the trainer builds from. A family holds its transformers names (config and causal-LM
+classes), its presets (presets.py builds their configs), the decoder layer's parameters in module order (what the
+memory model, the ZeRO-3 trace and the FLOP counts assume), whether it has q/k norms, and its MLP block as
+behaviour (base.MlpBlock: parameters, memory and time terms, ZeRO-3 trace groups, collectives, LoRA targets, what
+training sets on its config). What parallelize swaps in for a block is model/install.py's, keyed by the block's
+class. Nothing outside these asks which family it has. Another family is one new module here plus its entry in
+FAMILIES, or `register(family)` (and model/install.register_install for a new block) from outside
+(tests/test_family_seam.py adds one that way).
 """
 
 from __future__ import annotations
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 from .base import AllReduce, Family, LayerDims, MlpBlock, MlpRun, TokenMixer
 from .qwen3 import QWEN3
 from .qwen3_5 import QWEN3_5, QWEN3_5_MOE

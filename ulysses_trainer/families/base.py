@@ -1,9 +1,10 @@
 """What a model family declares (torch-free): the Family record, its MLP block's behaviour, the dimensions they read.
 
 A family owns what differs between families: the MLP (or expert) block (its parameters, how the planner counts its
-memory, time, ZeRO-3 uses and collectives, how the model's block is swapped for a tiled one, its load-balancing
-loss) and its LoRA targets. The planner and parallelize call these methods; neither asks which family it has.
-The methods that install modules import torch lazily: the planner reads a family without loading torch.
+memory, time, ZeRO-3 uses and collectives, what training sets on its config) and its LoRA targets. The planner and
+the model code call these methods; neither asks which family it has. What parallelize swaps into a model for a
+block or a mixer is the model's side (model/install.py, keyed by the block's class): this package imports nothing
+of the trainer but its errors, so the planner below the model reads it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # LoRA with no target_modules: PEFT's default for Qwen3, given explicitly (PEFT has none for Qwen3-MoE)
@@ -71,8 +72,8 @@ class MlpBlock(ABC):
 
     Parameters in module order (`params`: what the memory model, the ZeRO-3 trace and the FLOP counts assume);
     `saved` / `backward_extra`: the plan's memory terms (plan/layer_terms.py) by what keeps them; `time_parts`:
-    measured parts in place of the dense rate (plan/step_time.py); `install`: the model's blocks swapped for the
-    trainer's (model/parallelize.py), returning the load-balancing statistics and coefficient (None, 0.0: none).
+    measured parts in place of the dense rate (plan/step_time.py). What the trainer swaps in for it:
+    model/install.py.
     """
 
     lora_linears: tuple[str, ...] = ()  # the block's nn.Linear names, in module order
@@ -131,16 +132,11 @@ class MlpBlock(ABC):
         """The block's own collectives per optimizer step (beyond ZeRO-3's gathers of its parameters)."""
         return []
 
-    @abstractmethod
-    def install(self, model: Any, layers: Any, tiles: int, experts_implementation: str) -> tuple[Any, float]:
-        """Swap each decoder layer's block for the trainer's (tiled when tiles > 1); (load-balancing statistics
-        or None, their coefficient)."""
-
 
 class TokenMixer(ABC):
     """A token mixer that some layers of a family run instead of softmax attention (Qwen3.5's Gated DeltaNet):
     the layers whose config `layer_types` entry is `kind`. Its parameters in module order (the plan's counts and
-    ZeRO-3 trace), the SP sizes it refuses, and what parallelize installs on those layers."""
+    ZeRO-3 trace) and the SP sizes it refuses; what parallelize installs on those layers: model/install.py."""
 
     kind: str = ""  # the transformers config's layer_types entry of the layers that run it
     lora_linears: tuple[str, ...] = ()  # its nn.Linear names, in module order (what LoRA can adapt)
@@ -183,10 +179,6 @@ class TokenMixer(ABC):
     def seconds(self, d: LayerDims, run: MlpRun, rates: Any) -> tuple[float, list[str]]:
         """(seconds of one layer's mixer kernels in one micro-step on one rank: run.forward_passes forwards and
         a backward, notes); its projections are matmuls, timed with the layer's dense FLOPs."""
-
-    @abstractmethod
-    def install(self, layers: Any, state: Any, kernel: str) -> int:
-        """Swap its modules in the layers that run it for the SP ones; how many it swapped."""
 
 
 @dataclass(frozen=True)

@@ -110,18 +110,6 @@ class GatedDeltaNet(TokenMixer):
     def _conv(d: LayerDims) -> int:
         return 2 * d.linear_k_heads * d.linear_k_dim + d.linear_v_heads * d.linear_v_dim
 
-    def install(self, layers: Any, state: Any, kernel: str) -> int:
-        """Each DeltaNet layer's linear_attn becomes an UlyssesGatedDeltaNet (same state-dict keys)."""
-        from ...parallel.ulysses_deltanet import UlyssesGatedDeltaNet
-
-        n = 0
-        for layer in layers:
-            net = getattr(layer, "linear_attn", None)
-            if net is not None and not isinstance(net, UlyssesGatedDeltaNet):
-                layer.linear_attn = UlyssesGatedDeltaNet(net, state, kernel)
-                n += 1
-        return n
-
 
 class SharedExpertMoeMlp(SparseMoeMlp):
     """Qwen3.5-MoE's block: Qwen3-MoE's router and fused experts plus a shared expert (a gated SiLU MLP of width

@@ -1,6 +1,7 @@
 """Presets with the real dimensions (random weights), plus `tiny` / `tiny-moe` for CPU tests.
 
-The dimensions live with their family (model/families/); this builds the transformers config.
+The dimensions live with their family (families/); this builds the transformers config (the planner's
+ModelShape.preset and the model's loading both ask here).
 """
 
 from __future__ import annotations
@@ -8,10 +9,7 @@ from __future__ import annotations
 from transformers import AutoConfig, PretrainedConfig
 
 from ..errors import ConfigError
-from .families import PRESETS, preset_family
-from .families.qwen3 import ENDOFTEXT_ID, MAX_POSITIONS, ROPE_THETA, VOCAB_SIZE
-
-__all__ = ["ENDOFTEXT_ID", "MAX_POSITIONS", "PRESETS", "ROPE_THETA", "VOCAB_SIZE", "is_preset", "preset_config"]
+from . import PRESETS, preset_family
 
 
 def is_preset(name: str) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import ConfigError
 from .base import FP32, AllReduce, Family, LayerDims, MlpBlock, MlpRun
 from .qwen3 import common_kwargs
 
@@ -176,26 +175,6 @@ class SparseMoeMlp(MlpBlock):
         return [logged, AllReduce("all-reduce: router counts and rows (SP)", "sp", sp, 4 * (e + 1), grad_accum, cross),
                 AllReduce("all-reduce: router probability sums and their grads (SP)", "sp", sp, 4 * e,
                           2 * grad_accum, cross)]
-
-    def install(self, model: Any, layers: Any, tiles: int, experts_implementation: str) -> tuple[Any, float]:
-        """Each layer's block becomes a SparseMoE (tiled or not) sharing one RouterStats when the config asks for
-        router logits (the load-balancing loss, router_aux_loss_coef times); the experts kernel is set."""
-        from ...levers.sparse_moe import RouterStats, SparseMoE
-
-        c = model.config
-        d = self.dims(c)
-        stats, coef = None, 0.0
-        if getattr(c, "output_router_logits", False):
-            stats, coef = RouterStats(d["experts"], d["top_k"]), float(getattr(c, "router_aux_loss_coef", 0.0))
-        for layer in layers:
-            # a config without norm_topk_prob (Qwen3.5-MoE) has a router that always renormalises
-            layer.mlp = SparseMoE(layer.mlp, tiles, stats, d["top_k"], bool(getattr(c, "norm_topk_prob", True)))
-        if hasattr(model, "set_experts_implementation"):
-            model.set_experts_implementation(experts_implementation)
-        elif experts_implementation != "eager":  # a transformers without the choice runs its loop
-            raise ConfigError(f"experts_implementation {experts_implementation} needs a transformers with "
-                              f"set_experts_implementation; use eager or upgrade transformers")
-        return stats, coef
 
 
 def _preset(name: str) -> dict[str, Any]:
