@@ -402,3 +402,33 @@ def test_the_trainer_sp_runs_log_the_one_process_losses(tmp_path, preset, sp):
     for a, b in zip(rows[sp], rows[1]):
         assert abs(a["loss"] - b["loss"]) / b["loss"] <= 1e-5 and a["num_tokens"] == b["num_tokens"], (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] <= 1e-5, (a, b)
+
+
+def test_zero3_gathered_layer_params_are_the_binding_layer_kinds():
+    """The ZeRO-3 gathered-parameter term counts the layer whose working set binds, of its own kind, and the
+    prefetch of the next layer the backward reaches, of its kind (not the larger kind twice): Qwen3.5-27B's shape
+    with 16 DeltaNet value heads, whose full-attention layers hold more parameters than its DeltaNet layers; the
+    first step (no trace: stage3_max_live_parameters does not cover them)."""
+    from dataclasses import replace
+
+    from ulysses_trainer.plan.inputs import ModelShape, Settings, Zero3Knobs, mlp_run
+    from ulysses_trainer.plan.memory import backward_peak_layer, estimate
+
+    shape = ModelShape(**{**_fields(ModelShape.preset("qwen3.5-27b")), "linear_v_heads": 16})
+    fam, d = shape.family, shape.dims
+    mlp = sum(n for _, n in fam.mlp_params(d)) + 2 * shape.hidden
+    deltanet, attention = (sum(n for _, n in fam.mixer.params(d)) + mlp,
+                           sum(n for _, n in fam.attention_params(d)) + mlp)
+    assert attention > deltanet
+    term = "ZeRO-3 gathered layer params + grads"
+    for sp, binds, own, below in ((1, "linear_attention backward", deltanet, deltanet),
+                                  (8, "attention backward", attention, deltanet)):
+        s = Settings(max_length=131072, sp=sp, zero3_trace=False, deltanet_kernel="fla", tiled_mlp=16)
+        est = estimate(shape, s)
+        assert backward_peak_layer(shape, s) == 63  # the top layer, a full-attention one
+        assert est.term(f"layer working set ({binds})").gpu > 0
+        grads = fam.mlp.weight_grad_numel(d, mlp_run(shape, s))
+        assert est.term(term).gpu == (own + min(int(0.9 * shape.hidden ** 2), below) + grads) * 2, sp
+        # a prefetch bucket larger than a layer: the layer below gathered whole beside the binding one
+        big = replace(s, zero3=Zero3Knobs(prefetch_bucket_size=10 ** 10))
+        assert estimate(shape, big).term(term).gpu == (own + below + grads) * 2, sp

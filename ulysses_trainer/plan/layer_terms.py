@@ -207,20 +207,43 @@ def tied_embedding_grad_bytes(shape: ModelShape, s: Settings) -> int:
     return shape.vocab * shape.hidden * s.act_bytes
 
 
-def layer_gathered_params_bytes(shape: ModelShape, s: Settings) -> int:
+def layer_numel(shape: ModelShape, i: int) -> int:
+    """Parameters of decoder layer i, of its own kind (Qwen3.5: a Gated DeltaNet or a full-attention layer)."""
+    return sum(shape.numels[n] for n in shape.layer_orders[i])
+
+
+def binding_layer(shape: ModelShape, j: int, phase: str) -> int:
+    """The layer whose working set binds at the backward peak: layer j (plan/memory.backward_peak_layer) where
+    its kind is the one the working set's sub-phase names (layer_working_set: a mixer layer's phases start with
+    the mixer's kind), else the first layer of that kind the backward reaches from j down (the lowest one above
+    j where none is below)."""
+    mixer = shape.family.mixer
+    mixed = set(shape.mixer_layers)
+    if mixer is None or not mixed:
+        return j
+    wanted = phase.startswith(f"{mixer.kind} ")
+    kind = [i for i in range(shape.layers) if (i in mixed) == wanted]
+    below = [i for i in kind if i <= j]
+    return max(below) if below else min(kind)
+
+
+def layer_gathered_params_bytes(shape: ModelShape, s: Settings, layer: int | None = None) -> int:
     """ZeRO-3 during a layer's backward: the parameters gathered in full, and full-size weight grads before
     reduce-scatter (tiled MLP accumulates its three weight grads over the tiles; otherwise one weight grad
-    at a time). Gathered: the layer's own and the prefetch bucket for the next; from the second step on
-    (the trace exists) the prefetcher keeps parameters gathered up to stage3_max_live_parameters (H200
-    allocator history of Qwen3-4B at sp=2: 1.88 GiB of gathered parameters at step 2's peak, none at step 1's,
-    the whole difference between the two steps' peaks; 1e9 elements in bf16 are 1.86 GiB)."""
+    at a time). Gathered: the layer's own (`layer`, default the top one: its own kind's parameters, Qwen3.5's
+    DeltaNet and full-attention layers differ) and the prefetch bucket for the next the backward reaches (the
+    layer below, of its own kind); from the second step on (the trace exists) the prefetcher keeps parameters
+    gathered up to stage3_max_live_parameters (H200 allocator history of Qwen3-4B at sp=2: 1.88 GiB of gathered
+    parameters at step 2's peak, none at step 1's, the whole difference between the two steps' peaks; 1e9
+    elements in bf16 are 1.86 GiB)."""
     if s.zero_stage == 0:
         return 0
     e = s.act_bytes
-    layer = sum(n for _, n in shape.layer_params)
+    i = shape.layers - 1 if layer is None else layer
+    own = layer_numel(shape, i)
     pre = s.zero3.prefetch_bucket_size
     prefetch = shape.auto_prefetch_bucket if pre is None else pre
-    gathered = layer + min(prefetch, layer)
+    gathered = own + min(prefetch, layer_numel(shape, i - 1) if i > 0 else own)
     if s.zero3_trace:
         gathered = max(gathered, min(s.zero3.max_live_parameters, shape.num_params))
     grads = shape.family.mlp.weight_grad_numel(shape.dims, mlp_run(shape, s))  # the MLP block's full-size grads

@@ -37,6 +37,7 @@ from .host_terms import host_optimizer_bytes, host_pool_bytes
 from .inputs import ModelShape, Settings, check_settings
 from .layer_terms import (
     FP32,
+    binding_layer,
     kept_attention_bytes_per_layer,
     layer_forward_saved,
     layer_gathered_params_bytes,
@@ -358,7 +359,9 @@ def estimate(shape: ModelShape, s: Settings) -> MemoryEstimate:
         Term(f"layer working set ({ws_phase})", ws, 0, "layer_backward", ws_detail),
         Term("unattributed (measured, 8 bytes x t x H)", unattributed_bytes(shape, s), 0, "layer_backward"),
         Term("tied embedding grad held to the end", tied_embedding_grad_bytes(shape, s), 0, "layer_backward"),
-        Term("ZeRO-3 gathered layer params + grads", layer_gathered_params_bytes(shape, s), 0, "layer_backward"),
+        # the layer of the kind whose working set binds (a hybrid's DeltaNet or full-attention layer)
+        Term("ZeRO-3 gathered layer params + grads",
+             layer_gathered_params_bytes(shape, s, binding_layer(shape, peak_layer, ws_phase)), 0, "layer_backward"),
         Term("final norm", final_norm_bytes(shape, s), 0, "loss"),
         Term(f"loss ({'chunked, ' + str(s.loss_chunk_size) + ' rows' if s.loss_type == 'chunked_nll' else 'plain'})",
              loss_bytes(shape, s), 0, "loss"),
