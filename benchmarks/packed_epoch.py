@@ -87,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from ulysses_trainer.cli.argv import load_config
     from ulysses_trainer.cli.train import _init_distributed
-    from ulysses_trainer.data.attention_share import row_documents
     from ulysses_trainer.data.documents import build_sequences
     from ulysses_trainer.data.order import epoch_permutation
+    from ulysses_trainer.plan.attention_share import row_documents
     from ulysses_trainer.train.data_order import shard_rows
     from ulysses_trainer.train.metrics import device_peak_tflops, row_model_flops, throughput
     from ulysses_trainer.train.prepare import prepare, world_size_from_env

@@ -17,8 +17,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import packing_gpu  # noqa: E402
 from benchmarks.packed_step import packed_row  # noqa: E402
-from ulysses_trainer.data.attention_share import row_fractions  # noqa: E402
 from ulysses_trainer.data.sequences import SequenceDataset  # noqa: E402
+from ulysses_trainer.plan.attention_share import row_fractions  # noqa: E402
 
 
 def test_next_fit_keeps_the_order_and_the_share_counts_the_documents_only():

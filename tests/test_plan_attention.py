@@ -12,8 +12,8 @@ import pytest
 
 from ulysses_trainer.__main__ import main as cli_main
 from ulysses_trainer.config import TrainConfig
-from ulysses_trainer.data.attention_share import AttentionShare, row_fractions, segment_lengths
 from ulysses_trainer.data.sequences import SequenceDataset
+from ulysses_trainer.plan.attention_share import AttentionShare, row_fractions, segment_lengths
 from ulysses_trainer.plan.inputs import ModelShape, Settings
 from ulysses_trainer.plan.memory import estimate
 from ulysses_trainer.plan.resolve import WORST_CASE, resolve_plan

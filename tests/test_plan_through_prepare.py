@@ -13,7 +13,7 @@ import pytest
 from ulysses_trainer import probe
 from ulysses_trainer.__main__ import main as cli_main
 from ulysses_trainer.cli.argv import load_config
-from ulysses_trainer.data.attention_share import AttentionShare
+from ulysses_trainer.plan.attention_share import AttentionShare
 from ulysses_trainer.train.prepare import prepare
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -30,11 +30,11 @@ from typing import Any
 from .. import probe  # read through the module: its functions are the test seam
 from ..config import REPO_ROOT, validate_config
 from ..config.load import build_config, read_recipe
-from ..data.attention_share import AttentionShare, timed_from_data
 from ..ds_config import load_ds_config, zero_config_for
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
 from ..model.load import model_config_for
 from ..names import GIB
+from ..plan.attention_share import AttentionShare, timed_from_data
 from ..plan.inputs import ModelShape, Settings, local_tokens
 from ..plan.longest_fit import Choice, Hardware, largest_max_length
 from ..plan.memory import MemoryEstimate

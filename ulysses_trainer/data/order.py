@@ -1,6 +1,6 @@
 """The order the rows are trained in (TRL's sampler): every epoch a seeded permutation of all the rows, the epochs
 one stream that the optimizer steps cut into `per_step` rows. Read by the trainer (train/data_order.py) and by the
-plan, which times the rows the run will train (data/attention_share.py)."""
+plan, which times the rows the run will train (plan/attention_share.py)."""
 
 from __future__ import annotations
 

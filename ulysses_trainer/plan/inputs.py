@@ -213,7 +213,7 @@ class Settings:
     # the first n layers keep their attention output + LSE from the checkpoint's forward (attention/stash.py)
     keep_attention_outputs: int = 0
     # packed rows: their causal varlen attention, sum(l_i^2) over documents, as a share of one document of
-    # max_length (mean over the data's rows, data/attention_share.py); 1.0: one document, the worst case
+    # max_length (mean over the data's rows, plan/attention_share.py); 1.0: one document, the worst case
     attention_fraction: float = 1.0
     loss_type: Literal["chunked_nll", "nll"] = "chunked_nll"
     loss_chunk_size: int = 256

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..data.attention_share import AttentionShare
 from ..lever_settings import Fixed
+from .attention_share import AttentionShare
 from .inputs import Settings
 from .memory import MemoryEstimate
 from .step_time import StepTime, format_seconds

@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..data.attention_share import AttentionShare
 from ..errors import ConfigError
 from ..layout import Layout, resolve_layout
 from ..lever_settings import Fixed, decode_levers
 from ..names import GIB, KEEPING_KERNELS, auto_num_tiles, choose_kernels
+from .attention_share import AttentionShare
 from .fit_search import cheapest_autos, fastest_fit, shortfall, with_headroom
 from .inputs import ModelShape, Settings, check_settings
 from .layer_terms import kept_attention_bytes_per_layer
@@ -35,7 +35,7 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
 
     One pass down: the machine's budget, the layout, the kernels, the base settings, the levers decoded and
     bound, the search, the step time, then the Plan with its notes.
-    attention: the packed data's attention cost (data/attention_share.py); None: one document per row.
+    attention: the packed data's attention cost (plan/attention_share.py); None: one document per row.
     layout: the run's (config.checks.validate_config decided it); None: resolve_layout of sp_size and machine.gpus.
     """
     zero = zero or ZeroSettings()

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import torch
 
-from ..data.attention_share import row_costs
+from ..plan.attention_share import row_costs
 from ..plan.inputs import ModelShape, matmul_params
 from ..plan.step_time import MODELLED_FROM_S, format_seconds
 

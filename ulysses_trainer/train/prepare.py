@@ -15,7 +15,6 @@ import torch
 
 from ..config import TrainConfig, config_to_dict, validate_config
 from ..data.accounting import check_something_trained
-from ..data.attention_share import AttentionShare, timed_from_data
 from ..data.order import steps_of, trained_rows
 from ..data.recall_probe import RecallProbe, build_recall_probe
 from ..data.tokenizer import apply_tokenizer_options, check_tokenizer_fits, load_tokenizer
@@ -26,6 +25,7 @@ from ..layout import Layout
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
 from ..model.lora import check_lora
 from ..names import resolve_report_to
+from ..plan.attention_share import AttentionShare, timed_from_data
 from ..plan.inputs import ModelShape, num_params
 from ..plan.resolve import resolve_plan
 from ..plan.types import Machine, Plan, read_zero

@@ -4,7 +4,8 @@ real tokens) costs sum(l_i^2) of causal varlen attention where one document of t
 A row's pads are segments of their own that the kernels leave out (parallel/sharding.py; a varlen kernel spends at
 most one PAD_SEGMENT tile on each), so only the real documents count. The plan times attention with the mean of
 that fraction over the rows the run trains, in the trainer's order (data/order.py), and the trainer's
-tflops_per_gpu and mfu count the same documents (train/metrics.py).
+tflops_per_gpu and mfu count the same documents (train/metrics.py). In plan/ because the plan reads it and sits
+below data/ (numpy only; a dataset is read through its rows, data/sequences.SequenceDataset's).
 """
 
 from __future__ import annotations
