@@ -280,6 +280,84 @@ def test_a_hub_layout_checkpoint_trains_and_exports_to_the_same_logits(moe, layo
     assert json.loads((final / "generation_config.json").read_text()) == GENERATION
 
 
+# an adapter in the causal LM's layout onto the multimodal class: its language model is under model.language_model
+TO_CONDITIONAL = {r"^model\.layers\.": "model.language_model.layers."}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_lora_on_a_hub_layout_checkpoint_adapts_the_language_model_and_merges_into_its_layout(moe, tmp_path):
+    """LoRA (all-linear) on the multimodal Hub-layout checkpoint through the real entry, two steps, twice: the
+    adapter (merge_lora false) and the merged export. The adapter adapts every Linear of every language-model
+    layer of its kind (DeltaNet: in_proj_qkv/z/b/a, out_proj; full attention: q/k/v/o_proj; a dense MLP's gate, up,
+    down; a sparse block has none) and nothing of the vision tower or the MTP head; the merged final/ is the
+    checkpoint's layout, its vision tower and MTP head the checkpoint's bytes, no LoRA tensor in it, and
+    from_pretrained of the checkpoint's class (Qwen3_5[Moe]ForConditionalGeneration) gives the logits of the base
+    with the adapter: as its adapter_config loads (AutoPeftModelForCausalLM: the text model), and on the
+    multimodal class with TO_CONDITIONAL's key_mapping."""
+    import re
+    import subprocess
+    import sys
+
+    import transformers
+    from peft import AutoPeftModelForCausalLM, PeftModel
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from tests.dist_utils import JOB_TIMEOUT_S, ROOT, job_failure, train_env
+    from tests.tiny_checkpoint import write_documents
+
+    ckpt = write_qwen3_5_checkpoint(tmp_path / "ckpt", moe=moe)
+    docs = write_documents(tmp_path / "docs.jsonl", num_docs=8, words_per_doc=31)
+    conditional_cls = getattr(transformers, json.loads((ckpt / "config.json").read_text())["architectures"][0])
+    for merge in ("false", "true"):
+        proc = subprocess.run([sys.executable, "launch/train.py", "--model_name_or_path", str(ckpt), "--dataset_name",
+                               str(docs), "--max_length", "32", "--max_steps", "2", "--learning_rate", "1e-2",
+                               "--bf16", "false", "--seed", "3", "--use_peft", "true", "--lora_r", "4",
+                               "--lora_dropout", "0", "--lora_target_modules", "all-linear", "--merge_lora", merge,
+                               "--max_shard_size", "40KB", "--output_dir", str(tmp_path / f"merge_{merge}")],
+                              cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+        assert proc.returncode == 0, job_failure(proc)
+    adapter, final = tmp_path / "merge_false" / "final", tmp_path / "merge_true" / "final"
+
+    with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as h:
+        keys = list(h.keys())
+    pattern = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_[AB]\.weight")
+    assert all(pattern.fullmatch(k) for k in keys), [k for k in keys if not pattern.fullmatch(k)][:3]
+    adapted = {pattern.fullmatch(k).groups() for k in keys}
+    kinds = AutoConfig.from_pretrained(ckpt).text_config.layer_types
+    mixer = {"linear_attention": ("linear_attn", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")),
+             "full_attention": ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj"))}
+    want = {(str(i), mixer[k][0], n) for i, k in enumerate(kinds) for n in mixer[k][1]} | \
+        {(str(i), "mlp", n) for i in range(len(kinds)) for n in (() if moe else ("gate_proj", "up_proj", "down_proj"))}
+    assert adapted == want and "linear_attention" in kinds and "full_attention" in kinds
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(ckpt)
+
+    src, merged = _stored(ckpt), _stored(final)
+    assert {k: tuple(v.shape) for k, v in merged.items()} == {k: tuple(v.shape) for k, v in src.items()}
+    untouched = [k for k in src if k.startswith(("model.visual.", "mtp."))]
+    assert any(k.startswith("mtp.") for k in untouched) and any(k.startswith("model.visual.") for k in untouched)
+    assert all(merged[k].dtype == src[k].dtype and _bytes(merged[k]) == _bytes(src[k]) for k in untouched)
+    changed = [k for k in src if k not in untouched and not torch.equal(merged[k].float(), src[k].float())]
+    lora = {f"model.language_model.layers.{i}.{m}.{n}.weight" for i, m, n in want}
+    assert set(changed) == lora, sorted(set(changed) ^ lora)[:4]  # the adapted Linears alone, every one
+
+    ids = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(0))
+    exported = conditional_cls.from_pretrained(final, dtype=torch.float32).eval()
+    text = AutoPeftModelForCausalLM.from_pretrained(adapter, dtype=torch.float32).eval()
+    conditional = PeftModel.from_pretrained(conditional_cls.from_pretrained(ckpt, dtype=torch.float32),
+                                            adapter, key_mapping=TO_CONDITIONAL).eval()
+    assert not [n for n, _ in conditional.named_parameters() if "lora_" in n and ".visual." in n]
+    assert all(p.abs().sum() > 0 for n, p in conditional.named_parameters() if "lora_B" in n)  # every one loaded
+    before = conditional_cls.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got, plain = exported(input_ids=ids).logits, before(input_ids=ids).logits
+        for m in (text, conditional):
+            want_logits = m(input_ids=ids).logits
+            assert (got - want_logits).norm() / want_logits.norm() <= 1e-5
+    assert (got - plain).norm() / plain.norm() > 1e-4  # the adapter changed the model
+
+
 def test_a_misnamed_language_model_tensor_is_refused_before_training(tmp_path):
     """The language model of a multimodal checkpoint is checked as a Qwen3 checkpoint is: a renamed tensor is
     named (missing and unused); the vision tower and MTP head are not counted as unused."""
