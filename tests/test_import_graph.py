@@ -1,5 +1,6 @@
 """The package's parts (its subpackages and top-level modules) import each other without a loop, counting every
-import, also those inside functions; the runtime code reads names and rules from names.py, not the planner."""
+import, also those inside functions. The plan sits below the model and the runtime code: its vocabulary (names,
+layout, lever_settings, model_plan) is what they read, and it imports nothing above the model families."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "ulysses_trainer"
 
 
-def _imported_modules(path: Path) -> set[str]:
-    """Every module of the package that `path` imports, as a dotted name below the package ("plan.resolve")."""
+def _imported_modules(path: Path, text: str | None = None) -> set[str]:
+    """Every module of the package that `path` (or `text` as if it were there) imports, as a dotted name below the
+    package ("plan.resolve")."""
     rel = path.relative_to(PKG).with_suffix("").parts
     here = list(rel[:-1]) if rel[-1] != "__init__" else list(rel[:-1])  # the package a relative import starts from
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text() if text is None else text)):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = here[:len(here) - node.level + 1]
@@ -90,7 +92,7 @@ def test_the_walker_counts_imports_inside_functions_and_relative_ones():
     graph = part_graph()
     # cli/plan.py imports the planner at the top and the calibration inside a function
     assert {"plan", "config", "probe"} <= graph["cli"]
-    assert "lever_settings" in graph["plan"]  # plan/resolve.py: from ..lever_settings import Levers, decode_levers
+    assert "families" in graph["plan"]  # plan/inputs.py: from ..families import Family, LayerDims, MlpRun, family
 
 
 def test_no_import_loop_between_the_packages_parts():
@@ -99,10 +101,35 @@ def test_no_import_loop_between_the_packages_parts():
     assert loops(graph) == [], {p: sorted(d) for p, d in graph.items()}
 
 
+# the plan's vocabulary: what the runtime code, the config's checks and the model read of the plan
+VOCABULARY = ("plan.names", "plan.layout", "plan.lever_settings", "plan.model_plan")
+
+
+def _module_imports(part: str) -> set[str]:
+    """Every module of the package that the files of `part` import (dotted, below the package)."""
+    root = PKG / part
+    files = root.rglob("*.py") if root.is_dir() else [root.with_suffix(".py")]
+    return set().union(*(_imported_modules(path) for path in files))
+
+
 def test_lower_parts_do_not_import_higher_ones():
     graph = part_graph()
-    for low in ("names", "layout", "errors", "model_plan"):
+    for low in ("errors", "families", "zero_json"):
         assert graph.get(low, set()) <= {"errors"}, (low, graph.get(low))
-    for runtime in ("attention", "levers", "parallel"):  # names and rules come from names.py, not the planner
-        assert "plan" not in graph[runtime] and "config" not in graph[runtime], (runtime, graph[runtime])
+    # the planner reads the families' facts and the ZeRO JSON, nothing of the model, the data or the runtime code
+    assert graph["plan"] <= {"errors", "families", "zero_json"}, graph["plan"]
+    for module in VOCABULARY:  # the vocabulary imports nothing of the package but errors
+        path = PKG.joinpath(*module.split(".")).with_suffix(".py")
+        assert {m.split(".")[0] for m in _imported_modules(path)} <= {"errors"}, (module, _imported_modules(path))
+    for runtime in ("attention", "levers", "parallel"):  # names and rules come from the vocabulary, not the planner
+        planned = {m for m in _module_imports(runtime) if _part(m) == "plan"}
+        assert planned <= set(VOCABULARY) and "config" not in graph[runtime], (runtime, planned, graph[runtime])
     assert "cli" not in set().union(*(d for p, d in graph.items() if p != "cli"))  # nothing below imports a command
+
+
+def test_the_vocabulary_check_sees_a_planner_import():
+    """_imported_modules names the plan module a runtime file imports (inside a function too), so a runtime file
+    that imported the planner would fail the check above."""
+    text = "from ..plan.names import GIB\n\ndef f():\n    from ..plan.resolve import resolve_plan\n"
+    planned = _imported_modules(PKG / "parallel" / "new_module.py", text)
+    assert planned == {"plan.names", "plan.resolve"} and not planned <= set(VOCABULARY)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from tests.dist_utils import JOB_TIMEOUT_S, job_failure, run_job, train_command
-from ulysses_trainer import names
 from ulysses_trainer.cli.train import main
 from ulysses_trainer.errors import ConfigError
-from ulysses_trainer.names import resolve_report_to
+from ulysses_trainer.plan import names
+from ulysses_trainer.plan.names import resolve_report_to
 from ulysses_trainer.train.reporters import Reporters
 
 ROOT = Path(__file__).resolve().parent.parent

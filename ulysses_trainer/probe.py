@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .names import GIB
+from .plan.names import GIB
 from .plan.types import Machine
 
 

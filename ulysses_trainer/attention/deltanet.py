@@ -1,7 +1,7 @@
 """Gated DeltaNet kernels (Qwen3.5's linear-attention layers): the causal depthwise conv and the gated delta rule,
 each over the whole sequence of the heads it is given, with packed documents kept apart.
 
-Two rule kernels under one name each (names.DELTANET_KERNELS): `fla`, flash-linear-attention's
+Two rule kernels under one name each (plan/names.DELTANET_KERNELS): `fla`, flash-linear-attention's
 chunk_gated_delta_rule (Triton, CUDA; its varlen path takes cu_seqlens), and `torch`, the same chunked algorithm
 in fp32 torch ops (any device; packed documents one at a time). Both take q, k with K key heads and v with V value
 heads (value head j reads key head j // (V / K)), L2-normalise q and k, scale q by dk^-0.5, and start every

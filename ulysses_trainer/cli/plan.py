@@ -33,11 +33,11 @@ from ..config.load import build_config, read_recipe
 from ..ds_config import load_ds_config, zero_config_for
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
 from ..model.load import model_config_for
-from ..names import GIB
 from ..plan.attention_share import AttentionShare, timed_from_data
 from ..plan.inputs import ModelShape, Settings, local_tokens
 from ..plan.longest_fit import Choice, Hardware, largest_max_length
 from ..plan.memory import MemoryEstimate
+from ..plan.names import GIB
 from ..plan.resolve import plan_for
 from ..plan.step_time import step_floor
 from ..plan.types import Machine, Plan
@@ -208,8 +208,8 @@ def data_attention(cfg: Any, gpus: int, model_config: Any) -> AttentionShare | N
     from ..data.order import steps_of
     from ..data.tokenizer import apply_tokenizer_options, load_tokenizer
     from ..families import family
-    from ..layout import resolve_layout
     from ..model.load import checkpoint_source
+    from ..plan.layout import resolve_layout
     from ..train.prepare import data_share
 
     dp = resolve_layout(cfg.sp_size, gpus).dp

@@ -23,7 +23,7 @@ import importlib
 import torch
 from torch import Tensor, nn
 
-from ..names import NORM_KERNELS
+from ..plan.names import NORM_KERNELS
 
 # Backward rebuilds the fp32 copy for at most this many elements at once (64 MiB of fp32 per tensor).
 _BACKWARD_SLAB_ELEMENTS = 16 * 2**20

@@ -13,7 +13,7 @@ Order (each step relies on the ones before it):
      every k-th layer does and backward rebuilds the rest), on device or in pinned host memory, and
      recomputes in backward; there the tiled MLP skips its forward (its backward recomputes each tile).
   6. The attention-output stash: kept outputs let the recompute skip the kernel.
-`plan` is a ModelPlan (model_plan.py): every value concrete. The trainer takes it from its resolved plan
+`plan` is a ModelPlan (plan/model_plan.py): every value concrete. The trainer takes it from its resolved plan
 (plan/resolve.py) and sets the levers with `apply` once the engine holds the model states; a loop of your own
 passes a ParallelizeConfig, whose `auto` values are decided once, by ParallelizeConfig.resolve.
 """
@@ -31,13 +31,16 @@ from ..attention.stash import AttentionStash
 from ..config import FIELDS
 from ..errors import ConfigError
 from ..families import family
-from ..lever_settings import Fixed, decode_levers
 from ..levers.host_pool import HostPool
 from ..levers.lean_norm import available_norm_kernels, use_lean_norms
 from ..levers.recompute import LayerRecompute
 from ..levers.rope import use_fused_rope
-from ..model_plan import ModelPlan
-from ..names import (
+from ..parallel.integrations import unregister_attention
+from ..parallel.state import ParallelState
+from ..parallel.ulysses import UlyssesAttention, _no_mask
+from ..plan.lever_settings import Fixed, decode_levers
+from ..plan.model_plan import ModelPlan
+from ..plan.names import (
     auto_num_tiles,
     choose_deltanet_kernel,
     choose_experts_implementation,
@@ -45,9 +48,6 @@ from ..names import (
     choose_norm_kernel,
     default_mlp_tiles,
 )
-from ..parallel.integrations import unregister_attention
-from ..parallel.state import ParallelState
-from ..parallel.ulysses import UlyssesAttention, _no_mask
 from .install import installer
 from .loss_head import LOSS_TYPES, LossHead
 from .sp_model import SequenceParallelCausalLM
@@ -107,7 +107,7 @@ class ParallelizeConfig:
                        host_memory_gb=self.host_memory_gb, ranks_per_host=self.ranks_per_host)
 
     def levers(self, config: Any) -> Fixed:
-        """The levers decoded (lever_settings.decode_levers, the trainer's decoder) and bound to the HF model
+        """The levers decoded (plan/lever_settings.decode_levers, the trainer's decoder) and bound to the HF model
         config: None = auto. `tiled_mlp: true` is the lever's own count for local_seq_len tokens (1 without it)."""
         def true_tiles() -> int:
             if self.local_seq_len is None:
@@ -228,7 +228,7 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan
         if tiles > 1:  # the recompute needs the tiled MLP's graph, not its output (TiledMLP.unused_output)
             checkpointer.recompute_context = lambda i: layers[i].mlp.unused_output()
     # 6. the stash for kept attention outputs (only a recompute can reuse them: checked in _check)
-    if plan.attention_stash:  # decided once (lever_settings.Fixed.attention_stash)
+    if plan.attention_stash:  # decided once (plan/lever_settings.Fixed.attention_stash)
         attention.stash = AttentionStash()
     model.train()
     sp_model = SequenceParallelCausalLM(model, state, attention, checkpointer, tiles, stats, coef)

@@ -10,9 +10,9 @@ from typing import Any, Literal
 
 from ..errors import ConfigError
 from ..families import Family, LayerDims, MlpRun, family
-from ..layout import check_heads
-from ..layout import padded_length as layout_padded_length
-from ..names import (
+from .layout import check_heads
+from .layout import padded_length as layout_padded_length
+from .names import (
     DEFAULT_SUB_GROUP_SIZE,
     PLANNED_KERNELS,
     param_persistence_threshold,

@@ -15,8 +15,9 @@ import math
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
-from .fit_search import Fixed, cheapest_fit
+from .fit_search import cheapest_fit
 from .inputs import ModelShape, Settings, Zero3Knobs
+from .lever_settings import Fixed
 from .memory import MemoryEstimate
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ..names import GIB
 from .host_terms import host_optimizer_bytes, host_pool_bytes
 from .inputs import ModelShape, Settings, check_settings
 from .layer_terms import (
@@ -46,6 +45,7 @@ from .layer_terms import (
     tied_embedding_grad_bytes,
     unattributed_bytes,
 )
+from .names import GIB
 from .partitions import (
     _persistence_threshold,
     _shard_numel,

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..names import GIB
 from ..parallel.sharding import IGNORE_INDEX
+from ..plan.names import GIB
 
 # --------------------------------------------------------------------------------------------
 # Per-position loss

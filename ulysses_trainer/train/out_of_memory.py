@@ -29,10 +29,9 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 
 # the levers a plan search decides when `auto`; a pinned one is what `ulysses-trainer plan` is told to search
-from ..lever_settings import AUTO_LEVERS as AUTO_LEVERS
-from ..lever_settings import decode_levers
-from ..names import GIB
+from ..plan.lever_settings import AUTO_LEVERS, decode_levers
 from ..plan.memory import UNDER_PREDICTION
+from ..plan.names import GIB
 from ..plan.types import Machine, Plan
 
 inject: Callable[[Where], None] | None = None  # the test seam (None outside tests)

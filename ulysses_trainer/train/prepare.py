@@ -21,12 +21,12 @@ from ..data.tokenizer import apply_tokenizer_options, check_tokenizer_fits, load
 from ..ds_config import OptimizerSpec, load_ds_config, zero_config_for
 from ..errors import ConfigError
 from ..families import family
-from ..layout import Layout
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
 from ..model.lora import check_lora
-from ..names import resolve_report_to
 from ..plan.attention_share import AttentionShare, timed_from_data
 from ..plan.inputs import ModelShape, num_params
+from ..plan.layout import Layout
+from ..plan.names import resolve_report_to
 from ..plan.resolve import resolve_plan
 from ..plan.types import Machine, Plan, read_zero
 from ..probe import this_machine
@@ -70,7 +70,7 @@ class RunPlan:
     disk: str = ""  # the `disk:` line: what the run holds in output_dir at its peak, and the free space
     plan_digest: str = ""  # the digest of `resolved`, the same on every rank (train/agreement.py)
     source: str | None = None  # the weights' directory or Hub id (model/load.checkpoint_source); None: a preset
-    reporters: list[str] = field(default_factory=list)  # report_to, decoded once (names.resolve_report_to)
+    reporters: list[str] = field(default_factory=list)  # report_to, decoded once (plan/names.resolve_report_to)
     recall_probe: RecallProbe | None = None  # eval_recall_probe: the probe rows (data/recall_probe.py)
     # packed rows: the attention of the rows the run trains (data_share), the plan's after the engine too
     attention: AttentionShare | None = None

@@ -1,7 +1,7 @@
 """Names and rules that the planner and the runtime code both read, torch-free: the attention and RMSNorm
 kernels (and how `auto` picks one), their install hints, the MLP tile rules, the attention grouping rule and
-ZeRO-3's `auto` sizes. Runtime code (attention/, levers/, ds_config.py) imports these from here, not from
-the planner; nothing here imports any other part of the package but errors.
+ZeRO-3's `auto` sizes. Runtime code (attention/, levers/, parallel/, ds_config.py) imports these from here, not
+from the planner's modules; nothing here imports any other part of the package but errors.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 GIB = 2**30  # bytes in a GiB: every byte count the package prints or budgets is in these
 

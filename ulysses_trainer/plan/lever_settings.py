@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 # the levers the plan's search decides when they are `auto` (in the order the messages name them)
 AUTO_LEVERS = ("checkpoint_every", "activation_offload", "keep_attention_outputs", "tiled_mlp", "optimizer_offload")
