@@ -56,6 +56,30 @@ def test_plan_with_lora_holds_no_gradient_or_adam_state_for_frozen_weights():
     assert adam_states_bytes(shape, full) > 500 * adam_states_bytes(shape, lora)  # 4B weights vs 5.9M adapter elements
 
 
+def test_plan_with_lora_times_no_weight_gradient_matmuls():
+    """Frozen base weights get no gradient: the backward runs 2 FLOPs a weight and token (the input's grad), not
+    4, in the step model's dense term and in the floor; attention is unchanged."""
+    from ulysses_trainer.plan.inputs import Settings, mlp_run
+    from ulysses_trainer.plan.step_time import dense_flops, step_floor, step_time
+
+    shape = ModelShape.preset("qwen3-4b")
+    adapters = lora_numels(shape, None, 16)
+    full = Settings(max_length=65536, tiled_mlp=4)
+    lora = Settings(max_length=65536, tiled_mlp=4, trainable_numels=adapters)
+    run = mlp_run(shape, full)
+    passes, t, head = run.forward_passes, run.tokens, shape.vocab * shape.hidden
+    expected = shape.layers * shape.active_layer_numel * t * (2 * passes + 2) + 4 * head * t
+    assert mlp_run(shape, lora).weights_frozen and not run.weights_frozen
+    assert dense_flops(shape, mlp_run(shape, lora)) == pytest.approx(expected)
+    a, b = step_time(shape, full, shape.num_params), step_time(shape, lora, shape.num_params)
+    assert b.parts["attention backward"] == a.parts["attention backward"]
+    assert b.parts["matmuls and the rest"] < a.parts["matmuls and the rest"]
+    fa, fb = step_floor(shape, full, a.parts)["matmuls s"], step_floor(shape, lora, b.parts)["matmuls s"]
+    ratio = ((2 * passes + 2) * (shape.matmul_params - head) + 4 * head) / \
+        ((2 * passes + 4) * (shape.matmul_params - head) + 6 * head)
+    assert fb / fa == pytest.approx(ratio)
+
+
 def test_merged_state_dict_equals_peft_merge():
     cfg = TrainConfig(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="all-linear")
     model, peft_model = add_lora(build_model(model_config_for(cfg), torch.float32, None, seed=1), cfg)

@@ -272,6 +272,27 @@ def test_conv_and_rule_keep_packed_documents_apart():
     assert not torch.allclose(torch_rule(q, k, v, gate, beta, None), packed, atol=1e-3)
 
 
+def test_full_attention_at_head_dim_256_is_timed_at_its_measured_rate():
+    """Qwen3.5's full layers (head_dim 256) run the kernels at ~60-78% of their head-dim-128 rates on the H200:
+    the step model scales the 128 points by the measured ratio, so a layer's fwd+bwd time is the 256 rate's."""
+    from pathlib import Path
+
+    from ulysses_trainer.plan import rates
+    from ulysses_trainer.plan.inputs import ModelShape, Settings
+    from ulysses_trainer.plan.step_time import attention_flops_forward, attention_seconds, head_dim_scale
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    assert rates.hd256_rates_from_results(results) == rates.HD256_RATES  # the table is the file's
+    shape = ModelShape.preset("qwen3.5-27b")
+    for kernel, pts in rates.HD256_RATES.items():
+        for length, tflops in pts:
+            s = Settings(max_length=length, sp=8, attn_implementation=kernel, deltanet_kernel="fla", tiled_mlp=16)
+            fwd, bwd = attention_seconds(shape, s)[:2]
+            assert 3.5 * attention_flops_forward(shape, s) / (fwd + bwd) / 1e12 == pytest.approx(tflops, rel=1e-6)
+    assert head_dim_scale("sdpa", 128, 1048576) == 1.0  # Qwen3's head dim: the points as measured
+    assert head_dim_scale("sdpa", 256, 4 * 1048576) == head_dim_scale("sdpa", 256, 1048576)  # held past the last
+
+
 def test_the_plan_times_and_sizes_deltanet_layers_by_their_own_terms():
     from pathlib import Path
 

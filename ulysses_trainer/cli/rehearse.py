@@ -168,8 +168,8 @@ def summary_line(r: dict[str, Any]) -> str:
 
     kind = "memory only (attention stand-in: time not real)" if r["standin"] else r["attention_kernel"]
     line = (f"[ulysses_trainer] rehearsal rank {r['rank']}/{r['world_size']} (sp {r['sp_size']} x dp {r['dp_size']}"
-            f", {r['max_length']:,} tokens, {kind}): peak GPU {f(r['peak_gpu_mem_gb'], ' GB')}"
-            f" (reserved {f(r['peak_gpu_reserved_gb'], ' GB')}), peak host {f(r['peak_host_mem_gb'], ' GB')}; "
+            f", {r['max_length']:,} tokens, {kind}): peak GPU {f(r['peak_gpu_mem_gb'], ' GiB')}"
+            f" (reserved {f(r['peak_gpu_reserved_gb'], ' GiB')}), peak host {f(r['peak_host_mem_gb'], ' GiB')}; "
             f"compute {f(r['compute_s'], ' s')} + comm {f(r['comm_s_estimate'], ' s', '.3f')} (modelled) = "
             f"{f(r['predicted_step_s'], ' s/step')}, {f(r['tokens_per_s_predicted'], ' tokens/s', ',.0f')} "
             f"predicted; collective fill {r['collective_fill']}; losses meaningless")

@@ -52,6 +52,12 @@ class MlpRun:
     forward_passes: float = 1.0  # forwards per layer on average (recompute and checkpoint_every rebuilds)
     experts_implementation: str = "grouped_mm"
     lean_norm: bool = True  # the norms keep only their inputs (levers/lean_norm.py, lean_gated_norm.py)
+    weights_frozen: bool = False  # LoRA: the base weights get no gradient, so the backward skips their matmuls
+
+    @property
+    def backward_flops(self) -> float:
+        """Backward FLOPs per weight and token: the input's grad (2) and the weight's (2; none when frozen)."""
+        return 2.0 if self.weights_frozen else 4.0
 
 
 @dataclass(frozen=True)

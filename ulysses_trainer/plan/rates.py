@@ -75,6 +75,16 @@ DELTANET_RULE_S = (4.5796e-09, 1.6679e-08)  # (forward, forward + backward) s pe
 DELTANET_RULE_PEAK_BYTES = 4158.7  # fwd+bwd peak per token and value head
 DELTANET_CONV_S = 8.9255e-12  # fwd+bwd s per token and channel
 
+# The full-attention kernels at head_dim 256 (Qwen3.5's full layers), one H200, causal, bf16, forward+backward
+# TFLOP/s by length, 3 query heads over one KV head (the 27B's share at sp=8), deltanet_kernels/h200.json
+# "attention_hd256": 60-75% of the head-dim-128 rates above; the step model scales the 128 points by the ratio
+# at the same length (only fwd+bwd was measured at 256, so forward and backward scale alike).
+HD256_RATES: dict[str, tuple[tuple[int, float], ...]] = {
+    "sdpa": ((262144, 402.87), (1048576, 405.73)),
+    "flash_attention_4": ((262144, 432.8), (1048576, 425.76)),
+}
+HD256_KERNELS = {"sdpa": "sdpa_cudnn", "flash_attention_4": "flash_attn_4"}  # the file's names
+
 
 def norm_rates_from_results(results_dir: str | Path) -> dict[str, dict[str, tuple[float, float]]]:
     """NORM_S_PER_ELEMENT rebuilt from the benchmark file: per kernel, the mean seconds per element of the
@@ -155,3 +165,10 @@ def deltanet_rates_from_results(results_dir: str | Path) -> tuple[tuple[float, f
     conv_s = conv["fwd_bwd_s"] / (conv["tokens"] * conv["channels"])
     return ((float(f"{rule['fwd_s'] / n:.5g}"), float(f"{rule['fwd_bwd_s'] / n:.5g}")),
             round(rule["peak_gib"] * 2**30 / n, 1), float(f"{conv_s:.5g}"))
+
+
+def hd256_rates_from_results(results_dir: str | Path) -> dict[str, tuple[tuple[int, float], ...]]:
+    """HD256_RATES rebuilt from the benchmark file (a test ties the table to it)."""
+    rows = json.loads((Path(results_dir) / DELTANET_SOURCE).read_text())["attention_hd256"]
+    return {k: tuple((r["tokens"], round(r["tflops"], 2)) for r in rows if r.get("kernel") == name)
+            for k, name in HD256_KERNELS.items()}

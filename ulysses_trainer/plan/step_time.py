@@ -90,22 +90,37 @@ def _rate(kernel: str, length: int) -> tuple[float, float, bool]:
     raise AssertionError("unreachable")
 
 
+def head_dim_scale(kernel: str, head_dim: int, length: int) -> float:
+    """The kernel's measured forward+backward rate at head_dim 256 over its head-dim-128 points' at the same
+    length (1.0 where no 256 rate is measured): the 128 points scaled by it give the 256 kernel's time."""
+    if head_dim != 256 or kernel not in rates.HD256_RATES:
+        return 1.0
+    pts = rates.HD256_RATES[kernel]
+    at = min(max(length, pts[0][0]), pts[-1][0])  # held constant past the measured lengths
+    r256 = next(r0 + (math.log(at) - math.log(l0)) / (math.log(l1) - math.log(l0)) * (r1 - r0)
+                for (l0, r0), (l1, r1) in zip(pts, pts[1:]) if l0 <= at <= l1)
+    fwd, bwd, _ = _rate(kernel, at)
+    return r256 / (3.5 / (1.0 / fwd + 2.5 / bwd))  # backward = 2.5 forwards of FLOPs
+
+
 def attention_seconds(shape: ModelShape, s: Settings) -> tuple[float, float, bool]:
     """(forward, backward seconds of one layer's kernel, extrapolated?); the stand-in costs nothing."""
     if s.attn_implementation not in KERNEL_RATES:
         return 0.0, 0.0, False
     fwd_tf, bwd_tf, extra = _rate(s.attn_implementation, s.padded_length)
+    scale = head_dim_scale(s.attn_implementation, shape.head_dim, s.padded_length)
     flops = attention_flops_forward(shape, s)
-    return flops / (fwd_tf * 1e12), 2.5 * flops / (bwd_tf * 1e12), extra
+    return flops / (fwd_tf * scale * 1e12), 2.5 * flops / (bwd_tf * scale * 1e12), extra
 
 
 def dense_flops(shape: ModelShape, run: MlpRun) -> float:
     """Everything but the attention kernel, one micro-step on one rank: 2 FLOPs per parameter and token per
-    forward, 4 per backward; the lm_head in the chunked loss: forward + both grads, 6 per parameter."""
+    forward, 4 per backward (2 with LoRA's frozen weights); the lm_head in the chunked loss: forward + its grads,
+    6 per parameter (4 frozen)."""
     t = run.tokens
     per_layer = shape.active_layer_numel  # a sparse MLP: the router and top_k experts per token
-    layers = shape.layers * per_layer * t * (2.0 * run.forward_passes + 4.0)
-    return layers + 6.0 * shape.vocab * shape.hidden * t
+    layers = shape.layers * per_layer * t * (2.0 * run.forward_passes + run.backward_flops)
+    return layers + (2.0 + run.backward_flops) * shape.vocab * shape.hidden * t
 
 
 def norm_seconds(shape: ModelShape, run: MlpRun, kernel: str) -> float:
@@ -145,9 +160,11 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
         if (shape.heads // s.sp, shape.kv_heads, shape.head_dim) != MEASURED_HEAD_SHAPE and s.sp == 1:
             notes.append(f"kernel rates measured with {MEASURED_HEAD_SHAPE[0]} heads of {MEASURED_HEAD_SHAPE[2]}")
     if shape.head_dim != MEASURED_HEAD_SHAPE[2] and s.attn_implementation in KERNEL_RATES:
-        notes.append(f"attention kernel rates measured at head_dim {MEASURED_HEAD_SHAPE[2]}, used at "
-                     f"{shape.head_dim} (H200 at 256: ~405 cuDNN / 433 flash-attn-4 TFLOP/s fwd+bwd, "
-                     f"{rates.DELTANET_SOURCE}: optimistic there)")
+        scale = head_dim_scale(s.attn_implementation, shape.head_dim, s.padded_length)
+        notes.append(f"attention at head_dim {shape.head_dim}: the head-dim-{MEASURED_HEAD_SHAPE[2]} rates x "
+                     f"{scale:.2f}, the measured fwd+bwd ratio ({rates.DELTANET_SOURCE})" if scale != 1.0 else
+                     f"attention kernel rates measured at head_dim {MEASURED_HEAD_SHAPE[2]}, used at "
+                     f"{shape.head_dim} (not measured there)")
     kept = s.keep_attention_outputs if s.gradient_checkpointing else 0
     # a family's mixer layers (Qwen3.5's Gated DeltaNet) run no attention kernel, and keep no attention output
     mixed = set(shape.mixer_layers)
@@ -204,12 +221,14 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
 def step_floor(shape: ModelShape, s: Settings, parts: dict[str, float], accumulation: int = 1) -> dict[str, float]:
     """The step's floor (docs/benchmarks.md's): the attention kernels as the step runs them and a mixer's kernels
     (Qwen3.5's DeltaNet rule and conv), both from `parts` (step_time's), plus every matmul at the measured matmul
-    rate (LOSS_MATMUL_TFLOPS): the layers' weights (sparse: the active ones) forward per pass and backward, the
-    lm_head's 6 FLOPs a weight in the chunked loss. What the predicted step adds over it is the elementwise work,
-    the norms, the loss's softmax, the optimizer and the exposed communication."""
+    rate (LOSS_MATMUL_TFLOPS): the layers' weights (sparse: the active ones) forward per pass and backward (no
+    weight grads under LoRA), the lm_head's 6 FLOPs a weight in the chunked loss (4 frozen). What the predicted
+    step adds over it is the elementwise work, the norms, the loss's softmax, the optimizer and the exposed
+    communication."""
     run = mlp_run(shape, s)
     head = shape.vocab * shape.hidden
-    flops = ((2.0 * run.forward_passes + 4.0) * (shape.matmul_params - head) + 6.0 * head) * run.tokens
+    flops = ((2.0 * run.forward_passes + run.backward_flops) * (shape.matmul_params - head)
+             + (2.0 + run.backward_flops) * head) * run.tokens
     kernels = {k: v for k, v in parts.items() if k.startswith("attention ") or k.endswith(" kernels")}
     out = {**{f"{k} s": v for k, v in kernels.items()},
            "matmuls s": flops / (LOSS_MATMUL_TFLOPS * 1e12) * accumulation, "matmul tflops": LOSS_MATMUL_TFLOPS}
