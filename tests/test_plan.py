@@ -261,6 +261,8 @@ def test_cli_table_and_json(capsys):
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert "layer checkpoints" in out and "largest max_length that fits" in out and "fits:" in out
+    longest = next(line for line in out.splitlines() if line.startswith("largest max_length that fits"))
+    assert re.search(r"optimizer_offload (true|false),", longest)  # the config's names and spelling
     assert cli_main(args + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] and data["chosen"]["sp_size"] == 8 and data["largest_max_length"] > 1_048_576

@@ -267,7 +267,7 @@ def _report(plan: Plan, machine: Machine, longest: int, best: Choice | None,
     if best is not None:
         b = best.settings
         lines.append(f"largest max_length that fits: {longest:,} (activation_offload {b.activation_offload}, "
-                     f"tiled_mlp {b.tiled_mlp}, offload_optimizer {b.optimizer_offload}, "
+                     f"tiled_mlp {b.tiled_mlp}, optimizer_offload {str(b.optimizer_offload).lower()}, "
                      f"checkpoint_every {b.checkpoint_every}, no attention outputs kept; "
                      f"searched in multiples of {1024 * b.sp:,})")
     else:
