@@ -80,3 +80,24 @@ def test_plan_and_trainer_time_the_same_rows_for_max_steps(steps, stand_in_h200,
     rows = trained_rows(cfg.seed, len(run.train_data), 1, steps)
     assert run.attention.rows == steps and printed["attention_from"] == "data"
     assert printed["attention_fraction"] == pytest.approx(AttentionShare.of(run.train_data, rows).mean, rel=1e-12)
+
+
+@pytest.mark.parametrize("recipe", ["one_gpu_4b_sessions", "one_gpu_4b_long"])
+def test_prepare_searches_once_and_checks_one_digest(recipe, stand_in_h200, tmp_path, monkeypatch):
+    """prepare() runs the plan's lever search once, packed rows timed from the data too: the refusals before the
+    tokenizing read that search without the data's share (memory does not depend on it), the plan after the data
+    times the same settings with it. One digest check: the plan the run starts from."""
+    from ulysses_trainer.plan import fit_search
+    from ulysses_trainer.train import prepare as prepare_module
+
+    searches, digests = [], []
+    search, check = fit_search.Search, prepare_module.check_same_plan
+    monkeypatch.setattr(fit_search, "Search", lambda *a, **k: searches.append(1) or search(*a, **k))
+    monkeypatch.setattr(prepare_module, "check_same_plan", lambda plan, when: digests.append(when) or check(plan, when))
+    cfg = load_config(["--config", str(ROOT / "launch" / "recipes" / f"{recipe}.yaml"), "--max_steps", "2",
+                       "--output_dir", str(tmp_path / "out")])
+    run = prepare(cfg, 1, training=False)
+    packed = recipe == "one_gpu_4b_sessions"
+    assert run.resolved.attention_from == ("data" if packed else "")
+    assert len(searches) == 1  # was 2 with packed rows: the plan searched again with the data's share
+    assert digests == ["after the data is read" if packed else "before the model is built"]

@@ -5,9 +5,9 @@ its whole forward again), then the optimizer's placement (GPU before host), the 
 layer inputs, the kept attention outputs; a lever the user fixed takes only its value. The fit test
 (`Search.est`, `Search.fits`): GPU need and host RAM per host against the budgets; the closest miss is kept.
 
-- `fastest_fit` (what the plan runs; plan/resolve.py decodes the levers and calls it): at the first
-  checkpoint_every where anything fits, per placement the first tile count where anything fits, the settings
-  with the shortest predicted step.
+- `search_fits` then `Fits.fastest` (what the plan runs; plan/resolve.py decodes the levers and calls it): at
+  the first checkpoint_every where anything fits, per placement the first tile count where anything fits, the
+  settings with the shortest predicted step (the search is memory only; the step time chooses among what it found).
 - `cheapest_autos` (the CPU run, no GPU budget): every auto at its cheapest value.
 - `cheapest_fit` (memory only; plan/longest_fit.py bisects the length over it): the first settings that fit in
   the cost order: the smallest checkpoint_every, then Adam on the GPU, then the fewest offloaded inputs, then
@@ -186,34 +186,61 @@ def _timed_candidates(sr: Search, r: Rung, tiles: int, keep_max: int) -> list[Me
     return out
 
 
-def fastest_fit(shape: ModelShape, base: Settings, fx: Fixed, keep_max: int, gpu_gb: float, host_gb: float,
-                knobs: dict[bool, Zero3Knobs], time_of: Callable[[Settings], float]
-                ) -> tuple[MemoryEstimate, bool, dict[bool, tuple[float, MemoryEstimate]]]:
-    """(the fastest estimate that fits, True) or (the closest miss, False); and the best per optimizer placement.
+@dataclass(frozen=True)
+class Fits:
+    """What one search found, memory only: per optimizer placement, the settings worth timing at the first
+    checkpoint_every where anything fits (at the first tile count of the ladder where anything fits there), and
+    the closest miss. The step time then chooses among them (`fastest`): the data's attention share moves the
+    time, never the memory, so one search serves the plan with or without it."""
 
-    The search stops at the first checkpoint_every where anything fits: rebuilding a layer costs more than the
-    kept attention output or the offload the freed memory could buy; and per placement at the first tile count
-    of the ladder where anything fits."""
+    found: dict[bool, list[MemoryEstimate]]  # per optimizer placement; empty: nothing fits
+    closest: MemoryEstimate | None  # the closest miss of every estimate seen
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.found)
+
+    def fastest(self, time_of: Callable[[Settings], float], attention_fraction: float
+                ) -> tuple[MemoryEstimate, bool, dict[bool, tuple[float, MemoryEstimate]]]:
+        """(the fastest estimate that fits, True) or (the closest miss, False); and the best per optimizer
+        placement. Each estimate's settings take `attention_fraction` (what the step time reads of the data)."""
+
+        def at(e: MemoryEstimate) -> MemoryEstimate:
+            return replace(e, settings=replace(e.settings, attention_fraction=attention_fraction))
+
+        if not self.found:
+            assert self.closest is not None
+            return at(self.closest), False, {}
+        best: dict[bool, tuple[float, MemoryEstimate]] = {}
+        for opt, found in self.found.items():
+            for e in map(at, found):
+                key = (time_of(e.settings), e.settings.activation_offload)
+                if opt not in best or key < (best[opt][0], best[opt][1].settings.activation_offload):
+                    best[opt] = (key[0], e)
+        winner = min(best.values(), key=lambda te: (te[0], te[1].settings.optimizer_offload))
+        return winner[1], True, best
+
+
+def search_fits(shape: ModelShape, base: Settings, fx: Fixed, keep_max: int, gpu_gb: float, host_gb: float,
+                knobs: dict[bool, Zero3Knobs]) -> Fits:
+    """The plan's one search (memory only; `Fits.fastest` times what it found).
+
+    It stops at the first checkpoint_every where anything fits: rebuilding a layer costs more than the kept
+    attention output or the offload the freed memory could buy; and per placement at the first tile count of
+    the ladder where anything fits."""
     sr = Search(shape, base, fx, gpu_gb, host_gb, knobs)
     ladder = sr.tile_ladder(every_count=False)
-    best: dict[bool, tuple[float, MemoryEstimate]] = {}
+    found: dict[bool, list[MemoryEstimate]] = {}
     for rungs in sr.rungs():
         for r in rungs:
             for tiles in ladder:
-                found = _timed_candidates(sr, r, tiles, keep_max)
-                for e in found:
-                    key = (time_of(e.settings), e.settings.activation_offload)
-                    if r.opt not in best or key < (best[r.opt][0], best[r.opt][1].settings.activation_offload):
-                        best[r.opt] = (key[0], e)
-                if found:
+                here = _timed_candidates(sr, r, tiles, keep_max)
+                if here:
+                    found[r.opt] = here
                     break
-        if best:
+        if found:
             break
-    if not best:
-        assert sr.closest is not None
-        return sr.closest, False, {}
-    winner = min(best.values(), key=lambda te: (te[0], te[1].settings.optimizer_offload))
-    return winner[1], True, best
+    return Fits(found, sr.closest)
 
 
 def with_headroom(shape: ModelShape, chosen: MemoryEstimate, gpu_gb: float, host_gb: float) -> MemoryEstimate:
@@ -247,7 +274,7 @@ def cheapest_autos(shape: ModelShape, base: Settings, fx: Fixed) -> MemoryEstima
 def cheapest_fit(shape: ModelShape, base: Settings, fx: Fixed, gpu_gb: float, host_gb: float,
                  knobs: dict[bool, Zero3Knobs] | None = None) -> tuple[MemoryEstimate, bool]:
     """(the first estimate that fits in the cost order, True) or (the closest miss, False). Memory only; the
-    ZeRO-3 sizes per placement are `knobs` (fastest_fit's; None: the base's for both), the kept attention
+    ZeRO-3 sizes per placement are `knobs` (search_fits's; None: the base's for both), the kept attention
     outputs the base's.
 
     At each rung the fewest offloaded inputs are searched at the most tiles (GPU memory falls as tiles grow,

@@ -1,23 +1,26 @@
 """One resolved plan: every setting of a run decided once, from the training config, the model's shape and
-the machine. `resolve_plan` is the one function the trainer and `ulysses-trainer plan` call;
-`replan_after_engine` runs its search again with the GPU memory measured once the engine is built.
+the machine. `resolve_plan` is the one function `ulysses-trainer plan` calls: `search_plan` (every decision
+before the step time, then the one search, memory only) and `plan_from` (the fastest of what it found, timed
+with the packed data's attention share). The trainer calls the two apart: it searches before reading the data and
+times after (train/prepare.py). `replan_after_engine` runs the search again with the GPU memory measured once the
+engine is built, the lever fields only.
 
 Every lever is checked here against the model (ConfigError, exit 2, naming the fix; lever_settings.decode_levers
 has decoded and checked the values themselves); every `auto` is decided here: of all the settings that fit the
 GPU and host memory (plan/memory.py), the one with the shortest predicted step (plan/step_time.py). The search
-(plan/fit_search.fastest_fit) covers the optimizer's placement (GPU or host), the checkpoint thinning, the MLP tiles,
+(plan/fit_search.search_fits) covers the optimizer's placement (GPU or host), the checkpoint thinning, the MLP tiles,
 the offloaded layer inputs and the kept attention outputs.
 Torch-free: the caller measures the machine (GPU memory, host RAM, installed kernels) and passes it in.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ConfigError
 from .attention_share import AttentionShare
-from .fit_search import cheapest_autos, fastest_fit, shortfall, with_headroom
+from .fit_search import Fits, cheapest_autos, search_fits, shortfall, with_headroom
 from .inputs import ModelShape, Settings, check_settings
 from .layer_terms import kept_attention_bytes_per_layer
 from .layout import Layout, resolve_layout
@@ -31,13 +34,41 @@ from .types import Machine, Plan, ZeroSettings, read_zero
 
 def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettings | None = None, *,
                  attention: AttentionShare | None = None, layout: Layout | None = None) -> Plan:
-    """The plan for `cfg` (a TrainConfig) on `machine`. ConfigError for settings that cannot run.
-
-    One pass down: the machine's budget, the layout, the kernels, the base settings, the levers decoded and
-    bound, the search, the step time, then the Plan with its notes.
+    """The plan for `cfg` (a TrainConfig) on `machine`: `search_plan`, then `plan_from` with the data's share.
+    ConfigError for settings that cannot run.
     attention: the packed data's attention cost (plan/attention_share.py); None: one document per row.
     layout: the run's (config.checks.validate_config decided it); None: resolve_layout of sp_size and machine.gpus.
     """
+    return plan_from(search_plan(cfg, shape, machine, zero, layout=layout), attention=attention)
+
+
+@dataclass(frozen=True)
+class PlanSearch:
+    """Every decision before the step time and the one search over the levers (memory only: the data's attention
+    share moves the time, never the memory). `plan_from` makes the Plan of it, with or without the share."""
+
+    cfg: Any
+    shape: ModelShape
+    machine: Machine
+    base: Settings  # the search's starting settings; plan_from sets their attention_fraction
+    fx: Fixed  # the levers the search decides: None
+    asked: Fixed  # what the config and the ZeRO JSON fixed
+    zero: ZeroSettings
+    budget: float | None  # GiB per GPU; None: no GPU
+    budget_note: str | None
+    found: Fits | None  # None: no GPU (every auto at its cheapest: fit_search.cheapest_autos)
+    engine_plan: Plan | None = None  # the re-plan after the engine: the first plan
+
+    @property
+    def fits(self) -> bool:
+        """Whether anything fits: the same with or without the data's share (memory does not depend on it)."""
+        return self.found is None or self.found.fits
+
+
+def search_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettings | None = None, *,
+                layout: Layout | None = None) -> PlanSearch:
+    """One pass down: the machine's budget, the layout, the kernels, the base settings, the levers decoded and
+    bound, then the search. ConfigError for settings that cannot run."""
     zero = zero or ZeroSettings()
     machine.check()
     bf16 = machine.bf16(cfg.bf16)  # the one rule (plan/types.py)
@@ -55,7 +86,6 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
                     zero3=zero.knobs,
                     gpus_per_host=machine.ranks_per_host, experts_implementation=kernels.experts_implementation,
                     deltanet_kernel=kernels.deltanet_kernel if shape.mixer_layers else "",
-                    attention_fraction=attention.mean if cfg.packing and attention is not None else 1.0,
                     trainable_numels=_lora_numels(cfg, shape))
     # the levers (lever_settings.decode_levers), the ZeRO JSON's optimizer placement winning over auto, bound to
     # the model: `tiled_mlp: true` sizes its tiles by the tokens per rank. asked: what the config and JSON fixed
@@ -66,8 +96,7 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
                           f"flash_attention_4); {kernels.attn_implementation} cannot: set keep_attention_outputs "
                           f"false or attn_implementation sdpa")
     check_settings(shape, replace(base, keep_attention_outputs=0))
-    return _search(cfg, shape, machine, base, asked, asked, zero, budget, budget_note,
-                   attention=attention, engine_plan=None)
+    return _search(cfg, shape, machine, base, asked, asked, zero, budget, budget_note, engine_plan=None)
 
 
 def replan_after_engine(first: Plan, cfg: Any, shape: ModelShape, machine: Machine, *,
@@ -79,27 +108,40 @@ def replan_after_engine(first: Plan, cfg: Any, shape: ModelShape, machine: Machi
     GPU holds what the memory model expected."""
     budget, budget_note = machine.gpu_budget(first)
     fx = replace(first.fixed, optimizer_offload=first.run.optimizer_offload, tiled_mlp=first.run.tiled_mlp)
-    return _search(cfg, shape, machine, first.search_base, fx, first.fixed, first.zero, budget,
-                   budget_note, attention=attention, engine_plan=first)
+    return plan_from(_search(cfg, shape, machine, first.search_base, fx, first.fixed, first.zero, budget,
+                             budget_note, engine_plan=first), attention=attention)
 
 
 def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: Fixed, asked: Fixed,
             zero: ZeroSettings, budget: float | None, budget_note: str | None, *,
-            attention: AttentionShare | None, engine_plan: Plan | None) -> Plan:
-    """The search over the levers `fx` leaves open (None) within the budgets, the step time, and the Plan."""
+            engine_plan: Plan | None) -> PlanSearch:
+    """The search over the levers `fx` leaves open (None) within the budgets (none without a GPU)."""
+    found = None
+    if budget is not None:
+        # packed rows keep outputs as dense rows do (attention/grouped.py: per KV group, buffers of a dense row)
+        can_keep = cfg.gradient_checkpointing and base.attn_implementation in KEEPING_KERNELS
+        found = search_fits(shape, base, fx, shape.layers if can_keep else 0, budget, machine.host_memory_gb,
+                            zero.by_placement)
+    return PlanSearch(cfg, shape, machine, base, fx, asked, zero, budget, budget_note, found, engine_plan)
+
+
+def plan_from(sr: PlanSearch, *, attention: AttentionShare | None = None) -> Plan:
+    """The Plan of a search: the fastest of what it found, timed with the packed data's attention share
+    (None: one document per row), then the step time and the notes. No search runs here."""
+    cfg, shape, machine, fx, budget = sr.cfg, sr.shape, sr.machine, sr.fx, sr.budget
+    fraction = attention.mean if cfg.packing and attention is not None else 1.0
+    base = replace(sr.base, attention_fraction=fraction)
 
     def time_of(s: Settings) -> StepTime:
         return step_time(shape, s, shape.num_params, accumulation=cfg.gradient_accumulation_steps,
                          gpu_name=machine.gpu_name)
 
     best: dict = {}
-    if budget is None:  # no GPU
+    if sr.found is None:  # no GPU
         chosen, fits, gpu_miss, host_miss = cheapest_autos(shape, base, fx), True, 0, 0
     else:
-        # packed rows keep outputs as dense rows do (attention/grouped.py: per KV group, buffers of a dense row)
-        can_keep = cfg.gradient_checkpointing and base.attn_implementation in KEEPING_KERNELS
-        chosen, fits, best = fastest_fit(shape, base, fx, shape.layers if can_keep else 0, budget,
-                                         machine.host_memory_gb, zero.by_placement, lambda s: time_of(s).total_s)
+        assert budget is not None
+        chosen, fits, best = sr.found.fastest(lambda s: time_of(s).total_s, fraction)
         if fits and fx.activation_offload is None:
             chosen = with_headroom(shape, chosen, budget, machine.host_memory_gb)
         gpu_miss, host_miss = shortfall(chosen, budget, machine.host_memory_gb)
@@ -115,10 +157,10 @@ def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: F
         predicted_host_gb=chosen.host_per_host / GIB, predicted_step_s=None if st is None else st.total_s,
         step_parts=tuple(st.parts.items()) if st else (), fits=fits, binding_limit=limit,
         missing_gpu_gb=gpu_miss / GIB, missing_host_gb=host_miss / GIB, gpu_budget_gb=budget,
-        host_budget_gb=machine.host_memory_gb, decided=decided(cfg, asked, s),
-        notes=plan_notes(cfg, machine, s, attention=attention, budget_note=budget_note, st=st,
-                         engine_plan=engine_plan, fx=fx, best=best),
-        estimate=chosen, fixed=asked, zero=zero,
+        host_budget_gb=machine.host_memory_gb, decided=decided(cfg, sr.asked, s),
+        notes=plan_notes(cfg, machine, s, attention=attention, budget_note=sr.budget_note, st=st,
+                         engine_plan=sr.engine_plan, fx=fx, best=best),
+        estimate=chosen, fixed=sr.asked, zero=sr.zero,
         attention_from="" if not cfg.packing else "data" if attention else "one document (worst case)",
         search_base=base)
 

@@ -27,8 +27,8 @@ from ..plan.attention_share import AttentionShare, timed_from_data
 from ..plan.inputs import ModelShape, num_params
 from ..plan.layout import Layout
 from ..plan.names import resolve_report_to
-from ..plan.resolve import resolve_plan
-from ..plan.types import Machine, Plan, read_zero
+from ..plan.resolve import PlanSearch, plan_from, resolve_plan, search_plan
+from ..plan.types import Machine, Plan, ZeroSettings, read_zero
 from ..probe import this_machine
 from .agreement import agree_machine, check_same_plan
 from .checkpoint import CHECKPOINT, check_checkpoint_model, check_output_dir, find_checkpoint, trainer_checkpoints
@@ -101,8 +101,46 @@ def _device() -> str:
 
 
 def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan:
-    """Every check and decision before heavy work. training=False (the rehearsal): output_dir is neither
-    checked nor written, and on CPU host memory is checked for the one rank it runs."""
+    """Every check and decision before heavy work, in one descent: the plan's inputs, the one plan search and the
+    refusals it decides before the data, the data, the plan timed from the data, the output_dir and the filled
+    DeepSpeed JSON. training=False (the rehearsal): output_dir is neither checked nor written, and on CPU host
+    memory is checked for the one rank it runs."""
+    ins = _inputs(cfg, world_size)
+    search = search_plan(cfg, ins.shape, ins.machine, ins.zero, layout=ins.layout)  # the run's one search
+    resolved, digest = _refuse_before_data(cfg, ins, search, world_size, training)
+    data = _read_data(cfg, ins, resolved.run.dp)
+    if data.share is not None:  # packed rows: the search's settings timed from the data's documents (no new search)
+        resolved = plan_from(search, attention=data.share)
+        digest = check_same_plan(resolved, "after the data is read")  # every rank reads the same rows
+    return _run_plan(cfg, world_size, training, ins, data, resolved, digest)
+
+
+@dataclass
+class _Inputs:
+    """What the config names, loaded and checked: the plan's inputs (layout, model shape, agreed machine, ZeRO
+    settings) and what the run reads later (the ZeRO JSON, the checkpoint to resume, the report_to names)."""
+
+    layout: Layout
+    reporters: list[str]
+    device: str
+    ds_raw: dict
+    resume_path: str | None
+    model_config: Any
+    shape: ModelShape
+    machine: Machine
+    zero: ZeroSettings
+
+    def zero_config(self, cfg: TrainConfig, plan: Plan, world_size: int,
+                    total_steps: int | None) -> tuple[dict, OptimizerSpec | None]:
+        """The ZeRO JSON filled for `plan` (ds_config.zero_config_for): `plan` refuses the same JSONs."""
+        return zero_config_for(self.ds_raw, cfg, plan, world_size, device_is_cuda=self.device == "cuda",
+                               hidden_size=self.model_config.hidden_size, source=str(cfg.deepspeed),
+                               total_steps=total_steps)
+
+
+def _inputs(cfg: TrainConfig, world_size: int) -> _Inputs:
+    """The layout, report_to, LoRA, the ZeRO JSON, the checkpoint to resume, the model config and its weights,
+    the model's shape and the machine every rank plans from."""
     layout = validate_config(cfg, world_size)  # the layout, decided once
     reporters = resolve_report_to(cfg.report_to)  # known names, each installed: what the trainer opens
     if cfg.use_peft:
@@ -114,28 +152,46 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     if resume_path:
         check_checkpoint_model(resume_path, model_config)
     check_local_weights(cfg.model_name_or_path, model_config)
-    shape = ModelShape.from_config(model_config)  # built once: every plan below reads it
+    shape = ModelShape.from_config(model_config)  # built once: every plan reads it
     # every rank plans from the same machine: its probes reduced over the ranks (a no-op without a group)
     machine = agree_machine(this_machine(world_size, cfg.host_memory_gb))
-    zero = read_zero(ds_raw, str(cfg.deepspeed))
+    return _Inputs(layout, reporters, device, ds_raw, resume_path, model_config, shape, machine,
+                   read_zero(ds_raw, str(cfg.deepspeed)))
 
-    def plan_of(c: TrainConfig, attention: AttentionShare | None = None) -> Plan:
-        return resolve_plan(c, shape, machine, zero, attention=attention, layout=layout)
 
-    resolved = plan_of(cfg)  # every lever checked and decided here
-    bf16 = resolved.run.bf16  # machine.bf16: the one rule
-
-    def zero_config(plan: Plan, total_steps: int | None) -> tuple[dict, OptimizerSpec | None]:
-        return zero_config_for(ds_raw, cfg, plan, world_size, device_is_cuda=device == "cuda",
-                               hidden_size=model_config.hidden_size, source=str(cfg.deepspeed),
-                               total_steps=total_steps)
-
-    zero_config(resolved, cfg.max_steps)  # the JSON against the config, before the data (as `plan` checks it)
-    digest = check_same_plan(resolved, "before the model is built")
-    sp, dp = resolved.run.sp, resolved.run.dp
-    check_host_fits(resolved, machine, device, ranks_here=None if training else 1)  # a rehearsal runs one rank
+def _refuse_before_data(cfg: TrainConfig, ins: _Inputs, search: PlanSearch, world_size: int,
+                        training: bool) -> tuple[Plan, str]:
+    """(the plan without the data's share, its digest or "" with packing), refused before a long tokenization
+    where it cannot run: the ZeRO JSON against it, the host and the GPU memory. Memory does not depend on the
+    share (it moves the step time only), so these refusals are those of the plan timed from the data. Without
+    packing this is the run's plan, its digest checked on every rank."""
+    plan = plan_from(search)  # every lever checked and decided
+    ins.zero_config(cfg, plan, world_size, cfg.max_steps)  # the JSON against the config, before the data (as `plan`)
+    digest = "" if timed_from_data(cfg) else check_same_plan(plan, "before the model is built")
+    check_host_fits(plan, ins.machine, ins.device, ranks_here=None if training else 1)  # a rehearsal: one rank
     if training:  # a rehearsal measures what fits: it is not refused
-        check_gpu_fits(resolved, cfg, plan_of)
+        # the levers the config pinned, auto: another config, so its own search (only when refusing)
+        check_gpu_fits(plan, cfg, lambda c: resolve_plan(c, ins.shape, ins.machine, ins.zero, layout=ins.layout))
+    return plan, digest
+
+
+@dataclass
+class _Data:
+    """The tokenizer, the train and eval rows, the steps they make and, with packing, their attention share."""
+
+    source: str | None
+    tokenizer: Any
+    train: Any
+    eval_data: Any
+    per_step: int
+    total: int
+    recall_probe: RecallProbe | None
+    share: AttentionShare | None
+
+
+def _read_data(cfg: TrainConfig, ins: _Inputs, dp: int) -> _Data:
+    """The tokenizer and the data, checked: enough rows for one step and one eval round, something trained."""
+    model_config = ins.model_config
     source = checkpoint_source(cfg.model_name_or_path)
     tokenizer = apply_tokenizer_options(load_tokenizer(source, family(model_config.model_type).tokenizer),
                                         cfg.chat_template_path, cfg.eos_token)
@@ -161,18 +217,20 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
                               f"or lower those")
     # num_train_epochs: every row trained that many times (a step may straddle two epochs: data_order.py)
     total = steps_of(cfg.max_steps, cfg.num_train_epochs, len(train), per_step)
-    share = None
     recall_probe = None
     if cfg.eval_recall_probe and eval_data is not None:  # before heavy work: a row too short for it is exit 2
         recall_probe = build_recall_probe(eval_data, position_edges(cfg.max_length), cfg.seed, tokenizer.encode,
                                           covered_rows(len(eval_data), cfg.per_device_eval_batch_size, dp))
-    if timed_from_data(cfg):  # attention timed from the packed rows' documents (the plan above: one a row)
-        share = data_share(train, cfg.seed, per_step, total)
-        resolved = plan_of(cfg, share)
-        digest = check_same_plan(resolved, "after the data is read")  # every rank reads the same rows
-        check_host_fits(resolved, machine, device, ranks_here=None if training else 1)
-        if training:
-            check_gpu_fits(resolved, cfg, lambda c: plan_of(c, share))
+    # attention timed from the packed rows' documents (without: one document a row)
+    share = data_share(train, cfg.seed, per_step, total) if timed_from_data(cfg) else None
+    return _Data(source, tokenizer, train, eval_data, per_step, total, recall_probe, share)
+
+
+def _run_plan(cfg: TrainConfig, world_size: int, training: bool, ins: _Inputs, data: _Data, resolved: Plan,
+              digest: str) -> RunPlan:
+    """The resume's config check, output_dir and its disk need, and the DeepSpeed JSON filled for the plan."""
+    sp, dp = resolved.run.sp, resolved.run.dp
+    resume_path, train, total, per_step = ins.resume_path, data.train, data.total, data.per_step
     config_changes: dict = {}
     if resume_path:
         config_changes = check_resume_config(resume_path, run_record(config_to_dict(cfg), world_size, sp, dp),
@@ -181,24 +239,23 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     if training:  # after the data: a missing data file is reported as such, not as an output_dir problem
         clear_output_dir = check_output_dir(cfg.output_dir, resume_path, cfg.overwrite_output_dir)
     steps_per_epoch = len(train) // per_step
-    epoch_steps = steps_per_epoch
     disk = ""
     if training:
-        need = disk_need(cfg, resume_path, clear_output_dir, total, num_params(shape), world_size, bf16,
-                         per_step, len(train))
+        need = disk_need(cfg, resume_path, clear_output_dir, total, num_params(ins.shape), world_size,
+                         resolved.run.bf16, per_step, len(train))
         problem = check_writable(cfg.output_dir, need)
         if problem:
             raise ConfigError(problem)
         disk = disk_line(cfg.output_dir, need)
     # torch's fused AdamW on the GPU (no JIT build); DeepSpeed's CPU Adam only where states live on the host
-    ds, opt = zero_config(resolved, total)
-    return RunPlan(cfg=cfg, world_size=world_size, device=device, resolved=resolved, layout=layout, machine=machine,
-                   shape=shape, model_config=model_config, tokenizer=tokenizer, train_data=train,
-                   eval_data=eval_data, ds_config=ds, optimizer=opt, steps_per_epoch=steps_per_epoch,
-                   epoch_steps=epoch_steps, total_steps=total, sequences_per_step=per_step,
-                   resume_path=resume_path, clear_output_dir=clear_output_dir,
-                   config_changes=config_changes, plan_digest=digest, disk=disk, source=source,
-                   reporters=reporters, recall_probe=recall_probe, attention=share)
+    ds, opt = ins.zero_config(cfg, resolved, world_size, total)
+    return RunPlan(cfg=cfg, world_size=world_size, device=ins.device, resolved=resolved, layout=ins.layout,
+                   machine=ins.machine, shape=ins.shape, model_config=ins.model_config, tokenizer=data.tokenizer,
+                   train_data=train, eval_data=data.eval_data, ds_config=ds, optimizer=opt,
+                   steps_per_epoch=steps_per_epoch, epoch_steps=steps_per_epoch, total_steps=total,
+                   sequences_per_step=per_step, resume_path=resume_path, clear_output_dir=clear_output_dir,
+                   config_changes=config_changes, plan_digest=digest, disk=disk, source=data.source,
+                   reporters=ins.reporters, recall_probe=data.recall_probe, attention=data.share)
 
 
 def data_share(train: Any, seed: int, per_step: int, steps: int) -> AttentionShare:
