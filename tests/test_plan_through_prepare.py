@@ -83,11 +83,11 @@ def test_plan_and_trainer_time_the_same_rows_for_max_steps(steps, stand_in_h200,
 
 
 @pytest.mark.parametrize("recipe", ["one_gpu_4b_sessions", "one_gpu_4b_long"])
-def test_prepare_searches_once_and_checks_one_digest(recipe, stand_in_h200, tmp_path, monkeypatch):
+def test_prepare_searches_once_and_checks_one_digest(recipe, stand_in_h200, tmp_path, monkeypatch, capsys):
     """prepare() runs the plan's lever search once, packed rows timed from the data too: the refusals before the
     tokenizing read that search without the data's share (memory does not depend on it), the plan after the data
-    times the same settings with it. One digest check: the plan the run starts from."""
-    from ulysses_trainer.plan import fit_search
+    times the same settings with it. One digest check: the plan the run starts from. `plan` makes the same calls."""
+    from ulysses_trainer.plan import fit_search, resolve
     from ulysses_trainer.train import prepare as prepare_module
 
     searches, digests = [], []
@@ -101,3 +101,10 @@ def test_prepare_searches_once_and_checks_one_digest(recipe, stand_in_h200, tmp_
     assert run.resolved.attention_from == ("data" if packed else "")
     assert len(searches) == 1  # was 2 with packed rows: the plan searched again with the data's share
     assert digests == ["after the data is read" if packed else "before the model is built"]
+    monkeypatch.setattr(fit_search, "Search", search)  # the longest max_length `plan` reports builds its own
+    found = resolve.search_fits
+    monkeypatch.setattr(resolve, "search_fits", lambda *a, **k: searches.append(1) or found(*a, **k))
+    searches.clear()
+    assert _printed_plan(["--config", str(ROOT / "launch" / "recipes" / f"{recipe}.yaml"), "--max_steps", "2"],
+                         capsys) == json.loads(json.dumps(run.resolved.to_dict()))
+    assert len(searches) == 1  # the plan's one search

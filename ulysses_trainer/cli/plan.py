@@ -38,9 +38,9 @@ from ..plan.inputs import ModelShape, Settings, local_tokens
 from ..plan.longest_fit import Choice, Hardware, largest_max_length
 from ..plan.memory import MemoryEstimate
 from ..plan.names import GIB
-from ..plan.resolve import plan_for
+from ..plan.resolve import plan_from, search_plan
 from ..plan.step_time import step_floor
-from ..plan.types import Machine, Plan
+from ..plan.types import Machine, Plan, read_zero
 from .argv import parse_overrides, split_argv
 from .console import use_console
 
@@ -152,7 +152,7 @@ def _settings_summary(s: Settings) -> dict[str, Any]:
 
 
 def run_plan(argv: list[str]) -> int:
-    """`ulysses-trainer plan`: the plan the trainer would run (the same resolve_plan), then the longest
+    """`ulysses-trainer plan`: the plan the trainer would run (the same search_plan and plan_from), then the longest
     max_length that fits. Exit 0 when it fits, 1 when it does not (the binding limit is named), 2 for what the
     trainer refuses (the ZeRO JSON checked against the config as the trainer checks it)."""
     # stdout holds the report only: what libraries log on their import (DeepSpeed's accelerator line) goes to stderr
@@ -167,11 +167,14 @@ def run_plan(argv: list[str]) -> int:
                             total_steps=cfg.max_steps)
             return plan
 
-        # the trainer's own calls (train/prepare.py): without the data, then with the packed rows' attention
-        plan = checked(plan_for(cfg, model_config, ds, machine))
+        # the trainer's own steps (train/prepare.py): one search, its plan without the data, then the same search
+        # timed with the packed rows' attention
+        shape = ModelShape.from_config(model_config)
+        search = search_plan(cfg, shape, machine, read_zero(ds, str(cfg.deepspeed)))
+        plan = checked(plan_from(search))
         attention = data_attention(cfg, machine.gpus, model_config)
         if attention is not None:
-            plan = checked(plan_for(cfg, model_config, ds, machine, attention=attention))
+            plan = checked(plan_from(search, attention=attention))
     hw = Hardware(machine.gpus, machine.gpu_memory_gb, machine.host_memory_gb, machine.gpus_per_host)
     # the plan's layout, kernels and loss, none of its length-dependent choices: the longest does not depend
     # on the max_length asked (the ZeRO-3 sizes per placement as the plan's own search had them)
@@ -179,7 +182,6 @@ def run_plan(argv: list[str]) -> int:
     base = replace(plan.run, max_length=cfg.max_length, activation_offload=0, keep_attention_outputs=0,
                    zero3=knobs[False])
     # Adam's placement as the config and the ZeRO JSON fixed it (lever_settings: decode_levers, with_json_placement)
-    shape = ModelShape.from_config(model_config)
     longest, best = largest_max_length(shape, base, hw, optimizer_offload=plan.fixed.optimizer_offload, knobs=knobs)
     floor = _floor(shape, plan, cfg.gradient_accumulation_steps)
     if args.json:

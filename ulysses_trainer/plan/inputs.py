@@ -10,8 +10,7 @@ from typing import Any, Literal
 
 from ..errors import ConfigError
 from ..families import Family, LayerDims, MlpRun, family
-from .layout import check_heads
-from .layout import padded_length as layout_padded_length
+from .layout import check_heads, padded_length
 from .names import (
     DEFAULT_SUB_GROUP_SIZE,
     PLANNED_KERNELS,
@@ -251,7 +250,7 @@ class Settings:
     @property
     def padded_length(self) -> int:
         """Sequence length after padding to a multiple of lcm(sp, pad_to_multiple_of) (layout.padded_length)."""
-        return layout_padded_length(self.max_length, self.sp, self.pad_to_multiple_of)
+        return padded_length(self.max_length, self.sp, self.pad_to_multiple_of)
 
     @property
     def local_tokens(self) -> int:
@@ -298,11 +297,6 @@ def check_settings(shape: ModelShape, s: Settings) -> None:
 
 # --------------------------------------------------------------------------------------------
 # Shapes
-
-
-def padded_length(s: Settings) -> int:
-    """Sequence length after padding (Settings.padded_length)."""
-    return s.padded_length
 
 
 def local_tokens(s: Settings) -> int:

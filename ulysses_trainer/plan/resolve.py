@@ -175,7 +175,8 @@ def _lora_numels(cfg: Any, shape: ModelShape) -> tuple[int, ...] | None:
 
 def plan_for(cfg: Any, model_config: Any, ds: dict, machine: Machine, *,
              attention: AttentionShare | None = None) -> Plan:
-    """resolve_plan from what the trainer loads: the HF model config and the ZeRO JSON (a dict). The trainer
-    (train/prepare.py) and `ulysses-trainer plan` both call this; attention: the packed data's attention cost."""
+    """resolve_plan from what the trainer loads: the HF model config and the ZeRO JSON (a dict); attention: the
+    packed data's attention cost. The trainer (train/prepare.py) and `ulysses-trainer plan` make the same two calls
+    apart (search_plan before the data, plan_from after it)."""
     return resolve_plan(cfg, ModelShape.from_config(model_config), machine, read_zero(ds, str(cfg.deepspeed)),
                         attention=attention)
