@@ -48,8 +48,8 @@ class RunPlan:
     cfg: TrainConfig
     world_size: int
     device: str
-    # every lever decided (plan/resolve.py) from the total GPU memory; the trainer resolves again with the
-    # free memory it measures once the engine is built (same function, same inputs otherwise)
+    # every lever decided (plan/resolve.py) from the total GPU memory; the trainer searches the levers again with
+    # the free memory it measures once the engine is built (plan/resolve.replan_after_engine: lever fields only)
     resolved: Plan
     layout: Layout  # decided once by validate_config: sp x dp
     machine: Machine
