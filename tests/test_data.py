@@ -133,7 +133,7 @@ def test_long_synthetic_documents_are_made_only_as_far_as_the_rows_need(tok, mon
     """A capped read pulls documents in batches of at most about a MiB of text: 4 rows of 32K tokens take the
     documents that fill them plus at most the rest of one batch (64 documents were made before), and the rows
     are the same as with batches of 64 documents whatever their size."""
-    from ulysses_trainer.data import documents, joined
+    from ulysses_trainer.data import documents
 
     made = []
 
@@ -146,12 +146,12 @@ def test_long_synthetic_documents_are_made_only_as_far_as_the_rows_need(tok, mon
     cfg = TrainConfig(max_length=32768)
     ds = build_sequences(cfg, tok)
     used = ds.counts.documents_used
-    assert len(ds) == 4 and len(made) < joined.BATCH_DOCS
-    assert sum(made[used:]) < joined.CHUNK_CHARS  # made beyond the rows' documents: less than one batch
+    assert len(ds) == 4 and len(made) < documents.BATCH_DOCS
+    assert sum(made[used:]) < documents.CHUNK_CHARS  # made beyond the rows' documents: less than one batch
     made.clear()
-    monkeypatch.setattr(joined, "CHUNK_CHARS", 1 << 62)  # batches of BATCH_DOCS documents only
+    monkeypatch.setattr(documents, "CHUNK_CHARS", 1 << 62)  # batches of BATCH_DOCS documents only
     wide = build_sequences(cfg, tok)
-    assert len(made) == joined.BATCH_DOCS
+    assert len(made) == documents.BATCH_DOCS
     assert all(torch.equal(ds[i]["input_ids"], wide[i]["input_ids"]) for i in range(len(ds)))
 
 

@@ -13,7 +13,7 @@ import pytest
 from ulysses_trainer.config import TrainConfig
 from ulysses_trainer.data.documents import _open, build_sequences
 from ulysses_trainer.data.formats import LANGUAGE_MODELING
-from ulysses_trainer.data.rows import lower_bound
+from ulysses_trainer.data.rows import build_rows, lower_bound
 from ulysses_trainer.data.tokenizer import QwenBPETokenizer
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.parallel.sharding import IGNORE_INDEX
@@ -220,3 +220,18 @@ def test_rows_equal_the_reference(tok, files, src, L, packing, strategy, pad_las
     for k, v in want_counts.items():
         assert counts[k] == v, k
 
+
+def test_one_builder_takes_the_tail_policy_and_the_strategy_explicitly():
+    """joined: the tail dropped or padded; other strategies pad every row (a dropped tail is refused there)."""
+    ex = [(np.arange(1, 8, dtype=np.int32), np.ones(7, bool)), (np.arange(10, 16, dtype=np.int32), np.ones(6, bool))]
+    dropped = build_rows(iter(ex), 5, True, "truncate", 0, strategy="joined", tail="drop")
+    assert dropped.tokens.tolist() == [1, 2, 3, 4, 5, 6, 7, 10, 11, 12] and dropped.trained is None
+    assert dropped.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 0, 1, 2] and dropped.counts.tail == "dropped"
+    padded = build_rows(iter(ex), 5, False, "truncate", 0, strategy="joined", tail="pad")
+    assert padded.tokens.tolist() == [1, 2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15, 0, 0] and padded.pad_from == 13
+    assert padded.positions is None and padded.counts.pad_tokens == 2 and padded.counts.tail == "padded"
+    wrapped = build_rows(iter(ex), 5, True, "truncate", 0, strategy="wrapped")
+    assert wrapped.tokens.tolist() == padded.tokens.tolist() and wrapped.lengths.tolist() == [5, 5, 3]
+    assert wrapped.trained.tolist()[:7] == [False, True, True, True, True, False, True]  # a segment's first: no
+    with pytest.raises(ValueError, match="tail"):
+        build_rows(iter(ex), 5, True, "truncate", 0, strategy="wrapped", tail="drop")

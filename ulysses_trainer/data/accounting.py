@@ -2,7 +2,7 @@
 tokens, sequences, and what was dropped or padded at the end.
 
 One DataCounts goes with the data from the source to the rows: a source counts what it leaves out
-(`skip(reason)`), a row builder (data/joined.py, data/rows.py) what it takes (`take()`, `use(tokens)`) and
+(`skip(reason)`), the row builder (data/rows.py) what it takes (`take()`, `use(tokens)`) and
 the rows it makes; a document is read when it is taken or skipped. The trainer prints `summary()` before
 training and stores `to_dict()` in config.json.
 """
@@ -30,7 +30,7 @@ class DataCounts:
     tail: str = "none"  # what happened to them: "dropped" | "padded" | "none" | "not read" (stopped early)
     pad_tokens: int = 0
     documents_total: int | None = None  # rows in the source, when known
-    # rows of whole examples (data/rows.py) count these too; they show in `details`
+    # rows of whole examples (not joined text) count these too; they show in `details`
     whole_examples: bool = False
     truncated: int = 0
     dropped_too_long: int = 0

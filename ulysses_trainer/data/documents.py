@@ -15,6 +15,7 @@ sharding puts its document boundaries (cu_seqlens) and masks the cross-document 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,6 @@ from .formats import (
     example_segments,
     rows_of,
 )
-from .joined import BATCH_DOCS, CHUNK_CHARS, encoded_batches, join_and_cut
 from .loading import load_text_dataset
 from .qwen3_5_template import training_variant
 from .qwen3_template import is_qwen3_template
@@ -54,6 +54,8 @@ _EVAL_SEED_OFFSET = 1_000_003  # synthetic eval documents differ from the traini
 SYNTHETIC_STEPS_PER_EPOCH = 4
 AGENT_SESSIONS = "synthetic:agent_sessions"  # dataset_name of the synthetic agent sessions
 MIXED_SESSIONS = "synthetic:agent_sessions_mixed"  # ... of mixed lengths (4K-400K tokens, median 60K)
+BATCH_DOCS = 64
+CHUNK_CHARS = 1 << 20  # a batch (a worker's share): at most BATCH_DOCS documents or rows, or about this much text
 NO_FIELD = "without the text field (missing or null)"
 EMPTY = "empty text"
 
@@ -223,20 +225,35 @@ def build_sequences(cfg: TrainConfig, tokenizer: Tokenizer, split: str = "train"
                            pad_from=rows.pad_from, counts=counts)
 
 
+def encoded_batches(docs: Iterable[str], tokenizer: Tokenizer, num_proc: int | None
+                    ) -> Iterator[tuple[list[str], list[list[int]]]]:
+    """(documents, their ids) by batches of BATCH_DOCS documents or about CHUNK_CHARS of text, in order (num_proc:
+    encoded in worker processes). The text bound keeps a capped read of long documents from generating and
+    encoding many more than its rows need (64 synthetic 1M-token documents for 4 rows of 1M)."""
+    held: deque[list[str]] = deque()  # batches handed to the workers, whose ids come back in this order
+
+    def fed() -> Iterator[list[str]]:
+        for raw in chunks_of(docs, BATCH_DOCS, len, CHUNK_CHARS):
+            held.append([d for d in raw if d])  # (the sources skip and count empty documents themselves)
+            yield held[-1]
+
+    for ids in ordered_map(tokenizer.encode_batch, fed(), num_proc):
+        yield held.popleft(), ids
+
+
 def _whole_documents(cfg: TrainConfig) -> bool:
-    """Text documents packed whole (bfd, next_fit) go through the examples' row builder; `wrapped` and
-    packing false join and cut them."""
+    """Text documents packed whole (bfd, next_fit); `wrapped` and packing false join and cut them."""
     return cfg.packing and cfg.packing_strategy != "wrapped"
 
 
 def _rows(src: _Source, cfg: TrainConfig, tokenizer: Tokenizer) -> Rows:
-    """The source's rows: text joined and cut (joined.py), or whole examples one per row or packed (rows.py)."""
+    """The source's rows, from the one row builder (rows.build_rows): text joined and cut (tail: pad_last_sequence)
+    or packed whole, and examples one per row or packed, as the settings pick the strategy."""
     num_proc = cfg.dataset_num_proc if src.max_rows is None else None  # workers read ahead: whole reads only
-    if src.kind == LANGUAGE_MODELING and not _whole_documents(cfg):
-        return join_and_cut(src.items, tokenizer, cfg.max_length, cfg.packing, src.max_rows, src.counts,
-                            pad_last=cfg.pad_last_sequence, num_proc=num_proc)
+    text = src.kind == LANGUAGE_MODELING
+    joined = text and not _whole_documents(cfg)
     examples, text_bytes = src.items, [0]
-    if src.kind == LANGUAGE_MODELING:  # text documents packed whole: each + eos, every token trained
+    if text:  # each document + eos, every token trained (the builder masks a packed document's first)
         def documents() -> Iterator[tuple[np.ndarray, np.ndarray]]:
             for batch, encoded in encoded_batches(src.items, tokenizer, num_proc):
                 for doc, ids in zip(batch, encoded):
@@ -245,8 +262,9 @@ def _rows(src: _Source, cfg: TrainConfig, tokenizer: Tokenizer) -> Rows:
                     yield row, np.ones(len(row), bool)
 
         examples = documents()
+    tail = ("pad" if cfg.pad_last_sequence else "drop") if joined else "pad"
     rows = build_rows(examples, cfg.max_length, cfg.packing, cfg.max_length_policy, tokenizer.eos_token_id,
-                      src.max_rows, cfg.packing_strategy, src.counts)
+                      src.max_rows, "joined" if joined else cfg.packing_strategy, src.counts, tail)
     rows.text_bytes = text_bytes[0]
     return rows
 

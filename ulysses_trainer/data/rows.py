@@ -1,6 +1,15 @@
-"""Tokenised examples (conversations, prompt-completion pairs, text documents) -> rows of exactly max_length tokens.
+"""The one row builder: tokenised examples (conversations, prompt-completion pairs, text documents) -> rows of
+exactly max_length tokens, by a strategy and a tail policy given explicitly (documents.py picks them from the
+settings).
 
-One example per row (the rest padded), or, with packing, several per row by packing_strategy:
+- `joined` (text documents: packing false, or packing_strategy wrapped): documents (each + eos) end to end, cut
+  every max_length tokens; every token is trained (trained None: without packing the labels run across
+  documents, with packing the positions restart at each document and row start and the sharding masks the
+  boundary). The tokens after the last full row follow the tail policy: `drop`, or `pad` (pad_last_sequence: one
+  more row, its pads masked through pad_from). The counts hold whole documents read (tokens included).
+
+Whole examples (each example's first token untrained, every row padded to L; text documents packed whole too):
+one example per row (the rest padded; packing false), or, with packing, several per row by packing_strategy:
 - `bfd` (best-fit decreasing, TRL's default): whole examples, longest first, each into the fullest row
   it still fits; the rows come out nearly full whatever the order of the lengths. Where that leaves more rows
   than the lower bound (the tokens over max_length, the examples over half of it), a bounded exact search
@@ -25,12 +34,14 @@ import numpy as np
 from .accounting import DROPPED_TOO_LONG, DataCounts
 
 POLICIES = ("truncate", "drop")
-STRATEGIES = ("bfd", "wrapped", "next_fit")
+STRATEGIES = ("bfd", "wrapped", "next_fit")  # packing_strategy's values
+LAYOUTS = (*STRATEGIES, "joined")  # the builder's: the packing strategies and text joined and cut
+TAILS = ("pad", "drop")  # joined text's tokens after the last full row; every other strategy pads its rows
 
 
 @dataclass
 class Rows:
-    """What a row builder made (this module's build_rows, joined.join_and_cut): rows of exactly L tokens."""
+    """What build_rows made: rows of exactly L tokens."""
 
     tokens: np.ndarray  # int32 [n*L]
     positions: np.ndarray | None  # int32 [n*L]; None: 0..L-1 in every row (packing false)
@@ -151,29 +162,56 @@ def padding_report(real: list[int], L: int, lengths: list[int], packing: bool, s
 
 
 class _Rows:
-    """Rows being written: whole rows of L tokens with their trained mask and positions."""
+    """Rows being written: whole rows of L tokens with their positions and (masks) trained mask, and the open row
+    that cutting fills."""
 
-    def __init__(self, L: int, pad_token_id: int, counts: DataCounts) -> None:
-        self.L, self.pad, self.counts = L, pad_token_id, counts
+    def __init__(self, L: int, pad_token_id: int, counts: DataCounts, masks: bool = True,
+                 positions: bool = True) -> None:
+        self.L, self.pad, self.counts, self.masks, self.positions = L, pad_token_id, counts, masks, positions
         self.t: list[np.ndarray] = []
         self.m: list[np.ndarray] = []
         self.p: list[np.ndarray] = []
         self.lengths: list[int] = []
         self.doc_lengths: list[int] = []  # every segment's length, row by row
+        self.open: list[Example] = []  # the segments cut into the row not yet full
+        self.used = 0  # their tokens
 
     def add(self, parts: list[Example]) -> None:
         """One row of these segments (each starting at position 0), padded to L."""
         t = np.concatenate([ids.astype(np.int32) for ids, _ in parts])
-        m = np.concatenate([tr for _, tr in parts])
-        p = np.concatenate([np.arange(len(ids), dtype=np.int32) for ids, _ in parts])
         n_pad = self.L - len(t)
         self.t.append(np.concatenate([t, np.full(n_pad, self.pad, np.int32)]))
-        self.m.append(np.concatenate([m, np.zeros(n_pad, bool)]))
-        self.p.append(np.concatenate([p, p[-1] + 1 + np.arange(n_pad, dtype=np.int32)]))
+        if self.masks:
+            self.m.append(np.concatenate([np.concatenate([tr for _, tr in parts]), np.zeros(n_pad, bool)]))
+        if self.positions:  # (not kept without packing: 0..L-1 in every row)
+            p = np.concatenate([np.arange(len(ids), dtype=np.int32) for ids, _ in parts])
+            self.p.append(np.concatenate([p, p[-1] + 1 + np.arange(n_pad, dtype=np.int32)]))
         self.lengths.append(len(t))
         self.doc_lengths += [len(ids) for ids, _ in parts]
         self.counts.pad_tokens += n_pad
         self.counts.sequences += 1
+
+    def full(self, max_rows: int | None) -> bool:
+        return max_rows is not None and len(self) >= max_rows
+
+    def cut(self, ids: np.ndarray, trained: np.ndarray, max_rows: int | None) -> tuple[int, int]:
+        """An example end to end into the open row, a new row at every L tokens (a piece cut by a row edge goes on
+        as a fresh segment, position 0), until max_rows rows exist; (tokens placed, trained targets placed)."""
+        placed = targets = start = 0
+        while start < len(ids) and not self.full(max_rows):
+            n = min(len(ids) - start, self.L - self.used)
+            target = _target(trained[start:start + n])
+            self.open.append((ids[start:start + n], target))
+            placed, targets = placed + n, targets + int(target.sum())
+            self.used, start = self.used + n, start + n
+            if self.used == self.L:
+                self.close()
+        return placed, targets
+
+    def close(self) -> None:
+        """The open row, padded to L."""
+        self.add(self.open)
+        self.open, self.used = [], 0
 
     def __len__(self) -> int:
         return len(self.t)
@@ -226,27 +264,37 @@ def _truncated(ids: np.ndarray, trained: np.ndarray, L: int, counts: DataCounts)
 
 def build_rows(examples: Iterable[Example], max_length: int, packing: bool, policy: str,
                pad_token_id: int, max_rows: int | None = None, strategy: str = "bfd",
-               counts: DataCounts | None = None) -> Rows:
-    """Rows from (ids, trained) per example (positions None without packing); max_rows stops reading once that
-    many rows exist (bfd: once the examples read fill them). counts: where the source already counted what it
-    skipped (a fresh one if None)."""
-    if strategy not in STRATEGIES:
+               counts: DataCounts | None = None, tail: str = "pad") -> Rows:
+    """Rows from (ids, trained) per example (positions None without packing: 0..L-1 in every row). strategy: a
+    packing_strategy (packing false: one example per row) or `joined` (text documents cut, packed or not); tail:
+    what joined text's tokens after the last full row get (the other strategies pad every row). max_rows stops
+    reading once that many rows exist (bfd, joined: once the examples read fill them). counts: where the source
+    already counted what it skipped (a fresh one if None)."""
+    if strategy not in LAYOUTS:
         raise ValueError(f"packing strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if tail not in TAILS or (tail != "pad" and strategy != "joined"):
+        raise ValueError(f"tail {tail!r}: one of {TAILS}, and only joined text drops it (every other row is padded)")
     L = max_length
     counts = counts if counts is not None else DataCounts()
-    counts.whole_examples, counts.max_length = True, L
-    rows = _Rows(L, pad_token_id, counts)
-    if packing and strategy == "bfd":
+    whole = strategy != "joined"
+    counts.whole_examples, counts.max_length = whole, L
+    rows = _Rows(L, pad_token_id, counts, masks=whole, positions=packing)
+    pad_from = None
+    if not whole:
+        pad_from = _joined(_admitted(examples, L, policy, counts, truncate=False), rows, max_rows, tail)
+    elif packing and strategy == "bfd":
         _bfd(_admitted(examples, L, policy, counts, truncate=True), rows, max_rows)
     elif packing and strategy == "wrapped":
         _wrapped(_admitted(examples, L, policy, counts, truncate=False), rows, max_rows)
     else:
         _in_order(examples, rows, policy, packing, max_rows)
-    counts.rows_over_10pct_padding, counts.padding_why = padding_report(
-        rows.lengths, L, rows.doc_lengths, packing, strategy)
+    if whole:
+        counts.rows_over_10pct_padding, counts.padding_why = padding_report(
+            rows.lengths, L, rows.doc_lengths, packing, strategy)
     cat = (lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dt))  # noqa: E731
     return Rows(cat(rows.t, np.int32), cat(rows.p, np.int32) if packing else None, counts,
-                trained=cat(rows.m, bool), lengths=np.asarray(rows.lengths, np.int64))
+                trained=cat(rows.m, bool) if whole else None,
+                lengths=np.asarray(rows.lengths, np.int64) if whole else None, pad_from=pad_from)
 
 
 def _in_order(examples: Iterable[Example], rows: _Rows, policy: str, packing: bool, max_rows: int | None) -> None:
@@ -301,26 +349,39 @@ def _wrapped(examples: Iterator[Example], rows: _Rows, max_rows: int | None) -> 
     """Examples joined and cut at L: a cut example continues as a new segment (position 0) of the next row;
     the last row is padded. Tokens and trained tokens count what the rows hold."""
     L, counts = rows.L, rows.counts
-    full = (lambda: max_rows is not None and len(rows) >= max_rows)  # noqa: E731
-    cur: list[Example] = []
-    used = 0
     for ids, trained in examples:
-        if full():
+        if rows.full(max_rows):
             counts.taken -= 1  # pulled, but the rows asked for are full: not read
             break
         counts.documents_used += 1
         counts.without_trained_tokens += not _target(trained).any()
-        counts.split += len(ids) > L - used
-        start = 0
-        while start < len(ids) and not full():
-            n = min(len(ids) - start, L - used)
-            target = _target(trained[start:start + n])
-            counts.tokens += n
-            counts.trained_tokens += int(target.sum())
-            cur.append((ids[start:start + n], target))
-            used, start = used + n, start + n
-            if used == L:
-                rows.add(cur)
-                cur, used = [], 0
-    if cur and not full():
-        rows.add(cur)
+        counts.split += len(ids) > L - rows.used
+        placed, targets = rows.cut(ids, trained, max_rows)
+        counts.tokens += placed
+        counts.trained_tokens += targets
+    if rows.open and not rows.full(max_rows):
+        rows.close()
+
+
+def _joined(examples: Iterator[Example], rows: _Rows, max_rows: int | None, tail: str) -> int | None:
+    """Text documents cut at L as `wrapped` cuts examples, reading stopped once max_rows rows are full (the last
+    document is read whole: the counts hold whole documents); the tokens after the last full row are dropped or
+    (tail `pad`) padded into one more row. Returns where that row's pads start (pad_from), else None."""
+    L, counts = rows.L, rows.counts
+    need = None if max_rows is None else max_rows * L
+    seen = 0
+    for ids, trained in examples:
+        counts.use(len(ids))
+        seen += len(ids)
+        rows.cut(ids, trained, max_rows)
+        if need is not None and seen >= need:
+            break  # (the next document is not pulled from the source, which counts what it reads)
+    stopped = rows.full(max_rows)
+    left = 0 if stopped else rows.used  # the tail: tokens after the last full row
+    if tail == "pad" and left:
+        pad_from = len(rows) * L + left
+        rows.close()
+        counts.finish(len(rows), L, left, "padded", L - left)
+        return pad_from
+    counts.finish(len(rows), L, left, "not read" if stopped else ("dropped" if left else "none"))
+    return None

@@ -1,5 +1,6 @@
-"""The rows a run trains on: max_length tokens each, with their positions, trained masks and lengths, as the
-sequence builders make them (documents.py, rows.py) and the trainer, the data order and the plan read them."""
+"""The rows a run trains on: max_length tokens each, with their positions, trained masks and lengths, as the row
+builder makes them (rows.py, from the sources of documents.py) and the trainer, the data order and the plan read
+them."""
 
 from __future__ import annotations
 
