@@ -344,3 +344,18 @@ def test_missing_paths_and_formats(tok, tmp_path):
     _write_jsonl(local, _docs(3, 10))
     with pytest.raises(ConfigError, match="local path with no test split; set eval_dataset_name"):
         build_sequences(TrainConfig(dataset_name=str(local)), tok, split="eval")
+
+
+@pytest.mark.parametrize("source", ["synthetic:agent_sessions", "synthetic:agent_sessions_mixed"])
+def test_endless_sessions_all_too_long_are_refused_not_waited_on(tok, source, monkeypatch):
+    """The synthetic sessions never end: when every session is longer than max_length and dropped, the
+    build stops with the fix named after ENDLESS_DROPS sessions instead of reading forever."""
+    from ulysses_trainer.data import documents
+
+    cfg = TrainConfig(max_length=64, dataset_name=source, assistant_only_loss=True, max_length_policy="drop")
+    monkeypatch.setattr(documents, "ENDLESS_DROPS", 20)  # the same rule, sooner
+    with pytest.raises(ConfigError, match=r"the first 20 sessions are all longer than max_length 64 .*"
+                                          r"raise max_length or use max_length_policy truncate"):
+        build_sequences(cfg, tok)
+    kept = build_sequences(TrainConfig(max_length=64, dataset_name=source, assistant_only_loss=True), tok)
+    assert len(kept) > 0  # truncate (the default) keeps them

@@ -114,6 +114,20 @@ def default_num_sequences(cfg: TrainConfig, split: str, dp_size: int = 1) -> int
     return 2 * cfg.per_device_eval_batch_size * dp_size
 
 
+ENDLESS_DROPS = 1000  # synthetic sessions never end: this many dropped with none kept is a refusal, not a wait
+
+
+def _until_one_fits(examples: Iterator[Any], counts: DataCounts, source: str, cfg: TrainConfig) -> Iterator[Any]:
+    """An endless synthetic stream, refused once its first ENDLESS_DROPS examples were all dropped as longer
+    than max_length (the row builder counts them before it asks for the next): it would never fill a row."""
+    for read, example in enumerate(examples):
+        if read >= ENDLESS_DROPS and counts.dropped_too_long >= read:
+            raise ConfigError(f"dataset {source}: the first {read} sessions are all longer than max_length "
+                              f"{cfg.max_length} and were dropped (max_length_policy drop); raise max_length or "
+                              f"use max_length_policy truncate")
+        yield example
+
+
 def _open(cfg: TrainConfig, tokenizer: Tokenizer, split: str, dp_size: int, num_sequences: int | None) -> _Source:
     """The configured source of `split`, its kind detected and the settings checked against it."""
     if split == "train":
@@ -130,8 +144,10 @@ def _open(cfg: TrainConfig, tokenizer: Tokenizer, split: str, dp_size: int, num_
         check_settings_for_kind(CONVERSATIONAL, cfg, source, template)
         segments = example_segments(CONVERSATIONAL, sessions, source, cfg.assistant_only_loss, None,
                                     tokenizer.eos_token, template)
-        return _Source(source, CONVERSATIONAL, (tokenize_segments(s, tokenizer) for s in segments),
-                       DataCounts(source=source), num_sequences or default_num_sequences(cfg, split, dp_size))
+        counts = DataCounts(source=source)
+        examples = _until_one_fits((tokenize_segments(s, tokenizer) for s in segments), counts, source, cfg)
+        return _Source(source, CONVERSATIONAL, examples, counts,
+                       num_sequences or default_num_sequences(cfg, split, dp_size))
     if source is None or source == "synthetic:text":
         check_settings_for_kind(LANGUAGE_MODELING, cfg, "synthetic:text", None)
         docs = synthetic_documents(seed, mean_words=max(64, math.ceil(cfg.max_length / _TOKENS_PER_WORD)))
