@@ -208,7 +208,7 @@ def main():
                    kept=len(stash.layers) if stash is not None else 0, tiles=trainer.resolved.run.tiled_mlp,
                    checkpoint_every=trainer.resolved.run.checkpoint_every,
                    offloaded=len(trainer.model.checkpointer.offload_layers),
-                   predicted_by_plan_peak_gpu_gb=trainer.resolved.predicted_peak_gpu_gb, build_s=time.time() - t0)
+                   predicted_by_plan_peak_gpu_gb=trainer.resolved.predicted.peak_gpu_gb, build_s=time.time() - t0)
         print("built", res, flush=True)
         batches = trainer.micro_batches(0)
         if "--warm" in sys.argv[:sys.argv.index("--")]:

@@ -58,12 +58,13 @@ def flop_line(fractions: list[float], tokens: list[float], seconds: list[float],
 def plan_line(resolved) -> tuple[float, float] | None:
     """(a, b) of the plan: b its attention seconds for one whole document of L, a the rest of its step (None where
     the plan predicts no step time: a CPU)."""
-    if resolved.predicted_step_s is None:
+    p = resolved.predicted
+    if p.step_s is None:
         return None
-    parts = dict(resolved.step_parts)
+    parts = dict(p.step_parts)
     attention = sum(v for k, v in parts.items() if "attention" in k)
     frac = resolved.run.attention_fraction or 1.0
-    return resolved.predicted_step_s - attention, attention / frac
+    return p.step_s - attention, attention / frac
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = device_peak_tflops(trainer.device)
     line = plan_line(r)
     result["plan"] = {"line": r.summary(), "kernel": plan.attn_implementation,
-                      "predicted_step_s": r.predicted_step_s,
+                      "predicted_step_s": r.predicted.step_s,
                       "attention_fraction": r.run.attention_fraction, "a_s": line and line[0], "b_s": line and line[1]}
     result["data"] = ds.counts.summary()
     result["peak_tflops"] = list(peak) if peak else None

@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(plan)
     r = trainer.resolved
     result["plan"] = {"line": r.summary(), "kernel": plan.attn_implementation,
-                      "predicted_step_s": r.predicted_step_s, "predicted_peak_gpu_gb": r.predicted_peak_gpu_gb,
-                      "predicted_host_gb": r.predicted_host_gb, "kept_attention_layers": len(r.kept_attention_layers),
+                      "predicted_step_s": r.predicted.step_s, "predicted_peak_gpu_gb": r.predicted.peak_gpu_gb,
+                      "predicted_host_gb": r.predicted.host_gb, "kept_attention_layers": len(r.kept_attention_layers),
                       "startup_s": time.perf_counter() - T0}
     save()
     timer = PhaseTimer(trainer.engine)
@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                "targets": sum(s.num_valid for s in shards), "tokens_per_s": real / wall,
                "peak_gpu_gb": torch.cuda.max_memory_allocated() / 2**30,
                "peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30, "phases_s": timer.take()}
-        if r.predicted_peak_gpu_gb:
-            rec["peak_vs_plan"] = rec["peak_gpu_gb"] / r.predicted_peak_gpu_gb - 1
+        if r.predicted.peak_gpu_gb:
+            rec["peak_vs_plan"] = rec["peak_gpu_gb"] / r.predicted.peak_gpu_gb - 1
         if prof is not None:
             events = prof.events()
             rec["profile"] = summarize(events)

@@ -57,8 +57,8 @@ def test_the_reduced_run_is_the_plan_it_logged_and_within_the_targets():
     logged = next(line for line in log.splitlines() if "] plan: " in line).split("] plan: ", 1)[1]
     assert plan.summary().split("; predicted")[0] == logged.split("; predicted")[0]  # same levers as the run
     step_s, _, peak = _measured()
-    assert abs(step_s / plan.predicted_step_s - 1) <= 0.10, (step_s, plan.predicted_step_s)
-    assert abs(peak / plan.predicted_peak_gpu_gb - 1) <= 0.05, (peak, plan.predicted_peak_gpu_gb)
+    assert abs(step_s / plan.predicted.step_s - 1) <= 0.10, (step_s, plan.predicted.step_s)
+    assert abs(peak / plan.predicted.peak_gpu_gb - 1) <= 0.05, (peak, plan.predicted.peak_gpu_gb)
 
 
 def test_moe_page_numbers_are_the_result_files():
@@ -76,10 +76,10 @@ def test_moe_page_numbers_are_the_result_files():
     assert "| batched_mm | " + ", ".join(str(r["tiles"]) for r in oom) + " | out of memory" in section
     step_s, rate, peak = _measured()
     plan = _plan()
-    assert f"| step | {step_s:.2f} s ({rate:,.0f} tokens/s) | {plan.predicted_step_s:.2f} s |" in section
-    assert f"| peak GPU (allocated) | {peak:.1f} GiB | {plan.predicted_peak_gpu_gb:.1f} GiB |" in section
+    assert f"| step | {step_s:.2f} s ({rate:,.0f} tokens/s) | {plan.predicted.step_s:.2f} s |" in section
+    assert f"| peak GPU (allocated) | {peak:.1f} GiB | {plan.predicted.peak_gpu_gb:.1f} GiB |" in section
     assert "python benchmarks/suite.py moe_experts" in section and "python benchmarks/suite.py moe_reduced" in section
-    parts = dict(plan.step_parts)
+    parts = dict(plan.predicted.step_parts)
     attention = parts["attention forward"] + parts["attention backward"]
     assert f"attention is {attention:.2f} s, the sparse blocks\n{parts['experts (grouped_mm)']:.2f} s" in section
     assert f"chunked loss {parts['lm_head and loss']:.2f} s" in section

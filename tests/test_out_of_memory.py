@@ -200,7 +200,7 @@ def test_allow_over_plan_goes_past_the_check_and_says_what_to_expect(tmp_path, f
     from ulysses_trainer.train.run_report import report_plan
 
     plan = prepare(load_config([*OVER, "--allow_over_plan", "true", "--output_dir", str(tmp_path / "run")]), 1)
-    assert not plan.resolved.fits and plan.resolved.predicted_gpu_required_gb > 2 * 4.0
+    assert not plan.resolved.predicted.fits and plan.resolved.predicted.gpu_required_gb > 2 * 4.0
     report_plan(plan.resolved, before_build=True, digest=plan.plan_digest)
     assert re.search(r"warning: the plan does not fit: GPU memory is short by [\d.]+ GiB .*\(allow_over_plan: over by "
                      r"more than the memory model's worst measured under-prediction \(3\.1%\); the run will most "
@@ -214,10 +214,13 @@ def test_the_margin_decides_between_the_warning_and_the_refusal():
     from ulysses_trainer.errors import ConfigError
     from ulysses_trainer.train.prepare import check_gpu_fits
 
-    class Plan:  # what check_gpu_fits reads of a plan
+    class Predicted:  # what check_gpu_fits reads of a plan's predictions
+        def __init__(self, need: float, fits: bool) -> None:
+            self.gpu_budget_gb, self.gpu_required_gb, self.peak_gpu_gb, self.fits = 100.0, need, need - 2, fits
+
+    class Plan:
         def __init__(self, need: float, fits: bool = False) -> None:
-            self.gpu_budget_gb, self.predicted_gpu_required_gb, self.predicted_peak_gpu_gb = 100.0, need, need - 2
-            self.fits = fits
+            self.predicted = Predicted(need, fits)
 
     searched = []
 

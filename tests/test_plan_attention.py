@@ -76,10 +76,10 @@ def test_the_plan_line_says_the_packed_attention_fraction():
     assert packed.attention_from == "data" and packed.run.attention_fraction == 0.25
     assert "packed attention 25.0% of one document" in packed.summary()
     assert any("25.0% of one document of max_length" in n and "8 sequences" in n for n in packed.notes)
-    wp, pp = dict(worst.step_parts), dict(packed.step_parts)
+    wp, pp = dict(worst.predicted.step_parts), dict(packed.predicted.step_parts)
     assert pp["attention backward"] == pytest.approx(0.25 * wp["attention backward"])
-    assert packed.predicted_step_s < worst.predicted_step_s
-    assert packed.predicted_peak_gpu_gb == worst.predicted_peak_gpu_gb  # memory: as a dense row
+    assert packed.predicted.step_s < worst.predicted.step_s
+    assert packed.predicted.peak_gpu_gb == worst.predicted.peak_gpu_gb  # memory: as a dense row
     dense = _plan(packing=False)  # no packing: one span per row, nothing to say
     assert dense.attention_from == "" and dense.run.attention_fraction == 1.0 and "packed" not in dense.summary()
     assert _plan(AttentionShare(0.25, 0.1, 0.4, 8), packing=False).run.attention_fraction == 1.0
@@ -132,4 +132,4 @@ def test_the_replan_after_the_engine_keeps_the_datas_attention(monkeypatch):
     again = build.resolve_after_engine(SimpleNamespace(cfg=cfg, **vars(plan)), "cuda")
     assert again.attention_from == "data" and again.run.attention_fraction == pytest.approx(share.mean)
     assert again.run.attention_fraction == pytest.approx(34 / 64)
-    assert again.predicted_step_s < _plan(None, dataset_name="some.jsonl").predicted_step_s
+    assert again.predicted.step_s < _plan(None, dataset_name="some.jsonl").predicted.step_s

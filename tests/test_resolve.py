@@ -54,7 +54,7 @@ def test_prepare_resolves_with_plan_for():
     again = plan_for(cfg, run.model_config, load_ds_config(cfg.deepspeed), run.machine)
     assert run.resolved == again and run.attn_implementation == again.run.attn_implementation
     assert run.bf16 is again.run.bf16 is False and run.ds_config["bf16"]["enabled"] is False  # one rule: no GPU
-    assert run.resolved.predicted_step_s is None  # no GPU: no time model, nothing searched
+    assert run.resolved.predicted.step_s is None  # no GPU: no time model, nothing searched
 
 
 def test_activation_offload_true_with_checkpoint_every_2_plans(capsys):
@@ -77,8 +77,8 @@ def test_offload_without_checkpointing_is_refused_before_anything():
 
 def test_without_checkpointing_the_autos_offload_and_keep_nothing():
     plan = _plan(max_length=16384, gradient_checkpointing=False)
-    assert plan.fits and (plan.saved_layers, plan.offload_layers, plan.kept_attention_layers) == ((), (), ())
-    assert plan.predicted_step_s < _plan(max_length=16384).predicted_step_s  # no recompute
+    assert plan.predicted.fits and (plan.saved_layers, plan.offload_layers, plan.kept_attention_layers) == ((), (), ())
+    assert plan.predicted.step_s < _plan(max_length=16384).predicted.step_s  # no recompute
 
 
 def test_flash_attention_2_keeps_no_attention_outputs():
@@ -102,9 +102,9 @@ def test_auto_takes_the_fused_norm_kernel_where_installed_and_predicts_it_faster
     fused, plain = _plan(norm_kernels=("triton", "torch")), _plan()
     assert (fused.run.norm_kernel, plain.run.norm_kernel) == ("triton", "torch")
     assert "norm_kernel triton" in fused.decided and "triton norms" in fused.summary()
-    parts = dict(fused.step_parts)
-    assert parts["RMSNorms (triton)"] < dict(plain.step_parts)["RMSNorms (torch)"]
-    assert fused.predicted_step_s < plain.predicted_step_s
+    parts = dict(fused.predicted.step_parts)
+    assert parts["RMSNorms (triton)"] < dict(plain.predicted.step_parts)["RMSNorms (torch)"]
+    assert fused.predicted.step_s < plain.predicted.step_s
     with pytest.raises(ConfigError, match=r"norm_kernel='triton' is not installed here .*\[liger\]"):
         _plan(norm_kernel="triton")
     with pytest.raises(ConfigError, match="set lean_norm true or norm_kernel auto"):
@@ -142,11 +142,11 @@ def test_the_lean_norm_module_refuses_a_kernel_it_cannot_run():
 
 def test_auto_chooses_the_fastest_plan_that_fits_not_the_first():
     best = _plan()
-    assert best.fits and best.run.optimizer_offload and len(best.kept_attention_layers) == 36
+    assert best.predicted.fits and best.run.optimizer_offload and len(best.kept_attention_layers) == 36
     on_gpu = _plan(optimizer_offload=False)
-    assert on_gpu.fits and best.predicted_step_s < on_gpu.predicted_step_s
+    assert on_gpu.predicted.fits and best.predicted.step_s < on_gpu.predicted.step_s
     first_fit = _plan(optimizer_offload=False, keep_attention_outputs=False)  # what `auto` used to run
-    assert on_gpu.predicted_step_s < first_fit.predicted_step_s
+    assert on_gpu.predicted.step_s < first_fit.predicted.step_s
     assert any("optimizer_offload auto: Adam on the host" in n for n in best.notes)
     # the JSON's offload_optimizer section wins over auto
     json_says_gpu = resolve_plan(TrainConfig(model_name_or_path="qwen3-4b", max_length=262144, sp_size=1), Q4,
@@ -172,12 +172,12 @@ def test_the_ds_config_gets_the_plans_optimizer_placement():
 def test_the_engine_measurement_changes_the_plan_only_when_memory_is_short():
     cfg = TrainConfig(model_name_or_path="qwen3-4b", max_length=262144, sp_size=1)
     first = _plan()
-    held = sum(t.gpu for t in first.estimate.terms if t.phase == "static" and t.name != "Adam m, v") / 2**30
+    held = sum(t.gpu for t in first.predicted.estimate.terms if t.phase == "static" and t.name != "Adam m, v") / 2**30
     as_predicted = Machine(gpus=1, **H200, gpu_free_after_engine_gb=139.8 - held - 1.0)
     assert replan_after_engine(first, cfg, Q4, as_predicted) == first
     crowded = replace(as_predicted, gpu_free_after_engine_gb=as_predicted.gpu_free_after_engine_gb - 20)
     second = replan_after_engine(first, cfg, Q4, crowded)
-    assert second.fits and second.gpu_budget_gb == pytest.approx(119.8, abs=0.01)
+    assert second.predicted.fits and second.predicted.gpu_budget_gb == pytest.approx(119.8, abs=0.01)
     # fixed by the engine
     assert second.run.optimizer_offload == first.run.optimizer_offload and second.run.tiled_mlp == first.run.tiled_mlp
     assert len(second.kept_attention_layers) + len(second.saved_layers) - len(second.offload_layers) < \
@@ -187,7 +187,7 @@ def test_the_engine_measurement_changes_the_plan_only_when_memory_is_short():
     fused = _plan(norm_kernels=("triton", "torch"))
     assert fused.run.norm_kernel == "triton"
     again = replan_after_engine(fused, cfg, Q4, replace(crowded, norm_kernels=("torch",)))
-    assert again.run.norm_kernel == "triton" and again.gpu_budget_gb == second.gpu_budget_gb
+    assert again.run.norm_kernel == "triton" and again.predicted.gpu_budget_gb == second.predicted.gpu_budget_gb
 
 
 def test_planning_another_machine_assumes_host_ram_and_says_so(capsys):
@@ -247,10 +247,10 @@ def test_a_tiny_step_is_printed_as_a_lower_bound_not_as_zero():
     tiny = ModelShape.preset("tiny")
     p = resolve_plan(TrainConfig(model_name_or_path="tiny", max_length=4096, sp_size=1), tiny,
                      Machine(gpus=1, kernels=("sdpa",), norm_kernels=("torch",), **H200), ZeroSettings())
-    assert 0 < p.predicted_step_s < MODELLED_FROM_S
-    assert f"predicted {format_seconds(p.predicted_step_s)} s/step" in p.summary() and "0.0 s" not in p.summary()
+    assert 0 < p.predicted.step_s < MODELLED_FROM_S
+    assert f"predicted {format_seconds(p.predicted.step_s)} s/step" in p.summary() and "0.0 s" not in p.summary()
     assert any("not modelled, the prediction is a lower bound" in n for n in p.notes)
-    line = predicted_vs_measured(p.predicted_step_s, 0.9, [0.4, 0.1, 0.1], 1.1)
+    line = predicted_vs_measured(p.predicted.step_s, 0.9, [0.4, 0.1, 0.1], 1.1)
     assert "no comparison under 1 s" in line and "%," not in line.split("peak")[0] and "(+22.2%)" in line
     assert [format_seconds(x) for x in (141.74, 1.0, 0.5, 0.0031)] == ["141.7", "1.0", "0.5", "0.0031"]
     # a real step keeps its signed error

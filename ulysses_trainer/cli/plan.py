@@ -186,15 +186,15 @@ def run_plan(argv: list[str]) -> int:
     floor = _floor(shape, plan, cfg.gradient_accumulation_steps)
     if args.json:
         out = {"model": plan.model, "hardware": {**machine.__dict__, "kernels": list(machine.kernels)},
-               "fits": plan.fits, "plan": plan.to_dict(), "chosen": _settings_summary(plan.run),
-               "estimate": plan.estimate.to_dict(), "largest_max_length": longest,
+               "fits": plan.predicted.fits, "plan": plan.to_dict(), "chosen": _settings_summary(plan.run),
+               "estimate": plan.predicted.estimate.to_dict(), "largest_max_length": longest,
                "largest_settings": _settings_summary(best.settings) if best else None}
         if floor is not None and shape.mixer_layers:  # Qwen3.5; Qwen3's JSON is held byte-equal (text only)
             out["step_floor"] = floor
         print(json.dumps(out, indent=1))
     else:
         print(_report(plan, machine, longest, best, floor))
-    if not plan.fits:
+    if not plan.predicted.fits:
         print(f"error: does not fit: {_shortage(plan)}", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
@@ -224,32 +224,34 @@ def data_attention(cfg: Any, gpus: int, model_config: Any) -> AttentionShare | N
 
 
 def _shortage(plan: Plan) -> str:
-    return (f"{plan.shortage()}; binding limit: {plan.binding_limit} (the closest settings are shown); add GPUs "
+    p = plan.predicted
+    return (f"{p.shortage()}; binding limit: {p.binding_limit} (the closest settings are shown); add GPUs "
             f"(sp), shorten max_length or give the run more memory")
 
 
 def _floor(shape: ModelShape, plan: Plan, accumulation: int) -> dict[str, float] | None:
     """The predicted step's floor (plan/step_time.step_floor) and the step's ratio to it; None without a step time."""
-    if plan.predicted_step_s is None or not plan.step_parts:
+    p = plan.predicted
+    if p.step_s is None or not p.step_parts:
         return None
-    floor = step_floor(shape, plan.run, dict(plan.step_parts), accumulation)
-    return {**floor, "predicted over floor": plan.predicted_step_s / floor["floor s"]}
+    floor = step_floor(shape, plan.run, dict(p.step_parts), accumulation)
+    return {**floor, "predicted over floor": p.step_s / floor["floor s"]}
 
 
 def _report(plan: Plan, machine: Machine, longest: int, best: Choice | None,
             floor: dict[str, float] | None = None) -> str:
-    s, e = plan.run, plan.estimate
+    s, p = plan.run, plan.predicted
     head = (f"{plan.model}, max_length {s.max_length:,}, {machine.gpus} GPU(s) x {machine.gpu_memory_gb:g} GiB, "
             f"host {machine.host_memory_gb:g} GiB per host ({machine.host_memory_source}), sp {s.sp} x dp "
             f"{s.dp}, {local_tokens(s):,} tokens per GPU")
-    lines = [head, "", format_estimate(e), ""]
-    if plan.fits:
+    lines = [head, "", format_estimate(p.estimate), ""]
+    if p.fits:
         lines.append("fits: " + plan.summary())
     else:
         lines.append(f"DOES NOT FIT: {_shortage(plan)}")
         lines.append("closest: " + plan.summary())
-    if plan.step_parts:
-        lines.append("predicted step: " + ", ".join(f"{k} {v:.1f} s" for k, v in plan.step_parts))
+    if p.step_parts:
+        lines.append("predicted step: " + ", ".join(f"{k} {v:.1f} s" for k, v in p.step_parts))
     if floor is not None:
         terms = ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in floor.items() if k.endswith(" s") and k != "floor s")
         lines.append(f"floor: {floor['floor s']:.1f} s ({terms}; matmuls at the measured {floor['matmul tflops']:g} "
@@ -257,7 +259,7 @@ def _report(plan: Plan, machine: Machine, longest: int, best: Choice | None,
     if plan.decided:
         lines.append("auto chose: " + ", ".join(plan.decided))
     lines.extend(f"note: {n}" for n in plan.notes)
-    if plan.fits:
+    if p.fits:
         lines.append("recipe lines: " + "; ".join(
             [f"activation_offload: {len(plan.offload_layers)}",
              f"keep_attention_outputs: {len(plan.kept_attention_layers)}",

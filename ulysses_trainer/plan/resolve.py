@@ -29,7 +29,7 @@ from .names import GIB, KEEPING_KERNELS, auto_num_tiles, choose_kernels
 from .notes import WORST_CASE, decided, plan_notes  # noqa: F401 - WORST_CASE: the packing note, re-exported
 from .partitions import lora_numels
 from .step_time import StepTime, step_time
-from .types import Machine, Plan, ZeroSettings, read_zero
+from .types import Machine, Plan, Prediction, ZeroSettings, read_zero
 
 
 def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettings | None = None, *,
@@ -152,15 +152,17 @@ def plan_from(sr: PlanSearch, *, attention: AttentionShare | None = None) -> Pla
         model=str(cfg.model_name_or_path), run=s, num_layers=shape.layers,
         checkpoint_bytes_per_layer=s.local_tokens * shape.hidden * s.act_bytes,
         kept_attention_bytes_per_layer=kept_attention_bytes_per_layer(shape, s),
-        terms=tuple((t.name, t.gpu if chosen.counts(t) else 0, t.host) for t in chosen.terms if t.gpu or t.host),
-        predicted_peak_gpu_gb=chosen.gpu_peak / GIB, predicted_gpu_required_gb=chosen.gpu_required / GIB,
-        predicted_host_gb=chosen.host_per_host / GIB, predicted_step_s=None if st is None else st.total_s,
-        step_parts=tuple(st.parts.items()) if st else (), fits=fits, binding_limit=limit,
-        missing_gpu_gb=gpu_miss / GIB, missing_host_gb=host_miss / GIB, gpu_budget_gb=budget,
-        host_budget_gb=machine.host_memory_gb, decided=decided(cfg, sr.asked, s),
+        predicted=Prediction(
+            terms=tuple((t.name, t.gpu if chosen.counts(t) else 0, t.host) for t in chosen.terms if t.gpu or t.host),
+            peak_gpu_gb=chosen.gpu_peak / GIB, gpu_required_gb=chosen.gpu_required / GIB,
+            host_gb=chosen.host_per_host / GIB, step_s=None if st is None else st.total_s,
+            step_parts=tuple(st.parts.items()) if st else (), fits=fits, binding_limit=limit,
+            missing_gpu_gb=gpu_miss / GIB, missing_host_gb=host_miss / GIB, gpu_budget_gb=budget,
+            host_budget_gb=machine.host_memory_gb, estimate=chosen),
+        decided=decided(cfg, sr.asked, s),
         notes=plan_notes(cfg, machine, s, attention=attention, budget_note=sr.budget_note, st=st,
                          engine_plan=sr.engine_plan, fx=fx, best=best),
-        estimate=chosen, fixed=sr.asked, zero=sr.zero,
+        fixed=sr.asked, zero=sr.zero,
         attention_from="" if not cfg.packing else "data" if attention else "one document (worst case)",
         search_base=base)
 

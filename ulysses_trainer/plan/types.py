@@ -64,7 +64,7 @@ class Machine:
         expected."""
         if self.gpu_memory_gb is None or engine_plan is None or self.gpu_free_after_engine_gb is None:
             return self.gpu_memory_gb, None
-        held = sum(t.gpu for t in engine_plan.estimate.terms if t.phase == "static" and t.name != "Adam m, v")
+        held = sum(t.gpu for t in engine_plan.predicted.estimate.terms if t.phase == "static" and t.name != "Adam m, v")
         measured = self.gpu_free_after_engine_gb + (held + int(engine_plan.run.cuda_context_gb * GIB)) / GIB
         if measured >= self.gpu_memory_gb - ENGINE_TOLERANCE_GB:  # the planned budget stands
             return self.gpu_memory_gb, None
@@ -111,31 +111,50 @@ def read_zero(ds: dict, source: str = "the ZeRO config") -> ZeroSettings:
 
 
 @dataclass(frozen=True)
+class Prediction:
+    """What the memory model (plan/memory.py) and the step time (plan/step_time.py) predict for a plan's settings,
+    the budgets they were held to and any shortfall. Memory in GiB (allocated, as torch reads it)."""
+
+    terms: tuple[tuple[str, int, int], ...]  # (term, GPU bytes in the peak, host bytes per rank)
+    peak_gpu_gb: float  # what torch.cuda.max_memory_allocated should read
+    gpu_required_gb: float  # + allocator slack + CUDA context: what must fit
+    host_gb: float  # per host
+    step_s: float | None  # None: no GPU, no prediction
+    step_parts: tuple[tuple[str, float], ...]
+    fits: bool
+    binding_limit: str | None  # "GPU memory" | "host memory" | "GPU memory and host memory" when it does not fit
+    missing_gpu_gb: float  # what the closest settings need beyond the GPU budget (0 when it fits)
+    missing_host_gb: float  # ... beyond the host RAM
+    gpu_budget_gb: float | None  # None: no GPU
+    host_budget_gb: float
+    estimate: MemoryEstimate = field(compare=False, repr=False)  # the memory model's terms in full
+
+    def shortage(self) -> str:
+        """What does not fit, in GiB, per limit (empty when it fits)."""
+        parts = []
+        if self.missing_gpu_gb > 0:
+            parts.append(f"GPU memory is short by {self.missing_gpu_gb:.2f} GiB (needs "
+                         f"{self.gpu_required_gb:.1f} of {self.gpu_budget_gb:.1f} GiB per GPU)")
+        if self.missing_host_gb > 0:
+            parts.append(f"host memory is short by {self.missing_host_gb:.2f} GiB (needs "
+                         f"{self.host_gb:.1f} of {self.host_budget_gb:.1f} GiB per host)")
+        return " and ".join(parts)
+
+
+@dataclass(frozen=True)
 class Plan:
     """The concrete run: no `auto` left. `run` holds every setting under its training-config name (layout, kernels,
-    precision, each lever decided); the layers each lever covers are properties. Memory in GiB (allocated, as torch
-    reads it)."""
+    precision, each lever decided); the layers each lever covers are properties; `predicted` what the memory model
+    and the step time predict for `run` (Prediction)."""
 
     model: str
     run: Settings  # the settings the search chose
     num_layers: int
     checkpoint_bytes_per_layer: int
     kept_attention_bytes_per_layer: int
-    terms: tuple[tuple[str, int, int], ...]  # (term, GPU bytes in the peak, host bytes per rank)
-    predicted_peak_gpu_gb: float  # what torch.cuda.max_memory_allocated should read
-    predicted_gpu_required_gb: float  # + allocator slack + CUDA context: what must fit
-    predicted_host_gb: float  # per host
-    predicted_step_s: float | None  # None: no GPU, no prediction
-    step_parts: tuple[tuple[str, float], ...]
-    fits: bool
-    binding_limit: str | None  # "GPU memory" | "host memory" | "GPU memory and host memory" when it does not fit
-    missing_gpu_gb: float  # what the closest settings need beyond the GPU budget (0 when it fits)
-    missing_host_gb: float  # ... beyond the host RAM
-    gpu_budget_gb: float | None
-    host_budget_gb: float
+    predicted: Prediction  # what the memory model and the step time predict for `run`, against the budgets
     decided: tuple[str, ...]  # the `auto` settings and what they became
     notes: tuple[str, ...]  # extrapolations, assumptions, alternatives weighed
-    estimate: MemoryEstimate = field(compare=False, repr=False)
     # the levers as the config and the ZeRO JSON fixed them (None: auto, decided by the search); the longest
     # length `plan` reports searches the same autos
     fixed: Fixed = field(compare=False, repr=False)
@@ -183,37 +202,26 @@ class Plan:
 
     def summary(self) -> str:
         """One line: what runs, the predicted step time and peak memory."""
-        gpu, r = self.gpu_budget_gb is not None, self.run
+        p, r = self.predicted, self.run
+        gpu = p.gpu_budget_gb is not None
         adam = "Adam on the host" if r.optimizer_offload else f"Adam on the {'GPU' if gpu else 'device'}"
-        step = f"{format_seconds(self.predicted_step_s)} s/step" if gpu else "no step time (no GPU)"
+        step = f"{format_seconds(p.step_s)} s/step" if gpu else "no step time (no GPU)"
         deltanet = f", {r.deltanet_kernel} deltanet" if r.deltanet_kernel else ""
         return (f"sp {r.sp} x dp {r.dp}, {r.attn_implementation}{deltanet}, {r.norm_kernel} norms, "
                 f"tiled_mlp {r.tiled_mlp}, "
                 f"checkpoint_every {r.checkpoint_every}, {len(self.offload_layers)}/{len(self.saved_layers)} "
                 f"layer inputs offloaded, {len(self.kept_attention_layers)}/{self.num_layers} attention outputs kept, "
-                f"{adam}{self._attention()}; predicted {step}, peak {self.predicted_peak_gpu_gb:.1f} GiB "
+                f"{adam}{self._attention()}; predicted {step}, peak {p.peak_gpu_gb:.1f} GiB "
                 f"{'GPU' if gpu else 'device'} (allocated), "
-                f"{self.predicted_host_gb:.1f} GiB host")
+                f"{p.host_gb:.1f} GiB host")
 
     def _attention(self) -> str:
         if self.attention_from == "data":
             return f", packed attention {self.run.attention_fraction:.1%} of one document"
         return ", packed attention timed as one document (worst case)" if self.attention_from else ""
 
-    def shortage(self) -> str:
-        """What does not fit, in GiB, per limit (empty when it fits)."""
-        parts = []
-        if self.missing_gpu_gb > 0:
-            parts.append(f"GPU memory is short by {self.missing_gpu_gb:.2f} GiB (needs "
-                         f"{self.predicted_gpu_required_gb:.1f} of {self.gpu_budget_gb:.1f} GiB per GPU)")
-        if self.missing_host_gb > 0:
-            parts.append(f"host memory is short by {self.missing_host_gb:.2f} GiB (needs "
-                         f"{self.predicted_host_gb:.1f} of {self.host_budget_gb:.1f} GiB per host)")
-        return " and ".join(parts)
-
-
     def to_dict(self) -> dict[str, Any]:
-        r = self.run
+        r, p = self.run, self.predicted
         return {"model": self.model, "max_length": r.max_length, "padded_length": r.padded_length,
                 "bf16": r.bf16,
                 "sp_size": r.sp, "dp": r.dp, "attn_implementation": r.attn_implementation,
@@ -228,12 +236,11 @@ class Plan:
                 "optimizer_offload": r.optimizer_offload, "num_layers": self.num_layers,
                 "checkpoint_bytes_per_layer": self.checkpoint_bytes_per_layer,
                 "kept_attention_bytes_per_layer": self.kept_attention_bytes_per_layer,
-                "terms": [{"name": n, "gpu_bytes": g, "host_bytes": h} for n, g, h in self.terms],
-                "predicted_peak_gpu_gb": self.predicted_peak_gpu_gb,
-                "predicted_gpu_required_gb": self.predicted_gpu_required_gb,
-                "predicted_host_gb": self.predicted_host_gb, "predicted_step_s": self.predicted_step_s,
-                "step_parts_s": dict(self.step_parts), "fits": self.fits, "binding_limit": self.binding_limit,
-                "missing_gpu_gb": self.missing_gpu_gb, "missing_host_gb": self.missing_host_gb,
-                "gpu_budget_gb": self.gpu_budget_gb,
-                "host_budget_gb": self.host_budget_gb, "decided": list(self.decided), "notes": list(self.notes),
+                "terms": [{"name": n, "gpu_bytes": g, "host_bytes": h} for n, g, h in p.terms],
+                "predicted_peak_gpu_gb": p.peak_gpu_gb, "predicted_gpu_required_gb": p.gpu_required_gb,
+                "predicted_host_gb": p.host_gb, "predicted_step_s": p.step_s,
+                "step_parts_s": dict(p.step_parts), "fits": p.fits, "binding_limit": p.binding_limit,
+                "missing_gpu_gb": p.missing_gpu_gb, "missing_host_gb": p.missing_host_gb,
+                "gpu_budget_gb": p.gpu_budget_gb,
+                "host_budget_gb": p.host_budget_gb, "decided": list(self.decided), "notes": list(self.notes),
                 "attention_fraction": r.attention_fraction, "attention_from": self.attention_from}

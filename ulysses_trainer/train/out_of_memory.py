@@ -138,12 +138,13 @@ def check_host_fits(resolved: Plan, machine: Machine, device: str, ranks_here: i
     if device != "cpu":
         return
     ranks = machine.ranks_per_host if ranks_here is None else ranks_here
-    host_terms = resolved.predicted_host_gb * ranks / machine.ranks_per_host  # the plan's host RAM is per host
-    need = resolved.predicted_peak_gpu_gb * ranks + host_terms
-    have = resolved.host_budget_gb
+    p = resolved.predicted
+    host_terms = p.host_gb * ranks / machine.ranks_per_host  # the plan's host RAM is per host
+    need = p.peak_gpu_gb * ranks + host_terms
+    have = p.host_budget_gb
     if need > have:
         raise ConfigError(f"the plan needs {need:.1f} GiB of host memory on this CPU machine ({ranks} rank(s) x "
-                          f"{resolved.predicted_peak_gpu_gb:.1f} GiB peak + {host_terms:.1f} GiB "
+                          f"{p.peak_gpu_gb:.1f} GiB peak + {host_terms:.1f} GiB "
                           f"host terms) but it has {have:.1f} GiB; lower max_length (now {resolved.run.max_length}) "
                           f"or use a smaller model (now {resolved.model}), or run on GPUs; set host_memory_gb if "
                           f"the detected size is wrong")
@@ -159,11 +160,12 @@ def check_gpu_fits(resolved: Plan, cfg: TrainConfig, auto_plan) -> None:
     """Refuse (ConfigError) a plan whose GPU need exceeds the device by more than the memory model's worst measured
     under-prediction (UNDER_PREDICTION), unless allow_over_plan: it would run out of GPU memory. The line names
     the values `auto` gives the pinned levers where that fits. auto_plan(cfg): the plan of another config."""
-    have, need = resolved.gpu_budget_gb, resolved.predicted_gpu_required_gb
+    p = resolved.predicted
+    have, need = p.gpu_budget_gb, p.gpu_required_gb
     if have is None or cfg.allow_over_plan or need <= have * (1 + UNDER_PREDICTION):
         return
     pinned = pinned_levers(cfg)
-    head = (f"the plan needs {need:.1f} GiB per GPU ({resolved.predicted_peak_gpu_gb:.1f} GiB peak allocated, plus "
+    head = (f"the plan needs {need:.1f} GiB per GPU ({p.peak_gpu_gb:.1f} GiB peak allocated, plus "
             f"allocator slack and CUDA context) but the GPU has {have:.1f} GiB: {need / have - 1:.0%} over, beyond the "
             f"memory model's worst measured under-prediction ({UNDER_PREDICTION:.1%}), so the run would stop out of "
             f"GPU memory")
@@ -173,10 +175,10 @@ def check_gpu_fits(resolved: Plan, cfg: TrainConfig, auto_plan) -> None:
         auto = auto_plan(unpinned)
         freed = ", ".join("gradient_checkpointing true" if n == "gradient_checkpointing" else f"{n} auto"
                           for n in pinned)
-        if auto.fits:
-            raise ConfigError(f"{head}; with {freed} it fits ({auto.predicted_gpu_required_gb:.1f} GiB): "
+        if auto.predicted.fits:
+            raise ConfigError(f"{head}; with {freed} it fits ({auto.predicted.gpu_required_gb:.1f} GiB): "
                               f"{_lever_values(auto, pinned)}; {override}")
-        raise ConfigError(f"{head}; even with {freed} it needs {auto.predicted_gpu_required_gb:.1f} GiB: shorten "
+        raise ConfigError(f"{head}; even with {freed} it needs {auto.predicted.gpu_required_gb:.1f} GiB: shorten "
                           f"max_length (now {cfg.max_length}) or add GPUs (sp); {override}")
     raise ConfigError(f"{head}; every lever is auto already: shorten max_length (now {cfg.max_length}) or add GPUs "
                       f"(sp); {override}")

@@ -135,8 +135,8 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
                "attention_kernel": trainer.model.attention.kernel, "mlp_tiles": trainer.resolved.run.tiled_mlp,
                "checkpoint_every": trainer.resolved.run.checkpoint_every,
                "optimizer_offload": trainer.resolved.run.optimizer_offload,
-               "predicted_by_plan_step_s": trainer.resolved.predicted_step_s,
-               "predicted_by_plan_peak_gpu_gb": trainer.resolved.predicted_peak_gpu_gb,
+               "predicted_by_plan_step_s": trainer.resolved.predicted.step_s,
+               "predicted_by_plan_peak_gpu_gb": trainer.resolved.predicted.peak_gpu_gb,
                "device": torch.cuda.get_device_name() if cuda else "cpu",
                **_partition_stats(trainer.model, plan.world_size)}
         trainer = engine = None  # noqa: F841 - drop the engine before the group goes

@@ -55,14 +55,15 @@ def report_plan(r: Plan, before_build: bool, digest: str) -> None:
         log.info(f"auto chose: {', '.join(r.decided)}")
     for note in r.notes:
         log.info(f"plan note: {note}")
-    if not r.fits:
-        over = r.gpu_budget_gb is not None and r.predicted_gpu_required_gb > r.gpu_budget_gb * (1 + UNDER_PREDICTION)
+    p = r.predicted
+    if not p.fits:
+        over = p.gpu_budget_gb is not None and p.gpu_required_gb > p.gpu_budget_gb * (1 + UNDER_PREDICTION)
         why = (f"allow_over_plan: over by more than the memory model's worst measured under-prediction "
                f"({UNDER_PREDICTION:.1%}); "
                f"the run will most likely stop out of GPU memory") if over else \
             (f"within the memory model's worst measured under-prediction ({UNDER_PREDICTION:.1%}), and it errs on the "
              f"high side: the run may still fit")
-        log.warning(f"warning: the plan does not fit: {r.shortage()} ({why})")
+        log.warning(f"warning: the plan does not fit: {p.shortage()} ({why})")
     if r.run.gradient_checkpointing:
         n, saved, off = r.num_layers, len(r.saved_layers), len(r.offload_layers)
         kept = f"1 in {r.run.checkpoint_every} layers keeps its input" if r.run.checkpoint_every > 1 else \
@@ -75,9 +76,10 @@ def report_plan(r: Plan, before_build: bool, digest: str) -> None:
 
 def report_predicted_vs_measured(r: Plan, step_times: list[float]) -> None:
     """End of run: the plan's step time and GPU peak next to what the run measured."""
-    if r.predicted_step_s is None or not step_times:
+    p = r.predicted
+    if p.step_s is None or not step_times:
         return
-    log.info(predicted_vs_measured(r.predicted_step_s, r.predicted_peak_gpu_gb, step_times, peak_gpu_mem_gb()))
+    log.info(predicted_vs_measured(p.step_s, p.peak_gpu_gb, step_times, peak_gpu_mem_gb()))
 
 
 def run_config_record(plan: RunPlan, step: int, path: str) -> dict:

@@ -263,8 +263,8 @@ class Trainer:
 
     def _out_of_memory(self) -> OutOfGpuMemory:
         """The one line for an OOM where self.where says (the plan command is added by the command line)."""
-        r = self.resolved
-        message = oom_message(self.where, self.device, r.predicted_peak_gpu_gb, r.predicted_gpu_required_gb)
+        p = self.resolved.predicted
+        message = oom_message(self.where, self.device, p.peak_gpu_gb, p.gpu_required_gb)
         return OutOfGpuMemory(message, pinned_levers(self.cfg))
 
     def _non_finite_step(self, loss: float, grad_norm: float, update_discarded: bool, bar) -> None:
