@@ -10,14 +10,8 @@ from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.families import FAMILIES, PRESETS, family
 from ulysses_trainer.families.presets import preset_config
-from ulysses_trainer.plan.inputs import (
-    ModelShape,
-    Settings,
-    layer_param_numels,
-    mlp_run,
-    num_active_params,
-    num_params,
-)
+from ulysses_trainer.plan.counts import layer_param_numels, num_active_params, num_params
+from ulysses_trainer.plan.inputs import ModelShape, Settings, mlp_run
 from ulysses_trainer.plan.layer_terms import layer_forward_saved, mlp_backward_extra
 from ulysses_trainer.plan.zero3_trace import forward_order, gathers_per_micro_step, module_trace
 
@@ -118,7 +112,7 @@ def test_plan_of_the_moe_recipe_and_the_one_line_question(capsys):
 
 
 def test_logged_flops_count_the_active_experts():
-    from ulysses_trainer.plan.inputs import matmul_params
+    from ulysses_trainer.plan.counts import matmul_params
 
     c = ModelShape.preset("qwen3-30b-a3b")
     attn = 2048 * 4096 * 2 + 2 * 2048 * 512

@@ -28,7 +28,8 @@ from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.families import FAMILIES, family, preset_family, register
 from ulysses_trainer.model.load import build_model, model_config_for
 from ulysses_trainer.parallel.state import single_process_state
-from ulysses_trainer.plan.inputs import ModelShape, Settings, layer_param_numels, num_params
+from ulysses_trainer.plan.counts import layer_param_numels, num_params
+from ulysses_trainer.plan.inputs import ModelShape, Settings
 from ulysses_trainer.plan.layer_terms import layer_forward_saved, mlp_backward_extra
 from ulysses_trainer.plan.partitions import lora_numels
 from ulysses_trainer.plan.resolve import plan_for

@@ -12,7 +12,7 @@ import pytest
 
 from tests.dist_utils import JOB_TIMEOUT_S
 from ulysses_trainer.__main__ import main as cli_main
-from ulysses_trainer.plan import host_terms, inputs, layer_terms, partitions
+from ulysses_trainer.plan import counts, host_terms, inputs, layer_terms, partitions
 from ulysses_trainer.plan import memory as M
 from ulysses_trainer.plan.calibration import compare, load_calibration, load_measurements
 from ulysses_trainer.plan.inputs import ModelShape, Settings
@@ -34,7 +34,7 @@ YARN = ["--model_init_kwargs", '{"rope_parameters": {"rope_type": "yarn", "facto
 
 def test_parameter_count_qwen3_8b():
     assert PER_LAYER_8B == 192_946_432
-    assert inputs.num_params(Q8) == N_8B == 8_190_735_360
+    assert counts.num_params(Q8) == N_8B == 8_190_735_360
 
 
 def test_model_states_qwen3_8b_zero3_8_ranks():
@@ -53,8 +53,8 @@ def test_model_states_qwen3_8b_zero3_8_ranks():
 def test_zero3_partition_pads_each_tensor():
     tiny = ModelShape.preset("tiny")
     s = Settings(max_length=64, sp=1, dp=3)  # world 3: tensors that 3 does not divide are padded
-    want = sum(-(-n // 3) for n in inputs.param_numels(tiny))
-    assert want > inputs.num_params(tiny) / 3
+    want = sum(-(-n // 3) for n in counts.param_numels(tiny))
+    assert want > counts.num_params(tiny) / 3
     assert M.weights_bytes(tiny, s) == 2 * want
 
 
@@ -154,8 +154,8 @@ def test_first_step_has_no_adam_states_until_the_step():
     s = Settings(max_length=32_768, tiled_mlp=16)
     first = estimate(Q4, replace(s, first_step=True))
     steady = estimate(Q4, s)
-    assert first.term("Adam m, v").gpu == 0 and steady.term("Adam m, v").gpu == 8 * inputs.num_params(Q4)
-    assert first.phases["optimizer_step"] == steady.phases["optimizer_step"] + 8 * inputs.num_params(Q4)
+    assert first.term("Adam m, v").gpu == 0 and steady.term("Adam m, v").gpu == 8 * counts.num_params(Q4)
+    assert first.phases["optimizer_step"] == steady.phases["optimizer_step"] + 8 * counts.num_params(Q4)
 
 
 def test_bad_settings_are_config_errors():
@@ -437,7 +437,8 @@ def test_zero3_holds_max_live_parameters_from_the_second_step():
     """Step 2 of a ZeRO-3 run keeps parameters gathered up to stage3_max_live_parameters (the H200 allocator
     history of Qwen3-4B at sp=2: 1.88 GiB gathered at step 2's peak, none at step 1's): the first step alone
     (no trace) is that much lower, and the two real sp=2 runs (step 2, NCCL) are predicted within 0.5%."""
-    from ulysses_trainer.plan.inputs import Zero3Knobs, layer_param_numels
+    from ulysses_trainer.plan.counts import layer_param_numels
+    from ulysses_trainer.plan.inputs import Zero3Knobs
     from ulysses_trainer.plan.layer_terms import layer_gathered_params_bytes
 
     s = Settings(max_length=131_072, sp=2, tiled_mlp=5, keep_attention_outputs=36)
@@ -462,7 +463,7 @@ def test_offload_sub_groups_stay_under_a_power_of_two():
     size = json.loads(Path("ds_configs/zero3_offload.json").read_text())["zero_optimization"]["sub_group_size"]
     host = {g: host_terms.host_optimizer_bytes(Q4, Settings(max_length=1024, optimizer_offload=True,
                                                    zero3=Zero3Knobs(sub_group_size=g))) for g in (size, 2**28)}
-    exact = inputs.num_params(Q4) * 12 + inputs.num_params(Q4) * 4 + 8 * GIB
+    exact = counts.num_params(Q4) * 12 + counts.num_params(Q4) * 4 + 8 * GIB
     assert host[size] < 1.03 * exact < host[2**28] - 10 * GIB
 
 

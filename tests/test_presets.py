@@ -8,7 +8,8 @@ from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.families import PRESETS
 from ulysses_trainer.families.presets import preset_config
 from ulysses_trainer.model.load import build_model, checkpoint_source, load_model_config
-from ulysses_trainer.plan.inputs import ModelShape, num_params
+from ulysses_trainer.plan.counts import num_params
+from ulysses_trainer.plan.inputs import ModelShape
 
 # Published facts, not the presets' own numbers: the Qwen3 model cards (Qwen/Qwen3-*) and the technical
 # report give, per model, parameters in billions (total, and without the embedding matrices) rounded as written

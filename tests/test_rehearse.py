@@ -21,7 +21,8 @@ from ulysses_trainer.plan.comm_model import (
     step_collectives,
     wire_bytes,
 )
-from ulysses_trainer.plan.inputs import ModelShape, param_numels
+from ulysses_trainer.plan.counts import param_numels
+from ulysses_trainer.plan.inputs import ModelShape
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = str(ROOT / "launch/recipes/cpu_default.yaml")

@@ -113,7 +113,7 @@ def test_auto_takes_the_fused_norm_kernel_where_installed_and_predicts_it_faster
 
 
 def test_the_norm_split_leaves_the_calibrated_total_unchanged():
-    from ulysses_trainer.plan.inputs import num_params
+    from ulysses_trainer.plan.counts import num_params
 
     s = Settings(max_length=262144, keep_attention_outputs=36, optimizer="none")
     lean, hf = (step_time(Q4, replace(s, lean_norm=v), num_params(Q4)) for v in (True, False))
@@ -232,7 +232,7 @@ def test_step_time_rates_are_the_benchmark_files():
 ])
 def test_step_time_reproduces_the_calibration_runs(source, settings, measured):
     s = Settings(**settings)
-    from ulysses_trainer.plan.inputs import num_params
+    from ulysses_trainer.plan.counts import num_params
 
     got = step_time(Q4, s, num_params(Q4), gpu_name="NVIDIA H200")
     assert got.total_s == pytest.approx(measured, rel=0.03), source

@@ -193,7 +193,7 @@ class Family:
 
     `attention_params` and `mlp_params` give (name, numel) in module order: the order the modules fetch
     their parameters in a layer's forward (plan/zero3_trace.py) and the order of a layer's parameters in
-    the memory model (plan/inputs.layer_param_numels: attention, MLP, then the two layer norms).
+    the memory model (plan/counts.layer_param_numels: attention, MLP, then the two layer norms).
     """
 
     model_type: str  # transformers' config.model_type (its AutoConfig / AutoModelForCausalLM entry)

@@ -1,6 +1,6 @@
 """The planner's inputs: a model's shape, the run's settings, and the sizes derived from them (padded length,
-tokens per rank, parameter counts; the ZeRO-3 partitions are in plan/partitions.py). plan/memory.py turns them into
-terms.
+tokens per rank; the parameter counts as functions are in plan/counts.py, the ZeRO-3 partitions in
+plan/partitions.py). plan/memory.py turns them into terms.
 """
 
 from __future__ import annotations
@@ -325,45 +325,3 @@ def mlp_run(shape: ModelShape, s: Settings) -> MlpRun:
 def kv_repeat(shape: ModelShape, sp: int) -> int:
     """How many times each KV head is copied before the all-to-all (parallel/ulysses.py)."""
     return max(1, sp // shape.kv_heads)
-
-
-# The parameter counts, read from the shape's fields (derived once in ModelShape.__post_init__)
-
-
-def layer_params(shape: ModelShape) -> list[tuple[str, int]]:
-    """(name, numel) of one decoder layer's parameters (ModelShape.layer_params)."""
-    return list(shape.layer_params)
-
-
-def layer_param_numels(shape: ModelShape) -> list[int]:
-    """Parameters of one decoder layer, in layer_params' order (dense Qwen3: q, k, v, o, q_norm, k_norm, gate,
-    up, down, input_layernorm, post_attention_layernorm)."""
-    return [n for _, n in shape.layer_params]
-
-
-def active_layer_numel(shape: ModelShape) -> int:
-    """Parameters of one layer that one token's forward runs through (a sparse MLP: the router and top_k experts)."""
-    return shape.active_layer_numel
-
-
-def matmul_params(shape: ModelShape) -> int:
-    """Parameters that take part in a matmul per token: every layer's linear weights plus lm_head (embedding
-    lookups and norms do no matmul); of a sparse MLP, the router and the top_k experts a token runs through
-    (active FLOPs); what the model FLOPs count (train/metrics.py)."""
-    return shape.matmul_params
-
-
-def param_numels(shape: ModelShape) -> list[int]:
-    """Every parameter tensor of the causal LM: embedding, the layers, final norm, untied lm_head."""
-    return list(shape.param_numels)
-
-
-def num_params(shape: ModelShape) -> int:
-    """N: parameters, tied embeddings counted once."""
-    return shape.num_params
-
-
-def num_active_params(shape: ModelShape) -> int:
-    """Parameters one token's forward uses (tied embeddings counted once): N for a dense model; a sparse one
-    counts top_k of its experts."""
-    return shape.num_active_params

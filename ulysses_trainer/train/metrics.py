@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from ..plan.attention_share import row_costs
-from ..plan.inputs import ModelShape, matmul_params
+from ..plan.counts import matmul_params
+from ..plan.inputs import ModelShape
 from ..plan.step_time import MODELLED_FROM_S, format_seconds
 
 # dense (no sparsity) bf16 tensor-core peaks in TFLOP/s per GPU, from the vendors' datasheets; matched against

@@ -24,7 +24,8 @@ from ..families import family
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
 from ..model.lora import check_lora
 from ..plan.attention_share import AttentionShare, timed_from_data
-from ..plan.inputs import ModelShape, num_params
+from ..plan.counts import num_params
+from ..plan.inputs import ModelShape
 from ..plan.layout import Layout
 from ..plan.names import resolve_report_to
 from ..plan.resolve import PlanSearch, plan_from, resolve_plan, search_plan
