@@ -39,7 +39,6 @@ from ..plan.longest_fit import Choice, Hardware, largest_max_length
 from ..plan.memory import MemoryEstimate
 from ..plan.names import GIB
 from ..plan.resolve import plan_from, search_plan
-from ..plan.step_time import step_floor
 from ..plan.types import Machine, Plan, read_zero
 from .argv import parse_overrides, split_argv
 from .console import use_console
@@ -183,7 +182,7 @@ def run_plan(argv: list[str]) -> int:
                    zero3=knobs[False])
     # Adam's placement as the config and the ZeRO JSON fixed it (lever_settings: decode_levers, with_json_placement)
     longest, best = largest_max_length(shape, base, hw, optimizer_offload=plan.fixed.optimizer_offload, knobs=knobs)
-    floor = _floor(shape, plan, cfg.gradient_accumulation_steps)
+    floor = _floor(plan)
     if args.json:
         out = {"model": plan.model, "hardware": {**machine.__dict__, "kernels": list(machine.kernels)},
                "fits": plan.predicted.fits, "plan": plan.to_dict(), "chosen": _settings_summary(plan.run),
@@ -229,12 +228,12 @@ def _shortage(plan: Plan) -> str:
             f"(sp), shorten max_length or give the run more memory")
 
 
-def _floor(shape: ModelShape, plan: Plan, accumulation: int) -> dict[str, float] | None:
-    """The predicted step's floor (plan/step_time.step_floor) and the step's ratio to it; None without a step time."""
+def _floor(plan: Plan) -> dict[str, float] | None:
+    """The predicted step's floor (Prediction.floor) and the step's ratio to it; None without a step time."""
     p = plan.predicted
-    if p.step_s is None or not p.step_parts:
+    if not p.floor:
         return None
-    floor = step_floor(shape, plan.run, dict(p.step_parts), accumulation)
+    floor = dict(p.floor)
     return {**floor, "predicted over floor": p.step_s / floor["floor s"]}
 
 

@@ -28,7 +28,7 @@ from .lever_settings import Fixed, decode_levers
 from .names import GIB, KEEPING_KERNELS, auto_num_tiles, choose_kernels
 from .notes import WORST_CASE, decided, plan_notes  # noqa: F401 - WORST_CASE: the packing note, re-exported
 from .partitions import lora_numels
-from .step_time import StepTime, step_time
+from .step_time import StepTime, step_floor, step_time
 from .types import Machine, Plan, Prediction, ZeroSettings, read_zero
 
 
@@ -147,6 +147,7 @@ def plan_from(sr: PlanSearch, *, attention: AttentionShare | None = None) -> Pla
         gpu_miss, host_miss = shortfall(chosen, budget, machine.host_memory_gb)
     st = None if budget is None else time_of(chosen.settings)
     s = chosen.settings
+    floor = step_floor(shape, s, st.parts, cfg.gradient_accumulation_steps) if st and st.parts else {}
     limit = None if fits else " and ".join(n for n, m in (("GPU memory", gpu_miss), ("host memory", host_miss)) if m)
     return Plan(
         model=str(cfg.model_name_or_path), run=s, num_layers=shape.layers,
@@ -156,7 +157,8 @@ def plan_from(sr: PlanSearch, *, attention: AttentionShare | None = None) -> Pla
             terms=tuple((t.name, t.gpu if chosen.counts(t) else 0, t.host) for t in chosen.terms if t.gpu or t.host),
             peak_gpu_gb=chosen.gpu_peak / GIB, gpu_required_gb=chosen.gpu_required / GIB,
             host_gb=chosen.host_per_host / GIB, step_s=None if st is None else st.total_s,
-            step_parts=tuple(st.parts.items()) if st else (), fits=fits, binding_limit=limit,
+            step_parts=tuple(st.parts.items()) if st else (), floor=tuple(floor.items()), fits=fits,
+            binding_limit=limit,
             missing_gpu_gb=gpu_miss / GIB, missing_host_gb=host_miss / GIB, gpu_budget_gb=budget,
             host_budget_gb=machine.host_memory_gb, estimate=chosen),
         decided=decided(cfg, sr.asked, s),

@@ -121,6 +121,9 @@ class Prediction:
     host_gb: float  # per host
     step_s: float | None  # None: no GPU, no prediction
     step_parts: tuple[tuple[str, float], ...]
+    # the step's floor (plan/step_time.step_floor: its kernels and every matmul at the measured rate, "floor s"
+    # their sum); () without a step time
+    floor: tuple[tuple[str, float], ...]
     fits: bool
     binding_limit: str | None  # "GPU memory" | "host memory" | "GPU memory and host memory" when it does not fit
     missing_gpu_gb: float  # what the closest settings need beyond the GPU budget (0 when it fits)
