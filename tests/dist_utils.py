@@ -159,7 +159,7 @@ def zero3_config(world_size: int, **zero: object) -> dict:
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
 
 
-def tiny_zero3_sp_step(rank: int, world: int, pcfg, *, layers: int | None = None, seq: int = 41,
+def tiny_zero3_sp_step(rank: int, world_size: int, pcfg, *, layers: int | None = None, seq: int = 41,
                        small_buckets: bool = False):
     """Inside a rank: a tiny Qwen3 (seed 5) under `parallelize(pcfg)` in a ZeRO-3 engine (SGD, lr 0), one
     forward + backward of a fixed `seq`-token sequence sharded over the `world` ranks.
@@ -176,12 +176,12 @@ def tiny_zero3_sp_step(rank: int, world: int, pcfg, *, layers: int | None = None
     if layers is not None:
         cfg.num_hidden_layers = layers
         cfg.layer_types = ["full_attention"] * layers
-    model = parallelize(build_model(cfg, torch.float32, seed=5), make_parallel_state(world), pcfg)
+    model = parallelize(build_model(cfg, torch.float32, seed=5), make_parallel_state(world_size), pcfg)
     buckets = {"reduce_bucket_size": 20_000, "stage3_prefetch_bucket_size": 20_000} if small_buckets else {}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                      config=zero3_config(world, **buckets))
+                                      config=zero3_config(world_size, **buckets))
     ids = torch.randint(0, 1000, (1, seq), generator=torch.Generator().manual_seed(9))
-    loss = engine(**shard_batch(ids, sp_size=world, sp_rank=rank).model_inputs())
+    loss = engine(**shard_batch(ids, sp_size=world_size, sp_rank=rank).model_inputs())
     engine.backward(loss)
     grads = {n: safe_get_full_grad(p).numpy().copy() for n, p in engine.module.named_parameters()}
     return float(loss.detach()), grads, model

@@ -181,12 +181,12 @@ def test_needs_checkpointing():
                     ParallelizeConfig(keep_attention_outputs=99))
 
 
-def _sp2(rank, world):
+def _sp2(rank, world_size):
     from ulysses_trainer import ParallelizeConfig
 
     out = []
     for keep in (False, True):
-        loss, grads, model = tiny_zero3_sp_step(rank, world, ParallelizeConfig(
+        loss, grads, model = tiny_zero3_sp_step(rank, world_size, ParallelizeConfig(
             attn_implementation="sdpa", tiled_mlp=2, keep_attention_outputs=keep), layers=2, small_buckets=True)
         stash = model.attention.stash
         out.append((loss, grads, stash.replays if stash is not None else None))

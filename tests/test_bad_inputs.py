@@ -264,13 +264,13 @@ def _run_main(argv: list[str], world_size: int, monkeypatch, capsys) -> tuple[in
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_exits_2_with_one_message_and_no_output_dir(name, files, tmp_path, monkeypatch, capsys):
-    argv_of, world, pattern = CASES[name]
+    argv_of, world_size, pattern = CASES[name]
     if name.startswith("flash_attention") and name.removesuffix("_not_installed") in available_kernels():
         pytest.skip("installed here")
     if name.startswith("norm_kernel") and "triton" in available_norm_kernels():
         pytest.skip("installed here")
     out = tmp_path / "out"
-    rc, errors = _run_main(argv_of(files) + ["--output_dir", str(out)], world, monkeypatch, capsys)
+    rc, errors = _run_main(argv_of(files) + ["--output_dir", str(out)], world_size, monkeypatch, capsys)
     assert rc == 2
     assert len(errors) == 1, errors
     assert re.search(pattern, errors[0]), errors[0]

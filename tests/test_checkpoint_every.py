@@ -87,18 +87,18 @@ def test_only_block_starts_offload():
         LayerRecompute(4, [], checkpoint_every=0)
 
 
-def _sp2_step(rank, world, every: int, offload):
+def _sp2_step(rank, world_size, every: int, offload):
     from ulysses_trainer import ParallelizeConfig
 
-    loss, grads, model = tiny_zero3_sp_step(rank, world, ParallelizeConfig(
+    loss, grads, model = tiny_zero3_sp_step(rank, world_size, ParallelizeConfig(
         attn_implementation="sdpa", tiled_mlp=2, checkpoint_every=every, activation_offload=offload),
         layers=3, seq=43, small_buckets=True)
     ck = model.checkpointer
     return loss, grads, (ck.offload_layers, ck.rebuild_forwards, ck.recompute_calls)
 
 
-def _sp2_runs(rank, world):
-    return [_sp2_step(rank, world, every, offload) for every, offload in ((1, False), (2, True), (3, 1))]
+def _sp2_runs(rank, world_size):
+    return [_sp2_step(rank, world_size, every, offload) for every, offload in ((1, False), (2, True), (3, 1))]
 
 
 @pytest.mark.slow

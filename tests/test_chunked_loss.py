@@ -129,11 +129,11 @@ def test_bad_input():
         chunked_nll_sum(h, w, y[:-1])
 
 
-def _sp_rank(rank, world, rows, hidden, vocab, chunk_size):
+def _sp_rank(rank, world_size, rows, hidden, vocab, chunk_size):
     import torch.distributed as dist
 
     h, w, y = make_case(rows, hidden, vocab, seed=8)  # identical on every rank
-    bounds = torch.tensor_split(torch.arange(rows), world)[rank]  # uneven halves
+    bounds = torch.tensor_split(torch.arange(rows), world_size)[rank]  # uneven halves
     h_local = h[bounds].clone().requires_grad_(True)
     w_local = w.clone().requires_grad_(True)
     local = chunked_nll_sum(h_local, w_local, y[bounds], chunk_size=chunk_size)

@@ -111,7 +111,7 @@ def test_empty_recipe_gives_defaults(tmp_path):
     assert load_config(["--config", _recipe(tmp_path, "# nothing\n")]) == TrainConfig()
 
 
-@pytest.mark.parametrize("overrides, world, pattern", [
+@pytest.mark.parametrize("overrides, world_size, pattern", [
     ({"max_steps": 0}, 2, r"max_steps must be > 0, got 0; use -1 \(or null\)"),
     ({"max_steps": -2}, 2, r"max_steps must be > 0, got -2"),
     ({"max_steps": None, "num_train_epochs": 0}, 2, r"num_train_epochs must be > 0"),
@@ -134,10 +134,10 @@ def test_empty_recipe_gives_defaults(tmp_path):
      r"sequences would be padded to a multiple of 24\); use max_length 1200 or 1224"),
     ({"max_length": 12, "pad_to_multiple_of": 16}, 1, r"use max_length 16, or set pad_to_multiple_of null"),
 ])
-def test_validation_messages(overrides, world, pattern):
+def test_validation_messages(overrides, world_size, pattern):
     cfg = TrainConfig(**overrides)
     with pytest.raises(ConfigError, match=pattern):
-        validate_config(cfg, world)
+        validate_config(cfg, world_size)
 
 
 def test_eval_on_local_data_needs_an_eval_dataset(tmp_path):

@@ -11,7 +11,7 @@ from tests.dist_utils import run_ranks, zero3_config
 pytestmark = pytest.mark.slow
 
 
-def _two_steps(rank: int, world: int, staged: bool):
+def _two_steps(rank: int, world_size: int, staged: bool):
     import deepspeed
     import torch
 
@@ -20,7 +20,7 @@ def _two_steps(rank: int, world: int, staged: bool):
 
     model = build_model(2).to(torch.bfloat16)
     start = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    cfg = zero3_config(world, sub_group_size=20_000)
+    cfg = zero3_config(world_size, sub_group_size=20_000)
     cfg["bf16"] = {"enabled": True}
     engine, *_ = deepspeed.initialize(model=model, config=cfg,
                                       optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))

@@ -79,16 +79,17 @@ def test_masked_losses_equal_across_sp(kind, data_dir, tmp_path):
     path, extra = data_dir / f"{kind}.jsonl", DATASETS[kind][1]
     assert _empty_shards(path, extra) > 0  # the case that must not produce NaN or a skipped collective
     metrics = {}
-    for sp in (1, 2, 4):
-        out = tmp_path / f"sp{sp}"
-        run_train(sp, COMMON + extra + ["--dataset_name", str(path), "--sp_size", str(sp)], out)
-        metrics[sp] = read_metrics(out)[0]
+    for sp_size in (1, 2, 4):
+        out = tmp_path / f"sp{sp_size}"
+        run_train(sp_size, COMMON + extra + ["--dataset_name", str(path), "--sp_size", str(sp_size)], out)
+        metrics[sp_size] = read_metrics(out)[0]
     ref = metrics[1]
     assert [r["step"] for r in ref] == list(range(1, STEPS + 1))
     for r in ref:
         assert 0 < r["num_loss_tokens"] < r["num_tokens"] <= r["step"] * 2 * MAX_LENGTH
-    for sp in (2, 4):
-        for r, a in zip(metrics[sp], ref):
-            assert rel(r["loss"], a["loss"]) <= 1e-4, (kind, sp, r["step"], r["loss"], a["loss"])
-            assert rel(r["grad_norm"], a["grad_norm"]) <= 1e-4, (kind, sp, r["step"], r["grad_norm"], a["grad_norm"])
+    for sp_size in (2, 4):
+        for r, a in zip(metrics[sp_size], ref):
+            assert rel(r["loss"], a["loss"]) <= 1e-4, (kind, sp_size, r["step"], r["loss"], a["loss"])
+            assert rel(r["grad_norm"], a["grad_norm"]) <= 1e-4, (kind, sp_size, r["step"], r["grad_norm"],
+                                                                  a["grad_norm"])
             assert (r["num_tokens"], r["num_loss_tokens"]) == (a["num_tokens"], a["num_loss_tokens"])

@@ -54,14 +54,14 @@ def _rows(ids: torch.Tensor, pos: torch.Tensor) -> list[dict]:
             for i in range(ids.shape[0])]
 
 
-def _sharded_evaluate(sp: int, rows: list[dict], max_length: int, probe: RecallProbe | None = None) -> list:
+def _sharded_evaluate(sp_size: int, rows: list[dict], max_length: int, probe: RecallProbe | None = None) -> list:
     """evaluate() on sp ranks (threads), one row per round, every rank's result."""
     from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize, shard_batch
 
-    models = [build_model() for _ in range(sp)]
+    models = [build_model() for _ in range(sp_size)]
 
-    def rank(r: int, world: int):
-        state = make_parallel_state(world)
+    def rank(r: int, world_size: int):
+        state = make_parallel_state(world_size)
         model = parallelize(models[r], state, ParallelizeConfig(attn_implementation="sdpa", loss_chunk_size=7,
                                                                 tiled_mlp=False, gradient_checkpointing=False))
 
@@ -73,7 +73,7 @@ def _sharded_evaluate(sp: int, rows: list[dict], max_length: int, probe: RecallP
 
         return evaluate(model, rows, 1, max_length, state, shard, probe)
 
-    return run_threads(sp, rank)
+    return run_threads(sp_size, rank)
 
 
 def _reference_by_position(ids: torch.Tensor, pos: torch.Tensor, edges: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -92,14 +92,14 @@ def _reference_by_position(ids: torch.Tensor, pos: torch.Tensor, edges: list[int
     return sums, counts
 
 
-@pytest.mark.parametrize("sp", [1, 2])
+@pytest.mark.parametrize("sp_size", [1, 2])
 @pytest.mark.parametrize("docs", [None, [37, 263]], ids=["rows", "packed"])
-def test_loss_by_position_equals_plain_hf_per_bucket(sp, docs):
+def test_loss_by_position_equals_plain_hf_per_bucket(sp_size, docs):
     ids, pos = make_batch(2, 300, docs, seed=4)  # buckets [0,128) [128,256) [256,300)
     edges = position_edges(300)
     ref_sum, ref_tokens = _reference_by_position(ids, pos, edges)
     assert (ref_tokens > 0).all()  # every bucket holds targets (the packed rows' long document reaches 256)
-    for res in _sharded_evaluate(sp, _rows(ids, pos), 300):  # every rank logs the same
+    for res in _sharded_evaluate(sp_size, _rows(ids, pos), 300):  # every rank logs the same
         assert res.edges == edges and res.position_tokens == ref_tokens.tolist()
         for got, s, n in zip(res.position_loss, ref_sum, ref_tokens):
             assert abs(got - s / n) <= 1e-5 * abs(s / n), (got, s / n)
@@ -142,15 +142,15 @@ def _probe_with_known_answers(length: int) -> tuple[RecallProbe, np.ndarray]:
     return probe, expected
 
 
-@pytest.mark.parametrize("sp", [1, 2])
-def test_recall_probe_scores_the_teacher_forced_argmax(sp):
+@pytest.mark.parametrize("sp_size", [1, 2])
+def test_recall_probe_scores_the_teacher_forced_argmax(sp_size):
     probe, expected = _probe_with_known_answers(300)
     assert expected.any() and not expected.all()  # both outcomes occur: the score can be wrong
     acc, facts = probe.by_distance(expected, np.ones_like(expected))
     assert facts == [3, 2, 1]
     rows = [{"input_ids": torch.zeros(300, dtype=torch.long), "position_ids": torch.arange(300),
              "labels": torch.zeros(300, dtype=torch.long), "real_tokens": 300}] * 2
-    for res in _sharded_evaluate(sp, rows, 300, probe):
+    for res in _sharded_evaluate(sp_size, rows, 300, probe):
         assert res.recall_facts == facts and res.recall_accuracy == acc
         assert res.recall == expected.mean()
 

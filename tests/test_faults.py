@@ -116,9 +116,9 @@ def _latest(out: Path) -> str:
     return (out / "latest").read_text().strip()
 
 
-def _complete(ckpt: Path, world: int = 2) -> bool:
+def _complete(ckpt: Path, world_size: int = 2) -> bool:
     """Every rank's ZeRO shards are in the checkpoint and load."""
-    for r in range(world):
+    for r in range(world_size):
         for kind in ("model_states", "optim_states"):
             f = ckpt / "ds" / f"zero_pp_rank_{r}_mp_rank_00_{kind}.pt"
             if not f.is_file():

@@ -25,8 +25,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
 
 
-def _run(num_gpus: int, sp: int, out: Path) -> list[dict]:
-    cmd = train_command(num_gpus, [*ARGS, "--sp_size", str(sp), "--output_dir", str(out)])
+def _run(num_gpus: int, sp_size: int, out: Path) -> list[dict]:
+    cmd = train_command(num_gpus, [*ARGS, "--sp_size", str(sp_size), "--output_dir", str(out)])
     proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
                                   f"{proc.stderr[-4000:]}")

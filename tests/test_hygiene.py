@@ -2,6 +2,7 @@
 constant, no reaching into the Trainer's private members, no citations of files the repository does not ship;
 and the fast tier's no-process guard."""
 
+import ast
 import re
 import subprocess
 from pathlib import Path
@@ -65,3 +66,40 @@ def test_code_and_docs_cite_no_file_outside_the_repository():
 def test_the_fast_tier_refuses_to_start_a_process():
     with pytest.raises(AssertionError, match="mark it @pytest.mark.slow"):
         subprocess.run(["true"])
+
+
+# each of these settings has one name from the config to the kernel: sp_size, world_size, gpus_per_node
+# and ranks_per_node; the left-hand spellings are second names a review would flag
+SECOND_NAMES = {"sp": "sp_size", "world": "world_size", "gpus_per_host": "gpus_per_node",
+                "ranks_per_host": "ranks_per_node"}
+
+
+def _second_name_fields(tree: ast.AST) -> list[tuple[str, int, str]]:
+    """(class, line, name) of each dataclass field or property of a second name in a parsed module."""
+    found = []
+    for cls in ast.walk(tree):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        is_dataclass = any("dataclass" in ast.unparse(d) for d in cls.decorator_list)
+        for node in cls.body:
+            if is_dataclass and isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                name = node.target.id
+            elif isinstance(node, ast.FunctionDef) and any(ast.unparse(d) == "property" for d in node.decorator_list):
+                name = node.name
+            else:
+                continue
+            if name in SECOND_NAMES:
+                found.append((cls.name, node.lineno, name))
+    return found
+
+
+def test_settings_have_one_name_in_every_dataclass():
+    offenders = [f"{p.relative_to(ROOT)}:{line} {cls}.{name} (use {SECOND_NAMES[name]})"
+                 for p, text in _sources("ulysses_trainer") for cls, line, name in _second_name_fields(ast.parse(text))]
+    assert not offenders, f"a setting under a second name: {offenders}"
+
+
+def test_the_second_name_scan_sees_a_field_and_a_property():
+    src = ("from dataclasses import dataclass\n@dataclass\nclass L:\n    sp: int\n    dp: int\n"
+           "class M:\n    @property\n    def gpus_per_host(self):\n        return 8\n")
+    assert [(c, n) for c, _, n in _second_name_fields(ast.parse(src))] == [("L", "sp"), ("M", "gpus_per_host")]

@@ -103,11 +103,11 @@ def test_a_qwen3_layer_keeps_4_bytes_less_per_normed_element():
     assert hf - lean == 4 * t * (2 * h + q + kv), (hf, lean)
 
 
-def _train_step(rank, world, lean: bool):
+def _train_step(rank, world_size, lean: bool):
     from tests.dist_utils import tiny_zero3_sp_step
     from ulysses_trainer import ParallelizeConfig
 
-    loss, grads, _ = tiny_zero3_sp_step(rank, world, ParallelizeConfig(attn_implementation="sdpa", tiled_mlp=False,
+    loss, grads, _ = tiny_zero3_sp_step(rank, world_size, ParallelizeConfig(attn_implementation="sdpa", tiled_mlp=False,
                                                                        lean_norm=lean))
     return loss, {n: torch.from_numpy(g) for n, g in grads.items() if "norm" in n}
 

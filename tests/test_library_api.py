@@ -51,21 +51,21 @@ def test_the_callers_config_is_never_changed_and_undo_gives_the_stock_model():
     types, ids = _module_types(model), _ids()
     with torch.no_grad():
         stock = model(ids).logits
-    sp = parallelize(model, make_parallel_state(1), ParallelizeConfig(attn_implementation="sdpa",
+    sp_size = parallelize(model, make_parallel_state(1), ParallelizeConfig(attn_implementation="sdpa",
                                                                       local_seq_len=LENGTH, tiled_mlp=2))
     assert (config.to_dict(), config._attn_implementation) == before  # the model runs on its own copy
-    assert sp.config is not config and sp.config._attn_implementation.startswith("ulysses_sp1")
+    assert sp_size.config is not config and sp_size.config._attn_implementation.startswith("ulysses_sp1")
     reference_model = build_model(config, torch.float32, seed=0)  # built from the caller's config meanwhile: stock
     with torch.no_grad():
         assert torch.equal(reference_model(ids).logits, stock)
-    back = unparallelize(sp)
+    back = unparallelize(sp_size)
     assert back is model and back.config is config and _module_types(back) == types
     assert not back.model.layers[0].gradient_checkpointing
     with torch.no_grad():
         assert torch.equal(back(ids).logits, stock)  # stock logits, bitwise
     with pytest.raises(RuntimeError, match="this model was unparallelized"):
-        sp(input_ids=ids)
-    del sp, back, model
+        sp_size(input_ids=ids)
+    del sp_size, back, model
     gc.collect()
     with torch.no_grad():  # once the wrapper is gone the caller's config still builds a model (no unknown attention)
         assert torch.equal(build_model(config, torch.float32, seed=0)(ids).logits, stock)
@@ -115,36 +115,36 @@ def test_a_parallelize_failing_half_way_leaves_the_model_as_it_was(monkeypatch):
 
 def test_misuse_of_the_wrapper_is_one_clear_error():
     config = _config()
-    sp = parallelize(build_model(config, torch.float32, seed=0), make_parallel_state(1),
+    sp_size = parallelize(build_model(config, torch.float32, seed=0), make_parallel_state(1),
                      ParallelizeConfig(attn_implementation="sdpa"))
     ids = _ids()
     shard = shard_batch(ids, sp_size=1, sp_rank=0)
-    with pytest.raises(ValueError, match=r"this rank holds 32 tokens per row, and 32 x sp 1 = 32 is not the row's "
+    with pytest.raises(ValueError, match=r"this rank holds 32 tokens per row, and 32 x sp_size 1 = 32 is not the row's "
                                          r"64 tokens: each SP rank takes its L/sp slice"):
-        sp(**{**shard.model_inputs(), "seq_len": 64})
+        sp_size(**{**shard.model_inputs(), "seq_len": 64})
     with pytest.raises(TypeError, match="already parallelized"):
-        parallelize(sp, make_parallel_state(1), ParallelizeConfig(attn_implementation="sdpa"))
+        parallelize(sp_size, make_parallel_state(1), ParallelizeConfig(attn_implementation="sdpa"))
     with pytest.raises(TypeError, match="unparallelize takes what parallelize returned"):
-        unparallelize(sp.causal_lm)
+        unparallelize(sp_size.causal_lm)
 
 
 def test_stock_state_dict_loads_into_a_stock_model_without_missing_or_unexpected_keys():
     config = _config()
-    sp = parallelize(build_model(config, torch.float32, seed=1), make_parallel_state(1),
+    sp_size = parallelize(build_model(config, torch.float32, seed=1), make_parallel_state(1),
                      ParallelizeConfig(attn_implementation="sdpa", local_seq_len=LENGTH, tiled_mlp=2))
-    state = stock_state_dict(sp)
+    state = stock_state_dict(sp_size)
     assert not any(k.startswith("causal_lm.") for k in state)
     stock = build_model(config, torch.float32, seed=2)  # other weights
     result = stock.load_state_dict(state, strict=True)
     assert not result.missing_keys and not result.unexpected_keys
     ids = _ids(3)
     with torch.no_grad():
-        assert torch.equal(stock(ids).logits, unparallelize(sp)(ids).logits)
+        assert torch.equal(stock(ids).logits, unparallelize(sp_size)(ids).logits)
 
 
 # ---------------------------------------------------------------- sp=2: ranks as threads
-def _sp2(models, ids, pos, rank, world, job):
-    state = make_parallel_state(world)
+def _sp2(models, ids, pos, rank, world_size, job):
+    state = make_parallel_state(world_size)
     model = parallelize(models[rank], state, ParallelizeConfig(attn_implementation="sdpa", loss_chunk_size=7,
                                                                tiled_mlp=False, gradient_checkpointing=False))
     return job(model, state, ids, pos)
@@ -182,7 +182,7 @@ def test_hf_shaped_forward_gives_each_ranks_logits_and_an_unsharded_row_is_refus
     models = [build_reference_model(2) for _ in range(2)]
     for m in models:
         m.load_state_dict(ref_model.state_dict())
-    out = run_threads(2, lambda rank, world: _sp2(models, ids, pos, rank, world, _hf_shaped))
+    out = run_threads(2, lambda rank, world_size: _sp2(models, ids, pos, rank, world_size, _hf_shaped))
     for full, errors in out:
         assert torch.linalg.norm(full - stock) / torch.linalg.norm(stock) <= 1e-5
         assert len(errors) == 3 and all("tokens per rank x sp is not the row" in e for e in errors[:2]), errors
@@ -210,7 +210,7 @@ def test_the_loop_without_an_engine_equals_the_unsharded_reference(docs):
     ids, pos = make_batch(2, 29, docs, seed=3)
     ref_loss, ref_grads = reference(ids, pos, 2)
     models = [build_reference_model(2) for _ in range(2)]
-    out = run_threads(2, lambda rank, world: _sp2(models, ids, pos, rank, world, _loop_without_engine))
+    out = run_threads(2, lambda rank, world_size: _sp2(models, ids, pos, rank, world_size, _loop_without_engine))
     for loss, grads in out:  # every rank: the whole step's loss and gradient, before its optimizer step
         assert abs(loss - ref_loss) / abs(ref_loss) <= 1e-5
         for name, ref in ref_grads.items():

@@ -46,14 +46,14 @@ def hf_reference(model: torch.nn.Module, ids: torch.Tensor):
 
 def ours(model: torch.nn.Module, ids: torch.Tensor, **levers):
     """parallelize + one forward/backward, the objective as the trainer forms it (one rank, one micro-step)."""
-    sp = parallelize(model, single_process_state(), ParallelizeConfig(attn_implementation="sdpa", **levers))
-    sp.zero_grad(set_to_none=True)
+    sp_size = parallelize(model, single_process_state(), ParallelizeConfig(attn_implementation="sdpa", **levers))
+    sp_size.zero_grad(set_to_none=True)
     shard = shard_batch(ids, sp_size=1, sp_rank=0)
-    loss_sum = sp(**shard.model_inputs())
-    objective = loss_sum / shard.num_valid + sp.aux_loss_coef * sp.aux_loss
+    loss_sum = sp_size(**shard.model_inputs())
+    objective = loss_sum / shard.num_valid + sp_size.aux_loss_coef * sp_size.aux_loss
     objective.backward()
-    grads = {n.removeprefix("causal_lm."): p.grad.clone() for n, p in sp.named_parameters()}
-    return objective.detach(), sp.aux_loss.detach(), grads, sp
+    grads = {n.removeprefix("causal_lm."): p.grad.clone() for n, p in sp_size.named_parameters()}
+    return objective.detach(), sp_size.aux_loss.detach(), grads, sp_size
 
 
 def test_matches_plain_transformers_with_aux_loss():
@@ -61,9 +61,9 @@ def test_matches_plain_transformers_with_aux_loss():
     model = tiny_moe()
     ids = batch()
     ref_loss, ref_aux, ref_grads = hf_reference(copy.deepcopy(model), ids)
-    loss, aux, grads, sp = ours(copy.deepcopy(model), ids, lean_norm=False, gradient_checkpointing=False,
+    loss, aux, grads, sp_size = ours(copy.deepcopy(model), ids, lean_norm=False, gradient_checkpointing=False,
                                 tiled_mlp=False, loss_type="nll")
-    assert isinstance(sp.causal_lm.model.layers[0].mlp, SparseMoE)
+    assert isinstance(sp_size.causal_lm.model.layers[0].mlp, SparseMoE)
     assert ref_aux > 1.0  # E x sum f P is 1 when balanced: something to get right
     assert abs(aux - ref_aux) <= 1e-6 * ref_aux
     assert abs(loss - ref_loss) <= 1e-5 * ref_loss
@@ -71,12 +71,12 @@ def test_matches_plain_transformers_with_aux_loss():
     for n, g in ref_grads.items():
         assert rel(grads[n], g) <= 1e-5, n
     # the aux loss reaches the router: leaving its term out of the objective changes the router's grads
-    sp = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
+    sp_size = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
         attn_implementation="sdpa", lean_norm=False, gradient_checkpointing=False, tiled_mlp=False, loss_type="nll"))
     shard = shard_batch(ids, sp_size=1, sp_rank=0)
-    (sp(**shard.model_inputs()) / shard.num_valid).backward()
+    (sp_size(**shard.model_inputs()) / shard.num_valid).backward()
     name = "model.layers.0.mlp.gate.weight"
-    assert rel(dict(sp.named_parameters())["causal_lm." + name].grad, ref_grads[name]) > 1e-4
+    assert rel(dict(sp_size.named_parameters())["causal_lm." + name].grad, ref_grads[name]) > 1e-4
 
 
 @pytest.mark.parametrize("levers", [
@@ -100,15 +100,15 @@ def test_pads_are_left_out_of_the_router_statistics():
     """A shard's pad rows (real_rows) do not count: the aux loss equals transformers' with an attention mask."""
     model = tiny_moe(seed=5)
     ids = batch(seed=9, b=1, length=30)
-    sp = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
+    sp_size = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
         attn_implementation="sdpa", tiled_mlp=False, gradient_checkpointing=False))
     padded = torch.cat([ids, torch.zeros(1, 6, dtype=ids.dtype)], dim=1)
     shard = shard_batch(padded, sp_size=1, sp_rank=0)
     with torch.no_grad():
-        sp(**{**shard.model_inputs(), "real_rows": 30})
+        sp_size(**{**shard.model_inputs(), "real_rows": 30})
         ref = model(input_ids=padded, attention_mask=(torch.arange(36) < 30).long()[None],
                     output_router_logits=True).aux_loss
-    assert abs(sp.aux_loss - ref) <= 1e-6 * ref
+    assert abs(sp_size.aux_loss - ref) <= 1e-6 * ref
 
 
 def test_rows_of_different_lengths_leave_their_own_pads_out():
@@ -119,23 +119,23 @@ def test_rows_of_different_lengths_leave_their_own_pads_out():
     ids = batch(seed=10, b=2, length=32)
     mask = torch.stack([torch.arange(32) < 32, torch.arange(32) < 21]).long()  # row 1: 11 pads
     ids = torch.where(mask.bool(), ids, 0)
-    sp = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
+    sp_size = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
         attn_implementation="sdpa", tiled_mlp=False, gradient_checkpointing=False))
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
         shard = shard_batch(ids, sp_size=1, sp_rank=0, real_lengths=[32, 21])
         assert shard.real_rows == (32, 21)
-        sp(**shard.model_inputs())
-        per_row = float(sp.aux_loss)
-        sp(**{**shard.model_inputs(), "real_rows": 32})
-        one_count = float(sp.aux_loss)
+        sp_size(**shard.model_inputs())
+        per_row = float(sp_size.aux_loss)
+        sp_size(**{**shard.model_inputs(), "real_rows": 32})
+        one_count = float(sp_size.aux_loss)
     assert abs(per_row - ref) <= 1e-6 * ref
     assert abs(one_count - ref) > 1e-4 * ref
     with pytest.raises(ValueError, match="one count in"):
         shard_batch(ids, sp_size=1, sp_rank=0, real_lengths=[32])
 
 
-def _sp_rank_step(rank: int, world: int, per_rank_aux: bool):
+def _sp_rank_step(rank: int, world_size: int, per_rank_aux: bool):
     """Inside a rank: tiny-moe under parallelize in a ZeRO-3 engine, one forward + backward of the batch sharded
     over `world` SP ranks, the objective as the trainer forms it. per_rank_aux: each rank's aux loss from its own
     tokens only (the wrong loss), for the test that the comparison catches it."""
@@ -154,19 +154,19 @@ def _sp_rank_step(rank: int, world: int, per_rank_aux: bool):
         step_token_count,
     )
 
-    state = make_parallel_state(world)
+    state = make_parallel_state(world_size)
     model = parallelize(tiny_moe(seed=6), state, ParallelizeConfig(attn_implementation="sdpa", tiled_mlp=3))
     if per_rank_aux:
         model.state = dataclasses.replace(state, sp_size=1)  # only the aux loss reads it: sums over no group
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                      config=zero3_config(world))
+                                      config=zero3_config(world_size))
     # DeepSpeed's default leaf classes name transformers' Qwen3MoeSparseMoeBlock, which SparseMoE replaces: the
     # router and the experts fetch through their own hooks. With 3 tiles of ~3 rows (6 top-2 slots over 8
     # experts) every tile leaves experts without a token on this rank; the experts module runs anyway.
     from deepspeed.utils import z3_leaf_module
 
     assert not any(z3_leaf_module(layer.mlp) for layer in model.causal_lm.model.layers)
-    shard = shard_batch(batch(seed=10, b=1, length=38), sp_size=world, sp_rank=rank)  # 38: pads at sp=4
+    shard = shard_batch(batch(seed=10, b=1, length=38), sp_size=world_size, sp_rank=rank)  # 38: pads at sp=4
     tokens = step_token_count(shard.num_valid, state)
     inputs = shard.model_inputs()
     if per_rank_aux:  # the wrapper's shard check reads the replaced state too: leave it the all-gather path, which
@@ -181,18 +181,18 @@ def _sp_rank_step(rank: int, world: int, per_rank_aux: bool):
     return global_loss(float(loss_sum.detach()), tokens, state) + model.aux_loss_coef * aux_mean, aux_mean, grads
 
 
-def _sp_both(rank: int, world: int):
-    return _sp_rank_step(rank, world, False), _sp_rank_step(rank, world, True)
+def _sp_both(rank: int, world_size: int):
+    return _sp_rank_step(rank, world_size, False), _sp_rank_step(rank, world_size, True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])  # 4 > tiny-moe's 2 KV heads: KV replicated
-def test_sp_zero3_matches_plain_transformers_and_a_per_rank_aux_would_not(world):
+@pytest.mark.parametrize("world_size", [2, 4])  # 4 > tiny-moe's 2 KV heads: KV replicated
+def test_sp_zero3_matches_plain_transformers_and_a_per_rank_aux_would_not(world_size):
     from tests.dist_utils import run_ranks
 
     ids = batch(seed=10, b=1, length=38)
     ref_loss, ref_aux, ref_grads = hf_reference(tiny_moe(seed=6), ids)
-    for (loss, aux, grads), (_, bad_aux, bad_grads) in run_ranks(world, _sp_both, timeout=JOB_TIMEOUT_S):
+    for (loss, aux, grads), (_, bad_aux, bad_grads) in run_ranks(world_size, _sp_both, timeout=JOB_TIMEOUT_S):
         assert abs(aux - ref_aux) <= 1e-6 * ref_aux
         assert abs(loss - ref_loss) <= 1e-5 * ref_loss
         for n, g in ref_grads.items():

@@ -106,7 +106,7 @@ def test_host_pool_refuses_more_than_the_host_has():
     assert "fewer layers" in msg and "sp" in msg and "host_memory_gb" in msg
     assert pool.buffer is None and pool.allocations == 0
     # Split among the ranks of one host.
-    assert HostPool(host_memory_gb=8.0, ranks_per_host=4).budget_bytes == 2 * GIB
+    assert HostPool(host_memory_gb=8.0, ranks_per_node=4).budget_bytes == 2 * GIB
     with pytest.raises(ConfigError):
         HostPool(host_memory_gb=-1.0)
 
@@ -261,13 +261,13 @@ def test_tuple_outputs_extra_args_and_frozen_input(offload, input_needs_grad):
             torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
 
 
-def _zero3_loss_and_grads(rank: int, world: int, offload: list[int] | None):
+def _zero3_loss_and_grads(rank: int, world_size: int, offload: list[int] | None):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
     model = _tiny_qwen3(3)  # the same initial weights on every rank and in every run
     # Partition even tiny parameters, so that the recompute in backward really re-gathers them.
-    config = zero3_config(world, reduce_bucket_size=20_000, stage3_prefetch_bucket_size=20_000)
+    config = zero3_config(world_size, reduce_bucket_size=20_000, stage3_prefetch_bucket_size=20_000)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                       config=config)
     ckpt = None if offload is None else LayerRecompute(3, offload, HostPool(host_memory_gb=1.0))
@@ -282,8 +282,8 @@ def _zero3_loss_and_grads(rank: int, world: int, offload: list[int] | None):
     return out.loss.item(), grads, calls
 
 
-def _zero3_runs(rank: int, world: int):
-    return [_zero3_loss_and_grads(rank, world, offload) for offload in (None, [0, 2])]
+def _zero3_runs(rank: int, world_size: int):
+    return [_zero3_loss_and_grads(rank, world_size, offload) for offload in (None, [0, 2])]
 
 
 @pytest.mark.slow

@@ -219,7 +219,7 @@ def test_packed_model_with_kept_outputs_equals_without():
 BOUNDARY_DOCS = ([16, 1, 15], [5, 20, 1, 6])
 
 
-def _sp2_packed(rank, world):
+def _sp2_packed(rank, world_size):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
@@ -238,13 +238,13 @@ def _sp2_packed(rank, world):
     results = []
     for docs in BOUNDARY_DOCS:
         ids, pos = make_batch(1, sum(docs), doc_lengths=docs, seed=3)
-        state = make_parallel_state(world)
+        state = make_parallel_state(world_size)
         # 4 KV heads over sp=2: two KV-head groups per rank, kept outputs on both layers
         model = parallelize(build_model(kv_heads=4), state, ParallelizeConfig(
             attn_implementation="sdpa", tiled_mlp=False, keep_attention_outputs=True))
-        engine, *_ = deepspeed.initialize(model=model, config=zero3_config(world),
+        engine, *_ = deepspeed.initialize(model=model, config=zero3_config(world_size),
                                           optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
-        shard = shard_batch(ids, position_ids=pos, sp_size=world, sp_rank=state.sp_rank)
+        shard = shard_batch(ids, position_ids=pos, sp_size=world_size, sp_rank=state.sp_rank)
         tokens = step_token_count(shard.num_valid, state)
         loss_sum = engine(**shard.model_inputs())
         engine.backward(loss_for_backward(loss_sum, tokens, state), scale_wrt_gas=False)

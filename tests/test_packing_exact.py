@@ -67,7 +67,7 @@ def _reference(docs: list[list[tuple[np.ndarray, np.ndarray]]]) -> tuple[float, 
     return float(total.detach() / count), {n: p.grad.detach().clone() for n, p in model.named_parameters()}, count
 
 
-def _rank(models, batch, rank, world):
+def _rank(models, batch, rank, world_size):
     from ulysses_trainer import (
         ParallelizeConfig,
         global_loss,
@@ -77,7 +77,7 @@ def _rank(models, batch, rank, world):
         step_token_count,
     )
 
-    state = make_parallel_state(world)
+    state = make_parallel_state(world_size)
     model = parallelize(models[rank], state, ParallelizeConfig(attn_implementation="sdpa", loss_chunk_size=5,
                                                                tiled_mlp=False, gradient_checkpointing=False))
     shard = shard_batch(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
@@ -97,17 +97,17 @@ def test_bfd_layout_hits_the_shard_edges():
     assert [int(p) for p in ds.positions[L:2 * L][starts]] == [0, 0] and ds.positions[L + 16] == 0
 
 
-@pytest.mark.parametrize("sp", [1, 2, 4])
+@pytest.mark.parametrize("sp_size", [1, 2, 4])
 @pytest.mark.parametrize("strategy, masks", [("bfd", "all"), ("bfd", "assistant"), ("wrapped", "assistant"),
                                              ("next_fit", "assistant")])
-def test_packed_loss_is_the_sum_over_documents_run_alone(sp, strategy, masks):
+def test_packed_loss_is_the_sum_over_documents_run_alone(sp_size, strategy, masks):
     ds, docs = _rows(strategy, masks)
     ref_loss, ref_grads, ref_count = _reference(docs)
     rows = [ds[i] for i in range(len(ds))]
     batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "position_ids", "labels")}
-    models = [build_model(2) for _ in range(sp)]  # built here: the seed is process-wide
-    out = run_threads(sp, lambda rank, world: _rank(models, batch, rank, world))
-    if sp == 4 and strategy != "wrapped":  # the padded row's last shards are pads only, and still take part
+    models = [build_model(2) for _ in range(sp_size)]  # built here: the seed is process-wide
+    out = run_threads(sp_size, lambda rank, world_size: _rank(models, batch, rank, world_size))
+    if sp_size == 4 and strategy != "wrapped":  # the padded row's last shards are pads only, and still take part
         from ulysses_trainer import shard_batch
 
         last = rows[-1]

@@ -101,7 +101,7 @@ L = 30  # not a multiple of 4: sp=4 pads each row by 2 more
 LENGTHS = [15, 12, 9, 7, 5, 2]  # bfd -> [15, 12, 2] + 1 pad, [9, 7, 5] + 9 pads
 
 
-def _rank(models, batch, real, rank, world):
+def _rank(models, batch, real, rank, world_size):
     from ulysses_trainer import (
         ParallelizeConfig,
         global_loss,
@@ -112,7 +112,7 @@ def _rank(models, batch, real, rank, world):
     )
     from ulysses_trainer.levers.tiled_mlp import TiledMLP
 
-    state = make_parallel_state(world)
+    state = make_parallel_state(world_size)
     model = parallelize(models[rank], state, ParallelizeConfig(
         attn_implementation="sdpa", loss_chunk_size=5, tiled_mlp=3, gradient_checkpointing=True,
         keep_attention_outputs=True))
@@ -131,8 +131,8 @@ def _rank(models, batch, real, rank, world):
     return float(global_loss(local.detach(), count, state)), grads, int(count), rows_seen, real_here
 
 
-@pytest.mark.parametrize("sp", [1, 2, 4])
-def test_packed_rows_with_pads_equal_each_document_alone(sp):
+@pytest.mark.parametrize("sp_size", [1, 2, 4])
+def test_packed_rows_with_pads_equal_each_document_alone(sp_size):
     built = build_rows(_examples("assistant", LENGTHS), L, True, "truncate", 0)
     tokens, trained, positions, lengths = built.tokens, built.trained, built.positions, built.lengths
     ds = SequenceDataset(tokens, positions, L, "test", built.counts.documents_used, None, trained=trained,
@@ -147,8 +147,8 @@ def test_packed_rows_with_pads_equal_each_document_alone(sp):
     rows = [ds[i] for i in range(len(ds))]
     batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "position_ids", "labels")}
     real = [r["real_tokens"] for r in rows]
-    models = [build_model(2) for _ in range(sp)]
-    out = run_threads(sp, lambda rank, world: _rank(models, batch, real, rank, world))
+    models = [build_model(2) for _ in range(sp_size)]
+    out = run_threads(sp_size, lambda rank, world_size: _rank(models, batch, real, rank, world_size))
     for loss, _, count, rows_seen, real_here in out:
         assert count == ref_count
         assert abs(loss - ref_loss) / abs(ref_loss) <= 1e-5, (loss, ref_loss)

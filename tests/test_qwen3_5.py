@@ -71,7 +71,7 @@ def reference(model, ids, pos, labels):
 
 def sp_run(models, ids, pos, labels, **levers):
     """Each thread a rank with its own copy of the model: (global loss, summed grads)."""
-    def rank(r: int, world: int):
+    def rank(r: int, world_size: int):
         from ulysses_trainer import (
             ParallelizeConfig,
             global_loss,
@@ -81,10 +81,10 @@ def sp_run(models, ids, pos, labels, **levers):
             step_token_count,
         )
 
-        state = make_parallel_state(world)
+        state = make_parallel_state(world_size)
         cfg = dict(attn_implementation="sdpa", loss_chunk_size=7, tiled_mlp=False, gradient_checkpointing=False)
         model = parallelize(models[r], state, ParallelizeConfig(**{**cfg, **levers}))
-        shard = shard_batch(ids, position_ids=pos, labels=labels, sp_size=world, sp_rank=state.sp_rank)
+        shard = shard_batch(ids, position_ids=pos, labels=labels, sp_size=world_size, sp_rank=state.sp_rank)
         count = step_token_count(shard.num_valid, state)
         local = model(**shard.model_inputs())
         (local / count).backward()  # replicated weights: the full gradient is the sum over ranks
@@ -115,12 +115,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("preset, sp, docs, masked", CASES)
-def test_sp_equals_stock_transformers(preset, sp, docs, masked):
+@pytest.mark.parametrize("preset, sp_size, docs, masked", CASES)
+def test_sp_equals_stock_transformers(preset, sp_size, docs, masked):
     length = sum(docs) if docs else 67  # 67: padded to 68 (sp 2, 4)
-    ids, pos, labels = batch(length, docs, seed=sp, masked=masked)
+    ids, pos, labels = batch(length, docs, seed=sp_size, masked=masked)
     ref = reference(build(preset), ids, pos, labels)
-    assert_equal(sp_run([build(preset) for _ in range(sp)], ids, pos, labels), ref)
+    assert_equal(sp_run([build(preset) for _ in range(sp_size)], ids, pos, labels), ref)
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-qwen3.5-moe"])
@@ -162,10 +162,10 @@ def test_sp_sizes_the_deltanet_heads_refuse():
     from ulysses_trainer.plan.inputs import ModelShape, Settings, check_settings
 
     shape = ModelShape.preset("qwen3.5-27b")  # 24 q / 4 kv heads; DeltaNet 16 key / 48 value heads
-    check_settings(shape, Settings(max_length=1024, sp=8))  # 8 > 4 KV heads: replicated
+    check_settings(shape, Settings(max_length=1024, sp_size=8))  # 8 > 4 KV heads: replicated
     with pytest.raises(ConfigError, match=r"sp_size=3 does not divide the model's 16 linear-attention .*"
                                           r"sp_size values that work for this model: \[1, 2, 4, 8\]"):
-        check_settings(shape, Settings(max_length=1024, sp=3))
+        check_settings(shape, Settings(max_length=1024, sp_size=3))
 
 
 def test_presets_count_the_published_sizes():
@@ -207,7 +207,7 @@ def test_deltanet_kernel_auto_takes_fla_where_installed_and_the_plan_names_it():
     assert qwen3.run.deltanet_kernel == "" and "deltanet" not in qwen3.summary()
 
 
-def _zero3_rank(rank, world, preset, ids, pos, labels):
+def _zero3_rank(rank, world_size, preset, ids, pos, labels):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
@@ -222,12 +222,12 @@ def _zero3_rank(rank, world, preset, ids, pos, labels):
         step_token_count,
     )
 
-    state = make_parallel_state(world)
+    state = make_parallel_state(world_size)
     model = parallelize(build(preset), state, ParallelizeConfig(attn_implementation="sdpa", loss_chunk_size=7,
                                                                   tiled_mlp=2, gradient_checkpointing=True))
-    engine, *_ = deepspeed.initialize(model=model, config=zero3_config(world),
+    engine, *_ = deepspeed.initialize(model=model, config=zero3_config(world_size),
                                       optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-    shard = shard_batch(ids, position_ids=pos, labels=labels, sp_size=world, sp_rank=state.sp_rank)
+    shard = shard_batch(ids, position_ids=pos, labels=labels, sp_size=world_size, sp_rank=state.sp_rank)
     tokens = step_token_count(shard.num_valid, state)
     loss_sum = engine(**shard.model_inputs())
     engine.backward(loss_for_backward(loss_sum, tokens, state), scale_wrt_gas=False)
@@ -286,7 +286,7 @@ def test_full_attention_at_head_dim_256_is_timed_at_its_measured_rate():
     shape = ModelShape.preset("qwen3.5-27b")
     for kernel, pts in rates.HD256_RATES.items():
         for length, tflops in pts:
-            s = Settings(max_length=length, sp=8, attn_implementation=kernel, deltanet_kernel="fla", tiled_mlp=16)
+            s = Settings(max_length=length, sp_size=8, attn_implementation=kernel, deltanet_kernel="fla", tiled_mlp=16)
             fwd, bwd = attention_seconds(shape, s)[:2]
             assert 3.5 * attention_flops_forward(shape, s) / (fwd + bwd) / 1e12 == pytest.approx(tflops, rel=1e-6)
     assert head_dim_scale("sdpa", 128, 1048576) == 1.0  # Qwen3's head dim: the points as measured
@@ -305,7 +305,7 @@ def test_the_plan_times_and_sizes_deltanet_layers_by_their_own_terms():
     assert rates.deltanet_rates_from_results(results) == (rates.DELTANET_RULE_S, rates.DELTANET_RULE_PEAK_BYTES,
                                                           rates.DELTANET_CONV_S)  # the table is the file's
     shape = ModelShape.preset("qwen3.5-27b")  # 48 DeltaNet + 16 full-attention layers
-    s = Settings(max_length=1048576, sp=8, attn_implementation="sdpa", deltanet_kernel="fla", tiled_mlp=16)
+    s = Settings(max_length=1048576, sp_size=8, attn_implementation="sdpa", deltanet_kernel="fla", tiled_mlp=16)
     st = step_time(shape, s, shape.num_params)
     every = step_time(shape.__class__(**{**_fields(shape), "mixer_layers": ()}), s, shape.num_params)
     assert st.parts["attention backward"] * 4 == pytest.approx(every.parts["attention backward"])  # 16 of 64 attend
@@ -334,7 +334,7 @@ def test_the_floor_and_the_all_to_alls_count_the_deltanet_layers():
     from ulysses_trainer.plan.step_time import step_floor, step_time
 
     shape = ModelShape.preset("qwen3.5-27b")
-    s = Settings(max_length=1048576, sp=8, attn_implementation="sdpa", deltanet_kernel="fla", tiled_mlp=16)
+    s = Settings(max_length=1048576, sp_size=8, attn_implementation="sdpa", deltanet_kernel="fla", tiled_mlp=16)
     st = step_time(shape, s, shape.num_params)
     floor = step_floor(shape, s, st.parts)
     kernels = st.parts["attention forward"] + st.parts["attention backward"] + st.parts["linear_attention kernels"]
@@ -401,8 +401,8 @@ def test_lean_gated_norm_equals_transformers_and_keeps_less(dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset, sp", [("tiny-qwen3.5", 4), ("tiny-qwen3.5-moe", 2)])
-def test_the_trainer_sp_runs_log_the_one_process_losses(tmp_path, preset, sp):
+@pytest.mark.parametrize("preset, sp_size", [("tiny-qwen3.5", 4), ("tiny-qwen3.5-moe", 2)])
+def test_the_trainer_sp_runs_log_the_one_process_losses(tmp_path, preset, sp_size):
     # the whole trainer (preset, tokenizer, packed synthetic documents, plan, ZeRO-3, chunked loss, checkpoints)
     # through the rank entry of `deepspeed --num_gpus N launch/train.py`: two steps, sp ranks vs one
     import json
@@ -413,14 +413,14 @@ def test_the_trainer_sp_runs_log_the_one_process_losses(tmp_path, preset, sp):
     args = ["--model_name_or_path", preset, "--max_length", "192", "--max_steps", "2", "--learning_rate", "1e-3",
             "--bf16", "false", "--seed", "3", "--logging_steps", "1", "--packing", "true", "--save_strategy", "no"]
     rows = {}
-    for ranks in (1, sp):
+    for ranks in (1, sp_size):
         out = tmp_path / f"sp{ranks}"
         proc = run_trainer(ranks, [*args, "--sp_size", str(ranks), "--output_dir", str(out)], timeout=JOB_TIMEOUT_S)
         assert proc.returncode == 0, job_failure(proc)
         assert "deltanet" in proc.stdout  # the plan line names the DeltaNet kernel
         rows[ranks] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
-    assert len(rows[1]) == len(rows[sp]) == 2
-    for a, b in zip(rows[sp], rows[1]):
+    assert len(rows[1]) == len(rows[sp_size]) == 2
+    for a, b in zip(rows[sp_size], rows[1]):
         assert abs(a["loss"] - b["loss"]) / b["loss"] <= 1e-5 and a["num_tokens"] == b["num_tokens"], (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] <= 1e-5, (a, b)
 
@@ -442,14 +442,14 @@ def test_zero3_gathered_layer_params_are_the_binding_layer_kinds():
                            sum(n for _, n in fam.attention_params(d)) + mlp)
     assert attention > deltanet
     term = "ZeRO-3 gathered layer params + grads"
-    for sp, binds, own, below in ((1, "linear_attention backward", deltanet, deltanet),
+    for sp_size, binds, own, below in ((1, "linear_attention backward", deltanet, deltanet),
                                   (8, "attention backward", attention, deltanet)):
-        s = Settings(max_length=131072, sp=sp, zero3_trace=False, deltanet_kernel="fla", tiled_mlp=16)
+        s = Settings(max_length=131072, sp_size=sp_size, zero3_trace=False, deltanet_kernel="fla", tiled_mlp=16)
         est = estimate(shape, s)
         assert backward_peak_layer(shape, s) == 63  # the top layer, a full-attention one
         assert est.term(f"layer working set ({binds})").gpu > 0
         grads = fam.mlp.weight_grad_numel(d, mlp_run(shape, s))
-        assert est.term(term).gpu == (own + min(int(0.9 * shape.hidden ** 2), below) + grads) * 2, sp
+        assert est.term(term).gpu == (own + min(int(0.9 * shape.hidden ** 2), below) + grads) * 2, sp_size
         # a prefetch bucket larger than a layer: the layer below gathered whole beside the binding one
         big = replace(s, zero3=Zero3Knobs(prefetch_bucket_size=10 ** 10))
-        assert estimate(shape, big).term(term).gpu == (own + below + grads) * 2, sp
+        assert estimate(shape, big).term(term).gpu == (own + below + grads) * 2, sp_size

@@ -30,17 +30,17 @@ def test_every_recipe_is_covered():
 
 @pytest.mark.parametrize("name", sorted(WORLD))
 def test_recipe_validates_for_its_world_size(name):
-    cfg, world = _load(name), WORLD[name]
-    validate_config(cfg, world)
-    sp = world if cfg.sp_size is None else cfg.sp_size
+    cfg, world_size = _load(name), WORLD[name]
+    validate_config(cfg, world_size)
+    sp_size = world_size if cfg.sp_size is None else cfg.sp_size
     model = model_config_for(cfg)  # presets and YaRN resolve without weights
-    resolve_layout(sp, world, model.num_attention_heads, model.num_key_value_heads)
+    resolve_layout(sp_size, world_size, model.num_attention_heads, model.num_key_value_heads)
     gpu = name != "cpu_default.yaml"
-    ds, _ = fill_ds_config(load_ds_config(cfg.deepspeed), cfg, world, world // sp, gpu,
+    ds, _ = fill_ds_config(load_ds_config(cfg.deepspeed), cfg, world_size, world_size // sp_size, gpu,
                            bf16=gpu, total_steps=cfg.max_steps, hidden_size=model.hidden_size,
                            use_deepspeed_optimizer=False, source=name)
     assert ds["zero_optimization"]["stage"] == 3
-    assert ds["train_batch_size"] == cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world
+    assert ds["train_batch_size"] == cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world_size
 
 
 def test_moe_recipe_is_qwen3_30b_a3b_at_1m_sp8_with_the_aux_loss():
@@ -114,22 +114,22 @@ def test_agent_sessions_recipe_is_the_1m_run_on_agent_sessions():
     assert differ <= data_fields, differ
 
 
-@pytest.mark.parametrize("name, model, length, sp", [("one_gpu_4b_sessions.yaml", "qwen3-4b", 262144, 1),
+@pytest.mark.parametrize("name, model, length, sp_size", [("one_gpu_4b_sessions.yaml", "qwen3-4b", 262144, 1),
                                                      ("sessions_8gpu_1m.yaml", "qwen3-8b", 1048576, 8)])
-def test_mixed_sessions_recipes_pack_whole_sessions_best_fit(name, model, length, sp):
+def test_mixed_sessions_recipes_pack_whole_sessions_best_fit(name, model, length, sp_size):
     cfg = _load(name)
-    assert (cfg.model_name_or_path, cfg.max_length, cfg.sp_size) == (model, length, sp)
+    assert (cfg.model_name_or_path, cfg.max_length, cfg.sp_size) == (model, length, sp_size)
     assert cfg.dataset_name == "synthetic:agent_sessions_mixed" and cfg.assistant_only_loss
     assert cfg.packing and cfg.packing_strategy == "bfd"
 
 
-@pytest.mark.parametrize("name, model, sp, yarn", [("qwen3_5_27b_8gpu_1m.yaml", "qwen3.5-27b", 8, True),
+@pytest.mark.parametrize("name, model, sp_size, yarn", [("qwen3_5_27b_8gpu_1m.yaml", "qwen3.5-27b", 8, True),
                                                    ("qwen3_5_35b_a3b_8gpu_1m.yaml", "qwen3.5-35b-a3b", 8, True),
                                                    ("qwen3_5_9b_one_gpu_256k.yaml", "qwen3.5-9b", 1, False)])
-def test_qwen3_5_recipes(name, model, sp, yarn):
+def test_qwen3_5_recipes(name, model, sp_size, yarn):
     cfg = _load(name)
     config = model_config_for(cfg)
-    assert (cfg.model_name_or_path, cfg.sp_size) == (model, sp) and cfg.max_length >= 262144
+    assert (cfg.model_name_or_path, cfg.sp_size) == (model, sp_size) and cfg.max_length >= 262144
     rope = config.rope_parameters
     assert rope["partial_rotary_factor"] == 0.25 and rope["rope_theta"] == 1e7  # YaRN keeps the partial rotary
     assert (rope["rope_type"], rope.get("factor")) == (("yarn", 4.0) if yarn else ("default", None))

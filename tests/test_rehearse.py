@@ -238,9 +238,9 @@ def test_rehearse_rank_of_4_in_this_process(rank, tmp_path, monkeypatch, capsys)
     for name in ("_seq_to_heads", "_heads_to_seq"):
         real = getattr(comm, name)
 
-        def counted(x, sp, group, _real=real):
+        def counted(x, sp_size, group, _real=real):
             calls.append(x.numel() * x.element_size())
-            return _real(x, sp, group)
+            return _real(x, sp_size, group)
 
         monkeypatch.setattr(comm, name, counted)
     shape = ModelShape.preset("tiny")

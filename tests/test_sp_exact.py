@@ -57,7 +57,7 @@ def reference(ids, pos, kv_heads):
     return float(loss.detach()), grads
 
 
-def _sp_rank(rank, world, sp, ids, pos, kv_heads, pad_to):
+def _sp_rank(rank, world_size, sp_size, ids, pos, kv_heads, pad_to):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
@@ -71,15 +71,15 @@ def _sp_rank(rank, world, sp, ids, pos, kv_heads, pad_to):
         step_token_count,
     )
 
-    state = make_parallel_state(sp)
+    state = make_parallel_state(sp_size)
     model = parallelize(build_model(kv_heads), state,
                         ParallelizeConfig(attn_implementation="sdpa", loss_chunk_size=7, tiled_mlp=False,
                                           gradient_checkpointing=False))
-    ds_cfg = zero3_config(world)
+    ds_cfg = zero3_config(world_size)
     engine, *_ = deepspeed.initialize(model=model, config=ds_cfg,
                                       optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
     row = state.dp_rank  # each dp rank trains its own sequence
-    shard = shard_batch(ids[row:row + 1], position_ids=pos[row:row + 1], sp_size=sp, sp_rank=state.sp_rank,
+    shard = shard_batch(ids[row:row + 1], position_ids=pos[row:row + 1], sp_size=sp_size, sp_rank=state.sp_rank,
                         pad_to_multiple_of=pad_to)
     tokens = step_token_count(shard.num_valid, state)
     loss_sum = engine(**shard.model_inputs())
@@ -92,7 +92,7 @@ def _sp_rank(rank, world, sp, ids, pos, kv_heads, pad_to):
             "dp_rank": state.dp_rank}
 
 
-def check_against_reference(results, ids, pos, kv_heads, sp, pad_to=None):
+def check_against_reference(results, ids, pos, kv_heads, sp_size, pad_to=None):
     ref_loss, ref_grads = reference(ids, pos, kv_heads)
     n_targets = sum(int(((p[1:] != 0)).sum()) for p in pos)
     for r in results:
@@ -106,8 +106,8 @@ def check_against_reference(results, ids, pos, kv_heads, sp, pad_to=None):
     from ulysses_trainer.plan.layout import padded_length
 
     length = ids.shape[1]
-    total = padded_length(length, sp, pad_to)
-    local = total // sp
+    total = padded_length(length, sp_size, pad_to)
+    local = total // sp_size
     for r in results:
         row, a = r["dp_rank"], r["sp_rank"] * local
         full = torch.cat([ids[row], torch.zeros(total - length, dtype=ids.dtype)])
@@ -125,7 +125,7 @@ def test_sp2_padded_and_packed():
     # 37 tokens: padded to 38 for sp=2; packed as three documents; kv heads 2 = sp (KV sharded)
     ids, pos = make_batch(1, 37, doc_lengths=[9, 16, 12])
     results = run_ranks(2, _sp_rank, 2, ids, pos, 2, None)
-    check_against_reference(results, ids, pos, kv_heads=2, sp=2)
+    check_against_reference(results, ids, pos, kv_heads=2, sp_size=2)
 
 
 @pytest.mark.slow
@@ -133,7 +133,7 @@ def test_sp4_replicated_kv_heads_padded():
     # sp=4 > 2 KV heads: KV heads replicated; 37 tokens padded to 48 by pad_to_multiple_of=16
     ids, pos = make_batch(1, 37, seed=1)
     results = run_ranks(4, _sp_rank, 4, ids, pos, 2, 16)
-    check_against_reference(results, ids, pos, kv_heads=2, sp=4, pad_to=16)
+    check_against_reference(results, ids, pos, kv_heads=2, sp_size=4, pad_to=16)
 
 
 @pytest.mark.slow
@@ -141,4 +141,4 @@ def test_dp2_sp2_packed():
     # 4 ranks: two SP groups, each training its own (packed) sequence; gradients summed over dp
     ids, pos = make_batch(2, 41, doc_lengths=[20, 21], seed=2)
     results = run_ranks(4, _sp_rank, 2, ids, pos, 2, None)
-    check_against_reference(results, ids, pos, kv_heads=2, sp=2)
+    check_against_reference(results, ids, pos, kv_heads=2, sp_size=2)

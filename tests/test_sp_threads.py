@@ -8,7 +8,7 @@ from tests.test_sp_exact import build_model, make_batch, reference
 from tests.threaded_ranks import run_threads
 
 
-def _rank(models, ids, pos, rank, world):
+def _rank(models, ids, pos, rank, world_size):
     from ulysses_trainer import (
         ParallelizeConfig,
         global_loss,
@@ -18,7 +18,7 @@ def _rank(models, ids, pos, rank, world):
         step_token_count,
     )
 
-    state = make_parallel_state(world)
+    state = make_parallel_state(world_size)
     model = parallelize(models[rank], state, ParallelizeConfig(attn_implementation="sdpa", loss_chunk_size=7,
                                                                tiled_mlp=False, gradient_checkpointing=False))
     shard = shard_batch(ids, position_ids=pos, sp_size=state.sp_size, sp_rank=state.sp_rank)
@@ -34,7 +34,7 @@ def test_sp2_threads_equal_the_unsharded_reference(kv_heads, docs):
     ids, pos = make_batch(2, 29, docs, seed=3)  # odd length: one pad on the last shard
     ref_loss, ref_grads = reference(ids, pos, kv_heads)
     models = [build_model(kv_heads) for _ in range(2)]  # built here: the seed is process-wide
-    out = run_threads(2, lambda rank, world: _rank(models, ids, pos, rank, world))
+    out = run_threads(2, lambda rank, world_size: _rank(models, ids, pos, rank, world_size))
     for loss, _ in out:
         assert abs(loss - ref_loss) / abs(ref_loss) <= 1e-5
     for name, ref in ref_grads.items():

@@ -83,7 +83,7 @@ def test_auto_num_tiles():
     assert auto_num_tiles(1, 64, 8) == 1
 
 
-def _engine_grads(rank, world, tiled):
+def _engine_grads(rank, world_size, tiled):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
     from transformers import Qwen3ForCausalLM
@@ -95,7 +95,7 @@ def _engine_grads(rank, world, tiled):
             layer.mlp = TiledMLP(layer.mlp, 3)
     # Partition even tiny parameters (so each tile really all-gathers) and use small buckets
     # (so reductions happen between tiles).
-    config = zero3_config(world, reduce_bucket_size=20_000, stage3_prefetch_bucket_size=20_000)
+    config = zero3_config(world_size, reduce_bucket_size=20_000, stage3_prefetch_bucket_size=20_000)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                       config=config)
     g = torch.Generator().manual_seed(100 + rank)  # different data per rank
@@ -109,8 +109,8 @@ def _engine_grads(rank, world, tiled):
     return out.loss.item(), grads
 
 
-def _tiled_vs_untiled(rank, world):
-    return _engine_grads(rank, world, tiled=False), _engine_grads(rank, world, tiled=True)
+def _tiled_vs_untiled(rank, world_size):
+    return _engine_grads(rank, world_size, tiled=False), _engine_grads(rank, world_size, tiled=True)
 
 
 @pytest.mark.slow
@@ -177,13 +177,13 @@ def test_recompute_skips_the_tiled_forward_and_changes_nothing(every):
     assert all(not layer.mlp.output_unused for layer in model.causal_lm.model.layers)
 
 
-def _sp2_tiled_vs_untiled(rank, world):
+def _sp2_tiled_vs_untiled(rank, world_size):
     from tests.dist_utils import tiny_zero3_sp_step
     from ulysses_trainer import ParallelizeConfig
 
     out = []
     for tiles in (False, 3):  # 3: the recompute skips the tiled forward; ZeRO-3 gathers in backward only
-        loss, grads, model = tiny_zero3_sp_step(rank, world, ParallelizeConfig(
+        loss, grads, model = tiny_zero3_sp_step(rank, world_size, ParallelizeConfig(
             attn_implementation="sdpa", tiled_mlp=tiles), layers=2, seq=45, small_buckets=True)
         out.append((loss, grads))
     return out

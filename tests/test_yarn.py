@@ -16,11 +16,11 @@ L = 163_840  # 4 x 40,960: the reference recipe's YaRN length
 SP = 4
 
 
-def _shard_positions(length: int, sp: int) -> torch.Tensor:
+def _shard_positions(length: int, sp_size: int) -> torch.Tensor:
     """Global positions at both edges and the middle of every shard of a `sp`-way split: [1, n]."""
-    step = length // sp
+    step = length // sp_size
     picks = []
-    for s in range(sp):
+    for s in range(sp_size):
         lo, hi = s * step, (s + 1) * step
         picks += [lo, lo + 1, lo + 7, (lo + hi) // 2, hi - 2, hi - 1]
     return torch.tensor(picks + [length - 1]).unsqueeze(0)

@@ -210,7 +210,7 @@ def test_the_rehearsal_times_communication_with_the_plans_sizes():
 
     zero = read_zero({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 12345,
                                             "reduce_bucket_size": "auto"}})
-    run = Settings(max_length=64, sp=2, bf16=False, zero3=zero.by_placement[False])
+    run = Settings(max_length=64, sp_size=2, bf16=False, zero3=zero.by_placement[False])
     plan = SimpleNamespace(cfg=TrainConfig(), resolved=SimpleNamespace(run=run))
     job = comm_job(plan, gpus_per_node=8, tiled_mlp=1, checkpoint_every=1)
     assert (job.max_reuse_distance, job.reduce_bucket_size, job.param_persistence_threshold) == (12345, None, 100_000)

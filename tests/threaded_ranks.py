@@ -16,25 +16,25 @@ from torch.testing._internal.distributed.multi_threaded_pg import (
 )
 
 
-def run_threads(world: int, fn: Callable[[int, int], Any], timeout: float = 120.0) -> list[Any]:
+def run_threads(world_size: int, fn: Callable[[int, int], Any], timeout: float = 120.0) -> list[Any]:
     """[fn(rank, world) for every rank], each rank a thread in one `threaded` process group."""
-    results: list[Any] = [None] * world
+    results: list[Any] = [None] * world_size
     errors: list[tuple[int, BaseException]] = []
     store = dist.HashStore()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)  # each thread its own default group
     _install_threaded_pg()
 
     def worker(rank: int) -> None:
-        dist.init_process_group(backend="threaded", rank=rank, world_size=world, store=store)
+        dist.init_process_group(backend="threaded", rank=rank, world_size=world_size, store=store)
         try:
-            results[rank] = fn(rank, world)
+            results[rank] = fn(rank, world_size)
         except BaseException as exc:  # noqa: BLE001 - reported by the caller, with its rank
             errors.append((rank, exc))
             ProcessLocalGroup.exception_handle(exc)  # wake the ranks waiting in a collective
         finally:
             dist.destroy_process_group()
 
-    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(world)]
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(world_size)]
     try:
         for t in threads:
             t.start()

@@ -76,7 +76,7 @@ def this_machine(world_size: int, host_memory_gb: float | None) -> Machine:
     host, source = host_memory(host_memory_gb)
     kernels, norms = installed_kernels()
     return Machine(gpus=world_size, gpu_memory_gb=gpu.memory_gb, host_memory_gb=host,
-                   gpus_per_host=ranks_per_node(default=world_size), kernels=kernels, norm_kernels=norms,
+                   gpus_per_node=ranks_per_node(default=world_size), kernels=kernels, norm_kernels=norms,
                    deltanet_kernels=installed_deltanet_kernels(),
                    gpu_name=gpu.name, host_memory_source=source,
                    bf16_supported=gpu.bf16)

@@ -2,7 +2,7 @@
 
     ulysses-trainer plan --config RECIPE.yaml --gpus 8 --gpu_memory_gb 80 [--host_memory_gb 1000] [--json]
     ulysses-trainer plan --model qwen3-8b --max_length 1048576 --gpus 8 --gpu_memory_gb 80 \
-        --host_memory_gb 1000 [--sp 8] --model_init_kwargs '{rope_parameters: {rope_type: yarn, factor: auto}}'
+        --host_memory_gb 1000 [--sp_size 8] --model_init_kwargs '{rope_parameters: {rope_type: yarn, factor: auto}}'
     ulysses-trainer plan calibrate [--results_dir benchmarks/results] [--json]
 
 Any other `--name value` is a training-config override (as for launch/train.py), e.g.
@@ -44,8 +44,15 @@ from .argv import parse_overrides, split_argv
 from .console import use_console
 
 _FLAGS = {"json", "help"}  # take no value
-_OWN = {"config", "model", "gpus", "gpu_memory_gb", "host_memory_gb", "sp", "gpus_per_host", "offload_optimizer",
-        "results_dir", *_FLAGS}
+_ALIASES = {"sp", "gpus_per_host"}  # earlier spellings of --sp_size, --gpus_per_node: scripts keep working
+_OWN = {"config", "model", "gpus", "gpu_memory_gb", "host_memory_gb", "sp_size", "gpus_per_node", "offload_optimizer",
+        "results_dir", *_FLAGS, *_ALIASES}
+
+_JSON_KEYS = {"gpus_per_node": "gpus_per_host"}  # `plan --json` keeps the key it has always written
+
+
+def _hardware_json(machine: Machine) -> dict[str, Any]:
+    return {**{_JSON_KEYS.get(k, k): v for k, v in machine.__dict__.items()}, "kernels": list(machine.kernels)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,8 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--host_memory_gb", type=float,
                     help="host RAM per host, GiB (default: the recipe's host_memory_gb; detected when planning "
                          "for this machine; for another machine 2 x GPU memory per GPU is assumed, and said)")
-    ap.add_argument("--gpus_per_host", type=int, help="GPUs sharing one host's RAM (default: all)")
-    ap.add_argument("--sp", type=int, help="sequence-parallel degree (= sp_size; default: --gpus)")
+    ap.add_argument("--gpus_per_node", type=int, help="GPUs per node, sharing its RAM (default: all)")
+    ap.add_argument("--gpus_per_host", dest="gpus_per_node", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--sp_size", type=int, help="sequence-parallel degree (default: --gpus)")
+    ap.add_argument("--sp", dest="sp_size", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--offload_optimizer", choices=["auto", "true", "false"], default=None,
                     help="= optimizer_offload: Adam on the host (ZeRO-Offload); an offload_optimizer section "
                          "in the ZeRO JSON wins; auto = where it makes the step faster")
@@ -74,7 +83,7 @@ def _host_memory(args: argparse.Namespace, cfg: Any, gpus: int, gpu_gb: float, h
         return args.host_memory_gb, "--host_memory_gb"
     if cfg.host_memory_gb is not None or here:
         return probe.host_memory(cfg.host_memory_gb)
-    per_host = args.gpus_per_host or gpus
+    per_host = args.gpus_per_node or gpus
     return ASSUMED_HOST_PER_GPU * gpu_gb * per_host, (
         f"ASSUMED: {ASSUMED_HOST_PER_GPU:g} x GPU memory per GPU of a host, as typical GPU servers have; pass "
         f"--host_memory_gb for the real figure")
@@ -94,8 +103,8 @@ def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argpars
     recipe = read_recipe(args.config) if args.config else {}
     if args.model:
         overrides["model_name_or_path"] = args.model
-    if args.sp is not None:
-        overrides["sp_size"] = args.sp
+    if args.sp_size is not None:
+        overrides["sp_size"] = args.sp_size
     if args.offload_optimizer is not None:
         overrides["optimizer_offload"] = {"auto": "auto", "true": True, "false": False}[args.offload_optimizer]
     if not args.config and "max_length" not in overrides:
@@ -117,7 +126,7 @@ def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argpars
     model_config = model_config_for(cfg)
     ds = load_ds_config(cfg.deepspeed)
     kernels, norms = probe.installed_kernels() if here else (ELSEWHERE_KERNELS, ELSEWHERE_NORM_KERNELS)
-    machine = Machine(gpus=gpus, gpu_memory_gb=gpu_gb, host_memory_gb=host, gpus_per_host=args.gpus_per_host,
+    machine = Machine(gpus=gpus, gpu_memory_gb=gpu_gb, host_memory_gb=host, gpus_per_node=args.gpus_per_node,
                       kernels=kernels, kernels_known=here, norm_kernels=norms, gpu_name=local.name if here else None,
                       host_memory_source=source, bf16_supported=local.bf16 if here else True)
     return cfg, model_config, ds, machine, args
@@ -140,12 +149,12 @@ def format_estimate(e: MemoryEstimate) -> str:
     lines.append(f"{'GPU peak allocated (' + e.peak_phase.replace('_', ' ') + ')':<52} {_gb(e.gpu_peak)}")
     lines.append(f"{'GPU needed (peak + slack + context)':<52} {_gb(e.gpu_required)}")
     lines.append(f"{'host per rank':<52} {'':>8} {_gb(e.host_per_rank)}")
-    lines.append(f"{f'host per host ({s.ranks_per_host} ranks)':<52} {'':>8} {_gb(e.host_per_host)}")
+    lines.append(f"{f'host per host ({s.ranks_per_node} ranks)':<52} {'':>8} {_gb(e.host_per_host)}")
     return "\n".join(lines)
 
 
 def _settings_summary(s: Settings) -> dict[str, Any]:
-    return {"max_length": s.max_length, "sp_size": s.sp, "dp": s.dp, "activation_offload": s.activation_offload,
+    return {"max_length": s.max_length, "sp_size": s.sp_size, "dp": s.dp, "activation_offload": s.activation_offload,
             "tiled_mlp": s.tiled_mlp if s.tiled_mlp > 1 else False, "offload_optimizer": s.optimizer_offload,
             "checkpoint_every": s.checkpoint_every, "loss_type": s.loss_type, "loss_chunk_size": s.loss_chunk_size}
 
@@ -174,7 +183,7 @@ def run_plan(argv: list[str]) -> int:
         attention = data_attention(cfg, machine.gpus, model_config)
         if attention is not None:
             plan = checked(plan_from(search, attention=attention))
-    hw = Hardware(machine.gpus, machine.gpu_memory_gb, machine.host_memory_gb, machine.gpus_per_host)
+    hw = Hardware(machine.gpus, machine.gpu_memory_gb, machine.host_memory_gb, machine.gpus_per_node)
     # the plan's layout, kernels and loss, none of its length-dependent choices: the longest does not depend
     # on the max_length asked (the ZeRO-3 sizes per placement as the plan's own search had them)
     knobs = plan.zero.by_placement
@@ -184,7 +193,7 @@ def run_plan(argv: list[str]) -> int:
     longest, best = largest_max_length(shape, base, hw, optimizer_offload=plan.fixed.optimizer_offload, knobs=knobs)
     floor = _floor(plan)
     if args.json:
-        out = {"model": plan.model, "hardware": {**machine.__dict__, "kernels": list(machine.kernels)},
+        out = {"model": plan.model, "hardware": _hardware_json(machine),
                "fits": plan.predicted.fits, "plan": plan.to_dict(), "chosen": _settings_summary(plan.run),
                "estimate": plan.predicted.estimate.to_dict(), "largest_max_length": longest,
                "largest_settings": _settings_summary(best.settings) if best else None}
@@ -241,7 +250,7 @@ def _report(plan: Plan, machine: Machine, longest: int, best: Choice | None,
             floor: dict[str, float] | None = None) -> str:
     s, p = plan.run, plan.predicted
     head = (f"{plan.model}, max_length {s.max_length:,}, {machine.gpus} GPU(s) x {machine.gpu_memory_gb:g} GiB, "
-            f"host {machine.host_memory_gb:g} GiB per host ({machine.host_memory_source}), sp {s.sp} x dp "
+            f"host {machine.host_memory_gb:g} GiB per host ({machine.host_memory_source}), sp {s.sp_size} x dp "
             f"{s.dp}, {local_tokens(s):,} tokens per GPU")
     lines = [head, "", format_estimate(p.estimate), ""]
     if p.fits:
@@ -272,7 +281,7 @@ def _report(plan: Plan, machine: Machine, longest: int, best: Choice | None,
         lines.append(f"largest max_length that fits: {longest:,} (activation_offload {b.activation_offload}, "
                      f"tiled_mlp {b.tiled_mlp}, optimizer_offload {str(b.optimizer_offload).lower()}, "
                      f"checkpoint_every {b.checkpoint_every}, no attention outputs kept; "
-                     f"searched in multiples of {1024 * b.sp:,})")
+                     f"searched in multiples of {1024 * b.sp_size:,})")
     else:
         lines.append("largest max_length that fits: none (not even 1024 x sp tokens)")
     lines.append("memory in GiB (2**30 bytes)")

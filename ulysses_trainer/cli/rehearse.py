@@ -41,7 +41,7 @@ from .console import use_console
 DEFAULT_COMM_FILE = Path(COMM_FILE)
 _FLAGS = {"json", "standin", "count_collectives", "help"}  # take no value
 _OWN = {"config", "gpus", "rank", "steps", "warmup_length", "out", "comm", "gpus_per_node", "internode_gbps",
-        "a2a_hidden", "zero3_hidden", "a2a_stall_s_per_gb", "collective_fill", *_FLAGS}
+        "a2a_hidden", "zero3_hidden", "a2a_stall_s_per_gb", "collective_fill", "gpus_per_host", *_FLAGS}
 MEANINGLESS = ("losses are meaningless: collectives on the fake process group move no data; what they would "
                "fill holds this rank's own values (collective_fill local) or whatever was there (none)")
 
@@ -72,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--comm", help=f"measured bandwidth JSON (default {DEFAULT_COMM_FILE.relative_to(REPO_ROOT)} "
                                    f"if present, else an assumed NVLink figure)")
     ap.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node of the job (default 8)")
+    ap.add_argument("--gpus_per_host", dest="gpus_per_node", type=int, help=argparse.SUPPRESS)  # plan's old spelling
     ap.add_argument("--internode_gbps", type=float, default=DEFAULT_INTERNODE_GBPS,
                     help=f"network GB/s per GPU for collectives that cross nodes (default {DEFAULT_INTERNODE_GBPS:g}"
                          f" = 400 Gb/s InfiniBand)")

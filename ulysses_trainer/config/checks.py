@@ -44,7 +44,7 @@ def _check_schedule(cfg: Any) -> None:
     _need(0 <= cfg.seed < 2**32, f"seed must be in [0, 2**32), got {cfg.seed}")
 
 
-def _check_length(cfg: Any, sp: int) -> None:
+def _check_length(cfg: Any, sp_size: int) -> None:
     """max_length is reachable: sequences are padded to a multiple of lcm(pad_to_multiple_of, sp)."""
     if cfg.pad_to_multiple_of is None:
         return
@@ -52,12 +52,12 @@ def _check_length(cfg: Any, sp: int) -> None:
     # itself must be such a multiple, else every sequence grows past max_length (memory plans break).
     m = cfg.pad_to_multiple_of
     _need(m >= 1, f"pad_to_multiple_of must be >= 1 (or null), got {m}")
-    unit = math.lcm(m, sp)
+    unit = math.lcm(m, sp_size)
     if cfg.max_length % unit:
         lo, hi = cfg.max_length // unit * unit, (cfg.max_length // unit + 1) * unit
         choices = f"max_length {lo} or {hi}" if lo > 0 else f"max_length {hi}"
         raise ConfigError(
-            f"max_length {cfg.max_length} is not reachable with pad_to_multiple_of {m} and sp_size {sp} "
+            f"max_length {cfg.max_length} is not reachable with pad_to_multiple_of {m} and sp_size {sp_size} "
             f"(sequences would be padded to a multiple of {unit}); use {choices}, "
             f"or set pad_to_multiple_of null")
 
@@ -104,7 +104,7 @@ def validate_config(cfg: Any, world_size: int) -> Layout:
     decode_levers(cfg)  # the levers' own values and how they combine (plan/lever_settings.py)
     _need(cfg.max_length >= 2, f"max_length must be >= 2 tokens (one input and its target), got {cfg.max_length}")
     layout = resolve_layout(cfg.sp_size, world_size)
-    _check_length(cfg, layout.sp)
+    _check_length(cfg, layout.sp_size)
     _check_io(cfg)
     return layout
 

@@ -133,7 +133,7 @@ class MlpBlock(ABC):
         everything at the dense rate."""
         return 0.0, {}, []
 
-    def all_reduces(self, d: LayerDims, world: int, sp: int, gpus_per_node: int,
+    def all_reduces(self, d: LayerDims, world_size: int, sp_size: int, gpus_per_node: int,
                     grad_accum: int) -> list[AllReduce]:
         """The block's own collectives per optimizer step (beyond ZeRO-3's gathers of its parameters)."""
         return []

@@ -161,19 +161,20 @@ class SparseMoeMlp(MlpBlock):
         loss_s = logits * (6.0 * d.hidden / (rates.LOSS_MATMUL_TFLOPS * 1e12) + rates.LOSS_S_PER_LOGIT)
         return taken, {f"experts ({run.experts_implementation})": experts_s, "lm_head and loss": loss_s}, notes
 
-    def all_reduces(self, d: LayerDims, world: int, sp: int, gpus_per_node: int,
+    def all_reduces(self, d: LayerDims, world_size: int, sp_size: int, gpus_per_node: int,
                     grad_accum: int) -> list[AllReduce]:
         """The load-balancing statistics over the SP group (levers/sparse_moe.py), per micro-step: the expert
         counts with the row count (fp32 [E + 1]), the probability sums [E] and their grads in backward; and once
         per step, the logged aux loss over the world (parallel/loss.global_aux_loss)."""
-        if world == 1:
+        if world_size == 1:
             return []
-        logged = AllReduce("all-reduce: aux loss (logged)", "world", world, 8, 1, world > gpus_per_node)
-        if sp == 1:
+        logged = AllReduce("all-reduce: aux loss (logged)", "world", world_size, 8, 1, world_size > gpus_per_node)
+        if sp_size == 1:
             return [logged]
-        cross, e = sp > gpus_per_node, d.experts
-        return [logged, AllReduce("all-reduce: router counts and rows (SP)", "sp", sp, 4 * (e + 1), grad_accum, cross),
-                AllReduce("all-reduce: router probability sums and their grads (SP)", "sp", sp, 4 * e,
+        cross, e = sp_size > gpus_per_node, d.experts
+        return [logged,
+                AllReduce("all-reduce: router counts and rows (SP)", "sp", sp_size, 4 * (e + 1), grad_accum, cross),
+                AllReduce("all-reduce: router probability sums and their grads (SP)", "sp", sp_size, 4 * e,
                           2 * grad_accum, cross)]
 
 

@@ -101,16 +101,16 @@ class HostPool:
 
     The budget: host_memory_gb when given (the host RAM the offload may use on this host), else
     the available memory detected when the pool is made, less a safety margin. Either is shared
-    evenly by the ranks_per_host ranks of one host, each of which makes its own pool. So make the
+    evenly by the ranks_per_node ranks of one host, each of which makes its own pool. So make the
     pool after the big host allocations (the DeepSpeed engine) and before the first forward.
 
     Shapes are fixed per run, so the pool never grows: a later request for larger slots raises.
     Smaller inputs use a prefix of their slot. Pre-allocate with the largest shape when lengths vary.
     """
 
-    def __init__(self, host_memory_gb: float | None = None, ranks_per_host: int = 1) -> None:
-        if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or ranks_per_host < 1:
-            raise ConfigError(f"ranks_per_host must be an int >= 1, got {ranks_per_host!r}")
+    def __init__(self, host_memory_gb: float | None = None, ranks_per_node: int = 1) -> None:
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+            raise ConfigError(f"ranks_per_node must be an int >= 1, got {ranks_per_node!r}")
         if host_memory_gb is not None:
             if host_memory_gb <= 0:
                 raise ConfigError(f"host_memory_gb must be > 0, got {host_memory_gb}")
@@ -121,9 +121,9 @@ class HostPool:
             host_bytes = max(0, avail - max(_MARGIN_MIN_BYTES, int(_MARGIN_FRACTION * avail)))
             self.budget_source = (f"detected {avail / GIB:.1f} GiB available, less a "
                                   f"{(avail - host_bytes) / GIB:.1f} GiB safety margin")
-        if ranks_per_host > 1:
-            self.budget_source += f", shared by {ranks_per_host} ranks on this host"
-        self.budget_bytes = host_bytes // ranks_per_host  # this rank's share
+        if ranks_per_node > 1:
+            self.budget_source += f", shared by {ranks_per_node} ranks on this host"
+        self.budget_bytes = host_bytes // ranks_per_node  # this rank's share
         self.buffer: Tensor | None = None
         self.pinned = False
         self.slot_bytes = 0  # the largest input a slot holds

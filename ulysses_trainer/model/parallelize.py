@@ -85,7 +85,7 @@ class ParallelizeConfig:
     deltanet_kernel: str = _default("deltanet_kernel")
     host_memory_gb: float | None = _default("host_memory_gb")  # None: detected
     local_seq_len: int | None = None  # tokens per rank per row; needed for tiling decisions
-    ranks_per_host: int = 1  # ranks sharing this host's RAM (splits the offload budget)
+    ranks_per_node: int = 1  # ranks sharing this host's RAM (splits the offload budget)
 
     def resolve(self, config: Any) -> ModelPlan:
         """The ModelPlan of these settings for an HF model config: `auto` decided with the kernels installed
@@ -104,7 +104,7 @@ class ParallelizeConfig:
                        deltanet_kernel=choose_deltanet_kernel(self.deltanet_kernel,
                                                               tuple(available_deltanet_kernels())),
                        lean_norm=self.lean_norm, norm_kernel=norm, gradient_checkpointing=self.gradient_checkpointing,
-                       host_memory_gb=self.host_memory_gb, ranks_per_host=self.ranks_per_host)
+                       host_memory_gb=self.host_memory_gb, ranks_per_node=self.ranks_per_node)
 
     def levers(self, config: Any) -> Fixed:
         """The levers decoded (plan/lever_settings.decode_levers, the trainer's decoder) and bound to the HF model
@@ -220,7 +220,7 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan
     # 5. checkpointing (+ offload, set by apply)
     checkpointer = None
     if plan.gradient_checkpointing:
-        pool = HostPool(host_memory_gb=plan.host_memory_gb, ranks_per_host=plan.ranks_per_host)
+        pool = HostPool(host_memory_gb=plan.host_memory_gb, ranks_per_node=plan.ranks_per_node)
         checkpointer = LayerRecompute(len(layers), [], pool)
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = True  # HF decoder layers call _gradient_checkpointing_func

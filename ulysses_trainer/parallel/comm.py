@@ -12,58 +12,58 @@ import torch
 import torch.distributed as dist
 
 
-def _seq_to_heads(x: torch.Tensor, sp: int, group) -> torch.Tensor:
+def _seq_to_heads(x: torch.Tensor, sp_size: int, group) -> torch.Tensor:
     b, s_local, h, d = x.shape
-    assert h % sp == 0, f"{h} heads do not split over sp={sp}; pick sp dividing the head count"
+    assert h % sp_size == 0, f"{h} heads do not split over sp_size={sp_size}; pick an sp_size dividing the head count"
     # [b, s/sp, h, d] -> [sp, b, s/sp, h/sp, d]: chunk r of dim 0 goes to rank r
-    send = x.reshape(b, s_local, sp, h // sp, d).permute(2, 0, 1, 3, 4).contiguous()
+    send = x.reshape(b, s_local, sp_size, h // sp_size, d).permute(2, 0, 1, 3, 4).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     # recv[r] = rank r's sequence chunk of my heads: [sp, b, s/sp, h/sp, d] -> [b, s, h/sp, d]
-    return recv.permute(1, 0, 2, 3, 4).reshape(b, sp * s_local, h // sp, d)
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, sp_size * s_local, h // sp_size, d)
 
 
-def _heads_to_seq(x: torch.Tensor, sp: int, group) -> torch.Tensor:
+def _heads_to_seq(x: torch.Tensor, sp_size: int, group) -> torch.Tensor:
     b, s, h_local, d = x.shape
-    assert s % sp == 0, f"sequence {s} does not split over sp={sp}; pad to a multiple of sp"
+    assert s % sp_size == 0, f"sequence {s} does not split over sp_size={sp_size}; pad to a multiple of sp_size"
     # [b, s, h/sp, d] -> [sp, b, s/sp, h/sp, d]: sequence chunk r goes back to rank r
-    send = x.reshape(b, sp, s // sp, h_local, d).permute(1, 0, 2, 3, 4).contiguous()
+    send = x.reshape(b, sp_size, s // sp_size, h_local, d).permute(1, 0, 2, 3, 4).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     # recv[r] = my sequence chunk of rank r's heads: [sp, b, s/sp, h/sp, d] -> [b, s/sp, h, d]
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // sp, sp * h_local, d)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // sp_size, sp_size * h_local, d)
 
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, sp, group):
-        ctx.sp, ctx.group = sp, group
-        return _seq_to_heads(x, sp, group)
+    def forward(ctx, x, sp_size, group):
+        ctx.sp_size, ctx.group = sp_size, group
+        return _seq_to_heads(x, sp_size, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.sp, ctx.group), None, None
+        return _heads_to_seq(grad, ctx.sp_size, ctx.group), None, None
 
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, sp, group):
-        ctx.sp, ctx.group = sp, group
-        return _heads_to_seq(x, sp, group)
+    def forward(ctx, x, sp_size, group):
+        ctx.sp_size, ctx.group = sp_size, group
+        return _heads_to_seq(x, sp_size, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.sp, ctx.group), None, None
+        return _seq_to_heads(grad, ctx.sp_size, ctx.group), None, None
 
 
-def seq_to_heads(x: torch.Tensor, sp: int, group) -> torch.Tensor:
+def seq_to_heads(x: torch.Tensor, sp_size: int, group) -> torch.Tensor:
     """All-to-all: [b, s/sp, h, d] (my tokens, all heads) -> [b, s, h/sp, d] (all tokens, my heads)."""
-    return x if sp == 1 else _SeqToHeads.apply(x, sp, group)
+    return x if sp_size == 1 else _SeqToHeads.apply(x, sp_size, group)
 
 
-def heads_to_seq(x: torch.Tensor, sp: int, group) -> torch.Tensor:
+def heads_to_seq(x: torch.Tensor, sp_size: int, group) -> torch.Tensor:
     """All-to-all: [b, s, h/sp, d] (all tokens, my heads) -> [b, s/sp, h, d] (my tokens, all heads)."""
-    return x if sp == 1 else _HeadsToSeq.apply(x, sp, group)
+    return x if sp_size == 1 else _HeadsToSeq.apply(x, sp_size, group)
 
 
 def _on_comm_device(t: torch.Tensor) -> torch.Tensor:
@@ -101,12 +101,12 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     return all_reduce(t, "sum", group)
 
 
-def gather_sequence(x: torch.Tensor, sp: int, group) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, sp_size: int, group) -> torch.Tensor:
     """All-gather a per-rank sequence slice [s/sp, ...] into the full [s, ...] (diagnostics only)."""
-    if sp == 1:
+    if sp_size == 1:
         return x
     x = _on_comm_device(x.contiguous())
-    parts = [torch.empty_like(x) for _ in range(sp)]
+    parts = [torch.empty_like(x) for _ in range(sp_size)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=0)
 

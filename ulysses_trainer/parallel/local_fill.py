@@ -41,9 +41,9 @@ def _copy(out: torch.Tensor, src: torch.Tensor) -> None:
     out.copy_(src.clone() if _shares_memory(out, src) else src)
 
 
-def _fill_gathered(out: torch.Tensor, inp: torch.Tensor, world: int, rank: int) -> None:
+def _fill_gathered(out: torch.Tensor, inp: torch.Tensor, world_size: int, rank: int) -> None:
     # out: [world * n, ...] or [world, n, ...], contiguous; inp: [n, ...] -> inp in each of the world slots
-    slots, src = out.view(world, -1), inp.reshape(1, -1)
+    slots, src = out.view(world_size, -1), inp.reshape(1, -1)
     if src.data_ptr() == slots[rank].data_ptr():  # in place (ZeRO-3): the input is this rank's slot already
         slots[:rank].copy_(src)
         slots[rank + 1:].copy_(src)
@@ -51,9 +51,9 @@ def _fill_gathered(out: torch.Tensor, inp: torch.Tensor, world: int, rank: int) 
         _copy(slots, src.expand_as(slots))
 
 
-def _fill_own_slice(out: torch.Tensor, inp: torch.Tensor, world: int, rank: int) -> None:
+def _fill_own_slice(out: torch.Tensor, inp: torch.Tensor, world_size: int, rank: int) -> None:
     # inp: [world * n, ...] contiguous; out: [n, ...] -> slice `rank` of inp
-    _copy(out, inp.reshape(world, -1)[rank].view_as(out))
+    _copy(out, inp.reshape(world_size, -1)[rank].view_as(out))
 
 
 def _fill_like(out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -168,8 +168,8 @@ _Names = _SingleNames if hasattr(dist.ProcessGroup, "all_gather_single") else _T
 class LocalFillGroup(_Names):
     """rank of world on the fake backend; each collective's output holds this rank's own values (above)."""
 
-    def __init__(self, rank: int, world: int, fake_backend) -> None:
-        super().__init__(rank, world)
+    def __init__(self, rank: int, world_size: int, fake_backend) -> None:
+        super().__init__(rank, world_size)
         for device in ("cpu", "cuda"):
             self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, fake_backend)
         self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)

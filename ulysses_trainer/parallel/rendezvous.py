@@ -36,8 +36,8 @@ def job_token(argv: list[str] | None = None, world_size: int | None = None) -> s
             skip = True
         elif not a.startswith("--local_rank="):
             kept.append(a)
-    world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    return hashlib.sha256(json.dumps([kept, world]).encode()).hexdigest()[:16]
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    return hashlib.sha256(json.dumps([kept, world_size]).encode()).hexdigest()[:16]
 
 
 def port_taken_line(addr: str, port: int | str, why: str) -> str:

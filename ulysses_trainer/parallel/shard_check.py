@@ -20,23 +20,23 @@ def check_shard(state: ParallelState, input_ids: torch.Tensor, position_ids: tor
     whole [b x L] batch, must end at b x L). `default_positions` (the wrapper made them: they continue by
     construction): every rank holding the very same tokens is the whole row given to each."""
     b, s = input_ids.shape
-    sp = state.sp_size
+    sp_size = state.sp_size
     if position_ids.shape != input_ids.shape:
         raise ValueError(f"position_ids has shape {tuple(position_ids.shape)} but input_ids {tuple(input_ids.shape)}; "
                          f"give one position per token of this rank's shard")
     if seq_len is not None:
-        if s * sp != seq_len:
-            raise ValueError(f"this rank holds {s} tokens per row, and {s} x sp {sp} = {s * sp} is not the row's "
-                             f"{seq_len} tokens: {_FIX}")
+        if s * sp_size != seq_len:
+            raise ValueError(f"this rank holds {s} tokens per row, and {s} x sp_size {sp_size} = {s * sp_size} is "
+                             f"not the row's {seq_len} tokens: {_FIX}")
         return
-    if sp == 1:
+    if sp_size == 1:
         return
     # a fingerprint of the tokens: sum of id x (index + 1), exact in int64 for any vocabulary and length here
     weights = torch.arange(1, b * s + 1, device=input_ids.device, dtype=torch.int64).view(b, s)
     tokens = (input_ids.long() * weights).sum()
     mine = torch.stack([torch.tensor(s, device=input_ids.device), position_ids[0, 0].long(),
                         position_ids[0, -1].long(), tokens])  # [4]
-    every = [torch.empty_like(mine) for _ in range(sp)]
+    every = [torch.empty_like(mine) for _ in range(sp_size)]
     dist.all_gather(every, mine, group=state.sp_group)
     rows = [t.tolist() for t in every]  # [sp] x (tokens per row, first position, last position, fingerprint)
     counts = [r[0] for r in rows]
@@ -47,11 +47,11 @@ def check_shard(state: ParallelState, input_ids: torch.Tensor, position_ids: tor
                          f"{_FIX}")
     if cu_seqlens is not None:
         total = int(cu_seqlens[-1])
-        if total != b * s * sp:
-            raise ValueError(f"cu_seqlens spans {total} tokens but {b} rows x {s} tokens per rank x sp {sp} = "
-                             f"{b * s * sp}: {_FIX}")
+        if total != b * s * sp_size:
+            raise ValueError(f"cu_seqlens spans {total} tokens but {b} rows x {s} tokens per rank x sp {sp_size} = "
+                             f"{b * s * sp_size}: {_FIX}")
         return
-    for r in range(1, sp):
+    for r in range(1, sp_size):
         if rows[r][1] != rows[r - 1][2] + 1:
             raise ValueError(
                 f"SP rank {r}'s tokens do not continue rank {r - 1}'s (row 0's position_ids start at {rows[r][1]} "

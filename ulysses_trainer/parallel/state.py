@@ -61,26 +61,26 @@ def make_parallel_state(layout: Layout | int | None = None) -> ParallelState:
     layout: the run's Layout (the trainer's, decided once by config.checks.validate_config), or an sp_size for a
     loop of your own (None: the world size, all ranks shard one sequence).
     """
-    sp_size = layout.sp if isinstance(layout, Layout) else layout
+    sp_size = layout.sp_size if isinstance(layout, Layout) else layout
     if not dist.is_available() or not dist.is_initialized():
         if sp_size not in (None, 1):
             raise ConfigError(f"sp_size={sp_size} needs torch.distributed; launch with `deepspeed --num_gpus "
                               f"{sp_size} ...` or set sp_size 1")
         return single_process_state()
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world_size, rank = dist.get_world_size(), dist.get_rank()
     if not isinstance(layout, Layout):
-        layout = resolve_layout(sp_size, world)
-    assert layout.world == world, f"a layout of {layout.world} ranks in a process group of {world}"
-    sp, dp = layout.sp, layout.dp
+        layout = resolve_layout(sp_size, world_size)
+    assert layout.world_size == world_size, f"a layout of {layout.world_size} ranks in a process group of {world_size}"
+    sp_size, dp = layout.sp_size, layout.dp
     sp_group = dp_group = None
-    sp_ranks, dp_ranks = group_ranks(world, sp)
+    sp_ranks, dp_ranks = group_ranks(world_size, sp_size)
     for ranks in sp_ranks:  # consecutive ranks: inside a node when sp divides the ranks per node
-        g = dist.new_group(ranks) if sp > 1 else None
+        g = dist.new_group(ranks) if sp_size > 1 else None
         if rank in ranks:
             sp_group = g
     for ranks in dp_ranks:  # the same position inside each SP group: across nodes
         g = dist.new_group(ranks) if dp > 1 else None
         if rank in ranks:
             dp_group = g
-    return ParallelState(world_size=world, rank=rank, sp_size=sp, sp_rank=rank % sp, dp_size=dp,
-                         dp_rank=rank // sp, sp_group=sp_group, dp_group=dp_group)
+    return ParallelState(world_size=world_size, rank=rank, sp_size=sp_size, sp_rank=rank % sp_size, dp_size=dp,
+                         dp_rank=rank // sp_size, sp_group=sp_group, dp_group=dp_group)

@@ -65,7 +65,7 @@ class UlyssesAttention:
         assert attention_mask is None, "Ulysses attention builds causality from position_ids; pass no mask"
         assert not dropout, "attention dropout is not supported under Ulysses SP; set attention_dropout=0"
         assert sliding_window is None, "sliding-window layers are not supported; disable use_sliding_window"
-        sp, group = self.state.sp_size, self.state.sp_group
+        sp_size, group = self.state.sp_size, self.state.sp_group
         # HF layout [b, h, s/sp, d] -> [b, s/sp, h, d]
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         if self.kv_repeat > 1:
@@ -73,7 +73,7 @@ class UlyssesAttention:
             k = k.repeat_interleave(self.kv_repeat, dim=2)
             v = v.repeat_interleave(self.kv_repeat, dim=2)
         # [b, s/sp, h, d] -> [b, s, h/sp, d]
-        q, k, v = (seq_to_heads(t, sp, group) for t in (q, k, v))
+        q, k, v = (seq_to_heads(t, sp_size, group) for t in (q, k, v))
         if sp_cu_seqlens is not None and sp_cu_seqlens.device != q.device:
             sp_cu_seqlens = sp_cu_seqlens.to(q.device)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
@@ -85,4 +85,4 @@ class UlyssesAttention:
         out = self.attend(q, k, v, scale=scale, cu_seqlens=sp_cu_seqlens, max_seqlen=sp_max_seqlen,
                           pad_spans=sp_pad_spans, **keep)
         # [b, s, h/sp, d] -> [b, s/sp, h, d]: what HF attention functions return
-        return heads_to_seq(out, sp, group), None
+        return heads_to_seq(out, sp_size, group), None

@@ -64,11 +64,11 @@ class UlyssesGatedDeltaNet(nn.Module):
         self.layer_idx = net.layer_idx
         self.state, self.kernel = state, kernel
         self.rule = DELTANET_FUNCTIONS[kernel]
-        sp = state.sp_size
+        sp_size = state.sp_size
         self.nk, self.nv, self.dk, self.dv = net.num_k_heads, net.num_v_heads, net.head_k_dim, net.head_v_dim
-        if self.nk % sp or self.nv % sp:
-            raise ValueError(f"sp={sp} must divide the DeltaNet's {self.nk} key and {self.nv} value heads")
-        self.k_local, self.v_local = self.nk // sp, self.nv // sp
+        if self.nk % sp_size or self.nv % sp_size:
+            raise ValueError(f"sp_size={sp_size} must divide the DeltaNet's {self.nk} key and {self.nv} value heads")
+        self.k_local, self.v_local = self.nk // sp_size, self.nv // sp_size
         r, key_dim = state.sp_rank, self.nk * self.dk
         kw, vw = self.k_local * self.dk, self.v_local * self.dv
         # this rank's conv channels: its q heads, its k heads, its v heads ([q | k | v] layout)
@@ -79,17 +79,17 @@ class UlyssesGatedDeltaNet(nn.Module):
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
                 sp_cu_seqlens: Tensor | None = None, sp_max_seqlen: int | None = None, **kwargs) -> Tensor:
         assert attention_mask is None, "packed rows carry no padding mask; documents come from cu_seqlens"
-        sp, group = self.state.sp_size, self.state.sp_group
+        sp_size, group = self.state.sp_size, self.state.sp_group
         b, s_local, _ = hidden_states.shape
         kl, vl, dk, dv = self.k_local, self.v_local, self.dk, self.dv
         qkv = self.in_proj_qkv(hidden_states)  # [b, s/sp, 2*K*dk + V*dv]
         q, k, v = qkv.split([self.nk * dk, self.nk * dk, self.nv * dv], dim=-1)
         beta_in, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)  # [b, s/sp, V] each
         # per rank's heads, packed for one all-to-all: [b, s/sp, sp, kl*dk + kl*dk + vl*dv + vl + vl]
-        parts = [t.reshape(b, s_local, sp, -1) for t in (q, k, v, beta_in, a)]
+        parts = [t.reshape(b, s_local, sp_size, -1) for t in (q, k, v, beta_in, a)]
         packed = torch.cat(parts, dim=-1)
         # [b, s/sp, sp, c] -> [b, s, 1, c]: all tokens of this rank's heads
-        packed = seq_to_heads(packed, sp, group).squeeze(2)  # [b, s, c]
+        packed = seq_to_heads(packed, sp_size, group).squeeze(2)  # [b, s, c]
         s = packed.shape[1]
         conv_in, beta_in, a = packed.split([2 * kl * dk + vl * dv, vl, vl], dim=-1)
         cu = sp_cu_seqlens
@@ -105,7 +105,7 @@ class UlyssesGatedDeltaNet(nn.Module):
         beta = beta_in.sigmoid()  # [b, s, V/sp]
         g = -self.A_log[self.heads].float().exp() * F.softplus(a.float() + self.dt_bias[self.heads])
         out = self.rule(q, k, v, g, beta, cu)  # [b, s, V/sp, dv]
-        out = heads_to_seq(out, sp, group)  # [b, s, V/sp, dv] -> [b, s/sp, V, dv]
+        out = heads_to_seq(out, sp_size, group)  # [b, s, V/sp, dv] -> [b, s/sp, V, dv]
         z = self.in_proj_z(hidden_states).reshape(b, s_local, self.nv, dv)  # [b, s/sp, V, dv]
         out = self.norm(out.reshape(-1, dv), z.reshape(-1, dv))  # per (token, head): [b*s/sp*V, dv]
         return self.out_proj(out.reshape(b, s_local, self.nv * dv))  # [b, s/sp, H]

@@ -92,9 +92,9 @@ class Job:
         run's JSON gives, plan/types.read_zero): the plan's step time and the rehearsal build their jobs here.
         gpus_per_node None: the settings' ranks per host."""
         z = s.zero3
-        return cls(world_size=s.world, sp_size=s.sp, local_tokens=s.local_tokens, grad_accum=accumulation,
+        return cls(world_size=s.world_size, sp_size=s.sp_size, local_tokens=s.local_tokens, grad_accum=accumulation,
                    bytes_per_el=s.act_bytes, gradient_checkpointing=s.gradient_checkpointing,
-                   checkpoint_every=s.checkpoint_every, gpus_per_node=gpus_per_node or s.ranks_per_host,
+                   checkpoint_every=s.checkpoint_every, gpus_per_node=gpus_per_node or s.ranks_per_node,
                    param_persistence_threshold=z.param_persistence_threshold, reduce_bucket_size=z.reduce_bucket_size,
                    max_reuse_distance=z.max_reuse_distance, tiled_mlp=s.tiled_mlp)
 
@@ -132,16 +132,16 @@ def ulysses_all_to_alls(shape: ModelShape, job: Job) -> list[Collective]:
     """The sp group's all-to-alls of one step (none at sp = 1): the attention layers' q, k, v and output, and a
     family's mixer layers' own (Qwen3.5's Gated DeltaNet: its projected channels before the conv, its output
     after the rule; TokenMixer.all_to_alls)."""
-    sp = job.sp_size
-    if sp == 1:
+    sp_size = job.sp_size
+    if sp_size == 1:
         return []
-    kv_eff = shape.kv_heads * max(1, sp // shape.kv_heads)  # KV heads after replication
+    kv_eff = shape.kv_heads * max(1, sp_size // shape.kv_heads)  # KV heads after replication
     q_bytes = job.local_tokens * shape.heads * shape.head_dim * job.bytes_per_el  # q and the output
     kv_bytes = job.local_tokens * kv_eff * shape.head_dim * job.bytes_per_el
     forwards = 1 + (1 if job.gradient_checkpointing else 0)  # forward, recompute
     mixed = set(shape.mixer_layers)
     rebuilt_ids = rebuilt_layer_ids(shape.layers, job.checkpoint_every)
-    cross = sp > job.gpus_per_node
+    cross = sp_size > job.gpus_per_node
     out = []
     kinds = [(shape.layers - len(mixed), [i for i in rebuilt_ids if i not in mixed], None)]
     if mixed:
@@ -153,13 +153,13 @@ def ulysses_all_to_alls(shape: ModelShape, job: Job) -> list[Collective]:
             if not layers:
                 continue
             if mixer is None:
-                out.append(Collective(f"ulysses {phase} q + attention output", "all_to_all", "sp", sp, q_bytes,
+                out.append(Collective(f"ulysses {phase} q + attention output", "all_to_all", "sp", sp_size, q_bytes,
                                       2 * layers, cross))
-                out.append(Collective(f"ulysses {phase} k + v", "all_to_all", "sp", sp, kv_bytes, 2 * layers,
+                out.append(Collective(f"ulysses {phase} k + v", "all_to_all", "sp", sp_size, kv_bytes, 2 * layers,
                                       cross))
                 continue
             for what, width in mixer.all_to_alls(shape.dims):
-                out.append(Collective(f"ulysses {phase} {what}", "all_to_all", "sp", sp,
+                out.append(Collective(f"ulysses {phase} {what}", "all_to_all", "sp", sp_size,
                                       job.local_tokens * width * job.bytes_per_el, layers, cross))
     return out
 

@@ -185,7 +185,7 @@ class Settings:
     """One run's layout and levers. Field names follow the training config where it has them."""
 
     max_length: int
-    sp: int = 1
+    sp_size: int = 1
     dp: int = 1
     micro_batch: int = 1
     bf16: bool = True
@@ -230,32 +230,32 @@ class Settings:
     # LoRA: the trainable tensors' sizes (the adapters); the base weights are frozen (no gradient, no fp32
     # master, no Adam state). None: every weight trains
     trainable_numels: tuple[int, ...] | None = None
-    gpus_per_host: int | None = None  # ranks sharing one host's RAM; None: all ranks on one host
+    gpus_per_node: int | None = None  # ranks sharing one host's RAM; None: all ranks on one host
     allocator_slack: float = 0.05  # caching-allocator fragmentation on top of the allocated peak
     cuda_context_gb: float = 1.0  # CUDA context, cuBLAS workspace, NCCL buffers (outside torch's count)
     host_baseline_gb: float = 2.5  # resident memory of one process apart from pinned buffers (H200: 2.1-2.3)
 
     @property
-    def world(self) -> int:
-        return self.sp * self.dp
+    def world_size(self) -> int:
+        return self.sp_size * self.dp
 
     @property
     def act_bytes(self) -> int:
         return 2 if self.bf16 else 4
 
     @property
-    def ranks_per_host(self) -> int:
-        return self.gpus_per_host or self.world
+    def ranks_per_node(self) -> int:
+        return self.gpus_per_node or self.world_size
 
     @property
     def padded_length(self) -> int:
         """Sequence length after padding to a multiple of lcm(sp, pad_to_multiple_of) (layout.padded_length)."""
-        return padded_length(self.max_length, self.sp, self.pad_to_multiple_of)
+        return padded_length(self.max_length, self.sp_size, self.pad_to_multiple_of)
 
     @property
     def local_tokens(self) -> int:
         """t: tokens one rank holds per micro-step (batch x padded length / sp)."""
-        return self.micro_batch * self.padded_length // self.sp
+        return self.micro_batch * self.padded_length // self.sp_size
 
 
 def saved_layer_count(shape: ModelShape, checkpoint_every: int) -> int:
@@ -270,9 +270,9 @@ def check_settings(shape: ModelShape, s: Settings) -> None:
             raise ConfigError(msg)
 
     need(s.max_length >= 2, f"max_length must be >= 2 tokens, got {s.max_length}")
-    need(s.sp >= 1 and s.dp >= 1, f"sp and dp must be >= 1, got sp={s.sp}, dp={s.dp}")
+    need(s.sp_size >= 1 and s.dp >= 1, f"sp_size and dp must be >= 1, got sp_size={s.sp_size}, dp={s.dp}")
     mixer = shape.family.mixer
-    check_heads(s.sp, shape.heads, shape.kv_heads,
+    check_heads(s.sp_size, shape.heads, shape.kv_heads,
                 mixer.sp_heads(shape.dims) if mixer is not None and shape.mixer_layers else ())
     need(s.micro_batch >= 1, f"per_device_train_batch_size must be >= 1, got {s.micro_batch}")
     need(s.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {s.checkpoint_every}")
@@ -322,6 +322,6 @@ def mlp_run(shape: ModelShape, s: Settings) -> MlpRun:
                   weights_frozen=s.trainable_numels is not None)
 
 
-def kv_repeat(shape: ModelShape, sp: int) -> int:
+def kv_repeat(shape: ModelShape, sp_size: int) -> int:
     """How many times each KV head is copied before the all-to-all (parallel/ulysses.py)."""
-    return max(1, sp // shape.kv_heads)
+    return max(1, sp_size // shape.kv_heads)

@@ -31,7 +31,7 @@ def layer_forward_saved(shape: ModelShape, s: Settings) -> dict[str, int]:
     """Tensors autograd keeps after a decoder layer's (re)computed forward, by what keeps them (the MLP's: the
     family's MlpBlock.saved)."""
     t, e, h = s.local_tokens, s.act_bytes, shape.hidden
-    q, kp = shape.q_width, shape.kv_width * kv_repeat(shape, s.sp)
+    q, kp = shape.q_width, shape.kv_width * kv_repeat(shape, s.sp_size)
     lean = s.lean_norm
     saved = {
         # input_layernorm: HF fp32 upcast + normalized; lean: its input, the layer input, which the
@@ -49,7 +49,7 @@ def layer_forward_saved(shape: ModelShape, s: Settings) -> dict[str, int]:
         "attention output + LSE (fp32)": t * q * e + t * shape.heads * FP32,
         # o_proj keeps its input: under sp > 1 the all-to-all's [t, Q] result (a new tensor); with sp = 1
         # it is the kernel's output itself (measured on the H200: no copy)
-        "o_proj input": t * q * e if s.sp > 1 else 0,
+        "o_proj input": t * q * e if s.sp_size > 1 else 0,
         # post_attention_layernorm: fp32 upcast + normalized + its output (the MLP input)
         ("post-attention norm (input, output)" if lean else "post-attention norm (fp32 upcast, normalized, output)"):
             rmsnorm_saved_bytes(t, h, e, lean) + t * h * e,
@@ -65,9 +65,9 @@ def mlp_backward_extra(shape: ModelShape, s: Settings) -> dict[str, int]:
     return shape.family.mlp.backward_extra(shape.dims, mlp_run(shape, s))
 
 
-def attention_groups(shape: ModelShape, sp: int) -> int:
+def attention_groups(shape: ModelShape, sp_size: int) -> int:
     """KV-head groups each rank's attention runs one at a time: its KV heads after replication."""
-    return max(1, shape.kv_heads * kv_repeat(shape, sp) // sp)
+    return max(1, shape.kv_heads * kv_repeat(shape, sp_size) // sp_size)
 
 
 def top_layer_keeps_output(shape: ModelShape, s: Settings) -> bool:
@@ -85,14 +85,14 @@ def attention_runs_grouped(shape: ModelShape, s: Settings, keeps_output: bool) -
     if not (s.grouped_attention and s.attn_implementation in GROUPED_KERNELS):
         return False
     return s.attn_implementation in ("flash_attention_4", STANDIN_FA4) or \
-        groups_one_at_a_time(attention_groups(shape, s.sp), keeps_output)
+        groups_one_at_a_time(attention_groups(shape, s.sp_size), keeps_output)
 
 
 def sdpa_runs_gqa(shape: ModelShape, s: Settings) -> bool:
     """Whether ours calls F.sdpa with fewer KV heads than query heads on a rank (enable_gqa, attention/kernels.py),
     when a layer runs on all heads. The baselines (grouped_attention off) are calibrated as they ran."""
     return s.attn_implementation == "sdpa" and s.grouped_attention and \
-        shape.heads > shape.kv_heads * kv_repeat(shape, s.sp)
+        shape.heads > shape.kv_heads * kv_repeat(shape, s.sp_size)
 
 
 def attention_backward_extra(shape: ModelShape, s: Settings, keeps_output: bool | None = None) -> dict[str, int]:
@@ -102,7 +102,7 @@ def attention_backward_extra(shape: ModelShape, s: Settings, keeps_output: bool 
     Qwen3-8B on both paths, benchmarks/results/rehearsal/memory_variants_8b_sp8.json): o_proj's input grad
     and the all-to-all's send buffer, which the all-to-all's backward frees once its result exists."""
     t, e, h = s.local_tokens, s.act_bytes, shape.hidden
-    q, kp = shape.q_width, shape.kv_width * kv_repeat(shape, s.sp)
+    q, kp = shape.q_width, shape.kv_width * kv_repeat(shape, s.sp_size)
     if keeps_output is None:
         keeps_output = top_layer_keeps_output(shape, s)
     terms = {
@@ -128,7 +128,7 @@ def attention_backward_extra(shape: ModelShape, s: Settings, keeps_output: bool 
     # one KV-head group at a time (attention/grouped.py), also with one group (a kept output): the fp32
     # accumulator and row sums of the group's query heads, its KV head repeated for them (k, v: 2 x [L, gq])
     # and the kernel's dq, dk, dv at that width (3 x [L, gq]: dk, dv before the sum over the copies)
-    groups = attention_groups(shape, s.sp)
+    groups = attention_groups(shape, s.sp_size)
     gq = q // groups
     terms["attention backward, one KV group: fp32 dq accumulator, row sums, repeated k, v, grads"] = (
         t * gq * FP32 + t * (shape.heads // groups) * FP32 + 5 * t * gq * e)

@@ -28,7 +28,7 @@ class Hardware:
     gpus: int
     gpu_memory_gb: float
     host_memory_gb: float
-    gpus_per_host: int | None = None  # None: all GPUs on one host
+    gpus_per_node: int | None = None  # None: all GPUs on one host
 
     def check(self) -> None:
         if self.gpus < 1:
@@ -36,8 +36,8 @@ class Hardware:
         if not self.gpu_memory_gb > 0 or not self.host_memory_gb > 0:
             raise ConfigError(f"--gpu_memory_gb and --host_memory_gb must be > 0, got {self.gpu_memory_gb} "
                               f"and {self.host_memory_gb}")
-        if self.gpus_per_host is not None and (self.gpus_per_host < 1 or self.gpus % self.gpus_per_host):
-            raise ConfigError(f"--gpus_per_host {self.gpus_per_host} must divide --gpus {self.gpus}")
+        if self.gpus_per_node is not None and (self.gpus_per_node < 1 or self.gpus % self.gpus_per_node):
+            raise ConfigError(f"--gpus_per_node {self.gpus_per_node} must divide --gpus {self.gpus}")
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def choose_settings(shape: ModelShape, base: Settings, hw: Hardware, *, activati
     fewest bytes missing).
     """
     hw.check()
-    base = replace(base, gpus_per_host=hw.gpus_per_host or hw.gpus)
+    base = replace(base, gpus_per_node=hw.gpus_per_node or hw.gpus)
     fx = Fixed(activation_offload=activation_offload, keep_attention_outputs=None, tiled_mlp=tiled_mlp,
                checkpoint_every=checkpoint_every, optimizer_offload=optimizer_offload)
     e, fits = cheapest_fit(shape, base, fx, hw.gpu_memory_gb, hw.host_memory_gb, knobs)
@@ -76,7 +76,7 @@ def largest_max_length(shape: ModelShape, base: Settings, hw: Hardware, *, unit:
     """The longest max_length (a multiple of `unit`, default 1024 x sp) for which some settings fit,
     and those settings. (0, None) when not even one unit fits. Memory grows with the length, so the
     answer is found by doubling, then bisecting over multiples of the unit."""
-    unit = unit or 1024 * base.sp
+    unit = unit or 1024 * base.sp_size
     if base.pad_to_multiple_of:
         unit = math.lcm(unit, base.pad_to_multiple_of)
 

@@ -271,7 +271,7 @@ def optimizer_step_bytes(shape: ModelShape, s: Settings) -> int:
 
 # `plan --json` keeps the keys it has always written for these Settings fields
 _JSON_KEYS = {"optimizer_offload": "offload_optimizer", "attn_implementation": "attention",
-              "keep_attention_outputs": "kept_attention_layers"}
+              "keep_attention_outputs": "kept_attention_layers", "sp_size": "sp", "gpus_per_node": "gpus_per_host"}
 
 
 @dataclass(frozen=True)
@@ -394,4 +394,4 @@ def estimate(shape: ModelShape, s: Settings) -> MemoryEstimate:
     host_rank = sum(t.host for t in terms)
     return MemoryEstimate(shape=shape, settings=s, terms=tuple(terms), phases=phases, peak_phase=peak_phase,
                           gpu_peak=peak, gpu_required=peak + slack + context, host_per_rank=host_rank,
-                          host_per_host=host_rank * s.ranks_per_host)
+                          host_per_host=host_rank * s.ranks_per_node)

@@ -13,7 +13,7 @@ def _shard_numel(shape: ModelShape, s: Settings) -> int:
     """Elements of this rank's ZeRO-3 partition: each tensor is padded to a multiple of W and split."""
     if s.zero_stage == 0:
         return shape.num_params
-    return sum(-(-n // s.world) for n in shape.param_numels)
+    return sum(-(-n // s.world_size) for n in shape.param_numels)
 
 
 def lora_numels(shape: ModelShape, target_modules: Any, r: int) -> tuple[int, ...]:
@@ -47,7 +47,7 @@ def _trainable_shard_numel(shape: ModelShape, s: Settings) -> int:
         return _shard_numel(shape, s)
     if s.zero_stage == 0:
         return sum(s.trainable_numels)
-    return sum(-(-n // s.world) for n in s.trainable_numels)
+    return sum(-(-n // s.world_size) for n in s.trainable_numels)
 
 
 def _persistence_threshold(shape: ModelShape, s: Settings) -> int:
@@ -59,7 +59,7 @@ def _sub_group_numels(shape: ModelShape, s: Settings) -> list[int]:
     """ZeRO-3 optimizer sub-groups: parameter partitions packed in order until sub_group_size is reached."""
     groups, acc = [], 0
     for n in trainable_numels(shape, s):
-        acc += -(-n // s.world)
+        acc += -(-n // s.world_size)
         if acc >= s.zero3.sub_group_size:
             groups.append(acc)
             acc = 0

@@ -75,16 +75,16 @@ def search_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSetting
     budget, budget_note = machine.gpu_budget(None)
     if layout is None:
         layout = resolve_layout(cfg.sp_size, machine.gpus)
-    assert layout.world == machine.gpus, f"layout of {layout.world} ranks planned on {machine.gpus} GPUs"
+    assert layout.world_size == machine.gpus, f"layout of {layout.world_size} ranks planned on {machine.gpus} GPUs"
     kernels = choose_kernels(cfg.attn_implementation, cfg.norm_kernel, cfg.experts_implementation, cfg.lean_norm,
                              machine.kernels, machine.norm_kernels, cfg.deltanet_kernel, machine.deltanet_kernels)
-    base = Settings(max_length=cfg.max_length, sp=layout.sp, dp=layout.dp,
+    base = Settings(max_length=cfg.max_length, sp_size=layout.sp_size, dp=layout.dp,
                     micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
                     gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
                     loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, norm_kernel=kernels.norm_kernel,
                     attn_implementation=kernels.attn_implementation, pad_to_multiple_of=cfg.pad_to_multiple_of,
                     zero3=zero.knobs,
-                    gpus_per_host=machine.ranks_per_host, experts_implementation=kernels.experts_implementation,
+                    gpus_per_node=machine.ranks_per_node, experts_implementation=kernels.experts_implementation,
                     deltanet_kernel=kernels.deltanet_kernel if shape.mixer_layers else "",
                     trainable_numels=_lora_numels(cfg, shape))
     # the levers (lever_settings.decode_levers), the ZeRO JSON's optimizer placement winning over auto, bound to

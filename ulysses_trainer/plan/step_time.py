@@ -74,7 +74,7 @@ def attention_flops_forward(shape: ModelShape, s: Settings) -> float:
     """One layer's causal attention forward on one rank: 2 x L^2 x heads/sp x d per sequence (x the packed
     rows' attention_fraction: their documents' sum(l_i^2) / L^2)."""
     length = s.padded_length
-    return 2.0 * s.micro_batch * length * length * (shape.heads // s.sp) * shape.head_dim * s.attention_fraction
+    return 2.0 * s.micro_batch * length * length * (shape.heads // s.sp_size) * shape.head_dim * s.attention_fraction
 
 
 def _rate(kernel: str, length: int) -> tuple[float, float, bool]:
@@ -157,7 +157,7 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
                          f"held constant at {s.padded_length:,}")
         if s.attn_implementation == "flash_attention_2":
             notes.append("flash_attention_2 not measured: torch's flash kernel's rate used")
-        if (shape.heads // s.sp, shape.kv_heads, shape.head_dim) != MEASURED_HEAD_SHAPE and s.sp == 1:
+        if (shape.heads // s.sp_size, shape.kv_heads, shape.head_dim) != MEASURED_HEAD_SHAPE and s.sp_size == 1:
             notes.append(f"kernel rates measured with {MEASURED_HEAD_SHAPE[0]} heads of {MEASURED_HEAD_SHAPE[2]}")
     if shape.head_dim != MEASURED_HEAD_SHAPE[2] and s.attn_implementation in KERNEL_RATES:
         scale = head_dim_scale(s.attn_implementation, shape.head_dim, s.padded_length)
@@ -193,17 +193,17 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
                          "and experts: that part is counted as the norms alone (not calibrated for this shape)")
         parts["matmuls and the rest"] = max(rest, 0.0)
         parts[f"RMSNorms ({s.norm_kernel})"] = norms[s.norm_kernel] * accumulation
-    if s.world > 1:  # the collectives' model (the rehearsal's): what of them the compute does not hide
+    if s.world_size > 1:  # the collectives' model (the rehearsal's): what of them the compute does not hide
         comm = communication(shape, s, sum(parts.values()), accumulation)
         parts["communication"] = comm["comm_s_estimate"]
         notes.append(f"more than one GPU: communication modelled ({comm['bandwidth_source'].split(':')[0]} "
                      f"bandwidth; measured at sp=2)")
-    shard = num_params / s.world
+    shard = num_params / s.world_size
     if s.optimizer == "none":
         pass
     elif s.optimizer_offload:
-        parts["optimizer (CPU Adam, ZeRO-Offload)"] = shard * s.ranks_per_host * CPU_ADAM_S_PER_PARAM
-        if s.ranks_per_host > 1:
+        parts["optimizer (CPU Adam, ZeRO-Offload)"] = shard * s.ranks_per_node * CPU_ADAM_S_PER_PARAM
+        if s.ranks_per_node > 1:
             notes.append("CPU Adam measured with one rank per host: assumed to share the host's cores")
     else:
         parts["optimizer (GPU Adam)"] = shard * GPU_ADAM_BYTES_PER_PARAM / GPU_BANDWIDTH

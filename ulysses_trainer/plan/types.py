@@ -27,7 +27,7 @@ class Machine:
     gpus: int
     gpu_memory_gb: float | None
     host_memory_gb: float  # per host
-    gpus_per_host: int | None = None  # None: all GPUs on one host
+    gpus_per_node: int | None = None  # None: all GPUs on one host
     kernels: tuple[str, ...] = ("sdpa",)  # installed attention kernels, fastest first
     kernels_known: bool = True  # False: planning another machine (auto = the first of `kernels`, said)
     norm_kernels: tuple[str, ...] = ("torch",)  # installed RMSNorm kernels, fastest first
@@ -45,15 +45,15 @@ class Machine:
         return self.gpu_memory_gb is not None and self.bf16_supported
 
     @property
-    def ranks_per_host(self) -> int:
-        return self.gpus_per_host or self.gpus
+    def ranks_per_node(self) -> int:
+        return self.gpus_per_node or self.gpus
 
     def check(self) -> None:
         """ConfigError naming the flag for a machine no run can have."""
         if self.gpus < 1:
             raise ConfigError(f"--gpus must be >= 1, got {self.gpus}")
-        if self.gpus_per_host is not None and (self.gpus_per_host < 1 or self.gpus % self.gpus_per_host):
-            raise ConfigError(f"--gpus_per_host {self.gpus_per_host} must divide --gpus {self.gpus}")
+        if self.gpus_per_node is not None and (self.gpus_per_node < 1 or self.gpus % self.gpus_per_node):
+            raise ConfigError(f"--gpus_per_node {self.gpus_per_node} must divide --gpus {self.gpus}")
         if (self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0) or not self.host_memory_gb > 0:
             raise ConfigError(f"--gpu_memory_gb and --host_memory_gb must be > 0, got {self.gpu_memory_gb} "
                               f"and {self.host_memory_gb}")
@@ -187,7 +187,7 @@ class Plan:
         """The layers keeping their attention output for the recompute."""
         return tuple(range(self.run.keep_attention_outputs))
 
-    def model_plan(self, host_memory_gb: float | None, ranks_per_host: int, *, levers: bool = True) -> ModelPlan:
+    def model_plan(self, host_memory_gb: float | None, ranks_per_node: int, *, levers: bool = True) -> ModelPlan:
         """What parallelize installs for this plan. levers False: the mechanisms only (no input offloaded, no
         attention output kept yet: the trainer sets those with apply once the engine is built); the stash is
         installed wherever a layer may keep its output (lever_settings.Fixed.attention_stash), so that plan may."""
@@ -200,7 +200,7 @@ class Plan:
             kept_attention_layers=self.kept_attention_layers if levers else (),
             attention_stash=self.fixed.attention_stash,
             checkpoint_bytes_per_layer=self.checkpoint_bytes_per_layer if levers else 0,
-            host_memory_gb=host_memory_gb, ranks_per_host=ranks_per_host,
+            host_memory_gb=host_memory_gb, ranks_per_node=ranks_per_node,
             experts_implementation=r.experts_implementation, deltanet_kernel=r.deltanet_kernel or "torch")
 
     def summary(self) -> str:
@@ -210,7 +210,7 @@ class Plan:
         adam = "Adam on the host" if r.optimizer_offload else f"Adam on the {'GPU' if gpu else 'device'}"
         step = f"{format_seconds(p.step_s)} s/step" if gpu else "no step time (no GPU)"
         deltanet = f", {r.deltanet_kernel} deltanet" if r.deltanet_kernel else ""
-        return (f"sp {r.sp} x dp {r.dp}, {r.attn_implementation}{deltanet}, {r.norm_kernel} norms, "
+        return (f"sp {r.sp_size} x dp {r.dp}, {r.attn_implementation}{deltanet}, {r.norm_kernel} norms, "
                 f"tiled_mlp {r.tiled_mlp}, "
                 f"checkpoint_every {r.checkpoint_every}, {len(self.offload_layers)}/{len(self.saved_layers)} "
                 f"layer inputs offloaded, {len(self.kept_attention_layers)}/{self.num_layers} attention outputs kept, "
@@ -227,7 +227,7 @@ class Plan:
         r, p = self.run, self.predicted
         return {"model": self.model, "max_length": r.max_length, "padded_length": r.padded_length,
                 "bf16": r.bf16,
-                "sp_size": r.sp, "dp": r.dp, "attn_implementation": r.attn_implementation,
+                "sp_size": r.sp_size, "dp": r.dp, "attn_implementation": r.attn_implementation,
                 "loss_type": r.loss_type, "loss_chunk_size": r.loss_chunk_size, "tiled_mlp": r.tiled_mlp,
                 "lean_norm": r.lean_norm, "norm_kernel": r.norm_kernel,
                 "experts_implementation": r.experts_implementation, "deltanet_kernel": r.deltanet_kernel,

@@ -33,7 +33,7 @@ def build_model(plan: RunPlan, state: ParallelState, device: torch.device) -> tu
     if cfg.use_peft:  # adapters before the mechanisms, which call the wrapped projections as modules
         model, peft_model = add_lora(model, cfg)
     # host_memory_gb None: the pool detects, with a margin
-    mechanisms = plan.resolved.model_plan(cfg.host_memory_gb, plan.machine.ranks_per_host, levers=False)
+    mechanisms = plan.resolved.model_plan(cfg.host_memory_gb, plan.machine.ranks_per_node, levers=False)
     return parallelize(model, state, mechanisms), peft_model
 
 
@@ -53,7 +53,7 @@ def build_engine(plan: RunPlan, model: SequenceParallelCausalLM, device: torch.d
     PinnedCopyBack.install(engine.optimizer)
     resolved = resolve_after_engine(plan, device)
     digest = check_same_plan(resolved, "with the free GPU memory measured")  # before step 1
-    apply(model, resolved.model_plan(cfg.host_memory_gb, plan.machine.ranks_per_host))
+    apply(model, resolved.model_plan(cfg.host_memory_gb, plan.machine.ranks_per_node))
     return engine, replace(plan, resolved=resolved, plan_digest=digest)
 
 

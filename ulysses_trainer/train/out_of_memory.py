@@ -137,9 +137,9 @@ def check_host_fits(resolved: Plan, machine: Machine, device: str, ranks_here: i
     ranks_here: the ranks this machine runs (default: every rank of a host; a rehearsal runs one)."""
     if device != "cpu":
         return
-    ranks = machine.ranks_per_host if ranks_here is None else ranks_here
+    ranks = machine.ranks_per_node if ranks_here is None else ranks_here
     p = resolved.predicted
-    host_terms = p.host_gb * ranks / machine.ranks_per_host  # the plan's host RAM is per host
+    host_terms = p.host_gb * ranks / machine.ranks_per_node  # the plan's host RAM is per host
     need = p.peak_gpu_gb * ranks + host_terms
     have = p.host_budget_gb
     if need > have:

@@ -78,7 +78,7 @@ class RunPlan:
 
     @property
     def sp_size(self) -> int:
-        return self.resolved.run.sp
+        return self.resolved.run.sp_size
 
     @property
     def dp_size(self) -> int:
@@ -230,11 +230,11 @@ def _read_data(cfg: TrainConfig, ins: _Inputs, dp: int) -> _Data:
 def _run_plan(cfg: TrainConfig, world_size: int, training: bool, ins: _Inputs, data: _Data, resolved: Plan,
               digest: str) -> RunPlan:
     """The resume's config check, output_dir and its disk need, and the DeepSpeed JSON filled for the plan."""
-    sp, dp = resolved.run.sp, resolved.run.dp
+    sp_size, dp = resolved.run.sp_size, resolved.run.dp
     resume_path, train, total, per_step = ins.resume_path, data.train, data.total, data.per_step
     config_changes: dict = {}
     if resume_path:
-        config_changes = check_resume_config(resume_path, run_record(config_to_dict(cfg), world_size, sp, dp),
+        config_changes = check_resume_config(resume_path, run_record(config_to_dict(cfg), world_size, sp_size, dp),
                                              cfg.allow_config_change)
     clear_output_dir = False
     if training:  # after the data: a missing data file is reported as such, not as an output_dir problem
