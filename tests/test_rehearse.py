@@ -217,6 +217,8 @@ def _main(argv):
     ([], "the following arguments are required: --gpus"),
     (["--gpus", "4", "--sp_size", "3"], "sp_size=3 does not divide the world size 4"),
     (["--gpus", "4", "--steps", "1"], "--steps must be >= 2"),
+    (["--gpus", "4", "--gpus_per_node", "0"], "--gpus_per_node must be >= 1, got 0"),
+    (["--gpus", "4", "--gpus_per_host", "0"], "--gpus_per_node must be >= 1, got 0"),  # plan's earlier spelling
     (["--gpus", "4", "--comm", "/nonexistent/bw.json"], "no such file"),
     (["--gpus", "4", "--no_such_field", "1"], "no_such_field"),
     (["--gpus", "4", "--max_length", "512", "--warmup_length", "1024"], "--warmup_length must be between 2"),
@@ -225,6 +227,13 @@ def test_bad_input_exits_2_with_one_message(argv, needle, capsys):
     assert _main(["--config", RECIPE, *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
+
+
+def test_help_names_gpus_per_node_only():
+    from ulysses_trainer.cli.rehearse import _parser
+
+    text = _parser().format_help()
+    assert "--gpus_per_node" in text and "--gpus_per_host" not in text
 
 
 @pytest.mark.parametrize("rank", [0, 3])
