@@ -68,9 +68,9 @@ def test_the_fast_tier_refuses_to_start_a_process():
         subprocess.run(["true"])
 
 
-# each of these settings has one name from the config to the kernel: sp_size, world_size, gpus_per_node
-# and ranks_per_node; the left-hand spellings are second names a review would flag
-SECOND_NAMES = {"sp": "sp_size", "world": "world_size", "gpus_per_host": "gpus_per_node",
+# each of these settings has one name from the config to the kernel: sp_size, world_size, dp_size,
+# gpus_per_node and ranks_per_node; the left-hand spellings are second names a review would flag
+SECOND_NAMES = {"sp": "sp_size", "world": "world_size", "dp": "dp_size", "gpus_per_host": "gpus_per_node",
                 "ranks_per_host": "ranks_per_node"}
 
 
@@ -102,4 +102,5 @@ def test_settings_have_one_name_in_every_dataclass():
 def test_the_second_name_scan_sees_a_field_and_a_property():
     src = ("from dataclasses import dataclass\n@dataclass\nclass L:\n    sp: int\n    dp: int\n"
            "class M:\n    @property\n    def gpus_per_host(self):\n        return 8\n")
-    assert [(c, n) for c, _, n in _second_name_fields(ast.parse(src))] == [("L", "sp"), ("M", "gpus_per_host")]
+    assert [(c, n) for c, _, n in _second_name_fields(ast.parse(src))] == [("L", "sp"), ("L", "dp"),
+                                                                            ("M", "gpus_per_host")]

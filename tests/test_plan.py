@@ -52,7 +52,7 @@ def test_model_states_qwen3_8b_zero3_8_ranks():
 
 def test_zero3_partition_pads_each_tensor():
     tiny = ModelShape.preset("tiny")
-    s = Settings(max_length=64, sp_size=1, dp=3)  # world 3: tensors that 3 does not divide are padded
+    s = Settings(max_length=64, sp_size=1, dp_size=3)  # world 3: tensors that 3 does not divide are padded
     want = sum(-(-n // 3) for n in counts.param_numels(tiny))
     assert want > counts.num_params(tiny) / 3
     assert M.weights_bytes(tiny, s) == 2 * want

@@ -257,8 +257,8 @@ def zero_config_for(ds: dict, cfg: TrainConfig, plan: Any, world_size: int, *, d
     and Adam's placement) and AdamW's settings (fill_ds_config). The trainer calls it right after planning, so a
     conflict is refused before the data is read, and again once the run's steps are known; `ulysses-trainer
     plan` calls it too: both refuse the same JSONs with the same message (exit 2)."""
-    return fill_ds_config(ds, cfg, world_size, plan.run.dp, device_is_cuda, bf16=plan.run.bf16, total_steps=total_steps,
-                          hidden_size=hidden_size, source=source,
+    return fill_ds_config(ds, cfg, world_size, plan.run.dp_size, device_is_cuda, bf16=plan.run.bf16,
+                          total_steps=total_steps, hidden_size=hidden_size, source=source,
                           use_deepspeed_optimizer=None if plan.run.optimizer_offload else False,
                           optimizer_offload=plan.run.optimizer_offload)
 

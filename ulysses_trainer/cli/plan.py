@@ -154,7 +154,8 @@ def format_estimate(e: MemoryEstimate) -> str:
 
 
 def _settings_summary(s: Settings) -> dict[str, Any]:
-    return {"max_length": s.max_length, "sp_size": s.sp_size, "dp": s.dp, "activation_offload": s.activation_offload,
+    return {"max_length": s.max_length, "sp_size": s.sp_size, "dp": s.dp_size,
+            "activation_offload": s.activation_offload,
             "tiled_mlp": s.tiled_mlp if s.tiled_mlp > 1 else False, "offload_optimizer": s.optimizer_offload,
             "checkpoint_every": s.checkpoint_every, "loss_type": s.loss_type, "loss_chunk_size": s.loss_chunk_size}
 
@@ -222,12 +223,12 @@ def data_attention(cfg: Any, gpus: int, model_config: Any) -> AttentionShare | N
     from ..plan.layout import resolve_layout
     from ..train.prepare import data_share
 
-    dp = resolve_layout(cfg.sp_size, gpus).dp
-    per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp
+    dp_size = resolve_layout(cfg.sp_size, gpus).dp_size
+    per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp_size
     vocabulary = family(model_config.model_type).tokenizer
     tokenizer = apply_tokenizer_options(load_tokenizer(checkpoint_source(cfg.model_name_or_path), vocabulary),
                                         cfg.chat_template_path, cfg.eos_token)
-    data = build_sequences(cfg, tokenizer, split="train", dp_size=dp)  # the whole dataset, as the trainer reads it
+    data = build_sequences(cfg, tokenizer, split="train", dp_size=dp_size)  # the whole dataset, as the trainer reads it
     return data_share(data, cfg.seed, per_step, steps_of(cfg.max_steps, cfg.num_train_epochs, len(data), per_step))
 
 
@@ -251,7 +252,7 @@ def _report(plan: Plan, machine: Machine, longest: int, best: Choice | None,
     s, p = plan.run, plan.predicted
     head = (f"{plan.model}, max_length {s.max_length:,}, {machine.gpus} GPU(s) x {machine.gpu_memory_gb:g} GiB, "
             f"host {machine.host_memory_gb:g} GiB per host ({machine.host_memory_source}), sp {s.sp_size} x dp "
-            f"{s.dp}, {local_tokens(s):,} tokens per GPU")
+            f"{s.dp_size}, {local_tokens(s):,} tokens per GPU")
     lines = [head, "", format_estimate(p.estimate), ""]
     if p.fits:
         lines.append("fits: " + plan.summary())

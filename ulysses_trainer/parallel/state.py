@@ -38,8 +38,8 @@ class ParallelState:
 
 def group_ranks(world_size: int, sp_size: int) -> tuple[list[list[int]], list[list[int]]]:
     """(SP groups, DP groups) as rank lists: SP groups are runs of consecutive ranks."""
-    dp = world_size // sp_size
-    sp_groups = [list(range(i * sp_size, (i + 1) * sp_size)) for i in range(dp)]
+    dp_size = world_size // sp_size
+    sp_groups = [list(range(i * sp_size, (i + 1) * sp_size)) for i in range(dp_size)]
     dp_groups = [list(range(j, world_size, sp_size)) for j in range(sp_size)]
     return sp_groups, dp_groups
 
@@ -71,7 +71,7 @@ def make_parallel_state(layout: Layout | int | None = None) -> ParallelState:
     if not isinstance(layout, Layout):
         layout = resolve_layout(sp_size, world_size)
     assert layout.world_size == world_size, f"a layout of {layout.world_size} ranks in a process group of {world_size}"
-    sp_size, dp = layout.sp_size, layout.dp
+    sp_size, dp_size = layout.sp_size, layout.dp_size
     sp_group = dp_group = None
     sp_ranks, dp_ranks = group_ranks(world_size, sp_size)
     for ranks in sp_ranks:  # consecutive ranks: inside a node when sp divides the ranks per node
@@ -79,8 +79,8 @@ def make_parallel_state(layout: Layout | int | None = None) -> ParallelState:
         if rank in ranks:
             sp_group = g
     for ranks in dp_ranks:  # the same position inside each SP group: across nodes
-        g = dist.new_group(ranks) if dp > 1 else None
+        g = dist.new_group(ranks) if dp_size > 1 else None
         if rank in ranks:
             dp_group = g
-    return ParallelState(world_size=world_size, rank=rank, sp_size=sp_size, sp_rank=rank % sp_size, dp_size=dp,
+    return ParallelState(world_size=world_size, rank=rank, sp_size=sp_size, sp_rank=rank % sp_size, dp_size=dp_size,
                          dp_rank=rank // sp_size, sp_group=sp_group, dp_group=dp_group)

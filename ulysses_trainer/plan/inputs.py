@@ -186,7 +186,7 @@ class Settings:
 
     max_length: int
     sp_size: int = 1
-    dp: int = 1
+    dp_size: int = 1
     micro_batch: int = 1
     bf16: bool = True
     zero_stage: Literal[0, 3] = 3  # 0: plain torch (no sharding; used for the HF / ALST baselines)
@@ -237,7 +237,7 @@ class Settings:
 
     @property
     def world_size(self) -> int:
-        return self.sp_size * self.dp
+        return self.sp_size * self.dp_size
 
     @property
     def act_bytes(self) -> int:
@@ -270,7 +270,7 @@ def check_settings(shape: ModelShape, s: Settings) -> None:
             raise ConfigError(msg)
 
     need(s.max_length >= 2, f"max_length must be >= 2 tokens, got {s.max_length}")
-    need(s.sp_size >= 1 and s.dp >= 1, f"sp_size and dp must be >= 1, got sp_size={s.sp_size}, dp={s.dp}")
+    need(s.sp_size >= 1 and s.dp_size >= 1, f"sp_size and dp must be >= 1, got sp_size={s.sp_size}, dp={s.dp_size}")
     mixer = shape.family.mixer
     check_heads(s.sp_size, shape.heads, shape.kv_heads,
                 mixer.sp_heads(shape.dims) if mixer is not None and shape.mixer_layers else ())

@@ -22,7 +22,7 @@ class Layout:
     sp_size: int
 
     @property
-    def dp(self) -> int:
+    def dp_size(self) -> int:
         return self.world_size // self.sp_size
 
 

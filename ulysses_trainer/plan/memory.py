@@ -271,7 +271,8 @@ def optimizer_step_bytes(shape: ModelShape, s: Settings) -> int:
 
 # `plan --json` keeps the keys it has always written for these Settings fields
 _JSON_KEYS = {"optimizer_offload": "offload_optimizer", "attn_implementation": "attention",
-              "keep_attention_outputs": "kept_attention_layers", "sp_size": "sp", "gpus_per_node": "gpus_per_host"}
+              "keep_attention_outputs": "kept_attention_layers", "sp_size": "sp", "dp_size": "dp",
+              "gpus_per_node": "gpus_per_host"}
 
 
 @dataclass(frozen=True)

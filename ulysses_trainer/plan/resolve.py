@@ -78,7 +78,7 @@ def search_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSetting
     assert layout.world_size == machine.gpus, f"layout of {layout.world_size} ranks planned on {machine.gpus} GPUs"
     kernels = choose_kernels(cfg.attn_implementation, cfg.norm_kernel, cfg.experts_implementation, cfg.lean_norm,
                              machine.kernels, machine.norm_kernels, cfg.deltanet_kernel, machine.deltanet_kernels)
-    base = Settings(max_length=cfg.max_length, sp_size=layout.sp_size, dp=layout.dp,
+    base = Settings(max_length=cfg.max_length, sp_size=layout.sp_size, dp_size=layout.dp_size,
                     micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
                     gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
                     loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, norm_kernel=kernels.norm_kernel,

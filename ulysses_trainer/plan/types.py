@@ -210,7 +210,7 @@ class Plan:
         adam = "Adam on the host" if r.optimizer_offload else f"Adam on the {'GPU' if gpu else 'device'}"
         step = f"{format_seconds(p.step_s)} s/step" if gpu else "no step time (no GPU)"
         deltanet = f", {r.deltanet_kernel} deltanet" if r.deltanet_kernel else ""
-        return (f"sp {r.sp_size} x dp {r.dp}, {r.attn_implementation}{deltanet}, {r.norm_kernel} norms, "
+        return (f"sp {r.sp_size} x dp {r.dp_size}, {r.attn_implementation}{deltanet}, {r.norm_kernel} norms, "
                 f"tiled_mlp {r.tiled_mlp}, "
                 f"checkpoint_every {r.checkpoint_every}, {len(self.offload_layers)}/{len(self.saved_layers)} "
                 f"layer inputs offloaded, {len(self.kept_attention_layers)}/{self.num_layers} attention outputs kept, "
@@ -227,7 +227,7 @@ class Plan:
         r, p = self.run, self.predicted
         return {"model": self.model, "max_length": r.max_length, "padded_length": r.padded_length,
                 "bf16": r.bf16,
-                "sp_size": r.sp_size, "dp": r.dp, "attn_implementation": r.attn_implementation,
+                "sp_size": r.sp_size, "dp": r.dp_size, "attn_implementation": r.attn_implementation,
                 "loss_type": r.loss_type, "loss_chunk_size": r.loss_chunk_size, "tiled_mlp": r.tiled_mlp,
                 "lean_norm": r.lean_norm, "norm_kernel": r.norm_kernel,
                 "experts_implementation": r.experts_implementation, "deltanet_kernel": r.deltanet_kernel,

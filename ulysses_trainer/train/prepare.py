@@ -82,7 +82,7 @@ class RunPlan:
 
     @property
     def dp_size(self) -> int:
-        return self.resolved.run.dp
+        return self.resolved.run.dp_size
 
     @property
     def bf16(self) -> bool:
@@ -109,7 +109,7 @@ def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan
     ins = _inputs(cfg, world_size)
     search = search_plan(cfg, ins.shape, ins.machine, ins.zero, layout=ins.layout)  # the run's one search
     resolved, digest = _refuse_before_data(cfg, ins, search, world_size, training)
-    data = _read_data(cfg, ins, resolved.run.dp)
+    data = _read_data(cfg, ins, resolved.run.dp_size)
     if data.share is not None:  # packed rows: the search's settings timed from the data's documents (no new search)
         resolved = plan_from(search, attention=data.share)
         digest = check_same_plan(resolved, "after the data is read")  # every rank reads the same rows
@@ -190,30 +190,31 @@ class _Data:
     share: AttentionShare | None
 
 
-def _read_data(cfg: TrainConfig, ins: _Inputs, dp: int) -> _Data:
+def _read_data(cfg: TrainConfig, ins: _Inputs, dp_size: int) -> _Data:
     """The tokenizer and the data, checked: enough rows for one step and one eval round, something trained."""
     model_config = ins.model_config
     source = checkpoint_source(cfg.model_name_or_path)
     tokenizer = apply_tokenizer_options(load_tokenizer(source, family(model_config.model_type).tokenizer),
                                         cfg.chat_template_path, cfg.eos_token)
     check_tokenizer_fits(tokenizer, model_config)
-    per_step = dp * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    per_step = dp_size * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     # the whole dataset: the order is a permutation of all of it, whatever max_steps (TRL's sampler)
-    train = prepared_sequences(cfg, tokenizer, split="train", dp_size=dp)
+    train = prepared_sequences(cfg, tokenizer, split="train", dp_size=dp_size)
     check_something_trained(train.counts, "dataset", cfg.assistant_only_loss, cfg.completion_only_loss)
     if len(train) < per_step:
         raise ConfigError(f"the data makes {len(train)} sequences of {cfg.max_length} tokens but one optimizer "
-                          f"step needs {per_step} (dp {dp} x batch {cfg.per_device_train_batch_size} x "
+                          f"step needs {per_step} (dp {dp_size} x batch {cfg.per_device_train_batch_size} x "
                           f"accumulation {cfg.gradient_accumulation_steps}); add data or lower those")
     eval_data = None
     if cfg.evaluates:
         # max_eval_samples bounds both the tokenizing and every evaluation
-        eval_data = prepared_sequences(cfg, tokenizer, split="eval", dp_size=dp, num_sequences=cfg.max_eval_samples)
+        eval_data = prepared_sequences(cfg, tokenizer, split="eval", dp_size=dp_size,
+                                       num_sequences=cfg.max_eval_samples)
         check_something_trained(eval_data.counts, "eval dataset", cfg.assistant_only_loss, cfg.completion_only_loss)
-        per_round = dp * cfg.per_device_eval_batch_size
+        per_round = dp_size * cfg.per_device_eval_batch_size
         if len(eval_data) < per_round:  # else evaluate() runs no round and would log eval_loss 0
             raise ConfigError(f"the eval data makes {len(eval_data)} sequences of {cfg.max_length} tokens "
-                              f"but one eval round needs {per_round} (dp {dp} x per_device_eval_batch_size "
+                              f"but one eval round needs {per_round} (dp {dp_size} x per_device_eval_batch_size "
                               f"{cfg.per_device_eval_batch_size}); add eval data, raise max_eval_samples "
                               f"or lower those")
     # num_train_epochs: every row trained that many times (a step may straddle two epochs: data_order.py)
@@ -221,7 +222,7 @@ def _read_data(cfg: TrainConfig, ins: _Inputs, dp: int) -> _Data:
     recall_probe = None
     if cfg.eval_recall_probe and eval_data is not None:  # before heavy work: a row too short for it is exit 2
         recall_probe = build_recall_probe(eval_data, position_edges(cfg.max_length), cfg.seed, tokenizer.encode,
-                                          covered_rows(len(eval_data), cfg.per_device_eval_batch_size, dp))
+                                          covered_rows(len(eval_data), cfg.per_device_eval_batch_size, dp_size))
     # attention timed from the packed rows' documents (without: one document a row)
     share = data_share(train, cfg.seed, per_step, total) if timed_from_data(cfg) else None
     return _Data(source, tokenizer, train, eval_data, per_step, total, recall_probe, share)
@@ -230,11 +231,11 @@ def _read_data(cfg: TrainConfig, ins: _Inputs, dp: int) -> _Data:
 def _run_plan(cfg: TrainConfig, world_size: int, training: bool, ins: _Inputs, data: _Data, resolved: Plan,
               digest: str) -> RunPlan:
     """The resume's config check, output_dir and its disk need, and the DeepSpeed JSON filled for the plan."""
-    sp_size, dp = resolved.run.sp_size, resolved.run.dp
+    sp_size, dp_size = resolved.run.sp_size, resolved.run.dp_size
     resume_path, train, total, per_step = ins.resume_path, data.train, data.total, data.per_step
     config_changes: dict = {}
     if resume_path:
-        config_changes = check_resume_config(resume_path, run_record(config_to_dict(cfg), world_size, sp_size, dp),
+        config_changes = check_resume_config(resume_path, run_record(config_to_dict(cfg), world_size, sp_size, dp_size),
                                              cfg.allow_config_change)
     clear_output_dir = False
     if training:  # after the data: a missing data file is reported as such, not as an output_dir problem
