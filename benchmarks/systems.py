@@ -27,14 +27,14 @@ class OursLoss(nn.Module):
         super().__init__()
         from ulysses_trainer.model.parallelize import ParallelizeConfig, parallelize
 
-        self.sp_size = parallelize(model, single_process_state(), ParallelizeConfig(
+        self.sp_model = parallelize(model, single_process_state(), ParallelizeConfig(
             attn_implementation=kernel, tiled_mlp=tiled_mlp, gradient_checkpointing=True,
             activation_offload=offload, local_seq_len=seq_len, lean_norm=lean_norm,
             checkpoint_every=checkpoint_every, keep_attention_outputs=keep_attention_outputs))
 
     def forward(self, input_ids, position_ids):
         shard = shard_batch(input_ids, position_ids=position_ids, sp_size=1, sp_rank=0)
-        return self.sp_size(**shard.model_inputs()) / max(shard.num_valid, 1)
+        return self.sp_model(**shard.model_inputs()) / max(shard.num_valid, 1)
 
 
 def _alst_tiled_mlp(mlp):

@@ -95,13 +95,13 @@ def test_the_trainers_model_path_runs_it_and_matches_transformers(plain_family):
     out = ref(input_ids=ids, labels=ids)
     out.loss.backward()
 
-    sp_size = parallelize(model, single_process_state(), plan.model_plan(None, 1))
-    assert isinstance(model.model.layers[0].mlp, PlainMLP) and sp_size.router_stats is None  # the family's install
+    sp_model = parallelize(model, single_process_state(), plan.model_plan(None, 1))
+    assert isinstance(model.model.layers[0].mlp, PlainMLP) and sp_model.router_stats is None  # the family's install
     shard = shard_batch(ids, sp_size=1, sp_rank=0)
-    loss = sp_size(**shard.model_inputs()) / shard.num_valid
+    loss = sp_model(**shard.model_inputs()) / shard.num_valid
     loss.backward()
     assert abs(loss.item() - out.loss.item()) <= 1e-5 * abs(out.loss.item())
-    grads = {n.removeprefix("causal_lm."): p.grad for n, p in sp_size.named_parameters()}
+    grads = {n.removeprefix("causal_lm."): p.grad for n, p in sp_model.named_parameters()}
     for name, p in ref.named_parameters():
         g = grads[name]
         assert (g - p.grad).norm() <= 1e-5 * p.grad.norm() + 1e-12, name

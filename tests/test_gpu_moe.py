@@ -54,21 +54,21 @@ def test_bf16_moe_matches_plain_transformers_on_a_gpu():
     del out
 
     norms = "triton" if "triton" in available_norm_kernels() else "torch"
-    sp_size = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
+    sp_model = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
         attn_implementation="sdpa", loss_type="chunked_nll", loss_chunk_size=256, tiled_mlp=4, lean_norm=True,
         norm_kernel=norms, gradient_checkpointing=True, keep_attention_outputs=True,
         experts_implementation="grouped_mm"))
-    assert isinstance(sp_size.causal_lm.model.layers[0].mlp, SparseMoE)
+    assert isinstance(sp_model.causal_lm.model.layers[0].mlp, SparseMoE)
     shard = shard_batch(ids, sp_size=1, sp_rank=0)
-    objective = sp_size(**shard.model_inputs()) / shard.num_valid + sp_size.aux_loss_coef * sp_size.aux_loss
+    objective = sp_model(**shard.model_inputs()) / shard.num_valid + sp_model.aux_loss_coef * sp_model.aux_loss
     objective.backward()
-    grads = {n.removeprefix("causal_lm."): p.grad for n, p in sp_size.named_parameters()}
+    grads = {n.removeprefix("causal_lm."): p.grad for n, p in sp_model.named_parameters()}
 
     assert grads.keys() == ref_grads.keys()
     loss_err = abs(objective.item() - ref_loss) / ref_loss
-    aux_err = abs(sp_size.aux_loss.item() - ref_aux) / ref_aux
+    aux_err = abs(sp_model.aux_loss.item() - ref_aux) / ref_aux
     gn, ref_gn = _grad_norm(grads.values()), _grad_norm(ref_grads.values())
-    print(f"loss {objective.item():.5f} vs {ref_loss:.5f} (rel {loss_err:.2e}); aux {sp_size.aux_loss.item():.5f} vs "
+    print(f"loss {objective.item():.5f} vs {ref_loss:.5f} (rel {loss_err:.2e}); aux {sp_model.aux_loss.item():.5f} vs "
           f"{ref_aux:.5f} (rel {aux_err:.2e}); grad norm {gn:.4f} vs {ref_gn:.4f} (rel {abs(gn / ref_gn - 1):.2e}); "
           f"norms {norms}")
     assert loss_err <= 1e-2 and aux_err <= 1e-2

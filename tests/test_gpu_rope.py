@@ -78,7 +78,7 @@ def test_a_parallelized_model_on_cuda_runs_the_kernel_and_matches_hf():
     plain = Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16)
     fused = Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16)
     fused.load_state_dict(plain.state_dict())
-    sp_size = parallelize(fused, make_parallel_state(1), ParallelizeConfig(
+    sp_model = parallelize(fused, make_parallel_state(1), ParallelizeConfig(
         attn_implementation="sdpa", tiled_mlp=False, gradient_checkpointing=False, lean_norm=False))
     calls = []
     inner = rope.TritonRope.apply
@@ -87,7 +87,7 @@ def test_a_parallelized_model_on_cuda_runs_the_kernel_and_matches_hf():
         ids = torch.randint(0, cfg.vocab_size, (1, 257), device="cuda")
         pos = torch.arange(257, device="cuda")[None]
         outs = []
-        for model in (plain, sp_size.causal_lm):
+        for model in (plain, sp_model.causal_lm):
             h = model.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
             h.float().pow(2).mean().backward()
             outs.append((h.detach(), {n: p.grad for n, p in model.model.named_parameters()}))

@@ -51,21 +51,21 @@ def test_the_callers_config_is_never_changed_and_undo_gives_the_stock_model():
     types, ids = _module_types(model), _ids()
     with torch.no_grad():
         stock = model(ids).logits
-    sp_size = parallelize(model, make_parallel_state(1), ParallelizeConfig(attn_implementation="sdpa",
+    sp_model = parallelize(model, make_parallel_state(1), ParallelizeConfig(attn_implementation="sdpa",
                                                                       local_seq_len=LENGTH, tiled_mlp=2))
     assert (config.to_dict(), config._attn_implementation) == before  # the model runs on its own copy
-    assert sp_size.config is not config and sp_size.config._attn_implementation.startswith("ulysses_sp1")
+    assert sp_model.config is not config and sp_model.config._attn_implementation.startswith("ulysses_sp1")
     reference_model = build_model(config, torch.float32, seed=0)  # built from the caller's config meanwhile: stock
     with torch.no_grad():
         assert torch.equal(reference_model(ids).logits, stock)
-    back = unparallelize(sp_size)
+    back = unparallelize(sp_model)
     assert back is model and back.config is config and _module_types(back) == types
     assert not back.model.layers[0].gradient_checkpointing
     with torch.no_grad():
         assert torch.equal(back(ids).logits, stock)  # stock logits, bitwise
     with pytest.raises(RuntimeError, match="this model was unparallelized"):
-        sp_size(input_ids=ids)
-    del sp_size, back, model
+        sp_model(input_ids=ids)
+    del sp_model, back, model
     gc.collect()
     with torch.no_grad():  # once the wrapper is gone the caller's config still builds a model (no unknown attention)
         assert torch.equal(build_model(config, torch.float32, seed=0)(ids).logits, stock)
@@ -115,31 +115,31 @@ def test_a_parallelize_failing_half_way_leaves_the_model_as_it_was(monkeypatch):
 
 def test_misuse_of_the_wrapper_is_one_clear_error():
     config = _config()
-    sp_size = parallelize(build_model(config, torch.float32, seed=0), make_parallel_state(1),
+    sp_model = parallelize(build_model(config, torch.float32, seed=0), make_parallel_state(1),
                      ParallelizeConfig(attn_implementation="sdpa"))
     ids = _ids()
     shard = shard_batch(ids, sp_size=1, sp_rank=0)
     with pytest.raises(ValueError, match=r"this rank holds 32 tokens per row, and 32 x sp_size 1 = 32 is not the row's "
                                          r"64 tokens: each SP rank takes its L/sp slice"):
-        sp_size(**{**shard.model_inputs(), "seq_len": 64})
+        sp_model(**{**shard.model_inputs(), "seq_len": 64})
     with pytest.raises(TypeError, match="already parallelized"):
-        parallelize(sp_size, make_parallel_state(1), ParallelizeConfig(attn_implementation="sdpa"))
+        parallelize(sp_model, make_parallel_state(1), ParallelizeConfig(attn_implementation="sdpa"))
     with pytest.raises(TypeError, match="unparallelize takes what parallelize returned"):
-        unparallelize(sp_size.causal_lm)
+        unparallelize(sp_model.causal_lm)
 
 
 def test_stock_state_dict_loads_into_a_stock_model_without_missing_or_unexpected_keys():
     config = _config()
-    sp_size = parallelize(build_model(config, torch.float32, seed=1), make_parallel_state(1),
+    sp_model = parallelize(build_model(config, torch.float32, seed=1), make_parallel_state(1),
                      ParallelizeConfig(attn_implementation="sdpa", local_seq_len=LENGTH, tiled_mlp=2))
-    state = stock_state_dict(sp_size)
+    state = stock_state_dict(sp_model)
     assert not any(k.startswith("causal_lm.") for k in state)
     stock = build_model(config, torch.float32, seed=2)  # other weights
     result = stock.load_state_dict(state, strict=True)
     assert not result.missing_keys and not result.unexpected_keys
     ids = _ids(3)
     with torch.no_grad():
-        assert torch.equal(stock(ids).logits, unparallelize(sp_size)(ids).logits)
+        assert torch.equal(stock(ids).logits, unparallelize(sp_model)(ids).logits)
 
 
 # ---------------------------------------------------------------- sp=2: ranks as threads

@@ -46,14 +46,14 @@ def hf_reference(model: torch.nn.Module, ids: torch.Tensor):
 
 def ours(model: torch.nn.Module, ids: torch.Tensor, **levers):
     """parallelize + one forward/backward, the objective as the trainer forms it (one rank, one micro-step)."""
-    sp_size = parallelize(model, single_process_state(), ParallelizeConfig(attn_implementation="sdpa", **levers))
-    sp_size.zero_grad(set_to_none=True)
+    sp_model = parallelize(model, single_process_state(), ParallelizeConfig(attn_implementation="sdpa", **levers))
+    sp_model.zero_grad(set_to_none=True)
     shard = shard_batch(ids, sp_size=1, sp_rank=0)
-    loss_sum = sp_size(**shard.model_inputs())
-    objective = loss_sum / shard.num_valid + sp_size.aux_loss_coef * sp_size.aux_loss
+    loss_sum = sp_model(**shard.model_inputs())
+    objective = loss_sum / shard.num_valid + sp_model.aux_loss_coef * sp_model.aux_loss
     objective.backward()
-    grads = {n.removeprefix("causal_lm."): p.grad.clone() for n, p in sp_size.named_parameters()}
-    return objective.detach(), sp_size.aux_loss.detach(), grads, sp_size
+    grads = {n.removeprefix("causal_lm."): p.grad.clone() for n, p in sp_model.named_parameters()}
+    return objective.detach(), sp_model.aux_loss.detach(), grads, sp_model
 
 
 def test_matches_plain_transformers_with_aux_loss():
@@ -61,9 +61,9 @@ def test_matches_plain_transformers_with_aux_loss():
     model = tiny_moe()
     ids = batch()
     ref_loss, ref_aux, ref_grads = hf_reference(copy.deepcopy(model), ids)
-    loss, aux, grads, sp_size = ours(copy.deepcopy(model), ids, lean_norm=False, gradient_checkpointing=False,
+    loss, aux, grads, sp_model = ours(copy.deepcopy(model), ids, lean_norm=False, gradient_checkpointing=False,
                                 tiled_mlp=False, loss_type="nll")
-    assert isinstance(sp_size.causal_lm.model.layers[0].mlp, SparseMoE)
+    assert isinstance(sp_model.causal_lm.model.layers[0].mlp, SparseMoE)
     assert ref_aux > 1.0  # E x sum f P is 1 when balanced: something to get right
     assert abs(aux - ref_aux) <= 1e-6 * ref_aux
     assert abs(loss - ref_loss) <= 1e-5 * ref_loss
@@ -71,12 +71,12 @@ def test_matches_plain_transformers_with_aux_loss():
     for n, g in ref_grads.items():
         assert rel(grads[n], g) <= 1e-5, n
     # the aux loss reaches the router: leaving its term out of the objective changes the router's grads
-    sp_size = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
+    sp_model = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
         attn_implementation="sdpa", lean_norm=False, gradient_checkpointing=False, tiled_mlp=False, loss_type="nll"))
     shard = shard_batch(ids, sp_size=1, sp_rank=0)
-    (sp_size(**shard.model_inputs()) / shard.num_valid).backward()
+    (sp_model(**shard.model_inputs()) / shard.num_valid).backward()
     name = "model.layers.0.mlp.gate.weight"
-    assert rel(dict(sp_size.named_parameters())["causal_lm." + name].grad, ref_grads[name]) > 1e-4
+    assert rel(dict(sp_model.named_parameters())["causal_lm." + name].grad, ref_grads[name]) > 1e-4
 
 
 @pytest.mark.parametrize("levers", [
@@ -100,15 +100,15 @@ def test_pads_are_left_out_of_the_router_statistics():
     """A shard's pad rows (real_rows) do not count: the aux loss equals transformers' with an attention mask."""
     model = tiny_moe(seed=5)
     ids = batch(seed=9, b=1, length=30)
-    sp_size = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
+    sp_model = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
         attn_implementation="sdpa", tiled_mlp=False, gradient_checkpointing=False))
     padded = torch.cat([ids, torch.zeros(1, 6, dtype=ids.dtype)], dim=1)
     shard = shard_batch(padded, sp_size=1, sp_rank=0)
     with torch.no_grad():
-        sp_size(**{**shard.model_inputs(), "real_rows": 30})
+        sp_model(**{**shard.model_inputs(), "real_rows": 30})
         ref = model(input_ids=padded, attention_mask=(torch.arange(36) < 30).long()[None],
                     output_router_logits=True).aux_loss
-    assert abs(sp_size.aux_loss - ref) <= 1e-6 * ref
+    assert abs(sp_model.aux_loss - ref) <= 1e-6 * ref
 
 
 def test_rows_of_different_lengths_leave_their_own_pads_out():
@@ -119,16 +119,16 @@ def test_rows_of_different_lengths_leave_their_own_pads_out():
     ids = batch(seed=10, b=2, length=32)
     mask = torch.stack([torch.arange(32) < 32, torch.arange(32) < 21]).long()  # row 1: 11 pads
     ids = torch.where(mask.bool(), ids, 0)
-    sp_size = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
+    sp_model = parallelize(copy.deepcopy(model), single_process_state(), ParallelizeConfig(
         attn_implementation="sdpa", tiled_mlp=False, gradient_checkpointing=False))
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
         shard = shard_batch(ids, sp_size=1, sp_rank=0, real_lengths=[32, 21])
         assert shard.real_rows == (32, 21)
-        sp_size(**shard.model_inputs())
-        per_row = float(sp_size.aux_loss)
-        sp_size(**{**shard.model_inputs(), "real_rows": 32})
-        one_count = float(sp_size.aux_loss)
+        sp_model(**shard.model_inputs())
+        per_row = float(sp_model.aux_loss)
+        sp_model(**{**shard.model_inputs(), "real_rows": 32})
+        one_count = float(sp_model.aux_loss)
     assert abs(per_row - ref) <= 1e-6 * ref
     assert abs(one_count - ref) > 1e-4 * ref
     with pytest.raises(ValueError, match="one count in"):

@@ -44,14 +44,14 @@ def test_parallelize_applies_rope_through_the_fused_module_bitwise():
     ids, pos = make_batch(1, 24, [10, 14])
     plain = build_model(2)
     keys = set(plain.state_dict())
-    sp_size = parallelize(build_model(2), make_parallel_state(1), ParallelizeConfig(
+    sp_model = parallelize(build_model(2), make_parallel_state(1), ParallelizeConfig(
         attn_implementation="sdpa", tiled_mlp=False, gradient_checkpointing=False, lean_norm=False,
         loss_type="nll"))
-    attns = [layer.self_attn for layer in sp_size.causal_lm.model.layers]
+    attns = [layer.self_attn for layer in sp_model.causal_lm.model.layers]
     assert all(isinstance(a, rope.FusedRopeAttention) for a in attns) and len(attns) == 2
-    assert set(sp_size.causal_lm.state_dict()) == keys  # the same children under the same names
+    assert set(sp_model.causal_lm.state_dict()) == keys  # the same children under the same names
     hidden = {}
-    for name, model in (("plain", plain), ("fused", sp_size.causal_lm)):
+    for name, model in (("plain", plain), ("fused", sp_model.causal_lm)):
         inner = model.model
         out = inner(input_ids=ids[:, :10], position_ids=pos[:, :10], use_cache=False).last_hidden_state
         out.pow(2).sum().backward()
