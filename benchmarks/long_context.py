@@ -140,8 +140,8 @@ def run(args) -> dict:
                 _plan_ours(net, config, L, kernel, model=args.model, offload=_policy(args.offload),
                            keep=_policy(args.keep_attention_outputs), every=args.checkpoint_every,
                            lean_norm=args.lean_norm == "true", optimizer_offload=bool(args.offload_optimizer))
-                point["offloaded_layers"] = len(net.sp_size.checkpointer.offload_layers)
-                stash = net.sp_size.attention.stash
+                point["offloaded_layers"] = len(net.sp_model.checkpointer.offload_layers)
+                stash = net.sp_model.attention.stash
                 point["kept_attention_layers"] = len(stash.layers) if stash is not None else 0
                 print(json.dumps({"seq_len": L, "phase": "before_step", **point}), flush=True)
             ids = torch.randint(0, config.vocab_size, (1, L), generator=torch.Generator().manual_seed(L)).to(device)
@@ -205,7 +205,7 @@ def _plan_ours(net, config, L, kernel, *, model: str, offload, keep, every=1, le
     from ulysses_trainer.plan.types import Machine
 
     cfg = TrainConfig(model_name_or_path=model, max_length=L, sp_size=1, bf16=True, attn_implementation=kernel,
-                      activation_offload=offload, keep_attention_outputs=keep, tiled_mlp=net.sp_size.tiles,
+                      activation_offload=offload, keep_attention_outputs=keep, tiled_mlp=net.sp_model.tiles,
                       checkpoint_every=every, lean_norm=lean_norm, optimizer_offload=optimizer_offload)
     machine = Machine(gpus=1, gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30,
                       host_memory_gb=detect_host_memory_gb(),
@@ -213,7 +213,7 @@ def _plan_ours(net, config, L, kernel, *, model: str, offload, keep, every=1, le
                       gpu_name=torch.cuda.get_device_name(), host_memory_source="detected on this machine")
     plan = resolve_plan(cfg, ModelShape.from_config(config), machine)
     print(f"plan: {plan.summary()}", flush=True)
-    apply(net.sp_size, plan.model_plan(None, 1))
+    apply(net.sp_model, plan.model_plan(None, 1))
 
 
 def _policy(text: str):

@@ -139,7 +139,7 @@ def main() -> None:
     wall = time.perf_counter() - t0
     result = {"model": args.model, "length": L, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "offload": args.offload, "keep_attention_outputs": keep,
-              "kernel": net.sp_size.attention.kernel, "tiled_mlp": args.tiled_mlp,
+              "kernel": net.sp_model.attention.kernel, "tiled_mlp": args.tiled_mlp,
               "layers": config.num_hidden_layers, "full_model_layers": full_layers,
               "wall_s_profiled": wall, "device_busy_s": busy_seconds(prof.events()) if cuda else None,
               **summarize(prof.events(), "cuda" if cuda else "cpu")}
