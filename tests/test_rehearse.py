@@ -314,6 +314,60 @@ def test_rehearse_counts_the_qwen3_5_layers_as_modelled(model, gpus, tmp_path):
     assert {"qkv", "conv", "z", "out", "q", "o"} <= gathered  # the DeltaNet layers' and the attention layer's
 
 
+def _row(docs: list[int], pads: int = 0) -> dict:
+    """A row of documents of `docs` tokens each (positions restart at each), then `pads` pads."""
+    import torch
+
+    pos = torch.cat([torch.arange(n) for n in docs] + ([torch.arange(pads)] if pads else []))
+    row = {"input_ids": torch.arange(len(pos)) % 97, "position_ids": pos, "labels": torch.arange(len(pos)) % 97}
+    if pads:
+        row["real_tokens"] = sum(docs)
+    return row
+
+
+@pytest.mark.parametrize("docs, pads, length", [
+    ([1024], 0, 64),                 # one document: the dense path
+    ([700, 200, 124], 0, 64),        # packed: varlen
+    ([900], 124, 64),                # one document and pads
+    ([500, 300], 224, 64),           # packed and pads
+    ([3] * 300 + [124], 0, 8),       # more documents than warm-up tokens: still packed
+    ([1000, 24], 0, 2),              # the shortest warm-up keeps two documents
+    ([1023], 1, 16),                 # one pad stays a pad
+])
+def test_the_warm_up_row_keeps_the_rows_layout(docs, pads, length):
+    """The warm-up step's row (rehearsal.warmup_row) is the row's layout scaled to the warm-up length: packed
+    iff the row is, pads iff the row has them, positions restarting at each scaled document start, so the
+    warm-up compiles the kernels the timed step runs (fla's varlen kernels are compiled apart from its dense
+    ones: a 35B-A3B rehearsal compiled them inside its first timed step when its warm-up row had one document)."""
+    from ulysses_trainer.parallel.sharding import document_layout
+    from ulysses_trainer.train.rehearsal import warmup_row
+
+    row = _row(docs, pads)
+    w = warmup_row(row, length)
+    assert all(len(w[k]) == length for k in ("input_ids", "position_ids", "labels"))
+    assert w["position_ids"].dtype == row["position_ids"].dtype
+
+    def layout(r):
+        real = int(r.get("real_tokens", len(r["input_ids"])))
+        cu, _, packed, pad_spans = document_layout(r["position_ids"][None], [real])
+        return packed, bool(pad_spans), cu
+
+    packed, padded, cu = layout(w)
+    assert (packed, padded) == layout(row)[:2]
+    real = int(w.get("real_tokens", length))
+    assert 1 <= real <= length and (real < length) == (pads > 0)
+    starts = cu[:-1].tolist()
+    docs_w = [b - a for a, b in zip(starts, starts[1:] + [length]) if a < real]
+    assert all(n >= 1 for n in docs_w) and sum(docs_w) == real
+    if len(docs) * 4 <= length:  # room for every document: they all stay
+        assert len(docs_w) == len(docs)
+    # positions restart at every kept start and count up inside each document
+    for a in starts:
+        if a < real:
+            assert int(w["position_ids"][a]) == 0
+    assert warmup_row(row, len(row["input_ids"])) is row  # the full length: the row itself
+
+
 def test_the_rehearsed_compute_is_the_median_of_the_steps_after_the_warm_up(tmp_path):
     """compute_s as the trainer's end-of-run line measures a step (train/metrics.steady_step_s): with four steps,
     the median of the three after the warm-up, not their mean."""

@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                                                          "timed (default 2)")
     ap.add_argument("--warmup_length", type=int,
                     help="tokens per sequence in the warm-up step (default max_length): it compiles kernels and "
-                         "lets DeepSpeed record its module order as well at a fraction of the time")
+                         "lets DeepSpeed record its module order as well at a fraction of the time; each row's "
+                         "documents and pads are scaled to it, so the same kernels compile")
     ap.add_argument("--standin", action="store_true",
                     help="memory only: the attention stand-in replaces the kernel (memory real, time not); with "
                          "--attn_implementation flash_attention_4 it takes that kernel's path (every layer group "

@@ -59,14 +59,45 @@ class Rehearsal:
     around_step: Callable[[int, int], contextlib.AbstractContextManager] | None = None
 
 
+def warmup_row(row: dict, length: int) -> dict:
+    """`row` shrunk to `length` tokens with its layout kept: its documents' starts and its pads scaled by
+    length / its length, each document at least one token. The warm-up step then takes the kernel paths the
+    row's own step takes (one document or packed, pads or none): Triton compiles a varlen kernel apart from the
+    dense one, and a compile left to the first timed step is counted in its time."""
+    import torch
+
+    ids, pos = row["input_ids"], row["position_ids"]
+    full = int(ids.shape[-1])
+    if length >= full:
+        return row
+    real = int(row.get("real_tokens", full))
+    starts = sorted({0, *(pos[:real] == 0).nonzero().flatten().tolist()})
+    # pads stay pads (at least one) and real tokens stay real (at least one)
+    real_new = length if real >= full else min(length - 1, max(1, round(real * length / full)))
+    kept: list[int] = []
+    for s in starts:
+        t = 0 if not kept else min(max(round(s * length / full), kept[-1] + 1), real_new - 1)
+        if kept and t <= kept[-1]:
+            break  # no token left for another document
+        kept.append(t)
+    at = torch.arange(length)
+    doc_start = torch.tensor(kept)[torch.searchsorted(torch.tensor(kept), at, right=True) - 1]  # [length]
+    out = {"input_ids": ids[:length], "position_ids": (at - doc_start).to(pos.dtype)}  # pads continue the last
+    if "labels" in row:
+        out["labels"] = row["labels"][:length]
+    if real < full:
+        out["real_tokens"] = real_new
+    return out
+
+
 def _warmup_batches(trainer, length: int | None) -> list:
-    """Step 0's shards, cut to `length` tokens (kernels compile and DeepSpeed records its module order
-    the same at any length, in less time)."""
+    """Step 0's shards at `length` tokens, each row's layout kept (warmup_row): kernels compile and DeepSpeed
+    records its module order as at the full length, in less time."""
     if length is None:
         return trainer.micro_batches(0)
     plan, micro = trainer.plan, trainer.cfg.per_device_train_batch_size
-    rows = [plan.train_data[i] for i in range(plan.dp_size * micro)]  # any rows will do
-    cut = [{k: r[k][:length] for k in ("input_ids", "position_ids", "labels")} for r in rows]
+    rows = [plan.train_data[i] for i in range(plan.dp_size * micro)]  # the first step's rows
+    cut = [warmup_row(r, length) for r in rows]
     start = trainer.state.dp_rank * micro
     return [trainer.shard_rows(cut[start:start + micro]) for _ in range(trainer.cfg.gradient_accumulation_steps)]
 
