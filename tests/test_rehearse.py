@@ -337,8 +337,7 @@ def _row(docs: list[int], pads: int = 0) -> dict:
 def test_the_warm_up_row_keeps_the_rows_layout(docs, pads, length):
     """The warm-up step's row (rehearsal.warmup_row) is the row's layout scaled to the warm-up length: packed
     iff the row is, pads iff the row has them, positions restarting at each scaled document start, so the
-    warm-up compiles the kernels the timed step runs (fla's varlen kernels are compiled apart from its dense
-    ones: a 35B-A3B rehearsal compiled them inside its first timed step when its warm-up row had one document)."""
+    warm-up compiles the kernels the timed step runs (varlen kernels compile apart from dense ones)."""
     from ulysses_trainer.parallel.sharding import document_layout
     from ulysses_trainer.train.rehearsal import warmup_row
 
