@@ -217,6 +217,16 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
                                 "node's host RAM", [
         _rehearse("qwen3_5_35b_a3b_8gpu_1m", "--config", Q35_35B, "--gpus", "8", "--host_memory_gb", "560",
                   "--warmup_length", "8192")]),
+    "profile_qwen3_5_35b": ("Qwen3.5-35B-A3B's recipe at 4 and 8 of its 40 layers under torch.profiler (one block of 3 "
+                            "DeltaNet + 1 full-attention layer = the difference; the full run's levers, no offload; "
+                            "needs fla-core)", [
+        (PROF_REHEARSAL, "--out", f"profile_rehearsal_35b_l{n}.json", "--", "--bf16", "true", "--seed", "42",
+         "--save_strategy", "no", "--config", Q35_35B, "--gpus", "8", "--host_memory_gb", "560", "--warmup_length",
+         "8192", "--steps", "3", "--model_init_kwargs",
+         f'{{"num_hidden_layers": {n}, "rope_parameters": {{"rope_type": "yarn", "factor": 4, '
+         '"rope_theta": 10000000.0}}', "--tiled_mlp", "4", "--activation_offload", "0",
+         "--keep_attention_outputs", str(n), "--optimizer_offload", "false", "--norm_kernel", "triton",
+         "--attn_implementation", "sdpa") for n in (4, 8)]),
     "rehearse_qwen3_5_27b_longest": ("memory only (stand-in attention; DeltaNet, conv and the rest real): Qwen3.5-27B "
                                      "at the plan's longest on 8 H200s, 2,777,088 tokens, rank 0", [
         _rehearse("qwen3_5_27b_2777088_standin", "--config", Q35_27B, "--gpus", "8", "--max_length", "2777088",
