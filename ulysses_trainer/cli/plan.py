@@ -36,7 +36,7 @@ from ..model.load import model_config_for
 from ..plan.attention_share import AttentionShare, timed_from_data
 from ..plan.inputs import ModelShape, Settings, local_tokens
 from ..plan.longest_fit import Choice, Hardware, largest_max_length
-from ..plan.memory import MemoryEstimate
+from ..plan.memory_record import MemoryEstimate
 from ..plan.names import GIB
 from ..plan.resolve import plan_from, search_plan
 from ..plan.types import Machine, Plan, read_zero

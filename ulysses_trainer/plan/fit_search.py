@@ -22,7 +22,8 @@ from typing import Any
 
 from .inputs import ModelShape, Settings, Zero3Knobs, saved_layer_count
 from .lever_settings import Fixed  # the levers bound to a model (None: searched)
-from .memory import MemoryEstimate, estimate
+from .memory import estimate
+from .memory_record import MemoryEstimate
 from .names import GIB, default_mlp_tiles
 
 EVERY_CHOICES = (1, 2, 3, 4, 6, 9, 12)  # checkpoint_every values the search tries, cheapest first

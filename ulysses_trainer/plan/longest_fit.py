@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from .fit_search import cheapest_fit
 from .inputs import ModelShape, Settings, Zero3Knobs
 from .lever_settings import Fixed
-from .memory import MemoryEstimate
+from .memory_record import MemoryEstimate
 
 
 @dataclass(frozen=True)

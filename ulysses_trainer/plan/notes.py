@@ -8,7 +8,7 @@ from typing import Any
 from .attention_share import AttentionShare
 from .inputs import Settings
 from .lever_settings import Fixed
-from .memory import MemoryEstimate
+from .memory_record import MemoryEstimate
 from .step_time import StepTime, format_seconds
 from .types import Machine, Plan
 

@@ -10,7 +10,7 @@ from ..errors import ConfigError
 from ..zero_json import zero_size
 from .inputs import Settings, Zero3Knobs
 from .lever_settings import Fixed
-from .memory import MemoryEstimate
+from .memory_record import MemoryEstimate
 from .model_plan import ModelPlan
 from .names import DEFAULT_SUB_GROUP_SIZE, GIB, check_zero_stage, offload_sub_group_size
 from .step_time import format_seconds
