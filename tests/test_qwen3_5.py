@@ -248,6 +248,46 @@ def test_sp2_under_zero3_equals_stock_transformers(preset):
         assert_equal(got, ref)
 
 
+def _fla_conv_as_documented(x, weight, bias=None, activation=None, cu_seqlens=None, **_):
+    """fla's causal_conv1d as its docstring defines it (x [B, T, D], weight [D, W], cu_seqlens over a B = 1 batch),
+    written with torch's conv1d: what the trainer's call into it must match."""
+    assert bias is None and x.is_contiguous()
+    w = weight.shape[1]
+
+    def one(seg):  # [T', D] -> [T', D]
+        y = F.conv1d(F.pad(seg.t()[None], (w - 1, 0)), weight[:, None], groups=seg.shape[1])[0].t()
+        return F.silu(y) if activation == "silu" else y
+
+    if cu_seqlens is None:
+        return torch.stack([one(row) for row in x]), None
+    assert x.shape[0] == 1 and cu_seqlens.dtype == torch.long
+    bounds = cu_seqlens.tolist()
+    return torch.cat([one(x[0, a:e]) for a, e in zip(bounds[:-1], bounds[1:])])[None], None
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fla_conv_call_matches_the_torch_conv(packed, monkeypatch):
+    """The mixer's conv through fla (attention/deltanet.fla_conv_tokens) hands fla's causal_conv1d the layout,
+    weight and documents it documents: against fla's definition written in torch, the output and both gradients
+    equal the torch conv's, on the mixer's own strided view of its packed channels."""
+    from ulysses_trainer.attention import deltanet
+
+    monkeypatch.setattr(deltanet, "_fla_conv_function", lambda: _fla_conv_as_documented)
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(2, 50, 12 + 3, generator=g)  # [b, s, C + 3]: the conv's channels and two more fields
+    w = torch.randn(12, 4, generator=g)
+    cu = torch.tensor([0, 20, 50, 100], dtype=torch.int32) if packed else None
+    outs = []
+    for fn in (deltanet.fla_conv_tokens, deltanet.torch_conv_tokens):
+        x, wt = wide.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(x[..., :12], wt, cu)  # a [b, s, 12] view with a token stride of 15
+        y.backward(torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape).sin())
+        outs.append((y.detach(), x.grad, wt.grad))
+    for a, b in zip(*outs):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+    assert deltanet.CONV_FUNCTIONS["fla"] is deltanet.fla_conv_tokens  # the kernel's name picks both parts
+
+
 def test_conv_and_rule_keep_packed_documents_apart():
     from ulysses_trainer.attention.deltanet import causal_conv, torch_rule
 

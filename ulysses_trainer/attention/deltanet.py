@@ -1,9 +1,10 @@
 """Gated DeltaNet kernels (Qwen3.5's linear-attention layers): the causal depthwise conv and the gated delta rule,
 each over the whole sequence of the heads it is given, with packed documents kept apart.
 
-Two rule kernels under one name each (plan/names.DELTANET_KERNELS): `fla`, flash-linear-attention's
-chunk_gated_delta_rule (Triton, CUDA; its varlen path takes cu_seqlens), and `torch`, the same chunked algorithm
-in fp32 torch ops (any device; packed documents one at a time). Both take q, k with K key heads and v with V value
+Two kernels under one name each (plan/names.DELTANET_KERNELS), each a rule and a conv: `fla`,
+flash-linear-attention's chunk_gated_delta_rule and causal_conv1d (Triton, CUDA; their varlen paths take
+cu_seqlens), and `torch`, the same chunked algorithm in fp32 torch ops and the conv as multiply-adds per tap (any
+device; packed documents one at a time). Both take q, k with K key heads and v with V value
 heads (value head j reads key head j // (V / K)), L2-normalise q and k, scale q by dk^-0.5, and start every
 document from a zero state. The fla call stays in `_fla_rule` alone, so another kernel is one function here.
 """
@@ -126,6 +127,36 @@ class _CausalConv(torch.autograd.Function):
         return grad_x, grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None, None
 
 
+@functools.cache
+def _fla_conv_function():
+    """fla's causal_conv1d (Triton), None where flash-linear-attention (or Triton) is not installed."""
+    try:
+        return importlib.import_module("fla.modules.causal_conv1d").causal_conv1d
+    except Exception:  # ImportError, or a Triton that fails to load without a GPU
+        return None
+
+
+def torch_conv_tokens(x: Tensor, weight: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+    """causal_conv + SiLU on the tokens-first layout the mixer holds: x [b, s, C] -> [b, s, C]."""
+    return causal_conv(x.transpose(1, 2), weight, cu_seqlens).transpose(1, 2)  # [b, C, s] view and back
+
+
+def fla_conv_tokens(x: Tensor, weight: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+    """The same through fla's Triton causal_conv1d: bf16 in and out with fp32 sums, one read of x per tap window
+    instead of the torch path's fp32 slabs (fla's varlen path takes the batch flattened to one row)."""
+    fn = _fla_conv_function()
+    if fn is None:
+        raise RuntimeError("deltanet kernel fla needs flash-linear-attention on CUDA (pip install "
+                           "flash-linear-attention); use deltanet_kernel: torch")
+    b, s, c = x.shape
+    x = x.contiguous()  # the mixer's view of its packed channels: [b, s, C] with a wider token stride
+    if cu_seqlens is not None:
+        x = x.reshape(1, b * s, c)  # [b, s, C] -> [1, b*s, C]: documents are contiguous in the flattened batch
+        cu_seqlens = cu_seqlens.to(device=x.device, dtype=torch.long)
+    y, _ = fn(x, weight, activation="silu", cu_seqlens=cu_seqlens)  # [B, T, C]
+    return y.reshape(b, s, c)
+
+
 def causal_conv(x: Tensor, weight: Tensor, cu_seqlens: Tensor | None, activation: bool = True) -> Tensor:
     """Depthwise causal conv of x [b, C, s] with weight [C, k] (+ SiLU), per channel. With cu_seqlens (over the
     flattened b*s tokens), no window reaches back past its document's first token (the taps that would are
@@ -227,3 +258,5 @@ def _fla_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqle
 
 
 DELTANET_FUNCTIONS = {"fla": _fla_rule, "torch": torch_rule}
+# each rule's conv (+ SiLU) on x [b, s, C]: one deltanet_kernel names both, so fla's rule runs with fla's conv
+CONV_FUNCTIONS = {"fla": fla_conv_tokens, "torch": torch_conv_tokens}

@@ -104,7 +104,7 @@ class GatedDeltaNet(TokenMixer):
         rule = t * d.linear_v_heads * head * (fwd_bwd + extra * fwd)
         conv = t * self._conv(d) * rates.DELTANET_CONV_S * (1.0 + extra / 3.0)
         return rule + conv, ["DeltaNet layers timed at fla's measured rule and conv rates (H200, one shape; the "
-                             "torch rule and the trainer's conv are not measured)"]
+                             "torch kernel's rule and conv are not measured)"]
 
     @staticmethod
     def _conv(d: LayerDims) -> int:

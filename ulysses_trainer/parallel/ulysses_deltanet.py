@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention.deltanet import DELTANET_FUNCTIONS, causal_conv
+from ..attention.deltanet import CONV_FUNCTIONS, DELTANET_FUNCTIONS
 from .comm import heads_to_seq, seq_to_heads
 from .state import ParallelState
 
@@ -35,16 +35,17 @@ class ChannelConv(nn.Module):
     """The layer's depthwise conv weight under its own name (`conv1d.weight`, the same Parameter: no copy), run on
     the channels a rank holds. A module of its own so that ZeRO-3 gathers the weight when it runs."""
 
-    def __init__(self, conv: nn.Conv1d):
+    def __init__(self, conv: nn.Conv1d, kernel: str):
         super().__init__()
         assert conv.bias is None, "Qwen3.5's DeltaNet conv has no bias"
         self.weight = conv.weight  # [C, 1, k]
         self.kernel_size = conv.kernel_size
+        self.conv = CONV_FUNCTIONS[kernel]
 
     def forward(self, x: Tensor, channels: list[slice], cu_seqlens: Tensor | None) -> Tensor:
         w = self.weight.squeeze(1)  # [C, 1, k] -> [C, k]
         w = torch.cat([w[c] for c in channels])  # [C/sp, k]: this rank's channels, in x's order
-        return causal_conv(x, w, cu_seqlens)  # [b, C/sp, s]
+        return self.conv(x, w, cu_seqlens)  # [b, s, C/sp] -> [b, s, C/sp], SiLU applied
 
 
 class UlyssesGatedDeltaNet(nn.Module):
@@ -58,7 +59,7 @@ class UlyssesGatedDeltaNet(nn.Module):
             raise ValueError(f"deltanet kernel {kernel!r} is not one of {', '.join(DELTANET_FUNCTIONS)}")
         self.in_proj_qkv, self.in_proj_z = net.in_proj_qkv, net.in_proj_z
         self.in_proj_b, self.in_proj_a = net.in_proj_b, net.in_proj_a
-        self.conv1d = ChannelConv(net.conv1d)
+        self.conv1d = ChannelConv(net.conv1d, kernel)
         self.dt_bias, self.A_log = net.dt_bias, net.A_log
         self.norm, self.out_proj = net.norm, net.out_proj
         self.layer_idx = net.layer_idx
@@ -97,8 +98,7 @@ class UlyssesGatedDeltaNet(nn.Module):
             cu = cu.to(packed.device)
         if cu is not None and cu.numel() == b + 1:  # one document per row: the plain per-row conv and rule
             cu = None
-        # the conv, channels first: [b, s, c] -> [b, c, s] -> [b, s, c]
-        mixed = self.conv1d(conv_in.transpose(1, 2), self.channels, cu).transpose(1, 2)
+        mixed = self.conv1d(conv_in, self.channels, cu)  # [b, s, c]
         q, k, v = mixed.split([kl * dk, kl * dk, vl * dv], dim=-1)
         q, k = q.reshape(b, s, kl, dk), k.reshape(b, s, kl, dk)  # [b, s, K/sp, dk]
         v = v.reshape(b, s, vl, dv)  # [b, s, V/sp, dv]; value head j reads key head j // (V / K)
