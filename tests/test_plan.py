@@ -13,6 +13,7 @@ import pytest
 from tests.dist_utils import JOB_TIMEOUT_S
 from ulysses_trainer.__main__ import main as cli_main
 from ulysses_trainer.plan import counts, host_terms, inputs, layer_terms, partitions
+from ulysses_trainer.plan import loss_terms as L
 from ulysses_trainer.plan import memory as M
 from ulysses_trainer.plan.calibration import compare, load_calibration, load_measurements
 from ulysses_trainer.plan.inputs import ModelShape, Settings
@@ -85,18 +86,18 @@ def test_loss_terms_by_hand():
     s = Settings(max_length=1_048_576, sp_size=8)
     # hidden grad (bf16) + fp32 lm_head grad + the larger of: one chunk's fp32 logits next to the bf16
     # dlogits of 8 chunks, or the final bf16 [V, H] weight grad
-    assert M.chunked_loss_bytes(Q8, s) == t * h * 2 + V * h * 4 + max(c * V * 4 + 8 * c * V * 2, V * h * 2)
-    assert M.chunked_loss_bytes(Q8, s) == t * h * 2 + V * h * 4 + V * h * 2  # 256 rows: the weight grad wins
-    assert M.chunked_loss_bytes(Q8, replace(s, loss_chunk_size=1024)) == t * h * 2 + V * h * 4 + 1024 * V * 20
+    assert L.chunked_loss_bytes(Q8, s) == t * h * 2 + V * h * 4 + max(c * V * 4 + 8 * c * V * 2, V * h * 2)
+    assert L.chunked_loss_bytes(Q8, s) == t * h * 2 + V * h * 4 + V * h * 2  # 256 rows: the weight grad wins
+    assert L.chunked_loss_bytes(Q8, replace(s, loss_chunk_size=1024)) == t * h * 2 + V * h * 4 + 1024 * V * 20
     plain = replace(s, loss_type="nll")
-    assert M.plain_loss_bytes(Q8, plain) == 3 * t * V * 4 + V * h * 2  # 3 fp32 [t, V] in backward
-    assert M.loss_bytes(Q8, plain) > 40 * M.loss_bytes(Q8, s)  # 224 GiB vs 4.7 GiB: why chunked is the default
+    assert L.plain_loss_bytes(Q8, plain) == 3 * t * V * 4 + V * h * 2  # 3 fp32 [t, V] in backward
+    assert L.loss_bytes(Q8, plain) > 40 * L.loss_bytes(Q8, s)  # 224 GiB vs 4.7 GiB: why chunked is the default
 
 
 def test_loss_grad_group_matches_the_lever():
     from ulysses_trainer.levers.chunked_loss import GRAD_GROUP
 
-    assert M.LOSS_GRAD_GROUP == GRAD_GROUP
+    assert L.LOSS_GRAD_GROUP == GRAD_GROUP
 
 
 def test_layer_terms_by_hand():

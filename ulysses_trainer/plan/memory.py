@@ -1,8 +1,8 @@
 """Per-GPU and host memory of one training step, term by term, for a Qwen3-style model.
 
-Every formula lives here or, for one decoder layer, in plan/layer_terms.py: one named function per
-term, each saying what it counts. Sizes are bytes; "GB" in user-facing names means GiB (2**30 bytes),
-as torch.cuda.max_memory_allocated is read.
+Every formula lives here or, for one decoder layer, in plan/layer_terms.py (the loss's in plan/loss_terms.py,
+the host's in plan/host_terms.py): one named function per term, each saying what it counts. Sizes are bytes;
+"GB" in user-facing names means GiB (2**30 bytes), as torch.cuda.max_memory_allocated is read.
 
 Notation used in the docstrings: t = tokens per rank per micro-step (batch x padded length / sp),
 H hidden, I intermediate, V vocabulary, nq / nkv query / KV heads, d head_dim, Q = nq*d, K = nkv*d,
@@ -41,10 +41,10 @@ from .layer_terms import (
     layer_forward_saved,
     layer_gathered_params_bytes,
     layer_working_set,
-    rmsnorm_saved_bytes,
     tied_embedding_grad_bytes,
     unattributed_bytes,
 )
+from .loss_terms import final_norm_bytes, lm_head_gathered_bytes, loss_bytes
 from .memory_record import MemoryEstimate, Term
 from .names import GIB
 from .partitions import (
@@ -202,48 +202,6 @@ def rope_bytes(shape: ModelShape, s: Settings) -> int:
     """Rotary cos and sin for the local positions, [b, t, d] each in the training dtype, passed to
     every layer (and kept by each checkpoint for its recompute)."""
     return 2 * s.local_tokens * shape.head_dim * s.act_bytes
-
-
-# --------------------------------------------------------------------------------------------
-# The loss
-
-
-def final_norm_bytes(shape: ModelShape, s: Settings) -> int:
-    """The final RMSNorm's saved tensors plus its output (the loss input, alive during the loss)."""
-    t, e = s.local_tokens, s.act_bytes
-    return rmsnorm_saved_bytes(t, shape.hidden, e, s.lean_norm) + t * shape.hidden * e
-
-
-LOSS_GRAD_GROUP = 8  # = levers.chunked_loss.GRAD_GROUP (the planner imports no torch; a test ties them)
-
-
-def chunked_loss_bytes(shape: ModelShape, s: Settings) -> int:
-    """levers/chunked_loss.py: the hidden grad [t, H] and the fp32 lm_head grad [V, H], both built in
-    forward; one chunk's fp32 logits (turned into probabilities in place) next to the dlogits buffer of
-    GRAD_GROUP chunks (training dtype); in bf16 the final bf16 weight grad."""
-    t, e, v, h, c = s.local_tokens, s.act_bytes, shape.vocab, shape.hidden, s.loss_chunk_size
-    c = min(c, t)
-    group = min(c * LOSS_GRAD_GROUP, t)
-    vh_lowp = v * h * e if e < FP32 else 0
-    chunk = c * v * FP32 + group * v * e
-    return t * h * e + v * h * FP32 + max(chunk, vh_lowp)
-
-
-def plain_loss_bytes(shape: ModelShape, s: Settings) -> int:
-    """Full logits (levers' nll_sum / HF's loss): in backward the fp32 log-softmax output it saved, the
-    NLL grad and the log-softmax grad coexist: 3 fp32 [t, V]; plus the lm_head weight grad."""
-    t, e, v, h = s.local_tokens, s.act_bytes, shape.vocab, shape.hidden
-    return 3 * t * v * FP32 + v * h * e
-
-
-def loss_bytes(shape: ModelShape, s: Settings) -> int:
-    """The loss's own buffers for the configured loss type."""
-    return chunked_loss_bytes(shape, s) if s.loss_type == "chunked_nll" else plain_loss_bytes(shape, s)
-
-
-def lm_head_gathered_bytes(shape: ModelShape, s: Settings) -> int:
-    """ZeRO-3 gathers the full lm_head weight [V, H] for the loss."""
-    return 0 if s.zero_stage == 0 else shape.vocab * shape.hidden * s.act_bytes
 
 
 # --------------------------------------------------------------------------------------------
