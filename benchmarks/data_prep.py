@@ -57,7 +57,8 @@ def _tokenizer(template: str | None):
     """The Qwen BPE; with template "chatml", as a checkpoint's HF tokenizer carrying CHATML."""
     import tempfile
 
-    from ulysses_trainer.data.tokenizer import QwenBPETokenizer, load_tokenizer
+    from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
+    from ulysses_trainer.data.tokenizer import load_tokenizer
 
     if template is None:
         return load_tokenizer(None)

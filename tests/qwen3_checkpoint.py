@@ -36,7 +36,7 @@ def qwen3_template_or_skip() -> str:
 def write_qwen3_tokenizer(path: Path, chat_template: str | None) -> Path:
     from transformers import AutoTokenizer
 
-    from ulysses_trainer.data.tokenizer import QwenBPETokenizer
+    from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     QwenBPETokenizer().save_pretrained(str(path))

@@ -18,8 +18,8 @@ from ulysses_trainer.data.chat import (
 )
 from ulysses_trainer.data.documents import build_sequences
 from ulysses_trainer.data.formats import detect_format
+from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
 from ulysses_trainer.data.rows import build_rows
-from ulysses_trainer.data.tokenizer import QwenBPETokenizer
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.parallel.sharding import IGNORE_INDEX, shard_batch
 

@@ -8,8 +8,9 @@ import torch
 
 from ulysses_trainer.config import TrainConfig
 from ulysses_trainer.data.documents import build_sequences, default_num_sequences
+from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
 from ulysses_trainer.data.synthetic import synthetic_document, synthetic_documents
-from ulysses_trainer.data.tokenizer import QwenBPETokenizer, check_tokenizer_fits, load_tokenizer
+from ulysses_trainer.data.tokenizer import check_tokenizer_fits, load_tokenizer
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.families.presets import preset_config
 

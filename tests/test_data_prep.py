@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ulysses_trainer.data.tokenizer import QwenBPETokenizer, utf8_lengths
+from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
+from ulysses_trainer.data.tokenizer import utf8_lengths
 
 ALPHABET = "abc XYZ 012\n\t.,;é漢字日本語🙂🚀 ñü <|im_start|> ِ ́"
 

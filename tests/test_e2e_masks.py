@@ -60,7 +60,7 @@ def _empty_shards(path, extra) -> int:
     from ulysses_trainer.cli.argv import parse_overrides
     from ulysses_trainer.config.load import build_config
     from ulysses_trainer.data.documents import build_sequences
-    from ulysses_trainer.data.tokenizer import QwenBPETokenizer
+    from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
     from ulysses_trainer.parallel.sharding import shard_batch
 
     _, over = parse_overrides(["--max_length", str(MAX_LENGTH), *extra])

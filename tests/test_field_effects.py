@@ -19,7 +19,7 @@ def test_dataset_train_and_test_split_choose_the_hf_split(monkeypatch):
     import datasets
 
     from ulysses_trainer.data.documents import build_sequences
-    from ulysses_trainer.data.tokenizer import QwenBPETokenizer
+    from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
 
     asked = []
 
@@ -90,7 +90,7 @@ def test_per_device_eval_batch_size_is_the_eval_round(tmp_path):
 
 def test_max_length_policy_truncates_or_drops_a_long_conversation(tmp_path):
     from ulysses_trainer.data.documents import build_sequences
-    from ulysses_trainer.data.tokenizer import QwenBPETokenizer
+    from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
 
     rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]},
             {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}]

@@ -89,7 +89,7 @@ def test_plan_command_takes_the_attention_from_the_data(capsys):
     from ulysses_trainer.cli.argv import load_config
     from ulysses_trainer.data.documents import build_sequences
     from ulysses_trainer.data.order import trained_rows
-    from ulysses_trainer.data.tokenizer import QwenBPETokenizer
+    from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
 
     recipe = str(ROOT / "launch" / "recipes" / "one_gpu_4b_sessions.yaml")
     args = ["plan", "--config", recipe, "--gpus", "1", "--gpu_memory_gb", "139.8", "--host_memory_gb", "1000",

@@ -35,7 +35,7 @@ def qwen3_5_tokenizer_dir(tmp_path_factory) -> Path:
     """Qwen3.5's vocabulary as an HF tokenizer (eos <|im_end|>, as Qwen3.5's chat checkpoints set it)."""
     from transformers import AutoTokenizer
 
-    from ulysses_trainer.data.tokenizer import QwenBPETokenizer
+    from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
 
     d = tmp_path_factory.mktemp("qwen3_5_tokenizer")
     QwenBPETokenizer("qwen3.5").save_pretrained(str(d))
@@ -168,7 +168,8 @@ def test_the_qwen3_5_preset_tokenizer_is_qwen3_5s_bpe_with_its_shipped_template(
     tiktoken BPE encodes it, and Qwen3.5's shipped template, recognised as such (its training variant for
     assistant_only_loss), so a preset's chat data is rendered as a Qwen3.5 checkpoint's is."""
     from ulysses_trainer.data.documents import chat_template_of
-    from ulysses_trainer.data.tokenizer import QwenBPETokenizer, preset_tokenizer
+    from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
+    from ulysses_trainer.data.tokenizer import preset_tokenizer
 
     tok, bpe = preset_tokenizer("qwen3.5"), QwenBPETokenizer("qwen3.5")
     assert tok.eos_token_id == bpe.eos_token_id == 248044 and tok.vocab_size == bpe.vocab_size <= 248320

@@ -109,7 +109,8 @@ def test_list_of_parts_renders_as_string_content(qwen3_tok, fixture_template, tm
     built-in format with the Qwen BPE, and an unrecognised template give the tokens of string content."""
     from ulysses_trainer.data.chat_template import TemplateRenderer
     from ulysses_trainer.data.documents import chat_template_of
-    from ulysses_trainer.data.tokenizer import QwenBPETokenizer, load_tokenizer
+    from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
+    from ulysses_trainer.data.tokenizer import load_tokenizer
 
     def parts(text):
         cut = len(text) // 2

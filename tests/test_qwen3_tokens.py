@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ulysses_trainer.data.chat import render_qwen3, tokenize_segments
-from ulysses_trainer.data.tokenizer import QwenBPETokenizer
+from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
 
 # Qwen3's tokenizer.json (Qwen/Qwen3-8B): written out here, not read from the table the code embeds
 NOT_SPECIAL = {"<tool_call>": 151657, "</tool_call>": 151658, "<|fim_prefix|>": 151659, "<|fim_middle|>": 151660,

@@ -13,8 +13,8 @@ import pytest
 from ulysses_trainer.config import TrainConfig
 from ulysses_trainer.data.documents import _open, build_sequences
 from ulysses_trainer.data.formats import LANGUAGE_MODELING
+from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
 from ulysses_trainer.data.rows import build_rows, lower_bound
-from ulysses_trainer.data.tokenizer import QwenBPETokenizer
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.parallel.sharding import IGNORE_INDEX
 

@@ -153,7 +153,8 @@ def test_chat_template_path_file_or_tokenizer_dir_replaces_the_template(tmp_path
 
 
 def test_chat_template_path_refusals(tmp_path):
-    from ulysses_trainer.data.tokenizer import QwenBPETokenizer, apply_tokenizer_options
+    from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
+    from ulysses_trainer.data.tokenizer import apply_tokenizer_options
 
     tok = _own_tokenizer(tmp_path / "tok")
     with pytest.raises(ConfigError, match="chat_template_path .*nope.jinja not found"):
@@ -172,7 +173,8 @@ def test_chat_template_path_refusals(tmp_path):
 def test_eos_token_ends_text_documents_and_must_be_known(tmp_path):
     from ulysses_trainer.config import TrainConfig
     from ulysses_trainer.data.documents import build_sequences
-    from ulysses_trainer.data.tokenizer import QwenBPETokenizer, apply_tokenizer_options
+    from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
+    from ulysses_trainer.data.tokenizer import apply_tokenizer_options
 
     tok = apply_tokenizer_options(QwenBPETokenizer(), None, "<|im_end|>")
     assert tok.eos_token_id == 151645 and tok.eos_token == "<|im_end|>"
@@ -205,7 +207,7 @@ def _messages_file(path, arguments='{"q": 1}'):
 def test_settings_without_effect_on_conversations_are_refused(tmp_path, setting, pattern):
     from ulysses_trainer.config import TrainConfig
     from ulysses_trainer.data.documents import build_sequences
-    from ulysses_trainer.data.tokenizer import QwenBPETokenizer
+    from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
 
     data = _messages_file(tmp_path / "chat.jsonl")
     with pytest.raises(ConfigError, match=pattern):
@@ -224,7 +226,7 @@ def test_completion_only_loss_on_text_is_refused_by_the_data_command(tmp_path, c
 def test_non_json_tool_call_arguments_are_refused_with_the_example(tmp_path):
     from ulysses_trainer.config import TrainConfig
     from ulysses_trainer.data.documents import build_sequences
-    from ulysses_trainer.data.tokenizer import QwenBPETokenizer
+    from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
 
     good = build_sequences(TrainConfig(dataset_name=str(_messages_file(tmp_path / "a.jsonl")), max_length=64),
                            QwenBPETokenizer())
@@ -252,7 +254,8 @@ def test_dataset_num_proc_must_be_positive():
 def test_eos_token_ends_string_completions_and_is_refused_on_message_pairs(tmp_path):
     from ulysses_trainer.config import TrainConfig
     from ulysses_trainer.data.documents import build_sequences
-    from ulysses_trainer.data.tokenizer import QwenBPETokenizer, apply_tokenizer_options
+    from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
+    from ulysses_trainer.data.tokenizer import apply_tokenizer_options
 
     strings = tmp_path / "pc.jsonl"
     strings.write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")

@@ -19,7 +19,8 @@ from ulysses_trainer.config import TrainConfig
 from ulysses_trainer.data.chat import render_qwen3, tokenize_segments
 from ulysses_trainer.data.chat_template import CHATML, MARKERS, PREFIXES
 from ulysses_trainer.data.documents import build_sequences, chat_template_of
-from ulysses_trainer.data.tokenizer import QwenBPETokenizer, load_tokenizer
+from ulysses_trainer.data.qwen_bpe import QwenBPETokenizer
+from ulysses_trainer.data.tokenizer import load_tokenizer
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.parallel.sharding import IGNORE_INDEX
 

@@ -1,7 +1,7 @@
 """Qwen3's added tokens: the ids, text and special flag its tokenizer gives them (tokenizer.json's added_tokens
 in Qwen/Qwen3-8B and the other Qwen3 checkpoints; the same table as Qwen2.5 plus <tool_response> and <think>).
 
-The built-in tokenizer (data/tokenizer.QwenBPETokenizer) carries exactly these after the 151,643 BPE ranks, so a
+The built-in tokenizer (data/qwen_bpe.QwenBPETokenizer) carries exactly these after the 151,643 BPE ranks, so a
 preset's ids are a Qwen3 checkpoint's: `<think>` is 151667, and the vocabulary is 151,669 ids long.
 """
 
