@@ -19,8 +19,10 @@ from ulysses_trainer.plan.inputs import ModelShape, Settings
 from ulysses_trainer.plan.rates import (
     KERNEL_RATES,
     NORM_S_PER_ELEMENT,
+    ROPE_S_PER_ELEMENT,
     kernel_rates_from_results,
     norm_rates_from_results,
+    rope_rates_from_results,
 )
 from ulysses_trainer.plan.resolve import plan_for, replan_after_engine, resolve_plan
 from ulysses_trainer.plan.step_time import (
@@ -220,6 +222,24 @@ def test_does_not_fit_names_the_limit_and_the_missing_gib(capsys):
 def test_step_time_rates_are_the_benchmark_files():
     assert kernel_rates_from_results(ROOT / "benchmarks" / "results") == KERNEL_RATES
     assert norm_rates_from_results(ROOT / "benchmarks" / "results") == NORM_S_PER_ELEMENT
+    assert rope_rates_from_results(ROOT / "benchmarks" / "results") == ROPE_S_PER_ELEMENT
+
+
+def test_the_step_swaps_rotate_half_for_the_rope_kernel_where_the_family_takes_it():
+    """A Qwen3 step: rotate_half's measured seconds leave the dense term (fitted with them) and the kernel's are
+    added, ~10x less; a Qwen3.5 step (HF's RoPE ops) has no RoPE term and its dense term keeps them."""
+    from ulysses_trainer.plan.inputs import mlp_run
+    from ulysses_trainer.plan.step_time import rope_seconds
+
+    for preset, fused in (("qwen3-4b", True), ("qwen3.5-27b", False)):
+        shape = ModelShape.preset(preset)
+        s = Settings(max_length=262144, attn_implementation="sdpa", norm_kernel="triton")
+        parts = step_time(shape, s, 4_000_000_000).parts
+        assert ("RoPE (triton)" in parts) == fused
+        if fused:
+            run = mlp_run(shape, s)
+            half, kernel = (rope_seconds(shape, run, k, shape.layers) for k in ("torch", "triton"))
+            assert parts["RoPE (triton)"] == pytest.approx(kernel) and 8 < half / kernel < 12
 
 
 @pytest.mark.parametrize("source, settings, measured", [
@@ -231,11 +251,16 @@ def test_step_time_rates_are_the_benchmark_files():
                            attn_implementation="flash_attention_4"), 39.40),
 ])
 def test_step_time_reproduces_the_calibration_runs(source, settings, measured):
+    """The runs the dense rate was fitted to, which rotated q and k with HF's rotate_half: the plan (the fused
+    kernel's RoPE) predicts them less rotate_half's measured seconds plus the kernel's."""
     s = Settings(**settings)
     from ulysses_trainer.plan.counts import num_params
+    from ulysses_trainer.plan.inputs import mlp_run
+    from ulysses_trainer.plan.step_time import rope_seconds
 
     got = step_time(Q4, s, num_params(Q4), gpu_name="NVIDIA H200")
-    assert got.total_s == pytest.approx(measured, rel=0.03), source
+    half, fused = (rope_seconds(Q4, mlp_run(Q4, s), k, Q4.layers) for k in ("torch", "triton"))
+    assert got.total_s == pytest.approx(measured - half + fused, rel=0.03), source
     assert got.extrapolated == ()
 
 

@@ -97,3 +97,16 @@ def test_the_triton_kernel_under_tritons_cpu_interpreter_is_bitwise_hfs(tmp_path
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "bitwise" in run.stdout, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe"])
+def test_a_familys_fused_rope_flag_is_what_parallelize_installs(preset):
+    """families' fused_rope (the plan's RoPE term) says which families' attention modules use_fused_rope replaces."""
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_trainer.families import family
+    from ulysses_trainer.families.presets import preset_config
+
+    cfg = preset_config(preset)
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert (rope.use_fused_rope(model) > 0) == family(cfg.model_type).fused_rope

@@ -204,6 +204,9 @@ class Family:
     presets: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> config kwargs
     # the attention's output gate (Qwen3.5): q_proj also yields a sigmoid gate per head, twice the query width
     gated_attention: bool = False
+    # its attention applies RoPE through levers/rope's one-pass kernel on CUDA (the classes levers/rope.ROPE_ATTENTIONS
+    # reproduces); False: HF's rotate_half ops, which the plan's dense rate was fitted with
+    fused_rope: bool = False
     # RMSNorms scale by (offset + weight) in fp32 (Qwen3.5's zero-centred norms: 1.0); 0.0: weight, Qwen3's way
     norm_offset: float = 0.0
     # the layers whose layer_types entry is mixer.kind run it instead of attention (None: every layer attends)

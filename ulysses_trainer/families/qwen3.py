@@ -81,4 +81,4 @@ def _preset(name: str) -> dict[str, Any]:
 
 
 QWEN3 = Family(model_type="qwen3", config_class="Qwen3Config", causal_lm_class="Qwen3ForCausalLM",
-               mlp=GatedMlp(), qk_norm=True, presets={n: _preset(n) for n in _DIMS})
+               mlp=GatedMlp(), qk_norm=True, fused_rope=True, presets={n: _preset(n) for n in _DIMS})

@@ -188,4 +188,4 @@ def _preset(name: str) -> dict[str, Any]:
 
 
 QWEN3_MOE = Family(model_type="qwen3_moe", config_class="Qwen3MoeConfig", causal_lm_class="Qwen3MoeForCausalLM",
-                   mlp=SparseMoeMlp(), qk_norm=True, presets={n: _preset(n) for n in _DIMS})
+                   mlp=SparseMoeMlp(), qk_norm=True, fused_rope=True, presets={n: _preset(n) for n in _DIMS})

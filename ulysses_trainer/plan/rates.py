@@ -48,6 +48,12 @@ NORM_S_PER_ELEMENT: dict[str, dict[str, tuple[float, float]]] = {
     "triton": {"hidden": (1.145e-12, 3.841e-12), "head": (1.073e-12, 6.496e-12)},
 }
 NORM_SOURCE = "norm_kernels_h200.json"
+# rope/rope_kernels_h200_to_512k.json: seconds per rotated element of q and k (forward, backward), HF's rotate_half
+# ops ("torch") and levers/rope's one-pass Triton kernel, Qwen3-4B's 32 / 8 heads of 128 at 131K-524K tokens (the
+# points' mean; a tie test rebuilds it from the file)
+ROPE_S_PER_ELEMENT: dict[str, tuple[float, float]] = {"torch": (1.2815e-11, 1.7324e-11),
+                                                      "triton": (1.2512e-12, 1.5035e-12)}
+ROPE_SOURCE = "rope/rope_kernels_h200_to_512k.json"
 # A sparse block (router, routing, permutation, experts), by transformers' experts_implementation and tile count:
 # (tiles, active TFLOP/s) of one Qwen3-30B-A3B block, 131,072 rows, bf16, forward + backward, one H200,
 # transformers 5.17 (moe/moe_experts_h200.json; active FLOPs 6 x rows x top_k x 3 x H x I; batched_mm ran out
@@ -97,6 +103,18 @@ def norm_rates_from_results(results_dir: str | Path) -> dict[str, dict[str, tupl
         out[kernel] = {k: (round(sum(p["fwd_ns_per_element"] for p in v) / len(v) * 1e-9, 15),
                            round(sum(p["bwd_ns_per_element"] for p in v) / len(v) * 1e-9, 15))
                        for k, v in rows.items()}
+    return out
+
+
+def rope_rates_from_results(results_dir: str | Path) -> dict[str, tuple[float, float]]:
+    """ROPE_S_PER_ELEMENT rebuilt from the benchmark file: per kernel, the mean over its points of the forward and
+    backward seconds per element of q and k (a test ties the table to it)."""
+    points = json.loads((Path(results_dir) / ROPE_SOURCE).read_text())["points"]
+    out = {}
+    for kernel, key in (("torch", "rotate_half"), ("triton", "triton")):
+        per = [[p[key][f"{d}_s"] / (p["tokens"] * (p["heads"][0] + p["heads"][1]) * p["heads"][2]) for p in points]
+               for d in ("fwd", "bwd")]
+        out[kernel] = tuple(float(f"{sum(v) / len(v):.5g}") for v in per)
     return out
 
 

@@ -17,6 +17,9 @@ benchmarks/results/:
 - the RMSNorms (lean norms only): per normed element, forward and backward, by kernel (torch ops or the
   fused Triton kernel; benchmarks/results/norm_kernels_h200.json); the torch kernel's share is taken out
   of the dense term above, whose runs used it;
+- RoPE (a family whose attention takes levers/rope's kernel): per rotated element of q and k, forward and
+  backward, by kernel (rope/rope_kernels_h200_to_512k.json); rotate_half's share is taken out of the dense term,
+  whose runs used it, and the Triton kernel's added;
 - activation offload: not charged. The copies run on a side stream under the layers' compute (8-layer
   256K profiles: 43.3 s with offload, 44.1 s without);
 - the optimizer step: fused Adam on the GPU is memory-bound and near free; DeepSpeed's CPU Adam with
@@ -49,6 +52,7 @@ from .rates import (
     LOSS_MATMUL_TFLOPS,
     MEASURED_HEAD_SHAPE,
     NORM_S_PER_ELEMENT,
+    ROPE_S_PER_ELEMENT,
 )
 
 # Below this the fixed costs of a step that the model leaves out (kernel launches, Python, DeepSpeed's
@@ -135,6 +139,15 @@ def norm_seconds(shape: ModelShape, run: MlpRun, kernel: str) -> float:
     return shape.layers * per_layer + t * shape.hidden * (h_f + h_b)
 
 
+def rope_seconds(shape: ModelShape, run: MlpRun, kernel: str, layers: int) -> float:
+    """RoPE on q and k in `layers` attention layers of one micro-step on one rank with `kernel` (torch: HF's
+    rotate_half ops; triton: levers/rope's one pass): [t x (heads + kv_heads), head_dim] before the all-to-all
+    (local tokens, all heads), forward_passes times forward (the recompute rotates again) and once backward."""
+    f, b = ROPE_S_PER_ELEMENT[kernel]
+    elements = run.tokens * (shape.heads + shape.kv_heads) * shape.head_dim
+    return layers * elements * (run.forward_passes * f + b)
+
+
 def communication(shape: ModelShape, s: Settings, compute_s: float, accumulation: int = 1) -> dict:
     """plan/comm_model.py's estimate for the job these settings describe (measured NCCL points if present)."""
     from .comm_model import DEFAULT_COMM_FILE, Job, Overlap, estimate, load_bandwidth
@@ -193,6 +206,10 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
                          "and experts: that part is counted as the norms alone (not calibrated for this shape)")
         parts["matmuls and the rest"] = max(rest, 0.0)
         parts[f"RMSNorms ({s.norm_kernel})"] = norms[s.norm_kernel] * accumulation
+    if shape.family.fused_rope:  # the dense rate was fitted with HF's rotate_half inside it: swap in the kernel's
+        half, fused = (rope_seconds(shape, run, k, len(attending)) for k in ("torch", "triton"))
+        parts["matmuls and the rest"] = max(parts["matmuls and the rest"] - half * accumulation, 0.0)
+        parts["RoPE (triton)"] = fused * accumulation
     if s.world_size > 1:  # the collectives' model (the rehearsal's): what of them the compute does not hide
         comm = communication(shape, s, sum(parts.values()), accumulation)
         parts["communication"] = comm["comm_s_estimate"]
