@@ -217,6 +217,13 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
                                 "node's host RAM", [
         _rehearse("qwen3_5_35b_a3b_8gpu_1m", "--config", Q35_35B, "--gpus", "8", "--host_memory_gb", "560",
                   "--warmup_length", "8192")]),
+    "rehearse_qwen3_5_35b_1m_steps": ("the 35B-A3B 1M rehearsal with two timed steps, with its layer inputs offloaded "
+                                      "as auto chooses and with none (where the reduced-depth profiles put 118 s, "
+                                      "the first full-depth rehearsal measured 138 s)", [
+        _rehearse("qwen3_5_35b_a3b_8gpu_1m_steps3", "--config", Q35_35B, "--gpus", "8", "--host_memory_gb", "560",
+                  "--warmup_length", "8192", "--steps", "3"),
+        _rehearse("qwen3_5_35b_a3b_8gpu_1m_steps3_no_offload", "--config", Q35_35B, "--gpus", "8",
+                  "--host_memory_gb", "560", "--warmup_length", "8192", "--steps", "3", "--activation_offload", "0")]),
     "profile_qwen3_5_35b": ("Qwen3.5-35B-A3B's recipe at 4 and 8 of its 40 layers under torch.profiler (one block of 3 "
                             "DeltaNet + 1 full-attention layer = the difference; the full run's levers, no offload; "
                             "needs fla-core)", [
