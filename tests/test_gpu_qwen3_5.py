@@ -119,3 +119,28 @@ def test_fla_equals_torch_on_packed_documents():
         rel = float((a - b).norm() / b.norm())
         print(f"fla vs torch {label}: {rel:.2e}")
         assert rel <= 2e-2, label
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fla_conv_equals_torch_conv(packed):
+    """The conv deltanet_kernel fla runs (fla's causal_conv1d) against the trainer's torch conv, bf16, on the mixer's
+    strided [b, s, C] view of its packed channels (the 27B's 1,280 a rank at sp=8): output and both gradients."""
+    from ulysses_trainer.attention.deltanet import CONV_FUNCTIONS, available_deltanet_kernels
+
+    if "fla" not in available_deltanet_kernels():
+        pytest.skip("flash-linear-attention is not installed")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    t, c = sum(DOCS), 1280
+    wide = torch.randn(2, t, c + 12, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(c, 4, device="cuda", generator=g, dtype=torch.bfloat16) * 0.5
+    cu = torch.tensor([0, 1500, 3500, t, t + 2000, 2 * t], device="cuda", dtype=torch.int32) if packed else None
+    outs = {}
+    for name in ("fla", "torch"):
+        x, wt = wide.clone().requires_grad_(), w.clone().requires_grad_()
+        y = CONV_FUNCTIONS[name](x[..., :c], wt, cu)
+        y.float().pow(2).sum().backward()
+        outs[name] = [y.float(), x.grad.float(), wt.grad.float()]
+    for label, a, b in zip(("y", "dx", "dw"), outs["fla"], outs["torch"]):
+        rel = float((a - b).norm() / b.norm())
+        print(f"fla conv vs torch conv {label} ({'packed' if packed else 'one document a row'}): {rel:.2e}")
+        assert rel <= 2e-2, label
