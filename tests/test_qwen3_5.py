@@ -369,7 +369,7 @@ def test_the_floor_and_the_all_to_alls_count_the_deltanet_layers():
     and the matmuls, and the comm model's all-to-alls are 16 attention layers' 4 a pass and 48 DeltaNet layers' 2
     (their bytes by hand: 131,072 tokens x (2 x 16 x 128 + 48 x 128 + 2 x 48) channels before the conv, x 48 x 128
     after the rule, bf16)."""
-    from ulysses_trainer.plan.comm_model import Job, ulysses_all_to_alls
+    from ulysses_trainer.plan.collectives import Job, ulysses_all_to_alls
     from ulysses_trainer.plan.inputs import ModelShape, Settings
     from ulysses_trainer.plan.step_time import step_floor, step_time
 

@@ -1,5 +1,5 @@
 """`ulysses-trainer rehearse`: one rank of an N-rank job in one process on the fake process group, and the
-model of the job's collectives that it adds (plan/comm_model.py), checked against hand counts."""
+model of the job's collectives that it adds (plan/collectives.py, plan/comm_model.py), checked against hand counts."""
 
 import json
 import math
@@ -11,16 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import JOB_TIMEOUT_S, free_port, train_env
-from ulysses_trainer.plan.comm_model import (
-    A2A_STALL_S_PER_GB,
-    Collective,
-    Job,
-    Overlap,
-    estimate,
-    load_bandwidth,
-    step_collectives,
-    wire_bytes,
-)
+from ulysses_trainer.plan.collectives import Collective, Job, step_collectives
+from ulysses_trainer.plan.comm_model import A2A_STALL_S_PER_GB, Overlap, estimate, load_bandwidth, wire_bytes
 from ulysses_trainer.plan.counts import param_numels
 from ulysses_trainer.plan.inputs import ModelShape
 

@@ -62,7 +62,7 @@ class MlpRun:
 
 @dataclass(frozen=True)
 class AllReduce:
-    """A collective a block adds per optimizer step (plan/comm_model.Collective with op all_reduce)."""
+    """A collective a block adds per optimizer step (plan/collectives.Collective with op all_reduce)."""
 
     name: str
     group: str  # "sp" | "world"
@@ -170,7 +170,7 @@ class TokenMixer(ABC):
     @abstractmethod
     def all_to_alls(self, d: LayerDims) -> list[tuple[str, int]]:
         """The Ulysses all-to-alls of one forward of one layer: (what, input elements per local token), each one
-        call (the backward issues their reverse, plan/comm_model.ulysses_all_to_alls)."""
+        call (the backward issues their reverse, plan/collectives.ulysses_all_to_alls)."""
 
     @abstractmethod
     def saved(self, d: LayerDims, run: MlpRun) -> dict[str, int]:

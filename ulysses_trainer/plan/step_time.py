@@ -150,7 +150,8 @@ def rope_seconds(shape: ModelShape, run: MlpRun, kernel: str, layers: int) -> fl
 
 def communication(shape: ModelShape, s: Settings, compute_s: float, accumulation: int = 1) -> dict:
     """plan/comm_model.py's estimate for the job these settings describe (measured NCCL points if present)."""
-    from .comm_model import DEFAULT_COMM_FILE, Job, Overlap, estimate, load_bandwidth
+    from .collectives import Job
+    from .comm_model import DEFAULT_COMM_FILE, Overlap, estimate, load_bandwidth
 
     job = Job.of(s, accumulation)
     # the stall term corrects the rehearsal's compute; these rates come from real runs already

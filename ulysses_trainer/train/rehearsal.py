@@ -19,7 +19,7 @@ def comm_job(plan, gpus_per_node: int, tiled_mlp: int, checkpoint_every: int):
     """The comm model's view of the run the trainer makes from `plan`: the planner's own call (Job.of of the
     plan's settings, with the ZeRO-3 sizes as the plan read them), tiled_mlp and checkpoint_every as the
     rehearsed model ran them."""
-    from ..plan.comm_model import Job
+    from ..plan.collectives import Job
 
     run = dataclasses.replace(plan.resolved.run, tiled_mlp=tiled_mlp, checkpoint_every=checkpoint_every)
     return Job.of(run, plan.cfg.gradient_accumulation_steps, gpus_per_node)
