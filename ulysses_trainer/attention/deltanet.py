@@ -22,12 +22,17 @@ CHUNK = 64  # the torch kernel's chunk length (fla's too)
 
 
 @functools.cache
-def _fla_function():
-    """fla's chunk_gated_delta_rule, None where flash-linear-attention (or Triton) is not installed."""
+def _fla(module: str, name: str):
+    """fla's `name` from `module`, None where flash-linear-attention (or Triton) is not installed."""
     try:
-        return importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+        return getattr(importlib.import_module(module), name)
     except Exception:  # ImportError, or a Triton that fails to load without a GPU
         return None
+
+
+def _fla_function():
+    """fla's chunk_gated_delta_rule (None without fla)."""
+    return _fla("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
 
 
 @functools.cache
@@ -127,13 +132,9 @@ class _CausalConv(torch.autograd.Function):
         return grad_x, grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None, None
 
 
-@functools.cache
 def _fla_conv_function():
-    """fla's causal_conv1d (Triton), None where flash-linear-attention (or Triton) is not installed."""
-    try:
-        return importlib.import_module("fla.modules.causal_conv1d").causal_conv1d
-    except Exception:  # ImportError, or a Triton that fails to load without a GPU
-        return None
+    """fla's causal_conv1d (None without fla)."""
+    return _fla("fla.modules.causal_conv1d", "causal_conv1d")
 
 
 def torch_conv_tokens(x: Tensor, weight: Tensor, cu_seqlens: Tensor | None) -> Tensor:
