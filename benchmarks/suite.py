@@ -235,11 +235,13 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
          "--keep_attention_outputs", str(n), "--optimizer_offload", "false", "--norm_kernel", "triton",
          "--attn_implementation", "sdpa") for n in (4, 8)]),
     "rehearse_qwen3_5_27b_longest": ("memory only (stand-in attention; DeltaNet, conv and the rest real): Qwen3.5-27B "
-                                     "at the plan's longest on 8 H200s, 2,777,088 tokens, rank 0", [
+                                     "at the plan's longest on 8 H200s with the plan's assumed 2,236.8 GiB host, "
+                                     "2,777,088 tokens, rank 0; the host stand-in holds two offload slots and counts "
+                                     "the rest, so a host with less RAM than the node's rehearses it", [
         _rehearse("qwen3_5_27b_2777088_standin", "--config", Q35_27B, "--gpus", "8", "--max_length", "2777088",
-                  "--model_init_kwargs",
+                  "--host_memory_gb", "2236.8", "--model_init_kwargs",
                   "{rope_parameters: {rope_type: yarn, factor: auto, rope_theta: 10000000.0}}",
-                  "--standin", "--steps", "1", "--warmup_length", "8192")]),
+                  "--standin", "--host_standin", "--steps", "1")]),
     "smoke": ("CPU check of the scripts: tiny preset, 256 tokens", [
         (LC, "--system", "ours", "--model", "tiny", "--lengths", "256", *FWDBWD, "--out", "smoke_long_context.json"),
         (PROFILE, "--model", "tiny", "--length", "128", "--keep-attention-outputs", "true",

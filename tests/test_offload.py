@@ -97,6 +97,24 @@ def test_host_pool_slots_are_disjoint_views_of_one_buffer():
         pool.slot(3)
 
 
+def test_host_pool_held_slots_alias_the_rest_and_check_the_budget_for_all():
+    """The memory rehearsal's host stand-in: 5 slots over 2 held ones (slot k is slot k % 2); the budget is
+    checked against all 5, and counted_bytes says what a real run holds."""
+    pool = HostPool(host_memory_gb=1.0)
+    pool.held_slots = 2
+    pool.allocate(slot_bytes=5000, num_slots=5, pin=False)
+    assert pool.nbytes == 2 * 8192 and pool.counted_bytes == 5 * 8192
+    assert [pool.slot(k).data_ptr() - pool.buffer.data_ptr() for k in range(5)] == [0, 8192, 0, 8192, 0]
+    small = HostPool(host_memory_gb=4 * 8192 / GIB)  # room for 4 slots: 2 held, but 5 counted
+    small.held_slots = 2
+    with pytest.raises(ConfigError, match="5 layers"):
+        small.allocate(slot_bytes=5000, num_slots=5, pin=False)
+    bad = HostPool(host_memory_gb=1.0)
+    bad.held_slots = 0
+    with pytest.raises(ConfigError, match="held_slots"):
+        bad.allocate(slot_bytes=5000, num_slots=5, pin=False)
+
+
 def test_host_pool_refuses_more_than_the_host_has():
     pool = HostPool(host_memory_gb=0.001)  # 1073741 bytes
     with pytest.raises(ConfigError) as e:

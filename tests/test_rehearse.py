@@ -214,6 +214,7 @@ def _main(argv):
     (["--gpus", "4", "--comm", "/nonexistent/bw.json"], "no such file"),
     (["--gpus", "4", "--no_such_field", "1"], "no_such_field"),
     (["--gpus", "4", "--max_length", "512", "--warmup_length", "1024"], "--warmup_length must be between 2"),
+    (["--gpus", "4", "--host_standin"], "add --standin"),
 ])
 def test_bad_input_exits_2_with_one_message(argv, needle, capsys):
     assert _main(["--config", RECIPE, *argv]) == 2
@@ -404,6 +405,22 @@ def test_out_of_memory_is_a_result_too(tmp_path, monkeypatch, capsys):
     assert r["status"] == "oom" and "Tried to allocate 2.00 GiB" in r["error"] and r["predicted_step_s"] is None
     assert (r["world_size"], r["max_length"]) == (4, 512)
     assert "out of GPU memory at 512 tokens" in capsys.readouterr().err
+
+
+def test_host_standin_holds_two_slots_and_counts_the_rest(tmp_path, capsys):
+    """--host_standin: the offloaded layer inputs share two host slots; the result counts what the job's host
+    holds (every offloaded layer's slot) and adds the slots not held to the measured peak."""
+    out = tmp_path / "r.json"
+    assert _main(["--config", RECIPE, "--gpus", "4", "--max_length", "256", "--standin", "--host_standin",
+                  "--steps", "1", "--model_init_kwargs", '{"num_hidden_layers": 4}', "--activation_offload", "3",
+                  "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["host_standin"] is True and r["offloaded_layers"] == 3
+    slot = r["host_offload_counted_gb"] / 3  # one layer's input, page-aligned: [1, 256 / 4, hidden] fp32
+    assert slot * 2**30 == -(-64 * ModelShape.preset("tiny").hidden * 4 // 4096) * 4096
+    assert r["host_offload_held_gb"] == pytest.approx(2 * slot)
+    assert r["peak_host_job_gb"] == pytest.approx(r["peak_host_mem_gb"] + slot)
+    assert "GiB of offloaded inputs counted" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """`ulysses-trainer rehearse`: one rank of an N-GPU job, in one process, on one device.
 
     ulysses-trainer rehearse --config RECIPE.yaml --gpus N [--rank R] [--steps K] [--warmup_length N]
-        [--standin] [--comm FILE] [--gpus_per_node G] [--internode_gbps X] [--a2a_hidden F]
+        [--standin] [--host_standin] [--comm FILE] [--gpus_per_node G] [--internode_gbps X] [--a2a_hidden F]
         [--zero3_hidden F] [--collective_fill local|none] [--count_collectives] [--json] [--out FILE]
         [--name value ...]
 
@@ -39,7 +39,7 @@ from .console import use_console
 
 # The measured NCCL points the rehearsal uses when --comm is not given (benchmarks/comm_bandwidth.py)
 DEFAULT_COMM_FILE = Path(COMM_FILE)
-_FLAGS = {"json", "standin", "count_collectives", "help"}  # take no value
+_FLAGS = {"json", "standin", "host_standin", "count_collectives", "help"}  # take no value
 _OWN = {"config", "gpus", "rank", "steps", "warmup_length", "out", "comm", "gpus_per_node", "internode_gbps",
         "a2a_hidden", "zero3_hidden", "a2a_stall_s_per_gb", "collective_fill", "gpus_per_host", *_FLAGS}
 MEANINGLESS = ("losses are meaningless: collectives on the fake process group move no data; what they would "
@@ -70,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="memory only: the attention stand-in replaces the kernel (memory real, time not); with "
                          "--attn_implementation flash_attention_4 it takes that kernel's path (every layer group "
                          "by group)")
+    ap.add_argument("--host_standin", action="store_true",
+                    help="memory only, with --standin: the offloaded layer inputs share two host slots, so a host "
+                         "with less RAM than the job's rehearses the GPU side; the host share is counted (the "
+                         "result's host_offload_counted_gb and peak_host_job_gb), not held")
     ap.add_argument("--comm", help=f"measured bandwidth JSON (default {DEFAULT_COMM_FILE.relative_to(REPO_ROOT)} "
                                    f"if present, else an assumed NVLink figure)")
     ap.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node of the job (default 8)")
@@ -103,6 +107,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.steps < (1 if args.standin else 2):
         raise ConfigError(f"--steps must be >= 2 (the first step is a warm-up, not timed; 1 is enough with "
                           f"--standin), got {args.steps}")
+    if args.host_standin and not args.standin:
+        raise ConfigError("--host_standin overwrites offloaded layer inputs, so the step computes on garbage: "
+                          "it is for memory rehearsals only; add --standin")
     if args.gpus_per_node < 1:
         raise ConfigError(f"--gpus_per_node must be >= 1, got {args.gpus_per_node}")
     if not args.internode_gbps > 0:
@@ -161,7 +168,10 @@ def rehearse(plan, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:
             "tokens_per_s_predicted": None if predicted is None else tokens / predicted,
             # every rank of a node holds about what this one does (the same shapes; only the data differs)
             "ranks_per_node": min(plan.world_size, opts.gpus_per_node),
-            **measured, "comm": comm}
+            **measured, "comm": comm,
+            # the rank's host peak in the job: what the host stand-in counted but did not hold, added
+            "peak_host_job_gb": measured["peak_host_mem_gb"] + measured["host_offload_counted_gb"]
+            - measured["host_offload_held_gb"]}
 
 
 def summary_line(r: dict[str, Any]) -> str:
@@ -169,9 +179,11 @@ def summary_line(r: dict[str, Any]) -> str:
         return "n/a" if v is None else f"{v:{spec}}{unit}"
 
     kind = "memory only (attention stand-in: time not real)" if r["standin"] else r["attention_kernel"]
+    host = (f" ({r['peak_host_job_gb']:.2f} GiB in the job: host stand-in, {r['host_offload_counted_gb']:.2f} "
+            f"GiB of offloaded inputs counted, {r['host_offload_held_gb']:.2f} held)" if r.get("host_standin") else "")
     line = (f"[ulysses_trainer] rehearsal rank {r['rank']}/{r['world_size']} (sp {r['sp_size']} x dp {r['dp_size']}"
             f", {r['max_length']:,} tokens, {kind}): peak GPU {f(r['peak_gpu_mem_gb'], ' GiB')}"
-            f" (reserved {f(r['peak_gpu_reserved_gb'], ' GiB')}), peak host {f(r['peak_host_mem_gb'], ' GiB')}; "
+            f" (reserved {f(r['peak_gpu_reserved_gb'], ' GiB')}), peak host {f(r['peak_host_mem_gb'], ' GiB')}{host}; "
             f"compute {f(r['compute_s'], ' s')} + comm {f(r['comm_s_estimate'], ' s', '.3f')} (modelled) = "
             f"{f(r['predicted_step_s'], ' s/step')}, {f(r['tokens_per_s_predicted'], ' tokens/s', ',.0f')} "
             f"predicted; collective fill {r['collective_fill']}; losses meaningless")
@@ -217,7 +229,8 @@ def main(argv: list[str] | None = None, around_step=None) -> int:
     print(f"[ulysses_trainer] rehearsal: this process is rank {args.rank} of {args.gpus} (sp {plan.sp_size} x "
           f"dp {plan.dp_size}) on torch's fake process group; memory and compute are this rank's, communication "
           f"is modelled ({bandwidth.source}); {MEANINGLESS}", flush=True)
-    opts = Rehearsal(rank=args.rank, steps=args.steps, standin=args.standin, gpus_per_node=args.gpus_per_node,
+    opts = Rehearsal(rank=args.rank, steps=args.steps, standin=args.standin, host_standin=args.host_standin,
+                     gpus_per_node=args.gpus_per_node,
                      count_collectives=args.count_collectives, warmup_length=args.warmup_length,
                      collective_fill=args.collective_fill, around_step=around_step)
     try:

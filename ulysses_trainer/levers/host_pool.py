@@ -106,6 +106,11 @@ class HostPool:
 
     Shapes are fixed per run, so the pool never grows: a later request for larger slots raises.
     Smaller inputs use a prefix of their slot. Pre-allocate with the largest shape when lengths vary.
+
+    `held_slots` (a memory rehearsal's host stand-in, set before the first allocation): only that many
+    slots are held, and slot k is slot k % held_slots, so a layer's input is overwritten by a later
+    layer's. GPU memory and the copies are as in the real run; the budget is still checked against all
+    num_slots (the job's need, `counted_bytes`). Values are then garbage: never in training.
     """
 
     def __init__(self, host_memory_gb: float | None = None, ranks_per_node: int = 1) -> None:
@@ -130,11 +135,18 @@ class HostPool:
         self.slot_stride = 0  # slot_bytes rounded up to _SLOT_ALIGN
         self.num_slots = 0
         self.allocations = 0  # host allocations made (at most one)
+        self.held_slots: int | None = None  # memory rehearsal only: slots physically held (see the class)
         self._finalizer: weakref.finalize | None = None
 
     @property
     def nbytes(self) -> int:
+        """Host bytes held."""
         return 0 if self.buffer is None else self.buffer.numel()
+
+    @property
+    def counted_bytes(self) -> int:
+        """Host bytes the slots take in a real run (nbytes unless held_slots aliases them)."""
+        return self.slot_stride * self.num_slots
 
     def allocate(self, slot_bytes: int, num_slots: int, pin: bool | None = None) -> None:
         """Allocate the buffer once; pin defaults to whether CUDA is available.
@@ -162,6 +174,10 @@ class HostPool:
                 f"ranks (each rank then holds a shorter slice of the sequence), or set host_memory_gb if "
                 f"this VM under-reports its memory")
         pin = torch.cuda.is_available() if pin is None else pin
+        if self.held_slots is not None:
+            if isinstance(self.held_slots, bool) or not isinstance(self.held_slots, int) or self.held_slots < 1:
+                raise ConfigError(f"held_slots must be an int >= 1 or None, got {self.held_slots!r}")
+            need = stride * min(num_slots, self.held_slots)  # the budget above was checked for all of them
         raw = torch.empty(need + _SLOT_ALIGN, dtype=torch.uint8)  # pageable; pinned in place below
         start = -raw.data_ptr() % _SLOT_ALIGN
         buffer = raw[start:start + need]  # page-aligned view, keeps raw alive
@@ -175,11 +191,13 @@ class HostPool:
         self.allocations += 1
 
     def slot(self, k: int) -> Tensor:
-        """Slot k as a uint8 view of slot_bytes; no two slots overlap."""
+        """Slot k as a uint8 view of slot_bytes; no two slots overlap (unless held_slots aliases them)."""
         if self.buffer is None:
             raise RuntimeError("HostPool.slot called before allocate")
         if not 0 <= k < self.num_slots:
             raise IndexError(f"slot {k} out of range 0..{self.num_slots - 1}")
+        if self.held_slots is not None:
+            k %= self.held_slots  # the host stand-in: slots share the few held ones
         start = k * self.slot_stride
         return self.buffer[start:start + self.slot_bytes]
 

@@ -26,5 +26,7 @@ class ModelPlan:
     checkpoint_bytes_per_layer: int = 0  # > 0: pin the host pool for the offloaded inputs now
     host_memory_gb: float | None = None  # host RAM the offload may pin; None: detected
     ranks_per_node: int = 1  # ranks sharing this host's RAM (splits the offload budget)
+    # a memory rehearsal's host stand-in: the offload pool holds this many slots (HostPool.held_slots); None in training
+    host_held_slots: int | None = None
     experts_implementation: str = "grouped_mm"  # a sparse model's experts kernel (transformers' name)
     deltanet_kernel: str = "torch"  # a Gated DeltaNet layer's rule kernel (names.DELTANET_KERNELS): fla | torch

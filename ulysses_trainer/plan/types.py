@@ -187,7 +187,8 @@ class Plan:
         """The layers keeping their attention output for the recompute."""
         return tuple(range(self.run.keep_attention_outputs))
 
-    def model_plan(self, host_memory_gb: float | None, ranks_per_node: int, *, levers: bool = True) -> ModelPlan:
+    def model_plan(self, host_memory_gb: float | None, ranks_per_node: int, *, levers: bool = True,
+                   host_held_slots: int | None = None) -> ModelPlan:
         """What parallelize installs for this plan. levers False: the mechanisms only (no input offloaded, no
         attention output kept yet: the trainer sets those with apply once the engine is built); the stash is
         installed wherever a layer may keep its output (lever_settings.Fixed.attention_stash), so that plan may."""
@@ -200,7 +201,7 @@ class Plan:
             kept_attention_layers=self.kept_attention_layers if levers else (),
             attention_stash=self.fixed.attention_stash,
             checkpoint_bytes_per_layer=self.checkpoint_bytes_per_layer if levers else 0,
-            host_memory_gb=host_memory_gb, ranks_per_node=ranks_per_node,
+            host_memory_gb=host_memory_gb, ranks_per_node=ranks_per_node, host_held_slots=host_held_slots,
             experts_implementation=r.experts_implementation, deltanet_kernel=r.deltanet_kernel or "torch")
 
     def summary(self) -> str:

@@ -33,7 +33,8 @@ def build_model(plan: RunPlan, state: ParallelState, device: torch.device) -> tu
     if cfg.use_peft:  # adapters before the mechanisms, which call the wrapped projections as modules
         model, peft_model = add_lora(model, cfg)
     # host_memory_gb None: the pool detects, with a margin
-    mechanisms = plan.resolved.model_plan(cfg.host_memory_gb, plan.machine.ranks_per_node, levers=False)
+    mechanisms = plan.resolved.model_plan(cfg.host_memory_gb, plan.machine.ranks_per_node, levers=False,
+                                          host_held_slots=plan.host_held_slots)
     return parallelize(model, state, mechanisms), peft_model
 
 

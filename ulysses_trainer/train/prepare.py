@@ -73,6 +73,7 @@ class RunPlan:
     source: str | None = None  # the weights' directory or Hub id (model/load.checkpoint_source); None: a preset
     reporters: list[str] = field(default_factory=list)  # report_to, decoded once (plan/names.resolve_report_to)
     recall_probe: RecallProbe | None = None  # eval_recall_probe: the probe rows (data/recall_probe.py)
+    host_held_slots: int | None = None  # a memory rehearsal's host stand-in (train/rehearsal.py); None in training
     # packed rows: the attention of the rows the run trains (data_share), the plan's after the engine too
     attention: AttentionShare | None = None
 

@@ -50,6 +50,9 @@ class Rehearsal:
     rank: int = 0
     steps: int = 2  # the first is a warm-up; the rest are timed (with standin, 1 is enough: memory only)
     standin: bool = False
+    # memory only: the offloaded layer inputs share HOST_STANDIN_SLOTS host slots (HostPool.held_slots), so a
+    # host smaller than the job's rehearses its GPU side; the host share is counted, not held
+    host_standin: bool = False
     gpus_per_node: int = 8
     count_collectives: bool = False
     warmup_length: int | None = None  # tokens of the warm-up step's sequences; None: max_length
@@ -57,6 +60,10 @@ class Rehearsal:
     # a context each train step runs in, given the step's index and the step count (a profiler around the last
     # one, say); inside the timed span, so what it costs shows in that step's time
     around_step: Callable[[int, int], contextlib.AbstractContextManager] | None = None
+
+
+# slots a host stand-in holds: the one a layer's forward copy writes and the one the next backward's fetch reads
+HOST_STANDIN_SLOTS = 2
 
 
 def warmup_row(row: dict, length: int) -> dict:
@@ -102,6 +109,15 @@ def _warmup_batches(trainer, length: int | None) -> list:
     return [trainer.shard_rows(cut[start:start + micro]) for _ in range(trainer.cfg.gradient_accumulation_steps)]
 
 
+def _host_offload(pool, host_standin: bool) -> dict[str, Any]:
+    """The offload pool's host bytes held and counted; with the host stand-in, the rank's peak as the job
+    would have it: the measured peak plus the slots counted but not held."""
+    held = 0 if pool is None else pool.nbytes
+    counted = 0 if pool is None else pool.counted_bytes
+    return {"host_standin": host_standin, "host_offload_held_gb": held / 2**30,
+            "host_offload_counted_gb": counted / 2**30}
+
+
 def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
     """Build the trainer as rank opts.rank of plan.world_size on the fake group and run opts.steps train
     steps (and, with count_collectives, one more that records the collectives issued). Returns what was
@@ -115,8 +131,11 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
 
     cuda = plan.device == "cuda"
     with fake_process_group(opts.rank, plan.world_size, opts.gpus_per_node, plan.device, opts.collective_fill):
+        if opts.host_standin:  # the pool is made with the model and pinned with the engine: say it now
+            plan = dataclasses.replace(plan, host_held_slots=HOST_STANDIN_SLOTS)
         trainer = Trainer(plan)
         engine = trainer.engine
+        pool = None if trainer.model.checkpointer is None else trainer.model.checkpointer.pool
         adam_bytes = materialize_adam_states(engine)  # held from step 1 on, as in every real step after the first
         times, losses, skipped = [], [], []
         for step in range(opts.steps):
@@ -150,7 +169,7 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
             opt_s = time.perf_counter() - t0
         memory = {"peak_gpu_mem_gb": peak_gpu_mem_gb(),
                   "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
-                  "peak_host_mem_gb": peak_host_mem_gb()}
+                  "peak_host_mem_gb": peak_host_mem_gb(), **_host_offload(pool, opts.host_standin)}
         counted = None
         if opts.count_collectives:  # after the memory and time readings it would distort
             with CollectiveLog() as issued:
