@@ -549,3 +549,19 @@ def test_stall_term_is_the_real_sp2_runs_left_over():
     assert A2A_STALL_S_PER_GB == round(sum(per_gb) / len(per_gb), 4)
     for name in REAL_SP2:
         assert abs(_rehearsed(name)["predicted_step_s"] / _real_step_s(name) - 1) <= 0.05
+
+
+def test_the_27b_longest_rehearsal_is_what_docs_qwen3_5_states():
+    """The committed memory rehearsal of Qwen3.5-27B at the plan's longest (host stand-in): it ran, the job's host
+    is the measured peak plus the slots counted and not held, and docs/qwen3_5.md's table carries its numbers."""
+    r = _rehearsed("qwen3_5_27b_2777088_standin")
+    assert r["status"] == "ok" and r["standin"] is True and r["host_standin"] is True
+    assert (r["max_length"], r["world_size"], r["offloaded_layers"]) == (2777088, 8, 64)
+    assert r["peak_host_job_gb"] == pytest.approx(r["peak_host_mem_gb"] + r["host_offload_counted_gb"]
+                                                  - r["host_offload_held_gb"])
+    row = {line.split("|")[1].strip(): line for line in (ROOT / "docs" / "qwen3_5.md").read_text().splitlines()
+           if line.startswith("| GPU ") or line.startswith("| host |")}
+    assert f"**{r['peak_gpu_mem_gb']:.2f} GiB**" in row["GPU allocated at the peak"]
+    assert f"{r['predicted_by_plan_peak_gpu_gb']:.2f} GiB" in row["GPU allocated at the peak"]
+    assert f"**{r['peak_gpu_reserved_gb']:.2f} GiB**" in row["GPU reserved by the allocator"]
+    assert f"**{r['peak_host_job_gb']:.2f} GiB** ({r['peak_host_mem_gb']:.2f} measured" in row["host"]
