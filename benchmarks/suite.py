@@ -186,7 +186,7 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
     "rehearse_moe_1m": ("rank 0 of Qwen3-30B-A3B at 1,048,576 tokens on 8 GPUs (sp=8) on one GPU; the node's host "
                         "RAM", [
         _rehearse("moe_8gpu_1m", "--config", MOE, "--gpus", "8", "--host_memory_gb", "560",
-                  "--warmup_length", "8192")]),
+                  "--warmup_length", "8192", "--layer_times")]),
     "rehearse_moe_longest": ("memory only (flash-attn-4's stand-in): Qwen3-30B-A3B at the plan's longest with "
                              "flash-attn-4 on 8 GPUs with 560 GB host (4,628,480 tokens), rank 0", [
         _rehearse("moe_longest_4628480", "--config", MOE, "--gpus", "8", "--max_length", "4628480",
@@ -217,13 +217,15 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
                                 "node's host RAM", [
         _rehearse("qwen3_5_35b_a3b_8gpu_1m", "--config", Q35_35B, "--gpus", "8", "--host_memory_gb", "560",
                   "--warmup_length", "8192")]),
-    "rehearse_qwen3_5_35b_1m_steps": ("the 35B-A3B 1M rehearsal with two timed steps, with its layer inputs offloaded "
-                                      "as auto chooses and with none (where the reduced-depth profiles put 118 s, "
-                                      "the first full-depth rehearsal measured 138 s)", [
+    "rehearse_qwen3_5_35b_1m_steps": ("the 35B-A3B 1M rehearsal with two timed steps, its layer inputs offloaded as "
+                                      "auto chooses, the last step timed layer by layer (where the reduced-depth "
+                                      "profiles put 118 s, the first full-depth rehearsal measured 138 s)", [
         _rehearse("qwen3_5_35b_a3b_8gpu_1m_steps3", "--config", Q35_35B, "--gpus", "8", "--host_memory_gb", "560",
-                  "--warmup_length", "8192", "--steps", "3"),
+                  "--warmup_length", "8192", "--steps", "3", "--layer_times")]),
+    "rehearse_qwen3_5_35b_1m_no_offload": ("as rehearse_qwen3_5_35b_1m_steps with no layer input offloaded", [
         _rehearse("qwen3_5_35b_a3b_8gpu_1m_steps3_no_offload", "--config", Q35_35B, "--gpus", "8",
-                  "--host_memory_gb", "560", "--warmup_length", "8192", "--steps", "3", "--activation_offload", "0")]),
+                  "--host_memory_gb", "560", "--warmup_length", "8192", "--steps", "3", "--activation_offload", "0",
+                  "--layer_times")]),
     "profile_qwen3_5_35b": ("Qwen3.5-35B-A3B's recipe at 4 and 8 of its 40 layers under torch.profiler (one block of 3 "
                             "DeltaNet + 1 full-attention layer = the difference; the full run's levers, no offload; "
                             "needs fla-core)", [

@@ -423,6 +423,22 @@ def test_host_standin_holds_two_slots_and_counts_the_rest(tmp_path, capsys):
     assert "GiB of offloaded inputs counted" in capsys.readouterr().out
 
 
+def test_layer_times_of_the_last_step(tmp_path, capsys):
+    """--layer_times: the last timed step layer by layer in the JSON (every layer's forward and recompute, every
+    backward but the bottom layer's, which runs to the step's end), inside the step, and a summary line."""
+    out = tmp_path / "r.json"
+    assert _main(["--config", RECIPE, "--gpus", "2", "--max_length", "128", "--layer_times",
+                  "--model_init_kwargs", '{"num_hidden_layers": 3}', "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    t = r["layer_times"]
+    assert len(t["forward_s"]) == len(t["recompute_s"]) == len(t["backward_s"]) == 3
+    assert None not in t["forward_s"] + t["recompute_s"] + t["backward_s"][1:] and t["backward_s"][0] is None
+    parts = [t["before_layers_s"], *t["forward_s"], t["loss_s"], *t["recompute_s"], *t["backward_s"][1:],
+             t["last_backward_and_update_s"]]
+    assert min(parts) >= 0 and sum(parts) <= t["step_s"] <= r["step_s"][-1]
+    assert "layer times of the last step" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_rehearse_command_standin_with_dp(tmp_path):
     """The real command: rank 5 of 8 as sp 4 x dp 2 with the memory-only stand-in prints the summary and

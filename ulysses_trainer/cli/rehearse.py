@@ -1,8 +1,8 @@
 """`ulysses-trainer rehearse`: one rank of an N-GPU job, in one process, on one device.
 
     ulysses-trainer rehearse --config RECIPE.yaml --gpus N [--rank R] [--steps K] [--warmup_length N]
-        [--standin] [--host_standin] [--comm FILE] [--gpus_per_node G] [--internode_gbps X] [--a2a_hidden F]
-        [--zero3_hidden F] [--collective_fill local|none] [--count_collectives] [--json] [--out FILE]
+        [--standin] [--host_standin] [--layer_times] [--comm FILE] [--gpus_per_node G] [--internode_gbps X]
+        [--a2a_hidden F] [--zero3_hidden F] [--collective_fill local|none] [--count_collectives] [--json] [--out FILE]
         [--name value ...]
 
 The process plays rank R (default 0) of the N-rank job on torch's fake process group (parallel/fake.py)
@@ -39,7 +39,7 @@ from .console import use_console
 
 # The measured NCCL points the rehearsal uses when --comm is not given (benchmarks/comm_bandwidth.py)
 DEFAULT_COMM_FILE = Path(COMM_FILE)
-_FLAGS = {"json", "standin", "host_standin", "count_collectives", "help"}  # take no value
+_FLAGS = {"json", "standin", "host_standin", "layer_times", "count_collectives", "help"}  # take no value
 _OWN = {"config", "gpus", "rank", "steps", "warmup_length", "out", "comm", "gpus_per_node", "internode_gbps",
         "a2a_hidden", "zero3_hidden", "a2a_stall_s_per_gb", "collective_fill", "gpus_per_host", *_FLAGS}
 MEANINGLESS = ("losses are meaningless: collectives on the fake process group move no data; what they would "
@@ -74,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="memory only, with --standin: the offloaded layer inputs share two host slots, so a host "
                          "with less RAM than the job's rehearses the GPU side; the host share is counted (the "
                          "result's host_offload_counted_gb and peak_host_job_gb), not held")
+    ap.add_argument("--layer_times", action="store_true",
+                    help="time the last step layer by layer (CUDA events at the layers' forward hooks and the "
+                         "checkpointer's marks; no profiler): the JSON's layer_times and one summary line")
     ap.add_argument("--comm", help=f"measured bandwidth JSON (default {DEFAULT_COMM_FILE.relative_to(REPO_ROOT)} "
                                    f"if present, else an assumed NVLink figure)")
     ap.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node of the job (default 8)")
@@ -187,6 +190,10 @@ def summary_line(r: dict[str, Any]) -> str:
             f"compute {f(r['compute_s'], ' s')} + comm {f(r['comm_s_estimate'], ' s', '.3f')} (modelled) = "
             f"{f(r['predicted_step_s'], ' s/step')}, {f(r['tokens_per_s_predicted'], ' tokens/s', ',.0f')} "
             f"predicted; collective fill {r['collective_fill']}; losses meaningless")
+    if r.get("layer_times"):
+        from ..train.layer_times import summary
+
+        line += "\n[ulysses_trainer] " + summary(r["layer_times"])
     counted = r.get("collectives_counted")
     if counted:
         modelled = r["comm"]["by_op"]
@@ -230,6 +237,7 @@ def main(argv: list[str] | None = None, around_step=None) -> int:
           f"dp {plan.dp_size}) on torch's fake process group; memory and compute are this rank's, communication "
           f"is modelled ({bandwidth.source}); {MEANINGLESS}", flush=True)
     opts = Rehearsal(rank=args.rank, steps=args.steps, standin=args.standin, host_standin=args.host_standin,
+                     layer_times=args.layer_times,
                      gpus_per_node=args.gpus_per_node,
                      count_collectives=args.count_collectives, warmup_length=args.warmup_length,
                      collective_fill=args.collective_fill, around_step=around_step)

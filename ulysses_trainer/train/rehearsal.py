@@ -53,6 +53,7 @@ class Rehearsal:
     # memory only: the offloaded layer inputs share HOST_STANDIN_SLOTS host slots (HostPool.held_slots), so a
     # host smaller than the job's rehearses its GPU side; the host share is counted, not held
     host_standin: bool = False
+    layer_times: bool = False  # the last step's seconds layer by layer (train/layer_times.py)
     gpus_per_node: int = 8
     count_collectives: bool = False
     warmup_length: int | None = None  # tokens of the warm-up step's sequences; None: max_length
@@ -109,6 +110,13 @@ def _warmup_batches(trainer, length: int | None) -> list:
     return [trainer.shard_rows(cut[start:start + micro]) for _ in range(trainer.cfg.gradient_accumulation_steps)]
 
 
+def _layer_timer(trainer, cuda: bool):
+    from .layer_times import LayerTimes
+    from .out_of_memory import decoder_layers
+
+    return LayerTimes(decoder_layers(trainer.model), trainer.model.checkpointer, cuda)
+
+
 def _host_offload(pool, host_standin: bool) -> dict[str, Any]:
     """The offload pool's host bytes held and counted; with the host stand-in, the rank's peak as the job
     would have it: the measured peak plus the slots counted but not held."""
@@ -144,8 +152,10 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
             t0 = time.perf_counter()
             before = engine.skipped_steps
             batches = _warmup_batches(trainer, opts.warmup_length) if warmup else trainer.micro_batches(step)
+            timer = _layer_timer(trainer, cuda) if opts.layer_times and step == opts.steps - 1 else None
             with opts.around_step(step, opts.steps) if opts.around_step else contextlib.nullcontext():
-                loss, grad_norm, _ = trainer.train_step(batches)
+                with timer or contextlib.nullcontext():
+                    loss, grad_norm, _ = trainer.train_step(batches)
                 _sync(plan.device)
             times.append(time.perf_counter() - t0)
             losses.append(loss)
@@ -188,6 +198,7 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
                "predicted_by_plan_step_s": trainer.resolved.predicted.step_s,
                "predicted_by_plan_peak_gpu_gb": trainer.resolved.predicted.peak_gpu_gb,
                "device": torch.cuda.get_device_name() if cuda else "cpu",
+               "layer_times": None if timer is None else timer.result(),
                **_partition_stats(trainer.model, plan.world_size)}
         trainer = engine = None  # noqa: F841 - drop the engine before the group goes
         gc.collect()

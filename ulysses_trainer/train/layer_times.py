@@ -1,0 +1,125 @@
+"""Per-layer times of one train step (`ulysses-trainer rehearse --layer_times`): where a step's seconds go,
+layer by layer, without a profiler's overhead or its trace files.
+
+Marks are CUDA events on the compute stream (wall-clock on CPU), recorded where the trainer already tells
+where it is: the decoder layers' forward hooks (outside the checkpoint, so once a layer per forward) and the
+checkpointer's observer (levers/recompute.py: "checkpoint recompute" as a layer's backward starts, or a rebuild
+runs; "backward" once its recompute is done). Per layer, its backward is the span from the first mark after the
+layer above's "backward" mark to the first mark after its own: the input fetch, the rebuilds and the recompute,
+then the backward. The bottom layer's backward has no mark after it, so its span runs to the step's end and
+takes the embedding's backward and the optimizer step with it (`last_backward_and_update_s`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+RECOMPUTE, BACKWARD = "checkpoint recompute", "backward"
+
+
+class _Mark:
+    """A point in the step: a CUDA event on the current stream, or the wall clock on CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.event = torch.cuda.Event(enable_timing=True) if cuda else None
+        if self.event is not None:
+            self.event.record()
+        self.t = time.perf_counter()
+
+    def seconds_to(self, later: _Mark) -> float:
+        if self.event is not None:
+            return self.event.elapsed_time(later.event) / 1000.0  # ms -> s; both recorded on one stream
+        return later.t - self.t
+
+
+class LayerTimes:
+    """Marks one step's layers while entered; `result()` after the step's device work is done (synchronize)."""
+
+    def __init__(self, layers: list[nn.Module], checkpointer: Any = None, cuda: bool = False) -> None:
+        self.layers, self.checkpointer, self.cuda = layers, checkpointer, cuda
+        self.forward: dict[int, list[_Mark]] = {}  # layer -> [start, end]
+        self.marks: list[tuple[int, str, _Mark]] = []  # the checkpointer's, in order
+        self._handles: list[Any] = []
+        self._observer: Any = None
+        self.start = self.end = None
+
+    def __enter__(self) -> LayerTimes:
+        for i, layer in enumerate(self.layers):
+            self._handles.append(layer.register_forward_pre_hook(self._pre(i)))
+            self._handles.append(layer.register_forward_hook(self._post(i)))
+        if self.checkpointer is not None:  # chained: the out-of-memory report keeps its observer
+            self._observer = self.checkpointer.observer
+            self.checkpointer.observer = self._observe
+        self.start = _Mark(self.cuda)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.end = _Mark(self.cuda)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self.checkpointer is not None:
+            self.checkpointer.observer = self._observer
+
+    def _pre(self, i: int):
+        def hook(module, args):
+            self.forward[i] = [_Mark(self.cuda)]
+        return hook
+
+    def _post(self, i: int):
+        def hook(module, args, output):
+            self.forward.setdefault(i, []).append(_Mark(self.cuda))
+        return hook
+
+    def _observe(self, layer: int, stage: str) -> None:
+        if self._observer is not None:
+            self._observer(layer, stage)
+        self.marks.append((layer, stage, _Mark(self.cuda)))
+
+    def result(self) -> dict[str, Any]:
+        """Seconds by layer and around them (call after torch.cuda.synchronize())."""
+        n = len(self.layers)
+        fwd = [self.forward[i][0].seconds_to(self.forward[i][-1]) if len(self.forward.get(i, [])) == 2 else None
+               for i in range(n)]
+        recompute: list[float | None] = [None] * n
+        backward: list[float | None] = [None] * n
+        last = None  # the bottom layer's backward: to the step's end
+        done = [k for k, (_, stage, _) in enumerate(self.marks) if stage == BACKWARD]
+        for j, k in enumerate(done):
+            layer, _, mark = self.marks[k]
+            start = self.marks[done[j - 1] + 1][2] if j else self.marks[0][2]
+            recompute[layer] = start.seconds_to(mark)
+            if k + 1 < len(self.marks):
+                backward[layer] = mark.seconds_to(self.marks[k + 1][2])
+            else:
+                last = mark.seconds_to(self.end)
+        first_fwd, last_fwd = self.forward.get(0), self.forward.get(n - 1)
+        return {
+            "step_s": self.start.seconds_to(self.end),
+            "before_layers_s": self.start.seconds_to(first_fwd[0]) if first_fwd else None,  # embedding, gathers
+            "forward_s": fwd,
+            # the final norm and the loss head, forward and backward: from the top layer's forward to its backward
+            "loss_s": last_fwd[-1].seconds_to(self.marks[0][2]) if last_fwd and self.marks else None,
+            "recompute_s": recompute,  # a layer's backward until its recompute is done (fetch, rebuilds, forward)
+            "backward_s": backward,  # from there to the next layer's backward (None: the bottom layer, below)
+            "last_backward_and_update_s": last,
+        }
+
+
+def summary(r: dict[str, Any]) -> str:
+    """One line: the sums and each per-layer list's range."""
+    def span(xs: list[float | None]) -> str:
+        v = [x for x in xs if x is not None]
+        return f"{sum(v):.2f} s ({min(v):.3f}-{max(v):.3f} a layer)" if v else "n/a"
+
+    def s(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.2f} s"
+
+    return (f"layer times of the last step ({r['step_s']:.2f} s): before the layers {s(r['before_layers_s'])}, "
+            f"forward {span(r['forward_s'])}, loss {s(r['loss_s'])}, recompute {span(r['recompute_s'])}, "
+            f"backward {span(r['backward_s'])}, the bottom layer's backward + the update "
+            f"{s(r['last_backward_and_update_s'])}")
