@@ -215,6 +215,7 @@ def _main(argv):
     (["--gpus", "4", "--no_such_field", "1"], "no_such_field"),
     (["--gpus", "4", "--max_length", "512", "--warmup_length", "1024"], "--warmup_length must be between 2"),
     (["--gpus", "4", "--host_standin"], "add --standin"),
+    (["--gpus", "4", "--layer_times", "--gradient_accumulation_steps", "2"], "add --gradient_accumulation_steps 1"),
 ])
 def test_bad_input_exits_2_with_one_message(argv, needle, capsys):
     assert _main(["--config", RECIPE, *argv]) == 2

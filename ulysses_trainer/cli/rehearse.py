@@ -224,6 +224,9 @@ def main(argv: list[str] | None = None, around_step=None) -> int:
 
         _check_args(args)
         cfg = load_rehearsal_config(args, overrides)
+        if args.layer_times and cfg.gradient_accumulation_steps > 1:
+            raise ConfigError(f"--layer_times times a step of one micro-batch; this run accumulates "
+                              f"{cfg.gradient_accumulation_steps}: add --gradient_accumulation_steps 1")
         if args.warmup_length is not None and not 2 <= args.warmup_length <= cfg.max_length:
             raise ConfigError(f"--warmup_length must be between 2 and max_length {cfg.max_length}, "
                               f"got {args.warmup_length}")

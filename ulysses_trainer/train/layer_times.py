@@ -7,7 +7,8 @@ checkpointer's observer (levers/recompute.py: "checkpoint recompute" as a layer'
 runs; "backward" once its recompute is done). Per layer, its backward is the span from the first mark after the
 layer above's "backward" mark to the first mark after its own: the input fetch, the rebuilds and the recompute,
 then the backward. The bottom layer's backward has no mark after it, so its span runs to the step's end and
-takes the embedding's backward and the optimizer step with it (`last_backward_and_update_s`).
+takes the embedding's backward and the optimizer step with it (`last_backward_and_update_s`). One micro-batch
+a step: with gradient accumulation the spans would cross micro-batches (rehearse refuses the two together).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-RECOMPUTE, BACKWARD = "checkpoint recompute", "backward"
+BACKWARD = "backward"  # the checkpointer's mark once a layer's recompute is done
 
 
 class _Mark:
