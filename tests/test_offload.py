@@ -100,19 +100,15 @@ def test_host_pool_slots_are_disjoint_views_of_one_buffer():
 def test_host_pool_held_slots_alias_the_rest_and_check_the_budget_for_all():
     """The memory rehearsal's host stand-in: 5 slots over 2 held ones (slot k is slot k % 2); the budget is
     checked against all 5, and counted_bytes says what a real run holds."""
-    pool = HostPool(host_memory_gb=1.0)
-    pool.held_slots = 2
+    pool = HostPool(host_memory_gb=1.0, held_slots=2)
     pool.allocate(slot_bytes=5000, num_slots=5, pin=False)
     assert pool.nbytes == 2 * 8192 and pool.counted_bytes == 5 * 8192
     assert [pool.slot(k).data_ptr() - pool.buffer.data_ptr() for k in range(5)] == [0, 8192, 0, 8192, 0]
-    small = HostPool(host_memory_gb=4 * 8192 / GIB)  # room for 4 slots: 2 held, but 5 counted
-    small.held_slots = 2
+    small = HostPool(host_memory_gb=4 * 8192 / GIB, held_slots=2)  # room for 4 slots: 2 held, but 5 counted
     with pytest.raises(ConfigError, match="5 layers"):
         small.allocate(slot_bytes=5000, num_slots=5, pin=False)
-    bad = HostPool(host_memory_gb=1.0)
-    bad.held_slots = 0
     with pytest.raises(ConfigError, match="held_slots"):
-        bad.allocate(slot_bytes=5000, num_slots=5, pin=False)
+        HostPool(host_memory_gb=1.0, held_slots=0)
 
 
 def test_host_pool_refuses_more_than_the_host_has():

@@ -171,10 +171,7 @@ def rehearse(plan, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:
             "tokens_per_s_predicted": None if predicted is None else tokens / predicted,
             # every rank of a node holds about what this one does (the same shapes; only the data differs)
             "ranks_per_node": min(plan.world_size, opts.gpus_per_node),
-            **measured, "comm": comm,
-            # the rank's host peak in the job: what the host stand-in counted but did not hold, added
-            "peak_host_job_gb": measured["peak_host_mem_gb"] + measured["host_offload_counted_gb"]
-            - measured["host_offload_held_gb"]}
+            **measured, "comm": comm}
 
 
 def summary_line(r: dict[str, Any]) -> str:
@@ -240,8 +237,7 @@ def main(argv: list[str] | None = None, around_step=None) -> int:
           f"dp {plan.dp_size}) on torch's fake process group; memory and compute are this rank's, communication "
           f"is modelled ({bandwidth.source}); {MEANINGLESS}", flush=True)
     opts = Rehearsal(rank=args.rank, steps=args.steps, standin=args.standin, host_standin=args.host_standin,
-                     layer_times=args.layer_times,
-                     gpus_per_node=args.gpus_per_node,
+                     layer_times=args.layer_times, gpus_per_node=args.gpus_per_node,
                      count_collectives=args.count_collectives, warmup_length=args.warmup_length,
                      collective_fill=args.collective_fill, around_step=around_step)
     try:

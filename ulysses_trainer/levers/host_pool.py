@@ -107,15 +107,19 @@ class HostPool:
     Shapes are fixed per run, so the pool never grows: a later request for larger slots raises.
     Smaller inputs use a prefix of their slot. Pre-allocate with the largest shape when lengths vary.
 
-    `held_slots` (a memory rehearsal's host stand-in, set before the first allocation): only that many
+    `held_slots` (a memory rehearsal's host stand-in): only that many
     slots are held, and slot k is slot k % held_slots, so a layer's input is overwritten by a later
     layer's. GPU memory and the copies are as in the real run; the budget is still checked against all
     num_slots (the job's need, `counted_bytes`). Values are then garbage: never in training.
     """
 
-    def __init__(self, host_memory_gb: float | None = None, ranks_per_node: int = 1) -> None:
+    def __init__(self, host_memory_gb: float | None = None, ranks_per_node: int = 1,
+                 held_slots: int | None = None) -> None:
         if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
             raise ConfigError(f"ranks_per_node must be an int >= 1, got {ranks_per_node!r}")
+        if held_slots is not None and (isinstance(held_slots, bool) or not isinstance(held_slots, int)
+                                       or held_slots < 1):
+            raise ConfigError(f"held_slots must be an int >= 1 or None, got {held_slots!r}")
         if host_memory_gb is not None:
             if host_memory_gb <= 0:
                 raise ConfigError(f"host_memory_gb must be > 0, got {host_memory_gb}")
@@ -135,7 +139,7 @@ class HostPool:
         self.slot_stride = 0  # slot_bytes rounded up to _SLOT_ALIGN
         self.num_slots = 0
         self.allocations = 0  # host allocations made (at most one)
-        self.held_slots: int | None = None  # memory rehearsal only: slots physically held (see the class)
+        self.held_slots = held_slots  # memory rehearsal only: slots physically held (see the class)
         self._finalizer: weakref.finalize | None = None
 
     @property
@@ -175,8 +179,6 @@ class HostPool:
                 f"this VM under-reports its memory")
         pin = torch.cuda.is_available() if pin is None else pin
         if self.held_slots is not None:
-            if isinstance(self.held_slots, bool) or not isinstance(self.held_slots, int) or self.held_slots < 1:
-                raise ConfigError(f"held_slots must be an int >= 1 or None, got {self.held_slots!r}")
             need = stride * min(num_slots, self.held_slots)  # the budget above was checked for all of them
         raw = torch.empty(need + _SLOT_ALIGN, dtype=torch.uint8)  # pageable; pinned in place below
         start = -raw.data_ptr() % _SLOT_ALIGN

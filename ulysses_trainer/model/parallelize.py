@@ -220,8 +220,8 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan
     # 5. checkpointing (+ offload, set by apply)
     checkpointer = None
     if plan.gradient_checkpointing:
-        pool = HostPool(host_memory_gb=plan.host_memory_gb, ranks_per_node=plan.ranks_per_node)
-        pool.held_slots = plan.host_held_slots
+        pool = HostPool(host_memory_gb=plan.host_memory_gb, ranks_per_node=plan.ranks_per_node,
+                        held_slots=plan.host_held_slots)
         checkpointer = LayerRecompute(len(layers), [], pool)
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = True  # HF decoder layers call _gradient_checkpointing_func

@@ -117,13 +117,13 @@ def _layer_timer(trainer, cuda: bool):
     return LayerTimes(decoder_layers(trainer.model), trainer.model.checkpointer, cuda)
 
 
-def _host_offload(pool, host_standin: bool) -> dict[str, Any]:
-    """The offload pool's host bytes held and counted; with the host stand-in, the rank's peak as the job
-    would have it: the measured peak plus the slots counted but not held."""
+def _host_offload(pool, host_standin: bool, peak_host_gb: float) -> dict[str, Any]:
+    """The offload pool's host bytes held and counted, and the rank's host peak as the job would have it: the
+    measured peak plus the slots counted but not held (the same as measured without the host stand-in)."""
     held = 0 if pool is None else pool.nbytes
     counted = 0 if pool is None else pool.counted_bytes
     return {"host_standin": host_standin, "host_offload_held_gb": held / 2**30,
-            "host_offload_counted_gb": counted / 2**30}
+            "host_offload_counted_gb": counted / 2**30, "peak_host_job_gb": peak_host_gb + (counted - held) / 2**30}
 
 
 def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
@@ -177,9 +177,10 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
             materialize_adam_states(engine)
             _sync(plan.device)
             opt_s = time.perf_counter() - t0
+        host_gb = peak_host_mem_gb()
         memory = {"peak_gpu_mem_gb": peak_gpu_mem_gb(),
                   "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
-                  "peak_host_mem_gb": peak_host_mem_gb(), **_host_offload(pool, opts.host_standin)}
+                  "peak_host_mem_gb": host_gb, **_host_offload(pool, opts.host_standin, host_gb)}
         counted = None
         if opts.count_collectives:  # after the memory and time readings it would distort
             with CollectiveLog() as issued:
