@@ -1,17 +1,19 @@
 """train/layer_times.py: one step's seconds layer by layer, from the layers' forward hooks and the checkpointer's
-marks. A layer made slow (a sleep in its MLP, which runs inside the checkpoint: forward and recompute) must show
-in its own forward and recompute spans and nowhere else; every span is inside the step."""
+marks. A layer made slow (its MLP, which runs inside the checkpoint, forward and recompute, advances the clock
+the timer reads on CPU) must show in its own forward and recompute spans and nowhere else; every span is inside
+the step. The clock moves only there, so a busy machine changes nothing."""
 
-import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
 
 from ulysses_trainer.levers.recompute import LayerRecompute
+from ulysses_trainer.train import layer_times
 from ulysses_trainer.train.layer_times import LayerTimes, summary
 
-SLEEP_S = 0.15
+SLEEP_S = 0.125  # a power of two: sums and differences of the clock stay exact
 
 
 def _model(layers: int) -> torch.nn.Module:
@@ -22,13 +24,15 @@ def _model(layers: int) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("layers, every, slow", [(4, 1, 2), (6, 2, 3), (6, 2, 4), (3, 1, 0)])
-def test_a_slow_layer_shows_in_its_own_spans(layers, every, slow):
+def test_a_slow_layer_shows_in_its_own_spans(layers, every, slow, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(layer_times, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     model = _model(layers)
     ckpt = LayerRecompute(layers, [], None, checkpoint_every=every)
     for i, layer in enumerate(model.model.layers):
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = ckpt.for_layer(i)
-    model.model.layers[slow].mlp.register_forward_hook(lambda *a: time.sleep(SLEEP_S))
+    model.model.layers[slow].mlp.register_forward_hook(lambda *a: clock.__setitem__(0, clock[0] + SLEEP_S))
     seen = []
     ckpt.observer = lambda layer, stage: seen.append(layer)  # kept: the timer chains to it
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(1))
