@@ -32,6 +32,7 @@ def _lc(out: str, system: str, lengths: str, *extra: str) -> tuple[str, ...]:
 
 
 OUT = "{out}"  # replaced by the output directory
+CARD = "{card}"  # replaced by the local GPU's short name (h100, h200: ulysses_trainer.plan.cards.card_of)
 DS2 = ("-m", "deepspeed.launcher.runner", "--num_gpus", "2")  # the launcher, both GPUs of this host
 # the trainer's runs: fixed schedule, nothing saved (the step time is what is measured)
 RUN = ("--bf16", "true", "--learning_rate", "1e-5", "--warmup_steps", "0", "--lr_scheduler_type", "constant",
@@ -244,6 +245,33 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
                   "--host_memory_gb", "2236.8", "--model_init_kwargs",
                   "{rope_parameters: {rope_type: yarn, factor: auto, rope_theta: 10000000.0}}",
                   "--standin", "--host_standin", "--steps", "1")]),
+    "card_rates": ("every kernel rate the planner reads, measured on this machine's GPU into files named with its card "
+                   "(plan/rates.py's tables for that card are rebuilt from them): attention at head_dim 128 (32/8 "
+                   "heads, 32K-256K; 1M at 4/1 with a bf16 matmul), flash-attn-4's tile gain at 256K and 1M, the "
+                   "RMSNorm and RoPE kernels, a Qwen3-30B-A3B sparse block, Gated DeltaNet's rule and conv and "
+                   "attention at head_dim 256 (needs flash-attn-4 and fla-core for their rows)", [
+        (KERNELS, "--lengths", "32768,65536,131072,262144", "--iters", "2", "--kernels",
+         "sdpa_cudnn,sdpa_flash_expanded_kv,ours_grouped_cudnn,ours_grouped_fa4",
+         "--out", f"attention_kernels_{CARD}.json"),
+        ("benchmarks/data_dependence.py", "--data", "random", "--out", f"data_dependence_{CARD}.json"),
+        *(("benchmarks/fa4_options.py", "--length", str(n), "--iters", it, "--variants", "library,trainer",
+           "--out", f"fa4_tuned_{CARD}_{name}.json") for n, it, name in ((1048576, "2", "1m"), (262144, "3", "256k"))),
+        ("benchmarks/norm_kernels.py", "--out", f"norm_kernels_{CARD}.json"),
+        ("benchmarks/rope_kernels.py", "--tokens", "131072,262144,524288", "--models", "qwen3-4b",
+         "--out", f"{OUT}/rope_{CARD}"),
+        ("benchmarks/moe_experts.py", "--impls", "eager,grouped_mm", "--out", f"moe_experts_{CARD}.json"),
+        ("benchmarks/deltanet_kernels.py", f"{OUT}/deltanet_{CARD}.json", "--cases", "delta_rule,conv,attention_hd256",
+         "--lengths", "1048576")]),
+    "profile_qwen3_5_35b_kernels": ("Qwen3.5-35B-A3B's recipe at 4 of its 40 layers under torch.profiler, once with "
+                                    "cuDNN and once with flash-attn-4 for its head_dim-256 full-attention layer, the "
+                                    "full run's levers otherwise (needs fla-core and flash-attn-4)", [
+        (PROF_REHEARSAL, "--out", f"profile_rehearsal_35b_l4_{kernel}_{CARD}.json", "--", "--bf16", "true", "--seed",
+         "42", "--save_strategy", "no", "--config", Q35_35B, "--gpus", "8", "--host_memory_gb", "560",
+         "--warmup_length", "8192", "--steps", "3", "--model_init_kwargs",
+         '{"num_hidden_layers": 4, "rope_parameters": {"rope_type": "yarn", "factor": 4, "rope_theta": 10000000.0}}',
+         "--tiled_mlp", "4", "--activation_offload", "0", "--keep_attention_outputs", "4", "--optimizer_offload",
+         "false", "--norm_kernel", "triton", "--attn_implementation", kernel, "--layer_times")
+        for kernel in ("sdpa", "flash_attention_4")]),
     "smoke": ("CPU check of the scripts: tiny preset, 256 tokens", [
         (LC, "--system", "ours", "--model", "tiny", "--lengths", "256", *FWDBWD, "--out", "smoke_long_context.json"),
         (PROFILE, "--model", "tiny", "--length", "128", "--keep-attention-outputs", "true",
@@ -253,14 +281,25 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
 }
 
 
-def commands(case: str, out_dir: str) -> list[list[str]]:
-    """The calls of one case, with their --out inside out_dir."""
+def local_card() -> str:
+    """This machine's GPU as the results' file names say it (h100, h200, ...; cpu without one)."""
+    import torch
+
+    from ulysses_trainer.plan.cards import card_of
+
+    return card_of(torch.cuda.get_device_name()) if torch.cuda.is_available() else "cpu"
+
+
+def commands(case: str, out_dir: str, card: str | None = None) -> list[list[str]]:
+    """The calls of one case, with their --out inside out_dir and {card} the local GPU's name."""
     calls = []
     for script, *args in CASES[case][1]:
         if "--out" in args and OUT not in " ".join(args):  # a script's own --out: a file name inside out_dir
             i = args.index("--out") + 1
             args[i] = os.path.join(out_dir, args[i])
-        calls.append([sys.executable, *(a.replace(OUT, out_dir) for a in (script, *args))])
+        if any(CARD in a for a in args) and card is None:
+            card = local_card()
+        calls.append([sys.executable, *(a.replace(OUT, out_dir).replace(CARD, card or "") for a in (script, *args))])
     return calls
 
 

@@ -19,10 +19,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 def test_a_real_oom_is_one_line_and_exit_1(tmp_path):
-    # qwen3-0.6b without checkpointing keeps every layer's activations: the plan needs ~371 GiB at 262,144 tokens
+    # qwen3-0.6b without checkpointing keeps every layer's activations: the plan needs ~371 GiB at 262,144 tokens;
+    # YaRN takes the positions past the model's 40,960 (without it the run is refused for positions, exit 2)
     length = 262_144
     out = tmp_path / "run"
+    yarn = '{"rope_parameters": {"rope_type": "yarn", "factor": "auto"}}'
     args = ["--model_name_or_path", "qwen3-0.6b", "--max_length", str(length), "--max_steps", "1", "--bf16", "true",
+            "--model_init_kwargs", yarn,
             "--gradient_checkpointing", "false", "--tiled_mlp", "false", "--optimizer_offload", "false",
             "--allow_over_plan", "true", "--save_strategy", "no", "--output_dir", str(out)]
     proc = subprocess.run(train_command(1, args), cwd=ROOT, env=train_env(), capture_output=True, text=True,

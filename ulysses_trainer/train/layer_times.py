@@ -2,7 +2,8 @@
 layer by layer, without a profiler's overhead or its trace files.
 
 Marks are CUDA events on the compute stream (wall-clock on CPU), recorded where the trainer already tells
-where it is: the decoder layers' forward hooks (outside the checkpoint, so once a layer per forward) and the
+where it is: the decoder layers' forward hooks (a layer's first start and first end in the step: transformers
+5.17 runs them inside the checkpoint, so they fire again in the recompute and the rebuilds) and the
 checkpointer's observer (levers/recompute.py: "checkpoint recompute" as a layer's backward starts, or a rebuild
 runs; "backward" once its recompute is done). Per layer, its backward is the span from the first mark after the
 layer above's "backward" mark to the first mark after its own: the input fetch, the rebuilds and the recompute,
@@ -68,12 +69,14 @@ class LayerTimes:
 
     def _pre(self, i: int):
         def hook(module, args):
-            self.forward[i] = [_Mark(self.cuda)]
+            if not self.marks and i not in self.forward:  # the forward's own start, not a recompute's or a nested call
+                self.forward[i] = [_Mark(self.cuda)]
         return hook
 
     def _post(self, i: int):
         def hook(module, args, output):
-            self.forward.setdefault(i, []).append(_Mark(self.cuda))
+            if not self.marks and len(self.forward.get(i, ())) == 1:  # the forward's first end
+                self.forward[i].append(_Mark(self.cuda))
         return hook
 
     def _observe(self, layer: int, stage: str) -> None:
@@ -99,15 +102,22 @@ class LayerTimes:
             else:
                 last = mark.seconds_to(self.end)
         first_fwd, last_fwd = self.forward.get(0), self.forward.get(n - 1)
+        step = self.start.seconds_to(self.end)
+        before = self.start.seconds_to(first_fwd[0]) if first_fwd else None
+        loss = last_fwd[-1].seconds_to(self.marks[0][2]) if last_fwd and self.marks else None
+        spans = [before, *fwd, loss, *recompute, *backward, last]
         return {
-            "step_s": self.start.seconds_to(self.end),
-            "before_layers_s": self.start.seconds_to(first_fwd[0]) if first_fwd else None,  # embedding, gathers
+            "step_s": step,
+            "before_layers_s": before,  # embedding, gathers
             "forward_s": fwd,
             # the final norm and the loss head, forward and backward: from the top layer's forward to its backward
-            "loss_s": last_fwd[-1].seconds_to(self.marks[0][2]) if last_fwd and self.marks else None,
+            "loss_s": loss,
             "recompute_s": recompute,  # a layer's backward until its recompute is done (fetch, rebuilds, forward)
             "backward_s": backward,  # from there to the next layer's backward (None: the bottom layer, below)
             "last_backward_and_update_s": last,
+            # the step less every span above: the gaps between one layer's forward and the next's (small), or marks
+            # that never came (then a span above is None)
+            "unaccounted_s": step - sum(x for x in spans if x is not None),
         }
 
 
@@ -123,4 +133,4 @@ def summary(r: dict[str, Any]) -> str:
     return (f"layer times of the last step ({r['step_s']:.2f} s): before the layers {s(r['before_layers_s'])}, "
             f"forward {span(r['forward_s'])}, loss {s(r['loss_s'])}, recompute {span(r['recompute_s'])}, "
             f"backward {span(r['backward_s'])}, the bottom layer's backward + the update "
-            f"{s(r['last_backward_and_update_s'])}")
+            f"{s(r['last_backward_and_update_s'])}, unaccounted {s(r.get('unaccounted_s'))}")
