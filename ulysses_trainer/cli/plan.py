@@ -34,6 +34,7 @@ from ..ds_config import load_ds_config, zero_config_for
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
 from ..model.load import model_config_for
 from ..plan.attention_share import AttentionShare, timed_from_data
+from ..plan.cards import CARDS, card_of
 from ..plan.inputs import ModelShape, Settings, local_tokens
 from ..plan.longest_fit import Choice, Hardware, largest_max_length
 from ..plan.memory_record import MemoryEstimate
@@ -45,7 +46,8 @@ from .console import use_console
 
 _FLAGS = {"json", "help"}  # take no value
 _ALIASES = {"sp", "gpus_per_host"}  # earlier spellings of --sp_size, --gpus_per_node: scripts keep working
-_OWN = {"config", "model", "gpus", "gpu_memory_gb", "host_memory_gb", "sp_size", "gpus_per_node", "offload_optimizer",
+_OWN = {"config", "model", "gpus", "gpu", "gpu_memory_gb", "host_memory_gb", "sp_size", "gpus_per_node",
+        "offload_optimizer",
         "results_dir", *_FLAGS, *_ALIASES}
 
 _JSON_KEYS = {"gpus_per_node": "gpus_per_host"}  # `plan --json` keeps the key it has always written
@@ -61,7 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", help="a training recipe (YAML)")
     ap.add_argument("--model", help="preset or checkpoint dir (= model_name_or_path)")
     ap.add_argument("--gpus", type=int, help="GPUs in all (default: the recipe's sp_size, else 1)")
-    ap.add_argument("--gpu_memory_gb", type=float, help="memory per GPU, GiB (default: this machine's GPU)")
+    ap.add_argument("--gpu_memory_gb", type=float,
+                    help="memory per GPU, GiB (default: this machine's GPU, or the --gpu card's)")
+    ap.add_argument("--gpu", choices=sorted(CARDS),
+                    help="the card of the machine planned (its measured rates, its memory unless --gpu_memory_gb; "
+                         "default: this machine's)")
     ap.add_argument("--host_memory_gb", type=float,
                     help="host RAM per host, GiB (default: the recipe's host_memory_gb; detected when planning "
                          "for this machine; for another machine 2 x GPU memory per GPU is assumed, and said)")
@@ -93,6 +99,7 @@ ASSUMED_HOST_PER_GPU = 2.0  # host RAM per GiB of GPU memory assumed for a machi
 # planning another machine: its installed kernels are unknown, so auto plans the first (and says so)
 ELSEWHERE_KERNELS = ("sdpa", "flash_attention_4", "flash_attention_2")
 ELSEWHERE_NORM_KERNELS = ("torch", "triton")
+ELSEWHERE_DELTANET_KERNELS = ("torch", "fla")  # auto: the first (said in a note); a named one is taken
 
 
 def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argparse.Namespace]:
@@ -116,18 +123,23 @@ def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argpars
     if gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {gpus}")
     validate_config(cfg, gpus)
-    gpu_gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else local_gb
+    card = CARDS[args.gpu] if args.gpu else None
+    same_card = card is None or card_of(local.name) == card.name
+    gpu_gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else \
+        local_gb if same_card else card.memory_gb
     if gpu_gb is None:
         raise ConfigError("no CUDA device here to read the GPU memory from: pass --gpu_memory_gb "
                           "(per-GPU memory in GiB, e.g. 79.2 for an 80 GB H100, 139.8 for an H200)")
-    here = local_gb is not None and (args.gpus is None or args.gpus <= local.count) and \
+    here = local_gb is not None and same_card and (args.gpus is None or args.gpus <= local.count) and \
         (args.gpu_memory_gb is None or abs(args.gpu_memory_gb - local_gb) < 0.5)
     host, source = _host_memory(args, cfg, gpus, gpu_gb, here)
     model_config = model_config_for(cfg)
     ds = load_ds_config(cfg.deepspeed)
     kernels, norms = probe.installed_kernels() if here else (ELSEWHERE_KERNELS, ELSEWHERE_NORM_KERNELS)
+    deltanet = probe.installed_deltanet_kernels() if here else ELSEWHERE_DELTANET_KERNELS
     machine = Machine(gpus=gpus, gpu_memory_gb=gpu_gb, host_memory_gb=host, gpus_per_node=args.gpus_per_node,
-                      kernels=kernels, kernels_known=here, norm_kernels=norms, gpu_name=local.name if here else None,
+                      kernels=kernels, kernels_known=here, norm_kernels=norms, deltanet_kernels=deltanet,
+                      gpu_name=local.name if here else card.name if card else None,
                       host_memory_source=source, bf16_supported=local.bf16 if here else True)
     return cfg, model_config, ds, machine, args
 

@@ -92,10 +92,11 @@ HD256_RATES: dict[str, tuple[tuple[int, float], ...]] = {
 HD256_KERNELS = {"sdpa": "sdpa_cudnn", "flash_attention_4": "flash_attn_4"}  # the file's names
 
 
-def norm_rates_from_results(results_dir: str | Path) -> dict[str, dict[str, tuple[float, float]]]:
+def norm_rates_from_results(results_dir: str | Path,
+                            source: str = NORM_SOURCE) -> dict[str, dict[str, tuple[float, float]]]:
     """NORM_S_PER_ELEMENT rebuilt from the benchmark file: per kernel, the mean seconds per element of the
     hidden-width points and of the head-width (128) points (a test ties the table to it)."""
-    points = json.loads((Path(results_dir) / NORM_SOURCE).read_text())["points"]
+    points = json.loads((Path(results_dir) / source).read_text())["points"]
     out: dict[str, dict[str, tuple[float, float]]] = {}
     for kernel in ("torch", "triton"):
         rows = {"hidden": [p for p in points if p["kernel"] == kernel and p["width"] > 128],
@@ -106,10 +107,10 @@ def norm_rates_from_results(results_dir: str | Path) -> dict[str, dict[str, tupl
     return out
 
 
-def rope_rates_from_results(results_dir: str | Path) -> dict[str, tuple[float, float]]:
+def rope_rates_from_results(results_dir: str | Path, source: str = ROPE_SOURCE) -> dict[str, tuple[float, float]]:
     """ROPE_S_PER_ELEMENT rebuilt from the benchmark file: per kernel, the mean over its points of the forward and
     backward seconds per element of q and k (a test ties the table to it)."""
-    points = json.loads((Path(results_dir) / ROPE_SOURCE).read_text())["points"]
+    points = json.loads((Path(results_dir) / source).read_text())["points"]
     out = {}
     for kernel, key in (("torch", "rotate_half"), ("triton", "triton")):
         per = [[p[key][f"{d}_s"] / (p["tokens"] * (p["heads"][0] + p["heads"][1]) * p["heads"][2]) for p in points]
@@ -118,37 +119,43 @@ def rope_rates_from_results(results_dir: str | Path) -> dict[str, tuple[float, f
     return out
 
 
-def kernel_rates_from_results(results_dir: str | Path) -> dict[str, tuple[tuple[int, float, float], ...]]:
-    """KERNEL_RATES rebuilt from the benchmark files (a test ties the table to them)."""
+def kernel_rates_from_results(results_dir: str | Path, sources_by_kernel: dict | None = None,
+                              tuned: tuple[str, ...] = FA4_TUNED_SOURCES,
+                              ) -> dict[str, tuple[tuple[int, float, float], ...]]:
+    """KERNEL_RATES rebuilt from the benchmark files (a test ties the table to them). `tuned`: the files of the
+    trainer's flash-attn-4 tiles' gain over the library's, applied to points measured on the library's tiles
+    (none where the points ran the trainer's own calls)."""
     out = {}
-    for kernel, sources in KERNEL_SOURCES.items():
+    for kernel, sources in (KERNEL_SOURCES if sources_by_kernel is None else sources_by_kernel).items():
         pts = []
         for name, row in sources:
             data = json.loads((Path(results_dir) / name).read_text())
             pts += [(p["seq_len"], p["fwd_tflops"], 2.5 * p["fwd_tflops"] * p["fwd_s"] / p["bwd_s"])
                     for p in data["points"] if p["kernel"] == row and p.get("data", "random") == "random"]
-        if kernel == "flash_attention_4":
-            gain = fa4_tile_gains(results_dir)
+        if kernel == "flash_attention_4" and tuned:
+            gain = fa4_tile_gains(results_dir, tuned)
             pts = [(n, f * gain.get(n, (1.0, 1.0))[0], b * gain.get(n, (1.0, 1.0))[1]) for n, f, b in pts]
         out[kernel] = tuple((n, round(f, 2), round(b, 2)) for n, f, b in sorted(pts))
     return out
 
 
-def fa4_tile_gains(results_dir: str | Path) -> dict[int, tuple[float, float]]:
+def fa4_tile_gains(results_dir: str | Path,
+                   sources: tuple[str, ...] = FA4_TUNED_SOURCES) -> dict[int, tuple[float, float]]:
     """length -> (forward, backward) speed-up of the trainer's flash-attn-4 tiles over the library's, from
     FA4_TUNED_SOURCES (library time over trainer time: > 1 is faster)."""
     out = {}
-    for name in FA4_TUNED_SOURCES:
+    for name in sources:
         rows = {r["variant"]: r for r in json.loads((Path(results_dir) / name).read_text())["rows"]}
         lib, ours = rows["library"], rows["trainer"]
         out[ours["seq_len"]] = (lib["fwd_s"] / ours["fwd_s"], lib["bwd_s"] / ours["bwd_s"])
     return out
 
 
-def experts_rates_from_results(results_dir: str | Path) -> dict[str, tuple[tuple[int, float], ...]]:
+def experts_rates_from_results(results_dir: str | Path,
+                               source: str = EXPERTS_SOURCE) -> dict[str, tuple[tuple[int, float], ...]]:
     """EXPERTS_TFLOPS rebuilt from the benchmark file: per implementation, its timed (tiles, active TFLOP/s) rows
     (those that ran out of memory have no rate and are left out; a test ties the table to it)."""
-    rows = json.loads((Path(results_dir) / EXPERTS_SOURCE).read_text())["rows"]
+    rows = json.loads((Path(results_dir) / source).read_text())["rows"]
     out: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
         if "active_tflops" in r:
@@ -185,8 +192,12 @@ def deltanet_rates_from_results(results_dir: str | Path) -> tuple[tuple[float, f
             round(rule["peak_gib"] * 2**30 / n, 1), float(f"{conv_s:.5g}"))
 
 
-def hd256_rates_from_results(results_dir: str | Path) -> dict[str, tuple[tuple[int, float], ...]]:
-    """HD256_RATES rebuilt from the benchmark file (a test ties the table to it)."""
-    rows = json.loads((Path(results_dir) / DELTANET_SOURCE).read_text())["attention_hd256"]
+def hd256_rates_from_results(results_dir: str | Path, source: str = DELTANET_SOURCE,
+                             kernels: dict[str, str] = HD256_KERNELS) -> dict[str, tuple[tuple[int, float], ...]]:
+    """HD256_RATES rebuilt from the benchmark file (a test ties the table to it): deltanet_kernels' attention_hd256
+    rows (tokens, tflops), or attention_kernels.py's points (seq_len, fwd_bwd_tflops)."""
+    data = json.loads((Path(results_dir) / source).read_text())
+    rows = data["attention_hd256"] if "attention_hd256" in data else [
+        {"kernel": p["kernel"], "tokens": p["seq_len"], "tflops": p["fwd_bwd_tflops"]} for p in data["points"]]
     return {k: tuple((r["tokens"], round(r["tflops"], 2)) for r in rows if r.get("kernel") == name)
-            for k, name in HD256_KERNELS.items()}
+            for k, name in kernels.items()}

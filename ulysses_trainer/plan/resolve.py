@@ -20,6 +20,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .attention_share import AttentionShare
+from .card_rates import rates_for
 from .fit_search import Fits, cheapest_autos, search_fits, shortfall, with_headroom
 from .inputs import ModelShape, Settings, check_settings
 from .layer_terms import kept_attention_bytes_per_layer
@@ -28,7 +29,8 @@ from .lever_settings import Fixed, decode_levers
 from .names import GIB, KEEPING_KERNELS, auto_num_tiles, choose_kernels
 from .notes import WORST_CASE, decided, plan_notes  # noqa: F401 - WORST_CASE: the packing note, re-exported
 from .partitions import lora_numels
-from .step_time import StepTime, step_floor, step_time
+from .rates import MEASURED_HEAD_SHAPE
+from .step_time import StepTime, fastest_attention, step_floor, step_time
 from .types import Machine, Plan, Prediction, ZeroSettings, read_zero
 
 
@@ -78,6 +80,13 @@ def search_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSetting
     assert layout.world_size == machine.gpus, f"layout of {layout.world_size} ranks planned on {machine.gpus} GPUs"
     kernels = choose_kernels(cfg.attn_implementation, cfg.norm_kernel, cfg.experts_implementation, cfg.lean_norm,
                              machine.kernels, machine.norm_kernels, cfg.deltanet_kernel, machine.deltanet_kernels)
+    if cfg.attn_implementation == "auto" and machine.kernels_known and shape.head_dim != MEASURED_HEAD_SHAPE[2]:
+        # auto past the head size the kernel order was measured at: the installed kernel the card's rates make
+        # fastest at this head size and length (at head_dim 256 an H100 runs flash-attn-4's backward at 1M at
+        # 161 TFLOP/s fwd+bwd, cuDNN's at 417)
+        fastest = fastest_attention(shape, cfg.max_length, layout.sp_size, machine.kernels,
+                                    rates_for(machine.gpu_name, machine.gpu_memory_gb)[0])
+        kernels = replace(kernels, attn_implementation=fastest or kernels.attn_implementation)
     base = Settings(max_length=cfg.max_length, sp_size=layout.sp_size, dp_size=layout.dp_size,
                     micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
                     gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
@@ -134,7 +143,7 @@ def plan_from(sr: PlanSearch, *, attention: AttentionShare | None = None) -> Pla
 
     def time_of(s: Settings) -> StepTime:
         return step_time(shape, s, shape.num_params, accumulation=cfg.gradient_accumulation_steps,
-                         gpu_name=machine.gpu_name)
+                         gpu_name=machine.gpu_name, gpu_memory_gb=machine.gpu_memory_gb)
 
     best: dict = {}
     if sr.found is None:  # no GPU
@@ -147,7 +156,8 @@ def plan_from(sr: PlanSearch, *, attention: AttentionShare | None = None) -> Pla
         gpu_miss, host_miss = shortfall(chosen, budget, machine.host_memory_gb)
     st = None if budget is None else time_of(chosen.settings)
     s = chosen.settings
-    floor = step_floor(shape, s, st.parts, cfg.gradient_accumulation_steps) if st and st.parts else {}
+    card = rates_for(machine.gpu_name, machine.gpu_memory_gb)[0]
+    floor = step_floor(shape, s, st.parts, cfg.gradient_accumulation_steps, card) if st and st.parts else {}
     limit = None if fits else " and ".join(n for n, m in (("GPU memory", gpu_miss), ("host memory", host_miss)) if m)
     return Plan(
         model=str(cfg.model_name_or_path), run=s, num_layers=shape.layers,

@@ -40,20 +40,8 @@ import math
 from dataclasses import dataclass, field
 
 from ..families import MlpRun
-from . import rates
+from .card_rates import H200, Rates, rates_for
 from .inputs import ModelShape, Settings, mlp_run
-from .rates import (
-    CALIBRATED_GPUS,
-    CPU_ADAM_S_PER_PARAM,
-    DENSE_TFLOPS,
-    GPU_ADAM_BYTES_PER_PARAM,
-    GPU_BANDWIDTH,
-    KERNEL_RATES,
-    LOSS_MATMUL_TFLOPS,
-    MEASURED_HEAD_SHAPE,
-    NORM_S_PER_ELEMENT,
-    ROPE_S_PER_ELEMENT,
-)
 
 # Below this the fixed costs of a step that the model leaves out (kernel launches, Python, DeepSpeed's
 # per-parameter bookkeeping) dominate: a tiny model's 0.003 s prediction measures 0.1 s
@@ -81,9 +69,9 @@ def attention_flops_forward(shape: ModelShape, s: Settings) -> float:
     return 2.0 * s.micro_batch * length * length * (shape.heads // s.sp_size) * shape.head_dim * s.attention_fraction
 
 
-def _rate(kernel: str, length: int) -> tuple[float, float, bool]:
-    """(forward, backward TFLOP/s, extrapolated?) of a kernel at a length, log-interpolated."""
-    pts = KERNEL_RATES[kernel]
+def _rate(kernel: str, length: int, r: Rates = H200) -> tuple[float, float, bool]:
+    """(forward, backward TFLOP/s, extrapolated?) of a kernel at a length on r's card, log-interpolated."""
+    pts = r.KERNEL_RATES[kernel]
     if length <= pts[0][0] or length >= pts[-1][0]:
         p = pts[0] if length <= pts[0][0] else pts[-1]
         return p[1], p[2], length != p[0]
@@ -94,27 +82,43 @@ def _rate(kernel: str, length: int) -> tuple[float, float, bool]:
     raise AssertionError("unreachable")
 
 
-def head_dim_scale(kernel: str, head_dim: int, length: int) -> float:
+def head_dim_scale(kernel: str, head_dim: int, length: int, r: Rates = H200) -> float:
     """The kernel's measured forward+backward rate at head_dim 256 over its head-dim-128 points' at the same
     length (1.0 where no 256 rate is measured): the 128 points scaled by it give the 256 kernel's time."""
-    if head_dim != 256 or kernel not in rates.HD256_RATES:
+    if head_dim != 256 or kernel not in r.HD256_RATES:
         return 1.0
-    pts = rates.HD256_RATES[kernel]
+    pts = r.HD256_RATES[kernel]
     at = min(max(length, pts[0][0]), pts[-1][0])  # held constant past the measured lengths
     r256 = next(r0 + (math.log(at) - math.log(l0)) / (math.log(l1) - math.log(l0)) * (r1 - r0)
                 for (l0, r0), (l1, r1) in zip(pts, pts[1:]) if l0 <= at <= l1)
-    fwd, bwd, _ = _rate(kernel, at)
+    fwd, bwd, _ = _rate(kernel, at, r)
     return r256 / (3.5 / (1.0 / fwd + 2.5 / bwd))  # backward = 2.5 forwards of FLOPs
 
 
-def attention_seconds(shape: ModelShape, s: Settings) -> tuple[float, float, bool]:
+def attention_seconds(shape: ModelShape, s: Settings, r: Rates = H200) -> tuple[float, float, bool]:
     """(forward, backward seconds of one layer's kernel, extrapolated?); the stand-in costs nothing."""
-    if s.attn_implementation not in KERNEL_RATES:
+    if s.attn_implementation not in r.KERNEL_RATES:
         return 0.0, 0.0, False
-    fwd_tf, bwd_tf, extra = _rate(s.attn_implementation, s.padded_length)
-    scale = head_dim_scale(s.attn_implementation, shape.head_dim, s.padded_length)
+    fwd_tf, bwd_tf, extra = _rate(s.attn_implementation, s.padded_length, r)
+    scale = head_dim_scale(s.attn_implementation, shape.head_dim, s.padded_length, r)
     flops = attention_flops_forward(shape, s)
     return flops / (fwd_tf * scale * 1e12), 2.5 * flops / (bwd_tf * scale * 1e12), extra
+
+
+def fastest_attention(shape: ModelShape, length: int, sp_size: int, installed: tuple[str, ...],
+                      r: Rates = H200) -> str | None:
+    """Of the installed attention kernels with measured rates on r's card, the one whose forward + backward
+    takes least at this length and head size (the first listed wins a tie: installed is fastest-first); None if
+    none is measured."""
+    timed = [k for k in installed if k in r.KERNEL_RATES]
+    if not timed:
+        return None
+
+    def seconds(kernel: str) -> float:
+        fwd, bwd, _ = _rate(kernel, length, r)
+        scale = head_dim_scale(kernel, shape.head_dim, length, r)
+        return (1.0 / fwd + 2.5 / bwd) / scale  # per FLOP of forward, the backward 2.5 forwards
+    return min(timed, key=seconds)
 
 
 def dense_flops(shape: ModelShape, run: MlpRun) -> float:
@@ -127,23 +131,23 @@ def dense_flops(shape: ModelShape, run: MlpRun) -> float:
     return layers + (2.0 + run.backward_flops) * shape.vocab * shape.hidden * t
 
 
-def norm_seconds(shape: ModelShape, run: MlpRun, kernel: str) -> float:
+def norm_seconds(shape: ModelShape, run: MlpRun, kernel: str, r: Rates = H200) -> float:
     """The lean RMSNorms of one micro-step on one rank with `kernel`: per layer the input and
     post-attention norms ([t, hidden]) and the q/k norms ([t x heads, head_dim], before the all-to-all:
     local tokens, all heads), run forward_passes times forward and once backward; the final norm once."""
     t = run.tokens
-    (h_f, h_b), (q_f, q_b) = NORM_S_PER_ELEMENT[kernel]["hidden"], NORM_S_PER_ELEMENT[kernel]["head"]
+    (h_f, h_b), (q_f, q_b) = r.NORM_S_PER_ELEMENT[kernel]["hidden"], r.NORM_S_PER_ELEMENT[kernel]["head"]
     hidden, heads = 2 * t * shape.hidden, t * (shape.heads + shape.kv_heads) * shape.head_dim
     passes = run.forward_passes
     per_layer = hidden * (passes * h_f + h_b) + heads * (passes * q_f + q_b)
     return shape.layers * per_layer + t * shape.hidden * (h_f + h_b)
 
 
-def rope_seconds(shape: ModelShape, run: MlpRun, kernel: str, layers: int) -> float:
+def rope_seconds(shape: ModelShape, run: MlpRun, kernel: str, layers: int, r: Rates = H200) -> float:
     """RoPE on q and k in `layers` attention layers of one micro-step on one rank with `kernel` (torch: HF's
     rotate_half ops; triton: levers/rope's one pass): [t x (heads + kv_heads), head_dim] before the all-to-all
     (local tokens, all heads), forward_passes times forward (the recompute rotates again) and once backward."""
-    f, b = ROPE_S_PER_ELEMENT[kernel]
+    f, b = r.ROPE_S_PER_ELEMENT[kernel]
     elements = run.tokens * (shape.heads + shape.kv_heads) * shape.head_dim
     return layers * elements * (run.forward_passes * f + b)
 
@@ -159,25 +163,27 @@ def communication(shape: ModelShape, s: Settings, compute_s: float, accumulation
 
 
 def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: int = 1,
-              gpu_name: str | None = None) -> StepTime:
-    """Seconds of one optimizer step (accumulation micro-steps, one optimizer update)."""
+              gpu_name: str | None = None, gpu_memory_gb: float | None = None) -> StepTime:
+    """Seconds of one optimizer step (accumulation micro-steps, one optimizer update) at the measured rates of
+    the card `gpu_name` names (plan/card_rates.rates_for)."""
     notes: list[str] = []
+    r, card_notes = rates_for(gpu_name, gpu_memory_gb)
     run = mlp_run(shape, s)  # tokens per rank and forwards per layer, what the terms below read
-    fwd, bwd, extra = attention_seconds(shape, s)
-    if s.attn_implementation in KERNEL_RATES:
-        pts = KERNEL_RATES[s.attn_implementation]
+    fwd, bwd, extra = attention_seconds(shape, s, r)
+    if s.attn_implementation in r.KERNEL_RATES:
+        pts = r.KERNEL_RATES[s.attn_implementation]
         if extra:
             notes.append(f"{s.attn_implementation} kernel rate measured at {pts[0][0]:,}-{pts[-1][0]:,} tokens, "
                          f"held constant at {s.padded_length:,}")
         if s.attn_implementation == "flash_attention_2":
             notes.append("flash_attention_2 not measured: torch's flash kernel's rate used")
-        if (shape.heads // s.sp_size, shape.kv_heads, shape.head_dim) != MEASURED_HEAD_SHAPE and s.sp_size == 1:
-            notes.append(f"kernel rates measured with {MEASURED_HEAD_SHAPE[0]} heads of {MEASURED_HEAD_SHAPE[2]}")
-    if shape.head_dim != MEASURED_HEAD_SHAPE[2] and s.attn_implementation in KERNEL_RATES:
-        scale = head_dim_scale(s.attn_implementation, shape.head_dim, s.padded_length)
-        notes.append(f"attention at head_dim {shape.head_dim}: the head-dim-{MEASURED_HEAD_SHAPE[2]} rates x "
-                     f"{scale:.2f}, the measured fwd+bwd ratio ({rates.DELTANET_SOURCE})" if scale != 1.0 else
-                     f"attention kernel rates measured at head_dim {MEASURED_HEAD_SHAPE[2]}, used at "
+        if (shape.heads // s.sp_size, shape.kv_heads, shape.head_dim) != r.MEASURED_HEAD_SHAPE and s.sp_size == 1:
+            notes.append(f"kernel rates measured with {r.MEASURED_HEAD_SHAPE[0]} heads of {r.MEASURED_HEAD_SHAPE[2]}")
+    if shape.head_dim != r.MEASURED_HEAD_SHAPE[2] and s.attn_implementation in r.KERNEL_RATES:
+        scale = head_dim_scale(s.attn_implementation, shape.head_dim, s.padded_length, r)
+        notes.append(f"attention at head_dim {shape.head_dim}: the head-dim-{r.MEASURED_HEAD_SHAPE[2]} rates x "
+                     f"{scale:.2f}, the measured fwd+bwd ratio ({r.HD256_SOURCE})" if scale != 1.0 else
+                     f"attention kernel rates measured at head_dim {r.MEASURED_HEAD_SHAPE[2]}, used at "
                      f"{shape.head_dim} (not measured there)")
     kept = s.keep_attention_outputs if s.gradient_checkpointing else 0
     # a family's mixer layers (Qwen3.5's Gated DeltaNet) run no attention kernel, and keep no attention output
@@ -186,18 +192,18 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     forwards = run.forward_passes * len(attending) - sum(1 for i in attending if i < kept)
     parts = {"attention forward": forwards * fwd * accumulation,
              "attention backward": len(attending) * bwd * accumulation,
-             "matmuls and the rest": dense_flops(shape, run) / (DENSE_TFLOPS * 1e12) * accumulation}
+             "matmuls and the rest": dense_flops(shape, run) / (r.DENSE_TFLOPS * 1e12) * accumulation}
     mixer = shape.family.mixer
     if mixer is not None and mixed:
-        seconds, mixer_notes = mixer.seconds(shape.dims, run, rates)
+        seconds, mixer_notes = mixer.seconds(shape.dims, run, r)
         parts[f"{mixer.kind} kernels"] = len(mixed) * seconds * accumulation
         notes.extend(mixer_notes)
     # the lean norms by kernel: the torch kernel's share is inside the dense rate, which was fitted with it
-    norms = {k: norm_seconds(shape, run, k) for k in ("torch", s.norm_kernel)} if s.lean_norm else {}
+    norms = {k: norm_seconds(shape, run, k, r) for k in ("torch", s.norm_kernel)} if s.lean_norm else {}
     # the family's MLP block may time parts at their own measured rates in place of the dense rate
-    taken, measured, block_notes = shape.family.mlp.time_parts(shape.dims, run, shape.layers, shape.vocab, rates)
+    taken, measured, block_notes = shape.family.mlp.time_parts(shape.dims, run, shape.layers, shape.vocab, r)
     if measured:
-        parts["matmuls and the rest"] -= taken / (DENSE_TFLOPS * 1e12) * accumulation
+        parts["matmuls and the rest"] -= taken / (r.DENSE_TFLOPS * 1e12) * accumulation
         notes.extend(block_notes)
         parts.update({name: seconds * accumulation for name, seconds in measured.items()})
     if s.lean_norm:  # the dense rate was fitted with the torch kernel's norms inside it
@@ -208,7 +214,7 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
         parts["matmuls and the rest"] = max(rest, 0.0)
         parts[f"RMSNorms ({s.norm_kernel})"] = norms[s.norm_kernel] * accumulation
     if shape.family.fused_rope:  # the dense rate was fitted with HF's rotate_half inside it: swap in the kernel's
-        half, fused = (rope_seconds(shape, run, k, len(attending)) for k in ("torch", "triton"))
+        half, fused = (rope_seconds(shape, run, k, len(attending), r) for k in ("torch", "triton"))
         parts["matmuls and the rest"] = max(parts["matmuls and the rest"] - half * accumulation, 0.0)
         parts["RoPE (triton)"] = fused * accumulation
     if s.world_size > 1:  # the collectives' model (the rehearsal's): what of them the compute does not hide
@@ -220,15 +226,12 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     if s.optimizer == "none":
         pass
     elif s.optimizer_offload:
-        parts["optimizer (CPU Adam, ZeRO-Offload)"] = shard * s.ranks_per_node * CPU_ADAM_S_PER_PARAM
+        parts["optimizer (CPU Adam, ZeRO-Offload)"] = shard * s.ranks_per_node * r.CPU_ADAM_S_PER_PARAM
         if s.ranks_per_node > 1:
             notes.append("CPU Adam measured with one rank per host: assumed to share the host's cores")
     else:
-        parts["optimizer (GPU Adam)"] = shard * GPU_ADAM_BYTES_PER_PARAM / GPU_BANDWIDTH
-    if gpu_name is not None and not any(g in gpu_name for g in CALIBRATED_GPUS):
-        notes.append(f"rates measured on an H200, not on {gpu_name}")
-    elif gpu_name is None:
-        notes.append("rates of an H200 assumed")
+        parts["optimizer (GPU Adam)"] = shard * r.GPU_ADAM_BYTES_PER_PARAM / r.GPU_BANDWIDTH
+    notes.extend(card_notes)
     total = sum(parts.values())
     if total < MODELLED_FROM_S:
         notes.append(f"a step under {MODELLED_FROM_S:g} s: fixed per-step costs (kernel launches, Python) are not "
@@ -236,7 +239,8 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     return StepTime(total_s=total, parts=parts, extrapolated=tuple(notes))
 
 
-def step_floor(shape: ModelShape, s: Settings, parts: dict[str, float], accumulation: int = 1) -> dict[str, float]:
+def step_floor(shape: ModelShape, s: Settings, parts: dict[str, float], accumulation: int = 1,
+               r: Rates = H200) -> dict[str, float]:
     """The step's floor (docs/benchmarks.md's): the attention kernels as the step runs them and a mixer's kernels
     (Qwen3.5's DeltaNet rule and conv), both from `parts` (step_time's), plus every matmul at the measured matmul
     rate (LOSS_MATMUL_TFLOPS): the layers' weights (sparse: the active ones) forward per pass and backward (no
@@ -249,6 +253,6 @@ def step_floor(shape: ModelShape, s: Settings, parts: dict[str, float], accumula
              + (2.0 + run.backward_flops) * head) * run.tokens
     kernels = {k: v for k, v in parts.items() if k.startswith("attention ") or k.endswith(" kernels")}
     out = {**{f"{k} s": v for k, v in kernels.items()},
-           "matmuls s": flops / (LOSS_MATMUL_TFLOPS * 1e12) * accumulation, "matmul tflops": LOSS_MATMUL_TFLOPS}
+           "matmuls s": flops / (r.LOSS_MATMUL_TFLOPS * 1e12) * accumulation, "matmul tflops": r.LOSS_MATMUL_TFLOPS}
     out["floor s"] = sum(kernels.values()) + out["matmuls s"]
     return out

@@ -1,0 +1,113 @@
+"""The planner's rates per card (plan/card_rates.py): each card's tables are its own files' numbers, the device's
+name (or `plan --gpu`) picks them, auto's attention kernel is the card's fastest at the model's head size, and a
+plan for another machine takes every kernel name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ulysses_trainer.__main__ import main as cli_main
+from ulysses_trainer.plan import rates
+from ulysses_trainer.plan.card_rates import (
+    COPY_GBPS,
+    H100,
+    H100_HD256,
+    H100_KERNEL_SOURCES,
+    H200,
+    SOURCES,
+    TABLES,
+    rates_for,
+)
+from ulysses_trainer.plan.inputs import ModelShape
+from ulysses_trainer.plan.step_time import fastest_attention
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+YARN = ["--model_init_kwargs", '{"rope_parameters": {"rope_type": "yarn", "factor": "auto"}}']
+
+
+def test_each_card_table_is_its_files():
+    assert rates.kernel_rates_from_results(RESULTS, H100_KERNEL_SOURCES, ()) == H100.KERNEL_RATES
+    assert rates.hd256_rates_from_results(RESULTS, *H100_HD256) == H100.HD256_RATES
+    for card, table in TABLES.items():
+        norm, rope, experts = SOURCES[card]
+        assert rates.norm_rates_from_results(RESULTS, norm) == table.NORM_S_PER_ELEMENT
+        assert rates.rope_rates_from_results(RESULTS, rope) == table.ROPE_S_PER_ELEMENT
+        assert rates.experts_rates_from_results(RESULTS, experts) == table.EXPERTS_TFLOPS
+    assert rates.kernel_rates_from_results(RESULTS) == H200.KERNEL_RATES == rates.KERNEL_RATES
+    copies = {card: next(p["gb_per_s"] for p in json.loads((RESULTS / f"data_dependence_{card}.json").read_text())[
+        "points"] if p["kernel"] == "copy_d2d") for card in TABLES}
+    assert copies == pytest.approx(COPY_GBPS, abs=0.01)
+    assert H100.GPU_BANDWIDTH == pytest.approx(H200.GPU_BANDWIDTH * copies["h100"] / copies["h200"], rel=1e-3)
+    for card in TABLES:  # every file a table names was measured on that card
+        for name in {n for sources in H100_KERNEL_SOURCES.values() for n, _ in sources} if card == "h100" else ():
+            assert "H100" in json.loads((RESULTS / name).read_text())["device"]
+
+
+def test_the_device_name_picks_the_table_and_the_notes_say_what_was_borrowed():
+    assert rates_for("NVIDIA H200") == (H200, [])
+    assert rates_for("h200") == (H200, [])
+    table, notes = rates_for("NVIDIA H100 80GB HBM3")
+    assert table is H100 and rates_for("h100")[0] is H100
+    assert notes == ["H100 rates: the dense rate, the chunked loss's rates, the DeltaNet rule and conv, CPU Adam "
+                     "measured on an H200"]
+    assert rates_for(None) == (H200, ["rates of an H200 assumed"])
+    table, notes = rates_for("NVIDIA A100-SXM4-80GB", 79.2)  # unknown: the card nearest in memory
+    assert table is H100 and "rates measured on an H100, the nearest measured card, not on NVIDIA A100" in notes[0]
+    assert rates_for("NVIDIA B200", 178.0)[0] is H200
+
+
+def test_auto_attention_is_the_cards_fastest_at_the_head_size():
+    dense, hybrid = ModelShape.preset("qwen3-8b"), ModelShape.preset("qwen3.5-35b-a3b")
+    both = ("flash_attention_4", "sdpa")
+    for length in (131072, 262144, 1048576):
+        assert fastest_attention(dense, length, 8, both, H100) == fastest_attention(dense, length, 8, both, H200) \
+            == "flash_attention_4"
+        # head_dim 256: flash-attn-4's backward on an H100 runs at 161 TFLOP/s fwd+bwd at 1M (cuDNN: 417)
+        assert fastest_attention(hybrid, length, 8, both, H100) == "sdpa"
+        assert fastest_attention(hybrid, length, 8, both, H200) == "flash_attention_4"
+    assert fastest_attention(dense, 1048576, 8, ("sdpa",), H100) == "sdpa"
+    assert fastest_attention(dense, 1048576, 8, ("standin_memory_only",), H100) is None
+
+
+def test_auto_plans_cudnn_for_head_dim_256_on_an_h100():
+    from ulysses_trainer.config import TrainConfig
+    from ulysses_trainer.plan.resolve import resolve_plan
+    from ulysses_trainer.plan.types import Machine, ZeroSettings
+
+    def kernel(gpu_name, memory):
+        machine = Machine(gpus=8, gpu_memory_gb=memory, host_memory_gb=2000, gpu_name=gpu_name,
+                          kernels=("flash_attention_4", "sdpa"), deltanet_kernels=("fla", "torch"))
+        cfg = TrainConfig(model_name_or_path="qwen3.5-35b-a3b", max_length=1048576, sp_size=8,
+                          model_init_kwargs={"rope_parameters": {"rope_type": "yarn", "factor": 4,
+                                                                 "rope_theta": 10000000.0}})
+        return resolve_plan(cfg, ModelShape.preset("qwen3.5-35b-a3b"), machine, ZeroSettings()).run.attn_implementation
+
+    assert kernel("NVIDIA H100 80GB HBM3", 79.2) == "sdpa"
+    assert kernel("NVIDIA H200", 139.8) == "flash_attention_4"
+
+
+def _plan(capsys, *extra):
+    args = ["plan", "--model", "qwen3.5-35b-a3b", "--max_length", "1048576", "--gpus", "8", "--host_memory_gb",
+            "2000", *YARN, "--json", *extra]
+    assert cli_main(args) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_gpu_picks_the_card_its_memory_and_its_rates(capsys):
+    h100, h200 = _plan(capsys, "--gpu", "h100"), _plan(capsys, "--gpu", "h200")
+    assert h100["hardware"]["gpu_memory_gb"] == 79.2 and h200["hardware"]["gpu_memory_gb"] == 139.8
+    notes100, notes200 = " ".join(h100["plan"]["notes"]), " ".join(h200["plan"]["notes"])
+    assert "not on" not in notes100 and "rates of an H200 assumed" not in notes100
+    assert "H100 rates:" in notes100 and "H100 rates:" not in notes200
+    assert "attention_kernels_hd256_h100.json" in notes100
+    # --gpu_memory_gb still wins over the card's memory
+    assert _plan(capsys, "--gpu", "h100", "--gpu_memory_gb", "70")["hardware"]["gpu_memory_gb"] == 70
+
+
+def test_a_plan_for_another_machine_takes_every_kernel_name(capsys):
+    out = _plan(capsys, "--gpu", "h100", "--deltanet_kernel", "fla", "--attn_implementation", "flash_attention_4",
+                "--experts_implementation", "grouped_mm")
+    assert (out["plan"]["deltanet_kernel"], out["plan"]["attn_implementation"]) == ("fla", "flash_attention_4")

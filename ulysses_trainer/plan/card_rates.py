@@ -1,0 +1,116 @@
+"""The planner's measured rates per GPU card: one `Rates` record per card in plan/cards.py, each table rebuilt from
+that card's files in benchmarks/results/ by a test (tests/test_card_rates.py), and the rule that picks one.
+
+Torch-free. The H200's tables are plan/rates.py's constants. The H100's come from its own runs of
+`benchmarks/suite.py card_rates` (files named *_h100*); what was not measured on it is the H200's, listed in
+`borrowed` so the plan says so: the dense rate (fitted on H200 runs of Qwen3-4B; the H100's dense plans held within
+3% with it: the reference rehearsal 237.4 s measured vs 241.5 planned, the one-GPU 256K recipe 141.3 vs 145.4), the
+chunked loss's rates, the DeltaNet rule and conv, and the host's CPU Adam. Field names are plan/rates.py's constant
+names: the families read a table as they read that module (`rates.EXPERTS_TFLOPS`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import rates as h200
+from .cards import CARDS, card_of
+
+# the H100's points ran the trainer's own flash-attn-4 calls (its tiles), so no tile gain is applied to them
+H100_KERNEL_SOURCES = {
+    "sdpa": (("attention_kernels_h100.json", "sdpa_cudnn"), ("data_dependence_h100.json", "ours_grouped_cudnn")),
+    "flash_attention_4": (("attention_kernels_h100.json", "ours_grouped_fa4"),
+                          ("data_dependence_h100.json", "ours_grouped_fa4")),
+    "flash_attention_2": (("attention_kernels_h100.json", "sdpa_flash_expanded_kv"),),
+}
+H100_HD256 = ("attention_kernels_hd256_h100.json", {"sdpa": "sdpa_cudnn", "flash_attention_4": "flash_attention_4"})
+# one device-to-device copy of 1 GiB (data_dependence_*.json "copy_d2d"): H100 1451 GB/s, H200 2012 GB/s; the
+# fused GPU Adam is memory-bound, so the H200's effective bandwidth scales by their ratio
+COPY_GBPS = {"h100": 1451.41, "h200": 2012.26}
+
+
+@dataclass(frozen=True)
+class Rates:
+    """One card's measured tables (plan/rates.py names the units and the sources of each)."""
+
+    card: str
+    KERNEL_RATES: dict
+    HD256_RATES: dict
+    HD256_SOURCE: str
+    NORM_S_PER_ELEMENT: dict
+    ROPE_S_PER_ELEMENT: dict
+    EXPERTS_TFLOPS: dict
+    GPU_BANDWIDTH: float
+    borrowed: tuple[str, ...] = ()  # what this card takes from the H200's tables (not measured on it)
+    MEASURED_HEAD_SHAPE: tuple[int, int, int] = h200.MEASURED_HEAD_SHAPE
+    DENSE_TFLOPS: float = h200.DENSE_TFLOPS
+    CPU_ADAM_S_PER_PARAM: float = h200.CPU_ADAM_S_PER_PARAM
+    GPU_ADAM_BYTES_PER_PARAM: int = h200.GPU_ADAM_BYTES_PER_PARAM
+    EXPERTS_MEASURED_ROWS: int = h200.EXPERTS_MEASURED_ROWS
+    LOSS_MATMUL_TFLOPS: float = h200.LOSS_MATMUL_TFLOPS
+    LOSS_S_PER_LOGIT: float = h200.LOSS_S_PER_LOGIT
+    DELTANET_SOURCE: str = h200.DELTANET_SOURCE
+    DELTANET_RULE_S: tuple[float, float] = h200.DELTANET_RULE_S
+    DELTANET_RULE_PEAK_BYTES: float = h200.DELTANET_RULE_PEAK_BYTES
+    DELTANET_CONV_S: float = h200.DELTANET_CONV_S
+
+    @property
+    def name(self) -> str:
+        """The card as people say it (H100)."""
+        return self.card.upper()
+
+
+H200 = Rates(card="h200", KERNEL_RATES=h200.KERNEL_RATES, HD256_RATES=h200.HD256_RATES,
+             HD256_SOURCE=h200.DELTANET_SOURCE, NORM_S_PER_ELEMENT=h200.NORM_S_PER_ELEMENT,
+             ROPE_S_PER_ELEMENT=h200.ROPE_S_PER_ELEMENT, EXPERTS_TFLOPS=h200.EXPERTS_TFLOPS,
+             GPU_BANDWIDTH=h200.GPU_BANDWIDTH)
+
+# one H100 80GB HBM3, torch 2.11, cuDNN of its CUDA 13 build, flash-attn-4 4.0.0b36 (tests/test_card_rates.py
+# rebuilds every table from the files)
+H100 = Rates(
+    card="h100",
+    # attention_kernels_h100.json (32K-256K, 32/8 heads of 128) and data_dependence_h100.json (1M, 4/1, random)
+    KERNEL_RATES={
+        "sdpa": ((32768, 654.07, 554.18), (65536, 569.43, 555.01), (131072, 579.13, 531.78),
+                 (262144, 525.73, 540.89), (1048576, 512.95, 542.66)),
+        "flash_attention_4": ((32768, 697.99, 626.87), (65536, 664.51, 626.35), (131072, 701.4, 619.13),
+                              (262144, 694.3, 623.33), (1048576, 700.53, 628.28)),
+        "flash_attention_2": ((32768, 339.98, 323.53), (65536, 320.09, 324.58), (131072, 316.38, 324.49),
+                              (262144, 312.93, 325.94)),
+    },
+    # attention_kernels_hd256_h100.json: 2 query heads over 1 KV head of 256 (Qwen3.5-35B-A3B's rank at sp=8);
+    # flash-attn-4's backward at head_dim 256 falls to 161 TFLOP/s fwd+bwd at 1M on this card (cuDNN: 417)
+    HD256_RATES={"sdpa": ((262144, 422.78), (1048576, 417.03)),
+                 "flash_attention_4": ((262144, 375.45), (1048576, 161.14))},
+    HD256_SOURCE=H100_HD256[0],
+    NORM_S_PER_ELEMENT={"torch": {"hidden": (1.4897e-11, 5.0507e-11), "head": (1.5468e-11, 5.7186e-11)},
+                        "triton": {"hidden": (1.686e-12, 4.173e-12), "head": (1.666e-12, 6.575e-12)}},
+    ROPE_S_PER_ELEMENT={"torch": (1.3551e-11, 1.892e-11), "triton": (1.6101e-12, 1.8091e-12)},
+    EXPERTS_TFLOPS={"eager": ((1, 64.62), (4, 18.71), (8, 10.16)),
+                    "grouped_mm": ((1, 197.72), (4, 141.86), (8, 134.99))},
+    GPU_BANDWIDTH=round(h200.GPU_BANDWIDTH * COPY_GBPS["h100"] / COPY_GBPS["h200"], -9),
+    borrowed=("the dense rate", "the chunked loss's rates", "the DeltaNet rule and conv", "CPU Adam"),
+)
+
+TABLES: dict[str, Rates] = {"h200": H200, "h100": H100}
+# the files each card's tables come from (tests/test_card_rates.py): norm, rope, experts
+SOURCES = {"h200": (h200.NORM_SOURCE, h200.ROPE_SOURCE, h200.EXPERTS_SOURCE),
+           "h100": ("norm_kernels_h100.json", "rope/rope_kernels_h100_to_512k.json", "moe/moe_experts_h100.json")}
+
+
+def rates_for(gpu_name: str | None, gpu_memory_gb: float | None = None) -> tuple[Rates, list[str]]:
+    """The table for a device (its name, or a card's short name), and the plan's notes about the choice: a known
+    card takes its own (with what it borrows); an unknown one the card nearest in memory (the H200 with no
+    memory given); none at all (no GPU here, no --gpu) the H200's."""
+    if gpu_name is None:
+        return H200, ["rates of an H200 assumed"]
+    card = gpu_name.lower() if gpu_name.lower() in TABLES else card_of(gpu_name)
+    notes: list[str] = []
+    if card is None:
+        card = "h200" if gpu_memory_gb is None else min(
+            TABLES, key=lambda c: abs(CARDS[c].memory_gb - gpu_memory_gb))
+        notes.append(f"rates measured on an {card.upper()}, the nearest measured card, not on {gpu_name}")
+    table = TABLES[card]
+    if table.borrowed:
+        notes.append(f"{table.name} rates: {', '.join(table.borrowed)} measured on an H200")
+    return table, notes
