@@ -288,3 +288,17 @@ def test_own_chat_template_refusals(own, tmp_path):
     with pytest.raises(ConfigError, match="renders earlier turns differently"):
         template.conversation([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
                                {"role": "user", "content": "q2"}], None, True, "x")
+
+
+@pytest.mark.parametrize("bad_example", [0, 2])
+def test_a_message_without_role_is_named_by_its_index(tmp_path, tok, bad_example):
+    """The error names the message at fault (example and message index), the first example (checked before any
+    tokenizing) and a later one alike."""
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+            for _ in range(3)]
+    rows[bad_example]["messages"].insert(1, {"content": "no role here"})
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError) as err:
+        build_sequences(TrainConfig(dataset_name=str(path), max_length=64, data_cache=False), tok)
+    assert f"example {bad_example}, message 1: it has no `role`" in str(err.value), str(err.value)

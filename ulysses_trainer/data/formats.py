@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import ConfigError
-from .chat import Segment, render_prompt_completion, render_qwen3
+from .chat import Segment, message_problem, render_prompt_completion, render_qwen3
 from .chat_template import TemplateRenderer
 
 LANGUAGE_MODELING, CONVERSATIONAL, PROMPT_COMPLETION = "language_modeling", "conversational", "prompt_completion"
@@ -131,9 +131,12 @@ def check_first_example(kind: str, row: dict, source: str) -> None:
     where = f"dataset {source}, example 0"
     if kind == CONVERSATIONAL:
         msgs = row.get("messages")
-        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m for m in msgs):
+        if not isinstance(msgs, list):
             raise ConfigError(f"{where}: `messages` must be a list of {{role, content}} mappings, got "
                               f"{str(msgs)[:100]!r}. Accepted: {ACCEPTED}")
+        for i, m in enumerate(msgs):  # the message at fault, not only its example
+            if not isinstance(m, dict) or "role" not in m:
+                raise ConfigError(f"{where}, message {i}: {message_problem(m)}")
     elif kind == PROMPT_COMPLETION:
         p, c = row.get("prompt"), row.get("completion")
         if not (isinstance(p, str) and isinstance(c, str)) and not (isinstance(p, list) and isinstance(c, list)):

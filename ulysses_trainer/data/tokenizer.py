@@ -96,7 +96,31 @@ class HFTokenizer:
         self._tok.eos_token = name
 
     def save_pretrained(self, directory: str) -> None:
+        """The tokenizer files as transformers saves them, without the keys that only told from_pretrained how to
+        load (is_local, local_files_only, ...), which transformers keeps in tokenizer_config.json."""
         self._tok.save_pretrained(directory)
+        drop_loader_keys(Path(directory) / "tokenizer_config.json", Path(self.name) / "tokenizer_config.json")
+
+
+# from_pretrained's arguments about where and how to load, not what the tokenizer is
+LOADER_KEYS = ("is_local", "local_files_only", "cache_dir", "force_download", "resume_download", "proxies", "token",
+               "use_auth_token", "revision", "subfolder", "trust_remote_code", "_from_auto", "_commit_hash",
+               "_from_pipeline")
+
+
+def drop_loader_keys(saved: Path, loaded: Path) -> None:
+    """Remove LOADER_KEYS from the tokenizer_config.json `saved`, except those the file it was loaded from (`loaded`)
+    held itself."""
+    import json
+
+    if not saved.is_file():
+        return
+    config = json.loads(saved.read_text(encoding="utf-8"))
+    own = json.loads(loaded.read_text(encoding="utf-8")) if loaded.is_file() else {}
+    extra = [k for k in LOADER_KEYS if k in config and k not in own]
+    if extra:
+        saved.write_text(json.dumps({k: v for k, v in config.items() if k not in extra}, indent=2,
+                                    ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def utf8_lengths(text: str) -> np.ndarray:
