@@ -96,6 +96,7 @@ FIELD_TESTS = {
     "assistant_only_loss": "test_data_command.py::test_data_json_trains_every_assistant_content_and_no_other",
     "completion_only_loss": "test_trl_options.py::test_completion_only_loss_on_text_is_refused_by_the_data_command",
     "max_length_policy": "test_field_effects.py::test_max_length_policy_truncates_or_drops_a_long_conversation",
+    "special_text": "test_conversations.py::test_special_text_encodes_or_drops_and_counts_the_example",
     "gradient_checkpointing_kwargs": "test_trl_names.py::test_gradient_checkpointing_kwargs_offload",
     "eval_strategy": "test_trl_strategies_run.py::test_epoch_strategies_and_logging_first_step",
     "dtype": "test_trl_names.py::test_dtype_and_eval_strategy",

@@ -36,6 +36,7 @@ LogStrategy = Literal["steps", "no", "epoch"]
 TextFileSplit = Literal["document", "paragraph", "line"]
 SchedulerType = Literal["linear", "cosine", "constant", "constant_with_warmup"]
 MaxLengthPolicy = Literal["truncate", "drop"]
+SpecialText = Literal["encode", "drop"]
 PackingStrategy = Literal["bfd", "wrapped", "next_fit"]
 EvalStrategy = Literal["no", "steps", "epoch"]
 DType = Literal["auto", "bfloat16", "float32", "float16"]
@@ -186,6 +187,10 @@ class TrainConfig:
         "truncate", "a conversation or prompt-completion pair (or a text document packed whole: packing_strategy bfd, "
         "next_fit) longer than max_length: truncate (keep its first "
         "max_length tokens, TRL's) or drop it; both are counted (ulysses-trainer data)")
+    special_text: SpecialText = _f(
+        "encode", "a conversation or prompt-completion pair whose message text holds a special token's string "
+        "(<|im_end|> in a file a tool read): encode (the string as ordinary text, never the token's id) or drop the "
+        "example; both are counted in the data summary")
     # TRL spellings of settings above (decoded once, here: see TrainConfig.__post_init__)
     gradient_checkpointing_kwargs: Union[dict, None] = _f(
         None, "TRL's: {offload: true} = activation_offload true, {offload: false} = false; use_reentrant is "

@@ -78,6 +78,10 @@ class HFTokenizer:
         spans = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
         return list(enc["input_ids"]), char_bytes[spans[:, 0]], char_bytes[spans[:, 1]]
 
+    def special_texts(self) -> tuple[str, ...]:
+        """The special tokens' strings (the added tokens marked special), longest first."""
+        return special_texts_of(self._tok)
+
     def special_token_id(self, name: str) -> int:
         tid = self._tok.convert_tokens_to_ids(name)
         if not isinstance(tid, int) or tid == self._tok.unk_token_id:
@@ -100,6 +104,19 @@ class HFTokenizer:
         load (is_local, local_files_only, ...), which transformers keeps in tokenizer_config.json."""
         self._tok.save_pretrained(directory)
         drop_loader_keys(Path(directory) / "tokenizer_config.json", Path(self.name) / "tokenizer_config.json")
+
+
+def special_texts_of(hf_tokenizer: Any) -> tuple[str, ...]:
+    """A transformers tokenizer's special tokens' strings, longest first (a longer one holding a shorter one is
+    matched whole)."""
+    return tuple(sorted({t.content for t in hf_tokenizer.added_tokens_decoder.values() if t.special}, key=len,
+                        reverse=True))
+
+
+def special_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The special tokens' strings of either tokenizer (none for one that says nothing of them)."""
+    method = getattr(tokenizer, "special_texts", None)
+    return method() if method is not None else ()
 
 
 # from_pretrained's arguments about where and how to load, not what the tokenizer is

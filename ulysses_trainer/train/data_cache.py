@@ -42,7 +42,7 @@ _META = "meta.json"
 # config fields whose names hold one of these words shape the rows (read generically, so new data
 # settings join the key without an edit here)
 _DATA_WORDS = ("dataset", "packing", "pad_", "max_length", "max_seq_length", "loss", "text_file", "eval_samples",
-               "template", "eos_token", "seed")
+               "template", "eos_token", "seed", "special_text")
 
 
 def cache_root(cfg: TrainConfig) -> Path | None:
