@@ -165,6 +165,67 @@ def test_cache_is_tokenized_again_when_data_or_settings_change(tmp_path):
     assert calls(_cfg(data, cache, data_cache=False)) > 0 and calls(_cfg(data, cache, data_cache=False)) > 0
 
 
+class _Planted:
+    """A pickle that, once loaded, creates a file: what a planted cache file could do on every rank."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("plant", ["old_pickle", "pickled_array", "corrupt_json", "wrong_fields"])
+def test_a_cache_entry_that_does_not_parse_is_rebuilt_and_never_executed(tmp_path, plant):
+    import json
+    import logging
+    import pickle
+
+    from ulysses_trainer.data.documents import build_sequences
+    from ulysses_trainer.train.data_cache import prepared_sequences
+
+    cfg = _cfg(_write(tmp_path / "d.jsonl", _chat_rows()), tmp_path / "cache", assistant_only_loss=True,
+               max_length=1024)
+    reference = build_sequences(cfg, QwenBPETokenizer())  # in memory: the entry's files are about to change
+    tok = CountingTokenizer()
+    prepared_sequences(cfg, tok)
+    (entry,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    marker = tmp_path / "ran"
+    assert not marker.exists()
+    pickle.loads(pickle.dumps(_Planted(marker)))  # the plant is live: loading it runs code
+    assert marker.exists()
+    marker.unlink()
+    if plant == "old_pickle":  # the layout before JSON: meta.pkl only
+        (entry / "meta.json").unlink()
+        (entry / "meta.pkl").write_bytes(pickle.dumps(_Planted(marker)))
+    elif plant == "pickled_array":
+        np.save(entry / "lengths.npy", np.array([_Planted(marker)], dtype=object), allow_pickle=True)
+    elif plant == "corrupt_json":
+        (entry / "meta.json").write_text('{"max_length": 1024, ')
+    else:
+        meta = json.loads((entry / "meta.json").read_text())
+        (entry / "meta.json").write_text(json.dumps({**meta, "surprise": 1}))
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("ulysses_trainer.train.data_cache")
+    logger.addHandler(handler)
+    try:
+        tok.calls = 0
+        rebuilt = prepared_sequences(cfg, tok)
+        assert tok.calls > 0  # tokenized again
+        tok.calls = 0
+        again = prepared_sequences(cfg, tok)
+        assert tok.calls == 0  # the rebuilt entry is a cache hit
+    finally:
+        logger.removeHandler(handler)
+    assert not marker.exists()  # nothing in the entry was executed
+    assert len(lines) == 1 and str(entry) in lines[0] and "does not parse" in lines[0], lines
+    assert not (entry / "meta.pkl").exists()
+    _same_rows(reference, rebuilt)
+    _same_rows(reference, again)
+
+
 def test_no_home_and_no_dir_means_no_cache(tmp_path, monkeypatch):
     from ulysses_trainer.train.data_cache import cache_root
 

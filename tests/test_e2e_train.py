@@ -193,6 +193,15 @@ def test_cpu_run_builds_no_shm_op_and_leaves_no_dev_shm_segment(runs):
 
 
 @pytest.mark.slow
+def test_a_run_prints_no_deprecation_warning(runs):
+    # torch 2.13 deprecates the collectives DeepSpeed calls; the notice named DeepSpeed's call twice per rank
+    _, proc = runs.get("sp2")
+    shown = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if "FutureWarning" in line or "DeprecationWarning" in line or "is deprecated" in line]
+    assert not shown, shown
+
+
+@pytest.mark.slow
 def test_export_reloads_with_transformers_and_matches_checkpoint(runs):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -166,3 +166,62 @@ def test_generation_config_is_the_checkpoints_own_with_the_turn_end_first_for_ch
     written = json.loads((final / "generation_config.json").read_text())
     assert written == ({**base, "eos_token_id": [151645, 151643]} if chat else base)
     assert GenerationConfig.from_pretrained(final).top_k == 20
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_sharded_checkpoint_exports_in_its_own_files_and_index(tmp_path, stored):
+    """max_shard_size unset: final/ holds the checkpoint's files (3 shards: 3 files, each tensor in the file its
+    index names), not save_pretrained's 5GB single file; an fp32 export of a bf16 checkpoint keeps them too. Its
+    tokenizer_config.json is the checkpoint's keys, without from_pretrained's loading arguments."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.tiny_checkpoint import write_checkpoint
+    from ulysses_trainer.data.tokenizer import LOADER_KEYS, load_tokenizer
+    from ulysses_trainer.train.chat_export import ExportFiles
+    from ulysses_trainer.train.export import _write_export
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", dtype=stored, max_shard_size="150KB" if stored == torch.float32
+                            else "75KB")
+    source = json.loads((ckpt / INDEX).read_text())["weight_map"]
+    assert len(set(source.values())) == 3
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    state = {"causal_lm." + k: v + 1 for k, v in model.state_dict().items()}  # trained: other values
+    final = tmp_path / "final"
+    files = ExportFiles(load_tokenizer(str(ckpt)), chat=False, source=str(ckpt))
+    _write_export(state, model.config, str(final) + ".tmp", str(final), files, "causal_lm.", source_dir=str(ckpt))
+    index = json.loads((final / INDEX).read_text())
+    assert index["weight_map"] == source
+    assert not (final / "model.safetensors").exists()
+    assert sorted(p.name for p in final.glob("*.safetensors")) == sorted(set(source.values()))
+    for name, f in source.items():
+        with safe_open(str(final / f), framework="pt") as handle:
+            assert torch.equal(handle.get_tensor(name), state["causal_lm." + name]), name
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in state.values())
+    reloaded = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    assert all(torch.equal(v, state["causal_lm." + k]) for k, v in reloaded.state_dict().items())
+
+    written = json.loads((final / "tokenizer_config.json").read_text())
+    assert not set(written) & set(LOADER_KEYS), written
+    assert set(written) == set(json.loads((ckpt / "tokenizer_config.json").read_text()))
+    text = "alpha bravo zulu"
+    assert AutoTokenizer.from_pretrained(final)(text)["input_ids"] == AutoTokenizer.from_pretrained(ckpt)(text)[
+        "input_ids"]
+
+
+def test_a_set_max_shard_size_cuts_the_export_as_given(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_checkpoint import write_checkpoint
+    from ulysses_trainer.data.tokenizer import load_tokenizer
+    from ulysses_trainer.train.chat_export import ExportFiles
+    from ulysses_trainer.train.export import _write_export
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", max_shard_size="150KB")
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    state = {"causal_lm." + k: v for k, v in model.state_dict().items()}
+    final = tmp_path / "final"
+    _write_export(state, model.config, str(final) + ".tmp", str(final),
+                  ExportFiles(load_tokenizer(str(ckpt)), chat=False, source=str(ckpt)), "causal_lm.",
+                  max_shard_size="5GB", source_dir=str(ckpt))
+    assert (final / "model.safetensors").is_file() and not (final / INDEX).exists()

@@ -29,6 +29,16 @@ def test_only_parallel_touches_torch_distributed():
     assert not offenders, f"move these into ulysses_trainer/parallel/: {offenders}"
 
 
+def test_the_package_calls_no_collective_whose_deprecation_it_silences():
+    """parallel/integrations.py hides torch's deprecation notice for these two collectives as DeepSpeed's: a call
+    of ours would be hidden with it, so there is none (torch's own names for them are all_gather_single and
+    reduce_scatter_single)."""
+    pattern = re.compile(r"\b(all_gather_into_tensor|reduce_scatter_tensor)\s*\(")
+    offenders = [f"{p.relative_to(ROOT)}:{n}" for p, text in _sources("ulysses_trainer")
+                 for n, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
+    assert not offenders, offenders
+
+
 def test_ignore_index_is_defined_once():
     defs = [p.relative_to(ROOT) for p, text in _sources("ulysses_trainer")
             if re.search(r"^IGNORE_INDEX\s*=", text, re.M)]

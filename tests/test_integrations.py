@@ -116,6 +116,52 @@ def test_the_rank0_trace_check_comes_back():
     assert coordinator.assert_ints_same_as_other_ranks is check
 
 
+def _collective_warnings() -> list[str]:
+    """The FutureWarnings torch gives for an all_gather_into_tensor and a reduce_scatter_tensor on a fake group."""
+    import warnings
+
+    from ulysses_trainer.parallel.fake import fake_process_group
+
+    with warnings.catch_warnings(record=True) as seen, fake_process_group(0, 2, gpus_per_node=8, device="cpu"):
+        warnings.filterwarnings("always", category=FutureWarning, append=True)  # after the filters in force
+        dist.all_gather_into_tensor(torch.zeros(4), torch.ones(2))
+        dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(4))
+        warnings.warn("`torch.distributed.something_else` is deprecated", FutureWarning, stacklevel=1)  # not ours
+    return [str(w.message).split(" is ")[0] for w in seen if w.category is FutureWarning]
+
+
+def test_torchs_notice_on_deepspeeds_collectives_is_quiet_while_the_model_lives():
+    import warnings
+
+    other = "`torch.distributed.something_else`"
+    names = ["`torch.distributed.all_gather_into_tensor`", "`torch.distributed.reduce_scatter_tensor`"]
+    assert _collective_warnings() == [*names, other]  # torch warns (the notice this hides is real)
+
+    class Model:
+        pass
+
+    first, second = Model(), Model()
+    integrations.quiet_deepspeed_deprecations(first)
+    integrations.quiet_deepspeed_deprecations(second)
+    try:
+        assert _collective_warnings() == [other]
+        with warnings.catch_warnings(record=True) as seen:  # the filter itself: those two messages only
+            warnings.warn(names[0] + " is deprecated. Please use ...", FutureWarning, stacklevel=1)
+            warnings.warn(names[1] + " is deprecated. Please use ...", FutureWarning, stacklevel=1)
+            warnings.warn(names[0] + " is deprecated. Please use ...", UserWarning, stacklevel=1)
+        assert [w.category for w in seen] == [UserWarning]
+        del first
+        gc.collect()
+        assert _collective_warnings() == [other]  # the second model's engine still runs
+    finally:
+        del second
+        gc.collect()
+    assert not integrations._quiet_owners
+    assert not any(f[1] is not None and f[1].pattern == integrations.DEEPSPEED_DEPRECATIONS
+                   for f in warnings.filters)
+    assert _collective_warnings() == [*names, other]
+
+
 _IMPORT_PROBE = r"""
 import json, sys
 import torch.distributed as dist

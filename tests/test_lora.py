@@ -35,6 +35,18 @@ def test_plan_counts_the_adapters_peft_makes_on_qwen3_moe(targets):
     assert trainable == sorted(lora_numels(ModelShape.from_config(mc), targets, 4))
 
 
+def test_adding_lora_shows_no_deprecation_notice():
+    """PEFT reads a property transformers deprecates; the notice names PEFT's call, which no user can change."""
+    import warnings
+
+    cfg = TrainConfig(use_peft=True, lora_r=4, lora_dropout=0.0)
+    model = build_model(model_config_for(cfg), torch.float32, None, seed=0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        add_lora(model, cfg)
+    assert [str(w.message) for w in seen if issubclass(w.category, (FutureWarning, DeprecationWarning))] == []
+
+
 def test_a_target_the_family_lacks_is_refused_naming_what_it_has():
     moe = ModelShape.preset("tiny-moe")
     with pytest.raises(ConfigError, match="no such Linear .*fused 3-D.*q_proj, k_proj, v_proj, o_proj"):

@@ -81,7 +81,7 @@ def _check_io(cfg: Any) -> None:
     if cfg.model_init_kwargs is not None:
         bad = sorted(set(cfg.model_init_kwargs) & {"torch_dtype", "dtype", "attn_implementation"})
         _need(not bad, f"model_init_kwargs may not set {bad}: use the bf16 and attn_implementation fields")
-    _need(shard_bytes(cfg.max_shard_size) > 0,
+    _need(cfg.max_shard_size is None or shard_bytes(cfg.max_shard_size) > 0,
           f"max_shard_size must be a size like 5GB or 500MB, got {cfg.max_shard_size!r}")
 
 

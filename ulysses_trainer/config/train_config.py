@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
 
+from ..families import PRESETS
 from .trl import decode_trl_spellings
 
 # the checkout's root (recipes, benchmarks); an installed package has only PACKAGE_DIR, which ships the ZeRO
@@ -35,6 +36,7 @@ LogStrategy = Literal["steps", "no", "epoch"]
 TextFileSplit = Literal["document", "paragraph", "line"]
 SchedulerType = Literal["linear", "cosine", "constant", "constant_with_warmup"]
 MaxLengthPolicy = Literal["truncate", "drop"]
+SpecialText = Literal["encode", "drop"]
 PackingStrategy = Literal["bfd", "wrapped", "next_fit"]
 EvalStrategy = Literal["no", "steps", "epoch"]
 DType = Literal["auto", "bfloat16", "float32", "float16"]
@@ -53,8 +55,7 @@ class TrainConfig:
     """Everything a run needs. The defaults are the embedded CPU run (tiny model, synthetic data)."""
 
     # model
-    model_name_or_path: str = _f("tiny", "a preset (tiny, qwen3-0.6b ... qwen3-32b, tiny-moe, qwen3-30b-a3b, "
-                                         "qwen3-235b-a22b) or an HF checkpoint dir")
+    model_name_or_path: str = _f("tiny", f"a preset ({', '.join(PRESETS)}) or an HF checkpoint dir")
     model_init_kwargs: Union[dict, None] = _f(
         None, "model config overrides, e.g. {rope_parameters: {rope_type: yarn, factor: auto}}")
     attn_implementation: AttnImpl = _f("auto", "attention kernel; auto = fastest installed")
@@ -161,9 +162,10 @@ class TrainConfig:
         False, "TRL's: checkpoints hold the model weights only (HF safetensors, no optimizer or scheduler state: "
         "much smaller); a run cannot resume from one")
     save_total_limit: Union[int, None] = _f(None, "keep at most N checkpoints; null = all")
-    max_shard_size: str = _f("5GB", "final/'s safetensors files are at most this size each, with "
-                                     "model.safetensors.index.json when there are several (transformers' "
-                                     "save_pretrained max_shard_size: 5GB, 500MB, ...)")
+    max_shard_size: Union[str, None] = _f(
+        None, "final/'s safetensors files are at most this size each, with model.safetensors.index.json when there "
+        "are several (transformers' save_pretrained max_shard_size: 5GB, 500MB, ...); null = the checkpoint's own "
+        "sharding (its largest file, so a checkpoint of 3 shards exports as 3), 5GB for a preset")
     eval_steps: Union[int, None] = _f(None, "evaluate every N steps; null = never")
     report_to: Union[str, list] = _f(
         "auto", "also log the metrics to: none, tensorboard (output_dir/runs/), wandb, a list of them, all "
@@ -185,6 +187,10 @@ class TrainConfig:
         "truncate", "a conversation or prompt-completion pair (or a text document packed whole: packing_strategy bfd, "
         "next_fit) longer than max_length: truncate (keep its first "
         "max_length tokens, TRL's) or drop it; both are counted (ulysses-trainer data)")
+    special_text: SpecialText = _f(
+        "encode", "a conversation or prompt-completion pair whose message text holds a special token's string "
+        "(<|im_end|> in a file a tool read): encode (the string as ordinary text, never the token's id) or drop the "
+        "example; both are counted in the data summary")
     # TRL spellings of settings above (decoded once, here: see TrainConfig.__post_init__)
     gradient_checkpointing_kwargs: Union[dict, None] = _f(
         None, "TRL's: {offload: true} = activation_offload true, {offload: false} = false; use_reentrant is "

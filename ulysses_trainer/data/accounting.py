@@ -15,6 +15,9 @@ from typing import Any
 from ..errors import ConfigError
 
 DROPPED_TOO_LONG = "longer than max_length (max_length_policy drop)"  # a skip reason
+DROPPED_SPECIAL_TEXT = "holding a special token's text (special_text drop)"  # a skip reason
+# a skip reason under special_text encode: the example holds the private-use characters its encoding uses
+UNENCODABLE_SPECIAL_TEXT = "holding a special token's text and the private-use characters U+F0000.. that encode it"
 
 
 @dataclass
@@ -40,6 +43,7 @@ class DataCounts:
     trained_tokens: int = 0  # tokens that are a trained target (an example's first token never is)
     rows_over_10pct_padding: int = 0  # rows whose pads are more than a tenth of max_length
     padding_why: str = ""  # why those rows could not be fuller (rows.padding_report)
+    special_text: int = 0  # examples whose message text holds a special token's string (encoded or dropped)
 
     @property
     def documents_read(self) -> int:
@@ -56,7 +60,8 @@ class DataCounts:
                 "truncated": self.truncated, "dropped_too_long": self.dropped_too_long,
                 "without_trained_tokens": self.without_trained_tokens, "trained_cut_off": self.trained_cut_off,
                 "split": self.split, "trained_tokens": self.trained_tokens,
-                "rows_over_10pct_padding": self.rows_over_10pct_padding, "padding_why": self.padding_why}
+                "rows_over_10pct_padding": self.rows_over_10pct_padding, "padding_why": self.padding_why,
+                "special_text": self.special_text}
 
     @property
     def fill_ratio(self) -> float:
@@ -94,6 +99,12 @@ class DataCounts:
         if self.whole_examples:
             end += f"; {self.trained_tokens} trained tokens, " \
                    f"{self.truncated} truncated to max_length, {self.pad_tokens} pad tokens"
+        if self.special_text:
+            dropped = self.skipped.get(DROPPED_SPECIAL_TEXT, 0) + self.skipped.get(UNENCODABLE_SPECIAL_TEXT, 0)
+            how = f"{dropped} dropped" if dropped == self.special_text else \
+                "encoded as text, never as the token" if not dropped else f"{dropped} of them dropped"
+            n = self.special_text
+            end += f"; {n} example{'s' if n != 1 else ''} held a special token's text ({how}; special_text)"
         end += f"; fill {100 * self.fill_ratio:.1f}% (real tokens / sequence tokens)"
         heavy = self.rows_over_10pct_padding if self.whole_examples else 0
         if heavy:

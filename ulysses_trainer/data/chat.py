@@ -83,12 +83,20 @@ def _check_arguments(args: Any, name: Any, where: str) -> None:
                               f"write them as a mapping or a JSON string (or fix or remove the example)") from None
 
 
+def message_problem(m: Any) -> str:
+    """What is wrong with a message that is not a {role, content} mapping, and the fix."""
+    if isinstance(m, dict):
+        keys = ", ".join(map(str, m)) or "none"
+        return f"it has no `role` (keys: {keys}); give each message a role ({', '.join(ROLES)})"
+    return f"it is not a {{role, content}} mapping but {type(m).__name__} {str(m)[:80]!r}"
+
+
 def check_messages(messages: Any, where: str) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"{where}: messages must be a non-empty list of {{role, content}} mappings")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
-            raise ConfigError(f"{where}: message {i} is not a {{role, content}} mapping: {str(m)[:80]!r}")
+            raise ConfigError(f"{where}, message {i}: {message_problem(m)}")
         if m["role"] not in ROLES:
             raise ConfigError(f"{where}: message {i} has role {m['role']!r}; accepted roles are "
                               f"{', '.join(ROLES)}")

@@ -17,8 +17,11 @@ trained spans are found, first rule that applies:
                       template that renders earlier turns the same whatever follows can be cut this way; any
                       other is refused for assistant_only_loss.
 
-Message text holding one of the tokenizer's special-token strings is refused: the template would turn it into
-that token (and could forge a turn).
+Message text holding one of the tokenizer's special-token strings (`<|im_end|>` in a file a tool read) stays text:
+each such string goes to the template as a private-use character of its own (U+F0000 + its index) and comes back as
+the string in a text segment, so it is encoded as ordinary text and the special token's id appears only where the
+template wrote it (a literal could otherwise forge a turn). data/formats.py counts such examples, or drops them
+(special_text drop).
 """
 
 from __future__ import annotations
@@ -46,6 +49,14 @@ def template_text(template: Any) -> str:
     return template if isinstance(template, str) else ""
 
 
+_STANDIN = 0xF0000  # the first private-use character standing in for a special token's string in message text
+_STANDINS = re.compile("[\U000F0000-\U000FFFFD]")
+
+
+class UnencodableSpecialText(ConfigError):
+    """Message text holding a special token's string and the private-use characters that would stand in for it."""
+
+
 class TemplateRenderer:
     """Segments of conversations and prompt-completion pairs rendered by the checkpoint's chat template; `rule`
     says how its assistant turns are found (MARKERS, CHATML or PREFIXES, see the module doc). training: the
@@ -59,6 +70,8 @@ class TemplateRenderer:
                           reverse=True)
         self.specials = specials
         self._split = re.compile("(" + "|".join(re.escape(s) for s in specials) + ")") if specials else None
+        self._standin = {s: chr(_STANDIN + i) for i, s in enumerate(specials)}  # message text -> template
+        self._restore = {_STANDIN + i: s for i, s in enumerate(specials)}  # rendering -> text
         source = template_text(hf_tokenizer.chat_template)
         if GENERATION_TAG.search(source):
             self.rule = MARKERS
@@ -79,18 +92,23 @@ class TemplateRenderer:
                 template: str | None = None) -> str:
         return self._apply(msgs, tools, template, tokenize=False, add_generation_prompt=generation_prompt)
 
-    def _check_text(self, value: Any, where: str) -> None:
+    def _hide_specials(self, value: Any, where: str) -> tuple[Any, bool]:
+        """(value with every special token's string in its text replaced by its stand-in, whether any was). Text
+        that already holds a stand-in character cannot be told apart after rendering: UnencodableSpecialText."""
         if isinstance(value, str):
-            bad = next((s for s in self.specials if s in value), None)
-            if bad is not None:
-                raise ConfigError(f"{where}: message text holds the special token {bad!r}, which the chat template "
-                                  f"would turn into that token; remove it from the data")
-        elif isinstance(value, dict):
-            for v in value.values():
-                self._check_text(v, where)
-        elif isinstance(value, list):
-            for v in value:
-                self._check_text(v, where)
+            if self._split is None or not self._split.search(value):
+                return value, False
+            if _STANDINS.search(value):
+                raise UnencodableSpecialText(f"{where}: message text holds a special token's string and private-use "
+                                             f"characters (U+F0000..U+FFFFD) that would stand in for it")
+            return self._split.sub(lambda m: self._standin[m.group(0)], value), True
+        if isinstance(value, dict):
+            pairs = [(k, self._hide_specials(v, where)) for k, v in value.items()]
+            return {k: v for k, (v, _) in pairs}, any(h for _, (_, h) in pairs)
+        if isinstance(value, list):
+            items = [self._hide_specials(v, where) for v in value]
+            return [v for v, _ in items], any(h for _, h in items)
+        return value, False
 
     # ------------------------------------------------------------ the three rules
     def _marked_spans(self, msgs: list[dict], tools: list | None, template: str | None) -> list[tuple[int, int]]:
@@ -159,21 +177,21 @@ class TemplateRenderer:
     # ------------------------------------------------------------ examples
     def conversation(self, msgs: list[dict], tools: list | None, assistant_only: bool, where: str) -> list[Segment]:
         msgs = self._arguments_as_mappings(normalize_messages(msgs, where, empty=None), where)
-        self._check_text(msgs, where)
+        msgs, hidden = self._hide_specials(msgs, where)
         if assistant_only and self.training is not None:  # TRL's training variant: its markers say what is trained
             full = self._render(msgs, tools, False, self.training)
-            return self._segments(full, self._marked_spans(msgs, tools, self.training))
+            return self._segments(full, self._marked_spans(msgs, tools, self.training), hidden)
         full = self._render(msgs, tools, False)
         if not assistant_only:
-            return self._segments(full, [(0, len(full))])
+            return self._segments(full, [(0, len(full))], hidden)
         if self.rule == MARKERS:
-            return self._segments(full, self._marked_spans(msgs, tools, None))
+            return self._segments(full, self._marked_spans(msgs, tools, None), hidden)
         if self.rule == CHATML:
             spans = self._turn_spans(full)
             if len(spans) == sum(m["role"] == "assistant" for m in msgs):
-                return self._segments(full, spans)
+                return self._segments(full, spans, hidden)
             # a turn per assistant message is what the structure means; otherwise the prefixes decide
-        return self._segments(full, self._prefix_spans(msgs, tools, full, where))
+        return self._segments(full, self._prefix_spans(msgs, tools, full, where), hidden)
 
     def prompt_completion(self, prompt: list, completion: list, tools: list | None, completion_only: bool,
                           where: str) -> list[Segment]:
@@ -181,17 +199,18 @@ class TemplateRenderer:
         prompt ends, and is trained to the rendering's end (its last newline included)."""
         prompt = self._arguments_as_mappings(normalize_messages(prompt, where, None), where)
         completion = self._arguments_as_mappings(normalize_messages(completion, where, None), where)
-        self._check_text([prompt, completion], where)
+        (prompt, completion), hidden = self._hide_specials([prompt, completion], where)
         full = self._render(prompt + completion, tools, False)
         head = self._render(prompt, tools, True)
         if not full.startswith(head):
             raise ConfigError(f"{where}: the chat template of {self.name} renders the prompt differently once the "
                               f"completion follows it, so the completion's start cannot be found; put the whole "
                               f"exchange in `messages` (assistant_only_loss trains its assistant turns)")
-        return self._segments(full, [(len(head) if completion_only else 0, len(full))])
+        return self._segments(full, [(len(head) if completion_only else 0, len(full))], hidden)
 
-    def _segments(self, text: str, spans: list[tuple[int, int]]) -> list[Segment]:
-        """The rendered text cut at special tokens and span edges, each piece marked trained or not."""
+    def _segments(self, text: str, spans: list[tuple[int, int]], hidden: bool = False) -> list[Segment]:
+        """The rendered text cut at special tokens and span edges, each piece marked trained or not; hidden: the
+        stand-ins in it are message text's special-token strings, given back as text."""
         trained = np.zeros(len(text) + 1, bool)
         for s, e in spans:
             trained[s:e] = True
@@ -207,5 +226,6 @@ class TemplateRenderer:
             if a in special_at and special_at[a] == b:
                 segs.append(Segment(text[a:b], bool(trained[a]), True))
             elif b > a:
-                segs.append(Segment(text[a:b], bool(trained[a]), False))
+                piece = text[a:b].translate(self._restore) if hidden else text[a:b]
+                segs.append(Segment(piece, bool(trained[a]), False))
         return segs

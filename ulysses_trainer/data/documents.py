@@ -33,6 +33,7 @@ from .formats import (
     ACCEPTED,
     CONVERSATIONAL,
     LANGUAGE_MODELING,
+    SpecialTextPolicy,
     check_first_example,
     check_loss_flags,
     check_settings_for_kind,
@@ -46,7 +47,7 @@ from .qwen3_template import is_qwen3_template
 from .rows import Rows, build_rows
 from .sequences import SequenceDataset
 from .synthetic import synthetic_documents
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, special_texts
 from .workers import chunks_of, ordered_map, text_size
 
 _TOKENS_PER_WORD = 1.26  # of the synthetic prose under the Qwen BPE (measured)
@@ -176,16 +177,21 @@ def _tokenized_examples(kind: str, rows: Iterable[dict], source: str, cfg: Train
     """(ids, trained) of each example, rendered and tokenized in order (num_proc: by chunks of BATCH_DOCS rows
     in worker processes; only where the whole dataset is read, as workers read ahead); rows of another shape
     are counted as skipped, by reason."""
-    def work(chunk: tuple[int, list[dict]]) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict[str, int]]:
+    special = SpecialTextPolicy(cfg.special_text, special_texts(tokenizer))
+
+    def work(chunk: tuple[int, list[dict]]) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict[str, int], int]:
         start, part = chunk
         shape: dict[str, int] = {}
+        tally = DataCounts()
         segments = example_segments(kind, part, source, cfg.assistant_only_loss, cfg.completion_only_loss,
-                                    tokenizer.eos_token, template, skipped=shape, start=start)
-        return [tokenize_segments(s, tokenizer) for s in segments], shape
+                                    tokenizer.eos_token, template, skipped=shape, start=start, special=special,
+                                    tally=tally)
+        return [tokenize_segments(s, tokenizer) for s in segments], shape, tally.special_text
 
     if not num_proc or num_proc <= 1:  # one example at a time: a capped read stops where its rows are full
         segments = example_segments(kind, rows, source, cfg.assistant_only_loss, cfg.completion_only_loss,
-                                    tokenizer.eos_token, template, skipped=counts.skipped)
+                                    tokenizer.eos_token, template, skipped=counts.skipped, special=special,
+                                    tally=counts)
         yield from (tokenize_segments(s, tokenizer) for s in segments)
         return
     def numbered() -> Iterator[tuple[int, list[dict]]]:
@@ -194,9 +200,10 @@ def _tokenized_examples(kind: str, rows: Iterable[dict], source: str, cfg: Train
             yield start, part
             start += len(part)
 
-    for examples, shape in ordered_map(work, numbered(), num_proc):
+    for examples, shape, special_text in ordered_map(work, numbered(), num_proc):
         for reason, n in shape.items():
             counts.skip(reason, n)
+        counts.special_text += special_text
         yield from examples
 
 

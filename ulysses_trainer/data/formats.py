@@ -10,12 +10,16 @@ Anything else is a ConfigError naming what was found and what is accepted.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from ..errors import ConfigError
-from .chat import Segment, render_prompt_completion, render_qwen3
-from .chat_template import TemplateRenderer
+from .accounting import DROPPED_SPECIAL_TEXT, UNENCODABLE_SPECIAL_TEXT, DataCounts
+from .chat import Segment, message_problem, render_prompt_completion, render_qwen3
+from .chat_template import TemplateRenderer, UnencodableSpecialText
 
 LANGUAGE_MODELING, CONVERSATIONAL, PROMPT_COMPLETION = "language_modeling", "conversational", "prompt_completion"
 ACCEPTED = ("a text column (`text`, or the column named by dataset_text_field); `messages` (conversational: "
@@ -63,35 +67,92 @@ NO_MESSAGES = "without `messages` (a row of another shape)"
 NO_PROMPT_COMPLETION = "without `prompt` or `completion` (a row of another shape)"
 
 
+ENCODE, DROP = "encode", "drop"  # special_text's values
+
+
+@dataclass(frozen=True)
+class SpecialTextPolicy:
+    """What becomes of an example whose text holds a special token's string (the special_text setting): ENCODE
+    (the string as ordinary text; both renderings do so) or DROP. texts: the tokenizer's special strings."""
+
+    mode: str
+    texts: tuple[str, ...]
+
+    @cached_property
+    def _pattern(self) -> re.Pattern:
+        return re.compile("|".join(re.escape(t) for t in self.texts))
+
+    def held(self, value: Any) -> bool:
+        """Whether any string in `value` (a message list, a prompt, a mapping of them) holds one of the texts."""
+        if not self.texts:
+            return False
+        pattern = self._pattern
+        stack = [value]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, str):
+                if pattern.search(v):
+                    return True
+            elif isinstance(v, dict):
+                stack.extend(v.values())
+            elif isinstance(v, list):
+                stack.extend(v)
+        return False
+
+
 def example_segments(kind: str, rows: Iterator[dict], source: str, assistant_only_loss: bool,
                      completion_only_loss: bool | None, eos_name: str,
                      template: TemplateRenderer | None = None,
-                     skipped: dict[str, int] | None = None, start: int = 0) -> Iterator[list[Segment]]:
+                     skipped: dict[str, int] | None = None, start: int = 0,
+                     special: SpecialTextPolicy | None = None,
+                     tally: DataCounts | None = None) -> Iterator[list[Segment]]:
     """One segment list per example (conversational or prompt-completion); messages are rendered with the
     checkpoint's chat template when `template` is given, else in Qwen3's format. A row of another shape (a
     `text` row in a `messages` file: its `messages` is null) is left out and counted in `skipped` by reason.
-    start: the number of the first row (in messages naming an example)."""
+    start: the number of the first row (in messages naming an example). special: an example whose text holds a
+    special token's string is counted in `tally.special_text` and, under DROP, left out (a skip reason); under
+    ENCODE it renders with the string as text."""
     skipped = {} if skipped is None else skipped
+
+    def skip(reason: str) -> None:
+        skipped[reason] = skipped.get(reason, 0) + 1
+
     for n, row in enumerate(rows, start):
         where = f"dataset {source}, example {n}"
         if kind == CONVERSATIONAL:
-            msgs = row.get("messages")
-            if msgs is None:
-                skipped[NO_MESSAGES] = skipped.get(NO_MESSAGES, 0) + 1
+            if row.get("messages") is None:
+                skip(NO_MESSAGES)
                 continue
-            tools = _tools_of(row, where)
-            yield template.conversation(msgs, tools, assistant_only_loss, where) if template else \
-                render_qwen3(msgs, tools, assistant_only_loss, where)
-        else:
-            if row.get("prompt") is None or row.get("completion") is None:
-                skipped[NO_PROMPT_COMPLETION] = skipped.get(NO_PROMPT_COMPLETION, 0) + 1
+        elif row.get("prompt") is None or row.get("completion") is None:
+            skip(NO_PROMPT_COMPLETION)
+            continue
+        fields = row.get("messages") if kind == CONVERSATIONAL else [row["prompt"], row["completion"]]
+        if special is not None and special.held(fields):
+            if tally is not None:
+                tally.special_text += 1
+            if special.mode == DROP:
+                skip(DROPPED_SPECIAL_TEXT)
                 continue
-            if template is not None and isinstance(row["prompt"], list) and isinstance(row["completion"], list):
-                yield template.prompt_completion(row["prompt"], row["completion"], _tools_of(row, where),
-                                                 completion_only_loss is not False, where)
-                continue
-            yield render_prompt_completion(row["prompt"], row["completion"], _tools_of(row, where),
-                                           completion_only_loss is not False, eos_name, where)
+        try:
+            segments = _render(kind, row, where, assistant_only_loss, completion_only_loss, eos_name, template)
+        except UnencodableSpecialText:  # its text could not be told apart from the stand-ins: left out, counted
+            skip(UNENCODABLE_SPECIAL_TEXT)
+            continue
+        yield segments
+
+
+def _render(kind: str, row: dict, where: str, assistant_only_loss: bool, completion_only_loss: bool | None,
+            eos_name: str, template: TemplateRenderer | None) -> list[Segment]:
+    """One example's segments (see example_segments)."""
+    if kind == CONVERSATIONAL:
+        tools = _tools_of(row, where)
+        return template.conversation(row["messages"], tools, assistant_only_loss, where) if template else \
+            render_qwen3(row["messages"], tools, assistant_only_loss, where)
+    if template is not None and isinstance(row["prompt"], list) and isinstance(row["completion"], list):
+        return template.prompt_completion(row["prompt"], row["completion"], _tools_of(row, where),
+                                          completion_only_loss is not False, where)
+    return render_prompt_completion(row["prompt"], row["completion"], _tools_of(row, where),
+                                    completion_only_loss is not False, eos_name, where)
 
 
 def check_loss_flags(kind: str, assistant_only_loss: bool, source: str) -> None:
@@ -131,9 +192,12 @@ def check_first_example(kind: str, row: dict, source: str) -> None:
     where = f"dataset {source}, example 0"
     if kind == CONVERSATIONAL:
         msgs = row.get("messages")
-        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m for m in msgs):
+        if not isinstance(msgs, list):
             raise ConfigError(f"{where}: `messages` must be a list of {{role, content}} mappings, got "
                               f"{str(msgs)[:100]!r}. Accepted: {ACCEPTED}")
+        for i, m in enumerate(msgs):  # the message at fault, not only its example
+            if not isinstance(m, dict) or "role" not in m:
+                raise ConfigError(f"{where}, message {i}: {message_problem(m)}")
     elif kind == PROMPT_COMPLETION:
         p, c = row.get("prompt"), row.get("completion")
         if not (isinstance(p, str) and isinstance(c, str)) and not (isinstance(p, list) and isinstance(c, list)):

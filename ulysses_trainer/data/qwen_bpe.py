@@ -92,6 +92,10 @@ class QwenBPETokenizer:
             self._lengths = lengths
         return self._lengths
 
+    def special_texts(self) -> tuple[str, ...]:
+        """The special tokens' strings (not the added tokens that are one id in text), longest first."""
+        return tuple(sorted((t for t in self._enc._special_tokens if t not in self._in_text), key=len, reverse=True))
+
     def special_token_id(self, name: str) -> int:
         if name not in self._enc._special_tokens:
             raise ConfigError(f"the Qwen BPE has no added token {name!r}")

@@ -78,6 +78,10 @@ class HFTokenizer:
         spans = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
         return list(enc["input_ids"]), char_bytes[spans[:, 0]], char_bytes[spans[:, 1]]
 
+    def special_texts(self) -> tuple[str, ...]:
+        """The special tokens' strings (the added tokens marked special), longest first."""
+        return special_texts_of(self._tok)
+
     def special_token_id(self, name: str) -> int:
         tid = self._tok.convert_tokens_to_ids(name)
         if not isinstance(tid, int) or tid == self._tok.unk_token_id:
@@ -96,7 +100,44 @@ class HFTokenizer:
         self._tok.eos_token = name
 
     def save_pretrained(self, directory: str) -> None:
+        """The tokenizer files as transformers saves them, without the keys that only told from_pretrained how to
+        load (is_local, local_files_only, ...), which transformers keeps in tokenizer_config.json."""
         self._tok.save_pretrained(directory)
+        drop_loader_keys(Path(directory) / "tokenizer_config.json", Path(self.name) / "tokenizer_config.json")
+
+
+def special_texts_of(hf_tokenizer: Any) -> tuple[str, ...]:
+    """A transformers tokenizer's special tokens' strings, longest first (a longer one holding a shorter one is
+    matched whole)."""
+    return tuple(sorted({t.content for t in hf_tokenizer.added_tokens_decoder.values() if t.special}, key=len,
+                        reverse=True))
+
+
+def special_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The special tokens' strings of either tokenizer (none for one that says nothing of them)."""
+    method = getattr(tokenizer, "special_texts", None)
+    return method() if method is not None else ()
+
+
+# from_pretrained's arguments about where and how to load, not what the tokenizer is
+LOADER_KEYS = ("is_local", "local_files_only", "cache_dir", "force_download", "resume_download", "proxies", "token",
+               "use_auth_token", "revision", "subfolder", "trust_remote_code", "_from_auto", "_commit_hash",
+               "_from_pipeline")
+
+
+def drop_loader_keys(saved: Path, loaded: Path) -> None:
+    """Remove LOADER_KEYS from the tokenizer_config.json `saved`, except those the file it was loaded from (`loaded`)
+    held itself."""
+    import json
+
+    if not saved.is_file():
+        return
+    config = json.loads(saved.read_text(encoding="utf-8"))
+    own = json.loads(loaded.read_text(encoding="utf-8")) if loaded.is_file() else {}
+    extra = [k for k in LOADER_KEYS if k in config and k not in own]
+    if extra:
+        saved.write_text(json.dumps({k: v for k, v in config.items() if k not in extra}, indent=2,
+                                    ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def utf8_lengths(text: str) -> np.ndarray:

@@ -224,8 +224,67 @@ def add_carried(directory: str, names: list[str], source: dict[str, Path], max_s
         weight_map.items()))}, indent=2) + "\n")
 
 
-def _sizes(file: Path) -> dict[str, int]:
-    """name -> stored bytes of every tensor of a safetensors file, from its header alone."""
+def keep_source_files(directory: str, source_dir: str | None) -> bool:
+    """Regroup the export's tensors in `directory` into the files of the sharded checkpoint in `source_dir`: each
+    tensor in the file the checkpoint's model.safetensors.index.json names, under that name, with that index
+    (its total_size recounted). False, and nothing changed, where the checkpoint is not sharded or the export's
+    tensor names are not the checkpoint's. One file is held in memory at a time."""
+    from safetensors.torch import save_file
+
+    index = Path(source_dir) / INDEX if source_dir else None
+    if index is None or not index.is_file():
+        return False
+    source_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    d = Path(directory)
+    written = _weight_files(d)
+    if written is None or set(written) != set(source_map):
+        return False
+    if all(written[n].name == f for n, f in source_map.items()) and (d / INDEX).is_file():
+        return True  # save_pretrained already cut them so
+    files = sorted(set(source_map.values()))
+    for f in files:
+        names = [n for n, where in source_map.items() if where == f]
+        save_file(_read(names, written), str(d / (f + ".regrouped")), metadata={"format": "pt"})
+    for old in set(written.values()):
+        old.unlink()
+    for f in files:
+        os.replace(d / (f + ".regrouped"), d / f)
+    total = sum(sum(_sizes(d / f).values()) for f in files)
+    (d / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(
+        source_map.items()))}, indent=2) + "\n")
+    return True
+
+
+def _header(file: Path) -> dict[str, dict[str, Any]]:
+    """name -> {dtype, shape, data_offsets} of every tensor of a safetensors file."""
     with open(file, "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    return {n: v["data_offsets"][1] - v["data_offsets"][0] for n, v in header.items() if n != "__metadata__"}
+    header.pop("__metadata__", None)
+    return header
+
+
+def _sizes(file: Path) -> dict[str, int]:
+    """name -> stored bytes of every tensor of a safetensors file, from its header alone."""
+    return {n: v["data_offsets"][1] - v["data_offsets"][0] for n, v in _header(file).items()}
+
+
+_FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def source_shard_bytes(layout: UserLayout, dtype: torch.dtype) -> int | None:
+    """The checkpoint's largest safetensors file, in bytes as the export stores its tensors (floating ones in
+    `dtype`, carried ones as they are): the max_shard_size under which save_pretrained cuts the same tensors, in
+    the same order, where the checkpoint was cut (a file ends where the next tensor would pass the limit, and the
+    limit is at least every file). None without the checkpoint's safetensors (a preset, a Hub id)."""
+    if not layout.source:
+        return None
+    carried = set(layout.carried())
+    largest = 0
+    for file in sorted(set(layout.source.values())):
+        total = 0
+        for name, v in _header(file).items():
+            stored = v["data_offsets"][1] - v["data_offsets"][0]
+            width = _FLOAT_BYTES.get(v["dtype"])
+            total += stored if width is None or name in carried else stored // width * dtype.itemsize
+        largest = max(largest, total)
+    return largest or None

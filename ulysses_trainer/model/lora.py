@@ -8,6 +8,7 @@ partitions them but keeps no gradient and no Adam state for them.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -54,7 +55,9 @@ def add_lora(model: torch.nn.Module, cfg: TrainConfig) -> tuple[torch.nn.Module,
     """(the HF causal LM with LoRA layers and frozen base weights, the PeftModel that saves the adapter)."""
     from peft import get_peft_model
 
-    with torch.random.fork_rng(devices=[]):  # lora_A's random init: the same on every rank, from the seed
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():  # lora_A's init: every rank alike
+        # PEFT reads transformers' deprecated `is_gradient_checkpointing` (transformers >= 5.2x): its call, not ours
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         torch.manual_seed(cfg.seed)
         peft_model = get_peft_model(model, check_lora(cfg, family(model.config.model_type)))
     return peft_model.base_model.model, peft_model

@@ -14,6 +14,7 @@ from ..levers.copy_back import PinnedCopyBack
 from ..model.load import build_model as load_model
 from ..model.lora import add_lora
 from ..model.parallelize import SequenceParallelCausalLM, apply, parallelize
+from ..parallel.integrations import quiet_deepspeed_deprecations
 from ..parallel.state import ParallelState
 from ..plan.resolve import replan_after_engine
 from ..plan.types import Plan
@@ -48,6 +49,7 @@ def build_engine(plan: RunPlan, model: SequenceParallelCausalLM, device: torch.d
     def schedule(opt):  # DeepSpeed hands over its base optimizer; it steps and saves the schedule
         return build_schedule(cfg, opt, plan.total_steps)
 
+    quiet_deepspeed_deprecations(model)  # torch's notice on DeepSpeed's own collectives, for the engine's life
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=plan.ds_config,
                                            lr_scheduler=schedule)
     # Adam on the host: the parameters go back to the GPU through pinned buffers, beside the next sub-group's step

@@ -7,7 +7,8 @@ rank prepare them again for its ranks. The cache is keyed by the data files (pat
 tokenizer and its chat template, every data setting of the config, the split and the row count asked for, and the
 source of the data code, so a relaunch or resume of the same job reads its rows in seconds and any change tokenizes
 again. Only local files are cached (the synthetic sources are generated; an HF dataset name has no file identity to
-key by).
+key by). An entry holds nothing executable: its metadata is JSON and its arrays .npy files read without pickle, since
+data_cache_dir may be a directory other users or nodes write; an entry that does not parse is built again.
 """
 
 from __future__ import annotations
@@ -16,17 +17,17 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import shutil
 import socket
 import tempfile
-from dataclasses import replace
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..config import TrainConfig, config_to_dict
+from ..data.accounting import DataCounts
 from ..data.documents import build_sequences
 from ..data.sequences import SequenceDataset
 from ..errors import ConfigError
@@ -36,11 +37,12 @@ from ..user_cache import user_cache_dir
 log = logging.getLogger(__name__)
 
 _ARRAYS = ("tokens", "positions", "trained", "lengths")
-_FORMAT = 2  # bump when the stored layout changes
+_FORMAT = 3  # bump when the stored layout changes (3: JSON metadata, no pickle)
+_META = "meta.json"
 # config fields whose names hold one of these words shape the rows (read generically, so new data
 # settings join the key without an edit here)
 _DATA_WORDS = ("dataset", "packing", "pad_", "max_length", "max_seq_length", "loss", "text_file", "eval_samples",
-               "template", "eos_token", "seed")
+               "template", "eos_token", "seed", "special_text")
 
 
 def cache_root(cfg: TrainConfig) -> Path | None:
@@ -100,36 +102,89 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, split: str, dp_size: int, num_se
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def _meta_of(ds: SequenceDataset) -> dict[str, Any]:
+    """Every field of the rows but their arrays, as JSON values."""
+    meta = {f.name: getattr(ds, f.name) for f in fields(ds) if f.name not in _ARRAYS}
+    meta["counts"] = asdict(ds.counts)
+    return meta
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar in the metadata as the Python number it holds."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
 def save_rows(ds: SequenceDataset, directory: Path) -> None:
-    """The rows as .npy files beside the rest of the dataset (pickled), written whole or not at all."""
+    """The rows as .npy files beside their metadata (JSON), written whole or not at all."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=directory.parent))
     try:
         for name in _ARRAYS:
             value = getattr(ds, name)
             if value is not None:
-                np.save(tmp / f"{name}.npy", np.asarray(value))
-        with open(tmp / "meta.pkl", "wb") as f:
-            pickle.dump(replace(ds, **{name: None for name in _ARRAYS}), f)
+                np.save(tmp / f"{name}.npy", np.asarray(value), allow_pickle=False)
+        (tmp / _META).write_text(json.dumps(_meta_of(ds), default=_plain))
         os.replace(tmp, directory)  # atomic: a reader sees all of it or nothing
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (directory / "meta.pkl").exists():  # another writer may have won the rename
+        if load_rows(directory) is None:  # another writer may have won the rename
             raise
+
+
+class _Unreadable(Exception):
+    """A cache entry that is not what save_rows writes."""
+
+
+def _read_rows(directory: Path) -> SequenceDataset:
+    """The entry's rows, memory-mapped (copy-on-write: never written back); _Unreadable naming why not. Nothing
+    in it is executed: JSON and .npy files without pickled objects."""
+    try:
+        meta = json.loads((directory / _META).read_text())
+    except FileNotFoundError:
+        raise _Unreadable(f"no {_META}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _Unreadable(f"{_META}: {exc}") from None
+    names = {f.name for f in fields(SequenceDataset)} - set(_ARRAYS)
+    if not isinstance(meta, dict) or set(meta) != names or not isinstance(meta["counts"], dict):
+        raise _Unreadable(f"{_META} does not hold the fields {sorted(names)}")
+    try:
+        counts = DataCounts(**meta["counts"])
+        arrays = {name: np.load(directory / f"{name}.npy", mmap_mode="c", allow_pickle=False)
+                  for name in _ARRAYS if (directory / f"{name}.npy").exists()}
+    except (TypeError, OSError, ValueError) as exc:  # unknown count names; a pickled or torn array
+        raise _Unreadable(str(exc)) from None
+    length = meta["max_length"]
+    tokens = arrays.get("tokens")
+    if not isinstance(length, int) or length < 1 or tokens is None or tokens.ndim != 1 or tokens.size % length:
+        raise _Unreadable(f"tokens.npy does not hold whole rows of max_length {length}")
+    n_rows = tokens.size // length
+    for name, want in (("positions", tokens.size), ("trained", tokens.size), ("lengths", n_rows)):
+        if name in arrays and arrays[name].shape != (want,):
+            raise _Unreadable(f"{name}.npy has shape {arrays[name].shape}, not ({want},)")
+    return SequenceDataset(**{**meta, "counts": counts, **{name: arrays.get(name) for name in _ARRAYS}})
 
 
 def load_rows(directory: Path) -> SequenceDataset | None:
     """The cached rows, memory-mapped (copy-on-write: never written back); None when absent or unreadable."""
     try:
-        with open(directory / "meta.pkl", "rb") as f:
-            ds = pickle.load(f)
-        arrays = {name: np.load(directory / f"{name}.npy", mmap_mode="c")
-                  for name in _ARRAYS if (directory / f"{name}.npy").exists()}
-    except (OSError, pickle.UnpicklingError, EOFError, ValueError, AttributeError):
+        return _read_rows(directory)
+    except _Unreadable:
         return None
-    if not isinstance(ds, SequenceDataset) or "tokens" not in arrays:
+
+
+def _cached_rows(directory: Path) -> SequenceDataset | None:
+    """The cache entry's rows; None when there is none. An entry that does not parse (torn, planted, or an older
+    layout) is removed, with one line saying so, for the caller to build again."""
+    if not directory.exists():
         return None
-    return replace(ds, **arrays)
+    try:
+        return _read_rows(directory)
+    except _Unreadable as why:
+        log.warning(f"warning: the data cache entry {directory} does not parse ({why}); tokenizing again")
+    shutil.rmtree(directory, ignore_errors=True)
+    return None
 
 
 def node_name() -> str:
@@ -149,7 +204,7 @@ def _prepare(cfg: TrainConfig, tokenizer: Any, split: str, dp_size: int, num_seq
     Read from the cache, else built and written there (or, uncached, to a scratch directory), then read back
     memory-mapped, so the preparing rank holds no copy of its own either."""
     if directory is not None:
-        ds = load_rows(directory)
+        ds = _cached_rows(directory)
         if ds is not None:
             return ds, str(directory), None
     ds = build_sequences(cfg, tokenizer, split=split, dp_size=dp_size, num_sequences=num_sequences)

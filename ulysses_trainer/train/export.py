@@ -11,10 +11,12 @@ import os
 import shutil
 from collections.abc import Callable
 
+import torch
+
 from ..config.checks import shard_bytes
 from ..data.formats import CONVERSATIONAL, PROMPT_COMPLETION
 from ..model.export_config import dtype_change_note, export_config_json
-from ..model.export_layout import add_carried, user_layout
+from ..model.export_layout import add_carried, keep_source_files, source_shard_bytes, user_layout
 from ..model.lora import lora_scaling, merged_state_dict
 from .chat_export import ExportFiles, adapter_base, source_file
 from .checkpoint import agree_on_failure, fsync_tree
@@ -22,6 +24,7 @@ from .output_guard import OutputWriteError, describe_failure, failure_message
 from .prepare import RunPlan
 
 log = logging.getLogger(__name__)
+DEFAULT_SHARD = "5GB"  # save_pretrained's, where there is no checkpoint whose sharding to keep
 
 
 def export_model(engine, plan: RunPlan, peft_model, is_main: bool, name: str) -> None:
@@ -32,7 +35,7 @@ def export_model(engine, plan: RunPlan, peft_model, is_main: bool, name: str) ->
     config_file = source_file(source, "config.json")  # a Hub id: its cached snapshot, which the run loaded
     source_dir = str(config_file.parent) if config_file is not None else None
     files = ExportFiles(plan.tokenizer, chat, source=source)
-    shard = shard_bytes(cfg.max_shard_size)
+    shard = shard_bytes(cfg.max_shard_size) if cfg.max_shard_size is not None else None  # None: the checkpoint's
     if peft_model is not None and not cfg.merge_lora:
         base = adapter_base(cfg.model_name_or_path, source, cfg.output_dir, name)
         export_adapter(engine, peft_model, cfg.output_dir, ExportFiles(plan.tokenizer, chat, adapter_base=base),
@@ -40,7 +43,7 @@ def export_model(engine, plan: RunPlan, peft_model, is_main: bool, name: str) ->
         if source is None:  # a preset's base exists nowhere else: <name>/base, which the adapter names
             export_hf(engine, plan.model_config, cfg.output_dir, files, is_main,
                       transform=lambda sd: merged_state_dict(sd, 0.0), name=os.path.join(name, "base"),
-                      max_shard_size=shard)
+                      max_shard_size=shard or DEFAULT_SHARD)
     else:
         merge = (lambda sd: merged_state_dict(sd, lora_scaling(peft_model))) if peft_model else None
         export_hf(engine, plan.model_config, cfg.output_dir, files, is_main, transform=merge,
@@ -65,14 +68,15 @@ def export_adapter(engine, peft_model, output_dir: str, tokenizer, is_main: bool
 
 
 def export_hf(engine, config, output_dir: str, tokenizer, is_main: bool, prefix: str = "causal_lm.",
-              transform=None, config_json: dict | None = None, max_shard_size: int | str = "5GB",
+              transform=None, config_json: dict | None = None, max_shard_size: int | str | None = None,
               name: str = "final", source_dir: str | None = None) -> str | None:
     """Consolidate the ZeRO-3 shards (collective) and write `final/` as HF safetensors on rank 0, sharded as
     save_pretrained shards (model.safetensors.index.json beside several files; a Qwen3-MoE in the Hub's
     per-expert layout); a failed write raises OutputWriteError on every rank (the checkpoints stay).
     transform: applied to the consolidated state dict first (LoRA: merge the adapters into the weights);
     config_json: written as final/config.json (model/export_config.py), else transformers' rendering of config;
-    source_dir: the checkpoint directory trained from, whose layout final/ takes (model/export_layout.py)."""
+    source_dir: the checkpoint directory trained from, whose layout final/ takes (model/export_layout.py);
+    max_shard_size None: the checkpoint's own sharding (its largest file), else 5GB."""
 
     state = engine._zero3_consolidated_16bit_state_dict()
     target = os.path.join(output_dir, name)  # name: final, or final/base (a preset adapter's base)
@@ -102,7 +106,7 @@ def _export_on_main(is_main: bool, target: str, write: Callable[[], None]) -> No
 
 
 def _write_export(state: dict, config, tmp: str, target: str, tokenizer, prefix: str, transform=None,
-                  config_json: dict | None = None, max_shard_size: int | str = "5GB",
+                  config_json: dict | None = None, max_shard_size: int | str | None = None,
                   source_dir: str | None = None) -> None:
     """The state dict of the trained causal LM as the checkpoint it came from (model/export_layout.py: its
     class, the tensors it keeps untouched) or, for a preset, as the causal LM."""
@@ -113,10 +117,16 @@ def _write_export(state: dict, config, tmp: str, target: str, tokenizer, prefix:
     config.use_cache = True  # training turned the KV cache off; generation from the export wants it
     layout = user_layout(config, source_dir, config_json)
     model = layout.build(state)
+    as_source = max_shard_size is None  # the checkpoint's files: its largest file's size, then its index
+    if as_source:
+        dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+        max_shard_size = source_shard_bytes(layout, dtype) or DEFAULT_SHARD
 
     def write(d: str) -> None:
         model.save_pretrained(d, max_shard_size=max_shard_size)
         add_carried(d, layout.carried(), layout.source, max_shard_size)
+        if as_source:  # save_pretrained's order of tensors is not the checkpoint's: its index decides
+            keep_source_files(d, source_dir)
         if config_json is not None:  # the user's config, not transformers' rendering of the training one
             with open(os.path.join(d, "config.json"), "w") as f:
                 f.write(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
