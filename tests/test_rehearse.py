@@ -437,7 +437,11 @@ def test_layer_times_of_the_last_step(tmp_path, capsys):
     parts = [t["before_layers_s"], *t["forward_s"], t["loss_s"], *t["recompute_s"], *t["backward_s"][1:],
              t["last_backward_and_update_s"]]
     assert min(parts) >= 0 and sum(parts) <= t["step_s"] <= r["step_s"][-1]
+    assert t["unaccounted_s"] == pytest.approx(t["step_s"] - sum(parts))
     assert "layer times of the last step" in capsys.readouterr().out
+    # the plan's step and floor beside the measurement, and the card whose rates they read (none on CPU)
+    assert r["plan_step_s"] == r["predicted_by_plan_step_s"] and "plan_floor_s" in r
+    assert r["plan_rates_card"] == "h200"
 
 
 @pytest.mark.slow

@@ -12,17 +12,23 @@ from .memory_record import MemoryEstimate
 from .step_time import StepTime, format_seconds
 from .types import Machine, Plan
 
+HOST_HEADROOM = 0.95  # past this share of the host's memory a plan says so: the OS, data workers and page cache
 WORST_CASE = ("packing: attention timed as one document of max_length, the worst case (`ulysses-trainer plan "
               "--dataset_name ...` times it from the data's document lengths)")
 
 
 def plan_notes(cfg: Any, machine: Machine, s: Settings, *, attention: AttentionShare | None, budget_note: str | None,
                st: StepTime | None, engine_plan: Plan | None, fx: Fixed,
-               best: dict[bool, tuple[float, MemoryEstimate]]) -> tuple[str, ...]:
+               best: dict[bool, tuple[float, MemoryEstimate]], host_gb: float | None = None) -> tuple[str, ...]:
     """The notes of the plan whose chosen settings are `s`: the machine and the data it assumed, the GPU budget it
     measured, what its step time extrapolates, and the optimizer placements it weighed (`best`: the predicted
-    step per placement, when the search weighed both)."""
+    step per placement, when the search weighed both; `host_gb`: what the plan holds on each host)."""
     notes = [f"host memory {machine.host_memory_gb:.1f} GiB per host ({machine.host_memory_source})"]
+    if host_gb is not None and host_gb > HOST_HEADROOM * machine.host_memory_gb:
+        notes.append(f"the plan holds {host_gb:.1f} of {machine.host_memory_gb:.1f} GiB of host memory per host "
+                     f"({host_gb / machine.host_memory_gb:.1%}): under {1 - HOST_HEADROOM:.0%} is left for the OS, "
+                     f"the data workers and the page cache; give the run a host with more memory or offload fewer "
+                     f"layer inputs (activation_offload)")
     if cfg.packing:
         notes.append(attention.describe() + "; memory as a dense row of the same length" if attention else WORST_CASE)
     if cfg.attn_implementation == "auto" and not machine.kernels_known:

@@ -173,7 +173,7 @@ def plan_from(sr: PlanSearch, *, attention: AttentionShare | None = None) -> Pla
             host_budget_gb=machine.host_memory_gb, estimate=chosen),
         decided=decided(cfg, sr.asked, s),
         notes=plan_notes(cfg, machine, s, attention=attention, budget_note=sr.budget_note, st=st,
-                         engine_plan=sr.engine_plan, fx=fx, best=best),
+                         engine_plan=sr.engine_plan, fx=fx, best=best, host_gb=chosen.host_per_host / GIB),
         fixed=sr.asked, zero=sr.zero,
         attention_from="" if not cfg.packing else "data" if attention else "one document (worst case)",
         search_base=base)

@@ -186,6 +186,8 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
             with CollectiveLog() as issued:
                 trainer.train_step(trainer.micro_batches(opts.steps))
             counted = issued.ops
+        from ..plan.card_rates import rates_for
+
         ck = trainer.model.checkpointer
         stash = trainer.model.attention.stash
         out = {"collective_fill": opts.collective_fill, "step_s": times, "losses": losses,
@@ -199,6 +201,10 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
                "predicted_by_plan_step_s": trainer.resolved.predicted.step_s,
                "predicted_by_plan_peak_gpu_gb": trainer.resolved.predicted.peak_gpu_gb,
                "device": torch.cuda.get_device_name() if cuda else "cpu",
+               # the plan's step and floor beside what was measured, with the card whose rates it read
+               "plan_step_s": trainer.resolved.predicted.step_s,
+               "plan_floor_s": dict(trainer.resolved.predicted.floor).get("floor s"),
+               "plan_rates_card": rates_for(torch.cuda.get_device_name() if cuda else None)[0].card,
                "layer_times": None if timer is None else timer.result(),
                **_partition_stats(trainer.model, plan.world_size)}
         trainer = engine = None  # noqa: F841 - drop the engine before the group goes
