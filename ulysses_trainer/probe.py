@@ -79,4 +79,4 @@ def this_machine(world_size: int, host_memory_gb: float | None) -> Machine:
                    gpus_per_node=ranks_per_node(default=world_size), kernels=kernels, norm_kernels=norms,
                    deltanet_kernels=installed_deltanet_kernels(),
                    gpu_name=gpu.name, host_memory_source=source,
-                   bf16_supported=gpu.bf16)
+                   bf16_supported=gpu.bf16, host_cores=os.cpu_count())

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -46,7 +47,7 @@ from .console import use_console
 
 _FLAGS = {"json", "help"}  # take no value
 _ALIASES = {"sp", "gpus_per_host"}  # earlier spellings of --sp_size, --gpus_per_node: scripts keep working
-_OWN = {"config", "model", "gpus", "gpu", "gpu_memory_gb", "host_memory_gb", "sp_size", "gpus_per_node",
+_OWN = {"config", "model", "gpus", "gpu", "gpu_memory_gb", "host_memory_gb", "host_cores", "sp_size", "gpus_per_node",
         "offload_optimizer",
         "results_dir", *_FLAGS, *_ALIASES}
 
@@ -72,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="host RAM per host, GiB (default: the recipe's host_memory_gb; detected when planning "
                          "for this machine; for another machine 2 x GPU memory per GPU is assumed, and said)")
     ap.add_argument("--gpus_per_node", type=int, help="GPUs per node, sharing its RAM (default: all)")
+    ap.add_argument("--host_cores", type=int,
+                    help="CPU cores per node, shared by its ranks' CPU Adam (default: this machine's when it is the "
+                         "one planned, else 16 per GPU)")
     ap.add_argument("--gpus_per_host", dest="gpus_per_node", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--sp_size", type=int, help="sequence-parallel degree (default: --gpus)")
     ap.add_argument("--sp", dest="sp_size", type=int, help=argparse.SUPPRESS)
@@ -140,7 +144,8 @@ def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argpars
     machine = Machine(gpus=gpus, gpu_memory_gb=gpu_gb, host_memory_gb=host, gpus_per_node=args.gpus_per_node,
                       kernels=kernels, kernels_known=here, norm_kernels=norms, deltanet_kernels=deltanet,
                       gpu_name=local.name if here else card.name if card else None,
-                      host_memory_source=source, bf16_supported=local.bf16 if here else True)
+                      host_memory_source=source, bf16_supported=local.bf16 if here else True,
+                      host_cores=args.host_cores or (os.cpu_count() if here else None))
     return cfg, model_config, ds, machine, args
 
 

@@ -143,7 +143,8 @@ def plan_from(sr: PlanSearch, *, attention: AttentionShare | None = None) -> Pla
 
     def time_of(s: Settings) -> StepTime:
         return step_time(shape, s, shape.num_params, accumulation=cfg.gradient_accumulation_steps,
-                         gpu_name=machine.gpu_name, gpu_memory_gb=machine.gpu_memory_gb)
+                         gpu_name=machine.gpu_name, gpu_memory_gb=machine.gpu_memory_gb,
+                         host_cores=machine.host_cores)
 
     best: dict = {}
     if sr.found is None:  # no GPU

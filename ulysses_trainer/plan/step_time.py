@@ -46,6 +46,8 @@ from .inputs import ModelShape, Settings, mlp_run
 # Below this the fixed costs of a step that the model leaves out (kernel launches, Python, DeepSpeed's
 # per-parameter bookkeeping) dominate: a tiny model's 0.003 s prediction measures 0.1 s
 MODELLED_FROM_S = 1.0
+# a node's CPU cores per GPU where the plan is not told (the lent 8-GPU machines: 128 cores)
+CORES_PER_GPU_ASSUMED = 16
 
 
 def format_seconds(x: float) -> str:
@@ -163,7 +165,8 @@ def communication(shape: ModelShape, s: Settings, compute_s: float, accumulation
 
 
 def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: int = 1,
-              gpu_name: str | None = None, gpu_memory_gb: float | None = None) -> StepTime:
+              gpu_name: str | None = None, gpu_memory_gb: float | None = None,
+              host_cores: int | None = None) -> StepTime:
     """Seconds of one optimizer step (accumulation micro-steps, one optimizer update) at the measured rates of
     the card `gpu_name` names (plan/card_rates.rates_for)."""
     notes: list[str] = []
@@ -226,9 +229,14 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     if s.optimizer == "none":
         pass
     elif s.optimizer_offload:
-        parts["optimizer (CPU Adam, ZeRO-Offload)"] = shard * s.ranks_per_node * r.CPU_ADAM_S_PER_PARAM
-        if s.ranks_per_node > 1:
-            notes.append("CPU Adam measured with one rank per host: assumed to share the host's cores")
+        # each rank updates its shard on its share of the node's cores (the rate measured with 16 of them)
+        cores = host_cores or CORES_PER_GPU_ASSUMED * s.ranks_per_node
+        per_rank = max(cores / s.ranks_per_node, 1.0)
+        parts["optimizer (CPU Adam, ZeRO-Offload)"] = (shard * r.CPU_ADAM_S_PER_PARAM * r.CPU_ADAM_MEASURED_CORES
+                                                       / per_rank)
+        if host_cores is None:
+            notes.append(f"CPU Adam: {CORES_PER_GPU_ASSUMED} host cores per GPU assumed, each rank on its share "
+                         f"(--host_cores: the node's)")
     else:
         parts["optimizer (GPU Adam)"] = shard * r.GPU_ADAM_BYTES_PER_PARAM / r.GPU_BANDWIDTH
     notes.extend(card_notes)

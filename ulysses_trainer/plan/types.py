@@ -36,6 +36,7 @@ class Machine:
     gpu_free_after_engine_gb: float | None = None  # measured once the engine holds the model states
     host_memory_source: str = "given"  # how host_memory_gb was obtained (said in the plan)
     bf16_supported: bool = True  # the GPUs take bf16 (every GPU planned for does; probed on this machine)
+    host_cores: int | None = None  # CPU cores per node (CPU Adam's ranks share them); None: 16 per GPU assumed
 
     def bf16(self, setting: bool | str) -> bool:
         """The one rule for the `bf16` setting, shared by the trainer, `plan` and `rehearse`: true/false as
