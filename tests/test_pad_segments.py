@@ -127,7 +127,7 @@ def _rank(models, batch, real, rank, world_size):
     local = model(**shard.model_inputs())
     (local / count).backward()
     grads = {n.removeprefix("causal_lm."): p.grad.detach().clone() for n, p in model.named_parameters()}
-    real_here = sum(shard.real_rows) if isinstance(shard.real_rows, tuple) else shard.real_rows * len(real)
+    real_here = sum(shard.context.real_rows)
     return float(global_loss(local.detach(), count, state)), grads, int(count), rows_seen, real_here
 
 
