@@ -78,3 +78,18 @@ def test_the_context_is_what_the_layers_read_of_a_shard():
             assert shard_in_scope() is first
         assert shard_in_scope() is second
     assert shard_in_scope() is None
+
+
+def test_a_shard_of_another_rank_or_row_length_is_refused_on_the_host():
+    from ulysses_trainer.parallel.shard_check import check_shard
+    from ulysses_trainer.parallel.state import ParallelState
+
+    shard = shard_batch(torch.arange(12)[None], sp_size=2, sp_rank=0)  # rank 0's 6 tokens of a 12-token row
+    rank = lambda r: ParallelState(world_size=2, rank=r, sp_size=2, sp_rank=r, dp_size=1, dp_rank=0)  # noqa: E731
+    check_shard(rank(0), shard.input_ids, shard.context)  # no group needed: the host's numbers suffice
+    with pytest.raises(ValueError, match="SP rank 1 holds the slice of the row starting at token 0, which is SP "
+                                         "rank 0's: each SP rank takes its L/sp slice"):
+        check_shard(rank(1), shard.input_ids, shard.context)
+    whole = shard_batch(torch.arange(12)[None], sp_size=1, sp_rank=0)  # the whole row on a rank of sp=2
+    with pytest.raises(ValueError, match="this rank holds 12 tokens per row, and 12 x sp_size 2 = 24 is not"):
+        check_shard(rank(1), whole.input_ids, whole.context)

@@ -15,11 +15,12 @@ _FIX = "each SP rank takes its L/sp slice of every row, the labels shifted befor
 def check_shard(state: ParallelState, input_ids: torch.Tensor, context: ShardContext,
                 default_positions: bool = False) -> None:
     """ValueError unless tokens per rank x sp is the row. `context.seq_len` (the padded row length L, which
-    shard_batch sets): checked on the host, no collective. Without it, one all-gather over the SP group
-    of each rank's token count and row 0's first and last position: the ranks must hold as many tokens, and each
-    rank's positions continue the previous rank's (one document per row; packed rows: cu_seqlens, which spans the
-    whole [b x L] batch, must end at b x L). `default_positions` (the wrapper made them: they continue by
-    construction): every rank holding the very same tokens is the whole row given to each."""
+    shard_batch sets): checked on the host with the slice's start (this rank's), no collective. Without it, one
+    all-gather over the SP group of each rank's token count and row 0's first and last position: the ranks must
+    hold as many tokens, and each rank's positions continue the previous rank's (one document per row; packed
+    rows: cu_seqlens, which spans the whole [b x L] batch, must end at b x L). `default_positions` (the wrapper
+    made them: they continue by construction): every rank holding the very same tokens is the whole row given to
+    each."""
     b, s = input_ids.shape
     sp_size = state.sp_size
     position_ids, cu_seqlens, seq_len = context.position_ids, context.cu_seqlens, context.seq_len
@@ -30,6 +31,9 @@ def check_shard(state: ParallelState, input_ids: torch.Tensor, context: ShardCon
         if s * sp_size != seq_len:
             raise ValueError(f"this rank holds {s} tokens per row, and {s} x sp_size {sp_size} = {s * sp_size} is "
                              f"not the row's {seq_len} tokens: {_FIX}")
+        if context.start != state.sp_rank * s:  # a shard cut for another rank: ranks would repeat a slice
+            raise ValueError(f"SP rank {state.sp_rank} holds the slice of the row starting at token {context.start}, "
+                             f"which is SP rank {context.start // s}'s: {_FIX}")
         return
     if sp_size == 1:
         return
