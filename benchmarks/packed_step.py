@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = dense[0].input_ids.cpu()
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     packed = [shard_batch(ids, position_ids=pos, sp_size=1, sp_rank=0).to(trainer.device)]
-    assert packed[0].packed and packed[0].cu_seqlens.numel() == len(lengths) + 1
+    assert packed[0].context.packed and packed[0].context.cu_seqlens.numel() == len(lengths) + 1
 
     def step(name: str, shards, profile: bool = False, real_tokens: int | None = None) -> float:
         torch.cuda.reset_peak_memory_stats()
@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.perf_counter() - t0
         if prof is not None:
             prof.__exit__(None, None, None)
-        real = sum(s.num_valid for s in shards) + sum(s.cu_seqlens.numel() - 1 for s in shards)  # tokens, not targets
+        # tokens, not targets
+        real = sum(s.num_valid for s in shards) + sum(s.context.cu_seqlens.numel() - 1 for s in shards)
         if real_tokens is not None:
             real = real_tokens
         rec = {"step_s": wall, "loss": loss, "grad_norm": norm, "real_tokens": real,

@@ -20,6 +20,7 @@ measured ones, benchmarks/results/deltanet_kernels/h200.json).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -67,6 +68,14 @@ def _cu(length: int, packed: bool) -> torch.Tensor | None:
     return torch.tensor([0, a, b, length], device="cuda", dtype=torch.int32)
 
 
+def _context(length: int, cu: torch.Tensor | None):
+    """The shard context the mixer reads: one row of `length` tokens, its documents at `cu` (None: one)."""
+    from ulysses_trainer.parallel.sharding import ShardContext
+
+    rows = ShardContext.for_rows(torch.zeros(1, length, dtype=torch.long, device="cuda"), sp_rank=0)
+    return dataclasses.replace(rows, cu_seqlens=cu, packed=cu is not None)
+
+
 def _timed(fn, reps: int = 3) -> tuple[float, float]:
     """Median seconds of `reps` calls after one warm-up, and the peak GiB allocated over them above the start."""
     fn()
@@ -91,10 +100,10 @@ def case_mixer(out: Path, lengths: list[int]) -> None:
         for length in lengths:
             for packed in (False, True):
                 x = torch.randn(1, length, 5120, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                cu = _cu(length, packed)
+                context = _context(length, _cu(length, packed))
 
-                def step(x=x, cu=cu, mixer=mixer):
-                    y = mixer(x, sp_cu_seqlens=cu)
+                def step(x=x, context=context, mixer=mixer):
+                    y = mixer(x, sp_context=context)
                     y.backward(torch.ones_like(y))
                     x.grad = None
                     for p in mixer.parameters():
@@ -157,7 +166,7 @@ def case_agree(out: Path) -> None:
     for kernel in ("fla", "torch"):
         mixer = _mixer(kernel, seed=1)
         xi = x.clone().requires_grad_()
-        y = mixer(xi, sp_cu_seqlens=cu)
+        y = mixer(xi, sp_context=_context(length, cu))
         y.float().pow(2).mean().backward()
         res[kernel] = (y.detach().float(), xi.grad.float())
     rel = lambda a, b: float((a - b).norm() / b.norm())

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.sp_rank import parallelize_rank, rank_step
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 VOCAB = 4096
@@ -61,24 +63,10 @@ def _reference(ids, pos):
 
 
 def _ours(ids, pos, kernel: str):
-    from ulysses_trainer import (
-        ParallelizeConfig,
-        global_loss,
-        make_parallel_state,
-        parallelize,
-        shard_batch,
-        step_token_count,
-    )
-
-    state = make_parallel_state(1)
-    model = parallelize(_model(), state, ParallelizeConfig(attn_implementation="sdpa", deltanet_kernel=kernel,
-                                                          gradient_checkpointing=True, tiled_mlp="auto"))
-    shard = shard_batch(ids, position_ids=pos, sp_size=1, sp_rank=0).to("cuda")
-    count = step_token_count(shard.num_valid, state)
-    local = model(**shard.model_inputs())
-    (local / count).backward()
+    model, state = parallelize_rank(_model(), 1, deltanet_kernel=kernel, gradient_checkpointing=True, tiled_mlp="auto")
+    step = rank_step(model, state, ids, pos, device="cuda")
     peak = torch.cuda.max_memory_allocated() / 2**30
-    return float(global_loss(local.detach(), count, state)), _grad_norm(model.causal_lm), peak
+    return step.loss, _grad_norm(model.causal_lm), peak
 
 
 def _close(name, got, ref):

@@ -1,22 +1,23 @@
 """The library API as docs/library-api.md gives it, used through the public names only (`ulysses_trainer`):
 parallelize leaves the caller's config alone, undoes to the stock model, refuses misuse with one clear error,
-answers HF-shaped (logits of each rank's shard), gives a stock state dict, and the loop without a DeepSpeed engine
+gives each rank's logits and final hidden states, gives a stock state dict, and the loop without a DeepSpeed engine
 (all-reduce of the gradients of loss_sum / tokens) equals the unsharded reference."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import re
 
 import pytest
 import torch
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from tests.test_sp_exact import build_model as build_reference_model
 from tests.test_sp_exact import make_batch, reference
 from tests.threaded_ranks import run_threads
 from ulysses_trainer import (
     ParallelizeConfig,
+    ShardContext,
     make_parallel_state,
     parallelize,
     shard_batch,
@@ -64,7 +65,7 @@ def test_the_callers_config_is_never_changed_and_undo_gives_the_stock_model():
     with torch.no_grad():
         assert torch.equal(back(ids).logits, stock)  # stock logits, bitwise
     with pytest.raises(RuntimeError, match="this model was unparallelized"):
-        sp_model(input_ids=ids)
+        sp_model.logits(ids)
     del sp_model, back, model
     gc.collect()
     with torch.no_grad():  # once the wrapper is gone the caller's config still builds a model (no unknown attention)
@@ -121,7 +122,7 @@ def test_misuse_of_the_wrapper_is_one_clear_error():
     shard = shard_batch(ids, sp_size=1, sp_rank=0)
     with pytest.raises(ValueError, match=r"this rank holds 32 tokens per row, and 32 x sp_size 1 = 32 is not the row's "
                                          r"64 tokens: each SP rank takes its L/sp slice"):
-        sp_model(**{**shard.model_inputs(), "seq_len": 64})
+        sp_model(**{**shard.model_inputs(), "context": dataclasses.replace(shard.context, seq_len=64)})
     with pytest.raises(TypeError, match="already parallelized"):
         parallelize(sp_model, make_parallel_state(1), ParallelizeConfig(attn_implementation="sdpa"))
     with pytest.raises(TypeError, match="unparallelize takes what parallelize returned"):
@@ -150,21 +151,21 @@ def _sp2(models, ids, pos, rank, world_size, job):
     return job(model, state, ids, pos)
 
 
-def _hf_shaped(model, state, ids, pos):
+def _logits(model, state, ids, pos):
     s = ids.shape[1] // state.sp_size
     mine = ids[:, state.sp_rank * s:(state.sp_rank + 1) * s]  # this rank's slice; position_ids left to the default
     with torch.no_grad():
-        out = model(input_ids=mine)
-        hidden = model(input_ids=mine, logits=False)
-    assert isinstance(out, CausalLMOutputWithPast) and out.logits.shape == (1, s, model.config.vocab_size)
-    assert out.loss is None and hidden.logits is None and hidden.hidden_states[0].shape == (1, s, 64)
-    pieces = [torch.empty_like(out.logits[0]) for _ in range(state.sp_size)]
-    torch.distributed.all_gather(pieces, out.logits[0].contiguous(), group=state.sp_group)
+        logits = model.logits(mine)
+        hidden = model.final_hidden(mine)
+    assert logits.shape == (1, s, model.config.vocab_size) and logits.dtype == torch.float32
+    assert hidden.shape == (1, s, 64)
+    pieces = [torch.empty_like(logits[0]) for _ in range(state.sp_size)]
+    torch.distributed.all_gather(pieces, logits[0].contiguous(), group=state.sp_group)
     full = torch.cat(pieces)  # [s, V] per rank -> [L, V], in rank order
     errors = []
-    for bad in (dict(input_ids=ids), dict(input_ids=ids, position_ids=pos)):  # the whole row on every rank
+    for bad in (None, ShardContext.for_rows(ids, state.sp_rank, pos)):  # the whole row on every rank
         try:
-            model(**bad)
+            model.logits(ids, bad)
         except ValueError as exc:
             errors.append(str(exc))
     try:  # a plain forward of the parallelized HF model (the whole row, bypassing the wrapper)
@@ -174,7 +175,7 @@ def _hf_shaped(model, state, ids, pos):
     return full, errors
 
 
-def test_hf_shaped_forward_gives_each_ranks_logits_and_an_unsharded_row_is_refused():
+def test_logits_gives_each_ranks_logits_and_an_unsharded_row_is_refused():
     ids, pos = make_batch(1, 24, None, seed=4)
     ref_model = build_reference_model(2)
     with torch.no_grad():
@@ -182,7 +183,7 @@ def test_hf_shaped_forward_gives_each_ranks_logits_and_an_unsharded_row_is_refus
     models = [build_reference_model(2) for _ in range(2)]
     for m in models:
         m.load_state_dict(ref_model.state_dict())
-    out = run_threads(2, lambda rank, world_size: _sp2(models, ids, pos, rank, world_size, _hf_shaped))
+    out = run_threads(2, lambda rank, world_size: _sp2(models, ids, pos, rank, world_size, _logits))
     for full, errors in out:
         assert torch.linalg.norm(full - stock) / torch.linalg.norm(stock) <= 1e-5
         assert len(errors) == 3 and all("tokens per rank x sp is not the row" in e for e in errors[:2]), errors

@@ -4,6 +4,7 @@ load-balancing loss included, and each lever changing memory, not results."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -105,7 +106,7 @@ def test_pads_are_left_out_of_the_router_statistics():
     padded = torch.cat([ids, torch.zeros(1, 6, dtype=ids.dtype)], dim=1)
     shard = shard_batch(padded, sp_size=1, sp_rank=0)
     with torch.no_grad():
-        sp_model(**{**shard.model_inputs(), "real_rows": 30})
+        sp_model(**{**shard.model_inputs(), "context": dataclasses.replace(shard.context, real_rows=(30,))})
         ref = model(input_ids=padded, attention_mask=(torch.arange(36) < 30).long()[None],
                     output_router_logits=True).aux_loss
     assert abs(sp_model.aux_loss - ref) <= 1e-6 * ref
@@ -124,10 +125,10 @@ def test_rows_of_different_lengths_leave_their_own_pads_out():
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
         shard = shard_batch(ids, sp_size=1, sp_rank=0, real_lengths=[32, 21])
-        assert shard.real_rows == (32, 21)
+        assert shard.context.real_rows == (32, 21)
         sp_model(**shard.model_inputs())
         per_row = float(sp_model.aux_loss)
-        sp_model(**{**shard.model_inputs(), "real_rows": 32})
+        sp_model(**{**shard.model_inputs(), "context": dataclasses.replace(shard.context, real_rows=(32, 32))})
         one_count = float(sp_model.aux_loss)
     assert abs(per_row - ref) <= 1e-6 * ref
     assert abs(one_count - ref) > 1e-4 * ref
@@ -168,10 +169,10 @@ def _sp_rank_step(rank: int, world_size: int, per_rank_aux: bool):
     assert not any(z3_leaf_module(layer.mlp) for layer in model.causal_lm.model.layers)
     shard = shard_batch(batch(seed=10, b=1, length=38), sp_size=world_size, sp_rank=rank)  # 38: pads at sp=4
     tokens = step_token_count(shard.num_valid, state)
-    inputs = shard.model_inputs()
+    context = shard.context
     if per_rank_aux:  # the wrapper's shard check reads the replaced state too: leave it the all-gather path, which
-        inputs.pop("seq_len")  # at sp 1 checks nothing (the attention's all-to-alls keep the real group)
-    loss_sum = engine(**inputs)
+        context = dataclasses.replace(context, seq_len=None)  # at sp 1 checks nothing (the all-to-alls keep the group)
+    loss_sum = engine(**{**shard.model_inputs(), "context": context})
     aux = model.aux_loss
     engine.backward(loss_for_backward(loss_sum, tokens, state) + aux_for_backward(aux, model.aux_loss_coef, 1),
                     scale_wrt_gas=False)

@@ -251,7 +251,7 @@ def _sp2_packed(rank, world_size):
         grads = {n.removeprefix("causal_lm."): safe_get_full_grad(p).clone()
                  for n, p in engine.module.named_parameters()}
         results.append({"loss": global_loss(float(loss_sum), tokens, state), "grads": grads,
-                        "replays": model.attention.stash.replays, "cu": shard.cu_seqlens.tolist()})
+                        "replays": model.attention.stash.replays, "cu": shard.context.cu_seqlens.tolist()})
     return results
 
 

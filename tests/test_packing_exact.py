@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.sp_rank import sp_steps, summed_grads
 from tests.test_sp_exact import VOCAB, build_model
-from tests.threaded_ranks import run_threads
 from ulysses_trainer.data.rows import best_fit_decreasing, build_rows
 from ulysses_trainer.data.sequences import SequenceDataset
 
@@ -67,28 +67,6 @@ def _reference(docs: list[list[tuple[np.ndarray, np.ndarray]]]) -> tuple[float, 
     return float(total.detach() / count), {n: p.grad.detach().clone() for n, p in model.named_parameters()}, count
 
 
-def _rank(models, batch, rank, world_size):
-    from ulysses_trainer import (
-        ParallelizeConfig,
-        global_loss,
-        make_parallel_state,
-        parallelize,
-        shard_batch,
-        step_token_count,
-    )
-
-    state = make_parallel_state(world_size)
-    model = parallelize(models[rank], state, ParallelizeConfig(attn_implementation="sdpa", loss_chunk_size=5,
-                                                               tiled_mlp=False, gradient_checkpointing=False))
-    shard = shard_batch(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
-                        sp_size=state.sp_size, sp_rank=state.sp_rank)
-    count = step_token_count(shard.num_valid, state)
-    local = model(**shard.model_inputs())
-    (local / count).backward()
-    grads = {n.removeprefix("causal_lm."): p.grad.detach().clone() for n, p in model.named_parameters()}
-    return float(global_loss(local.detach(), count, state)), grads, int(count), shard.num_valid
-
-
 def test_bfd_layout_hits_the_shard_edges():
     ds, docs = _rows("bfd", "all")
     assert [[len(d) for d, _ in row] for row in docs] == [[13, 10, 8, 1], [8, 8, 7, 6, 3], [5, 1]]
@@ -106,19 +84,19 @@ def test_packed_loss_is_the_sum_over_documents_run_alone(sp_size, strategy, mask
     rows = [ds[i] for i in range(len(ds))]
     batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "position_ids", "labels")}
     models = [build_model(2) for _ in range(sp_size)]  # built here: the seed is process-wide
-    out = run_threads(sp_size, lambda rank, world_size: _rank(models, batch, rank, world_size))
+    out = sp_steps(models, batch["input_ids"], batch["position_ids"], batch["labels"], loss_chunk_size=5)
     if sp_size == 4 and strategy != "wrapped":  # the padded row's last shards are pads only, and still take part
         from ulysses_trainer import shard_batch
 
         last = rows[-1]
         assert [shard_batch(last["input_ids"], position_ids=last["position_ids"], labels=last["labels"], sp_size=4,
                             sp_rank=k).num_valid for k in range(1, 4)] == [0, 0, 0]
-    for loss, _, count, _ in out:
-        assert count == ref_count
-        assert abs(loss - ref_loss) / abs(ref_loss) <= 1e-5, (loss, ref_loss)
+    for step in out:
+        assert step.count == ref_count
+        assert abs(step.loss - ref_loss) / abs(ref_loss) <= 1e-5, (step.loss, ref_loss)
+    grads = summed_grads(out)
     for name, ref in ref_grads.items():
-        got = sum(grads[name] for _, grads, _, _ in out)
-        assert torch.linalg.norm(got - ref) / torch.linalg.norm(ref) <= 1e-5, name
+        assert torch.linalg.norm(grads[name] - ref) / torch.linalg.norm(ref) <= 1e-5, name
 
 
 def test_best_fit_decreasing_places_each_document_once_within_capacity():

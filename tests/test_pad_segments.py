@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.sp_rank import parallelize_rank, rank_step, summed_grads
 from tests.test_packed_attention import _block_causal_ref, _Counting, _qkv, _rel, _varlen_cpu_backend
 from tests.test_packing_exact import _examples, _reference
 from tests.test_sp_exact import build_model
@@ -102,33 +103,17 @@ LENGTHS = [15, 12, 9, 7, 5, 2]  # bfd -> [15, 12, 2] + 1 pad, [9, 7, 5] + 9 pads
 
 
 def _rank(models, batch, real, rank, world_size):
-    from ulysses_trainer import (
-        ParallelizeConfig,
-        global_loss,
-        make_parallel_state,
-        parallelize,
-        shard_batch,
-        step_token_count,
-    )
     from ulysses_trainer.levers.tiled_mlp import TiledMLP
 
-    state = make_parallel_state(world_size)
-    model = parallelize(models[rank], state, ParallelizeConfig(
-        attn_implementation="sdpa", loss_chunk_size=5, tiled_mlp=3, gradient_checkpointing=True,
-        keep_attention_outputs=True))
+    model, state = parallelize_rank(models[rank], world_size, loss_chunk_size=5, tiled_mlp=3,
+                                    gradient_checkpointing=True, keep_attention_outputs=True)
     mlp = model.causal_lm.model.layers[0].mlp
     assert isinstance(mlp, TiledMLP)
     rows_seen: list[int] = []
     inner = mlp.tile_forward
     mlp.tile_forward = lambda x: (rows_seen.append(x.shape[0]), inner(x))[1]
-    shard = shard_batch(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
-                        sp_size=state.sp_size, sp_rank=state.sp_rank, real_lengths=real)
-    count = step_token_count(shard.num_valid, state)
-    local = model(**shard.model_inputs())
-    (local / count).backward()
-    grads = {n.removeprefix("causal_lm."): p.grad.detach().clone() for n, p in model.named_parameters()}
-    real_here = sum(shard.real_rows) if isinstance(shard.real_rows, tuple) else shard.real_rows * len(real)
-    return float(global_loss(local.detach(), count, state)), grads, int(count), rows_seen, real_here
+    step = rank_step(model, state, batch["input_ids"], batch["position_ids"], batch["labels"], real)
+    return step, rows_seen, sum(step.shard.context.real_rows)
 
 
 @pytest.mark.parametrize("sp_size", [1, 2, 4])
@@ -149,12 +134,12 @@ def test_packed_rows_with_pads_equal_each_document_alone(sp_size):
     real = [r["real_tokens"] for r in rows]
     models = [build_model(2) for _ in range(sp_size)]
     out = run_threads(sp_size, lambda rank, world_size: _rank(models, batch, real, rank, world_size))
-    for loss, _, count, rows_seen, real_here in out:
-        assert count == ref_count
-        assert abs(loss - ref_loss) / abs(ref_loss) <= 1e-5, (loss, ref_loss)
+    for step, rows_seen, real_here in out:
+        assert step.count == ref_count
+        assert abs(step.loss - ref_loss) / abs(ref_loss) <= 1e-5, (step.loss, ref_loss)
         # the MLP ran its 3 tiles (forward, then backward's recompute) over this rank's real rows only
         assert len(rows_seen) == 6 and sum(rows_seen) == 2 * real_here
-    assert sum(o[4] for o in out) == sum(real) == 50  # of 2 rows of 30 (32 at sp=4)
+    assert sum(o[2] for o in out) == sum(real) == 50  # of 2 rows of 30 (32 at sp=4)
+    grads = summed_grads([step for step, _, _ in out])
     for name, ref in ref_grads.items():
-        got = sum(grads[name] for _, grads, _, _, _ in out)
-        assert torch.linalg.norm(got - ref) / torch.linalg.norm(ref) <= 1e-5, name
+        assert torch.linalg.norm(grads[name] - ref) / torch.linalg.norm(ref) <= 1e-5, name

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.threaded_ranks import run_threads
+from tests.sp_rank import sp_steps, summed_grads
 from ulysses_trainer.errors import ConfigError
 
 VOCAB = 503
@@ -71,28 +71,8 @@ def reference(model, ids, pos, labels):
 
 def sp_run(models, ids, pos, labels, **levers):
     """Each thread a rank with its own copy of the model: (global loss, summed grads)."""
-    def rank(r: int, world_size: int):
-        from ulysses_trainer import (
-            ParallelizeConfig,
-            global_loss,
-            make_parallel_state,
-            parallelize,
-            shard_batch,
-            step_token_count,
-        )
-
-        state = make_parallel_state(world_size)
-        cfg = dict(attn_implementation="sdpa", loss_chunk_size=7, tiled_mlp=False, gradient_checkpointing=False)
-        model = parallelize(models[r], state, ParallelizeConfig(**{**cfg, **levers}))
-        shard = shard_batch(ids, position_ids=pos, labels=labels, sp_size=world_size, sp_rank=state.sp_rank)
-        count = step_token_count(shard.num_valid, state)
-        local = model(**shard.model_inputs())
-        (local / count).backward()  # replicated weights: the full gradient is the sum over ranks
-        grads = {n.removeprefix("causal_lm."): p.grad.detach().clone() for n, p in model.named_parameters()}
-        return float(global_loss(local.detach(), count, state)), grads
-
-    out = run_threads(len(models), rank)
-    return out[0][0], {n: sum(g[n] for _, g in out) for n in out[0][1]}
+    out = sp_steps(models, ids, pos, labels, **{"loss_chunk_size": 7, **levers})
+    return out[0].loss, summed_grads(out)
 
 
 def assert_equal(got, ref):

@@ -88,7 +88,7 @@ def _sp_rank(rank, world_size, sp_size, ids, pos, kv_heads, pad_to):
     grads = {n.removeprefix("causal_lm."): safe_get_full_grad(p).clone()
              for n, p in engine.module.named_parameters()}
     return {"loss": loss, "grads": grads, "tokens": tokens, "shard_ids": shard.input_ids,
-            "shard_labels": shard.labels, "shard_pos": shard.position_ids, "sp_rank": state.sp_rank,
+            "shard_labels": shard.labels, "shard_pos": shard.context.position_ids, "sp_rank": state.sp_rank,
             "dp_rank": state.dp_rank}
 
 

@@ -28,7 +28,7 @@ _WHERE = {
     "save_stock_model": ".model.stock", "stock_state_dict": ".model.stock",
     "destroy_distributed": ".parallel.init", "init_distributed": ".parallel.init",
     "global_loss": ".parallel.loss", "loss_for_backward": ".parallel.loss", "step_token_count": ".parallel.loss",
-    "Shard": ".parallel.sharding", "shard_batch": ".parallel.sharding",
+    "Shard": ".parallel.sharding", "ShardContext": ".parallel.sharding", "shard_batch": ".parallel.sharding",
     "ParallelState": ".parallel.state", "make_parallel_state": ".parallel.state",
 }
 __all__ = sorted(_WHERE)

@@ -54,7 +54,7 @@ class Backend:
 class Documents:
     """The documents of one flattened row [1, total, h, d]: cu_seqlens (int32 starts + end, on the kernel's
     device: every segment, the pads' included), the longest segment, the pads' (start, end) spans (host ints:
-    parallel/sharding.Shard.pad_spans), and the documents' (start, end) spans, the pads' segments left out, read
+    parallel/sharding.ShardContext.pad_spans), and the documents' (start, end) spans, the pads' segments left out, read
     from the device only when asked for. A varlen kernel runs every segment of cu_seqlens (a pad segment is at
     most one tile); the per-document paths run `spans` and leave the pads' output, lse and grads 0."""
 

@@ -3,7 +3,7 @@
 Every kernel takes q [b, s, hq, d] and k, v [b, s, hkv, d] (hq a multiple of hkv) and returns
 [b, s, hq, d]. `cu_seqlens` (int32 segment starts over the flattened [b*s] batch, plus the end)
 says where documents begin; with one document per row the dense causal kernel runs. `pad_spans` (host
-(start, end) pairs, parallel/sharding.Shard.pad_spans): the rows' pads, segments of their own in cu_seqlens;
+(start, end) pairs, parallel/sharding.ShardContext.pad_spans): the rows' pads, segments of their own in cu_seqlens;
 the per-document paths skip them (output 0), a varlen kernel runs them at one tile a segment.
 """
 

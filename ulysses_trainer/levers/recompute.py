@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
+from ..parallel.sharding import ShardContext, shard_in_scope, shard_scope
 from .host_pool import HostPool
 
 CheckpointFn = Callable[..., Any]
@@ -66,11 +67,21 @@ def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
     return [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types]
 
 
-class _AutocastAll:
-    """Enter several torch.autocast contexts as one."""
+ForwardState = tuple[list[tuple[str, bool, torch.dtype]], ShardContext | None]  # autocast, the shard in scope
 
-    def __init__(self, state: list[tuple[str, bool, torch.dtype]]) -> None:
-        self.contexts = [torch.autocast(t, dtype=d, enabled=e) for t, e, d in state]
+
+def _forward_state(device_type: str) -> ForwardState:
+    """What a recompute replays of its forward's surroundings: the autocast, and the shard in scope (the pads the
+    tiled MLP leaves out: parallel/sharding.shard_scope)."""
+    return _autocast_state(device_type), shard_in_scope()
+
+
+class _AsInForward:
+    """Enter a forward's autocast contexts and its shard's scope as one."""
+
+    def __init__(self, state: ForwardState) -> None:
+        autocast, shard = state
+        self.contexts = [torch.autocast(t, dtype=d, enabled=e) for t, e, d in autocast] + [shard_scope(shard)]
 
     def __enter__(self) -> None:
         for c in self.contexts:
@@ -105,7 +116,7 @@ class _CheckpointFunction(torch.autograd.Function):
     def forward(ctx, ckpt: LayerRecompute, layer: int, run_fn: Callable, holder: _Holder,
                 _anchor: Tensor, hidden: Tensor, *args: Any) -> Tensor:
         ctx.ckpt, ctx.layer, ctx.run_fn, ctx.args = ckpt, layer, run_fn, args
-        ctx.autocast = _autocast_state(hidden.device.type)
+        ctx.replay = _forward_state(hidden.device.type)
         with torch.no_grad():
             out, holder.rest = _first(run_fn(hidden, *args))
         ckpt.forward_calls[layer] += 1
@@ -117,7 +128,7 @@ class _CheckpointFunction(torch.autograd.Function):
             if ckpt.every > 1:  # the rebuilds of its block start from it
                 ckpt._block_inputs[layer] = hidden
         if ckpt.every > 1:
-            ckpt._runs[layer] = (ctx.forward_call, run_fn, args, ctx.autocast)
+            ckpt._runs[layer] = (ctx.forward_call, run_fn, args, ctx.replay)
         return out
 
     @staticmethod
@@ -137,7 +148,7 @@ class _CheckpointFunction(torch.autograd.Function):
         args = [a.detach().requires_grad_(True) if isinstance(a, Tensor) and a.requires_grad else a
                 for a in ctx.args]
         with torch.enable_grad():
-            with _AutocastAll(ctx.autocast), ckpt.recompute_context(ctx.layer):
+            with _AsInForward(ctx.replay), ckpt.recompute_context(ctx.layer):
                 out, _ = _first(ctx.run_fn(x, *args))
             ckpt._tell(ctx.layer, "backward")
             if out.requires_grad:
@@ -170,7 +181,8 @@ class LayerRecompute:
         self.every = checkpoint_every
         self.saved_layers = list(range(0, num_layers, checkpoint_every))  # the block starts
         self._block_inputs: dict[int, Tensor] = {}  # device-resident block-start inputs, until their backward
-        self._runs: dict[int, tuple[int, Callable, tuple, list]] = {}  # layer -> (forward call, run_fn, args, autocast)
+        # layer -> (forward call, run_fn, args, what its recompute replays)
+        self._runs: dict[int, tuple[int, Callable, tuple, ForwardState]] = {}
         self._rebuilt: dict[int, tuple[int, Tensor]] = {}  # layer -> (forward call, rebuilt input)
         self.rebuild_forwards = 0  # layer forwards run to rebuild inputs (not counting recomputes)
         layers = sorted(set(offload_layers))
@@ -262,8 +274,8 @@ class LayerRecompute:
         # Layers b .. layer-1 forward again, no graph: their outputs are the inputs of b+1 .. layer.
         for i in range(b, layer):
             self._tell(i, "checkpoint recompute")
-            _, run_fn, args, autocast = self._runs[i]
-            with torch.no_grad(), _AutocastAll(autocast):
+            _, run_fn, args, replay = self._runs[i]
+            with torch.no_grad(), _AsInForward(replay):
                 x, _ = _first(run_fn(x, *args))
             self.rebuild_forwards += 1
             if i + 1 < layer:

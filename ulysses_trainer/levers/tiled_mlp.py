@@ -4,9 +4,9 @@ Untiled, a gated MLP holds four [rows, intermediate] tensors (gate, up, act, pro
 wide as the hidden size for Qwen3 and four of them: at long sequence lengths they dominate a
 layer's memory. Tiled, forward runs the tiles under no_grad and keeps only x; backward recomputes
 one tile at a time and backpropagates through it, so those tensors exist for one tile at a time.
-Each row is computed by the same ops as untiled, so results match the untiled MLP. Rows that are pads
-(`real_spans`, set per forward from the shard: parallel/sharding.Shard.real_rows) are left out of the tiles:
-their output is 0 and they get no gradient (nothing downstream of a pad is trained or read by a real token).
+Each row is computed by the same ops as untiled, so results match the untiled MLP. Rows that are pads (the shard
+in scope: parallel/sharding.ShardContext.real_spans) are left out of the tiles: their output is 0 and they get no
+gradient (nothing downstream of a pad is trained or read by a real token).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
+from ..parallel.sharding import shard_in_scope
 
 Spans = tuple[tuple[int, int], ...] | None  # (start, end) row ranges of [N, H] that are not pads; None: all
 
@@ -168,8 +169,6 @@ class TiledMLP(TiledBlock, nn.Module):
         self.act_fn = mlp.act_fn
         self.num_tiles = num_tiles
         self.output_unused = False  # see unused_output()
-        # (rows of x, the spans of them that are not pads), set per batch (SequenceParallelCausalLM.mark_pads)
-        self.real_spans: tuple[int, Spans] = (0, None)
 
     def tile_forward(self, x: Tensor) -> Tensor:
         """The untiled gated MLP on some rows."""
@@ -183,7 +182,8 @@ class TiledMLP(TiledBlock, nn.Module):
             # The Function's backward is what produces the weight gradients; it runs only if the
             # output requires grad, so give x a (discarded) gradient when only the weights need one.
             x2d = x2d.detach().requires_grad_(True)
-        rows, spans = self.real_spans
-        spans = spans if rows == x2d.shape[0] else None  # another batch's marks: every row runs
-        out = _TiledMLPFunction.apply(x2d, self, spans)
+        # transformers' layer calls its MLP with the hidden states alone: the pads come from the shard in scope,
+        # which the model's call and the layer recompute enter (none, or another shape: every row runs)
+        shard = shard_in_scope()
+        out = _TiledMLPFunction.apply(x2d, self, shard.real_spans(x2d.shape[0]) if shard is not None else None)
         return out.view(*shape[:-1], out.shape[-1])  # [b*s, H] -> [b, s, H]

@@ -6,21 +6,24 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .sharding import ShardContext
 from .state import ParallelState
 
 _FIX = "each SP rank takes its L/sp slice of every row, the labels shifted before slicing (shard_batch does both)"
 
 
-def check_shard(state: ParallelState, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                cu_seqlens: torch.Tensor | None, seq_len: int | None, default_positions: bool = False) -> None:
-    """ValueError unless tokens per rank x sp is the row. `seq_len` (the padded row length L, which
-    Shard.model_inputs gives): checked on the host, no collective. Without it, one all-gather over the SP group
-    of each rank's token count and row 0's first and last position: the ranks must hold as many tokens, and each
-    rank's positions continue the previous rank's (one document per row; packed rows: cu_seqlens, which spans the
-    whole [b x L] batch, must end at b x L). `default_positions` (the wrapper made them: they continue by
-    construction): every rank holding the very same tokens is the whole row given to each."""
+def check_shard(state: ParallelState, input_ids: torch.Tensor, context: ShardContext,
+                default_positions: bool = False) -> None:
+    """ValueError unless tokens per rank x sp is the row. `context.seq_len` (the padded row length L, which
+    shard_batch sets): checked on the host with the slice's start (this rank's), no collective. Without it, one
+    all-gather over the SP group of each rank's token count and row 0's first and last position: the ranks must
+    hold as many tokens, and each rank's positions continue the previous rank's (one document per row; packed
+    rows: cu_seqlens, which spans the whole [b x L] batch, must end at b x L). `default_positions` (the wrapper
+    made them: they continue by construction): every rank holding the very same tokens is the whole row given to
+    each."""
     b, s = input_ids.shape
     sp_size = state.sp_size
+    position_ids, cu_seqlens, seq_len = context.position_ids, context.cu_seqlens, context.seq_len
     if position_ids.shape != input_ids.shape:
         raise ValueError(f"position_ids has shape {tuple(position_ids.shape)} but input_ids {tuple(input_ids.shape)}; "
                          f"give one position per token of this rank's shard")
@@ -28,6 +31,9 @@ def check_shard(state: ParallelState, input_ids: torch.Tensor, position_ids: tor
         if s * sp_size != seq_len:
             raise ValueError(f"this rank holds {s} tokens per row, and {s} x sp_size {sp_size} = {s * sp_size} is "
                              f"not the row's {seq_len} tokens: {_FIX}")
+        if context.start != state.sp_rank * s:  # a shard cut for another rank: ranks would repeat a slice
+            raise ValueError(f"SP rank {state.sp_rank} holds the slice of the row starting at token {context.start}, "
+                             f"which is SP rank {context.start // s}'s: {_FIX}")
         return
     if sp_size == 1:
         return
@@ -56,4 +62,4 @@ def check_shard(state: ParallelState, input_ids: torch.Tensor, position_ids: tor
             raise ValueError(
                 f"SP rank {r}'s tokens do not continue rank {r - 1}'s (row 0's position_ids start at {rows[r][1]} "
                 f"after {rows[r - 1][2]}), so tokens per rank x sp is not the row: {_FIX}. Packed rows need "
-                f"cu_seqlens (Shard.model_inputs gives it)")
+                f"cu_seqlens (shard_batch's ShardContext holds it)")

@@ -1,11 +1,19 @@
-"""Batch -> this rank's shard: shift labels on the full sequence, pad to a multiple of sp, slice.
+"""Batch -> this rank's shard: shift labels on the full sequence, pad to a multiple of sp, slice; and the shard's
+context, what the model's layers read about it.
 
-Pure tensor code (no process group), so it is tested without ranks.
+One packed batch travels as one `Shard`: its tokens (`input_ids`), its targets (`labels`) and its `ShardContext`
+(positions, document boundaries, pads, this rank's slice), built once here by `shard_batch`. The model's calls take
+the context explicitly (SequenceParallelCausalLM.forward / eval_sums / logits); its attention gets it through
+transformers' layer keyword arguments as `sp_context`, and the blocks that transformers' layer calls with the hidden
+states alone (the tiled MLP) read it from `shard_scope`, which the model enters around its decoder and the layer
+recompute re-enters. Pure tensor code (no process group), so it is tested without ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -15,41 +23,106 @@ from ..plan.layout import padded_length
 IGNORE_INDEX = -100  # a label that is not trained on (torch cross_entropy's default ignore_index)
 # a row's pads are cut into segments of at most this many tokens in cu_seqlens: a varlen kernel (one call over
 # every segment) then spends one tile per segment on them, not the last document's length times theirs; the
-# per-document paths skip them (Shard.pad_spans)
+# per-document paths skip them (ShardContext.pad_spans)
 PAD_SEGMENT = 128
+
+Spans = tuple[tuple[int, int], ...]  # (start, end) pairs of row indices
+
+
+@dataclass(frozen=True)
+class ShardContext:
+    """What the layers read about one SP rank's shard [b, L_pad/sp] of a batch [b, L_pad]: built once per batch
+    (shard_batch, or `for_rows` for a shard of one document per row), then only read."""
+
+    position_ids: torch.Tensor  # [b, L_pad/sp] global positions (restart at each packed document)
+    # int32 segment starts over the flattened full [b * L_pad] batch, + end; None: one document per row, no pads
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: int | None  # the longest segment of cu_seqlens
+    packed: bool  # more than one document in some row: kernels need the varlen / per-document path
+    # each row's leading tokens in this rank's slice that are not pads, one count per row
+    real_rows: tuple[int, ...]
+    # (start, end) over the flattened [b * L_pad] batch of each row's pads (after its real tokens): segments of
+    # their own in cu_seqlens, attended by no real token; attention leaves them out (their output is 0)
+    pad_spans: Spans = ()
+    seq_len: int | None = None  # the padded row length L_pad (None: unknown, the model checks it by a collective)
+    start: int = 0  # this rank's slice of every row: tokens [start, start + L_pad/sp) of the padded row
+
+    @classmethod
+    def for_rows(cls, input_ids: torch.Tensor, sp_rank: int, position_ids: torch.Tensor | None = None
+                 ) -> ShardContext:
+        """A shard [b, s] of rows of one document each, no pads, the row length unknown: position_ids default to
+        this rank's global positions sp_rank * s .. sp_rank * s + s - 1."""
+        b, s = input_ids.shape
+        start = sp_rank * s
+        if position_ids is None:
+            position_ids = torch.arange(start, start + s, device=input_ids.device).expand(b, s)
+        return cls(position_ids, None, None, False, (s,) * b, start=start)
+
+    @property
+    def has_pads(self) -> bool:
+        """Some row of this rank's slice holds pads (decided on the host: no device sync)."""
+        return min(self.real_rows) < self.position_ids.shape[1]
+
+    def real_spans(self, rows: int) -> Spans | None:
+        """The real rows of the flattened shard [b * s] as (start, end) spans, for a block that takes them
+        ([rows, hidden] with rows = b * s); None: every row is real (or `rows` is not this shard's)."""
+        b, s = self.position_ids.shape
+        if rows != b * s or not self.has_pads:
+            return None
+        return tuple((i * s, i * s + n) for i, n in enumerate(self.real_rows) if n > 0)
+
+    def row_mask(self) -> torch.Tensor | None:
+        """[b * s] 1.0 for this shard's real tokens, 0.0 for pads; None without pads."""
+        if not self.has_pads:
+            return None
+        s, device = self.position_ids.shape[1], self.position_ids.device
+        counts = torch.tensor(self.real_rows, device=device)[:, None]
+        return (torch.arange(s, device=device)[None, :] < counts).float().reshape(-1)  # [b, s] -> [b*s]
+
+    def to(self, device) -> ShardContext:
+        return ShardContext(self.position_ids.to(device), None if self.cu_seqlens is None else
+                            self.cu_seqlens.to(device), self.max_seqlen, self.packed, self.real_rows, self.pad_spans,
+                            self.seq_len, self.start)
+
+
+# the shard whose layers run now: for the blocks that transformers' layers call with the hidden states alone
+_IN_SCOPE: ContextVar[ShardContext | None] = ContextVar("ulysses_trainer_shard", default=None)
+
+
+@contextlib.contextmanager
+def shard_scope(context: ShardContext | None) -> Iterator[None]:
+    """Inside, `shard_in_scope()` is `context`: SequenceParallelCausalLM enters it around its decoder, the layer
+    recompute (levers/recompute.py) re-enters the one its forward ran under. Per thread (a ContextVar)."""
+    token = _IN_SCOPE.set(context)
+    try:
+        yield
+    finally:
+        _IN_SCOPE.reset(token)
+
+
+def shard_in_scope() -> ShardContext | None:
+    """The context of the shard whose layers run now (None outside the model's calls)."""
+    return _IN_SCOPE.get()
 
 
 @dataclass
 class Shard:
-    """One SP rank's slice of a batch. Tensors are [b, L_pad/sp]; cu_seqlens spans the full batch."""
+    """One SP rank's slice of a batch: tokens and targets [b, L_pad/sp], and what the layers read about it."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor  # already shifted: labels[t] is the target of input_ids[t]
-    position_ids: torch.Tensor  # global positions (restart at each packed document)
-    cu_seqlens: torch.Tensor  # int32 document starts over the flattened full [b * L_pad] batch, + end
-    max_seqlen: int
-    packed: bool  # more than one document in some row: kernels need the varlen / per-document path
-    # leading positions of each row that are not pads: one count for every row, or one per row (None: all)
-    real_rows: int | tuple[int, ...] | None = None
-    # (start, end) over the flattened [b * L_pad] batch of each row's pads (after its real tokens): segments of
-    # their own in cu_seqlens, attended by no real token; kernels leave them out (their output is 0)
-    pad_spans: tuple[tuple[int, int], ...] = ()
-    seq_len: int | None = None  # the padded row length L (the wrapper checks L/sp x sp against it)
+    context: ShardContext
 
     @property
     def num_valid(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
 
     def model_inputs(self) -> dict:
-        """Keyword arguments for SequenceParallelCausalLM.forward."""
-        return {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids,
-                "cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen, "real_rows": self.real_rows,
-                "pad_spans": self.pad_spans, "seq_len": self.seq_len}
+        """Keyword arguments for SequenceParallelCausalLM.forward (and a DeepSpeed engine holding it)."""
+        return {"input_ids": self.input_ids, "labels": self.labels, "context": self.context}
 
     def to(self, device) -> Shard:
-        return Shard(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device),
-                     self.cu_seqlens.to(device), self.max_seqlen, self.packed, self.real_rows, self.pad_spans,
-                     self.seq_len)
+        return Shard(self.input_ids.to(device), self.labels.to(device), self.context.to(device))
 
 
 def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -93,7 +166,7 @@ def shard_batch(input_ids: torch.Tensor, *, sp_size: int, sp_rank: int,
     position_ids restart at 0 at each packed document; default: 0..L-1 per row. labels default to
     input_ids (causal LM); IGNORE_INDEX (-100) entries are not trained on. real_lengths: each row's tokens
     before its own padding (a conversation shorter than the row), default L; the router statistics leave
-    every pad out (Shard.real_rows).
+    every pad out (ShardContext.real_rows).
     """
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)  # [L] -> [1, L]
@@ -128,8 +201,6 @@ def shard_batch(input_ids: torch.Tensor, *, sp_size: int, sp_rank: int,
     def here(real: int) -> int:  # of a row's first `real` tokens, how many fall in this rank's slice
         return max(0, min(local, real - sp_rank * local))
 
-    counts = tuple(here(n) for n in real)
-    real_rows: int | tuple[int, ...] = counts[0] if len(set(counts)) == 1 else counts
-    return Shard(input_ids[:, sl].contiguous(), shifted[:, sl].contiguous(),
-                 position_ids[:, sl].contiguous(), cu, max_len, packed, real_rows=real_rows, pad_spans=pad_spans,
-                 seq_len=total)
+    context = ShardContext(position_ids[:, sl].contiguous(), cu, max_len, packed, tuple(here(n) for n in real),
+                           pad_spans, seq_len=total, start=sl.start)
+    return Shard(input_ids[:, sl].contiguous(), shifted[:, sl].contiguous(), context)

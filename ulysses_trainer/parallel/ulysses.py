@@ -16,11 +16,8 @@ from ..plan.layout import check_heads
 from ..plan.names import KEEPING_KERNELS
 from .comm import heads_to_seq, seq_to_heads
 from .integrations import register_attention
+from .sharding import ShardContext
 from .state import ParallelState
-
-# what the wrapper always passes (None or not): its absence means a forward that bypassed SequenceParallelCausalLM,
-# which at sp > 1 would run the all-to-alls on a whole sequence per rank
-_NOT_GIVEN = object()
 
 
 def _no_mask(*args, **kwargs) -> None:
@@ -53,15 +50,18 @@ class UlyssesAttention:
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                  scaling: float | None = None, sliding_window: int | None = None,
-                 sp_cu_seqlens: torch.Tensor | None = _NOT_GIVEN, sp_max_seqlen: int | None = None,
-                 sp_pad_spans: tuple[tuple[int, int], ...] = (), **kwargs) -> tuple[torch.Tensor, None]:
-        if sp_cu_seqlens is _NOT_GIVEN and self.state.sp_size > 1:  # at sp=1 a plain forward is the stock one
+                 sp_context: ShardContext | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+        # sp_context: the shard's context, which SequenceParallelCausalLM always passes (transformers' layers hand
+        # it on as a keyword argument); without it the forward bypassed the wrapper, which at sp > 1 would run the
+        # all-to-alls on a whole sequence per rank (at sp=1 a plain forward is the stock one)
+        if sp_context is None and self.state.sp_size > 1:
             raise RuntimeError(
                 "this model's attention is Ulysses sequence parallelism (parallelize): it runs only through the "
                 "SequenceParallelCausalLM parallelize returned, on each rank's L/sp shard of every row; for a plain "
                 "forward of the whole sequence, ulysses_trainer.unparallelize(model) gives the stock model back")
-        if sp_cu_seqlens is _NOT_GIVEN:
-            sp_cu_seqlens = None  # one rank: the whole sequence is its shard
+        # no context: one rank, the whole sequence is its shard (one document per row, no pads)
+        cu_seqlens, max_seqlen, pad_spans = (None, None, ()) if sp_context is None else \
+            (sp_context.cu_seqlens, sp_context.max_seqlen, sp_context.pad_spans)
         assert attention_mask is None, "Ulysses attention builds causality from position_ids; pass no mask"
         assert not dropout, "attention dropout is not supported under Ulysses SP; set attention_dropout=0"
         assert sliding_window is None, "sliding-window layers are not supported; disable use_sliding_window"
@@ -74,15 +74,15 @@ class UlyssesAttention:
             v = v.repeat_interleave(self.kv_repeat, dim=2)
         # [b, s/sp, h, d] -> [b, s, h/sp, d]
         q, k, v = (seq_to_heads(t, sp_size, group) for t in (q, k, v))
-        if sp_cu_seqlens is not None and sp_cu_seqlens.device != q.device:
-            sp_cu_seqlens = sp_cu_seqlens.to(q.device)
+        if cu_seqlens is not None and cu_seqlens.device != q.device:
+            cu_seqlens = cu_seqlens.to(q.device)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         keep = {}
         layer = getattr(module, "layer_idx", None)
         if self.stash is not None and self.kernel in KEEPING_KERNELS and self.stash.wants(layer, module.training):
             keep = {"stash": self.stash, "layer": layer}  # the recompute reuses the kernel's outputs
-        # pads (sp_pad_spans): segments of their own that the kernel leaves out (parallel/sharding.py)
-        out = self.attend(q, k, v, scale=scale, cu_seqlens=sp_cu_seqlens, max_seqlen=sp_max_seqlen,
-                          pad_spans=sp_pad_spans, **keep)
+        # pads (ShardContext.pad_spans): segments of their own that the kernel leaves out (parallel/sharding.py)
+        out = self.attend(q, k, v, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, pad_spans=pad_spans,
+                          **keep)
         # [b, s, h/sp, d] -> [b, s/sp, h, d]: what HF attention functions return
         return heads_to_seq(out, sp_size, group), None

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from ..attention.deltanet import CONV_FUNCTIONS, DELTANET_FUNCTIONS
 from .comm import heads_to_seq, seq_to_heads
+from .sharding import ShardContext
 from .state import ParallelState
 
 
@@ -78,7 +79,7 @@ class UlyssesGatedDeltaNet(nn.Module):
         self.heads = slice(r * self.v_local, (r + 1) * self.v_local)  # this rank's value heads
 
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
-                sp_cu_seqlens: Tensor | None = None, sp_max_seqlen: int | None = None, **kwargs) -> Tensor:
+                sp_context: ShardContext | None = None, **kwargs) -> Tensor:
         assert attention_mask is None, "packed rows carry no padding mask; documents come from cu_seqlens"
         sp_size, group = self.state.sp_size, self.state.sp_group
         b, s_local, _ = hidden_states.shape
@@ -93,7 +94,7 @@ class UlyssesGatedDeltaNet(nn.Module):
         packed = seq_to_heads(packed, sp_size, group).squeeze(2)  # [b, s, c]
         s = packed.shape[1]
         conv_in, beta_in, a = packed.split([2 * kl * dk + vl * dv, vl, vl], dim=-1)
-        cu = sp_cu_seqlens
+        cu = sp_context.cu_seqlens if sp_context is not None else None  # transformers' layer passes it on
         if cu is not None and cu.device != packed.device:
             cu = cu.to(packed.device)
         if cu is not None and cu.numel() == b + 1:  # one document per row: the plain per-row conv and rule

@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..data.recall_probe import RecallProbe
+from ..model.parallelize import SequenceParallelCausalLM
 from ..parallel.comm import all_reduce_sum
 from ..parallel.sharding import Shard
 from ..parallel.state import ParallelState
@@ -81,27 +82,24 @@ def _rounds(rows: int, per_device: int, state: ParallelState, desc: str) -> Iter
 
 
 @torch.no_grad()
-def evaluate(forward: Callable[..., torch.Tensor], eval_data, per_device: int, max_length: int,
+def evaluate(model: SequenceParallelCausalLM, eval_data, per_device: int, max_length: int,
              state: ParallelState, shard: Callable[[list[dict]], Shard], probe: RecallProbe | None = None
              ) -> EvalResult:
-    """One evaluation. forward(**shard inputs, buckets=, num_buckets=) -> [num_buckets, 3] sums (the engine's
-    SequenceParallelCausalLM); shard(rows) -> this rank's shard. Collective."""
+    """One evaluation: model.eval_sums of each round's shard (the engine's SequenceParallelCausalLM);
+    shard(rows) -> this rank's shard. Collective."""
     edges = position_edges(max_length)
     k = len(edges) - 1
     position = torch.zeros(k, 3, dtype=torch.float64)  # NLL, hits, tokens per position bucket
     for rows in _rounds(len(eval_data), per_device, state, "eval"):
         s = shard([eval_data[i] for i in rows])  # SequenceDataset takes int indices
-        position += forward(**s.model_inputs(), buckets=position_buckets(s.position_ids, edges),
-                            num_buckets=k).cpu()
+        position += model.eval_sums(s, position_buckets(s.context.position_ids, edges), k).cpu()
     facts = None
     if probe is not None:
         facts = torch.zeros(len(probe) * probe.facts_per_row, 3, dtype=torch.float64)  # per fact of every row
         for rows in _rounds(len(probe), per_device, state, "recall probe"):
             s = shard([probe.row(i) for i in rows])
-            facts[_fact_index(rows, probe.facts_per_row)] += forward(**s.model_inputs(),
-                                                                     buckets=_fact_buckets(s, rows, probe),
-                                                                     num_buckets=len(rows) * probe.facts_per_row
-                                                                     ).cpu()
+            facts[_fact_index(rows, probe.facts_per_row)] += model.eval_sums(
+                s, _fact_buckets(s, rows, probe), len(rows) * probe.facts_per_row).cpu()
     # one all-reduce: every rank's bucket sums, and its facts (each row's facts only on its dp group's ranks)
     flat = torch.cat([position.reshape(-1), facts.reshape(-1) if facts is not None else position.new_zeros(0)])
     flat = all_reduce_sum(flat)
@@ -132,8 +130,8 @@ def _fact_buckets(s: Shard, rows: list[int], probe: RecallProbe) -> torch.Tensor
     """Each target's fact in this micro-batch (row r's fact j: r * per_row + j), labels' shape. A probe row is one
     document, so labels[t]'s token sits at position_ids[t] + 1; tokens outside an answer take bucket 0 (their
     labels are ignored)."""
-    slots = torch.stack([probe.slots(i) for i in rows]).to(s.position_ids.device)  # [b, L]
-    at = (s.position_ids + 1).clamp(max=slots.shape[1] - 1)  # [b, s/sp]; pads run past L
+    slots = torch.stack([probe.slots(i) for i in rows]).to(s.context.position_ids.device)  # [b, L]
+    at = (s.context.position_ids + 1).clamp(max=slots.shape[1] - 1)  # [b, s/sp]; pads run past L
     slot = slots.gather(1, at).clamp(min=0)  # [b, s/sp]
     return slot + torch.arange(len(rows), device=slot.device)[:, None] * probe.facts_per_row
 

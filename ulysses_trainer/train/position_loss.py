@@ -18,11 +18,8 @@ def write_per_position_loss(engine, model: SequenceParallelCausalLM, shard: Shar
     rank 0 writes the PNG. Only the first row of the shard is plotted."""
     lm = model.causal_lm
     engine.eval()
-    model.mark_pads(tuple(shard.input_ids.shape), shard.real_rows)
     with torch.no_grad():
-        hidden = lm.model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False,
-                          sp_cu_seqlens=shard.cu_seqlens, sp_max_seqlen=shard.max_seqlen,
-                          sp_pad_spans=shard.pad_spans).last_hidden_state
+        hidden = model.final_hidden(shard.input_ids, shard.context)  # [b, s/sp, H]
         with deepspeed.zero.GatheredParameters([lm.lm_head.weight]):  # the full weight, one chunk of logits at a time
             losses = per_token_losses(hidden[:1], lm.lm_head.weight, shard.labels[:1], chunk)  # [1, s/sp]
     engine.train()

@@ -123,7 +123,7 @@ class Trainer:
         exactly like training. Collective."""
         self.engine.eval()
         try:
-            return evaluation.evaluate(self.engine, self.plan.eval_data, self.cfg.per_device_eval_batch_size,
+            return evaluation.evaluate(self.model, self.plan.eval_data, self.cfg.per_device_eval_batch_size,
                                        self.cfg.max_length, self.state, self.shard_rows, self.plan.recall_probe)
         finally:
             self.engine.train()
