@@ -111,3 +111,17 @@ def test_a_plan_for_another_machine_takes_every_kernel_name(capsys):
     out = _plan(capsys, "--gpu", "h100", "--deltanet_kernel", "fla", "--attn_implementation", "flash_attention_4",
                 "--experts_implementation", "grouped_mm")
     assert (out["plan"]["deltanet_kernel"], out["plan"]["attn_implementation"]) == ("fla", "flash_attention_4")
+
+
+def test_cpu_adam_runs_on_each_ranks_share_of_the_nodes_cores(capsys):
+    def adam(*extra):
+        out = _plan(capsys, "--gpu", "h100", "--offload_optimizer", "true", *extra)
+        return dict(out["plan"]["step_parts_s"])["optimizer (CPU Adam, ZeRO-Offload)"], " ".join(out["plan"]["notes"])
+
+    assumed, notes = adam()
+    assert "16 host cores per GPU assumed" in notes
+    told, told_notes = adam("--host_cores", "128")  # 16 a rank: what the measured rate had
+    assert told == pytest.approx(assumed) and "host cores per GPU assumed" not in told_notes
+    assert adam("--host_cores", "32")[0] == pytest.approx(4 * told)  # 4 cores a rank
+    params = ModelShape.preset("qwen3.5-35b-a3b").num_params
+    assert told == pytest.approx(params / 8 * rates.CPU_ADAM_S_PER_PARAM, rel=1e-6)
