@@ -50,3 +50,23 @@ def test_staged_copy_back_is_bitwise_deepspeeds():
     assert moved == len(got)  # the steps changed every parameter: the copies carried real updates
     for name, p in ref.items():
         assert torch.equal(got[name], p), name
+
+
+@pytest.mark.parametrize("version, installs", [("0.19.8", True), ("0.19.0", True), ("0.20.0", False),
+                                               ("0.17.6", False)])
+def test_installs_only_on_the_deepspeed_release_it_was_checked_against(monkeypatch, version, installs):
+    """It replaces a private method of DeepSpeed's ZeRO-3 optimizer: on another release DeepSpeed's own copy stays."""
+    import types
+
+    import deepspeed
+    import torch
+
+    from ulysses_trainer.levers.copy_back import PinnedCopyBack
+
+    monkeypatch.setattr(deepspeed, "__version__", version)
+    flat = torch.zeros(8, dtype=torch.bfloat16)
+    opt = types.SimpleNamespace(fp16_groups=[[flat]], fp16_partitioned_groups_flat=[flat],
+                                fp32_partitioned_groups_flat=[torch.zeros(8)],
+                                _reassign_or_swap_out_partitioned_parameters=lambda i: None,
+                                _unflatten_partitioned_parameters=lambda i: None)
+    assert (PinnedCopyBack.install(opt, always=True, pin=False) is not None) == installs

@@ -11,7 +11,8 @@ last sub-group's copy is waited for before the step goes on (ZeRO-3's step end r
 the same: the same fp32 -> bf16 conversion (copy_), then a copy of bf16 bytes.
 
 Checked against DeepSpeed 0.19.8 (the attributes it reads: fp16_groups, fp16_partitioned_groups_flat,
-fp32_partitioned_groups_flat, _unflatten_partitioned_parameters); an optimizer without them is left as it is.
+fp32_partitioned_groups_flat, _unflatten_partitioned_parameters), so it installs on DeepSpeed 0.19 only: another
+release, or an optimizer without them, keeps DeepSpeed's own copy (slower, the same bytes).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+CHECKED_RELEASES = ("0.19",)  # DeepSpeed major.minor whose private method this replaces, read and tested
 _NEEDS = ("fp16_groups", "fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat",
           "_reassign_or_swap_out_partitioned_parameters", "_unflatten_partitioned_parameters")
 
@@ -49,7 +51,12 @@ class PinnedCopyBack:
 
     @classmethod
     def install(cls, optimizer: Any, **kw: Any) -> PinnedCopyBack | None:
-        """On a ZeRO-3 optimizer with host fp32 masters and GPU partitions (or `always`); else None."""
+        """On a ZeRO-3 optimizer with host fp32 masters and GPU partitions (or `always`), under a DeepSpeed release
+        it was checked against; else None."""
+        import deepspeed
+
+        if ".".join(deepspeed.__version__.split(".")[:2]) not in CHECKED_RELEASES:
+            return None
         if not all(hasattr(optimizer, a) for a in _NEEDS):
             return None
         pairs = [(d, s) for d, s in zip(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat)
