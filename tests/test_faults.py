@@ -290,3 +290,23 @@ def test_nan_policy_skip_leaves_the_state_bitwise_unchanged_and_trains_on(poison
                    resumed)
     assert rc == 0, log[-4000:]
     assert _losses(resumed) == _losses(out)[k:]
+
+
+def test_a_rank_killed_mid_run_is_named_by_the_survivor_and_the_job_exits_1(tmp_path):
+    """SIGKILL to rank 1 (what the kernel's OOM killer does) while rank 0 holds itself at step 3's row: rank 0 says
+    in one line which rank died and how, the job exits 1 (not DeepSpeed's 247), and checkpoint-2 stays `latest`."""
+    out = tmp_path / "run"
+    p = _start(ARGS + ["--save_steps", "2"], out, held_env(tmp_path, "metrics.jsonl", nth=3))
+    rank0 = _held(p)
+    rank1 = _ranks(p)[1]
+    rank1.kill()
+    wait_for(lambda: not rank1.is_running() or rank1.status() == psutil.STATUS_ZOMBIE, p, "rank 1 gone")
+    rank0.resume()  # its next collective finds the peer gone
+    rc, log = _finish(p, out)
+    assert rc == 1, log[-4000:]
+    said = [line for line in log.splitlines() if "rank 1 was killed" in line]
+    assert said == ["error: rank 1 was killed by signal 9 (SIGKILL); this rank stops too (the last checkpoint, "
+                    "checkpoint-2, is intact)"], log[-4000:]
+    assert "Traceback" not in log and "Connection reset" not in log and "exits with return code" not in log
+    assert _latest(out) == "checkpoint-2" and _complete(out / "checkpoint-2")
+    assert not (out / "checkpoint-4").exists() and not (out / "final").exists()

@@ -25,11 +25,12 @@ from ..errors import (
     PlanMismatchError,
 )
 from ..train.stop_signal import InterruptRecorder
+from .deepspeed_hook import INTERRUPTED_BEFORE_TRAINING
+from .peer_notice import has_channel, lost_peer_line, peer_ended
 
 # A non-main rank waits this long before reporting its error itself: the launcher ends it as soon as
 # rank 0 (which fails the same way and prints) exits, so the message appears once, not per rank.
 _PEER_REPORT_DELAY_S = 5.0
-INTERRUPTED_BEFORE_TRAINING = "[ulysses_trainer] interrupted before training: nothing written"
 
 
 def _rank() -> int:
@@ -42,7 +43,8 @@ def _report(message: str) -> None:
     if _rank() != 0:
         for sig in (signal.SIGTERM, signal.SIGINT):  # the launcher's SIGTERM must end this wait
             signal.signal(sig, signal.SIG_DFL)
-        time.sleep(_PEER_REPORT_DELAY_S)
+        if peer_ended(_PEER_REPORT_DELAY_S) is not None and has_channel():
+            return  # a peer (rank 0, failing alike) ended first and has said it
         message = f"(rank {_rank()}) {message}"
     print(message, file=sys.stderr, flush=True)
 
@@ -51,6 +53,23 @@ def _quiet_wait() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
     time.sleep(_PEER_REPORT_DELAY_S)
+
+
+def _latest_checkpoint(output_dir: str | None) -> str | None:
+    try:
+        with open(os.path.join(output_dir or "", "latest")) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _peer_failure(exc: BaseException, output_dir: str | None) -> bool:
+    """This rank's error came from a peer that ended (the launcher said which and how): say that in one line."""
+    line = lost_peer_line(exc, _latest_checkpoint(output_dir))
+    if line is None:
+        return False
+    print(line if _rank() == 0 else f"(rank {_rank()}) {line}", file=sys.stderr, flush=True)
+    return True
 
 
 def interrupted() -> int:
@@ -177,10 +196,13 @@ def _main(argv: list[str], seen: InterruptRecorder) -> int:
     except JobStartError as exc:  # no group: nothing to end
         _report(f"error: {exc}")
         return EXIT_FAILURE
-    except Exception:
-        _end_group()
+    except Exception as exc:
         if seen.received:  # the Ctrl-C, turned into another error by a library on its way up
+            _end_group()
             return interrupted()
+        if _peer_failure(exc, None):
+            return EXIT_FAILURE
+        _end_group()
         raise
 
     try:
@@ -205,10 +227,12 @@ def _main(argv: list[str], seen: InterruptRecorder) -> int:
             code = EXIT_FAILURE
         else:
             code = interrupted()
-    except Exception:
+    except Exception as exc:
         if seen.received:  # before the trainer's handler replaced `seen`: the Ctrl-C, as another error
             destroy_distributed(together=False)
             return interrupted()
+        if _peer_failure(exc, plan.cfg.output_dir):  # a peer died: its cause in one line, not gloo's traceback
+            return EXIT_FAILURE  # the group is left to the process's exit: a collective with the dead peer hangs
         if _rank() != 0:  # usually a peer's failure seen here ("Connection closed by peer"): let the rank
             _quiet_wait()  # that failed first report, the launcher ends this one meanwhile
         traceback.print_exc()

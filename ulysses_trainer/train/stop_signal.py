@@ -63,6 +63,8 @@ class InterruptRecorder:
     def install(self) -> InterruptRecorder:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._before[sig] = signal.signal(sig, self._handle)
+        # under `deepspeed`, the ranks start with both blocked (cli/deepspeed_hook.py): one sent meanwhile lands now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
         return self
 
     def restore(self) -> None:
