@@ -57,7 +57,8 @@ def test_output_dir_reuse_resume_size_and_overwrite(tmp_path):
     again = _run(common + ["--max_steps", "2", "--output_dir", str(out)], 1)
     assert again.returncode == 2, again.stderr[-3000:]
     assert len(_errors(again)) == 1 and re.search(
-        r"output_dir .*run holds a previous run \(checkpoint-2, checkpoint-3, config\.json, final, latest, \.\.\.\); "
+        r"output_dir .*run holds a previous run \(checkpoint-2, checkpoint-3, config\.json, ds_config\.json, final, "
+        r"\.\.\.\); "
         r"resume it with resume_from_checkpoint true, set overwrite_output_dir true", _errors(again)[0])
     assert _tree(out) == before
 

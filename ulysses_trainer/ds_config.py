@@ -352,6 +352,34 @@ def _check_scheduler(sched: Any, cfg: TrainConfig, total_steps: int | None, sour
                "the run's optimizer steps", fix="remove it")
 
 
+DS_CONFIG_FILE = "ds_config.json"  # in output_dir: the JSON the engine ran with
+_QUIET = ("steps_per_print", "wall_clock_breakdown")  # the trainer logs; DeepSpeed's own step log stays off
+
+
+def _leaves(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict) and obj:
+        return {p: v for k, v in obj.items() for p, v in _leaves(v, f"{prefix}{k}.").items()}
+    return {prefix.rstrip("."): obj}
+
+
+def filled_values(raw: dict, filled: dict) -> tuple[dict[str, Any], list[str]]:
+    """({dotted key: value} the trainer wrote where the user's JSON said "auto" or nothing, the sections it took
+    out: a scheduler, an optimizer it builds itself). DeepSpeed's log settings are left out."""
+    before, after = _leaves(raw), _leaves(filled)
+    changed = {k: v for k, v in after.items() if (k not in before or before[k] != v) and k.split(".")[0] not in _QUIET}
+    removed = [k for k in raw if k not in filled]
+    return changed, removed
+
+
+def filled_line(raw: dict, filled: dict, source: str) -> str:
+    """One line: what the trainer filled into the ZeRO JSON `source`, and where the result is kept."""
+    changed, removed = filled_values(raw, filled)
+    parts = [f"{k} {json.dumps(v)}" for k, v in changed.items()]
+    said = ", ".join(parts) if parts else "nothing"
+    gone = f"; taken out: {', '.join(removed)} (the trainer's own)" if removed else ""
+    return f"ZeRO config {source}, filled: {said}{gone}; as run: {DS_CONFIG_FILE} in output_dir"
+
+
 def _find_auto(obj: Any, prefix: str = "") -> list[str]:
     if isinstance(obj, dict):
         return [p for k, v in obj.items() for p in _find_auto(v, f"{prefix}{k}.")]

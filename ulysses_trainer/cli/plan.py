@@ -131,14 +131,19 @@ def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argpars
     same_card = card is None or card_of(local.name) == card.name
     gpu_gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else \
         local_gb if same_card else card.memory_gb
-    if gpu_gb is None:
-        raise ConfigError("no CUDA device here to read the GPU memory from: pass --gpu_memory_gb "
-                          "(per-GPU memory in GiB, e.g. 79.2 for an 80 GB H100, 139.8 for an H200)")
+    model_config = model_config_for(cfg)
+    ds = load_ds_config(cfg.deepspeed)
+    if gpu_gb is None:  # no GPU here and none named: this machine's CPU run, planned as the trainer plans it
+        machine = probe.this_machine(gpus, args.host_memory_gb if args.host_memory_gb is not None
+                                     else cfg.host_memory_gb)
+        if args.gpus_per_node is not None:
+            machine = replace(machine, gpus_per_node=args.gpus_per_node)
+        if args.host_memory_gb is not None:
+            machine = replace(machine, host_memory_source="--host_memory_gb")
+        return cfg, model_config, ds, machine, args
     here = local_gb is not None and same_card and (args.gpus is None or args.gpus <= local.count) and \
         (args.gpu_memory_gb is None or abs(args.gpu_memory_gb - local_gb) < 0.5)
     host, source = _host_memory(args, cfg, gpus, gpu_gb, here)
-    model_config = model_config_for(cfg)
-    ds = load_ds_config(cfg.deepspeed)
     kernels, norms = probe.installed_kernels() if here else (ELSEWHERE_KERNELS, ELSEWHERE_NORM_KERNELS)
     deltanet = probe.installed_deltanet_kernels() if here else ELSEWHERE_DELTANET_KERNELS
     machine = Machine(gpus=gpus, gpu_memory_gb=gpu_gb, host_memory_gb=host, gpus_per_node=args.gpus_per_node,
@@ -208,7 +213,8 @@ def run_plan(argv: list[str]) -> int:
     base = replace(plan.run, max_length=cfg.max_length, activation_offload=0, keep_attention_outputs=0,
                    zero3=knobs[False])
     # Adam's placement as the config and the ZeRO JSON fixed it (lever_settings: decode_levers, with_json_placement)
-    longest, best = largest_max_length(shape, base, hw, optimizer_offload=plan.fixed.optimizer_offload, knobs=knobs)
+    longest, best = (largest_max_length(shape, base, hw, optimizer_offload=plan.fixed.optimizer_offload, knobs=knobs)
+                     if machine.gpu_memory_gb is not None else (None, None))  # a CPU run: no GPU memory to fill
     floor = _floor(plan)
     if args.json:
         out = {"model": plan.model, "hardware": _hardware_json(machine),
@@ -264,10 +270,12 @@ def _floor(plan: Plan) -> dict[str, float] | None:
     return {**floor, "predicted over floor": p.step_s / floor["floor s"]}
 
 
-def _report(plan: Plan, machine: Machine, longest: int, best: Choice | None,
+def _report(plan: Plan, machine: Machine, longest: int | None, best: Choice | None,
             floor: dict[str, float] | None = None) -> str:
     s, p = plan.run, plan.predicted
-    head = (f"{plan.model}, max_length {s.max_length:,}, {machine.gpus} GPU(s) x {machine.gpu_memory_gb:g} GiB, "
+    ranks = f"{machine.gpus} GPU(s) x {machine.gpu_memory_gb:g} GiB" if machine.gpu_memory_gb is not None else \
+        f"{machine.gpus} CPU rank(s) (no GPU here: the CPU run this machine would train)"
+    head = (f"{plan.model}, max_length {s.max_length:,}, {ranks}, "
             f"host {machine.host_memory_gb:g} GiB per host ({machine.host_memory_source}), sp {s.sp_size} x dp "
             f"{s.dp_size}, {local_tokens(s):,} tokens per GPU")
     lines = [head, "", format_estimate(p.estimate), ""]
@@ -294,7 +302,9 @@ def _report(plan: Plan, machine: Machine, longest: int, best: Choice | None,
              f"optimizer_offload: {str(s.optimizer_offload).lower()}"]))
     if s.checkpoint_every > 1:
         lines.append(_rebuild_cost(s.checkpoint_every))
-    if best is not None:
+    if longest is None:
+        lines.append("largest max_length that fits: not searched (no GPU: pass --gpu_memory_gb to plan one)")
+    elif best is not None:
         b = best.settings
         lines.append(f"largest max_length that fits: {longest:,} (activation_offload {b.activation_offload}, "
                      f"tiled_mlp {b.tiled_mlp}, optimizer_offload {str(b.optimizer_offload).lower()}, "

@@ -35,7 +35,7 @@ WEIGHTS_ONLY = "weights_only"  # in a save_only_model checkpoint: HF weights, no
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 # what a run writes into output_dir: a directory holding any of these holds a previous run
 EVENTS_FILE = "events.jsonl"  # a run's events that are not training rows (a config change at a resume)
-RUN_FILES = ("config.json", "metrics.jsonl", EVENTS_FILE, LATEST, "final", "per_position_loss.png",
+RUN_FILES = ("config.json", "ds_config.json", "metrics.jsonl", EVENTS_FILE, LATEST, "final", "per_position_loss.png",
              "eval_loss_by_position*.png", "checkpoint-[0-9]*", ".tmp-checkpoint-[0-9]*", "final.tmp")
 EVENTS = "events.out.tfevents.*"  # TensorBoard's event files (in output_dir/runs/, reporters.py)
 _MODEL_DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -217,7 +217,7 @@ def _run_names(output_dir: str) -> set[str]:
 def previous_run(output_dir: str) -> list[str]:
     """The names in output_dir that a previous run wrote (empty: a new or empty directory)."""
     found = _run_names(output_dir)
-    if found == {"config.json"}:  # a run stopped before its first step trained nothing: nothing to keep
+    if found <= {"config.json", "ds_config.json"}:  # a run stopped before its first step trained nothing
         return []
     return sorted(found)
 

@@ -18,7 +18,7 @@ from ..data.accounting import check_something_trained
 from ..data.order import steps_of, trained_rows
 from ..data.recall_probe import RecallProbe, build_recall_probe
 from ..data.tokenizer import apply_tokenizer_options, check_tokenizer_fits, load_tokenizer
-from ..ds_config import OptimizerSpec, load_ds_config, zero_config_for
+from ..ds_config import OptimizerSpec, filled_line, load_ds_config, zero_config_for
 from ..errors import ConfigError
 from ..families import family
 from ..model.load import check_local_weights, checkpoint_source, model_config_for
@@ -76,6 +76,7 @@ class RunPlan:
     host_held_slots: int | None = None  # a memory rehearsal's host stand-in (train/rehearsal.py); None in training
     # packed rows: the attention of the rows the run trains (data_share), the plan's after the engine too
     attention: AttentionShare | None = None
+    zero_filled: str = ""  # the startup line of what the trainer filled into the ZeRO JSON (ds_config.filled_line)
 
     @property
     def sp_size(self) -> int:
@@ -252,13 +253,15 @@ def _run_plan(cfg: TrainConfig, world_size: int, training: bool, ins: _Inputs, d
         disk = disk_line(cfg.output_dir, need)
     # torch's fused AdamW on the GPU (no JIT build); DeepSpeed's CPU Adam only where states live on the host
     ds, opt = ins.zero_config(cfg, resolved, world_size, total)
+    zero_filled = filled_line(ins.ds_raw, ds, str(cfg.deepspeed))
     return RunPlan(cfg=cfg, world_size=world_size, device=ins.device, resolved=resolved, layout=ins.layout,
                    machine=ins.machine, shape=ins.shape, model_config=ins.model_config, tokenizer=data.tokenizer,
                    train_data=train, eval_data=data.eval_data, ds_config=ds, optimizer=opt,
                    steps_per_epoch=steps_per_epoch, epoch_steps=steps_per_epoch, total_steps=total,
                    sequences_per_step=per_step, resume_path=resume_path, clear_output_dir=clear_output_dir,
                    config_changes=config_changes, plan_digest=digest, disk=disk, source=data.source,
-                   reporters=ins.reporters, recall_probe=data.recall_probe, attention=data.share)
+                   reporters=ins.reporters, recall_probe=data.recall_probe, attention=data.share,
+                   zero_filled=zero_filled)
 
 
 def data_share(train: Any, seed: int, per_step: int, steps: int) -> AttentionShare:

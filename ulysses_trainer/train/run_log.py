@@ -11,6 +11,7 @@ import os
 import torch
 
 from ..config import config_to_dict
+from ..ds_config import DS_CONFIG_FILE
 from ..errors import ConfigError
 from ..parallel.comm import all_reduce
 from . import run_report as report
@@ -41,7 +42,8 @@ class RunLog:
 
     def write_run_config(self, plan: RunPlan, step: int) -> None:
         """config.json: this run's config, layout and data accounting; on resume the earlier runs' configs
-        stay in its `history` with the step each change took effect. Rank 0 writes. Collective."""
+        stay in its `history` with the step each change took effect. ds_config.json: the ZeRO JSON the engine
+        runs, every "auto" filled. Rank 0 writes. Collective."""
         failure = None
         if self.is_main:
             path = os.path.join(self.output_dir, "config.json")
@@ -49,6 +51,9 @@ class RunLog:
             try:
                 with open(path, "w") as f:
                     json.dump(record, f, indent=1)
+                path = os.path.join(self.output_dir, DS_CONFIG_FILE)
+                with open(path, "w") as f:
+                    json.dump(plan.ds_config, f, indent=1)
             except OSError as exc:
                 failure = (path, describe_failure(exc, path), str(exc))
         code = agree_on_failure(failure[1] if failure else 0)

@@ -22,6 +22,8 @@ def report_data(plan: RunPlan) -> None:
         counts = getattr(data, "counts", None)
         if counts is not None:
             log.info(f"{what}: {counts.summary()}")
+    if plan.zero_filled:
+        log.info(plan.zero_filled)
     if plan.disk:
         log.info(plan.disk)
 
