@@ -1,14 +1,14 @@
 """`ulysses-trainer train [--num_gpus N] [--master_port P] [--config RECIPE] [--name value ...]`: the
 `deepspeed` command on one node, with Ctrl-C that waits for the save.
 
-Under a bare `deepspeed`, Ctrl-C reaches every process of the terminal's group: DeepSpeed's runner dies
-at once with a KeyboardInterrupt traceback (the prompt returns while the ranks still save), and its
-per-node launcher relays SIGTERM and kills the ranks 30 s later. Here the job runs in its own session,
-so the terminal's Ctrl-C reaches only this process, which then:
+Under `deepspeed launch/train.py` a Ctrl-C reaches every process of the terminal's group, which the trainer's hook
+in DeepSpeed's runner and per-node launcher (cli/deepspeed_hook.py) turns into the same stop. Here the job runs in
+its own session, so the terminal's Ctrl-C reaches only this process, which then:
 - first Ctrl-C (or SIGTERM): sends SIGINT to the rank processes only (not to DeepSpeed's launcher). They
   stop at the next step boundary and save; rank 0 says `interrupted: saving at the next step boundary`.
-  This command returns when the launcher has seen every rank finish, with its exit code (0 after a clean
-  stop). Before training started the ranks say `interrupted before training: nothing written` (exit 130).
+  This command returns when the launcher has seen every rank finish: 130 after a clean stop on Ctrl-C (0 on
+  SIGTERM), as `deepspeed launch/train.py` does. Before training started the ranks say `interrupted before
+  training: nothing written` (exit 130).
 - second Ctrl-C: SIGKILL to the whole job at once. The save in progress is lost, its temporary directory
   is removed; the previous checkpoint and `latest` are intact (a checkpoint is renamed into place only
   when complete). Exit 130.
@@ -154,4 +154,6 @@ def main(argv: list[str]) -> int:
         return EXIT_INTERRUPTED
     if requests and code != 0:  # interrupted before training (rank 0 said so), or a failure while stopping
         return EXIT_INTERRUPTED if code in (1, EXIT_INTERRUPTED, 256 - signal.SIGINT, -signal.SIGINT) else code
+    if requests and requests[0] == signal.SIGINT:  # stopped and saved at the step boundary: a Ctrl-C's status
+        return EXIT_INTERRUPTED
     return code

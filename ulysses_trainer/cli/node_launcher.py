@@ -9,7 +9,8 @@ accelerator's visible devices, `--local_rank=N`), and differs where DeepSpeed's 
   signal (more than STOP_REPEAT_S after the first) is passed on too: the ranks stop at once.
 - A rank that ends with a non-zero code or a signal: every surviving rank of this node is told which rank ended
   and how (a pipe each, `ULYSSES_TRAINER_NOTICE_FD`), reports it in one line and exits; those that have not ended
-  GRACE_S later are killed (a peer stuck in a collective that never fails), and this launcher then says the line.
+  GRACE_S later (a killed rank) or REPORTED_GRACE_S later (a rank that exited with its own error, said by it) are
+  killed (a peer stuck in a collective that never fails); for a killed rank this launcher then says the line.
 - Exit code: 130 after a Ctrl-C (SIGINT), else 0 if every rank exited 0, else the first failed rank's code if it
   is the trainer's own (2 invalid input, 130), else 1 (a rank killed by a signal is a failure, never 247).
 Signals stay blocked (as the runner left them) until the handlers are in place and the ranks are started: the
@@ -30,7 +31,10 @@ import time
 
 from .peer_notice import NOTICE_FD_ENV
 
-GRACE_S = 30.0  # after a rank ended: the survivors' time to report it and exit by themselves
+GRACE_S = 30.0  # after a rank was killed: the survivors' time to report it and exit by themselves
+# after a rank exited with an error of its own (it said it; the others usually fail alike): their time to exit, then
+# they are ended as DeepSpeed's launcher ends them (a peer inside a NCCL collective would wait for its timeout)
+REPORTED_GRACE_S = 5.0
 STOP_REPEAT_S = 2.0  # a signal within this of the first is the same request (the runner relays what the group got)
 _POLL_S = 0.1
 
@@ -156,13 +160,13 @@ def main(argv: list[str] | None = None) -> int:
                 if code not in (None, 0) and not (requests and code == 130):  # 130: it took the Ctrl-C
                     failed = (r, code)
                     job.tell(f"rank {r} {how_it_ended(code)}")
-                    deadline = time.monotonic() + GRACE_S
+                    deadline = time.monotonic() + (GRACE_S if code < 0 else REPORTED_GRACE_S)
                     break
         elif deadline is not None and time.monotonic() > deadline:
             stuck = job.alive()
             for r in stuck:
                 job.kill_tree(r)
-            if stuck:
+            if stuck and failed[1] < 0:  # a rank that exited with a code has said why itself
                 print(f"error: rank {failed[0]} {how_it_ended(failed[1])}; ranks {', '.join(map(str, stuck))} did "
                       f"not stop within {GRACE_S:g} s and were killed; the last checkpoint is intact",
                       file=sys.stderr, flush=True)

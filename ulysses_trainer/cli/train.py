@@ -1,7 +1,8 @@
 """`deepspeed launch/train.py [--config RECIPE.yaml] [--name value ...]`: parse, check, train.
 
-Exit codes: 0 success or clean stop on SIGTERM; 2 invalid input, reported before any heavy work with
-nothing written; 130 Ctrl-C before training started (nothing written); 1 any other failure (a
+Exit codes: 0 success or clean stop on SIGTERM or Ctrl-C (the job's launcher turns a Ctrl-C's into 130); 2
+invalid input, reported before any heavy work with nothing written; 130 Ctrl-C before training started (nothing
+written); 1 any other failure (a peer rank that died, named in one line; a
 failed write into output_dir, a non-finite step, out of GPU memory, a second Ctrl-C, a process group that
 could not start, e.g. on a port another job holds).
 """

@@ -3,9 +3,28 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
+from types import FrameType
+
+# A KeyboardInterrupt raised in a finalizer (weakref.finalize, __del__) is printed as `Exception ignored in:` and
+# lost: the run would go on. These frames mark one; the signal is delivered again once the finalizer has returned.
+_FINALIZER_FILES = ("weakref.py", os.path.join("multiprocessing", "util.py"))
+REDELIVER_S = 0.05
+
+
+def in_finalizer(frame: FrameType | None) -> bool:
+    """The interrupted code runs inside a finalizer (an exception raised there is ignored, not propagated)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or (code.co_name in ("__call__", "_run_finalizers", "_exitfunc")
+                                         and code.co_filename.endswith(_FINALIZER_FILES)):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class StopSignal:
@@ -31,6 +50,9 @@ class StopSignal:
     def _handle(self, signum, frame) -> None:
         now = self._clock()
         if self.requested and now - self._first > self.RELAY_WINDOW_S:
+            if in_finalizer(frame):  # it would be ignored there: again once the finalizer returned
+                threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signum)).start()
+                return
             raise KeyboardInterrupt(f"second signal {signum}: stopping now")
         if not self.requested:
             self.requested, self._first = True, now
@@ -45,7 +67,7 @@ class InterruptRecorder:
     interruption, not that error."""
 
     def __init__(self) -> None:
-        self.received, self._held = False, False
+        self.received, self._held, self._raised = False, False, False
         self._before: dict[int, object] = {}
 
     @contextlib.contextmanager
@@ -57,7 +79,8 @@ class InterruptRecorder:
             yield
         finally:
             self._held = False
-        if self.received:
+        if self.received and not self._raised:
+            self._raised = True
             raise KeyboardInterrupt
 
     def install(self) -> InterruptRecorder:
@@ -73,6 +96,13 @@ class InterruptRecorder:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
+        if self._raised:  # the same Ctrl-C again (the group's and a launcher's relay): raised once, said once
+            return
         self.received = True
-        if not self._held:
-            raise KeyboardInterrupt
+        if self._held:
+            return
+        if in_finalizer(frame):  # raising here would be ignored: deliver it again once the finalizer returned
+            threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signum)).start()
+            return
+        self._raised = True
+        raise KeyboardInterrupt
