@@ -31,8 +31,8 @@ class StopSignal:
     """SIGTERM/SIGINT: stop at the next step boundary and save; a second signal stops at once.
 
     A second signal within RELAY_WINDOW_S of the first is the same request: on Ctrl-C (or a signal
-    sent to the whole job) each rank gets the signal itself and, milliseconds later, the SIGTERM that
-    the deepspeed launcher relays to its ranks.
+    sent to the whole job) each rank gets the signal itself and, milliseconds later, the copy that its
+    per-node launcher relays (the trainer's passes the SIGINT on, DeepSpeed's own a SIGTERM).
     """
 
     RELAY_WINDOW_S = 2.0
