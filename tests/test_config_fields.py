@@ -72,6 +72,7 @@ FIELD_TESTS = {
     "allow_over_plan": "test_out_of_memory.py::test_allow_over_plan_goes_past_the_check_and_says_what_to_expect",
     "seed": "test_field_effects.py::test_seed_decides_the_data_order",
     "nan_policy": "test_faults.py::test_nan_policy_skip_leaves_the_state_bitwise_unchanged_and_trains_on",
+    "verify_sp": "test_e2e_train.py::test_verify_sp_checks_sp2_at_the_first_start_and_changes_no_number",
     # output
     "output_dir": "test_bad_inputs.py::test_output_dir_that_is_a_file",
     "overwrite_output_dir": "test_train_runs.py::test_overwrite_removes_what_the_trainer_wrote_and_nothing_else",

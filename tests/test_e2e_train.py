@@ -12,6 +12,7 @@ few and shared: a module-scoped cache starts each one the first time a test asks
   dp2   2 ranks, sp 1, dp 2: one sequence per rank (the same 2 sequences per step)
   ga1   1 rank,  sp 1, one micro-step of 2 sequences (compared with sp1)
   resume  2 ranks: sp2's output_dir cut back to checkpoint-2, resumed (`true` = latest) to step 4
+  unverified  2 ranks: sp2's first step with verify_sp false (sp2 and the others: auto, on at the first start)
   jsonl 1 rank,  a local jsonl file (text in a non-default field) for one epoch, jsonl eval data
 """
 
@@ -124,6 +125,10 @@ class Runs:
         (out / "latest").write_text("checkpoint-2\n")
         return run_train(2, SP_ARGS + ["--sp_size", "2", "--save_steps", "2",
                                        "--resume_from_checkpoint", "true"], out)
+
+    def _unverified(self, out):
+        return run_train(2, SP_ARGS + ["--sp_size", "2", "--max_steps", "1", "--save_strategy", "no",
+                                       "--verify_sp", "false"], out)
 
     def _jsonl(self, out):
         data = self.root / "data"
@@ -334,6 +339,26 @@ def test_resume_from_step_2_is_bitwise_the_straight_run(runs):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])  # bitwise: fp32 on CPU
     assert resumed_eval[-1]["eval_loss"] == straight_eval[-1]["eval_loss"]
     assert (out / "latest").read_text().strip() == "checkpoint-4" and (out / "final").is_dir()
+
+
+@pytest.mark.slow
+def test_verify_sp_checks_sp2_at_the_first_start_and_changes_no_number(runs):
+    """sp2 ran the check (auto, first start): its line on rank 0's log; the resumed run did not (auto, resume);
+    the first step with the check off is bitwise sp2's."""
+    out, proc = runs.get("sp2")
+    said = [line for line in proc.stdout.splitlines() if "verify_sp:" in line]
+    assert len(said) == 1, proc.stdout[-3000:]
+    loss, ref_loss, norm, ref_norm = map(float, re.search(
+        r"verify_sp: loss (\S+) vs (\S+), grad norm (\S+) vs (\S+) \(parallelized vs stock, (\d+) tokens",
+        said[0]).groups()[:4])
+    assert rel(loss, ref_loss) <= 1e-5 and rel(norm, ref_norm) <= 1e-5, said[0]
+    assert "verify_sp" not in runs.get("resume")[1].stdout
+    unverified_dir, unverified = runs.get("unverified")
+    assert "verify_sp" not in unverified.stdout
+    first, = read_metrics(unverified_dir)[0]
+    ref = read_metrics(out)[0][0]
+    assert (first["loss"], first["grad_norm"], first["num_tokens"]) == (ref["loss"], ref["grad_norm"],
+                                                                        ref["num_tokens"])  # bitwise: fp32 on CPU
 
 
 # ---------------------------------------------------------------- a local jsonl dataset

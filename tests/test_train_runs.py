@@ -5,7 +5,7 @@ what the trainer wrote and nothing else.
 
   four      4 steps, a checkpoint every step, save_total_limit 2, TensorBoard
   resumed   four resumed (latest) with max_steps 6
-  six       6 steps straight, logged every step, no checkpoint
+  six       6 steps straight, logged every step, no checkpoint, verify_sp false (four and over: auto, on)
   interval  six's run logged every 4 steps
   over      overwrite_output_dir over resumed's directory, 2 steps, save_total_limit 1
 """
@@ -83,14 +83,15 @@ def runs(tmp_path_factory) -> dict:
     (out / "checkpoint-best" / "keep.txt").write_text("mine")
     saving = ["--save_steps", "1", "--save_total_limit", "2", "--report_to", "tensorboard", "--output_dir", str(out)]
     got = {"root": root, "out": out}
-    _run(common + ["--max_steps", "4"] + saving)
+    got["four_proc"] = _run(common + ["--max_steps", "4"] + saving)  # verify_sp auto: on at the first start
     got["four"] = {"checkpoints": _checkpoints(out), "rows": _rows(out), "latest": (out / "latest").read_text(),
                    "markers": [(out / c / MARKER).is_file() for c in _checkpoints(out) if c[11:].isdigit()]}
     got["resumed_proc"] = _run(common + ["--max_steps", "6", "--resume_from_checkpoint", "true"] + saving)
     got["resumed"] = {"checkpoints": _checkpoints(out), "rows": _rows(out), "latest": (out / "latest").read_text(),
                       "events": _events(out)}
     six, interval = root / "six", root / "interval"
-    _run(common + ["--max_steps", "6", "--save_strategy", "no", "--output_dir", str(six)])
+    got["six_proc"] = _run(common + ["--max_steps", "6", "--save_strategy", "no", "--verify_sp", "false",
+                                     "--output_dir", str(six)])
     got["six"] = _rows(six)
     got["interval_proc"] = _run(common + ["--max_steps", "6", "--save_strategy", "no", "--logging_steps", "4",
                                           "--report_to", "tensorboard", "--output_dir", str(interval)])
@@ -120,6 +121,17 @@ def test_a_run_extended_on_resume_trains_what_the_straight_run_trains(runs):
         assert (a["loss"], a["grad_norm"], a["num_tokens"], a["num_loss_tokens"]) == \
             (b["loss"], b["grad_norm"], b["num_tokens"], b["num_loss_tokens"]), (a, b)
     assert "the data order continues where it stopped" in runs["resumed_proc"].stdout
+
+
+def test_verify_sp_runs_at_the_first_start_only_and_changes_no_loss(runs):
+    # four: auto at its first start (the check ran); resumed: auto at resume (it did not); six: false. Six's rows
+    # equal the resumed run's bitwise (above), so the first step's loss is the same with the check on and off
+    said = [line for line in runs["four_proc"].stdout.splitlines() + runs["four_proc"].stderr.splitlines()
+            if "verify_sp:" in line]
+    assert len(said) == 1 and re.search(r"verify_sp: loss \S+ vs \S+, grad norm \S+ vs \S+ .* s$", said[0]), said
+    for name in ("resumed_proc", "six_proc"):
+        assert "verify_sp" not in runs[name].stdout + runs[name].stderr, name
+    assert json.dumps(runs["resumed"]["rows"][0]["loss"]) == json.dumps(runs["six"][0]["loss"])
 
 
 def test_logged_loss_is_the_mean_over_the_logging_interval(runs):

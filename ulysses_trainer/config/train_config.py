@@ -139,6 +139,10 @@ class TrainConfig:
     bf16: Union[bool, Auto] = _f("auto", "bf16 mixed precision; auto = on for CUDA devices that support it")
     seed: int = _f(42, "seed for weights init, data order and dropout")
     nan_policy: NanPolicy = _f("stop", "on a non-finite loss or grad norm: skip the step, or stop")
+    verify_sp: Union[bool, Auto] = _f(
+        "auto", "before step 1, the parallelized model against stock transformers on the first row's first "
+        "tokens (loss, gradient norm, sampled gradients); a difference stops the run naming the layer type; auto = "
+        "on at a run's first start, off at resume")
     # output
     output_dir: str = _f("out/default", "checkpoints, metrics.jsonl and the final export")
     overwrite_output_dir: bool = _f(

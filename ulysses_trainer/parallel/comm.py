@@ -97,6 +97,13 @@ def gather_objects(value: Any) -> list[Any]:
     return out
 
 
+def sum_in_place(t: torch.Tensor, group=None) -> None:
+    """Sum a tensor of any size over a group in place, on its own device (a full gradient from each rank's
+    part). No-op without a process group or with a group of one."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+
+
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     return all_reduce(t, "sum", group)
 

@@ -11,6 +11,8 @@ import torch
 from tqdm import tqdm
 
 from ..config import config_to_dict
+from ..model.load import build_model as load_model
+from ..model.lora import add_lora
 from ..parallel.comm import all_reduce
 from ..parallel.loss import aux_for_backward, global_aux_loss, global_loss, loss_for_backward, step_token_count
 from ..parallel.sharding import Shard
@@ -33,6 +35,7 @@ from .run_log import RunLog
 from .schedule import set_peak_learning_rate
 from .stop_signal import StopSignal
 from .strategies import ends_epoch, eval_due, log_due, save_due
+from .verify_sp import run_check, verify_due
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +72,39 @@ class Trainer:
         self.where.watch(decoder_layers(self.model), self.model.checkpointer)
         self.run_log = RunLog(self.plan, self.state.is_main)
         self._saved_step: int | None = None  # the step the last checkpoint holds
+        if verify_due(self.cfg.verify_sp, resuming=bool(plan.resume_path)):  # before anything of the run is written
+            self.where.enter("verify_sp")
+            self._verify_sp()
 
     @property
     def resolved(self) -> Plan:
         """The plan the run runs (the one after the engine once it is built)."""
         return self.plan.resolved
+
+    def _verify_sp(self) -> None:
+        """The parallelized model against the stock one on the first row (verify_sp.py): a line in the startup
+        log, or a VerifySpError (exit 2). Collective."""
+        plan, cfg = self.plan, self.cfg
+        dtype = torch.bfloat16 if plan.bf16 else torch.float32
+
+        def new_model() -> torch.nn.Module:  # as build_model makes it, without initializing (run_check copies
+            # every parameter and buffer from the engine's model): 8 s of random init for the tiny preset on CPU
+            with torch.device("meta"):
+                model = load_model(plan.model_config, dtype, None, seed=cfg.seed)
+                model = add_lora(model, cfg)[0] if cfg.use_peft else model
+            model = model.to_empty(device=self.device)
+            model.tie_weights()  # to_empty makes a tied embedding's two uses two tensors
+            return model
+
+        mechanisms = plan.resolved.model_plan(cfg.host_memory_gb, plan.machine.ranks_per_node, levers=False,
+                                              host_held_slots=plan.host_held_slots)
+        row = plan.train_data[int(order.step_rows(plan, 0)[0])]  # the first row step 1 trains
+        pad = getattr(plan.tokenizer, "pad_token_id", None) or 0
+        result = run_check(self.model.causal_lm, new_model, mechanisms, self.state, row, plan.bf16,
+                           cfg.pad_to_multiple_of, cfg.max_length, self.device, pad)
+        if self.state.is_main:
+            log.info(result.line() if result is not None else
+                     "verify_sp: skipped (the first row is too short to shard)")
 
     def _say_stopping(self) -> None:
         """The first stop request, from the signal handler: one line from rank 0."""
