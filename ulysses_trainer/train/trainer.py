@@ -73,8 +73,11 @@ class Trainer:
         self.run_log = RunLog(self.plan, self.state.is_main)
         self._saved_step: int | None = None  # the step the last checkpoint holds
         if verify_due(self.cfg.verify_sp, resuming=bool(plan.resume_path)):  # before anything of the run is written
-            self.where.enter("verify_sp")
-            self._verify_sp()
+            self.where.enter("verify_sp: a copy of the model and its gradients; verify_sp false skips it")
+            try:
+                self._verify_sp()
+            except torch.OutOfMemoryError:  # the one OOM line, naming the check
+                raise self._out_of_memory() from None
 
     @property
     def resolved(self) -> Plan:
