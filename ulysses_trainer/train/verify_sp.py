@@ -4,11 +4,11 @@ on the same weights, forward and backward, on the first few thousand tokens of t
 Both run on a private copy of the weights (gathered from the engine as ZeRO-3 gathers them), so the engine, the
 optimizer and the RNG are untouched: the first step is the same with the check on or off. The copy is
 parallelized with the run's own mechanisms (Ulysses attention across the real SP ranks, the loss head, lean
-norms, tiled MLP, checkpointing), each rank runs its shard; `unparallelize` gives the stock model back, and each
-rank runs it on the whole short row, one forward per packed document. A loss, gradient norm or sampled gradient
-outside the tolerances of the contract (fp32: 1e-5; bf16: loss 1e-2, gradient norm 5e-2) stops the run (exit 2)
-with one line naming the layer type whose output (or, for a backward-only difference, whose gradients) first
-differs.
+norms, tiled MLP, checkpointing), each rank runs its shard; `unparallelize` gives the stock model back, and SP
+rank 0 runs it on the whole short row, one forward per packed document. A loss, gradient norm or sampled gradient
+outside the exactness tolerances (fp32: 1e-5 relative; bf16: loss 1e-2, gradient norm 5e-2) stops the run
+(exit 2) with one line naming the layer type whose output (or, for a backward-only difference, whose gradients)
+first differs.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from ..plan.model_plan import ModelPlan
 MAX_TOKENS = 4096  # the row's first tokens the check runs: a few seconds at 8B
 PROJECTION = 8  # each token's output of a watched module is compared as this many random projections
 SAMPLE = 4096  # elements of each parameter's gradient compared one by one (a strided sample)
-# (loss, gradient norm, sampled per-parameter gradients): CONTRACT's fp32 row; bf16's loss and norm rows, and a
-# per-parameter bound that only a wrong shard (errors of order 1) exceeds
+# (loss, gradient norm, sampled per-parameter gradients): the fp32 exactness tolerance; bf16's loss and norm ones,
+# and a per-parameter bound that only a wrong shard (errors of order 1) exceeds
 FP32_TOLERANCES = (1e-5, 1e-5, 1e-5)
 BF16_TOLERANCES = (1e-2, 5e-2, 0.25)
 
