@@ -34,9 +34,11 @@ from ..plan.model_plan import ModelPlan
 MAX_TOKENS = 4096  # the row's first tokens the check runs: a few seconds at 8B
 PROJECTION = 8  # each token's output of a watched module is compared as this many random projections
 SAMPLE = 4096  # elements of each parameter's gradient compared one by one (a strided sample)
-# (loss, gradient norm, sampled per-parameter gradients): the fp32 exactness tolerance; bf16's loss and norm ones,
-# and a per-parameter bound that only a wrong shard (errors of order 1) exceeds
-FP32_TOLERANCES = (1e-5, 1e-5, 1e-5)
+# (loss, gradient norm and the whole sampled gradient, each parameter's sampled gradient): the exactness
+# tolerances (fp32 1e-5; bf16 loss 1e-2, norm 5e-2), and a per-parameter bound that a wrong shard (errors of order 1)
+# exceeds and rounding does not: a small parameter's gradient (a DeltaNet layer's A_log, dt_bias) differs by 3e-4
+# at 192 tokens between two correct fp32 implementations of the same rule (the trainer's and transformers')
+FP32_TOLERANCES = (1e-5, 1e-5, 1e-2)
 BF16_TOLERANCES = (1e-2, 5e-2, 0.25)
 
 
@@ -233,7 +235,9 @@ def compare(model: nn.Module, mechanisms: ModelPlan | ParallelizeConfig, state: 
     worst_param = max(param_err, key=param_err.get) if param_err else "-"
     result = VerifyResult(loss, ref_loss, grad_norm, ref_grad_norm, param_err.get(worst_param, 0.0), worst_param, n)
     loss_err, norm_err = _rel(loss, ref_loss), _rel(grad_norm, ref_grad_norm)
-    if loss_err <= tol_loss and norm_err <= tol_norm and result.worst <= tol_param:
+    whole = _rel(torch.cat([sp_samples[k] for k in trainable]), torch.cat([ref_samples[k] for k in trainable])) \
+        if trainable else 0.0  # the sampled gradient as one vector: the exactness tolerance's measure
+    if loss_err <= tol_loss and max(norm_err, whole if not bf16 else 0.0) <= tol_norm and result.worst <= tol_param:
         return result
     out_err = [_output_error(name, outs, ref_out, local, n) for name in watched]
     first = next((name for name, e in zip(watched, out_err) if e > tol_loss), None)
@@ -247,8 +251,9 @@ def compare(model: nn.Module, mechanisms: ModelPlan | ParallelizeConfig, state: 
     raise VerifySpError(
         f"verify_sp: the parallelized model differs from the stock transformers model on this run's model: loss "
         f"{loss:.8g} vs {ref_loss:.8g} (relative {loss_err:.2e}), grad norm {grad_norm:.8g} vs {ref_grad_norm:.8g} "
-        f"(relative {norm_err:.2e}); {where}. Training with sequence parallelism would give wrong results for this "
-        f"layer type; train with sp_size 1, or set verify_sp false to train anyway")
+        f"(relative {norm_err:.2e}), sampled gradient relative {whole:.2e} ({worst_param}: {result.worst:.2e}); "
+        f"{where}. This run would train that layer type wrongly; report it with the model's config, or set "
+        f"verify_sp false to train anyway")
 
 
 def _stock(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
