@@ -1,7 +1,7 @@
 """verify_sp (train/verify_sp.py): the parallelized model against stock transformers on the first row, with ranks as
 threads (tests/threaded_ranks.py) running the real all-to-alls. The real families pass at sp 2 and 4; a wrong shard
-planted in one layer type's attention (forward, or backward only) is caught and the line names that layer type;
-auto is off at resume. The first step's loss with the check on and off: tests/test_train_runs.py."""
+planted in one layer type's attention (forward, or backward only) is caught and the line names that layer type,
+and through the real command on 2 gloo ranks it is exit 2 before step 1 with nothing written; auto is off at resume. The first step's loss with the check on and off: tests/test_train_runs.py."""
 
 from __future__ import annotations
 
@@ -129,3 +129,38 @@ def test_the_cut_is_a_multiple_the_sharding_accepts_and_keeps_a_target():
 def test_auto_is_on_at_the_first_start_and_off_at_resume():
     assert verify_due("auto", resuming=False) and not verify_due("auto", resuming=True)
     assert verify_due(True, resuming=True) and not verify_due(False, resuming=False)
+
+
+def _planted_rank(rank: int, world_size: int, argv: list[str]) -> tuple[int, str]:
+    """The real command's main on this rank, rank 1's attention output shard rolled by one token."""
+    import contextlib
+    import io
+
+    import ulysses_trainer.parallel.ulysses as ulysses
+    from ulysses_trainer.cli.train import main
+
+    real = ulysses.heads_to_seq
+    ulysses.heads_to_seq = lambda x, sp_size, group: _shift_rank_1(real(x, sp_size, group))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+@pytest.mark.slow
+def test_the_real_command_stops_a_wrong_shard_before_step_1_with_exit_2(tmp_path):
+    from tests.dist_utils import run_ranks
+    from tests.tiny_checkpoint import write_checkpoint, write_documents
+
+    model = write_checkpoint(tmp_path / "model")
+    docs = write_documents(tmp_path / "docs.jsonl", num_docs=40, words_per_doc=31)
+    out = tmp_path / "run"
+    argv = ["--model_name_or_path", str(model), "--dataset_name", str(docs), "--max_length", "32", "--bf16",
+            "false", "--max_steps", "2", "--sp_size", "2", "--output_dir", str(out)]
+    (c0, e0), (c1, e1) = run_ranks(2, _planted_rank, argv)
+    assert (c0, c1) == (2, 2), e0 + e1
+    errors = [line for line in e0.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in e0 + e1, e0[-3000:]
+    assert errors[0].startswith("error: verify_sp: the parallelized model differs") and "of Qwen3Attention (" in \
+        errors[0], errors[0]
+    assert not (out / "metrics.jsonl").exists() and not list(out.glob("*checkpoint*")) and not (out / "final").exists()
