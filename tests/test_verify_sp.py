@@ -1,7 +1,8 @@
 """verify_sp (train/verify_sp.py): the parallelized model against stock transformers on the first row, with ranks as
 threads (tests/threaded_ranks.py) running the real all-to-alls. The real families pass at sp 2 and 4; a wrong shard
 planted in one layer type's attention (forward, or backward only) is caught and the line names that layer type,
-and through the real command on 2 gloo ranks it is exit 2 before step 1 with nothing written; auto is off at resume. The first step's loss with the check on and off: tests/test_train_runs.py."""
+and through the real command on 2 gloo ranks it is exit 2 before step 1 with nothing written; auto is off at
+resume. The first step's loss with the check on and off: tests/test_train_runs.py, tests/test_e2e_train.py."""
 
 from __future__ import annotations
 
