@@ -165,3 +165,36 @@ def test_the_real_command_stops_a_wrong_shard_before_step_1_with_exit_2(tmp_path
     assert errors[0].startswith("error: verify_sp: the parallelized model differs") and "of Qwen3Attention (" in \
         errors[0], errors[0]
     assert not (out / "metrics.jsonl").exists() and not list(out.glob("*checkpoint*")) and not (out / "final").exists()
+
+
+def _no_room_rank(rank: int, world_size: int, argv: list[str]) -> tuple[int, str]:
+    """As _planted_rank, on a rank whose memory has no room for the check's copy of the model."""
+    import contextlib
+    import io
+
+    import ulysses_trainer.train.trainer as trainer
+
+    trainer._free_bytes = lambda device: 1024
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code, err = _planted_rank(rank, world_size, argv)
+    return code, out.getvalue() + err
+
+
+@pytest.mark.slow
+def test_auto_skips_where_the_copy_does_not_fit_and_true_insists(tmp_path):
+    """A copy of the model and its gradients is whole on every rank: `auto` says it skips where it would not fit
+    (the wrong shard then goes unseen: the line is the user's warning), `true` runs it all the same and stops."""
+    from tests.dist_utils import run_ranks
+    from tests.tiny_checkpoint import write_checkpoint, write_documents
+
+    model = write_checkpoint(tmp_path / "model")
+    docs = write_documents(tmp_path / "docs.jsonl", num_docs=40, words_per_doc=31)
+    base = ["--model_name_or_path", str(model), "--dataset_name", str(docs), "--max_length", "32", "--bf16",
+            "false", "--max_steps", "1", "--sp_size", "2", "--save_strategy", "no"]
+    (c0, o0), (c1, _) = run_ranks(2, _no_room_rank, [*base, "--output_dir", str(tmp_path / "auto")])
+    assert (c0, c1) == (0, 0), o0[-3000:]
+    assert "verify_sp: skipped: a copy of the model and its gradients" in o0 and "verify_sp true insists" in o0
+    (c0, o0), (c1, _) = run_ranks(2, _no_room_rank, [*base, "--verify_sp", "true",
+                                                     "--output_dir", str(tmp_path / "true")])
+    assert (c0, c1) == (2, 2) and "error: verify_sp: the parallelized model differs" in o0, o0[-3000:]

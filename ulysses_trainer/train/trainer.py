@@ -22,6 +22,7 @@ from . import checkpoint as ckpt
 from . import data_order as order
 from . import evaluation, export
 from . import run_report as report
+from .agreement import agree_free_memory
 from .build import build_engine, build_model
 from .evaluation import EvalResult
 from .log_interval import LogInterval
@@ -38,6 +39,19 @@ from .strategies import ends_epoch, eval_due, log_due, save_due
 from .verify_sp import run_check, verify_due
 
 log = logging.getLogger(__name__)
+
+
+
+VERIFY_FREE_SHARE = 0.8  # verify_sp auto: the copy may take this share of the memory free on every rank
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Memory free now where the check's copy would live: the GPU's, or the host's on a CPU run."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 class Trainer:
@@ -99,6 +113,15 @@ class Trainer:
             model.tie_weights()  # to_empty makes a tied embedding's two uses two tensors
             return model
 
+        # auto runs it where a copy of the model and its gradients fits beside the run (the copy is whole on every
+        # rank: a 35B model's would not fit a GPU the run already fills); true insists
+        need = plan.shape.num_params * (2 if plan.bf16 else 4) * 2
+        free = agree_free_memory(_free_bytes(self.device))  # the least of any rank's: every rank decides alike
+        if cfg.verify_sp == "auto" and need > VERIFY_FREE_SHARE * free:
+            if self.state.is_main:
+                log.info(f"verify_sp: skipped: a copy of the model and its gradients ({need / 2**30:.1f} GiB) does "
+                         f"not fit beside the run ({free / 2**30:.1f} GiB free); verify_sp true insists")
+            return
         mechanisms = plan.resolved.model_plan(cfg.host_memory_gb, plan.machine.ranks_per_node, levers=False,
                                               host_held_slots=plan.host_held_slots)
         row = plan.train_data[int(order.step_rows(plan, 0)[0])]  # the first row step 1 trains
