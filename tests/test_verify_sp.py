@@ -174,7 +174,7 @@ def _no_room_rank(rank: int, world_size: int, argv: list[str]) -> tuple[int, str
 
     import ulysses_trainer.train.trainer as trainer
 
-    trainer._free_bytes = lambda device: 1024
+    trainer.free_memory_bytes = lambda device: 1024
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code, err = _planted_rank(rank, world_size, argv)

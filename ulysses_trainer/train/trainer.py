@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 VERIFY_FREE_SHARE = 0.8  # verify_sp auto: the copy may take this share of the memory free on every rank
 
 
-def _free_bytes(device: torch.device) -> int:
+def free_memory_bytes(device: torch.device) -> int:
     """Memory free now where the check's copy would live: the GPU's, or the host's on a CPU run."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -116,7 +116,7 @@ class Trainer:
         # auto runs it where a copy of the model and its gradients fits beside the run (the copy is whole on every
         # rank: a 35B model's would not fit a GPU the run already fills); true insists
         need = plan.shape.num_params * (2 if plan.bf16 else 4) * 2
-        free = agree_free_memory(_free_bytes(self.device))  # the least of any rank's: every rank decides alike
+        free = agree_free_memory(free_memory_bytes(self.device))  # the least of any rank's: every rank decides alike
         if cfg.verify_sp == "auto" and need > VERIFY_FREE_SHARE * free:
             if self.state.is_main:
                 log.info(f"verify_sp: skipped: a copy of the model and its gradients ({need / 2**30:.1f} GiB) does "
