@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..plan.names import STANDIN, STANDIN_FA4
+from ..vocabulary.names import STANDIN, STANDIN_FA4
 from .grouped import BACKENDS, Documents, default_backend, grouped_attention, runs_grouped
 from .standin import standin_attention, standin_attention_fa4
 

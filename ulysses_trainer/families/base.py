@@ -3,8 +3,9 @@
 A family owns what differs between families: the MLP (or expert) block (its parameters, how the planner counts its
 memory, time, ZeRO-3 uses and collectives, what training sets on its config) and its LoRA targets. The planner and
 the model code call these methods; neither asks which family it has. What parallelize swaps into a model for a
-block or a mixer is the model's side (model/install.py, keyed by the block's class): this package imports nothing
-of the trainer but its errors, so the planner below the model reads it.
+block or a mixer is the family's torch side (its folder's modules.py, registered in families/installs.py keyed by
+the block's class): this module and the facts of every family import nothing of the trainer but its errors, so the
+planner below the model reads them without torch.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class MlpBlock(ABC):
     Parameters in module order (`params`: what the memory model, the ZeRO-3 trace and the FLOP counts assume);
     `saved` / `backward_extra`: the plan's memory terms (plan/layer_terms.py) by what keeps them; `time_parts`:
     measured parts in place of the dense rate (plan/step_time.py). What the trainer swaps in for it:
-    model/install.py.
+    families/installs.py.
     """
 
     lora_linears: tuple[str, ...] = ()  # the block's nn.Linear names, in module order
@@ -142,7 +143,7 @@ class MlpBlock(ABC):
 class TokenMixer(ABC):
     """A token mixer that some layers of a family run instead of softmax attention (Qwen3.5's Gated DeltaNet):
     the layers whose config `layer_types` entry is `kind`. Its parameters in module order (the plan's counts and
-    ZeRO-3 trace) and the SP sizes it refuses; what parallelize installs on those layers: model/install.py."""
+    ZeRO-3 trace) and the SP sizes it refuses; what parallelize installs on those layers: families/installs.py."""
 
     kind: str = ""  # the transformers config's layer_types entry of the layers that run it
     lora_linears: tuple[str, ...] = ()  # its nn.Linear names, in module order (what LoRA can adapt)
@@ -213,6 +214,9 @@ class Family:
     mixer: TokenMixer | None = None
     # the Qwen BPE its presets (and a checkpoint without tokenizer files) are tokenized with (data/tokenizer.py)
     tokenizer: str = "qwen3"
+    # its torch side, imported when a model of it is parallelized (families/installs.load_modules): the dotted
+    # module that registers what parallelize swaps in for its block and mixer ("": registered by hand)
+    modules: str = ""
 
     def attention_params(self, d: LayerDims) -> list[tuple[str, int]]:
         """q, (q_norm,) k, (k_norm,) v, o: the attention's modules in the order they run."""

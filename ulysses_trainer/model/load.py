@@ -24,7 +24,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from ..families import FAMILIES, PRESETS, family
 from ..families.presets import is_preset, preset_config
-from ..plan.names import CHECKPOINT_MARKER
+from ..vocabulary.names import CHECKPOINT_MARKER
 from .positions import check_positions, rope_dict
 
 _YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")

@@ -12,8 +12,8 @@ import torch
 
 from ..attention.kernels import KERNEL_FUNCTIONS
 from ..attention.stash import AttentionStash
-from ..plan.layout import check_heads
-from ..plan.names import KEEPING_KERNELS
+from ..vocabulary.layout import check_heads
+from ..vocabulary.names import KEEPING_KERNELS
 from .comm import heads_to_seq, seq_to_heads
 from .integrations import register_attention
 from .sharding import ShardContext

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 from ..errors import ConfigError
 from ..families import Family, LayerDims, MlpRun, family
-from .layout import check_heads, padded_length
-from .names import (
+from ..vocabulary.layout import check_heads, padded_length
+from ..vocabulary.names import (
     DEFAULT_SUB_GROUP_SIZE,
     PLANNED_KERNELS,
     param_persistence_threshold,
