@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from .base import AllReduce, Family, LayerDims, MlpBlock, MlpRun, TokenMixer
+from .dense import LLAMA
 from .qwen3 import QWEN3
 from .qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from .qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, LLAMA)}
 # preset name -> its family (a name belongs to one family)
 _PRESET_FAMILY: dict[str, Family] = {name: f for f in FAMILIES.values() for name in f.presets}
 PRESETS: tuple[str, ...] = tuple(_PRESET_FAMILY)
@@ -33,8 +34,13 @@ def family(model_type: str) -> Family:
     f = FAMILIES.get(model_type)
     if f is None:
         raise ConfigError(f"model_type {model_type!r} is not supported; this trainer supports "
-                          f"{', '.join(FAMILIES)} (Qwen3, Qwen3-MoE and Qwen3.5 text checkpoints or the presets)")
+                          f"{supported()}")
     return f
+
+
+def supported() -> str:
+    """The model types this trainer runs, for a refusal (docs/models.md tables what was proven for each)."""
+    return f"{', '.join(FAMILIES)} (checkpoints of these architectures or the presets; docs/models.md)"
 
 
 def register(fam: Family) -> None:
@@ -60,4 +66,4 @@ def preset_family(name: str) -> Family | None:
 
 
 __all__ = ["FAMILIES", "MODEL_TYPES", "PRESETS", "AllReduce", "Family", "LayerDims", "MlpBlock", "MlpRun", "TokenMixer",
-           "family", "preset_family", "register", "unregister"]
+           "family", "preset_family", "register", "supported", "unregister"]

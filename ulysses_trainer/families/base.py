@@ -17,6 +17,8 @@ from typing import Any
 from ..errors import ConfigError
 
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# the layer_types entries Ulysses attention runs
+ATTENTION_LAYER_TYPES = ("full_attention",)
 # LoRA with no target_modules: PEFT's default for Qwen3, given explicitly (PEFT has none for Qwen3-MoE)
 LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")
 FP32 = 4
@@ -217,6 +219,9 @@ class Family:
     # its torch side, imported when a model of it is parallelized (families/installs.load_modules): the dotted
     # module that registers what parallelize swaps in for its block and mixer ("": registered by hand)
     modules: str = ""
+    # config fields that must be false for this trainer to run the family's layers as it counts them (Llama's
+    # attention_bias, mlp_bias), each refused in one line
+    refused_flags: tuple[str, ...] = ()
 
     def attention_params(self, d: LayerDims) -> list[tuple[str, int]]:
         """q, (q_norm,) k, (k_norm,) v, o: the attention's modules in the order they run."""
@@ -277,5 +282,18 @@ class Family:
         return tuple(i for i, t in enumerate(config.layer_types[:config.num_hidden_layers]) if t == self.mixer.kind)
 
     def check_config(self, config: Any) -> str | None:
-        """Why this trainer cannot run a config of this family (None: it can)."""
+        """Why this trainer cannot run a config of this family (None: it can): a layer type it has no Ulysses path
+        for (attention and the family's mixer are what it splits by head), a flag it refuses, or what its MLP
+        block refuses."""
+        known = ATTENTION_LAYER_TYPES + ((self.mixer.kind,) if self.mixer is not None else ())
+        types = list(getattr(config, "layer_types", None) or ())[:config.num_hidden_layers]
+        unknown = sorted({t for t in types if t not in known})
+        if unknown:
+            return (f"its layer type {unknown[0]!r} mixes along the sequence in a way this trainer has no Ulysses "
+                    f"path for (a {self.model_type} layer may be {', '.join(known)}); it would train with wrong "
+                    f"gradients under sequence parallelism, so it is refused")
+        flags = [f for f in self.refused_flags if getattr(config, f, False)]
+        if flags:
+            return (f"{flags[0]} true is not supported for {self.model_type} (the trainer runs and plans its layers "
+                    f"without it); use a checkpoint without it")
         return self.mlp.check_config(config)

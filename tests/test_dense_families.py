@@ -1,0 +1,154 @@
+"""The dense families (families/dense/: attention through transformers' interface, a gated MLP per token; Llama)
+under Ulysses SP equal stock transformers, and what the trainer cannot run of them is refused in one line.
+
+The harness is tests/test_qwen3_5.py's (threads as ranks, the stock model one forward per packed document with
+SDPA, F.cross_entropy over the trained targets; fp32 on the CPU: loss rel <= 1e-5, every gradient
+||g - g_ref|| / ||g_ref|| <= 1e-5). The models are the tiny presets with a 503-token vocabulary: 2 layers of hidden
+64, 8 q / 2 kv heads (sp=4 replicates KV); tiny-llama with llama3 RoPE scaling.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.test_qwen3_5 import assert_equal, batch, build, reference, sp_run
+from ulysses_trainer.errors import ConfigError
+
+# sp 1, 2, 4; packed documents (one shorter than the window after one longer, one crossing a rank boundary);
+# assistant-only style masks (the first third of each document not trained on)
+CASES = [
+    ("tiny-llama", 1, None, False),
+    ("tiny-llama", 2, [30, 41], True),
+    ("tiny-llama", 4, [9, 50, 12], False),
+]
+
+
+@pytest.mark.parametrize("preset, sp_size, docs, masked", CASES)
+def test_sp_equals_stock_transformers(preset, sp_size, docs, masked):
+    length = sum(docs) if docs else 67  # 67: padded to 68 (sp 2, 4)
+    ids, pos, labels = batch(length, docs, seed=sp_size, masked=masked)
+    ref = reference(build(preset), ids, pos, labels)
+    assert_equal(sp_run([build(preset) for _ in range(sp_size)], ids, pos, labels), ref)
+
+
+def test_levers_change_memory_not_results():
+    # checkpointing with every input offloaded to the host pool, checkpoint_every 2, the MLP in 3 tiles
+    ids, pos, labels = batch(70, [33, 37], seed=5, masked=True)
+    ref = reference(build("tiny-llama"), ids, pos, labels)
+    levers = dict(gradient_checkpointing=True, activation_offload=True, checkpoint_every=2, tiled_mlp=3)
+    assert_equal(sp_run([build("tiny-llama") for _ in range(2)], ids, pos, labels, **levers), ref)
+
+
+def test_llama3_rope_scaling_is_the_models_own():
+    """The tiny preset's llama3 scaling changes the rotary frequencies (so the exactness above covers it): HF
+    computes them from the config, on every rank from its own position_ids."""
+    scaled, plain = build("tiny-llama"), build("tiny-llama", rope_parameters={"rope_type": "default",
+                                                                              "rope_theta": 500_000.0})
+    assert scaled.model.rotary_emb.rope_type == "llama3"
+    plain.model.rotary_emb.__init__(plain.config)  # the override above is read when the embedding is built
+    assert not torch.allclose(scaled.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq)
+
+
+# published parameter counts (the Llama 3.1 model cards round these: 8B, 70B)
+PUBLISHED = {"llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_presets_count_the_published_sizes(name):
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_trainer.families.presets import preset_config
+    from ulysses_trainer.plan.counts import num_params
+    from ulysses_trainer.plan.inputs import ModelShape
+
+    config = preset_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    built = sum(p.numel() for p in model.parameters())
+    assert built == PUBLISHED[name] == num_params(ModelShape.from_config(config))  # the planner counts what is built
+
+
+def test_the_plan_command_plans_llama_3_1_8b(capsys):
+    from ulysses_trainer.__main__ import main as cli_main
+
+    assert cli_main(["plan", "--model", "llama-3.1-8b", "--max_length", "131072", "--gpus", "8",
+                     "--gpu_memory_gb", "139.8", "--host_memory_gb", "560", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] and data["estimate"]["parameters"] == PUBLISHED["llama-3.1-8b"]
+
+
+def _plan_exit(capsys, model: str, *args: str) -> tuple[int, str]:
+    from ulysses_trainer.__main__ import main as cli_main
+
+    capsys.readouterr()  # what came before (a checkpoint's save) is not the command's
+    code = cli_main(["plan", "--model", model, "--max_length", "4096", "--gpu_memory_gb", "80",
+                     "--host_memory_gb", "64", *args])
+    return code, capsys.readouterr().err
+
+
+def _save(tmp_path, config) -> str:
+    """A tiny checkpoint saved with transformers' own classes (random weights)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / config.model_type
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+def test_sp_not_dividing_the_heads_is_one_line(capsys):
+    code, err = _plan_exit(capsys, "tiny-llama", "--gpus", "3")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and "heads" in err, err
+
+
+def test_a_llama_flag_the_trainer_does_not_run_is_refused(tmp_path, capsys):
+    from ulysses_trainer.families.presets import preset_config
+
+    config = preset_config("tiny-llama")
+    config.mlp_bias = True
+    code, err = _plan_exit(capsys, _save(tmp_path, config), "--gpus", "2")
+    assert code == 2 and err.count("\n") == 1 and "mlp_bias" in err, err
+
+
+def test_a_layer_type_without_a_ulysses_path_is_refused_naming_it():
+    """A config whose layer_types holds a sequence mixer the trainer has no Ulysses path for: refused before any
+    work, naming the layer type (it would train with wrong gradients under SP)."""
+    from ulysses_trainer.families import family
+    from ulysses_trainer.families.presets import preset_config
+
+    config = preset_config("tiny-llama")
+    assert family("llama").check_config(config) is None
+    config.layer_types = ["full_attention", "linear_attention"]
+    why = family("llama").check_config(config)
+    assert why and "'linear_attention'" in why and "\n" not in why
+
+
+def test_an_architecture_without_a_family_is_refused_naming_the_supported_ones(tmp_path, capsys):
+    from transformers import Olmo2Config
+
+    config = Olmo2Config(vocab_size=503, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    code, err = _plan_exit(capsys, _save(tmp_path, config), "--gpus", "1")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "model_type 'olmo2'" in err and "llama" in err and "docs/models.md" in err, err
+
+
+def test_the_presets_refuse_nothing_of_their_own():
+    from ulysses_trainer.families import FAMILIES
+    from ulysses_trainer.families.presets import preset_config
+
+    for model_type in ("llama",):
+        for name in FAMILIES[model_type].presets:
+            assert FAMILIES[model_type].check_config(preset_config(name)) is None, name
+
+
+def test_tiny_presets_keep_the_qwen_vocabulary_and_replicate_kv_at_sp4():
+    from ulysses_trainer.families.presets import preset_config
+
+    for name in ("tiny-llama",):
+        c = preset_config(name)
+        assert c.vocab_size == 151936 and c.num_attention_heads == 8 and c.num_key_value_heads == 2, name
+    with pytest.raises(ConfigError, match="unknown model preset"):
+        preset_config("tiny-llama-2")

@@ -1,0 +1,45 @@
+"""Dense decoders whose layers go through transformers' attention interface and whose MLP is a gated SiLU MLP acting
+per token: Llama (3.x, with its `llama3` RoPE scaling).
+
+One generic family: each architecture is config facts (its transformers names, which flags it refuses, its
+presets). Qwen3's gated MLP block counts and tiles the MLP (qwen3.GatedMlp); attention runs
+through Ulysses with no q/k norms. RoPE of any type the config names runs as transformers computes it (position_ids
+go to every rank), so Llama 3's `llama3` scaling needs nothing of its own.
+
+Presets from the published config.json files: Llama-3.1-8B / 70B (vocab 128,256, head_dim 128, rope_theta 5e5 with
+llama3 scaling factor 8 over 8,192 original positions, 131,072 positions, rms_norm_eps 1e-5, untied). The tiny
+CPU presets keep the Qwen vocabulary so the built-in tokenizer's ids fit (data/tokenizer.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..base import Family
+from ..qwen3 import VOCAB_SIZE as QWEN_VOCAB
+from ..qwen3 import GatedMlp
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _tiny(**extra: Any) -> dict[str, Any]:
+    """A CPU preset: 2 layers of hidden 64, 8 q / 2 kv heads of 16 (sp=4 replicates KV), the Qwen vocabulary."""
+    return dict(vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=4096, use_cache=False, **extra)
+
+
+def _llama(hidden: int, intermediate: int, layers: int, heads: int) -> dict[str, Any]:
+    return dict(vocab_size=128256, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+                max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=dict(LLAMA3_ROPE),
+                attention_bias=False, mlp_bias=False, tie_word_embeddings=False, bos_token_id=128000,
+                eos_token_id=128001, use_cache=False)
+
+
+LLAMA = Family(model_type="llama", config_class="LlamaConfig", causal_lm_class="LlamaForCausalLM", mlp=GatedMlp(),
+               qk_norm=False, refused_flags=("attention_bias", "mlp_bias"), modules=f"{__name__}.modules",
+               presets={"tiny-llama": _tiny(rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=64)),
+                        "llama-3.1-8b": _llama(4096, 14336, 32, 32),
+                        "llama-3.1-70b": _llama(8192, 28672, 80, 64)})
