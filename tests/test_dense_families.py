@@ -1,10 +1,12 @@
-"""The dense families (families/dense/: attention through transformers' interface, a gated MLP per token; Llama)
-under Ulysses SP equal stock transformers, and what the trainer cannot run of them is refused in one line.
+"""The dense families (families/dense/: attention through transformers' interface, a gated MLP per token; Llama,
+Mistral) under Ulysses SP equal stock transformers, and what the trainer cannot run of them is refused in one line.
 
 The harness is tests/test_qwen3_5.py's (threads as ranks, the stock model one forward per packed document with
 SDPA, F.cross_entropy over the trained targets; fp32 on the CPU: loss rel <= 1e-5, every gradient
 ||g - g_ref|| / ||g_ref|| <= 1e-5). The models are the tiny presets with a 503-token vocabulary: 2 layers of hidden
-64, 8 q / 2 kv heads (sp=4 replicates KV); tiny-llama with llama3 RoPE scaling.
+64, 8 q / 2 kv heads (sp=4 replicates KV); tiny-llama with llama3 RoPE scaling, tiny-mistral with a 16-token sliding
+window (shorter than the documents, so it cuts every long one: the stock model run one document at a time is what
+"documents kept apart inside a window" means).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ CASES = [
     ("tiny-llama", 1, None, False),
     ("tiny-llama", 2, [30, 41], True),
     ("tiny-llama", 4, [9, 50, 12], False),
+    ("tiny-mistral", 1, [40, 31], False),
+    ("tiny-mistral", 2, [9, 50, 12], True),  # a short document right before a long one: its window must stop there
+    ("tiny-mistral", 4, None, False),  # one 67-token document and a pad: windows across rank boundaries
 ]
 
 
@@ -34,12 +39,46 @@ def test_sp_equals_stock_transformers(preset, sp_size, docs, masked):
     assert_equal(sp_run([build(preset) for _ in range(sp_size)], ids, pos, labels), ref)
 
 
-def test_levers_change_memory_not_results():
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral"])
+def test_levers_change_memory_not_results(preset):
     # checkpointing with every input offloaded to the host pool, checkpoint_every 2, the MLP in 3 tiles
     ids, pos, labels = batch(70, [33, 37], seed=5, masked=True)
-    ref = reference(build("tiny-llama"), ids, pos, labels)
+    ref = reference(build(preset), ids, pos, labels)
     levers = dict(gradient_checkpointing=True, activation_offload=True, checkpoint_every=2, tiled_mlp=3)
-    assert_equal(sp_run([build("tiny-llama") for _ in range(2)], ids, pos, labels, **levers), ref)
+    assert_equal(sp_run([build(preset) for _ in range(2)], ids, pos, labels, **levers), ref)
+
+
+def test_the_window_is_applied():
+    """What the Mistral cases prove is the window: without it the same weights give another loss."""
+    ids, pos, labels = batch(71, [9, 50, 12], seed=2)
+    windowed = reference(build("tiny-mistral"), ids, pos, labels)[0]
+    unwindowed = reference(build("tiny-mistral", sliding_window=None), ids, pos, labels)[0]
+    assert abs(windowed - unwindowed) / abs(windowed) > 1e-4, (windowed, unwindowed)
+
+
+def test_windowed_attention_equals_a_full_mask():
+    """attention/kernels.windowed_attention (block masks, documents and pads apart) against SDPA with the whole
+    [s, s] mask: same document, causal, key within the window (transformers' sliding_window_overlay)."""
+    import torch.nn.functional as F
+
+    from ulysses_trainer.attention.kernels import windowed_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 44, 4, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 44, 2, 8, generator=g, requires_grad=True) for _ in range(2))
+    cu, pads, window = torch.tensor([0, 7, 30, 40, 44], dtype=torch.int32), ((40, 44),), 5
+    out = windowed_attention(q, k, v, scale=0.3, window=window, cu_seqlens=cu, pad_spans=pads)
+    doc = torch.bucketize(torch.arange(44), cu[1:], right=True)
+    i, j = torch.arange(44)[:, None], torch.arange(44)[None, :]
+    mask = (doc[:, None] == doc[None, :]) & (j <= i) & (j > i - window)
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         scale=0.3, enable_gqa=True).transpose(1, 2)
+    ref = torch.where(torch.arange(44)[None, :, None, None] < 40, ref, 0.0)  # the pad's output is 0
+    assert torch.allclose(out, ref, atol=1e-6)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for got, want in zip(grads, ref_grads):
+        assert torch.allclose(got, want, atol=1e-5)
 
 
 def test_llama3_rope_scaling_is_the_models_own():
@@ -52,8 +91,8 @@ def test_llama3_rope_scaling_is_the_models_own():
     assert not torch.allclose(scaled.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq)
 
 
-# published parameter counts (the Llama 3.1 model cards round these: 8B, 70B)
-PUBLISHED = {"llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496}
+# published parameter counts (the Llama 3.1 and Mistral Small model cards round these: 8B, 70B, 24B)
+PUBLISHED = {"llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496, "mistral-small-24b": 23_572_403_200}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -139,7 +178,7 @@ def test_the_presets_refuse_nothing_of_their_own():
     from ulysses_trainer.families import FAMILIES
     from ulysses_trainer.families.presets import preset_config
 
-    for model_type in ("llama",):
+    for model_type in ("llama", "mistral"):
         for name in FAMILIES[model_type].presets:
             assert FAMILIES[model_type].check_config(preset_config(name)) is None, name
 
@@ -147,7 +186,7 @@ def test_the_presets_refuse_nothing_of_their_own():
 def test_tiny_presets_keep_the_qwen_vocabulary_and_replicate_kv_at_sp4():
     from ulysses_trainer.families.presets import preset_config
 
-    for name in ("tiny-llama",):
+    for name in ("tiny-llama", "tiny-mistral"):
         c = preset_config(name)
         assert c.vocab_size == 151936 and c.num_attention_heads == 8 and c.num_key_value_heads == 2, name
     with pytest.raises(ConfigError, match="unknown model preset"):

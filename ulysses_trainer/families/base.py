@@ -17,8 +17,8 @@ from typing import Any
 from ..errors import ConfigError
 
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
-# the layer_types entries Ulysses attention runs
-ATTENTION_LAYER_TYPES = ("full_attention",)
+# the layer_types entries Ulysses attention runs (a sliding window applies on the whole sequence of a rank's heads)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # LoRA with no target_modules: PEFT's default for Qwen3, given explicitly (PEFT has none for Qwen3-MoE)
 LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")
 FP32 = 4
@@ -283,8 +283,8 @@ class Family:
 
     def check_config(self, config: Any) -> str | None:
         """Why this trainer cannot run a config of this family (None: it can): a layer type it has no Ulysses path
-        for (attention and the family's mixer are what it splits by head), a flag it refuses, or what its MLP
-        block refuses."""
+        for (attention, full or windowed, and the family's mixer are what it splits by head), a flag it refuses,
+        or what its MLP block refuses."""
         known = ATTENTION_LAYER_TYPES + ((self.mixer.kind,) if self.mixer is not None else ())
         types = list(getattr(config, "layer_types", None) or ())[:config.num_hidden_layers]
         unknown = sorted({t for t in types if t not in known})

@@ -1,14 +1,19 @@
 """Dense decoders whose layers go through transformers' attention interface and whose MLP is a gated SiLU MLP acting
-per token: Llama (3.x, with its `llama3` RoPE scaling).
+per token: Llama (3.x, with its `llama3` RoPE scaling) and Mistral (a sliding window on every layer when the config
+gives one).
 
 One generic family: each architecture is config facts (its transformers names, which flags it refuses, its
 presets). Qwen3's gated MLP block counts and tiles the MLP (qwen3.GatedMlp); attention runs
 through Ulysses with no q/k norms. RoPE of any type the config names runs as transformers computes it (position_ids
-go to every rank), so Llama 3's `llama3` scaling needs nothing of its own.
+go to every rank), so Llama 3's `llama3` scaling needs nothing of its own. A sliding window: after the all-to-all each
+rank holds the whole sequence of its heads, so the window applies exactly as in one process
+(attention/kernels.windowed_attention); ring attention cannot say that.
 
 Presets from the published config.json files: Llama-3.1-8B / 70B (vocab 128,256, head_dim 128, rope_theta 5e5 with
-llama3 scaling factor 8 over 8,192 original positions, 131,072 positions, rms_norm_eps 1e-5, untied). The tiny
-CPU presets keep the Qwen vocabulary so the built-in tokenizer's ids fit (data/tokenizer.py).
+llama3 scaling factor 8 over 8,192 original positions, 131,072 positions, rms_norm_eps 1e-5, untied) and
+Mistral-Small-24B-Base-2501 (vocab 131,072, hidden 5120, FFN 32,768, 40 layers, 32 q / 8 kv heads of 128,
+rope_theta 1e8, 32,768 positions, no sliding window). The tiny CPU presets keep the Qwen vocabulary so the
+built-in tokenizer's ids fit (data/tokenizer.py); tiny-mistral's 16-token window is shorter than the tests' rows.
 """
 
 from __future__ import annotations
@@ -43,3 +48,14 @@ LLAMA = Family(model_type="llama", config_class="LlamaConfig", causal_lm_class="
                presets={"tiny-llama": _tiny(rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=64)),
                         "llama-3.1-8b": _llama(4096, 14336, 32, 32),
                         "llama-3.1-70b": _llama(8192, 28672, 80, 64)})
+
+MISTRAL = Family(model_type="mistral", config_class="MistralConfig", causal_lm_class="MistralForCausalLM",
+                 mlp=GatedMlp(), qk_norm=False, modules=f"{__name__}.modules",
+                 presets={"tiny-mistral": _tiny(sliding_window=16, rope_parameters={"rope_type": "default",
+                                                                                    "rope_theta": 10_000.0}),
+                          "mistral-small-24b": dict(
+                              vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
+                              num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+                              max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
+                              rope_parameters={"rope_type": "default", "rope_theta": 100_000_000.0},
+                              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, use_cache=False)})
