@@ -1,12 +1,14 @@
 """The dense families (families/dense/: attention through transformers' interface, a gated MLP per token; Llama,
-Mistral) under Ulysses SP equal stock transformers, and what the trainer cannot run of them is refused in one line.
+Mistral, Qwen2) under Ulysses SP equal stock transformers, and what the trainer cannot run of them is refused in one
+line.
 
 The harness is tests/test_qwen3_5.py's (threads as ranks, the stock model one forward per packed document with
 SDPA, F.cross_entropy over the trained targets; fp32 on the CPU: loss rel <= 1e-5, every gradient
 ||g - g_ref|| / ||g_ref|| <= 1e-5). The models are the tiny presets with a 503-token vocabulary: 2 layers of hidden
 64, 8 q / 2 kv heads (sp=4 replicates KV); tiny-llama with llama3 RoPE scaling, tiny-mistral with a 16-token sliding
 window (shorter than the documents, so it cuts every long one: the stock model run one document at a time is what
-"documents kept apart inside a window" means).
+"documents kept apart inside a window" means), tiny-qwen2 with q/k/v biases (and once with its second layer
+windowed, as Qwen2's layer_types allow).
 """
 
 from __future__ import annotations
@@ -19,24 +21,29 @@ import torch
 from tests.test_qwen3_5 import assert_equal, batch, build, reference, sp_run
 from ulysses_trainer.errors import ConfigError
 
+# Qwen2 with its second layer windowed (16 tokens) and the first full, as its layer_types allow
+MIXED = {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 16}
 # sp 1, 2, 4; packed documents (one shorter than the window after one longer, one crossing a rank boundary);
 # assistant-only style masks (the first third of each document not trained on)
 CASES = [
-    ("tiny-llama", 1, None, False),
-    ("tiny-llama", 2, [30, 41], True),
-    ("tiny-llama", 4, [9, 50, 12], False),
-    ("tiny-mistral", 1, [40, 31], False),
-    ("tiny-mistral", 2, [9, 50, 12], True),  # a short document right before a long one: its window must stop there
-    ("tiny-mistral", 4, None, False),  # one 67-token document and a pad: windows across rank boundaries
+    ("tiny-llama", 1, None, False, {}),
+    ("tiny-llama", 2, [30, 41], True, {}),
+    ("tiny-llama", 4, [9, 50, 12], False, {}),
+    ("tiny-mistral", 1, [40, 31], False, {}),
+    ("tiny-mistral", 2, [9, 50, 12], True, {}),  # a short document right before a long one: its window stops there
+    ("tiny-mistral", 4, None, False, {}),  # one 67-token document and a pad: windows across rank boundaries
+    ("tiny-qwen2", 1, [30, 41], True, {}),
+    ("tiny-qwen2", 2, None, False, {}),
+    ("tiny-qwen2", 4, [9, 50, 12], True, MIXED),
 ]
 
 
-@pytest.mark.parametrize("preset, sp_size, docs, masked", CASES)
-def test_sp_equals_stock_transformers(preset, sp_size, docs, masked):
+@pytest.mark.parametrize("preset, sp_size, docs, masked, overrides", CASES)
+def test_sp_equals_stock_transformers(preset, sp_size, docs, masked, overrides):
     length = sum(docs) if docs else 67  # 67: padded to 68 (sp 2, 4)
     ids, pos, labels = batch(length, docs, seed=sp_size, masked=masked)
-    ref = reference(build(preset), ids, pos, labels)
-    assert_equal(sp_run([build(preset) for _ in range(sp_size)], ids, pos, labels), ref)
+    ref = reference(build(preset, **overrides), ids, pos, labels)
+    assert_equal(sp_run([build(preset, **overrides) for _ in range(sp_size)], ids, pos, labels), ref)
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral"])
@@ -49,11 +56,14 @@ def test_levers_change_memory_not_results(preset):
 
 
 def test_the_window_is_applied():
-    """What the Mistral cases prove is the window: without it the same weights give another loss."""
+    """What the Mistral cases prove is the window: without it the same weights give another loss; the mixed Qwen2
+    case windows its second layer only."""
     ids, pos, labels = batch(71, [9, 50, 12], seed=2)
     windowed = reference(build("tiny-mistral"), ids, pos, labels)[0]
     unwindowed = reference(build("tiny-mistral", sliding_window=None), ids, pos, labels)[0]
     assert abs(windowed - unwindowed) / abs(windowed) > 1e-4, (windowed, unwindowed)
+    mixed = build("tiny-qwen2", **MIXED).model.layers
+    assert (mixed[0].self_attn.sliding_window, mixed[1].self_attn.sliding_window) == (None, 16)
 
 
 def test_windowed_attention_equals_a_full_mask():
@@ -91,12 +101,16 @@ def test_llama3_rope_scaling_is_the_models_own():
     assert not torch.allclose(scaled.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq)
 
 
-# published parameter counts (the Llama 3.1 and Mistral Small model cards round these: 8B, 70B, 24B)
-PUBLISHED = {"llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496, "mistral-small-24b": 23_572_403_200}
+# published parameter counts (the model cards round these: Llama 3.1 8B, 70B; Mistral Small 24B; Qwen2.5-7B 7.61B,
+# 6.53B without the embeddings)
+PUBLISHED = {"llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496, "mistral-small-24b": 23_572_403_200,
+             "qwen2.5-7b": 7_615_616_512}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_presets_count_the_published_sizes(name):
+    """The preset built on the meta device holds the published count (q/k/v biases included for Qwen2), and the
+    planner counts the same."""
     from transformers import AutoModelForCausalLM
 
     from ulysses_trainer.families.presets import preset_config
@@ -162,6 +176,11 @@ def test_a_layer_type_without_a_ulysses_path_is_refused_naming_it():
     config.layer_types = ["full_attention", "linear_attention"]
     why = family("llama").check_config(config)
     assert why and "'linear_attention'" in why and "\n" not in why
+    qwen2 = preset_config("tiny-qwen2")
+    qwen2.layer_types = ["full_attention", "sliding_attention"]  # a window it runs exactly
+    assert family("qwen2").check_config(qwen2) is None
+    qwen2.layer_types = ["conv", "full_attention"]
+    assert "'conv'" in family("qwen2").check_config(qwen2)
 
 
 def test_an_architecture_without_a_family_is_refused_naming_the_supported_ones(tmp_path, capsys):
@@ -178,7 +197,7 @@ def test_the_presets_refuse_nothing_of_their_own():
     from ulysses_trainer.families import FAMILIES
     from ulysses_trainer.families.presets import preset_config
 
-    for model_type in ("llama", "mistral"):
+    for model_type in ("llama", "mistral", "qwen2"):
         for name in FAMILIES[model_type].presets:
             assert FAMILIES[model_type].check_config(preset_config(name)) is None, name
 
@@ -186,7 +205,7 @@ def test_the_presets_refuse_nothing_of_their_own():
 def test_tiny_presets_keep_the_qwen_vocabulary_and_replicate_kv_at_sp4():
     from ulysses_trainer.families.presets import preset_config
 
-    for name in ("tiny-llama", "tiny-mistral"):
+    for name in ("tiny-llama", "tiny-mistral", "tiny-qwen2"):
         c = preset_config(name)
         assert c.vocab_size == 151936 and c.num_attention_heads == 8 and c.num_key_value_heads == 2, name
     with pytest.raises(ConfigError, match="unknown model preset"):

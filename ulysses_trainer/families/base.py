@@ -222,15 +222,21 @@ class Family:
     # config fields that must be false for this trainer to run the family's layers as it counts them (Llama's
     # attention_bias, mlp_bias), each refused in one line
     refused_flags: tuple[str, ...] = ()
+    # q_proj, k_proj and v_proj carry biases (Qwen2); o_proj has none
+    qkv_bias: bool = False
 
     def attention_params(self, d: LayerDims) -> list[tuple[str, int]]:
-        """q, (q_norm,) k, (k_norm,) v, o: the attention's modules in the order they run."""
+        """q, (q_norm,) k, (k_norm,) v, o: the attention's modules in the order they run (a projection's bias right
+        after its weight)."""
         h, q, k = d.hidden, d.q_width, d.kv_width
         if self.gated_attention:
             return [("q", h * 2 * q), ("q_norm", d.head_dim), ("k", h * k), ("k_norm", d.head_dim), ("v", h * k),
                     ("o", q * h)]
         if self.qk_norm:
             return [("q", h * q), ("q_norm", d.head_dim), ("k", h * k), ("k_norm", d.head_dim), ("v", h * k),
+                    ("o", q * h)]
+        if self.qkv_bias:
+            return [("q", h * q), ("q_bias", q), ("k", h * k), ("k_bias", k), ("v", h * k), ("v_bias", k),
                     ("o", q * h)]
         return [("q", h * q), ("k", h * k), ("v", h * k), ("o", q * h)]
 

@@ -112,7 +112,8 @@ class ModelShape:
         # one layer's average over the kinds, so that layers x active is the model's total
         active = (n_attn * sum(n for _, n in attention) + n_mixer * mixer_active) / self.layers \
             + fam.active_mlp_numel(d) + 2 * self.hidden
-        linear = n_attn * sum(n for name, n in attention if not name.endswith("_norm")) + n_mixer * mixer_linear \
+        linear = n_attn * sum(n for name, n in attention if not name.endswith(("_norm", "_bias"))) \
+            + n_mixer * mixer_linear \
             + self.layers * fam.active_mlp_numel(d)
         once, tiled = fam.mlp.trace_groups(d)
         token_mixer = mixer if mixer_first else attention
