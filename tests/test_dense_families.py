@@ -241,3 +241,31 @@ def test_tiny_presets_keep_the_qwen_vocabulary_and_replicate_kv_at_sp4():
         assert c.vocab_size == 151936 and c.num_attention_heads == 8 and c.num_key_value_heads == 2, name
     with pytest.raises(ConfigError, match="unknown model preset"):
         preset_config("tiny-llama-2")
+
+
+@pytest.mark.slow
+def test_train_sp1_sp2_same_losses_and_the_export_loads_as_mistral(tmp_path):
+    """`deepspeed --num_gpus N launch/train.py`'s ranks (tests/warm_ranks.py) on tiny-mistral, fp32, 2 steps on
+    126-token rows (the data's documents packed; a 16-token window cuts the long ones): the same losses at
+    world = sp 1 and 2 (1e-4 relative); final/ loads with AutoModelForCausalLM as MistralForCausalLM, its window
+    kept, and generates."""
+    from transformers import AutoModelForCausalLM, MistralForCausalLM
+
+    from tests.dist_utils import JOB_TIMEOUT_S, job_failure
+    from tests.warm_ranks import run_trainer
+
+    args = ["--model_name_or_path", "tiny-mistral", "--max_length", "126", "--max_steps", "2", "--bf16", "false",
+            "--seed", "3", "--logging_steps", "1", "--learning_rate", "1e-3"]
+    rows = {}
+    for n in (1, 2):
+        out = tmp_path / f"sp{n}"
+        proc = run_trainer(n, [*args, "--output_dir", str(out)], timeout=JOB_TIMEOUT_S)
+        assert proc.returncode == 0, job_failure(proc)
+        rows[n] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows[1]] == [1, 2]
+    for ref, got in zip(rows[1], rows[2], strict=True):
+        assert abs(got["loss"] - ref["loss"]) <= 1e-4 * abs(ref["loss"]), (ref["step"], got["loss"], ref["loss"])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "sp2" / "final", dtype=torch.float32)
+    assert isinstance(model, MistralForCausalLM) and model.config.sliding_window == 16
+    ids = torch.tensor([[151643, 40, 1079, 264]])
+    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 7)
