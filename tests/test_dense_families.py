@@ -1,6 +1,6 @@
 """The dense families (families/dense/: attention through transformers' interface, a gated MLP per token; Llama,
-Mistral, Qwen2) under Ulysses SP equal stock transformers, and what the trainer cannot run of them is refused in one
-line.
+Mistral, Ministral, Qwen2) under Ulysses SP equal stock transformers, and what the trainer cannot run of them is
+refused in one line.
 
 The harness is tests/test_qwen3_5.py's (threads as ranks, the stock model one forward per packed document with
 SDPA, F.cross_entropy over the trained targets; fp32 on the CPU: loss rel <= 1e-5, every gradient
@@ -8,7 +8,7 @@ SDPA, F.cross_entropy over the trained targets; fp32 on the CPU: loss rel <= 1e-
 64, 8 q / 2 kv heads (sp=4 replicates KV); tiny-llama with llama3 RoPE scaling, tiny-mistral with a 16-token sliding
 window (shorter than the documents, so it cuts every long one: the stock model run one document at a time is what
 "documents kept apart inside a window" means), tiny-qwen2 with q/k/v biases (and once with its second layer
-windowed, as Qwen2's layer_types allow).
+windowed, as Qwen2's layer_types allow), tiny-ministral with its first layer windowed and its second full.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ CASES = [
     ("tiny-mistral", 1, [40, 31], False, {}),
     ("tiny-mistral", 2, [9, 50, 12], True, {}),  # a short document right before a long one: its window stops there
     ("tiny-mistral", 4, None, False, {}),  # one 67-token document and a pad: windows across rank boundaries
+    ("tiny-ministral", 2, [9, 50, 12], True, {}),  # its first layer windowed, its second full
+    ("tiny-ministral", 4, None, False, {}),
     ("tiny-qwen2", 1, [30, 41], True, {}),
     ("tiny-qwen2", 2, None, False, {}),
     ("tiny-qwen2", 4, [9, 50, 12], True, MIXED),
@@ -88,13 +90,15 @@ def test_the_trainers_model_path_matches_transformers(preset):
 
 def test_the_window_is_applied():
     """What the Mistral cases prove is the window: without it the same weights give another loss; the mixed Qwen2
-    case windows its second layer only."""
+    case windows its second layer only, tiny-ministral its first."""
     ids, pos, labels = batch(71, [9, 50, 12], seed=2)
     windowed = reference(build("tiny-mistral"), ids, pos, labels)[0]
     unwindowed = reference(build("tiny-mistral", sliding_window=None), ids, pos, labels)[0]
     assert abs(windowed - unwindowed) / abs(windowed) > 1e-4, (windowed, unwindowed)
     mixed = build("tiny-qwen2", **MIXED).model.layers
     assert (mixed[0].self_attn.sliding_window, mixed[1].self_attn.sliding_window) == (None, 16)
+    ministral = build("tiny-ministral").model.layers
+    assert (ministral[0].self_attn.sliding_window, ministral[1].self_attn.sliding_window) == (16, None)
 
 
 def test_windowed_attention_equals_a_full_mask():
@@ -228,7 +232,7 @@ def test_the_presets_refuse_nothing_of_their_own():
     from ulysses_trainer.families import FAMILIES
     from ulysses_trainer.families.presets import preset_config
 
-    for model_type in ("llama", "mistral", "qwen2"):
+    for model_type in ("llama", "mistral", "ministral", "qwen2"):
         for name in FAMILIES[model_type].presets:
             assert FAMILIES[model_type].check_config(preset_config(name)) is None, name
 
@@ -236,7 +240,7 @@ def test_the_presets_refuse_nothing_of_their_own():
 def test_tiny_presets_keep_the_qwen_vocabulary_and_replicate_kv_at_sp4():
     from ulysses_trainer.families.presets import preset_config
 
-    for name in ("tiny-llama", "tiny-mistral", "tiny-qwen2"):
+    for name in ("tiny-llama", "tiny-mistral", "tiny-ministral", "tiny-qwen2"):
         c = preset_config(name)
         assert c.vocab_size == 151936 and c.num_attention_heads == 8 and c.num_key_value_heads == 2, name
     with pytest.raises(ConfigError, match="unknown model preset"):

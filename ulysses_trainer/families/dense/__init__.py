@@ -1,6 +1,7 @@
 """Dense decoders whose layers go through transformers' attention interface and whose MLP is a gated SiLU MLP acting
 per token: Llama (3.x, with its `llama3` RoPE scaling), Mistral (a sliding window on every layer when the config
-gives one) and Qwen2 / Qwen2.5 (biases on q, k and v; windowed layers where its config's layer_types say so).
+gives one), Ministral (sliding and full layers interleaved, as its layer_types say) and Qwen2 / Qwen2.5 (biases on
+q, k and v; windowed layers where its config's layer_types say so).
 
 One generic family: each architecture is config facts (its transformers names, which flags it refuses, whether
 q/k/v carry biases, its presets). Qwen3's gated MLP block counts and tiles the MLP (qwen3.GatedMlp); attention runs
@@ -61,6 +62,12 @@ MISTRAL = Family(model_type="mistral", config_class="MistralConfig", causal_lm_c
                               max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
                               rope_parameters={"rope_type": "default", "rope_theta": 100_000_000.0},
                               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, use_cache=False)})
+
+MINISTRAL = Family(model_type="ministral", config_class="MinistralConfig", causal_lm_class="MinistralForCausalLM",
+                   mlp=GatedMlp(), qk_norm=False, modules=f"{__name__}.modules",
+                   presets={"tiny-ministral": _tiny(sliding_window=16, layer_types=["sliding_attention",
+                                                                                    "full_attention"],
+                                                    rope_parameters={"rope_type": "default", "rope_theta": 1e8})})
 
 QWEN2 = Family(model_type="qwen2", config_class="Qwen2Config", causal_lm_class="Qwen2ForCausalLM", mlp=GatedMlp(),
                qk_norm=False, qkv_bias=True, modules=f"{__name__}.modules",
