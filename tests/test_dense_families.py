@@ -273,3 +273,22 @@ def test_train_sp1_sp2_same_losses_and_the_export_loads_as_mistral(tmp_path):
     assert isinstance(model, MistralForCausalLM) and model.config.sliding_window == 16
     ids = torch.tensor([[151643, 40, 1079, 264]])
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 7)
+
+
+def test_the_plan_says_it_counts_windowed_layers_as_full_attention(capsys):
+    """One note names the windowed layers and what the plan assumed of them; a model without a window has none."""
+    from ulysses_trainer.families.presets import preset_config
+    from ulysses_trainer.plan.inputs import ModelShape
+
+    assert ModelShape.from_config(preset_config("tiny-mistral")).windowed_layers == (0, 1)
+    assert ModelShape.from_config(preset_config("tiny-ministral")).windowed_layers == (0,)
+    assert ModelShape.from_config(preset_config("tiny-qwen2")).windowed_layers == ()
+    from ulysses_trainer.__main__ import main as cli_main
+
+    for preset, note in (("tiny-mistral", "2 of 2 layers attend in a 16-token sliding window"),
+                         ("tiny-llama", None)):
+        code = cli_main(["plan", "--model", preset, "--max_length", "4096", "--gpus", "2", "--gpu_memory_gb", "80",
+                         "--host_memory_gb", "64", "--json"])
+        notes = [n for n in json.loads(capsys.readouterr().out)["plan"]["notes"] if "sliding window" in n]
+        assert code == 0 and notes == ([f"{note}: planned as full causal attention (their attention time and "
+                                        f"memory over-estimated)"] if note else []), notes

@@ -287,6 +287,19 @@ class Family:
             return ()
         return tuple(i for i, t in enumerate(config.layer_types[:config.num_hidden_layers]) if t == self.mixer.kind)
 
+    def windowed_layers(self, config: Any) -> tuple[tuple[int, ...], int]:
+        """(the layers attending in a sliding window, its width): those whose layer_types entry is
+        sliding_attention, or every layer of a config with a sliding_window and no layer_types (Mistral);
+        ((), 0) without a window."""
+        window = getattr(config, "sliding_window", None)
+        if not window:
+            return (), 0
+        types = getattr(config, "layer_types", None)
+        if types is None:
+            return tuple(range(config.num_hidden_layers)), int(window)
+        layers = tuple(i for i, t in enumerate(types[:config.num_hidden_layers]) if t == "sliding_attention")
+        return layers, int(window) if layers else 0
+
     def check_config(self, config: Any) -> str | None:
         """Why this trainer cannot run a config of this family (None: it can): a layer type it has no Ulysses path
         for (attention, full or windowed, and the family's mixer are what it splits by head), a flag it refuses,
