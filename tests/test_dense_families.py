@@ -218,6 +218,18 @@ def test_a_layer_type_without_a_ulysses_path_is_refused_naming_it():
     assert "'conv'" in family("qwen2").check_config(qwen2)
 
 
+def test_a_checkpoint_with_such_a_layer_is_refused_by_the_command(tmp_path, capsys):
+    """The same refusal from `plan` on a saved checkpoint: exit 2, one line naming the layer type."""
+    from ulysses_trainer.families.presets import preset_config
+
+    path = _save(tmp_path, preset_config("tiny-qwen2"))
+    config = json.loads((tmp_path / "qwen2" / "config.json").read_text())
+    config["layer_types"] = ["full_attention", "linear_attention"]
+    (tmp_path / "qwen2" / "config.json").write_text(json.dumps(config))
+    code, err = _plan_exit(capsys, path, "--gpus", "2")
+    assert code == 2 and err.count("\n") == 1 and "layer type 'linear_attention'" in err, err
+
+
 def test_an_architecture_without_a_family_is_refused_naming_the_supported_ones(tmp_path, capsys):
     from transformers import Olmo2Config
 
