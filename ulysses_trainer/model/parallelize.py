@@ -156,8 +156,8 @@ def _check(model: nn.Module, plan: ModelPlan) -> nn.ModuleList:
                         "(ulysses_trainer.unparallelize gives it back)")
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList) or not isinstance(getattr(model, "lm_head", None), nn.Linear):
-        raise TypeError(f"parallelize takes an HF causal LM with .model.layers and an nn.Linear lm_head (Qwen3, "
-                        f"Qwen3-MoE, Qwen3.5), got {type(model).__name__}")
+        raise TypeError(f"parallelize takes an HF causal LM with .model.layers and an nn.Linear lm_head (the "
+                        f"architectures of docs/models.md), got {type(model).__name__}")
     if model.lm_head.bias is not None:
         raise TypeError("an lm_head with a bias is not supported (the chunked loss reads its weight only)")
     if plan.loss_type not in LOSS_TYPES:
