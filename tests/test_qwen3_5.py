@@ -66,7 +66,8 @@ def reference(model, ids, pos, labels):
         count += int((target != IGNORE).sum())
     loss = total / count
     loss.backward()
-    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                  if p.grad is not None}  # frozen weights (LoRA) have none
 
 
 def sp_run(models, ids, pos, labels, **levers):
