@@ -48,7 +48,7 @@ def test_sp_equals_stock_transformers(preset, sp_size, docs, masked, overrides):
     assert_equal(sp_run([build(preset, **overrides) for _ in range(sp_size)], ids, pos, labels), ref)
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral", "tiny-ministral", "tiny-qwen2"])
 def test_levers_change_memory_not_results(preset):
     # checkpointing with every input offloaded to the host pool, checkpoint_every 2, the MLP in 3 tiles
     ids, pos, labels = batch(70, [33, 37], seed=5, masked=True)
