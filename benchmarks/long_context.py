@@ -31,9 +31,9 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 from benchmarks.systems import SYSTEMS  # noqa: E402
 from ulysses_trainer.families.presets import preset_config  # noqa: E402
 from ulysses_trainer.model.load import build_model  # noqa: E402
-from ulysses_trainer.plan.names import KEEPING_KERNELS, OFFLOAD_SUB_GROUP_SIZE, STANDIN  # noqa: E402
 from ulysses_trainer.train.adam_states import materialize_adam_states  # noqa: E402
 from ulysses_trainer.train.metrics import train_flops_per_sequence  # noqa: E402
+from ulysses_trainer.vocabulary.names import KEEPING_KERNELS, OFFLOAD_SUB_GROUP_SIZE, STANDIN  # noqa: E402
 
 
 class HostPeak:

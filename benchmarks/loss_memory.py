@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ulysses_trainer.levers.chunked_loss import chunked_nll_sum, nll_sum  # noqa: E402
-from ulysses_trainer.plan.names import GIB  # noqa: E402
+from ulysses_trainer.vocabulary.names import GIB  # noqa: E402
 
 
 def _make_inputs(rows: int, vocab: int, hidden: int, dtype: torch.dtype, device: str):

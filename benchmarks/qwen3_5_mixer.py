@@ -1,4 +1,5 @@
-"""One rank's Gated DeltaNet mixer as the trainer runs it (parallel/ulysses_deltanet.UlyssesGatedDeltaNet), on one GPU.
+"""One rank's Gated DeltaNet mixer as the trainer runs it (families/qwen3_5/ulysses_deltanet.UlyssesGatedDeltaNet),
+on one GPU.
 
 What it measures (results appended to OUT/qwen3_5_mixer.json as each case finishes), bf16, forward + backward:
 
@@ -6,8 +7,8 @@ What it measures (results appended to OUT/qwen3_5_mixer.json as each case finish
   Qwen3.5-27B's 2 key / 6 value heads of 128, hidden 5120; its lean gated norm), at each length, one document and
   three packed documents, for every installed deltanet_kernel: forward+backward seconds and peak GiB above the
   input.
-- `conv`: the trainer's causal conv (attention/deltanet.causal_conv) against fla's causal_conv1d where installed,
-  on the same rank's 1,280 channels: seconds, and their outputs' relative difference.
+- `conv`: the trainer's causal conv (families/qwen3_5/deltanet_kernels.causal_conv) against fla's causal_conv1d where
+  installed, on the same rank's 1,280 channels: seconds, and their outputs' relative difference.
 - `agree`: the mixer with fla against the mixer with the torch rule on the same weights and packed input (output
   and input-gradient relative differences), where fla is installed.
 
@@ -48,16 +49,16 @@ def _mixer(kernel: str, seed: int = 0):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
     from ulysses_trainer.families.presets import preset_config
-    from ulysses_trainer.levers.lean_norm import use_lean_norms
+    from ulysses_trainer.families.qwen3_5.lean_gated_norm import use_lean_gated_norms
+    from ulysses_trainer.families.qwen3_5.ulysses_deltanet import UlyssesGatedDeltaNet
     from ulysses_trainer.parallel.state import single_process_state
-    from ulysses_trainer.parallel.ulysses_deltanet import UlyssesGatedDeltaNet
 
     c = preset_config("qwen3.5-27b")
     c.linear_num_key_heads, c.linear_num_value_heads = 2, 6  # one rank's share at sp=8
     torch.manual_seed(seed)
     net = Qwen3_5GatedDeltaNet(c, 0).to("cuda", torch.bfloat16)
     mixer = UlyssesGatedDeltaNet(net, single_process_state(), kernel)
-    use_lean_norms(mixer, "torch", 1.0)  # its gated norm as the trainer runs it (levers/lean_gated_norm.py)
+    use_lean_gated_norms(mixer)  # its gated norm as the trainer runs it (families/qwen3_5/lean_gated_norm.py)
     return mixer
 
 
@@ -93,7 +94,7 @@ def _timed(fn, reps: int = 3) -> tuple[float, float]:
 
 
 def case_mixer(out: Path, lengths: list[int]) -> None:
-    from ulysses_trainer.attention.deltanet import available_deltanet_kernels
+    from ulysses_trainer.families.qwen3_5.deltanet_kernels import available_deltanet_kernels
 
     for kernel in available_deltanet_kernels():
         mixer = _mixer(kernel)
@@ -121,7 +122,7 @@ def case_mixer(out: Path, lengths: list[int]) -> None:
 
 
 def case_conv(out: Path, lengths: list[int]) -> None:
-    from ulysses_trainer.attention.deltanet import causal_conv
+    from ulysses_trainer.families.qwen3_5.deltanet_kernels import causal_conv
 
     try:
         from fla.modules.causal_conv1d import causal_conv1d
@@ -154,7 +155,7 @@ def case_conv(out: Path, lengths: list[int]) -> None:
 
 
 def case_agree(out: Path) -> None:
-    from ulysses_trainer.attention.deltanet import available_deltanet_kernels
+    from ulysses_trainer.families.qwen3_5.deltanet_kernels import available_deltanet_kernels
 
     if "fla" not in available_deltanet_kernels():
         _record(out, "agree", {"skipped": "flash-linear-attention not installed (or Triton < 3.7.1 on Hopper)"})

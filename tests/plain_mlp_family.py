@@ -1,6 +1,6 @@
 """A test-only model family in one module: Qwen3 with a plain (not gated) MLP, down(act(up(x))), of width
 intermediate_size. Registering it (`register_plain`: families.register, its block's install with
-model/install.register_install, and transformers' Auto classes) is all it takes for the planner, parallelize and the
+families/installs.register_install, and transformers' Auto classes) is all it takes for the planner, parallelize and the
 trainer's model loading to run it: nothing else in the package names it. `unregister_plain` takes all of it back,
 so no other test sees it."""
 
@@ -15,8 +15,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.families import Family, LayerDims, MlpBlock, MlpRun, register, unregister
+from ulysses_trainer.families.installs import register_install, unregister_install
 from ulysses_trainer.families.qwen3 import common_kwargs
-from ulysses_trainer.model.install import register_install, unregister_install
 
 MODEL_TYPE = "qwen3_plain_mlp"
 PRESET = "tiny-plain"

@@ -207,7 +207,7 @@ def test_kept_bytes_are_the_plans_term():
     from ulysses_trainer.model.parallelize import apply
     from ulysses_trainer.plan.inputs import ModelShape, Settings
     from ulysses_trainer.plan.layer_terms import kept_attention_bytes_per_layer
-    from ulysses_trainer.plan.model_plan import ModelPlan
+    from ulysses_trainer.vocabulary.model_plan import ModelPlan
 
     model = _tiny_parallel("auto")
     assert model.attention.stash.layers == set()  # auto: nothing kept until a plan says so

@@ -119,7 +119,7 @@ def _registered() -> dict[str, bool]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from tests.plain_mlp_family import PlainMlp
-    from ulysses_trainer.model.install import installer
+    from ulysses_trainer.families.installs import installer
 
     try:
         installed = installer(PlainMlp()) is not None
@@ -205,10 +205,10 @@ def test_a_block_missing_part_of_its_behaviour_is_refused_when_it_is_made():
 
 
 def test_a_block_without_an_install_is_refused_before_the_model_changes(plain_family):
-    """parallelize asks model/install.py for the block's install before it touches the model: a family whose block
+    """parallelize asks families/installs.py for the block's install before it touches the model: a family whose block
     has none registered is a ConfigError naming register_install, and the model is left as it was."""
     from tests.plain_mlp_family import PlainMlp, install_plain
-    from ulysses_trainer.model.install import register_install, unregister_install
+    from ulysses_trainer.families.installs import register_install, unregister_install
 
     model = build_model(_config(), torch.float32, seed=5)
     before, attn, config = {n: p.clone() for n, p in model.state_dict().items()}, model.config._attn_implementation, \

@@ -77,7 +77,7 @@ def _close(name, got, ref):
 
 
 def test_sp1_bf16_equals_stock_transformers_with_each_kernel():
-    from ulysses_trainer.attention.deltanet import available_deltanet_kernels
+    from ulysses_trainer.families.qwen3_5.deltanet_kernels import available_deltanet_kernels
 
     ids, pos = _batch()
     ref = _reference(ids, pos)
@@ -86,7 +86,7 @@ def test_sp1_bf16_equals_stock_transformers_with_each_kernel():
 
 
 def test_fla_equals_torch_on_packed_documents():
-    from ulysses_trainer.attention.deltanet import DELTANET_FUNCTIONS, available_deltanet_kernels
+    from ulysses_trainer.families.qwen3_5.deltanet_kernels import DELTANET_FUNCTIONS, available_deltanet_kernels
 
     if "fla" not in available_deltanet_kernels():
         pytest.skip("flash-linear-attention is not installed")
@@ -113,7 +113,7 @@ def test_fla_equals_torch_on_packed_documents():
 def test_fla_conv_equals_torch_conv(packed):
     """The conv deltanet_kernel fla runs (fla's causal_conv1d) against the trainer's torch conv, bf16, on the mixer's
     strided [b, s, C] view of its packed channels (the 27B's 1,280 a rank at sp=8): output and both gradients."""
-    from ulysses_trainer.attention.deltanet import CONV_FUNCTIONS, available_deltanet_kernels
+    from ulysses_trainer.families.qwen3_5.deltanet_kernels import CONV_FUNCTIONS, available_deltanet_kernels
 
     if "fla" not in available_deltanet_kernels():
         pytest.skip("flash-linear-attention is not installed")

@@ -1,6 +1,5 @@
 """The package's parts (its subpackages and top-level modules) import each other without a loop, counting every
-import, also those inside functions. The plan sits below the model and the runtime code: its vocabulary (names,
-layout, lever_settings, model_plan) is what they read, and it imports nothing above the model families."""
+import, also those inside functions; and the staircase they stand on (test_lower_parts_do_not_import_higher_ones)."""
 
 from __future__ import annotations
 
@@ -101,8 +100,7 @@ def test_no_import_loop_between_the_packages_parts():
     assert loops(graph) == [], {p: sorted(d) for p, d in graph.items()}
 
 
-# the plan's vocabulary: what the runtime code, the config's checks and the model read of the plan
-VOCABULARY = ("plan.names", "plan.layout", "plan.lever_settings", "plan.model_plan")
+RUNTIME = ("attention", "levers", "parallel")
 
 
 def _module_imports(part: str) -> set[str]:
@@ -112,24 +110,54 @@ def _module_imports(part: str) -> set[str]:
     return set().union(*(_imported_modules(path) for path in files))
 
 
+def _is_family_fact(module: str) -> bool:
+    """A torch-free module of families/: its own top modules (the registry, base, presets, installs) and each family
+    folder's __init__ (the Family record, presets, memory and time terms); the rest of a folder is its torch side."""
+    parts = module.split(".")
+    return parts[0] == "families" and (len(parts) <= 2 or parts[2:] == ["__init__"])
+
+
+def _family_facts() -> list[Path]:
+    root = PKG / "families"
+    return [*root.glob("*.py"), *root.glob("*/__init__.py")]
+
+
 def test_lower_parts_do_not_import_higher_ones():
+    """The staircase, bottom up: errors; the plan's vocabulary (what the config checks, the runtime code and the
+    model read of it: kernel names and shape rules, the layout, the levers decoded, the ModelPlan) and the ZeRO
+    JSON; the runtime code (attention, levers, parallel), which reads the vocabulary, never the planner nor a
+    family; the families, each one folder: its facts torch-free (what the planner reads) and its torch side on the
+    runtime code (what parallelize swaps in, its Ulysses pieces); the planner on the families' facts; the model,
+    the data, the training and the commands above. A family folder holds both layers, so the runtime code must not
+    reach the planner: the vocabulary sits below both, outside plan/."""
     graph = part_graph()
-    for low in ("errors", "families", "zero_json"):
+    for low in ("errors", "zero_json", "vocabulary"):
         assert graph.get(low, set()) <= {"errors"}, (low, graph.get(low))
-    # the planner reads the families' facts and the ZeRO JSON, nothing of the model, the data or the runtime code
-    assert graph["plan"] <= {"errors", "families", "zero_json"}, graph["plan"]
-    for module in VOCABULARY:  # the vocabulary imports nothing of the package but errors
-        path = PKG.joinpath(*module.split(".")).with_suffix(".py")
-        assert {m.split(".")[0] for m in _imported_modules(path)} <= {"errors"}, (module, _imported_modules(path))
-    for runtime in ("attention", "levers", "parallel"):  # names and rules come from the vocabulary, not the planner
-        planned = {m for m in _module_imports(runtime) if _part(m) == "plan"}
-        assert planned <= set(VOCABULARY) and "config" not in graph[runtime], (runtime, planned, graph[runtime])
+    for runtime in RUNTIME:  # names and rules come from the vocabulary, not the planner; no family is named
+        assert graph[runtime] <= {"errors", "messages", "vocabulary", *RUNTIME}, (runtime, graph[runtime])
+    # a family's torch side stands on the runtime code, nothing of the planner, the model or the run
+    assert graph["families"] <= {"errors", "vocabulary", *RUNTIME}, graph["families"]
+    # the planner reads the families' facts, the vocabulary and the ZeRO JSON, nothing of the model, the data or the
+    # runtime code
+    assert graph["plan"] <= {"errors", "families", "vocabulary", "zero_json"}, graph["plan"]
     assert "cli" not in set().union(*(d for p, d in graph.items() if p != "cli"))  # nothing below imports a command
 
 
-def test_the_vocabulary_check_sees_a_planner_import():
-    """_imported_modules names the plan module a runtime file imports (inside a function too), so a runtime file
-    that imported the planner would fail the check above."""
-    text = "from ..plan.names import GIB\n\ndef f():\n    from ..plan.resolve import resolve_plan\n"
-    planned = _imported_modules(PKG / "parallel" / "new_module.py", text)
-    assert planned == {"plan.names", "plan.resolve"} and not planned <= set(VOCABULARY)
+def test_the_planner_reads_only_the_families_torch_free_facts():
+    """A family's facts import nothing of the package but errors and other facts, and the planner imports no
+    family module but facts: the planner never loads a torch side."""
+    for path in _family_facts():
+        imported = _imported_modules(path)
+        assert all(m.split(".")[0] == "errors" or _is_family_fact(m) for m in imported), (path, imported)
+    from_plan = {m for m in _module_imports("plan") if m.split(".")[0] == "families"}
+    assert from_plan and all(_is_family_fact(m) for m in from_plan), from_plan
+
+
+def test_the_facts_check_sees_a_torch_side_import():
+    """_is_family_fact tells a family's facts from its torch side, so a facts module (or the planner) importing a
+    torch side fails the checks above."""
+    text = "from ..qwen3_5 import GatedDeltaNet\n\ndef f():\n    from ..qwen3_5.modules import INSTALLS\n"
+    imported = _imported_modules(PKG / "families" / "qwen3" / "__init__.py", text)
+    assert imported == {"families.qwen3_5", "families.qwen3_5.modules"}
+    assert [_is_family_fact(m) for m in sorted(imported)] == [True, False]
+    assert _is_family_fact("families.base") and _is_family_fact("families.qwen3.__init__")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ulysses_trainer.attention import kernels
 from ulysses_trainer.errors import ConfigError
-from ulysses_trainer.plan.names import choose_kernel
+from ulysses_trainer.vocabulary.names import choose_kernel
 
 
 def _qkv(b=2, s=12, hq=4, hkv=2, d=8, seed=0):

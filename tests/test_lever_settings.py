@@ -1,4 +1,4 @@
-"""The memory levers are decoded once (ulysses_trainer/plan/lever_settings.py): the training config's checks, the
+"""The memory levers are decoded once (ulysses_trainer/vocabulary/lever_settings.py): the training config's checks, the
 planner and a loop of your own (ParallelizeConfig) read one decoder, so one value means one thing everywhere."""
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from ulysses_trainer.errors import EXIT_INVALID, ConfigError
 from ulysses_trainer.families.presets import preset_config
 from ulysses_trainer.model.parallelize import ParallelizeConfig, parallelize
 from ulysses_trainer.plan.inputs import ModelShape
-from ulysses_trainer.plan.lever_settings import TRUE_TILES, decode_levers
 from ulysses_trainer.plan.resolve import resolve_plan
 from ulysses_trainer.plan.types import Machine
+from ulysses_trainer.vocabulary.lever_settings import TRUE_TILES, decode_levers
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ulysses_trainer"
 RAW_LEVERS = {"activation_offload", "keep_attention_outputs", "tiled_mlp", "checkpoint_every", "optimizer_offload"}
 # where the raw fields may be read: the decoder, and the config's own definition with TRL's spellings, which
 # config/trl.py maps onto its fields when a TrainConfig is made
-DECODER = PACKAGE / "plan" / "lever_settings.py"
+DECODER = PACKAGE / "vocabulary" / "lever_settings.py"
 DEFINITION = (PACKAGE / "config" / "train_config.py", PACKAGE / "config" / "trl.py")
 CPU = Machine(gpus=1, gpu_memory_gb=None, host_memory_gb=64.0)
 
@@ -131,4 +131,4 @@ def test_no_raw_lever_field_is_read_outside_the_decoder():
     found = {f"{p.relative_to(PACKAGE.parent)}:{line} {field}"
              for p in sorted(PACKAGE.rglob("*.py")) if p != DECODER and p not in DEFINITION
              for line, field in raw_lever_reads(p.read_text())}
-    assert not found, f"decode the levers with plan/lever_settings.decode_levers instead: {sorted(found)}"
+    assert not found, f"decode the levers with vocabulary/lever_settings.decode_levers instead: {sorted(found)}"

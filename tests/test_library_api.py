@@ -88,8 +88,8 @@ def test_a_refused_parallelize_changes_nothing(bad, pattern):
 
 def test_a_parallelize_failing_half_way_leaves_the_model_as_it_was(monkeypatch):
     from ulysses_trainer.families import family
+    from ulysses_trainer.families import installs as install
     from ulysses_trainer.levers.lean_norm import LeanRMSNorm
-    from ulysses_trainer.model import install
     from ulysses_trainer.parallel.integrations import attention_registered
 
     config = _config()

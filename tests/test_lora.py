@@ -12,9 +12,12 @@ from ulysses_trainer.plan.inputs import ModelShape
 from ulysses_trainer.plan.partitions import lora_numels
 
 
-@pytest.mark.parametrize("targets", [None, ["q_proj", "k_proj", "down_proj"], "all-linear"])
-def test_plan_counts_the_adapters_peft_makes(targets):
-    cfg = TrainConfig(use_peft=True, lora_r=4, lora_target_modules=targets, lora_dropout=0.0)
+@pytest.mark.parametrize("preset, targets", [("tiny", None), ("tiny", ["q_proj", "k_proj", "down_proj"]),
+                                             ("tiny", "all-linear"), ("tiny-llama", "all-linear"),
+                                             ("tiny-qwen2", "all-linear")])  # qwen2: its q/k/v Linears carry biases
+def test_plan_counts_the_adapters_peft_makes(preset, targets):
+    cfg = TrainConfig(model_name_or_path=preset, use_peft=True, lora_r=4, lora_target_modules=targets,
+                      lora_dropout=0.0)
     mc = model_config_for(cfg)
     _, peft_model = add_lora(build_model(mc, torch.float32, None, seed=0), cfg)
     trainable = sorted(p.numel() for p in peft_model.parameters() if p.requires_grad)

@@ -14,7 +14,7 @@ from tests.dist_utils import JOB_TIMEOUT_S, run_ranks, zero3_config
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.host_pool import HostPool, detect_host_memory_gb, host_bytes_needed
 from ulysses_trainer.levers.recompute import LayerRecompute
-from ulysses_trainer.plan.names import GIB
+from ulysses_trainer.vocabulary.names import GIB
 
 # --------------------------------------------------------------------------------------------
 # Policy and arithmetic

@@ -19,7 +19,7 @@ from ulysses_trainer.plan.calibration import compare, load_calibration, load_mea
 from ulysses_trainer.plan.inputs import ModelShape, Settings
 from ulysses_trainer.plan.longest_fit import Hardware, choose_settings, largest_max_length
 from ulysses_trainer.plan.memory import estimate
-from ulysses_trainer.plan.names import GIB
+from ulysses_trainer.vocabulary.names import GIB
 
 ROOT = Path(__file__).resolve().parent.parent
 Q8 = ModelShape.preset("qwen3-8b")
@@ -222,7 +222,7 @@ def test_calibrated_points_within_ten_percent():
 
 
 def test_load_measurements_reads_benchmark_results(tmp_path):
-    from ulysses_trainer.plan.names import auto_num_tiles
+    from ulysses_trainer.vocabulary.names import auto_num_tiles
 
     doc = {"system": "ours", "model": "qwen3-4b", "settings": {"steps_per_length": 1},
            "points": [{"seq_len": 131072, "status": "ok", "peak_gpu_gb": 70.0, "peak_host_rss_gb": 3.0,
@@ -530,7 +530,7 @@ def test_the_fa4_stand_in_is_planned_as_flash_attention_4():
     group by group, even one KV head per rank), so the plan holds the same bytes; the plain stand-in (ours' rule:
     all heads at once there) holds other bytes, which is why the rehearsal picks by the run's kernel."""
     from ulysses_trainer.families.presets import preset_config
-    from ulysses_trainer.plan.names import STANDIN, STANDIN_FA4
+    from ulysses_trainer.vocabulary.names import STANDIN, STANDIN_FA4
 
     moe = ModelShape.from_config(preset_config("qwen3-30b-a3b"))
     for shape in (Q8, moe):

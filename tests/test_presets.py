@@ -64,7 +64,10 @@ def test_the_published_layout(name):
 def test_presets_list():
     assert set(PRESETS) == set(PUBLISHED) | {"tiny", "tiny-moe", "qwen3-30b-a3b", "qwen3-235b-a22b"} | {
         "tiny-qwen3.5", "qwen3.5-9b", "qwen3.5-27b", "tiny-qwen3.5-moe", "qwen3.5-35b-a3b", "qwen3.5-122b-a10b",
-        "qwen3.5-397b-a17b"}  # Qwen3.5: tests/test_qwen3_5.py
+        "qwen3.5-397b-a17b"} | {  # Qwen3.5: tests/test_qwen3_5.py
+        "tiny-llama", "llama-3.1-8b", "llama-3.1-70b", "tiny-mistral", "mistral-small-24b", "tiny-ministral",
+        "tiny-qwen2", "qwen2.5-7b"}
+    # the dense families: tests/test_dense_families.py
 
 
 def test_a_wrong_dimension_misses_the_published_count():

@@ -66,7 +66,8 @@ def reference(model, ids, pos, labels):
         count += int((target != IGNORE).sum())
     loss = total / count
     loss.backward()
-    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                  if p.grad is not None}  # frozen weights (LoRA) have none
 
 
 def sp_run(models, ids, pos, labels, **levers):
@@ -247,10 +248,10 @@ def _fla_conv_as_documented(x, weight, bias=None, activation=None, cu_seqlens=No
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_fla_conv_call_matches_the_torch_conv(packed, monkeypatch):
-    """The mixer's conv through fla (attention/deltanet.fla_conv_tokens) hands fla's causal_conv1d the layout,
-    weight and documents it documents: against fla's definition written in torch, the output and both gradients
-    equal the torch conv's, on the mixer's own strided view of its packed channels."""
-    from ulysses_trainer.attention import deltanet
+    """The mixer's conv through fla (families/qwen3_5/deltanet_kernels.fla_conv_tokens) hands fla's causal_conv1d
+    the layout, weight and documents it documents: against fla's definition written in torch, the output and both
+    gradients equal the torch conv's, on the mixer's own strided view of its packed channels."""
+    from ulysses_trainer.families.qwen3_5 import deltanet_kernels as deltanet
 
     monkeypatch.setattr(deltanet, "_fla_conv_function", lambda: _fla_conv_as_documented)
     g = torch.Generator().manual_seed(5)
@@ -269,7 +270,7 @@ def test_fla_conv_call_matches_the_torch_conv(packed, monkeypatch):
 
 
 def test_conv_and_rule_keep_packed_documents_apart():
-    from ulysses_trainer.attention.deltanet import causal_conv, torch_rule
+    from ulysses_trainer.families.qwen3_5.deltanet_kernels import causal_conv, torch_rule
 
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(2, 12, 50, generator=g), torch.randn(12, 4, generator=g)  # rows of 50: docs 20+30 | 50
@@ -396,7 +397,7 @@ def test_lean_gated_norm_equals_transformers_and_keeps_less(dtype):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
 
     from tests.saved_tensors import saved_bytes
-    from ulysses_trainer.levers.lean_gated_norm import LeanGatedRMSNorm
+    from ulysses_trainer.families.qwen3_5.lean_gated_norm import LeanGatedRMSNorm
 
     g = torch.Generator().manual_seed(3)
     hf = Qwen3_5RMSNormGated(16, eps=1e-6).to(dtype)

@@ -11,7 +11,7 @@ from ulysses_trainer.cli.argv import load_config
 from ulysses_trainer.config import TrainConfig, validate_config
 from ulysses_trainer.ds_config import fill_ds_config, load_ds_config, resolve_ds_path
 from ulysses_trainer.model.load import model_config_for
-from ulysses_trainer.plan.layout import resolve_layout
+from ulysses_trainer.vocabulary.layout import resolve_layout
 
 RECIPES = Path(__file__).resolve().parent.parent / "launch" / "recipes"
 WORLD = {"reference_8gpu_1m.yaml": 8, "one_gpu_4b_long.yaml": 1, "one_gpu_4b_1m.yaml": 1, "cpu_default.yaml": 2,

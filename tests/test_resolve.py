@@ -161,7 +161,7 @@ def test_auto_chooses_the_fastest_plan_that_fits_not_the_first():
 
 def test_the_ds_config_gets_the_plans_optimizer_placement():
     from ulysses_trainer.ds_config import fill_ds_config
-    from ulysses_trainer.plan.names import OFFLOAD_SUB_GROUP_SIZE
+    from ulysses_trainer.vocabulary.names import OFFLOAD_SUB_GROUP_SIZE
 
     cfg = TrainConfig()
     ds, _ = fill_ds_config(load_ds_config(cfg.deepspeed), cfg, 1, 1, False, bf16=False, optimizer_offload=True)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ulysses_trainer.parallel.sharding import IGNORE_INDEX, shard_batch
-from ulysses_trainer.plan.layout import padded_length
+from ulysses_trainer.vocabulary.layout import padded_length
 
 
 def test_shift_then_shard_loses_no_token():

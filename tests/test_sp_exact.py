@@ -103,7 +103,7 @@ def check_against_reference(results, ids, pos, kv_heads, sp_size, pad_to=None):
             rel = (r["grads"][name] - g_ref).norm() / g_ref.norm()
             assert rel <= 1e-5, f"{name}: relative gradient error {rel:.2e}"
     # each rank holds exactly its slice of the padded sequence, with global positions
-    from ulysses_trainer.plan.layout import padded_length
+    from ulysses_trainer.vocabulary.layout import padded_length
 
     length = ids.shape[1]
     total = padded_length(length, sp_size, pad_to)

@@ -12,7 +12,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 from tests.dist_utils import JOB_TIMEOUT_S, run_ranks, zero3_config
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.tiled_mlp import TiledMLP
-from ulysses_trainer.plan.names import auto_num_tiles
+from ulysses_trainer.vocabulary.names import auto_num_tiles
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -25,7 +25,7 @@ import torch
 
 from .config import FIELDS, PACKAGE_DIR, TrainConfig
 from .errors import ConfigError
-from .plan.names import ZERO_AUTO_SIZES, check_zero_stage, offload_sub_group_size
+from .vocabulary.names import ZERO_AUTO_SIZES, check_zero_stage, offload_sub_group_size
 from .zero_json import check_zero_keys, read_zero_json, zero_key
 from .zero_json import resolve_ds_path as _resolve_ds_path
 
@@ -157,7 +157,7 @@ def _fill_precision(ds: dict, f: _Filler, cfg: TrainConfig, bf16: bool, source: 
 
 
 def _fill_zero(ds: dict, hidden_size: int | None, optimizer_offload: bool | None, source: str) -> bool:
-    """ZeRO-3's "auto" sizes (plan/names.ZERO_AUTO_SIZES) and the plan's optimizer offload; whether Adam is
+    """ZeRO-3's "auto" sizes (vocabulary/names.ZERO_AUTO_SIZES) and the plan's optimizer offload; whether Adam is
     offloaded."""
     zero = ds.get("zero_optimization", {})
     check_zero_stage(zero, source)

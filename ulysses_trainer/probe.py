@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .plan.names import GIB
 from .plan.types import Machine
+from .vocabulary.names import GIB
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def installed_kernels() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def installed_deltanet_kernels() -> tuple[str, ...]:
     """Gated DeltaNet rule kernels installed here, fastest first."""
-    from .attention.deltanet import available_deltanet_kernels
+    from .families.qwen3_5.deltanet_kernels import available_deltanet_kernels
 
     return tuple(available_deltanet_kernels())
 

@@ -44,7 +44,7 @@ FILLED_FROM = {"gradient_clipping": "max_grad_norm", "train_micro_batch_size_per
                "scheduler": "lr_scheduler_type, warmup_steps"}
 
 # DeepSpeedZeroConfig's defaults for the sizes the plan reads (a key left out runs with these; a test ties them to
-# DeepSpeed's model). "auto" is the trainer's fill instead (plan/names.ZERO_AUTO_SIZES: per hidden size).
+# DeepSpeed's model). "auto" is the trainer's fill instead (vocabulary/names.ZERO_AUTO_SIZES: per hidden size).
 DEEPSPEED_ZERO_DEFAULTS = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
                            "stage3_param_persistence_threshold": 100_000,
                            "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
@@ -218,7 +218,7 @@ def zero_key(zero: dict, key: str) -> str:
 def zero_size(zero: dict, key: str, source: str = "the ZeRO config") -> int | None:
     """A ZeRO-3 size as DeepSpeed will run it, in elements: the value written (either spelling), DeepSpeed's
     default where the key is left out, None for "auto" (the trainer fills it per hidden size:
-    plan/names.ZERO_AUTO_SIZES)."""
+    vocabulary/names.ZERO_AUTO_SIZES)."""
     v = zero.get(zero_key(zero, key), DEEPSPEED_ZERO_DEFAULTS[key])
     if v == AUTO:
         return None

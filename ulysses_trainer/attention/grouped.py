@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plan.names import groups_one_at_a_time
+from ..vocabulary.names import groups_one_at_a_time
 from .stash import AttentionStash
 
 OPS = torch.ops.aten
@@ -239,7 +239,7 @@ def default_backend(device: torch.device) -> Backend | None:
 
 
 def runs_grouped(kv_heads: int, stash: AttentionStash | None) -> bool:
-    """The planner's rule (plan/names.groups_one_at_a_time), so the memory model follows the path taken;
+    """The planner's rule (vocabulary/names.groups_one_at_a_time), so the memory model follows the path taken;
     the stand-in follows it too, so it allocates like ours."""
     return groups_one_at_a_time(kv_heads, stash is not None)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..plan.names import STANDIN, STANDIN_FA4
+from ..vocabulary.names import STANDIN, STANDIN_FA4
 from .grouped import BACKENDS, Documents, default_backend, grouped_attention, runs_grouped
 from .standin import standin_attention, standin_attention_fa4
 
@@ -104,6 +104,45 @@ def flash2_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None,
     out = flash_attn_varlen_func(qf, kf, vf, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                  softmax_scale=scale, causal=True)
     return out.reshape(q.shape)
+
+
+def _windowed_document(q, k, v, scale: float, window: int) -> torch.Tensor:
+    """One document [n, h, d]: each query sees itself and the window - 1 keys before it (transformers'
+    sliding_window_overlay: kv > q - window). Queries in blocks of `window`, each against the keys its block can
+    reach ([B, B + window - 1] masks), so no n x n mask is built."""
+    n = q.shape[0]
+    if n <= window:  # the window reaches the document's start from every query: plain causal attention
+        return _sdpa_dense(q[None], k[None], v[None], scale)[0]
+    gqa, outs = q.shape[1] != k.shape[1], []
+    for a in range(0, n, window):
+        e, lo = min(a + window, n), max(0, a - window + 1)
+        qi = torch.arange(a, e, device=q.device)[:, None]
+        ki = torch.arange(lo, e, device=q.device)[None, :]
+        mask = (ki <= qi) & (ki > qi - window)  # [e - a, e - lo]: causal, within the window
+        # [n, h, d] -> [1, h, B, d] for SDPA, and back
+        out = F.scaled_dot_product_attention(q[None, a:e].transpose(1, 2), k[None, lo:e].transpose(1, 2),
+                                             v[None, lo:e].transpose(1, 2), attn_mask=mask, scale=scale,
+                                             enable_gqa=gqa)
+        outs.append(out.transpose(1, 2)[0])
+    return torch.cat(outs)
+
+
+def windowed_attention(q, k, v, *, scale: float, window: int, cu_seqlens=None, max_seqlen=None,
+                       pad_spans=()) -> torch.Tensor:
+    """Sliding-window causal attention (a layer whose config gives it `sliding_window`) over the full sequence of
+    the given heads, packed documents kept apart: a window never reaches across a document start, a pad's output
+    is 0. SDPA with block masks, whatever the planned kernel (exact on any device; the flash kernels' own windows
+    are not wired yet)."""
+    b, s = q.shape[:2]
+    qf, kf, vf = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))  # [b, s, h, d] -> [b*s, h, d]
+    if _single_doc_per_row(cu_seqlens, b):
+        pieces = [(r * s, (r + 1) * s, False) for r in range(b)]
+    else:
+        pieces = Documents(cu_seqlens, max_seqlen, pad_spans).pieces()
+    outs = [qf.new_zeros(e - a, *qf.shape[1:]) if pad else _windowed_document(qf[a:e], kf[a:e], vf[a:e], scale,
+                                                                                window)
+            for a, e, pad in pieces]
+    return torch.cat(outs).reshape(q.shape)  # [b*s, h, d] -> [b, s, h, d]
 
 
 KERNEL_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {

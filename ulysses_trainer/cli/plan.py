@@ -39,9 +39,9 @@ from ..plan.cards import CARDS, card_of
 from ..plan.inputs import ModelShape, Settings, local_tokens
 from ..plan.longest_fit import Choice, Hardware, largest_max_length
 from ..plan.memory_record import MemoryEstimate
-from ..plan.names import GIB
 from ..plan.resolve import plan_from, search_plan
 from ..plan.types import Machine, Plan, read_zero
+from ..vocabulary.names import GIB
 from .argv import parse_overrides, split_argv
 from .console import use_console
 
@@ -243,8 +243,8 @@ def data_attention(cfg: Any, gpus: int, model_config: Any) -> AttentionShare | N
     from ..data.tokenizer import apply_tokenizer_options, load_tokenizer
     from ..families import family
     from ..model.load import checkpoint_source
-    from ..plan.layout import resolve_layout
     from ..train.prepare import data_share
+    from ..vocabulary.layout import resolve_layout
 
     dp_size = resolve_layout(cfg.sp_size, gpus).dp_size
     per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp_size

@@ -32,8 +32,8 @@ from typing import Any
 from ..config import REPO_ROOT
 from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
 from ..plan.comm_model import DEFAULT_COMM_FILE as COMM_FILE
-from ..plan.names import STANDIN, STANDIN_FA4
 from ..train.rehearsal import Rehearsal, comm_job, run_rehearsal
+from ..vocabulary.names import STANDIN, STANDIN_FA4
 from .argv import split_argv
 from .console import use_console
 

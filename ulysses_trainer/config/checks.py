@@ -1,7 +1,7 @@
 """The config's cross-field checks that need no model or data: each problem a ConfigError naming the fix.
 
 They read a TrainConfig's fields (config.py re-exports validate_config); the memory levers are decoded by
-plan/lever_settings.decode_levers. This module imports nothing of config.py, so the config part stays below it."""
+vocabulary/lever_settings.decode_levers. This module imports nothing of config.py, so the config part stays below it."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..plan.layout import Layout, resolve_layout
-from ..plan.lever_settings import decode_levers
+from ..vocabulary.layout import Layout, resolve_layout
+from ..vocabulary.lever_settings import decode_levers
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -101,7 +101,7 @@ def validate_config(cfg: Any, world_size: int) -> Layout:
     _check_schedule(cfg)
     _need(cfg.host_memory_gb is None or cfg.host_memory_gb > 0,
           f"host_memory_gb must be > 0 (or null to detect), got {cfg.host_memory_gb}")
-    decode_levers(cfg)  # the levers' own values and how they combine (plan/lever_settings.py)
+    decode_levers(cfg)  # the levers' own values and how they combine (vocabulary/lever_settings.py)
     _need(cfg.max_length >= 2, f"max_length must be >= 2 tokens (one input and its target), got {cfg.max_length}")
     layout = resolve_layout(cfg.sp_size, world_size)
     _check_length(cfg, layout.sp_size)

@@ -1,25 +1,29 @@
-"""The model families: what is family-specific, one module each (a torchtitan TrainSpec in spirit).
+"""The model families, each one folder (a torchtitan TrainSpec in spirit), registered here once.
 
-Torch-free and below both the planner and the model code (it imports nothing of the package but errors), so the
-planner reads the same facts the trainer builds from. A family holds its transformers names (config and causal-LM
-classes), its presets (presets.py builds their configs), the decoder layer's parameters in module order (what the
-memory model, the ZeRO-3 trace and the FLOP counts assume), whether it has q/k norms, and its MLP block as
-behaviour (base.MlpBlock: parameters, memory and time terms, ZeRO-3 trace groups, collectives, LoRA targets, what
-training sets on its config). What parallelize swaps in for a block is model/install.py's, keyed by the block's
-class. Nothing outside these asks which family it has. Another family is one new module here plus its entry in
-FAMILIES, or `register(family)` (and model/install.register_install for a new block) from outside
-(tests/test_family_seam.py adds one that way).
+A family's folder holds two layers. Its `__init__` is its torch-free facts, below both the planner and the model
+code (it imports nothing of the package but errors and other families' facts), so the planner reads the same facts
+the trainer builds from: its transformers names (config and causal-LM classes), its presets (presets.py builds
+their configs), the decoder layer's parameters in module order (what the memory model, the ZeRO-3 trace and the FLOP
+counts assume), whether it has q/k norms, its MLP block and token mixer as behaviour (base.MlpBlock, base.TokenMixer:
+parameters, memory and time terms, ZeRO-3 trace groups, collectives, LoRA targets, what training sets on its
+config). Its `modules.py` (Family.modules) is its torch side, on the runtime code: what parallelize swaps in for its
+block and mixer, and its Ulysses pieces (Qwen3.5's Gated DeltaNet split by head, its kernels, its lean gated norm),
+registered through installs.py when a model of the family is parallelized. Nothing outside asks which family it
+has. Another family is one new folder here plus its entry in FAMILIES, or `register(family)` (and
+installs.register_install for a new block) from outside (tests/test_family_seam.py adds one that way).
 """
 
 from __future__ import annotations
 
 from ..errors import ConfigError
 from .base import AllReduce, Family, LayerDims, MlpBlock, MlpRun, TokenMixer
+from .dense import LLAMA, MINISTRAL, MISTRAL, QWEN2
 from .qwen3 import QWEN3
 from .qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from .qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, LLAMA, MISTRAL,
+                                                         MINISTRAL, QWEN2)}
 # preset name -> its family (a name belongs to one family)
 _PRESET_FAMILY: dict[str, Family] = {name: f for f in FAMILIES.values() for name in f.presets}
 PRESETS: tuple[str, ...] = tuple(_PRESET_FAMILY)
@@ -31,8 +35,13 @@ def family(model_type: str) -> Family:
     f = FAMILIES.get(model_type)
     if f is None:
         raise ConfigError(f"model_type {model_type!r} is not supported; this trainer supports "
-                          f"{', '.join(FAMILIES)} (Qwen3, Qwen3-MoE and Qwen3.5 text checkpoints or the presets)")
+                          f"{supported()}")
     return f
+
+
+def supported() -> str:
+    """The model types this trainer runs, for a refusal (docs/models.md tables what was proven for each)."""
+    return f"{', '.join(FAMILIES)} (checkpoints of these architectures or the presets; docs/models.md)"
 
 
 def register(fam: Family) -> None:
@@ -58,4 +67,4 @@ def preset_family(name: str) -> Family | None:
 
 
 __all__ = ["FAMILIES", "MODEL_TYPES", "PRESETS", "AllReduce", "Family", "LayerDims", "MlpBlock", "MlpRun", "TokenMixer",
-           "family", "preset_family", "register", "unregister"]
+           "family", "preset_family", "register", "supported", "unregister"]

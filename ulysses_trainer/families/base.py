@@ -3,8 +3,9 @@
 A family owns what differs between families: the MLP (or expert) block (its parameters, how the planner counts its
 memory, time, ZeRO-3 uses and collectives, what training sets on its config) and its LoRA targets. The planner and
 the model code call these methods; neither asks which family it has. What parallelize swaps into a model for a
-block or a mixer is the model's side (model/install.py, keyed by the block's class): this package imports nothing
-of the trainer but its errors, so the planner below the model reads it.
+block or a mixer is the family's torch side (its folder's modules.py, registered in families/installs.py keyed by
+the block's class): this module and the facts of every family import nothing of the trainer but its errors, so the
+planner below the model reads them without torch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 from ..errors import ConfigError
 
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# the layer_types entries Ulysses attention runs (a sliding window applies on the whole sequence of a rank's heads)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # LoRA with no target_modules: PEFT's default for Qwen3, given explicitly (PEFT has none for Qwen3-MoE)
 LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")
 FP32 = 4
@@ -79,7 +82,7 @@ class MlpBlock(ABC):
     Parameters in module order (`params`: what the memory model, the ZeRO-3 trace and the FLOP counts assume);
     `saved` / `backward_extra`: the plan's memory terms (plan/layer_terms.py) by what keeps them; `time_parts`:
     measured parts in place of the dense rate (plan/step_time.py). What the trainer swaps in for it:
-    model/install.py.
+    families/installs.py.
     """
 
     lora_linears: tuple[str, ...] = ()  # the block's nn.Linear names, in module order
@@ -142,7 +145,7 @@ class MlpBlock(ABC):
 class TokenMixer(ABC):
     """A token mixer that some layers of a family run instead of softmax attention (Qwen3.5's Gated DeltaNet):
     the layers whose config `layer_types` entry is `kind`. Its parameters in module order (the plan's counts and
-    ZeRO-3 trace) and the SP sizes it refuses; what parallelize installs on those layers: model/install.py."""
+    ZeRO-3 trace) and the SP sizes it refuses; what parallelize installs on those layers: families/installs.py."""
 
     kind: str = ""  # the transformers config's layer_types entry of the layers that run it
     lora_linears: tuple[str, ...] = ()  # its nn.Linear names, in module order (what LoRA can adapt)
@@ -213,15 +216,27 @@ class Family:
     mixer: TokenMixer | None = None
     # the Qwen BPE its presets (and a checkpoint without tokenizer files) are tokenized with (data/tokenizer.py)
     tokenizer: str = "qwen3"
+    # its torch side, imported when a model of it is parallelized (families/installs.load_modules): the dotted
+    # module that registers what parallelize swaps in for its block and mixer ("": registered by hand)
+    modules: str = ""
+    # config fields that must be false for this trainer to run the family's layers as it counts them (Llama's
+    # attention_bias, mlp_bias), each refused in one line
+    refused_flags: tuple[str, ...] = ()
+    # q_proj, k_proj and v_proj carry biases (Qwen2); o_proj has none
+    qkv_bias: bool = False
 
     def attention_params(self, d: LayerDims) -> list[tuple[str, int]]:
-        """q, (q_norm,) k, (k_norm,) v, o: the attention's modules in the order they run."""
+        """q, (q_norm,) k, (k_norm,) v, o: the attention's modules in the order they run (a projection's bias right
+        after its weight)."""
         h, q, k = d.hidden, d.q_width, d.kv_width
         if self.gated_attention:
             return [("q", h * 2 * q), ("q_norm", d.head_dim), ("k", h * k), ("k_norm", d.head_dim), ("v", h * k),
                     ("o", q * h)]
         if self.qk_norm:
             return [("q", h * q), ("q_norm", d.head_dim), ("k", h * k), ("k_norm", d.head_dim), ("v", h * k),
+                    ("o", q * h)]
+        if self.qkv_bias:
+            return [("q", h * q), ("q_bias", q), ("k", h * k), ("k_bias", k), ("v", h * k), ("v_bias", k),
                     ("o", q * h)]
         return [("q", h * q), ("k", h * k), ("v", h * k), ("o", q * h)]
 
@@ -272,6 +287,32 @@ class Family:
             return ()
         return tuple(i for i, t in enumerate(config.layer_types[:config.num_hidden_layers]) if t == self.mixer.kind)
 
+    def windowed_layers(self, config: Any) -> tuple[tuple[int, ...], int]:
+        """(the layers attending in a sliding window, its width): those whose layer_types entry is
+        sliding_attention, or every layer of a config with a sliding_window and no layer_types (Mistral);
+        ((), 0) without a window."""
+        window = getattr(config, "sliding_window", None)
+        if not window:
+            return (), 0
+        types = getattr(config, "layer_types", None)
+        if types is None:
+            return tuple(range(config.num_hidden_layers)), int(window)
+        layers = tuple(i for i, t in enumerate(types[:config.num_hidden_layers]) if t == "sliding_attention")
+        return layers, int(window) if layers else 0
+
     def check_config(self, config: Any) -> str | None:
-        """Why this trainer cannot run a config of this family (None: it can)."""
+        """Why this trainer cannot run a config of this family (None: it can): a layer type it has no Ulysses path
+        for (attention, full or windowed, and the family's mixer are what it splits by head), a flag it refuses,
+        or what its MLP block refuses."""
+        known = ATTENTION_LAYER_TYPES + ((self.mixer.kind,) if self.mixer is not None else ())
+        types = list(getattr(config, "layer_types", None) or ())[:config.num_hidden_layers]
+        unknown = sorted({t for t in types if t not in known})
+        if unknown:
+            return (f"its layer type {unknown[0]!r} mixes along the sequence in a way this trainer has no Ulysses "
+                    f"path for (a {self.model_type} layer may be {', '.join(known)}); it would train with wrong "
+                    f"gradients under sequence parallelism, so it is refused")
+        flags = [f for f in self.refused_flags if getattr(config, f, False)]
+        if flags:
+            return (f"{flags[0]} true is not supported for {self.model_type} (the trainer runs and plans its layers "
+                    f"without it); use a checkpoint without it")
         return self.mlp.check_config(config)

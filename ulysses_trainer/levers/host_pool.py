@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
-from ..plan.names import GIB
+from ..vocabulary.names import GIB
 
 # Slots start on page boundaries: each slot is whole pages, and any dtype view of it is aligned.
 _SLOT_ALIGN = 4096

@@ -23,7 +23,9 @@ import importlib
 import torch
 from torch import Tensor, nn
 
-from ..plan.names import NORM_KERNELS
+from ..vocabulary.names import NORM_KERNELS
+
+_PACKAGE = __name__.split(".")[0] + "."  # this package's own modules are never HF norms
 
 # Backward rebuilds the fp32 copy for at most this many elements at once (64 MiB of fp32 per tensor).
 _BACKWARD_SLAB_ELEMENTS = 16 * 2**20
@@ -133,18 +135,17 @@ class LeanRMSNorm(nn.Module):
 
 
 def is_rms_norm(module: nn.Module) -> bool:
-    """An HF RMSNorm by class name (Qwen3RMSNorm, LlamaRMSNorm, ...), not one already replaced."""
-    return type(module).__name__.endswith("RMSNorm") and not isinstance(module, LeanRMSNorm)
+    """An HF RMSNorm by class name (Qwen3RMSNorm, LlamaRMSNorm, ...), not one of this package's lean norms (this
+    module's, or a family's own: Qwen3.5's LeanGatedRMSNorm, swapped in before this runs)."""
+    return type(module).__name__.endswith("RMSNorm") and not type(module).__module__.startswith(_PACKAGE)
 
 
 def use_lean_norms(model: nn.Module, kernel: str = "torch", offset: float = 0.0) -> int:
     """Replace every HF RMSNorm in `model` by a LeanRMSNorm (running `kernel`, scaling by offset + weight: the
-    family's norm_offset) in place; returns how many."""
-    from .lean_gated_norm import LeanGatedRMSNorm, is_gated_rms_norm
-
+    family's norm_offset) in place; returns how many. A family's other norms (Qwen3.5's gated one) are its own
+    torch side's to swap (families/qwen3_5/lean_gated_norm.py)."""
     targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if is_rms_norm(child) or is_gated_rms_norm(child)]
-    for parent, name, child in targets:  # a Gated DeltaNet's gated norm: its own lean norm (torch ops)
-        lean = LeanGatedRMSNorm(child) if is_gated_rms_norm(child) else LeanRMSNorm(child, kernel, offset)
-        setattr(parent, name, lean)
+               for name, child in parent.named_children() if is_rms_norm(child)]
+    for parent, name, child in targets:
+        setattr(parent, name, LeanRMSNorm(child, kernel, offset))
     return len(targets)

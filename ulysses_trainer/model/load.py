@@ -22,9 +22,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..config import TrainConfig
 from ..errors import ConfigError
-from ..families import FAMILIES, PRESETS, family
+from ..families import FAMILIES, PRESETS, family, supported
 from ..families.presets import is_preset, preset_config
-from ..plan.names import CHECKPOINT_MARKER
+from ..vocabulary.names import CHECKPOINT_MARKER
 from .positions import check_positions, rope_dict
 
 _YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
@@ -175,8 +175,7 @@ def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) 
     config = language_model_config(source_config(name_or_path))
     if config.model_type not in FAMILIES:
         raise ConfigError(f"model {name_or_path!r} has model_type {config.model_type!r}; this trainer "
-                          f"supports {', '.join(FAMILIES)} (Qwen3 / Qwen3-MoE checkpoints or the "
-                          f"presets)")
+                          f"supports {supported()}")
     why = family(config.model_type).check_config(config)
     if why:
         raise ConfigError(f"model {name_or_path!r}: {why}")

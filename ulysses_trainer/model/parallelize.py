@@ -6,14 +6,14 @@ Order (each step relies on the ones before it):
   2. Loss head: lm_head also returns the chunked (or plain) loss sum, never the L x V logits.
   3. Lean norms: every RMSNorm keeps only its input for backward, not fp32 copies (fused Triton kernel on
      CUDA where liger-kernel is installed).
-  4. The family's MLP block (families/; what is swapped in: model/install.py): each decoder layer's MLP runs by
+  4. The family's MLP block (families/; what is swapped in: its folder's modules.py): each decoder layer's MLP runs by
      sequence tiles (a gated MLP: levers/tiled_mlp.TiledMLP; Qwen3-MoE's block: levers/sparse_moe.SparseMoE,
      experts by tiles, router statistics for the load-balancing loss).
   5. Checkpointing (+ offload): each decoder layer keeps only its input (or, with checkpoint_every=k,
      every k-th layer does and backward rebuilds the rest), on device or in pinned host memory, and
      recomputes in backward; there the tiled MLP skips its forward (its backward recomputes each tile).
   6. The attention-output stash: kept outputs let the recompute skip the kernel.
-`plan` is a ModelPlan (plan/model_plan.py): every value concrete. The trainer takes it from its resolved plan
+`plan` is a ModelPlan (vocabulary/model_plan.py): every value concrete. The trainer takes it from its resolved plan
 (plan/resolve.py) and sets the levers with `apply` once the engine holds the model states; a loop of your own
 passes a ParallelizeConfig, whose `auto` values are decided once, by ParallelizeConfig.resolve.
 """
@@ -25,12 +25,12 @@ from typing import Any
 
 from torch import nn
 
-from ..attention.deltanet import available_deltanet_kernels
 from ..attention.kernels import available_kernels
 from ..attention.stash import AttentionStash
 from ..config import FIELDS
 from ..errors import ConfigError
 from ..families import family
+from ..families.installs import installer, load_modules
 from ..levers.host_pool import HostPool
 from ..levers.lean_norm import available_norm_kernels, use_lean_norms
 from ..levers.recompute import LayerRecompute
@@ -38,9 +38,10 @@ from ..levers.rope import use_fused_rope
 from ..parallel.integrations import unregister_attention
 from ..parallel.state import ParallelState
 from ..parallel.ulysses import UlyssesAttention, _no_mask
-from ..plan.lever_settings import Fixed, decode_levers
-from ..plan.model_plan import ModelPlan
-from ..plan.names import (
+from ..probe import installed_deltanet_kernels
+from ..vocabulary.lever_settings import Fixed, decode_levers
+from ..vocabulary.model_plan import ModelPlan
+from ..vocabulary.names import (
     auto_num_tiles,
     choose_deltanet_kernel,
     choose_experts_implementation,
@@ -48,7 +49,6 @@ from ..plan.names import (
     choose_norm_kernel,
     default_mlp_tiles,
 )
-from .install import installer
 from .loss_head import LOSS_TYPES, LossHead
 from .sp_model import SequenceParallelCausalLM
 from .undo import ModelSnapshot, use_private_config
@@ -102,12 +102,12 @@ class ParallelizeConfig:
                        tiled_mlp=auto_tiles if fx.tiled_mlp is None else fx.tiled_mlp,
                        experts_implementation=choose_experts_implementation(self.experts_implementation),
                        deltanet_kernel=choose_deltanet_kernel(self.deltanet_kernel,
-                                                              tuple(available_deltanet_kernels())),
+                                                              installed_deltanet_kernels()),
                        lean_norm=self.lean_norm, norm_kernel=norm, gradient_checkpointing=self.gradient_checkpointing,
                        host_memory_gb=self.host_memory_gb, ranks_per_node=self.ranks_per_node)
 
     def levers(self, config: Any) -> Fixed:
-        """The levers decoded (plan/lever_settings.decode_levers, the trainer's decoder) and bound to the HF model
+        """The levers decoded (vocabulary/lever_settings.decode_levers, the trainer's decoder) and bound to the HF model
         config: None = auto. `tiled_mlp: true` is the lever's own count for local_seq_len tokens (1 without it)."""
         def true_tiles() -> int:
             if self.local_seq_len is None:
@@ -156,8 +156,8 @@ def _check(model: nn.Module, plan: ModelPlan) -> nn.ModuleList:
                         "(ulysses_trainer.unparallelize gives it back)")
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList) or not isinstance(getattr(model, "lm_head", None), nn.Linear):
-        raise TypeError(f"parallelize takes an HF causal LM with .model.layers and an nn.Linear lm_head (Qwen3, "
-                        f"Qwen3-MoE, Qwen3.5), got {type(model).__name__}")
+        raise TypeError(f"parallelize takes an HF causal LM with .model.layers and an nn.Linear lm_head (the "
+                        f"architectures of docs/models.md), got {type(model).__name__}")
     if model.lm_head.bias is not None:
         raise TypeError("an lm_head with a bias is not supported (the chunked loss reads its weight only)")
     if plan.loss_type not in LOSS_TYPES:
@@ -185,6 +185,7 @@ def parallelize(model: nn.Module, state: ParallelState,
     layers = _check(model, plan)
     c = model.config
     fam = family(getattr(c, "model_type", "qwen3"))
+    load_modules(fam)  # its torch side registers what is swapped in
     installs = (installer(fam.mlp), installer(fam.mixer) if fam.mixer is not None else None)  # before any change
     attention = UlyssesAttention(state, plan.attn_implementation, c.num_attention_heads, c.num_key_value_heads)
     snapshot = ModelSnapshot(model)  # before any change: what unparallelize restores
@@ -207,7 +208,7 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan
     model.set_attn_implementation(attention.register(model))
     install_mlp, install_mixer = installs
     if install_mixer is not None:
-        install_mixer(fam.mixer, layers, state, plan.deltanet_kernel)
+        install_mixer(fam.mixer, layers, state, plan)
     use_fused_rope(model)  # RoPE in one pass over q and k (Triton on CUDA; HF's ops elsewhere)
     # 2. loss head
     model.lm_head = LossHead(model.lm_head, plan.loss_type, plan.loss_chunk_size)
@@ -229,7 +230,7 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan
         if tiles > 1:  # the recompute needs the tiled MLP's graph, not its output (TiledMLP.unused_output)
             checkpointer.recompute_context = lambda i: layers[i].mlp.unused_output()
     # 6. the stash for kept attention outputs (only a recompute can reuse them: checked in _check)
-    if plan.attention_stash:  # decided once (plan/lever_settings.Fixed.attention_stash)
+    if plan.attention_stash:  # decided once (vocabulary/lever_settings.Fixed.attention_stash)
         attention.stash = AttentionStash()
     model.train()
     sp_model = SequenceParallelCausalLM(model, state, attention, checkpointer, tiles, stats, coef)

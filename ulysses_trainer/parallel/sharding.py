@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plan.layout import padded_length
+from ..vocabulary.layout import padded_length
 
 IGNORE_INDEX = -100  # a label that is not trained on (torch cross_entropy's default ignore_index)
 # a row's pads are cut into segments of at most this many tokens in cu_seqlens: a varlen kernel (one call over

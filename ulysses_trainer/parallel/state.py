@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..plan.layout import Layout, resolve_layout
+from ..vocabulary.layout import Layout, resolve_layout
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Ulysses attention, plugged into transformers' attention registry so HF models run unchanged.
 
 Inside each attention layer: q, k, v arrive for my s/sp tokens and all heads; an all-to-all gives
-me all s tokens for h/sp heads; the kernel runs; a second all-to-all brings my tokens back.
+me all s tokens for h/sp heads; the kernel runs; a second all-to-all brings my tokens back. A sliding-window layer
+(Mistral, Qwen2's windowed layers) sees the whole sequence of its heads too, so its window applies exactly as in
+one process (attention/kernels.windowed_attention).
 sp <= KV heads: KV heads are sharded like query heads. sp > KV heads: each KV head is replicated
 sp/kv times first, so rank r still holds the KV head its query heads read (r * kv // sp).
 """
@@ -10,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.kernels import KERNEL_FUNCTIONS
+from ..attention.kernels import KERNEL_FUNCTIONS, windowed_attention
 from ..attention.stash import AttentionStash
-from ..plan.layout import check_heads
-from ..plan.names import KEEPING_KERNELS
+from ..vocabulary.layout import check_heads
+from ..vocabulary.names import KEEPING_KERNELS
 from .comm import heads_to_seq, seq_to_heads
 from .integrations import register_attention
 from .sharding import ShardContext
@@ -64,7 +66,6 @@ class UlyssesAttention:
             (sp_context.cu_seqlens, sp_context.max_seqlen, sp_context.pad_spans)
         assert attention_mask is None, "Ulysses attention builds causality from position_ids; pass no mask"
         assert not dropout, "attention dropout is not supported under Ulysses SP; set attention_dropout=0"
-        assert sliding_window is None, "sliding-window layers are not supported; disable use_sliding_window"
         sp_size, group = self.state.sp_size, self.state.sp_group
         # HF layout [b, h, s/sp, d] -> [b, s/sp, h, d]
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
@@ -77,6 +78,11 @@ class UlyssesAttention:
         if cu_seqlens is not None and cu_seqlens.device != q.device:
             cu_seqlens = cu_seqlens.to(q.device)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        if sliding_window is not None:
+            # every rank holds the whole sequence of its heads: the window applies as in one process
+            out = windowed_attention(q, k, v, scale=scale, window=int(sliding_window), cu_seqlens=cu_seqlens,
+                                     max_seqlen=max_seqlen, pad_spans=pad_spans)
+            return heads_to_seq(out, sp_size, group), None  # [b, s, h/sp, d] -> [b, s/sp, h, d]
         keep = {}
         layer = getattr(module, "layer_idx", None)
         if self.stash is not None and self.kernel in KEEPING_KERNELS and self.stash.wants(layer, module.training):

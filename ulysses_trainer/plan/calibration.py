@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..vocabulary.names import DEFAULT_SUB_GROUP_SIZE, GIB, PLANNED_KERNELS, STANDIN, STANDINS, auto_num_tiles
 from .inputs import ModelShape, Settings, Zero3Knobs
 from .memory import estimate
-from .names import DEFAULT_SUB_GROUP_SIZE, GIB, PLANNED_KERNELS, STANDIN, STANDINS, auto_num_tiles
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 SYSTEMS = ("ours", "alst", "hf")

@@ -10,7 +10,7 @@ Ulysses all-to-alls, on the sp group (parallel/ulysses.py), per decoder layer an
   (1 op): 4 in the forward, 4 in the checkpoint's recompute (a kept attention output skips only the
   kernel there: q, k, v are still needed for its backward and the output still feeds o_proj), 4 in
   backward (the autograd reverse of each), and 4 more in each layer rebuilt with checkpoint_every > 1.
-  A Qwen3.5 Gated DeltaNet layer (parallel/ulysses_deltanet.py) issues 2 per pass: its projected q, k, v,
+  A Qwen3.5 Gated DeltaNet layer (families/qwen3_5/ulysses_deltanet.py) issues 2 per pass: its projected q, k, v,
   b, a channels packed into one before the conv (t*(2*K*dk + V*dv + 2V)*e) and the rule's output back after
   it (t*V*dv*e); 2 in the recompute, 2 in backward, 2 more when rebuilt.
   Bytes per rank: q and the output t*nq*d*e; k and v t*nkv'*d*e, nkv' = nkv*max(1, sp/nkv) (KV heads

@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..vocabulary.lever_settings import Fixed  # the levers bound to a model (None: searched)
+from ..vocabulary.names import GIB, default_mlp_tiles
 from .inputs import ModelShape, Settings, Zero3Knobs, saved_layer_count
-from .lever_settings import Fixed  # the levers bound to a model (None: searched)
 from .memory import estimate
 from .memory_record import MemoryEstimate
-from .names import GIB, default_mlp_tiles
 
 EVERY_CHOICES = (1, 2, 3, 4, 6, 9, 12)  # checkpoint_every values the search tries, cheapest first
 # offload is not charged in the step time, so a plan that ties on time takes more inputs to the host until the

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 from ..errors import ConfigError
 from ..families import Family, LayerDims, MlpRun, family
-from .layout import check_heads, padded_length
-from .names import (
+from ..vocabulary.layout import check_heads, padded_length
+from ..vocabulary.names import (
     DEFAULT_SUB_GROUP_SIZE,
     PLANNED_KERNELS,
     param_persistence_threshold,
@@ -51,6 +51,10 @@ class ModelShape:
     linear_k_dim: int = 0
     linear_v_dim: int = 0
     linear_conv: int = 0
+    # the layers attending in a sliding window of `sliding_window` tokens (Mistral: all; Qwen2, Ministral: those
+    # layer_types says); the memory and time terms count them as full causal attention (an over-estimate)
+    windowed_layers: tuple[int, ...] = ()
+    sliding_window: int = 0
     # ---- derived in __post_init__ (also after dataclasses.replace), never passed in
     family: Family = field(init=False, repr=False, compare=False)
     dims: LayerDims = field(init=False, repr=False, compare=False)
@@ -112,7 +116,8 @@ class ModelShape:
         # one layer's average over the kinds, so that layers x active is the model's total
         active = (n_attn * sum(n for _, n in attention) + n_mixer * mixer_active) / self.layers \
             + fam.active_mlp_numel(d) + 2 * self.hidden
-        linear = n_attn * sum(n for name, n in attention if not name.endswith("_norm")) + n_mixer * mixer_linear \
+        linear = n_attn * sum(n for name, n in attention if not name.endswith(("_norm", "_bias"))) \
+            + n_mixer * mixer_linear \
             + self.layers * fam.active_mlp_numel(d)
         once, tiled = fam.mlp.trace_groups(d)
         token_mixer = mixer if mixer_first else attention
@@ -138,6 +143,7 @@ class ModelShape:
         """From a transformers config of a supported family (families/)."""
         fam = family(getattr(config, "model_type", "qwen3"))
         d = fam.layer_dims(config)
+        windowed, window = fam.windowed_layers(config)
         return cls(vocab=config.vocab_size, hidden=d.hidden, intermediate=d.intermediate,
                    layers=config.num_hidden_layers, heads=config.num_attention_heads,
                    kv_heads=config.num_key_value_heads, head_dim=d.head_dim,
@@ -145,7 +151,7 @@ class ModelShape:
                    model_type=fam.model_type, experts=d.experts, top_k=d.top_k, shared_expert=d.shared_expert,
                    mixer_layers=fam.mixer_layers(config), linear_k_heads=d.linear_k_heads,
                    linear_v_heads=d.linear_v_heads, linear_k_dim=d.linear_k_dim, linear_v_dim=d.linear_v_dim,
-                   linear_conv=d.linear_conv)
+                   linear_conv=d.linear_conv, windowed_layers=windowed, sliding_window=window)
 
     @classmethod
     def preset(cls, name: str) -> ModelShape:

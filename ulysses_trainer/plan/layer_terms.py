@@ -6,9 +6,9 @@ on top, and the ZeRO-3 / tied-embedding terms alive during it. Notation as in pl
 
 from __future__ import annotations
 
+from ..vocabulary.names import KEEPING_KERNELS, STANDIN_FA4, groups_one_at_a_time
 from . import rates
 from .inputs import ModelShape, Settings, kv_repeat, mlp_run
-from .names import KEEPING_KERNELS, STANDIN_FA4, groups_one_at_a_time
 
 FP32 = 4
 # the kernels attention/grouped.py runs group by group (flash_attention_4's group term is cuDNN's, not

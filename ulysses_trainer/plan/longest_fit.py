@@ -15,9 +15,9 @@ import math
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
+from ..vocabulary.lever_settings import Fixed
 from .fit_search import cheapest_fit
 from .inputs import ModelShape, Settings, Zero3Knobs
-from .lever_settings import Fixed
 from .memory_record import MemoryEstimate
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Literal
 
+from ..vocabulary.names import GIB
 from .host_terms import host_optimizer_bytes, host_pool_bytes
 from .inputs import ModelShape, Settings, check_settings
 from .layer_terms import (
@@ -46,7 +47,6 @@ from .layer_terms import (
 )
 from .loss_terms import final_norm_bytes, lm_head_gathered_bytes, loss_bytes
 from .memory_record import MemoryEstimate, Term
-from .names import GIB
 from .partitions import (
     _persistence_threshold,
     _shard_numel,

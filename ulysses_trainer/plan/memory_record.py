@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..vocabulary.names import GIB
 from .inputs import ModelShape, Settings
-from .names import GIB
 
 # `plan --json` keeps the keys it has always written for these Settings fields
 _JSON_KEYS = {"optimizer_offload": "offload_optimizer", "attn_implementation": "attention",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..vocabulary.lever_settings import Fixed
 from .attention_share import AttentionShare
 from .inputs import Settings
-from .lever_settings import Fixed
 from .memory_record import MemoryEstimate
 from .step_time import StepTime, format_seconds
 from .types import Machine, Plan

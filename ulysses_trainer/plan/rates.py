@@ -76,7 +76,8 @@ LOSS_S_PER_LOGIT = 2.6794e-11
 # forward and forward+backward seconds and its fwd+bwd peak bytes, per token and value head of 128 x 128 (the
 # 1,048,576-token row of Qwen3.5-27B's heads at sp=8: 2 key / 6 value heads); the causal conv's fwd+bwd seconds
 # per token and channel (fla's conv, 1,280 channels, 1M tokens; deltanet_kernel fla runs both). The torch
-# kernel's rule and conv (attention/deltanet.py) are not measured: they are planned at these rates (the plan says so).
+# kernel's rule and conv (families/qwen3_5/deltanet_kernels.py) are not measured: they are planned at these rates
+# (the plan says so).
 DELTANET_SOURCE = "deltanet_kernels/h200.json"
 DELTANET_RULE_S = (4.5796e-09, 1.6679e-08)  # (forward, forward + backward) s per token and value head
 DELTANET_RULE_PEAK_BYTES = 4158.7  # fwd+bwd peak per token and value head

@@ -19,14 +19,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ConfigError
+from ..vocabulary.layout import Layout, resolve_layout
+from ..vocabulary.lever_settings import Fixed, decode_levers
+from ..vocabulary.names import GIB, KEEPING_KERNELS, auto_num_tiles, choose_kernels
 from .attention_share import AttentionShare
 from .card_rates import rates_for
 from .fit_search import Fits, cheapest_autos, search_fits, shortfall, with_headroom
 from .inputs import ModelShape, Settings, check_settings
 from .layer_terms import kept_attention_bytes_per_layer
-from .layout import Layout, resolve_layout
-from .lever_settings import Fixed, decode_levers
-from .names import GIB, KEEPING_KERNELS, auto_num_tiles, choose_kernels
 from .notes import WORST_CASE, decided, plan_notes  # noqa: F401 - WORST_CASE: the packing note, re-exported
 from .partitions import lora_numels
 from .rates import MEASURED_HEAD_SHAPE

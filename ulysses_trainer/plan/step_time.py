@@ -196,6 +196,10 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     parts = {"attention forward": forwards * fwd * accumulation,
              "attention backward": len(attending) * bwd * accumulation,
              "matmuls and the rest": dense_flops(shape, run) / (r.DENSE_TFLOPS * 1e12) * accumulation}
+    if shape.windowed_layers and shape.sliding_window < s.padded_length:
+        notes.append(f"{len(shape.windowed_layers)} of {shape.layers} layers attend in a "
+                     f"{shape.sliding_window:,}-token sliding window: planned as full causal attention (their "
+                     f"attention time and memory over-estimated)")
     mixer = shape.family.mixer
     if mixer is not None and mixed:
         seconds, mixer_notes = mixer.seconds(shape.dims, run, r)

@@ -7,12 +7,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import ConfigError
+from ..vocabulary.lever_settings import Fixed
+from ..vocabulary.model_plan import ModelPlan
+from ..vocabulary.names import DEFAULT_SUB_GROUP_SIZE, GIB, check_zero_stage, offload_sub_group_size
 from ..zero_json import zero_size
 from .inputs import Settings, Zero3Knobs
-from .lever_settings import Fixed
 from .memory_record import MemoryEstimate
-from .model_plan import ModelPlan
-from .names import DEFAULT_SUB_GROUP_SIZE, GIB, check_zero_stage, offload_sub_group_size
 from .step_time import format_seconds
 
 # the engine's measured memory use may exceed the model states' prediction by this much before the plan

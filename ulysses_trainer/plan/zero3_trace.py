@@ -16,7 +16,7 @@ the block's lower layers from its kept input, levers/recompute.py):
             down], final norm, lm_head (the loss head; a tied one is the embedding)
   backward: lm_head, final norm, per layer from the top [rebuilds, recompute forward, backward in
             reverse module order], embed
-A Qwen3.5 Gated DeltaNet layer (parallel/ulysses_deltanet.py) uses in_proj_qkv, in_proj_b, in_proj_a, conv1d,
+A Qwen3.5 Gated DeltaNet layer (families/qwen3_5/ulysses_deltanet.py) uses in_proj_qkv, in_proj_b, in_proj_a, conv1d,
 A_log, dt_bias, in_proj_z, the gated norm, out_proj in place of q .. o (ModelShape.layer_orders: each layer
 its own kind's order).
 A tiled MLP (levers/tiled_mlp.py, T tiles) runs gate, up, down T times in forward, not at all in the

@@ -22,7 +22,7 @@ import torch
 from ..errors import ConfigError
 from ..parallel.comm import all_reduce
 from ..parallel.init import barrier
-from ..plan.names import CHECKPOINT_MARKER
+from ..vocabulary.names import CHECKPOINT_MARKER
 from .output_guard import OutputWriteError, RecordingWriter, describe_failure, failure_message
 from .reporters import TENSORBOARD_DIR
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..parallel.sharding import IGNORE_INDEX
-from ..plan.names import GIB
+from ..vocabulary.names import GIB
 
 # --------------------------------------------------------------------------------------------
 # Per-position loss

@@ -27,12 +27,12 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..errors import ConfigError
+from ..plan.memory import UNDER_PREDICTION
+from ..plan.types import Machine, Plan
 
 # the levers a plan search decides when `auto`; a pinned one is what `ulysses-trainer plan` is told to search
-from ..plan.lever_settings import AUTO_LEVERS, decode_levers
-from ..plan.memory import UNDER_PREDICTION
-from ..plan.names import GIB
-from ..plan.types import Machine, Plan
+from ..vocabulary.lever_settings import AUTO_LEVERS, decode_levers
+from ..vocabulary.names import GIB
 
 inject: Callable[[Where], None] | None = None  # the test seam (None outside tests)
 

@@ -26,11 +26,11 @@ from ..model.lora import check_lora
 from ..plan.attention_share import AttentionShare, timed_from_data
 from ..plan.counts import num_params
 from ..plan.inputs import ModelShape
-from ..plan.layout import Layout
-from ..plan.names import resolve_report_to
 from ..plan.resolve import PlanSearch, plan_from, resolve_plan, search_plan
 from ..plan.types import Machine, Plan, ZeroSettings, read_zero
 from ..probe import this_machine
+from ..vocabulary.layout import Layout
+from ..vocabulary.names import resolve_report_to
 from .agreement import agree_machine, check_same_plan
 from .checkpoint import CHECKPOINT, check_checkpoint_model, check_output_dir, find_checkpoint, trainer_checkpoints
 from .data_cache import prepared_sequences
@@ -71,7 +71,7 @@ class RunPlan:
     disk: str = ""  # the `disk:` line: what the run holds in output_dir at its peak, and the free space
     plan_digest: str = ""  # the digest of `resolved`, the same on every rank (train/agreement.py)
     source: str | None = None  # the weights' directory or Hub id (model/load.checkpoint_source); None: a preset
-    reporters: list[str] = field(default_factory=list)  # report_to, decoded once (plan/names.resolve_report_to)
+    reporters: list[str] = field(default_factory=list)  # report_to, decoded once (vocabulary/names.resolve_report_to)
     recall_probe: RecallProbe | None = None  # eval_recall_probe: the probe rows (data/recall_probe.py)
     host_held_slots: int | None = None  # a memory rehearsal's host stand-in (train/rehearsal.py); None in training
     # packed rows: the attention of the rows the run trains (data_share), the plan's after the engine too

@@ -28,8 +28,8 @@ from ..model.parallelize import ParallelizeConfig, parallelize, unparallelize
 from ..parallel.comm import all_reduce, gather_objects, sum_in_place
 from ..parallel.sharding import IGNORE_INDEX, shard_batch
 from ..parallel.state import ParallelState
-from ..plan.layout import padded_length
-from ..plan.model_plan import ModelPlan
+from ..vocabulary.layout import padded_length
+from ..vocabulary.model_plan import ModelPlan
 
 MAX_TOKENS = 4096  # the row's first tokens the check runs: a few seconds at 8B
 PROJECTION = 8  # each token's output of a watched module is compared as this many random projections

@@ -1,7 +1,7 @@
 """Gated DeltaNet kernels (Qwen3.5's linear-attention layers): the causal depthwise conv and the gated delta rule,
 each over the whole sequence of the heads it is given, with packed documents kept apart.
 
-Two kernels under one name each (plan/names.DELTANET_KERNELS), each a rule and a conv: `fla`,
+Two kernels under one name each (vocabulary/names.DELTANET_KERNELS), each a rule and a conv: `fla`,
 flash-linear-attention's chunk_gated_delta_rule and causal_conv1d (Triton, CUDA; their varlen paths take
 cu_seqlens), and `torch`, the same chunked algorithm in fp32 torch ops and the conv as multiply-adds per tap (any
 device; packed documents one at a time). Both take q, k with K key heads and v with V value

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import FP32, AllReduce, Family, LayerDims, MlpBlock, MlpRun
-from .qwen3 import common_kwargs
+from ..base import FP32, AllReduce, Family, LayerDims, MlpBlock, MlpRun
+from ..qwen3 import common_kwargs
 
 # name: (hidden, moe_intermediate, dense intermediate, layers, q heads, kv heads, experts, top_k, head_dim, tied)
 _DIMS: dict[str, tuple[int, int, int, int, int, int, int, int, int, bool]] = {
@@ -188,4 +188,5 @@ def _preset(name: str) -> dict[str, Any]:
 
 
 QWEN3_MOE = Family(model_type="qwen3_moe", config_class="Qwen3MoeConfig", causal_lm_class="Qwen3MoeForCausalLM",
-                   mlp=SparseMoeMlp(), qk_norm=True, fused_rope=True, presets={n: _preset(n) for n in _DIMS})
+                   mlp=SparseMoeMlp(), qk_norm=True, fused_rope=True, presets={n: _preset(n) for n in _DIMS},
+                   modules=f"{__name__}.modules")

@@ -9,7 +9,7 @@ delta rule (decay g from in_proj_a, A_log, dt_bias; write strength beta from in_
 (1 + weight) in fp32 (norm_offset 1.0). The MoE model's block adds an always-on shared expert, scaled by a sigmoid
 gate, to the routed experts.
 
-Under Ulysses SP both mixers split by head (parallel/ulysses.py, parallel/ulysses_deltanet.py): sp must divide the
+Under Ulysses SP both mixers split by head (parallel/ulysses.py, ulysses_deltanet.py): sp must divide the
 query heads and the DeltaNet key and value heads; it may exceed the full attention's KV heads (replicated).
 
 Presets from the published Qwen/Qwen3.5-* config.json text configs: vocab 248,320, head_dim 256, partial rotary
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import FP32, Family, LayerDims, MlpRun, TokenMixer
-from .qwen3 import GatedMlp
-from .qwen3_moe import ROUTER_AUX_LOSS_COEF, SparseMoeMlp
+from ..base import FP32, Family, LayerDims, MlpRun, TokenMixer
+from ..qwen3 import GatedMlp
+from ..qwen3_moe import ROUTER_AUX_LOSS_COEF, SparseMoeMlp
 
 VOCAB_SIZE = 248320
 MAX_POSITIONS = 262144
@@ -34,7 +34,7 @@ FULL_ATTENTION_INTERVAL = 4
 
 
 class GatedDeltaNet(TokenMixer):
-    """transformers' Qwen3_5GatedDeltaNet; under SP, parallel/ulysses_deltanet.UlyssesGatedDeltaNet."""
+    """transformers' Qwen3_5GatedDeltaNet; under SP, ulysses_deltanet.UlyssesGatedDeltaNet."""
 
     kind = "linear_attention"
     lora_linears = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
@@ -65,17 +65,17 @@ class GatedDeltaNet(TokenMixer):
         return (d.linear_k_heads, d.linear_v_heads)
 
     def all_to_alls(self, d: LayerDims) -> list[tuple[str, int]]:
-        """parallel/ulysses_deltanet.py: q, k, v, b, a packed into one before the conv; the rule's output after."""
+        """ulysses_deltanet.py: q, k, v, b, a packed into one before the conv; the rule's output after."""
         nv = d.linear_v_heads
         return [("DeltaNet q, k, v, b, a (before the conv)", self._conv(d) + 2 * nv),
                 ("DeltaNet rule output", nv * d.linear_v_dim)]
 
     def saved(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
-        """parallel/ulysses_deltanet.py per rank (t tokens x all heads = all tokens x its heads): the all-to-all's
+        """ulysses_deltanet.py per rank (t tokens x all heads = all tokens x its heads): the all-to-all's
         result (the conv's input), the conv output (SiLU's input) and q/k/v (the rule's input), the decay (fp32)
         and beta, the rule's output back on the rank's tokens, z, out_proj's input, and with transformers' gated
         RMSNorm (lean_norm false) its fp32 upcasts of input and gate and the normalised tensor (the lean one,
-        levers/lean_gated_norm.py, keeps its input and z, counted already)."""
+        lean_gated_norm.py, keeps its input and z, counted already)."""
         t, e = run.tokens, run.act_bytes
         conv, value, nv = self._conv(d), d.linear_v_heads * d.linear_v_dim, d.linear_v_heads
         return {"DeltaNet: all-to-all result (conv input), conv output, q/k/v": t * (3 * conv + 2 * nv) * e,
@@ -193,10 +193,10 @@ def _moe(name: str) -> dict[str, Any]:
 QWEN3_5 = Family(model_type="qwen3_5_text", config_class="Qwen3_5TextConfig", causal_lm_class="Qwen3_5ForCausalLM",
                  mlp=GatedMlp(), qk_norm=True, gated_attention=True, norm_offset=1.0, mixer=GatedDeltaNet(),
                  tokenizer="qwen3.5", presets={"tiny-qwen3.5": dict(_tiny(), intermediate_size=128),
-                          **{n: _dense(n) for n in _DENSE}})
+                          **{n: _dense(n) for n in _DENSE}}, modules=f"{__name__}.modules")
 
 QWEN3_5_MOE = Family(model_type="qwen3_5_moe_text", config_class="Qwen3_5MoeTextConfig",
                      causal_lm_class="Qwen3_5MoeForCausalLM", mlp=SharedExpertMoeMlp(), qk_norm=True,
                      gated_attention=True, norm_offset=1.0, mixer=GatedDeltaNet(), tokenizer="qwen3.5",
                      presets={"tiny-qwen3.5-moe": dict(_tiny(), **_moe_kwargs(8, 2, 32, 32)),
-                              **{n: _moe(n) for n in _MOE}})
+                              **{n: _moe(n) for n in _MOE}}, modules=f"{__name__}.modules")

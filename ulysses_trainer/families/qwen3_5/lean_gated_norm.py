@@ -80,3 +80,12 @@ class LeanGatedRMSNorm(nn.Module):
 def is_gated_rms_norm(module: nn.Module) -> bool:
     """transformers' gated RMSNorm by class name (Qwen3_5RMSNormGated, Qwen3_5MoeRMSNormGated), not one replaced."""
     return type(module).__name__.endswith("RMSNormGated") and not isinstance(module, LeanGatedRMSNorm)
+
+
+def use_lean_gated_norms(model: nn.Module) -> int:
+    """Replace every transformers gated RMSNorm in `model` by a LeanGatedRMSNorm in place; returns how many."""
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if is_gated_rms_norm(child)]
+    for parent, name, child in targets:
+        setattr(parent, name, LeanGatedRMSNorm(child))
+    return len(targets)

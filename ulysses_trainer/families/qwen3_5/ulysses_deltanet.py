@@ -14,7 +14,7 @@ v: V heads x dv]; in_proj_b / in_proj_a give one value per value head. Rank r ta
 r*K/sp .. (r+1)*K/sp - 1 and value heads r*V/sp .. (r+1)*V/sp - 1: with V = m*K, value head j reads key head
 j // m, so a rank's value heads read exactly its key heads. The conv weight's rows for those channels, and
 A_log / dt_bias for those heads, are slices of the parameters taken inside the forward (never copies), so
-ZeRO-3 gathers and reduces the whole tensors as usual. sp must divide K and V (plan/layout.check_heads).
+ZeRO-3 gathers and reduces the whole tensors as usual. sp must divide K and V (vocabulary/layout.check_heads).
 
 Packed documents: the conv and the recurrence restart at every document start of cu_seqlens (the full
 sequence's, which is what a rank holds after the all-to-all).
@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention.deltanet import CONV_FUNCTIONS, DELTANET_FUNCTIONS
-from .comm import heads_to_seq, seq_to_heads
-from .sharding import ShardContext
-from .state import ParallelState
+from ...parallel.comm import heads_to_seq, seq_to_heads
+from ...parallel.sharding import ShardContext
+from ...parallel.state import ParallelState
+from .deltanet_kernels import CONV_FUNCTIONS, DELTANET_FUNCTIONS
 
 
 class ChannelConv(nn.Module):

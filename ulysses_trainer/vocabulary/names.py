@@ -26,7 +26,7 @@ STANDINS = (STANDIN, STANDIN_FA4)
 PLANNED_KERNELS = (*ATTENTION_KERNELS, *STANDINS)  # what the memory model plans
 KEEPING_KERNELS = ("sdpa", "flash_attention_4", *STANDINS)  # kernels whose outputs can be kept (attention/grouped.py)
 NORM_KERNELS = ("triton", "torch")  # the lean RMSNorms' kernels (levers/lean_norm.py)
-DELTANET_KERNELS = ("fla", "torch")  # a Gated DeltaNet layer's rule kernels (attention/deltanet.py)
+DELTANET_KERNELS = ("fla", "torch")  # a Gated DeltaNet layer's rule kernels (families/qwen3_5/deltanet_kernels.py)
 INSTALL_HINT = {"flash_attention_2": "pip install 'ulysses_trainer[flash]' (needs CUDA)",
                 "flash_attention_4": "pip install 'ulysses_trainer[fa4]' (flash_attn.cute; Hopper/Blackwell GPUs)",
                 "triton": "pip install 'ulysses_trainer[liger]' (Liger-Kernel's Triton RMSNorm; needs CUDA)",

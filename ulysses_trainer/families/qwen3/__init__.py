@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Family, LayerDims, MlpBlock, MlpRun
+from ..base import Family, LayerDims, MlpBlock, MlpRun
 
 VOCAB_SIZE = 151936
 MAX_POSITIONS = 40960
@@ -81,4 +81,5 @@ def _preset(name: str) -> dict[str, Any]:
 
 
 QWEN3 = Family(model_type="qwen3", config_class="Qwen3Config", causal_lm_class="Qwen3ForCausalLM",
-               mlp=GatedMlp(), qk_norm=True, fused_rope=True, presets={n: _preset(n) for n in _DIMS})
+               mlp=GatedMlp(), qk_norm=True, fused_rope=True, presets={n: _preset(n) for n in _DIMS},
+               modules=f"{__name__}.modules")
