@@ -141,6 +141,8 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
     with fake_process_group(opts.rank, plan.world_size, opts.gpus_per_node, plan.device, opts.collective_fill):
         if opts.host_standin:  # the pool is made with the model and pinned with the engine: say it now
             plan = dataclasses.replace(plan, host_held_slots=HOST_STANDIN_SLOTS)
+        # no verify_sp: the fake group's collectives move no data, so the parallelized model cannot equal the stock one
+        plan = dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, verify_sp=False))
         trainer = Trainer(plan)
         engine = trainer.engine
         pool = None if trainer.model.checkpointer is None else trainer.model.checkpointer.pool
