@@ -56,6 +56,26 @@ def test_the_real_families_pass(family, sp_size, docs):
     assert out[0].line().startswith(f"verify_sp: loss {out[0].loss:.8g} vs {out[0].ref_loss:.8g}, grad norm ")
 
 
+@pytest.mark.parametrize("world, sp_size", [(2, 1), (4, 2)])
+def test_data_parallel_ranks_each_check_their_own_row(world, sp_size):
+    """dp ranks verify their own rows: no number is summed over the dp ranks (sp 1's group is the world's None)."""
+    from ulysses_trainer import ParallelizeConfig, make_parallel_state
+
+    source = build_qwen3()
+
+    def rank(r: int, world_size: int):
+        state = make_parallel_state(sp_size)
+        row = _row(64, 503, seed=state.dp_rank)  # each dp rank its own row, as the trainer gives it
+        return run_check(source, build_qwen3, ParallelizeConfig(**MECHANISMS), state, row, bf16=False,
+                         pad_to_multiple_of=None, max_length=4096, device=torch.device("cpu"))
+
+    out = run_threads(world, rank)
+    for result in out:
+        assert abs(result.loss - result.ref_loss) <= 1e-5 * abs(result.ref_loss)
+        assert abs(result.grad_norm - result.ref_grad_norm) <= 1e-5 * result.ref_grad_norm
+    assert out[0].ref_loss != out[-1].ref_loss  # the dp ranks did check different rows
+
+
 def _shift_rank_1(x: torch.Tensor) -> torch.Tensor:
     """Rank 1's sequence shard rolled by one token: a wrong shard that keeps every shape."""
     import torch.distributed as dist

@@ -175,6 +175,12 @@ def copy_weights(target: nn.Module, source: nn.Module) -> None:
             b.copy_(buffers[name].reshape(b.shape))
 
 
+def _sp_sum(x: float, sp: int, group) -> float:
+    """Sum a number over the SP group; with sp 1 the group is None, which all_reduce reads as the whole world
+    (the dp ranks, each on its own row): no collective then."""
+    return x if sp == 1 else float(all_reduce(torch.tensor([x]), "sum", group).item())
+
+
 def compare(model: nn.Module, mechanisms: ModelPlan | ParallelizeConfig, state: ParallelState,
             input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, bf16: bool,
             pad_token_id: int = 0) -> VerifyResult:
@@ -195,12 +201,12 @@ def compare(model: nn.Module, mechanisms: ModelPlan | ParallelizeConfig, state: 
     try:
         shard = shard_batch(input_ids, sp_size=sp, sp_rank=state.sp_rank, position_ids=position_ids, labels=labels,
                             pad_token_id=pad_token_id).to(input_ids.device)
-        count = int(all_reduce(torch.tensor([float(shard.num_valid)]), "sum", group).item())
+        count = int(_sp_sum(float(shard.num_valid), sp, group))
         sp_out: dict[str, list[torch.Tensor]] = {}
         with _recording(sp_model.causal_lm, watched, sp_out):  # the first forward only (a recompute runs it again)
             local_sum = sp_model(**shard.model_inputs())
         (local_sum / count).backward()
-        loss = float(all_reduce(torch.tensor([float(local_sum.detach())]), "sum", group).item()) / count
+        loss = _sp_sum(float(local_sum.detach()), sp, group) / count
     finally:
         model = unparallelize(sp_model)
     params = dict(model.named_parameters())
