@@ -139,3 +139,44 @@ def test_the_run_report_lines_are_unchanged(capsys):
     assert out == "[ulysses_trainer] run night-1\n"
     assert err == ("[ulysses_trainer] interrupted: saving at the next step boundary (a second Ctrl-C stops at "
                    "once; the last checkpoint stays)\n")
+
+
+def test_every_failure_kind_is_one_line_and_its_exit_code(monkeypatch, capsys):
+    """cli/train._ended_by: a TrainerError of each kind is its one `error:` line and its own exit code, and the
+    process group is ended only where no peer may sit inside a collective; out of GPU memory appends the plan
+    command; a first Ctrl-C is 130, a second one 1 with why; an unnamed failure is its traceback and 1."""
+    from types import SimpleNamespace
+
+    from ulysses_trainer.cli import train
+    from ulysses_trainer.errors import JobStartError, PlanMismatchError
+    from ulysses_trainer.train.non_finite import NonFiniteError
+    from ulysses_trainer.train.out_of_memory import OutOfGpuMemory
+    from ulysses_trainer.train.output_guard import OutputWriteError
+    from ulysses_trainer.train.stop_signal import InterruptRecorder
+    from ulysses_trainer.train.verify_sp import VerifySpError
+
+    ended = []
+    monkeypatch.setattr(train, "_end_group", lambda: ended.append(True))
+    monkeypatch.setattr(train, "_fitting_plan", lambda argv, pinned, world: f"plan for {pinned} on {world}")
+    monkeypatch.setenv("RANK", "0")
+    plan = SimpleNamespace(world_size=8, cfg=SimpleNamespace(output_dir="/nonexistent"))
+    seen = InterruptRecorder()
+    cases = [(ConfigError("bad"), 2, True), (VerifySpError("differs"), 2, True), (PlanMismatchError("p"), 1, True),
+             (JobStartError("port"), 1, False), (NonFiniteError("nan"), 1, True), (OutputWriteError("disk"), 1, True),
+             (OutOfGpuMemory("oom", ("tiled_mlp",)), 1, False)]
+    for exc, code, ends in cases:
+        ended.clear()
+        assert train._ended_by(exc, seen, [], plan) == code, exc
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: {exc}"), err
+        assert bool(ended) == ends, exc
+    train._ended_by(OutOfGpuMemory("oom", ("tiled_mlp",)), seen, [], plan)
+    assert capsys.readouterr().err.strip() == "error: oom; plan for ('tiled_mlp',) on 8"
+    assert train._ended_by(KeyboardInterrupt(), seen, [], plan) == 130
+    assert train._ended_by(KeyboardInterrupt("a second Ctrl-C"), seen, [], plan) == 1
+    assert "interrupted: a second Ctrl-C" in capsys.readouterr().err
+    try:
+        raise RuntimeError("unnamed")
+    except RuntimeError as exc:
+        assert train._ended_by(exc, seen, [], None) == 1
+    assert capsys.readouterr().err.startswith("Traceback")

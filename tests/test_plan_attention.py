@@ -129,7 +129,17 @@ def test_the_replan_after_the_engine_keeps_the_datas_attention(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (120 * 2**30, 140 * 2**30))
     monkeypatch.setattr(build, "agree_free_memory", lambda gb: gb)
-    again = build.resolve_after_engine(SimpleNamespace(cfg=cfg, **vars(plan)), "cuda")
+    run = SimpleNamespace(cfg=cfg, **vars(plan))
+    again = build.resolve_after_engine(run, build.measured_machine(run, "cuda"))
     assert again.attention_from == "data" and again.run.attention_fraction == pytest.approx(share.mean)
     assert again.run.attention_fraction == pytest.approx(34 / 64)
     assert again.predicted.step_s < _plan(None, dataset_name="some.jsonl").predicted.step_s
+    # the after-engine phase says itself in one line, with the budget it measured (train/run_report.replan_line)
+    from ulysses_trainer.train.run_report import replan_line
+
+    line = replan_line(first, again, 120.0)  # this config fixes every lever: the measured memory changes none
+    assert line == "replanned after the engine (120.0 GiB GPU memory free on the fullest rank): unchanged", line
+    fewer = replace(again, run=replace(again.run, activation_offload=3, tiled_mlp=16))  # as a fuller GPU would
+    assert replan_line(again, fewer, 20.5).endswith(": changed activation_offload 36 -> 3, tiled_mlp 8 -> 16"), \
+        replan_line(again, fewer, 20.5)
+    assert replan_line(again, again, 120.0).endswith(": unchanged")

@@ -16,15 +16,7 @@ import sys
 import time
 import traceback
 
-from ..errors import (
-    EXIT_FAILURE,
-    EXIT_INTERRUPTED,
-    EXIT_INVALID,
-    EXIT_OK,
-    ConfigError,
-    JobStartError,
-    PlanMismatchError,
-)
+from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, TrainerError
 from ..train.stop_signal import InterruptRecorder
 from .deepspeed_hook import INTERRUPTED_BEFORE_TRAINING
 from .peer_notice import has_channel, lost_peer_line, peer_ended
@@ -163,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str], seen: InterruptRecorder) -> int:
+    plan = None
     try:
         with seen.held():  # torch and transformers import here: a Ctrl-C waits for them to finish
             from ..parallel.init import destroy_distributed
@@ -180,63 +173,43 @@ def _main(argv: list[str], seen: InterruptRecorder) -> int:
             _init_distributed()
         plan = prepare(cfg, world_size_from_env())
         with seen.held():
-            from ..train.out_of_memory import OutOfGpuMemory
-            from ..train.output_guard import OutputWriteError
-            from ..train.trainer import NonFiniteError, Trainer
-    except ConfigError as exc:
-        _report(f"error: {exc}")
-        _end_group()
-        return EXIT_INVALID
-    except KeyboardInterrupt:  # Ctrl-C while checking inputs: nothing was written
-        _end_group()
-        return interrupted()
-    except PlanMismatchError as exc:  # every rank sees it, before the model is built
-        _report(f"error: {exc}")
-        _end_group()
-        return EXIT_FAILURE
-    except JobStartError as exc:  # no group: nothing to end
-        _report(f"error: {exc}")
-        return EXIT_FAILURE
-    except Exception as exc:
-        if seen.received:  # the Ctrl-C, turned into another error by a library on its way up
-            _end_group()
-            return interrupted()
-        if _peer_failure(exc, None):
-            return EXIT_FAILURE
-        _end_group()
-        raise
-
-    try:
+            from ..train.trainer import Trainer
         _init_distributed()
         code = Trainer(plan).train() or EXIT_OK
         destroy_distributed(together=True)
         return code
-    except ConfigError as exc:  # found only once the engine exists (e.g. host RAM for offload)
-        _report(f"error: {exc}")
-        code = EXIT_INVALID
-    except (NonFiniteError, OutputWriteError, PlanMismatchError) as exc:  # every rank sees the same loss, norm,
-        # failed write or plan digests
-        _report(f"error: {exc}")
-        code = EXIT_FAILURE
-    except OutOfGpuMemory as exc:  # no collective after it (the peers may be inside the step): the launcher
-        # ends them once this rank exits; the process group is left to the process's exit for the same reason
-        _report(f"error: {exc}; {_fitting_plan(argv, exc.pinned, plan.world_size)}")
-        return EXIT_FAILURE
-    except KeyboardInterrupt as exc:  # before the stop handler exists (engine build), or a second signal
-        if str(exc):
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one line and its exit code here
+        return _ended_by(exc, seen, argv, plan)
+    except KeyboardInterrupt as exc:  # before the trainer's stop handler exists, or a second signal
+        return _ended_by(exc, seen, argv, plan)
+
+
+def _ended_by(exc: BaseException, seen: InterruptRecorder, argv: list[str], plan) -> int:
+    """The exit code of a run that raised `exc`, after its one line: a TrainerError's own line and code (the
+    out-of-memory one with the plan command that fits); a Ctrl-C's (130, or 1 for a second one, which says why);
+    a peer's death named; a traceback only for a failure nobody named. `plan`: None before the run was prepared."""
+    if isinstance(exc, KeyboardInterrupt):
+        if str(exc):  # the stop handler's second signal: it says what it cut short
             print(f"[ulysses_trainer] interrupted: {exc}", file=sys.stderr, flush=True)
             code = EXIT_FAILURE
         else:
             code = interrupted()
-    except Exception as exc:
-        if seen.received:  # before the trainer's handler replaced `seen`: the Ctrl-C, as another error
-            destroy_distributed(together=False)
-            return interrupted()
-        if _peer_failure(exc, plan.cfg.output_dir):  # a peer died: its cause in one line, not gloo's traceback
-            return EXIT_FAILURE  # the group is left to the process's exit: a collective with the dead peer hangs
-        if _rank() != 0:  # usually a peer's failure seen here ("Connection closed by peer"): let the rank
-            _quiet_wait()  # that failed first report, the launcher ends this one meanwhile
-        traceback.print_exc()
-        code = EXIT_FAILURE
-    destroy_distributed(together=False)
-    return code
+        _end_group()
+        return code
+    if isinstance(exc, TrainerError):
+        pinned = getattr(exc, "pinned", None)  # train/out_of_memory.OutOfGpuMemory: the levers the run had pinned
+        hint = f"; {_fitting_plan(argv, pinned, plan.world_size)}" if pinned is not None and plan else ""
+        _report(f"error: {exc}{hint}")
+        if exc.end_group:  # no collective where a peer may be inside one: the process's exit ends the group
+            _end_group()
+        return exc.exit_code
+    if seen.received:  # the Ctrl-C, turned into another error by a library on its way up
+        _end_group()
+        return interrupted()
+    if _peer_failure(exc, plan.cfg.output_dir if plan else None):  # its cause in one line, not gloo's traceback
+        return EXIT_FAILURE  # the group is left to the process's exit: a collective with the dead peer hangs
+    if _rank() != 0 and plan is not None:  # usually a peer's failure seen here ("Connection closed by peer"):
+        _quiet_wait()  # let the rank that failed first report; the launcher ends this one meanwhile
+    traceback.print_exception(exc)
+    _end_group()
+    return EXIT_FAILURE

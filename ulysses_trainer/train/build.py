@@ -54,19 +54,26 @@ def build_engine(plan: RunPlan, model: SequenceParallelCausalLM, device: torch.d
                                            lr_scheduler=schedule)
     # Adam on the host: the parameters go back to the GPU through pinned buffers, beside the next sub-group's step
     PinnedCopyBack.install(engine.optimizer)
-    resolved = resolve_after_engine(plan, device)
+    machine = measured_machine(plan, device)
+    resolved = resolve_after_engine(plan, machine)
     digest = check_same_plan(resolved, "with the free GPU memory measured")  # before step 1
     apply(model, resolved.model_plan(cfg.host_memory_gb, plan.machine.ranks_per_node))
-    return engine, replace(plan, resolved=resolved, plan_digest=digest)
+    return engine, replace(plan, resolved=resolved, plan_digest=digest, machine=machine)
 
 
-def resolve_after_engine(plan: RunPlan, device: torch.device | str) -> Plan:
-    """The plan's search again (plan/resolve.py), now with the free GPU memory the engine left (the least of
-    any rank's, so every rank re-plans alike): it differs from the first one only when a GPU holds less
-    than the memory model expected."""
+def measured_machine(plan: RunPlan, device: torch.device | str) -> Any:
+    """The run's machine with the free GPU memory the engine left (the least of any rank's, so every rank
+    re-plans alike); unchanged on a CPU job."""
     free = probe.free_gpu_memory_gb(device)  # None on every rank of a CPU job, a number on every GPU rank
     if free is None:
+        return plan.machine
+    return replace(plan.machine, gpu_free_after_engine_gb=agree_free_memory(free))
+
+
+def resolve_after_engine(plan: RunPlan, machine: Any) -> Plan:
+    """The plan's search again (plan/resolve.py) on `machine` (measured_machine): it differs from the first one
+    only when a GPU holds less than the memory model expected; the first plan itself without a measurement."""
+    if machine.gpu_free_after_engine_gb is None:
         return plan.resolved
-    machine = replace(plan.machine, gpu_free_after_engine_gb=agree_free_memory(free))
     # packed rows: attention timed from the same rows as the first plan (prepare.data_share), not one document a row
     return replan_after_engine(plan.resolved, plan.cfg, plan.shape, machine, attention=plan.attention)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from ..errors import TrainerError
 
-class NonFiniteError(RuntimeError):
+
+class NonFiniteError(TrainerError, RuntimeError):
     """A non-finite loss or gradient norm that the run cannot skip (nan_policy=stop), or a non-finite
     state about to be saved. The run ends with exit code 1 and the last checkpoint untouched."""
 

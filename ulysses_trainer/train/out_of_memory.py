@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, TrainerError
 from ..plan.memory import UNDER_PREDICTION
 from ..plan.types import Machine, Plan
 
@@ -38,9 +38,11 @@ inject: Callable[[Where], None] | None = None  # the test seam (None outside tes
 
 
 
-class OutOfGpuMemory(RuntimeError):
+class OutOfGpuMemory(TrainerError, RuntimeError):
     """torch.OutOfMemoryError turned into the run's one line (exit 1, the last checkpoint intact). The command
     line appends the `ulysses-trainer plan` command (it has the user's arguments)."""
+
+    end_group = False  # the peers may be inside the step: the launcher ends them once this rank exits
 
     def __init__(self, message: str, pinned: tuple[str, ...]) -> None:
         super().__init__(message)

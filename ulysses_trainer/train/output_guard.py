@@ -32,13 +32,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import TrainerError
+
 # bytes per parameter in one ZeRO checkpoint, all ranks together: fp32 master weights + Adam's m and v
 _OPTIMIZER_BYTES_PER_PARAM = 12
 _CHECKPOINT_OVERHEAD_BYTES = 64 * 1024  # per-rank model-state files, DeepSpeed's recovery scripts, configs
 _CAUSES = (errno.ENOSPC, errno.EROFS, errno.EIO, errno.EACCES, errno.EDQUOT, errno.EPERM)
 
 
-class OutputWriteError(RuntimeError):
+class OutputWriteError(TrainerError, RuntimeError):
     """A write into output_dir failed at run time (exit code 1); the last complete checkpoint is intact."""
 
 

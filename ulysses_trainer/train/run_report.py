@@ -3,6 +3,7 @@ predicted step time and peak against the measured ones at the end, and the recor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -74,6 +75,25 @@ def report_plan(r: Plan, before_build: bool, digest: str) -> None:
               f"({r.checkpoint_bytes_per_layer * off / 2**30:.2f} GiB)")
         log.info(f"attention outputs kept for the recompute: {len(r.kept_attention_layers)}/{n} "
               "layers")
+
+
+def replan_line(first: Plan, after: Plan, free_gb: float) -> str:
+    """The after-engine phase in one line: the plan searched again with the GPU memory the engine left (`free_gb`,
+    the least of any rank's) and what it changed of `first` (the settings under their config names)."""
+    changed = [f"{f.name} {getattr(first.run, f.name)} -> {getattr(after.run, f.name)}"
+               for f in dataclasses.fields(first.run) if getattr(first.run, f.name) != getattr(after.run, f.name)]
+    what = f"changed {', '.join(changed)}" if changed else "unchanged"
+    return f"replanned after the engine ({free_gb:.1f} GiB GPU memory free on the fullest rank): {what}"
+
+
+def report_replan(first: Plan, after: Plan, free_gb: float | None, digest: str) -> None:
+    """After the engine is built, on a GPU run (free_gb measured): one line, and the whole plan again when it
+    changed. A CPU run has no such phase."""
+    if free_gb is None:
+        return
+    log.info(replan_line(first, after, free_gb))
+    if after != first:  # the GPU holds less than expected
+        report_plan(after, before_build=False, digest=digest)
 
 
 def report_predicted_vs_measured(r: Plan, step_times: list[float]) -> None:

@@ -81,8 +81,9 @@ class Trainer:
             self.engine, self.plan = build_engine(plan, self.model, self.device)
         except torch.OutOfMemoryError:  # as in a step: one line, no collective (the peers may be in the build's)
             raise self._out_of_memory() from None
-        if self.plan.resolved != plan.resolved and self.state.is_main:  # the GPU holds less than expected
-            report.report_plan(self.plan.resolved, before_build=False, digest=self.plan.plan_digest)
+        if self.state.is_main:  # the after-engine phase, named: what the measured free memory changed
+            report.report_replan(plan.resolved, self.plan.resolved, self.plan.machine.gpu_free_after_engine_gb,
+                                 self.plan.plan_digest)
         self.where.watch(decoder_layers(self.model), self.model.checkpointer)
         self.run_log = RunLog(self.plan, self.state.is_main)
         self._saved_step: int | None = None  # the step the last checkpoint holds
