@@ -291,7 +291,7 @@ def test_yarn_config_reaches_the_moe_model_and_ours_still_matches_transformers()
 def test_the_console_line_shows_aux_loss_for_moe_only():
     import ast
 
-    from ulysses_trainer.train.logging import log_line
+    from ulysses_trainer.train.run_log import log_line
 
     row = {"loss": 11.91352, "grad_norm": 1.5, "learning_rate": 1e-4, "num_tokens": 512, "epoch": 0.5}
     dense = ast.literal_eval(log_line(row))

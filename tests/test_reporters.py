@@ -13,7 +13,7 @@ import pytest
 from tests.dist_utils import JOB_TIMEOUT_S, job_failure, run_job, train_command
 from ulysses_trainer.cli.train import main
 from ulysses_trainer.errors import ConfigError
-from ulysses_trainer.train.reporters import Reporters
+from ulysses_trainer.train.run_log import Reporters
 from ulysses_trainer.vocabulary import names
 from ulysses_trainer.vocabulary.names import resolve_report_to
 

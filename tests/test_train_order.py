@@ -17,8 +17,8 @@ from ulysses_trainer.cli.train import main
 from ulysses_trainer.data.synthetic import synthetic_document
 from ulysses_trainer.train import data_order as order
 from ulysses_trainer.train.checkpoint import MARKER, rotate_checkpoints
-from ulysses_trainer.train.log_interval import LogInterval
 from ulysses_trainer.train.prepare import prepare
+from ulysses_trainer.train.run_log import LogInterval
 
 
 def _jsonl(path: Path, num_docs: int, words: int, seed: int = 5) -> Path:

@@ -86,7 +86,7 @@ def test_eval_strategy_epoch_needs_eval_data(tmp_path):
 
 # ---------------------------------------------------------------- run_name, save_only_model
 def test_run_name_names_the_tensorboard_directory_and_is_checked(capsys):
-    from ulysses_trainer.train.reporters import tensorboard_dir
+    from ulysses_trainer.train.run_log import tensorboard_dir
     from ulysses_trainer.train.run_report import report_run_name
 
     assert tensorboard_dir("out", "try-2") == "out/runs/try-2" and tensorboard_dir("out") == "out/runs"

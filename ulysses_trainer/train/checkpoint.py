@@ -22,9 +22,8 @@ import torch
 from ..errors import ConfigError
 from ..parallel.comm import all_reduce
 from ..parallel.init import barrier
-from ..vocabulary.names import CHECKPOINT_MARKER
+from ..vocabulary.names import CHECKPOINT_MARKER, TENSORBOARD_DIR
 from .output_guard import OutputWriteError, RecordingWriter, describe_failure, failure_message
-from .reporters import TENSORBOARD_DIR
 
 TAG = "ds"  # DeepSpeed's tag directory inside each checkpoint-<step>/
 LATEST = "latest"
@@ -37,7 +36,7 @@ CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 EVENTS_FILE = "events.jsonl"  # a run's events that are not training rows (a config change at a resume)
 RUN_FILES = ("config.json", "ds_config.json", "metrics.jsonl", EVENTS_FILE, LATEST, "final", "per_position_loss.png",
              "eval_loss_by_position*.png", "checkpoint-[0-9]*", ".tmp-checkpoint-[0-9]*", "final.tmp")
-EVENTS = "events.out.tfevents.*"  # TensorBoard's event files (in output_dir/runs/, reporters.py)
+EVENTS = "events.out.tfevents.*"  # TensorBoard's event files (in output_dir/runs/, run_log.Reporters)
 _MODEL_DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "vocab_size")
 

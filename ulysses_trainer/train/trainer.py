@@ -25,14 +25,13 @@ from . import run_report as report
 from .agreement import agree_free_memory
 from .build import build_engine, build_model
 from .evaluation import EvalResult
-from .log_interval import LogInterval
 from .metrics import device_peak_tflops, peak_gpu_mem_gb, peak_host_mem_gb, row_model_flops, throughput
 from .non_finite import NonFiniteError, non_finite_step
 from .out_of_memory import OutOfGpuMemory, Where, decoder_layers, oom_message, pinned_levers
 from .position_loss import write_per_position_loss
 from .prepare import RunPlan
 from .resume_check import run_record
-from .run_log import RunLog
+from .run_log import LogInterval, RunLog
 from .schedule import set_peak_learning_rate
 from .stop_signal import StopSignal
 from .strategies import ends_epoch, eval_due, log_due, save_due

@@ -180,7 +180,8 @@ def check_zero_stage(zero: Any, source: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# report_to (train/reporters.py opens them)
+TENSORBOARD_DIR = "runs"  # output_dir/runs/, as the HF Trainer's default logging_dir
+# report_to (train/run_log.Reporters opens them)
 
 REPORTERS = ("tensorboard", "wandb")
 
