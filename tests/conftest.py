@@ -79,6 +79,15 @@ def _fast_tier_starts_no_process(request, monkeypatch):
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
+@pytest.fixture(autouse=True)
+def _no_job_left():
+    """What a test started with dist_utils.start_job and left running is killed after it (its process group)."""
+    yield
+    from tests.dist_utils import kill_started
+
+    kill_started()
+
+
 def pytest_unconfigure(config):
     import shutil
 

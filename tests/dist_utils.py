@@ -99,6 +99,40 @@ def train_command(num_gpus: int, args: list[str]) -> list[str]:
             "--num_gpus", str(num_gpus), "launch/train.py", *args]
 
 
+STARTED: list[subprocess.Popen] = []  # jobs start_job began; conftest's reaper kills what a test left running
+
+
+def start_job(cmd: list[str], log: Any, env: dict, text: bool = False) -> subprocess.Popen:
+    """`cmd` in its own session (so a test signals exactly its processes, as a terminal's Ctrl-C does), output to
+    `log` (an open file, or subprocess.PIPE); killed after the test if it still runs (kill_started)."""
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=text,
+                           start_new_session=True)
+    STARTED.append(job)
+    return job
+
+
+def kill_started() -> None:
+    """A test that failed while its job ran (a held rank included) leaves no process behind."""
+    while STARTED:
+        job = STARTED.pop()
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+            job.wait()
+
+
+def main_captured(argv: list[str]) -> tuple[int, str]:
+    """The real command's main (cli/train.main) in this process (a rank of run_ranks): (exit code, its stderr)."""
+    import contextlib
+    import io
+
+    from ulysses_trainer.cli.train import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue()
+
+
 def train_env() -> dict[str, str]:
     """Environment for a training subprocess: one thread per rank, offline, unbuffered, no launcher vars."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",

@@ -72,3 +72,36 @@ def sp_steps(models: Sequence[nn.Module], ids: torch.Tensor, position_ids: torch
 def summed_grads(steps: Sequence[RankStep]) -> dict[str, torch.Tensor]:
     """The step's gradient: every rank's, summed."""
     return {n: sum(s.grads[n] for s in steps) for n in steps[0].grads}
+
+
+
+def trainer_path_matches(model_name: str, length: int) -> SequenceParallelCausalLM:
+    """The trainer's own model path on one process (model_config_for -> plan_for -> build_model -> parallelize with
+    the plan's levers -> the loss sum over the shard's valid tokens) on one random row of `length` = the stock
+    model built alike: loss and every gradient (fp32, 1e-5). Returns the parallelized model."""
+    from ulysses_trainer import parallelize, shard_batch
+    from ulysses_trainer.config import TrainConfig
+    from ulysses_trainer.ds_config import load_ds_config
+    from ulysses_trainer.model.load import build_model, model_config_for
+    from ulysses_trainer.parallel.state import single_process_state
+    from ulysses_trainer.plan.resolve import plan_for
+    from ulysses_trainer.plan.types import Machine
+
+    cfg = TrainConfig(model_name_or_path=model_name, max_length=length)
+    config = model_config_for(cfg)
+    plan = plan_for(cfg, config, load_ds_config(cfg.deepspeed), Machine(gpus=1, gpu_memory_gb=None,
+                                                                        host_memory_gb=64.0))
+    ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(3))
+    ref = build_model(config, torch.float32, seed=5)
+    out = ref(input_ids=ids, labels=ids)
+    out.loss.backward()
+    sp_model = parallelize(build_model(config, torch.float32, seed=5), single_process_state(),
+                           plan.model_plan(None, 1))
+    shard = shard_batch(ids, sp_size=1, sp_rank=0)
+    loss = sp_model(**shard.model_inputs()) / shard.num_valid
+    loss.backward()
+    assert abs(loss.item() - out.loss.item()) <= 1e-5 * abs(out.loss.item())
+    grads = {n.removeprefix("causal_lm."): p.grad for n, p in sp_model.named_parameters()}
+    for name, p in ref.named_parameters():
+        assert (grads[name] - p.grad).norm() <= 1e-5 * p.grad.norm() + 1e-12, name
+    return sp_model

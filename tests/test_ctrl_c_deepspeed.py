@@ -16,32 +16,17 @@ import psutil
 import pytest
 import torch
 
-from tests.dist_utils import JOB_TIMEOUT_S, train_command, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, start_job, train_command, train_env
 from tests.held_rank import has_pending, held_env, is_stopped, wait_for
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["--max_length", "64", "--max_steps", "10", "--bf16", "false"]
-_STARTED: list[subprocess.Popen] = []
-
-
-@pytest.fixture(autouse=True)
-def _no_job_left():
-    yield
-    while _STARTED:
-        p = _STARTED.pop()
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def _start(out: Path, env: dict) -> subprocess.Popen:
-    log = open(f"{out}.log", "w")
-    p = subprocess.Popen(train_command(2, [*ARGS, "--output_dir", str(out)]), cwd=ROOT, env=env, stdout=log,
-                         stderr=subprocess.STDOUT, start_new_session=True)  # its own group, as a terminal's job
-    _STARTED.append(p)
-    return p
+    return start_job(train_command(2, [*ARGS, "--output_dir", str(out)]), open(f"{out}.log", "w"), env)
 
 
 def _finish(p: subprocess.Popen, out: Path) -> tuple[int, str]:

@@ -21,19 +21,16 @@ from tests.plain_mlp_family import (
     register_plain,
     unregister_plain,
 )
-from ulysses_trainer import ParallelizeConfig, parallelize, shard_batch
-from ulysses_trainer.config import TrainConfig
-from ulysses_trainer.ds_config import load_ds_config
+from tests.sp_rank import trainer_path_matches
+from ulysses_trainer import ParallelizeConfig, parallelize
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.families import FAMILIES, family, preset_family, register
-from ulysses_trainer.model.load import build_model, model_config_for
+from ulysses_trainer.model.load import build_model
 from ulysses_trainer.parallel.state import single_process_state
 from ulysses_trainer.plan.counts import layer_param_numels, num_params
 from ulysses_trainer.plan.inputs import ModelShape, Settings
 from ulysses_trainer.plan.layer_terms import layer_forward_saved, mlp_backward_extra
 from ulysses_trainer.plan.partitions import lora_numels
-from ulysses_trainer.plan.resolve import plan_for
-from ulysses_trainer.plan.types import Machine
 from ulysses_trainer.plan.zero3_trace import forward_order, gathers_per_micro_step
 
 PKG = Path(__file__).resolve().parent.parent / "ulysses_trainer"
@@ -84,27 +81,10 @@ def test_the_plan_command_plans_it(plain_family, capsys):
 
 def test_the_trainers_model_path_runs_it_and_matches_transformers(plain_family):
     """model_config_for -> plan_for -> build_model -> parallelize -> one forward/backward = the HF model's own."""
-    cfg = TrainConfig(model_name_or_path=PRESET, max_length=32)
-    config = model_config_for(cfg)
-    machine = Machine(gpus=1, gpu_memory_gb=None, host_memory_gb=64.0)
-    plan = plan_for(cfg, config, load_ds_config(cfg.deepspeed), machine)
-    model = build_model(config, torch.float32, seed=5)
-    assert isinstance(model, PlainForCausalLM) and isinstance(model.model.layers[0].mlp, PlainMLP)
-    ids = torch.randint(0, 1000, (1, 32), generator=torch.Generator().manual_seed(3))
-    ref = build_model(config, torch.float32, seed=5)
-    out = ref(input_ids=ids, labels=ids)
-    out.loss.backward()
-
-    sp_model = parallelize(model, single_process_state(), plan.model_plan(None, 1))
-    assert isinstance(model.model.layers[0].mlp, PlainMLP) and sp_model.router_stats is None  # the family's install
-    shard = shard_batch(ids, sp_size=1, sp_rank=0)
-    loss = sp_model(**shard.model_inputs()) / shard.num_valid
-    loss.backward()
-    assert abs(loss.item() - out.loss.item()) <= 1e-5 * abs(out.loss.item())
-    grads = {n.removeprefix("causal_lm."): p.grad for n, p in sp_model.named_parameters()}
-    for name, p in ref.named_parameters():
-        g = grads[name]
-        assert (g - p.grad).norm() <= 1e-5 * p.grad.norm() + 1e-12, name
+    sp_model = trainer_path_matches(PRESET, 32)
+    model = sp_model.causal_lm
+    assert isinstance(model, PlainForCausalLM) and sp_model.router_stats is None
+    assert isinstance(model.model.layers[0].mlp, PlainMLP)  # the family's install kept its own MLP
 
 
 def test_registering_refuses_a_taken_name(plain_family):

@@ -24,7 +24,7 @@ import psutil
 import pytest
 import torch
 
-from tests.dist_utils import JOB_TIMEOUT_S, train_command, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, start_job, train_command, train_env
 from tests.held_rank import has_pending, held_env, is_stopped, wait_for
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 from tests.warm_ranks import run_trainer
@@ -39,28 +39,11 @@ ARGS = ["--max_length", "64", "--max_steps", str(STEPS), "--learning_rate", "1e-
 ROW_KEYS = ("step", "loss", "grad_norm", "learning_rate", "num_tokens")
 
 
-_STARTED: list[subprocess.Popen] = []
-
-
-@pytest.fixture(autouse=True)
-def _no_job_left():
-    """A test that fails while its job runs (a held rank included) leaves no process behind."""
-    yield
-    while _STARTED:
-        p = _STARTED.pop()
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def _start(args: list[str], out: Path, env: dict | None = None) -> subprocess.Popen:
     """The real command in its own session (so the test can signal exactly its processes)."""
-    cmd = train_command(2, [*args, "--output_dir", str(out)])
-    log = open(f"{out}.log", "a")
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env or train_env(), stdout=log, stderr=subprocess.STDOUT,
-                         start_new_session=True)
-    _STARTED.append(p)
-    return p
+    return start_job(train_command(2, [*args, "--output_dir", str(out)]), open(f"{out}.log", "a"), env or train_env())
 
 
 def _finish(p: subprocess.Popen, out: Path, timeout: float = JOB_TIMEOUT_S) -> tuple[int, str]:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import ulysses_trainer.train.out_of_memory as oom
-from tests.dist_utils import run_ranks
+from tests.dist_utils import main_captured, run_ranks
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 from ulysses_trainer.cli.argv import plan_command
 from ulysses_trainer.levers.recompute import LayerRecompute
@@ -88,17 +88,13 @@ def test_plan_command_reads_back_with_a_bare_pinned_boolean(tmp_path):
 def _train_rank(rank: int, world_size: int, argv: list[str], at: tuple | None) -> tuple[int, str]:
     """The real command's main on this rank, torch.OutOfMemoryError raised at `at` = (step, what) if given."""
     import ulysses_trainer.train.out_of_memory as seam
-    from ulysses_trainer.cli.train import main
 
     if at is not None:
         def inject(where):
             if (where.step, where.describe()) == at:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         seam.inject = inject
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, err.getvalue()
+    return main_captured(argv)
 
 
 @pytest.mark.slow

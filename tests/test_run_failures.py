@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import JOB_TIMEOUT_S, free_port, train_command, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, free_port, start_job, train_command, train_env
 from tests.held_rank import has_pending, held_env, is_stopped, wait_for
 from tests.tiny_checkpoint import write_checkpoint, write_documents
 from ulysses_trainer.cli.launcher import catches_sigterm
@@ -114,25 +114,9 @@ def _ulysses_train(args: list[str], env: dict | None = None, log: Path | None = 
     its output to `log` if given (a held rank must not wait on a full pipe), else a pipe."""
     cmd = [sys.executable, "-m", "ulysses_trainer", "train", "--num_gpus", "2", "--master_port", str(free_port()),
            *args]
-    out = open(log, "w") if log else subprocess.PIPE
-    job = subprocess.Popen(cmd, cwd=ROOT, env=env or train_env(), stdout=out, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
-    _STARTED.append(job)
-    return job
+    return start_job(cmd, open(log, "w") if log else subprocess.PIPE, env or train_env(), text=True)
 
 
-_STARTED: list[subprocess.Popen] = []
-
-
-@pytest.fixture(autouse=True)
-def _no_job_left():
-    """A test that fails while its job runs (a held rank included) leaves no process behind."""
-    yield
-    while _STARTED:
-        job = _STARTED.pop()
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
 
 
 def _finish(job: subprocess.Popen, log: Path) -> str:

@@ -154,18 +154,12 @@ def test_auto_is_on_at_the_first_start_and_off_at_resume():
 
 def _planted_rank(rank: int, world_size: int, argv: list[str]) -> tuple[int, str]:
     """The real command's main on this rank, rank 1's attention output shard rolled by one token."""
-    import contextlib
-    import io
-
     import ulysses_trainer.parallel.ulysses as ulysses
-    from ulysses_trainer.cli.train import main
+    from tests.dist_utils import main_captured
 
     real = ulysses.heads_to_seq
     ulysses.heads_to_seq = lambda x, sp_size, group: _shift_rank_1(real(x, sp_size, group))
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, err.getvalue()
+    return main_captured(argv)
 
 
 @pytest.mark.slow
