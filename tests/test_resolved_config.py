@@ -13,7 +13,8 @@ import torch
 from ulysses_trainer import probe
 from ulysses_trainer.__main__ import main as cli_main
 from ulysses_trainer.cli.argv import load_config
-from ulysses_trainer.ds_config import fill_ds_config, filled_line, filled_values, load_ds_config
+from ulysses_trainer.ds_config import fill_ds_config, load_ds_config
+from ulysses_trainer.ds_config_record import filled_line, filled_values
 from ulysses_trainer.train.prepare import prepare
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -186,9 +186,9 @@ def _no_room_rank(rank: int, world_size: int, argv: list[str]) -> tuple[int, str
     import contextlib
     import io
 
-    import ulysses_trainer.train.trainer as trainer
+    import ulysses_trainer.train.verify_sp_run as verify_sp_run
 
-    trainer.free_memory_bytes = lambda device: 1024
+    verify_sp_run.free_memory_bytes = lambda device: 1024
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code, err = _planted_rank(rank, world_size, argv)

@@ -36,14 +36,13 @@ from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
 from ..model.load import model_config_for
 from ..plan.attention_share import AttentionShare, timed_from_data
 from ..plan.cards import CARDS, card_of
-from ..plan.inputs import ModelShape, Settings, local_tokens
-from ..plan.longest_fit import Choice, Hardware, largest_max_length
-from ..plan.memory_record import MemoryEstimate
+from ..plan.inputs import ModelShape
+from ..plan.longest_fit import Hardware, largest_max_length
 from ..plan.resolve import plan_from, search_plan
 from ..plan.types import Machine, Plan, read_zero
-from ..vocabulary.names import GIB
 from .argv import parse_overrides, split_argv
 from .console import use_console
+from .plan_report import floor_of, hardware_json, settings_summary, shortage, text_report
 
 _FLAGS = {"json", "help"}  # take no value
 _ALIASES = {"sp", "gpus_per_host"}  # earlier spellings of --sp_size, --gpus_per_node: scripts keep working
@@ -51,11 +50,6 @@ _OWN = {"config", "model", "gpus", "gpu", "gpu_memory_gb", "host_memory_gb", "ho
         "offload_optimizer",
         "results_dir", *_FLAGS, *_ALIASES}
 
-_JSON_KEYS = {"gpus_per_node": "gpus_per_host"}  # `plan --json` keeps the key it has always written
-
-
-def _hardware_json(machine: Machine) -> dict[str, Any]:
-    return {**{_JSON_KEYS.get(k, k): v for k, v in machine.__dict__.items()}, "kernels": list(machine.kernels)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -154,34 +148,6 @@ def build_plan_inputs(argv: list[str]) -> tuple[Any, Any, dict, Machine, argpars
     return cfg, model_config, ds, machine, args
 
 
-def _gb(b: int) -> str:
-    return f"{b / GIB:8.2f}" if b else f"{'-':>8}"
-
-
-def format_estimate(e: MemoryEstimate) -> str:
-    """The term table: GPU GiB (per GPU) and host GiB (per rank), the peak phase marked."""
-    s = e.settings
-    lines = [f"{'term':<52} {'GPU GiB':>8} {'host GiB':>8}  phase", "-" * 80]
-    for t in e.terms:
-        if not t.gpu and not t.host:
-            continue
-        mark = "" if e.counts(t) or not t.gpu else "  (not at the peak)"
-        lines.append(f"{t.name[:52]:<52} {_gb(t.gpu)} {_gb(t.host)}  {t.phase}{mark}")
-    lines.append("-" * 80)
-    lines.append(f"{'GPU peak allocated (' + e.peak_phase.replace('_', ' ') + ')':<52} {_gb(e.gpu_peak)}")
-    lines.append(f"{'GPU needed (peak + slack + context)':<52} {_gb(e.gpu_required)}")
-    lines.append(f"{'host per rank':<52} {'':>8} {_gb(e.host_per_rank)}")
-    lines.append(f"{f'host per host ({s.ranks_per_node} ranks)':<52} {'':>8} {_gb(e.host_per_host)}")
-    return "\n".join(lines)
-
-
-def _settings_summary(s: Settings) -> dict[str, Any]:
-    return {"max_length": s.max_length, "sp_size": s.sp_size, "dp": s.dp_size,
-            "activation_offload": s.activation_offload,
-            "tiled_mlp": s.tiled_mlp if s.tiled_mlp > 1 else False, "offload_optimizer": s.optimizer_offload,
-            "checkpoint_every": s.checkpoint_every, "loss_type": s.loss_type, "loss_chunk_size": s.loss_chunk_size}
-
-
 def run_plan(argv: list[str]) -> int:
     """`ulysses-trainer plan`: the plan the trainer would run (the same search_plan and plan_from), then the longest
     max_length that fits. Exit 0 when it fits, 1 when it does not (the binding limit is named), 2 for what the
@@ -215,19 +181,19 @@ def run_plan(argv: list[str]) -> int:
     # Adam's placement as the config and the ZeRO JSON fixed it (lever_settings: decode_levers, with_json_placement)
     longest, best = (largest_max_length(shape, base, hw, optimizer_offload=plan.fixed.optimizer_offload, knobs=knobs)
                      if machine.gpu_memory_gb is not None else (None, None))  # a CPU run: no GPU memory to fill
-    floor = _floor(plan)
+    floor = floor_of(plan)
     if args.json:
-        out = {"model": plan.model, "hardware": _hardware_json(machine),
-               "fits": plan.predicted.fits, "plan": plan.to_dict(), "chosen": _settings_summary(plan.run),
+        out = {"model": plan.model, "hardware": hardware_json(machine),
+               "fits": plan.predicted.fits, "plan": plan.to_dict(), "chosen": settings_summary(plan.run),
                "estimate": plan.predicted.estimate.to_dict(), "largest_max_length": longest,
-               "largest_settings": _settings_summary(best.settings) if best else None}
+               "largest_settings": settings_summary(best.settings) if best else None}
         if floor is not None and shape.mixer_layers:  # Qwen3.5; Qwen3's JSON is held byte-equal (text only)
             out["step_floor"] = floor
         print(json.dumps(out, indent=1))
     else:
-        print(_report(plan, machine, longest, best, floor))
+        print(text_report(plan, machine, longest, best, floor))
     if not plan.predicted.fits:
-        print(f"error: does not fit: {_shortage(plan)}", file=sys.stderr)
+        print(f"error: does not fit: {shortage(plan)}", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
 
@@ -253,75 +219,6 @@ def data_attention(cfg: Any, gpus: int, model_config: Any) -> AttentionShare | N
                                         cfg.chat_template_path, cfg.eos_token)
     data = build_sequences(cfg, tokenizer, split="train", dp_size=dp_size)  # the whole dataset, as the trainer reads it
     return data_share(data, cfg.seed, per_step, steps_of(cfg.max_steps, cfg.num_train_epochs, len(data), per_step))
-
-
-def _shortage(plan: Plan) -> str:
-    p = plan.predicted
-    return (f"{p.shortage()}; binding limit: {p.binding_limit} (the closest settings are shown); add GPUs "
-            f"(sp), shorten max_length or give the run more memory")
-
-
-def _floor(plan: Plan) -> dict[str, float] | None:
-    """The predicted step's floor (Prediction.floor) and the step's ratio to it; None without a step time."""
-    p = plan.predicted
-    if not p.floor:
-        return None
-    floor = dict(p.floor)
-    return {**floor, "predicted over floor": p.step_s / floor["floor s"]}
-
-
-def _report(plan: Plan, machine: Machine, longest: int | None, best: Choice | None,
-            floor: dict[str, float] | None = None) -> str:
-    s, p = plan.run, plan.predicted
-    ranks = f"{machine.gpus} GPU(s) x {machine.gpu_memory_gb:g} GiB" if machine.gpu_memory_gb is not None else \
-        f"{machine.gpus} CPU rank(s) (no GPU here: the CPU run this machine would train)"
-    head = (f"{plan.model}, max_length {s.max_length:,}, {ranks}, "
-            f"host {machine.host_memory_gb:g} GiB per host ({machine.host_memory_source}), sp {s.sp_size} x dp "
-            f"{s.dp_size}, {local_tokens(s):,} tokens per GPU")
-    lines = [head, "", format_estimate(p.estimate), ""]
-    if p.fits:
-        lines.append("fits: " + plan.summary())
-    else:
-        lines.append(f"DOES NOT FIT: {_shortage(plan)}")
-        lines.append("closest: " + plan.summary())
-    if p.step_parts:
-        lines.append("predicted step: " + ", ".join(f"{k} {v:.1f} s" for k, v in p.step_parts))
-    if floor is not None:
-        terms = ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in floor.items() if k.endswith(" s") and k != "floor s")
-        lines.append(f"floor: {floor['floor s']:.1f} s ({terms}; matmuls at the measured {floor['matmul tflops']:g} "
-                     f"TFLOP/s); the predicted step is {floor['predicted over floor']:.2f}x its floor")
-    if plan.decided:
-        lines.append("auto chose: " + ", ".join(plan.decided))
-    lines.extend(f"note: {n}" for n in plan.notes)
-    if p.fits:
-        lines.append("recipe lines: " + "; ".join(
-            [f"activation_offload: {len(plan.offload_layers)}",
-             f"keep_attention_outputs: {len(plan.kept_attention_layers)}",
-             f"tiled_mlp: {s.tiled_mlp if s.tiled_mlp > 1 else 'false'}",
-             f"checkpoint_every: {s.checkpoint_every}",
-             f"optimizer_offload: {str(s.optimizer_offload).lower()}"]))
-    if s.checkpoint_every > 1:
-        lines.append(_rebuild_cost(s.checkpoint_every))
-    if longest is None:
-        lines.append("largest max_length that fits: not searched (no GPU: pass --gpu_memory_gb to plan one)")
-    elif best is not None:
-        b = best.settings
-        lines.append(f"largest max_length that fits: {longest:,} (activation_offload {b.activation_offload}, "
-                     f"tiled_mlp {b.tiled_mlp}, optimizer_offload {str(b.optimizer_offload).lower()}, "
-                     f"checkpoint_every {b.checkpoint_every}, no attention outputs kept; "
-                     f"searched in multiples of {1024 * b.sp_size:,})")
-    else:
-        lines.append("largest max_length that fits: none (not even 1024 x sp tokens)")
-    lines.append("memory in GiB (2**30 bytes)")
-    return "\n".join(lines)
-
-
-def _rebuild_cost(every: int) -> str:
-    """What checkpoint_every costs in compute: a checkpointed step runs each layer's forward twice and its
-    backward (~2 forwards) once, ~4 forwards; rebuilding adds one for (k-1)/k of the layers."""
-    extra = (every - 1) / every
-    return (f"checkpoint_every {every}: {extra:.0%} of the layers run forward once more in backward "
-            f"(about +{extra / 4:.0%} step compute)")
 
 
 def run_calibrate(argv: list[str]) -> int:

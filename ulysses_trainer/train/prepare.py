@@ -18,7 +18,8 @@ from ..data.accounting import check_something_trained
 from ..data.order import steps_of, trained_rows
 from ..data.recall_probe import RecallProbe, build_recall_probe
 from ..data.tokenizer import apply_tokenizer_options, check_tokenizer_fits, load_tokenizer
-from ..ds_config import OptimizerSpec, filled_line, load_ds_config, zero_config_for
+from ..ds_config import OptimizerSpec, load_ds_config, zero_config_for
+from ..ds_config_record import filled_line
 from ..errors import ConfigError
 from ..families import family
 from ..model.load import check_local_weights, checkpoint_source, model_config_for

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..config import config_to_dict
-from ..ds_config import DS_CONFIG_FILE
+from ..ds_config_record import DS_CONFIG_FILE
 from ..errors import ConfigError
 from ..parallel.comm import all_reduce
 from ..vocabulary.names import TENSORBOARD_DIR

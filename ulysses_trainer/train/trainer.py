@@ -11,8 +11,6 @@ import torch
 from tqdm import tqdm
 
 from ..config import config_to_dict
-from ..model.load import build_model as load_model
-from ..model.lora import add_lora
 from ..parallel.comm import all_reduce
 from ..parallel.loss import aux_for_backward, global_aux_loss, global_loss, loss_for_backward, step_token_count
 from ..parallel.sharding import Shard
@@ -22,7 +20,6 @@ from . import checkpoint as ckpt
 from . import data_order as order
 from . import evaluation, export
 from . import run_report as report
-from .agreement import agree_free_memory
 from .build import build_engine, build_model
 from .evaluation import EvalResult
 from .metrics import device_peak_tflops, peak_gpu_mem_gb, peak_host_mem_gb, row_model_flops, throughput
@@ -35,22 +32,11 @@ from .run_log import LogInterval, RunLog
 from .schedule import set_peak_learning_rate
 from .stop_signal import StopSignal
 from .strategies import ends_epoch, eval_due, log_due, save_due
-from .verify_sp import run_check, verify_due
+from .verify_sp import verify_due
+from .verify_sp_run import verify_run
 
 log = logging.getLogger(__name__)
 
-
-
-VERIFY_FREE_SHARE = 0.8  # verify_sp auto: the copy may take this share of the memory free on every rank
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Memory free now where the check's copy would live: the GPU's, or the host's on a CPU run."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    import psutil
-
-    return psutil.virtual_memory().available
 
 
 class Trainer:
@@ -89,7 +75,7 @@ class Trainer:
         if verify_due(self.cfg.verify_sp, resuming=bool(plan.resume_path)):  # before anything of the run is written
             self.where.enter("verify_sp: a copy of the model and its gradients; verify_sp false skips it")
             try:
-                self._verify_sp()
+                verify_run(self.plan, self.model.causal_lm, self.state, self.device)
             except torch.OutOfMemoryError:  # the one OOM line, naming the check
                 raise self._out_of_memory() from None
 
@@ -97,40 +83,6 @@ class Trainer:
     def resolved(self) -> Plan:
         """The plan the run runs (the one after the engine once it is built)."""
         return self.plan.resolved
-
-    def _verify_sp(self) -> None:
-        """The parallelized model against the stock one on the first row (verify_sp.py): a line in the startup
-        log, or a VerifySpError (exit 2). Collective."""
-        plan, cfg = self.plan, self.cfg
-        dtype = torch.bfloat16 if plan.bf16 else torch.float32
-
-        def new_model() -> torch.nn.Module:  # as build_model makes it, without initializing (run_check copies
-            # every parameter and buffer from the engine's model): 8 s of random init for the tiny preset on CPU
-            with torch.device("meta"):
-                model = load_model(plan.model_config, dtype, None, seed=cfg.seed)
-                model = add_lora(model, cfg)[0] if cfg.use_peft else model
-            model = model.to_empty(device=self.device)
-            model.tie_weights()  # to_empty makes a tied embedding's two uses two tensors
-            return model
-
-        # auto runs it where a copy of the model and its gradients fits beside the run (the copy is whole on every
-        # rank: a 35B model's would not fit a GPU the run already fills); true insists
-        need = plan.shape.num_params * (2 if plan.bf16 else 4) * 2
-        free = agree_free_memory(free_memory_bytes(self.device))  # the least of any rank's: every rank decides alike
-        if cfg.verify_sp == "auto" and need > VERIFY_FREE_SHARE * free:
-            if self.state.is_main:
-                log.info(f"verify_sp: skipped: a copy of the model and its gradients ({need / 2**30:.1f} GiB) does "
-                         f"not fit beside the run ({free / 2**30:.1f} GiB free); verify_sp true insists")
-            return
-        mechanisms = plan.resolved.model_plan(cfg.host_memory_gb, plan.machine.ranks_per_node, levers=False,
-                                              host_held_slots=plan.host_held_slots)
-        row = plan.train_data[int(order.step_rows(plan, 0)[0])]  # the first row step 1 trains
-        pad = getattr(plan.tokenizer, "pad_token_id", None) or 0
-        result = run_check(self.model.causal_lm, new_model, mechanisms, self.state, row, plan.bf16,
-                           cfg.pad_to_multiple_of, cfg.max_length, self.device, pad)
-        if self.state.is_main:
-            log.info(result.line() if result is not None else
-                     "verify_sp: skipped (the first row is too short to shard)")
 
     def _say_stopping(self) -> None:
         """The first stop request, from the signal handler: one line from rank 0."""
