@@ -125,3 +125,26 @@ def test_cpu_adam_runs_on_each_ranks_share_of_the_nodes_cores(capsys):
     assert adam("--host_cores", "32")[0] == pytest.approx(4 * told)  # 4 cores a rank
     params = ModelShape.preset("qwen3.5-35b-a3b").num_params
     assert told == pytest.approx(params / 8 * rates.CPU_ADAM_S_PER_PARAM, rel=1e-6)
+
+
+def test_auto_leaves_the_host_room_and_says_what_it_cost(capsys):
+    """The Qwen3.5-27B recipe on 560 GiB hosts: the fastest plan that fits holds 98% of the host's memory, so auto
+    takes the fastest within 95% and names the fuller one; pinning the levers it names gives that one, with the note
+    that under 5% is left."""
+    recipe = str(Path(__file__).resolve().parent.parent / "launch" / "recipes" / "qwen3_5_27b_8gpu_1m.yaml")
+
+    def plan(*extra):
+        assert cli_main(["plan", "--config", recipe, "--gpus", "8", "--gpu_memory_gb", "139.8", "--host_memory_gb",
+                         "560", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    roomy = plan()
+    notes = " ".join(roomy["plan"]["notes"])
+    assert roomy["estimate"]["host_per_host_gb"] <= 0.95 * 560 and "under 5% is left" not in notes
+    said = next(n for n in roomy["plan"]["notes"] if n.startswith("auto left the host room"))
+    levers = said.split("; set ")[1].removesuffix(" to run it").split(", ")  # e.g. activation_offload 53
+    fuller = plan(*[f"--{x}" if i == 0 else x for lever in levers for i, x in enumerate(lever.split(" "))])
+    assert fuller["estimate"]["host_per_host_gb"] > 0.95 * 560
+    assert fuller["plan"]["predicted_step_s"] < roomy["plan"]["predicted_step_s"]
+    assert f"would take {fuller['plan']['predicted_step_s']:.1f} s/step" in said
+    assert any("under 5% is left" in n for n in fuller["plan"]["notes"])

@@ -30,6 +30,9 @@ EVERY_CHOICES = (1, 2, 3, 4, 6, 9, 12)  # checkpoint_every values the search tri
 # offload is not charged in the step time, so a plan that ties on time takes more inputs to the host until the
 # GPU need is under this share of the budget (where the host has room): the fewest that fit left 0.5% headroom
 GPU_HEADROOM = 0.92
+# past this share of the host's memory a plan leaves too little for the OS, the data workers and the page cache:
+# the plan searches within it where a plan fits there (plan/resolve.py, with_headroom), the notes say when none does
+HOST_HEADROOM = 0.95
 MAX_TILES = 64  # beyond this a tile is a few thousand rows and the MLP term is negligible
 
 
@@ -246,15 +249,17 @@ def search_fits(shape: ModelShape, base: Settings, fx: Fixed, keep_max: int, gpu
 
 def with_headroom(shape: ModelShape, chosen: MemoryEstimate, gpu_gb: float, host_gb: float) -> MemoryEstimate:
     """`chosen` with the fewest more offloaded inputs that bring the GPU need under GPU_HEADROOM of the
-    budget, or as many more as the host holds: the same predicted step, less risk of running out."""
+    budget, or as many more as the host holds (within HOST_HEADROOM where `chosen` is): the same predicted step,
+    less risk of running out."""
     s, saved = chosen.settings, saved_layer_count(shape, chosen.settings.checkpoint_every)
     best = chosen
     for a in range(s.activation_offload + 1, saved + 1):
         if best.gpu_required <= GPU_HEADROOM * gpu_gb * GIB:
             break
         e = estimate(shape, replace(s, activation_offload=a))
-        if not e.fits(gpu_gb, host_gb):
-            break
+        roomy = host_gb is not None and best.fits(gpu_gb, host_gb * HOST_HEADROOM)
+        if not e.fits(gpu_gb, host_gb * HOST_HEADROOM if roomy else host_gb):
+            break  # never past the host's headroom for the GPU's, where the plan was under it
         best = e
     return best
 

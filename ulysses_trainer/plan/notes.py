@@ -7,12 +7,12 @@ from typing import Any
 
 from ..vocabulary.lever_settings import Fixed
 from .attention_share import AttentionShare
+from .fit_search import HOST_HEADROOM
 from .inputs import Settings
 from .memory_record import MemoryEstimate
 from .step_time import StepTime, format_seconds
 from .types import Machine, Plan
 
-HOST_HEADROOM = 0.95  # past this share of the host's memory a plan says so: the OS, data workers and page cache
 WORST_CASE = ("packing: attention timed as one document of max_length, the worst case (`ulysses-trainer plan "
               "--dataset_name ...` times it from the data's document lengths)")
 

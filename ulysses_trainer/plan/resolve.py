@@ -20,11 +20,11 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..vocabulary.layout import Layout, resolve_layout
-from ..vocabulary.lever_settings import Fixed, decode_levers
+from ..vocabulary.lever_settings import AUTO_LEVERS, Fixed, decode_levers
 from ..vocabulary.names import GIB, KEEPING_KERNELS, auto_num_tiles, choose_kernels
 from .attention_share import AttentionShare
 from .card_rates import rates_for
-from .fit_search import Fits, cheapest_autos, search_fits, shortfall, with_headroom
+from .fit_search import HOST_HEADROOM, Fits, cheapest_autos, search_fits, shortfall, with_headroom
 from .inputs import ModelShape, Settings, check_settings
 from .layer_terms import kept_attention_bytes_per_layer
 from .notes import WORST_CASE, decided, plan_notes  # noqa: F401 - WORST_CASE: the packing note, re-exported
@@ -60,6 +60,9 @@ class PlanSearch:
     budget_note: str | None
     found: Fits | None  # None: no GPU (every auto at its cheapest: fit_search.cheapest_autos)
     engine_plan: Plan | None = None  # the re-plan after the engine: the first plan
+    # the search over the whole host where `found` is the one within HOST_HEADROOM of it (None: that found nothing,
+    # and `found` is the whole host's): what the plan says it gave up for the room
+    fuller: Fits | None = None
 
     @property
     def fits(self) -> bool:
@@ -125,13 +128,16 @@ def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: F
             zero: ZeroSettings, budget: float | None, budget_note: str | None, *,
             engine_plan: Plan | None) -> PlanSearch:
     """The search over the levers `fx` leaves open (None) within the budgets (none without a GPU)."""
-    found = None
+    found = fuller = None
     if budget is not None:
         # packed rows keep outputs as dense rows do (attention/grouped.py: per KV group, buffers of a dense row)
-        can_keep = cfg.gradient_checkpointing and base.attn_implementation in KEEPING_KERNELS
-        found = search_fits(shape, base, fx, shape.layers if can_keep else 0, budget, machine.host_memory_gb,
-                            zero.by_placement)
-    return PlanSearch(cfg, shape, machine, base, fx, asked, zero, budget, budget_note, found, engine_plan)
+        keep = shape.layers if cfg.gradient_checkpointing and base.attn_implementation in KEEPING_KERNELS else 0
+        whole = search_fits(shape, base, fx, keep, budget, machine.host_memory_gb, zero.by_placement)
+        # auto leaves the host room for the OS, the data workers and the page cache where a plan fits within it
+        roomy = search_fits(shape, base, fx, keep, budget, HOST_HEADROOM * machine.host_memory_gb,
+                            zero.by_placement) if whole.fits and machine.host_memory_gb is not None else whole
+        found, fuller = (roomy, whole) if roomy.fits and roomy is not whole else (whole, None)
+    return PlanSearch(cfg, shape, machine, base, fx, asked, zero, budget, budget_note, found, engine_plan, fuller)
 
 
 def plan_from(sr: PlanSearch, *, attention: AttentionShare | None = None) -> Plan:
@@ -147,11 +153,19 @@ def plan_from(sr: PlanSearch, *, attention: AttentionShare | None = None) -> Pla
                          host_cores=machine.host_cores)
 
     best: dict = {}
+    roomy_note = None
     if sr.found is None:  # no GPU
         chosen, fits, gpu_miss, host_miss = cheapest_autos(shape, base, fx), True, 0, 0
     else:
         assert budget is not None
         chosen, fits, best = sr.found.fastest(lambda s: time_of(s).total_s, fraction)
+        fuller = sr.fuller.fastest(lambda s: time_of(s).total_s, fraction)[0] if sr.fuller else chosen
+        if time_of(fuller.settings).total_s < time_of(chosen.settings).total_s:  # room for the host, at a cost
+            levers = ", ".join(f"{k} {str(getattr(fuller.settings, k)).lower()}" for k in AUTO_LEVERS
+                               if getattr(fuller.settings, k) != getattr(chosen.settings, k))
+            roomy_note = (f"auto left the host room (under {HOST_HEADROOM:.0%} of its memory): the fastest plan "
+                          f"that fits holds {fuller.host_per_host / GIB:.1f} GiB per host and would take "
+                          f"{time_of(fuller.settings).total_s:.1f} s/step; set {levers} to run it")
         if fits and fx.activation_offload is None:
             chosen = with_headroom(shape, chosen, budget, machine.host_memory_gb)
         gpu_miss, host_miss = shortfall(chosen, budget, machine.host_memory_gb)
@@ -174,7 +188,8 @@ def plan_from(sr: PlanSearch, *, attention: AttentionShare | None = None) -> Pla
             host_budget_gb=machine.host_memory_gb, estimate=chosen),
         decided=decided(cfg, sr.asked, s),
         notes=plan_notes(cfg, machine, s, attention=attention, budget_note=sr.budget_note, st=st,
-                         engine_plan=sr.engine_plan, fx=fx, best=best, host_gb=chosen.host_per_host / GIB),
+                         engine_plan=sr.engine_plan, fx=fx, best=best, host_gb=chosen.host_per_host / GIB)
+        + ((roomy_note,) if roomy_note else ()),
         fixed=sr.asked, zero=sr.zero,
         attention_from="" if not cfg.packing else "data" if attention else "one document (worst case)",
         search_base=base)
