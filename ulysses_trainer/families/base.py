@@ -224,6 +224,13 @@ class Family:
     refused_flags: tuple[str, ...] = ()
     # q_proj, k_proj and v_proj carry biases (Qwen2); o_proj has none
     qkv_bias: bool = False
+    # a decoder layer's norms by name and its blocks ("attention", "mlp") in the order they run: Qwen3's pre-norm
+    # layer; Gemma 3 norms each block's output too (the plan's parameter order, ZeRO-3 trace, norm time and memory)
+    layer_order: tuple[str, ...] = ("input_norm", "attention", "post_attention_norm", "mlp")
+
+    def layer_norms(self) -> tuple[str, ...]:
+        """The decoder layer's own norms (hidden-wide RMSNorms), in the order they run."""
+        return tuple(n for n in self.layer_order if n not in ("attention", "mlp"))
 
     def attention_params(self, d: LayerDims) -> list[tuple[str, int]]:
         """q, (q_norm,) k, (k_norm,) v, o: the attention's modules in the order they run (a projection's bias right

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..levers.chunked_loss import chunked_bucket_sums, chunked_nll_sum, nll_sum
+from ..levers.chunked_loss import chunked_bucket_sums, chunked_nll_sum, nll_sum, softcapped
 
 LOSS_TYPES = ("chunked_nll", "nll")
 
@@ -18,23 +18,26 @@ LOSS_TYPES = ("chunked_nll", "nll")
 class LossHead(nn.Module):
     """Replaces `lm_head` (same `weight` Parameter, same state_dict key). forward(hidden) gives
     logits as before; forward(hidden, labels) gives the fp32 sum of token NLLs over valid labels;
-    forward(hidden, labels, buckets, num_buckets) evaluation's [num_buckets, 3] sums (chunked_bucket_sums)."""
+    forward(hidden, labels, buckets, num_buckets) evaluation's [num_buckets, 3] sums (chunked_bucket_sums).
+    `softcap`: the config's final_logit_softcapping (Gemma), applied to the logits wherever they are made."""
 
-    def __init__(self, lm_head: nn.Linear, loss_type: str = "chunked_nll", chunk_size: int = 256):
+    def __init__(self, lm_head: nn.Linear, loss_type: str = "chunked_nll", chunk_size: int = 256,
+                 softcap: float | None = None):
         super().__init__()
         assert getattr(lm_head, "bias", None) is None, "lm_head with a bias is not supported"
         assert loss_type in LOSS_TYPES, f"loss_type {loss_type!r}: use one of {LOSS_TYPES}"
         self.weight = lm_head.weight  # shared Parameter: tied embeddings stay tied
         self.in_features, self.out_features = lm_head.in_features, lm_head.out_features
         self.loss_type, self.chunk_size = loss_type, chunk_size
+        self.softcap = softcap or None
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, buckets: torch.Tensor | None = None,
                 num_buckets: int = 0) -> torch.Tensor:
         if labels is None:
-            return F.linear(hidden, self.weight)
+            return softcapped(F.linear(hidden, self.weight), self.softcap)
         if buckets is not None:  # plain nll: every row in one chunk, the full logits as its loss builds them
             chunk = self.chunk_size if self.loss_type == "chunked_nll" else max(1, labels.numel())
-            return chunked_bucket_sums(hidden, self.weight, labels, buckets, num_buckets, chunk)
+            return chunked_bucket_sums(hidden, self.weight, labels, buckets, num_buckets, chunk, self.softcap)
         if self.loss_type == "chunked_nll":
-            return chunked_nll_sum(hidden, self.weight, labels, self.chunk_size)
-        return nll_sum(hidden, self.weight, labels)
+            return chunked_nll_sum(hidden, self.weight, labels, self.chunk_size, self.softcap)
+        return nll_sum(hidden, self.weight, labels, self.softcap)

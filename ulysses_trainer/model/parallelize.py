@@ -211,7 +211,8 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan
         install_mixer(fam.mixer, layers, state, plan)
     use_fused_rope(model)  # RoPE in one pass over q and k (Triton on CUDA; HF's ops elsewhere)
     # 2. loss head
-    model.lm_head = LossHead(model.lm_head, plan.loss_type, plan.loss_chunk_size)
+    model.lm_head = LossHead(model.lm_head, plan.loss_type, plan.loss_chunk_size,
+                             getattr(model.config, "final_logit_softcapping", None))  # Gemma's, where set
     # 3. lean norms (before tiling and checkpointing, which only wrap what is there)
     if plan.lean_norm:
         use_lean_norms(model, plan.norm_kernel, fam.norm_offset)

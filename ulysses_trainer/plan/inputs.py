@@ -51,16 +51,17 @@ class ModelShape:
     linear_k_dim: int = 0
     linear_v_dim: int = 0
     linear_conv: int = 0
-    # the layers attending in a sliding window of `sliding_window` tokens (Mistral: all; Qwen2, Ministral: those
-    # layer_types says); the memory and time terms count them as full causal attention (an over-estimate)
+    # the layers attending in a sliding window of `sliding_window` tokens (Mistral: all; Qwen2, Ministral, Gemma 3:
+    # those layer_types says); the time terms count their attention FLOPs within the window
+    # (step_time.window_share), the memory terms as full causal attention (an over-estimate)
     windowed_layers: tuple[int, ...] = ()
     sliding_window: int = 0
     # ---- derived in __post_init__ (also after dataclasses.replace), never passed in
     family: Family = field(init=False, repr=False, compare=False)
     dims: LayerDims = field(init=False, repr=False, compare=False)
     # (name, numel) of one decoder layer's parameters: the family's attention (dense Qwen3: q, k, v, o, q_norm,
-    # k_norm), its MLP (gate, up, down; sparse: router, experts' gate_up and down), then input_layernorm and
-    # post_attention_layernorm
+    # k_norm), its MLP (gate, up, down; sparse: router, experts' gate_up and down), then its layer norms
+    # (Family.layer_order: input_layernorm and post_attention_layernorm; Gemma 3 two more)
     layer_params: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
     # tensor name -> numel: a layer's (as in layer_params) plus embed, lm_head and final_norm
     numels: dict[str, int] = field(init=False, repr=False, compare=False)
@@ -98,7 +99,7 @@ class ModelShape:
                       linear_k_dim=self.linear_k_dim, linear_v_dim=self.linear_v_dim, linear_conv=self.linear_conv,
                       shared_expert=self.shared_expert)
         attention, mlp = fam.attention_params(d), fam.mlp_params(d)
-        norms = (("input_norm", self.hidden), ("post_attention_norm", self.hidden))
+        norms = tuple((name, self.hidden) for name in fam.layer_norms())  # Qwen3: input, post-attention
         layer = (*sorted(attention, key=lambda kv: kv[0].endswith("_norm")),  # projections, then q/k norms
                  *mlp, *norms)
         mixed = set(self.mixer_layers)
@@ -115,13 +116,15 @@ class ModelShape:
         mixer_linear = fam.mixer.linear_numel(d) if mixer else 0
         # one layer's average over the kinds, so that layers x active is the model's total
         active = (n_attn * sum(n for _, n in attention) + n_mixer * mixer_active) / self.layers \
-            + fam.active_mlp_numel(d) + 2 * self.hidden
+            + fam.active_mlp_numel(d) + len(norms) * self.hidden
         linear = n_attn * sum(n for name, n in attention if not name.endswith(("_norm", "_bias"))) \
             + n_mixer * mixer_linear \
             + self.layers * fam.active_mlp_numel(d)
         once, tiled = fam.mlp.trace_groups(d)
         token_mixer = mixer if mixer_first else attention
-        order = lambda names: ("input_norm", *[n for n, _ in names], "post_attention_norm", *once, *tiled)  # noqa: E731
+        blocks = lambda names: {"attention": [n for n, _ in names], "mlp": [*once, *tiled]}  # noqa: E731
+        order = lambda names: tuple(n for part in fam.layer_order  # noqa: E731
+                                    for n in blocks(names).get(part, [part]))
         derived = {
             "family": fam, "dims": d, "layer_params": mixer_layer if mixer_first else layer,
             "numels": {**dict(layer), **dict(mixer), "embed": embed, "lm_head": embed, "final_norm": self.hidden},

@@ -54,6 +54,9 @@ def layer_forward_saved(shape: ModelShape, s: Settings) -> dict[str, int]:
         ("post-attention norm (input, output)" if lean else "post-attention norm (fp32 upcast, normalized, output)"):
             rmsnorm_saved_bytes(t, h, e, lean) + t * h * e,
     }
+    extra = len(shape.family.layer_norms()) - 2
+    if extra > 0:  # norms on the blocks' outputs (Gemma 3): each keeps its input, o_proj's or the MLP's output
+        saved["post-attention: block-output norms (inputs)"] = extra * rmsnorm_saved_bytes(t, h, e, lean)
     saved.update(shape.family.mlp.saved(shape.dims, mlp_run(shape, s)))  # the family's MLP block
     return saved
 

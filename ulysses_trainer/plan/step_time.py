@@ -71,6 +71,15 @@ def attention_flops_forward(shape: ModelShape, s: Settings) -> float:
     return 2.0 * s.micro_batch * length * length * (shape.heads // s.sp_size) * shape.head_dim * s.attention_fraction
 
 
+def window_share(length: int, window: int, fraction: float = 1.0) -> float:
+    """A sliding-window layer's attention FLOPs over a row of `length` tokens as a share of full causal attention's:
+    a query sees at most `window` keys, (2 L w - w^2) / L^2 of the causal L^2 / 2 pairs (1 when the window covers the
+    row); packed rows (`fraction`: Settings.attention_fraction) cost the smaller of the two."""
+    if window <= 0 or window >= length:
+        return fraction
+    return min(fraction, (2.0 * length * window - window * window) / (length * length))
+
+
 def _rate(kernel: str, length: int, r: Rates = H200) -> tuple[float, float, bool]:
     """(forward, backward TFLOP/s, extrapolated?) of a kernel at a length on r's card, log-interpolated."""
     pts = r.KERNEL_RATES[kernel]
@@ -134,12 +143,13 @@ def dense_flops(shape: ModelShape, run: MlpRun) -> float:
 
 
 def norm_seconds(shape: ModelShape, run: MlpRun, kernel: str, r: Rates = H200) -> float:
-    """The lean RMSNorms of one micro-step on one rank with `kernel`: per layer the input and
-    post-attention norms ([t, hidden]) and the q/k norms ([t x heads, head_dim], before the all-to-all:
+    """The lean RMSNorms of one micro-step on one rank with `kernel`: per layer its norms ([t, hidden]: Qwen3's
+    input and post-attention norms, Family.layer_order) and the q/k norms ([t x heads, head_dim], before the all-to-all:
     local tokens, all heads), run forward_passes times forward and once backward; the final norm once."""
     t = run.tokens
     (h_f, h_b), (q_f, q_b) = r.NORM_S_PER_ELEMENT[kernel]["hidden"], r.NORM_S_PER_ELEMENT[kernel]["head"]
-    hidden, heads = 2 * t * shape.hidden, t * (shape.heads + shape.kv_heads) * shape.head_dim
+    hidden = len(shape.family.layer_norms()) * t * shape.hidden  # Qwen3: input and post-attention
+    heads = t * (shape.heads + shape.kv_heads) * shape.head_dim
     passes = run.forward_passes
     per_layer = hidden * (passes * h_f + h_b) + heads * (passes * q_f + q_b)
     return shape.layers * per_layer + t * shape.hidden * (h_f + h_b)
@@ -192,14 +202,23 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     # a family's mixer layers (Qwen3.5's Gated DeltaNet) run no attention kernel, and keep no attention output
     mixed = set(shape.mixer_layers)
     attending = [i for i in range(shape.layers) if i not in mixed]
-    forwards = run.forward_passes * len(attending) - sum(1 for i in attending if i < kept)
+    windowed = set(shape.windowed_layers) if 0 < shape.sliding_window < s.padded_length else set()
+    if windowed:  # a sliding-window layer's kernel FLOPs stop at the window (window_share), any family
+        share = window_share(s.padded_length, shape.sliding_window, s.attention_fraction) / s.attention_fraction \
+            if s.attention_fraction > 0 else 1.0
+        weight = {i: share if i in windowed else 1.0 for i in attending}
+        forwards = run.forward_passes * sum(weight.values()) - sum(weight[i] for i in attending if i < kept)
+        backwards = sum(weight.values())
+        notes.append(f"{len(windowed)} of {shape.layers} layers attend in a {shape.sliding_window:,}-token sliding "
+                     f"window: their attention FLOPs counted within it ({share:.3g} of full causal) at the planned "
+                     f"kernel's rate (the windowed path is SDPA with block masks, not measured); their memory "
+                     f"planned as full causal attention (over-estimated)")
+    else:
+        forwards = run.forward_passes * len(attending) - sum(1 for i in attending if i < kept)
+        backwards = len(attending)
     parts = {"attention forward": forwards * fwd * accumulation,
-             "attention backward": len(attending) * bwd * accumulation,
+             "attention backward": backwards * bwd * accumulation,
              "matmuls and the rest": dense_flops(shape, run) / (r.DENSE_TFLOPS * 1e12) * accumulation}
-    if shape.windowed_layers and shape.sliding_window < s.padded_length:
-        notes.append(f"{len(shape.windowed_layers)} of {shape.layers} layers attend in a "
-                     f"{shape.sliding_window:,}-token sliding window: planned as full causal attention (their "
-                     f"attention time and memory over-estimated)")
     mixer = shape.family.mixer
     if mixer is not None and mixed:
         seconds, mixer_notes = mixer.seconds(shape.dims, run, r)
