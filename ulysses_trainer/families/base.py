@@ -232,6 +232,12 @@ class Family:
         """The decoder layer's own norms (hidden-wide RMSNorms), in the order they run."""
         return tuple(n for n in self.layer_order if n not in ("attention", "mlp"))
 
+    def recompute_skips_mlp(self) -> bool:
+        """Whether a checkpoint's recompute may skip a tiled MLP's forward (TiledMLP.unused_output): only where its
+        output feeds the residual add alone, whose backward does not read it; a norm after the MLP (Gemma 3's)
+        reads it."""
+        return self.layer_order[-1] == "mlp"
+
     def attention_params(self, d: LayerDims) -> list[tuple[str, int]]:
         """q, (q_norm,) k, (k_norm,) v, o: the attention's modules in the order they run (a projection's bias right
         after its weight)."""

@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from ..families import FAMILIES, PRESETS, family, supported
 from ..families.presets import is_preset, preset_config
 from ..vocabulary.names import CHECKPOINT_MARKER
-from .positions import check_positions, rope_dict
+from .positions import check_positions, describe_rope_by_layer_type, rope_by_layer_type, rope_dict
 
 _YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
 _ROPE_KEYS = ("rope_parameters", "rope_scaling")  # rope_scaling: the pre-5.0 name
@@ -230,6 +230,11 @@ def resolve_rope_parameters(config: PretrainedConfig, rope_params: dict | None,
     if not isinstance(rope_params, dict):
         raise ConfigError(f"rope_parameters must be a mapping like {{rope_type: yarn, factor: auto}}, "
                           f"got {rope_params!r}")
+    by_type = rope_by_layer_type(config)
+    if by_type is not None:  # Gemma 3: one rope per layer type; a single YaRN dict would replace both
+        raise ConfigError(f"rope_parameters: this {config.model_type} model gives each layer type its own rope "
+                          f"({describe_rope_by_layer_type(by_type)}), which the trainer does not replace; drop "
+                          f"rope_parameters (allow_beyond_positions true trains past max_position_embeddings)")
     params = dict(rope_params)
     ckpt = rope_dict(config)
     rope_type = params.pop("rope_type", params.pop("type", None))

@@ -228,7 +228,7 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = True  # HF decoder layers call _gradient_checkpointing_func
             layer._gradient_checkpointing_func = checkpointer.for_layer(i)
-        if tiles > 1:  # the recompute needs the tiled MLP's graph, not its output (TiledMLP.unused_output)
+        if tiles > 1 and fam.recompute_skips_mlp():  # the recompute needs the tiled MLP's graph, not its output
             checkpointer.recompute_context = lambda i: layers[i].mlp.unused_output()
     # 6. the stash for kept attention outputs (only a recompute can reuse them: checked in _check)
     if plan.attention_stash:  # decided once (vocabulary/lever_settings.Fixed.attention_stash)

@@ -20,6 +20,21 @@ def rope_dict(config: PretrainedConfig) -> dict[str, Any]:
     return rp
 
 
+def rope_by_layer_type(config: PretrainedConfig) -> dict[str, dict[str, Any]] | None:
+    """The rope of a config that gives each layer type its own (Gemma 3: full_attention, sliding_attention), else
+    None."""
+    rp = getattr(config, "rope_parameters", None)
+    if isinstance(rp, dict) and rp and all(isinstance(v, dict) for v in rp.values()):
+        return rp
+    return None
+
+
+def describe_rope_by_layer_type(rp: dict[str, dict[str, Any]]) -> str:
+    """'full_attention: linear factor 8, sliding_attention: default' (each layer type's scaling)."""
+    return ", ".join(f"{kind}: {p.get('rope_type', 'default')}" + (f" factor {p['factor']:g}" if "factor" in p else "")
+                     for kind, p in rp.items())
+
+
 def positions_covered(config: PretrainedConfig) -> int | None:
     """The positions the model covers: max_position_embeddings, or original x factor where its rope scales
     them (YaRN, linear, dynamic), whichever is larger. None for a config without max_position_embeddings."""
@@ -47,6 +62,12 @@ def check_positions(config: PretrainedConfig, max_length: int, own_rope: dict[st
     if covered is None or max_length <= covered:
         return
     rp = rope_dict(config)
+    by_type = rope_by_layer_type(config)
+    if by_type is not None:  # its scaling is per layer type and already inside max_position_embeddings (Gemma 3)
+        raise ConfigError(f"max_length {max_length:,} is beyond the model's positions: max_position_embeddings is "
+                          f"{covered:,} with its own rope per layer type ({describe_rope_by_layer_type(by_type)}), "
+                          f"which YaRN cannot replace here; set allow_beyond_positions true to train past them "
+                          f"anyway")
     if requested:
         how = (f"the rope_parameters given ({rp.get('rope_type')} factor {rp.get('factor', 1):g} over "
                f"{rp.get('original_max_position_embeddings', config.max_position_embeddings):,} positions) "

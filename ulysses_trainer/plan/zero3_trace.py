@@ -53,12 +53,15 @@ def module_trace(shape: ModelShape, gradient_checkpointing: bool = True, checkpo
     """The parameters in the order modules fetch them in one micro-step (one module uses one tensor here)."""
     mlp = list(shape.mlp_tiled)  # the family's MlpBlock.trace_groups: used once a tile
     # each layer's input_norm .. post_attention_norm (its attention's or its mixer's), a sparse MLP's router
-    attns = [list(order[:-len(mlp)]) for order in shape.layer_orders]
+    # (a norm after the MLP, Gemma 3's, is listed with them: norms are persistent, their place gathers nothing)
+    attns = [[n for n in order if n not in mlp] for order in shape.layer_orders]
     tiled = tiled_mlp > 1  # levers/tiled_mlp.py: forward runs the tiles; backward re-runs each before its backward
     at = lambda i, names: [(i, n) for n in names]  # noqa: E731
     forward = lambda i: at(i, attns[i] + mlp * tiled_mlp)  # noqa: E731
-    # a checkpoint's recompute skips a tiled MLP's forward (TiledMLP.unused_output): its backward recomputes
-    recompute = lambda i: at(i, attns[i] + ([] if tiled else mlp))  # noqa: E731
+    # a checkpoint's recompute skips a tiled MLP's forward (TiledMLP.unused_output) where the family allows it: its
+    # backward recomputes
+    skip = tiled and shape.family.recompute_skips_mlp()
+    recompute = lambda i: at(i, attns[i] + ([] if skip else mlp * tiled_mlp))  # noqa: E731
     backward = lambda i: at(i, (mlp + mlp[::-1]) * tiled_mlp if tiled else mlp[::-1]) + at(i, attns[i][::-1])  # noqa: E731
     head: Param = (-1, "embed") if shape.tied_embeddings else (-1, "lm_head")
     trace: list[Param] = [(-1, "embed")]
