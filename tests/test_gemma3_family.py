@@ -240,3 +240,14 @@ def test_positions_past_gemmas_own_and_a_yarn_over_them_are_refused_in_one_line(
     code, err = _plan_exit(capsys, "gemma-3-27b", "--max_length", "262144", "--model_init_kwargs",
                            '{"rope_parameters": {"rope_type": "yarn", "factor": "auto"}}')
     assert code == 2 and err.count("\n") == 1 and "rope_parameters" in err and "its own rope" in err, err
+
+
+def test_lora_under_sp_equals_stock_peft():
+    """LoRA on all-linear (r 4, B drawn non-zero): the adapters' loss and gradients (the only ones: the base weights
+    are frozen) at sp 2 equal the stock PEFT model's, packed masked rows, a document across the window."""
+    from tests.test_dense_families import _lora_model
+
+    ids, pos, labels = batch(71, [9, 50, 12], seed=2, masked=True)
+    ref = reference(_lora_model(PRESET), ids, pos, labels)
+    assert len(ref[1]) == 2 * 7 * 2 and all("lora_" in n for n in ref[1])  # 2 layers x 7 Linears x (A, B)
+    assert_equal(sp_run([_lora_model(PRESET) for _ in range(2)], ids, pos, labels), ref)
