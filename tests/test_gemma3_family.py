@@ -18,6 +18,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.sp_rank import trainer_path_matches
 from tests.test_qwen3_5 import assert_equal, batch, build, reference, sp_run
 
 PRESET = "tiny-gemma3"
@@ -80,34 +81,10 @@ def test_the_softcapped_chunked_loss_equals_the_plain_one():
 
 def test_the_trainers_model_path_matches_transformers():
     """The trainer's own path (model_config_for -> plan_for -> build_model -> parallelize with the plan's levers)
-    on a 48-token row (3 windows): one forward/backward = the stock model's."""
-    from ulysses_trainer import parallelize, shard_batch
-    from ulysses_trainer.config import TrainConfig
-    from ulysses_trainer.ds_config import load_ds_config
-    from ulysses_trainer.model.load import build_model, model_config_for
-    from ulysses_trainer.parallel.state import single_process_state
-    from ulysses_trainer.plan.resolve import plan_for
-    from ulysses_trainer.plan.types import Machine
-
-    cfg = TrainConfig(model_name_or_path=PRESET, max_length=48)
-    config = model_config_for(cfg)
-    plan = plan_for(cfg, config, load_ds_config(cfg.deepspeed), Machine(gpus=1, gpu_memory_gb=None,
-                                                                        host_memory_gb=64.0))
-    ids = torch.randint(0, 1000, (1, 48), generator=torch.Generator().manual_seed(3))
-    ref = build_model(config, torch.float32, seed=5)
-    out = ref(input_ids=ids, labels=ids)
-    out.loss.backward()
-    sp_model = parallelize(build_model(config, torch.float32, seed=5), single_process_state(),
-                           plan.model_plan(None, 1))
-    assert all(type(m).__name__ == "LeanRMSNorm" and m.offset == 1.0 for n, m in sp_model.named_modules()
-               if n.endswith("norm"))  # the (1 + weight) norms, lean
-    shard = shard_batch(ids, sp_size=1, sp_rank=0)
-    loss = sp_model(**shard.model_inputs()) / shard.num_valid
-    loss.backward()
-    assert abs(loss.item() - out.loss.item()) <= 1e-5 * abs(out.loss.item())
-    grads = {n.removeprefix("causal_lm."): p.grad for n, p in sp_model.named_parameters()}
-    for name, p in ref.named_parameters():
-        assert (grads[name] - p.grad).norm() <= 1e-5 * p.grad.norm() + 1e-12, name
+    on a 48-token row (3 windows): one forward/backward = the stock model's, its norms the lean (1 + weight) ones."""
+    sp_model = trainer_path_matches(PRESET, 48)
+    norms = [m for n, m in sp_model.named_modules() if n.endswith("norm")]
+    assert len(norms) == 2 * 6 + 1 and all(type(m).__name__ == "LeanRMSNorm" and m.offset == 1.0 for m in norms)
 
 
 def test_the_window_and_each_layer_kinds_rope_are_applied():
