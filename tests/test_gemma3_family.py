@@ -58,6 +58,22 @@ def test_final_logit_softcapping_in_the_chunked_loss_equals_stock():
     assert_equal(sp_run([build(PRESET, final_logit_softcapping=0.1) for _ in range(2)], ids, pos, labels), ref)
 
 
+def test_the_plan_counts_the_softcapped_chunks_tanh():
+    """With final_logit_softcapping the chunked loss keeps one chunk's fp32 tanh beside its logits: the plan's loss
+    buffers grow by chunk x vocab x 4 bytes, and only then."""
+    from ulysses_trainer.families.presets import preset_config
+    from ulysses_trainer.plan.inputs import ModelShape, Settings
+    from ulysses_trainer.plan.loss_terms import chunked_loss_bytes
+
+    config = preset_config(PRESET)
+    plain = ModelShape.from_config(config)
+    config.final_logit_softcapping = 30.0
+    capped = ModelShape.from_config(config)
+    s = Settings(max_length=4096)
+    assert not plain.final_logit_softcap and capped.final_logit_softcap
+    assert chunked_loss_bytes(capped, s) - chunked_loss_bytes(plain, s) == 256 * plain.vocab * 4
+
+
 def test_the_softcapped_chunked_loss_equals_the_plain_one():
     """levers/chunked_loss with softcap against cap * tanh(logits / cap) and F.cross_entropy by autograd: the sum and
     both gradients, ignored labels included."""

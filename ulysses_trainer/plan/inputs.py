@@ -56,6 +56,8 @@ class ModelShape:
     # (step_time.window_share), the memory terms as full causal attention (an over-estimate)
     windowed_layers: tuple[int, ...] = ()
     sliding_window: int = 0
+    # the config soft-caps the final logits (Gemma's final_logit_softcapping): the chunked loss keeps a chunk's tanh
+    final_logit_softcap: bool = False
     # ---- derived in __post_init__ (also after dataclasses.replace), never passed in
     family: Family = field(init=False, repr=False, compare=False)
     dims: LayerDims = field(init=False, repr=False, compare=False)
@@ -154,7 +156,8 @@ class ModelShape:
                    model_type=fam.model_type, experts=d.experts, top_k=d.top_k, shared_expert=d.shared_expert,
                    mixer_layers=fam.mixer_layers(config), linear_k_heads=d.linear_k_heads,
                    linear_v_heads=d.linear_v_heads, linear_k_dim=d.linear_k_dim, linear_v_dim=d.linear_v_dim,
-                   linear_conv=d.linear_conv, windowed_layers=windowed, sliding_window=window)
+                   linear_conv=d.linear_conv, windowed_layers=windowed, sliding_window=window,
+                   final_logit_softcap=bool(getattr(config, "final_logit_softcapping", None)))
 
     @classmethod
     def preset(cls, name: str) -> ModelShape:

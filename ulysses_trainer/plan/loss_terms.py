@@ -18,12 +18,13 @@ LOSS_GRAD_GROUP = 8  # = levers.chunked_loss.GRAD_GROUP (the planner imports no 
 def chunked_loss_bytes(shape: ModelShape, s: Settings) -> int:
     """levers/chunked_loss.py: the hidden grad [t, H] and the fp32 lm_head grad [V, H], both built in
     forward; one chunk's fp32 logits (turned into probabilities in place) next to the dlogits buffer of
-    GRAD_GROUP chunks (training dtype); in bf16 the final bf16 weight grad."""
+    GRAD_GROUP chunks (training dtype); in bf16 the final bf16 weight grad. Soft-capped logits (Gemma's
+    final_logit_softcapping): the chunk's tanh, fp32, beside them."""
     t, e, v, h, c = s.local_tokens, s.act_bytes, shape.vocab, shape.hidden, s.loss_chunk_size
     c = min(c, t)
     group = min(c * LOSS_GRAD_GROUP, t)
     vh_lowp = v * h * e if e < FP32 else 0
-    chunk = c * v * FP32 + group * v * e
+    chunk = c * v * FP32 * (2 if shape.final_logit_softcap else 1) + group * v * e
     return t * h * e + v * h * FP32 + max(chunk, vh_lowp)
 
 
