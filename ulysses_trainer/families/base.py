@@ -224,11 +224,26 @@ class Family:
     refused_flags: tuple[str, ...] = ()
     # q_proj, k_proj and v_proj carry biases (Qwen2); o_proj has none
     qkv_bias: bool = False
+    # the attention's nn.Linear names in module order (Phi-3 fuses q, k, v into qkv_proj) and LoRA's default
+    # targets among them (PEFT's default for Qwen3: q_proj, v_proj)
+    attention_linears: tuple[str, ...] = ATTENTION_LINEARS
+    lora_default: tuple[str, ...] = LORA_DEFAULT_TARGETS
+    # one qkv_proj of width q + 2 kv in place of q_proj, k_proj, v_proj (Phi-3)
+    fused_qkv: bool = False
+    # q_norm / k_norm span the whole projection, all heads (OLMo 2: widths q and kv), not one head (Qwen3)
+    qk_norm_whole: bool = False
+    # the layer norms its sub-blocks' outputs before each residual add (OLMo 2: post_attention_layernorm,
+    # post_feedforward_layernorm) and has no pre-norms
+    post_norms: bool = False
 
     def attention_params(self, d: LayerDims) -> list[tuple[str, int]]:
         """q, (q_norm,) k, (k_norm,) v, o: the attention's modules in the order they run (a projection's bias right
         after its weight)."""
         h, q, k = d.hidden, d.q_width, d.kv_width
+        if self.fused_qkv:
+            return [("qkv", h * (q + 2 * k)), ("o", q * h)]
+        if self.qk_norm_whole:
+            return [("q", h * q), ("q_norm", q), ("k", h * k), ("k_norm", k), ("v", h * k), ("o", q * h)]
         if self.gated_attention:
             return [("q", h * 2 * q), ("q_norm", d.head_dim), ("k", h * k), ("k_norm", d.head_dim), ("v", h * k),
                     ("o", q * h)]
@@ -247,7 +262,7 @@ class Family:
     def lora_linears(self) -> tuple[str, ...]:
         """A decoder layer's nn.Linear modules, what LoRA can adapt ("all-linear"), in module order: the attention
         projections, then the MLP block's."""
-        return ATTENTION_LINEARS + (self.mixer.lora_linears if self.mixer else ()) + self.mlp.lora_linears
+        return self.attention_linears + (self.mixer.lora_linears if self.mixer else ()) + self.mlp.lora_linears
 
     def lora_targets(self, target_modules: Any) -> tuple[str, ...]:
         """The Linear names LoRA adapts, from target_modules as PEFT takes it (names, "all-linear", or None: the
@@ -255,7 +270,7 @@ class Family:
         ConfigError naming those it has."""
         linears = self.lora_linears()
         if target_modules is None:
-            return LORA_DEFAULT_TARGETS
+            return self.lora_default
         if target_modules == "all-linear":
             return linears
         names = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)

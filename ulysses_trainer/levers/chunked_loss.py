@@ -30,9 +30,13 @@ def count_valid(labels: Tensor) -> int:
     return int((labels != IGNORE_INDEX).sum().item())
 
 
-def nll_sum(hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
-    """Reference: full logits in the input dtype, upcast to fp32, summed cross-entropy (fp32 scalar)."""
-    logits = F.linear(hidden, weight).float()  # [..., V]
+def nll_sum(hidden: Tensor, weight: Tensor, labels: Tensor, logits_scaling: float = 1.0) -> Tensor:
+    """Reference: full logits in the input dtype (divided by logits_scaling, as Granite's head does), upcast to
+    fp32, summed cross-entropy (fp32 scalar)."""
+    logits = F.linear(hidden, weight)  # [..., V]
+    if logits_scaling != 1.0:
+        logits = logits / logits_scaling
+    logits = logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
@@ -56,7 +60,7 @@ class _ChunkedNLLSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int,
-                want_hidden_grad: bool, want_weight_grad: bool) -> Tensor:
+                want_hidden_grad: bool, want_weight_grad: bool, logits_scaling: float = 1.0) -> Tensor:
         n_hidden = hidden.shape[-1]
         h2d = hidden.reshape(-1, n_hidden)  # [..., H] -> [N, H]
         y = labels.reshape(-1)  # [...] -> [N]
@@ -100,6 +104,8 @@ class _ChunkedNLLSum(torch.autograd.Function):
                     continue
                 h, yc, vc = h2d[s:e], y[s:e], valid[s:e]
                 logits = torch.mm(h, weight.t()).float()  # [c, V]: input-dtype matmul, fp32 softmax
+                if logits_scaling != 1.0:
+                    logits.div_(logits_scaling)  # Granite: the logits divided, as its head does
                 lse = torch.logsumexp(logits, dim=-1)  # [c]
                 tgt_idx = torch.where(vc, yc, 0).unsqueeze(1)  # [c, 1]
                 tgt = logits.gather(1, tgt_idx).squeeze(1)  # [c]
@@ -110,6 +116,8 @@ class _ChunkedNLLSum(torch.autograd.Function):
                 probs = logits.sub_(lse.unsqueeze(1)).exp_()  # [c, V], in place: logits are no longer needed
                 probs.masked_fill_(~vc.unsqueeze(1), 0.0)
                 probs.scatter_add_(1, tgt_idx, -vc.to(probs.dtype).unsqueeze(1))
+                if logits_scaling != 1.0:
+                    probs.div_(logits_scaling)  # the division's backward: d(logits before it) = d(logits) / s
                 dbuf[s - gs:e - gs].copy_(probs)  # [c, V] fp32 -> input dtype, rows of the group
                 del logits, probs
             if not wants_grad:
@@ -152,7 +160,7 @@ class _ChunkedNLLSum(torch.autograd.Function):
             grad_h = grad_h.view(ctx.hidden_shape).to(ctx.hidden_dtype)  # [N, H] -> [..., H]
         if grad_w is not None:
             grad_w = grad_w.mul_(scale).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 BUCKET_COLUMNS = ("nll", "hits", "tokens")  # the columns of chunked_bucket_sums
@@ -160,7 +168,7 @@ BUCKET_COLUMNS = ("nll", "hits", "tokens")  # the columns of chunked_bucket_sums
 
 @torch.no_grad()
 def chunked_bucket_sums(hidden: Tensor, weight: Tensor, labels: Tensor, buckets: Tensor, num_buckets: int,
-                        chunk_size: int = 256) -> Tensor:
+                        chunk_size: int = 256, logits_scaling: float = 1.0) -> Tensor:
     """Evaluation's sums by bucket, never building the full logits: [num_buckets, 3] float64, per bucket the sum
     of token NLLs, the tokens whose label is an argmax of their logits (teacher-forced hits) and the tokens,
     over labels != IGNORE_INDEX. buckets: labels' shape, each token's bucket in [0, num_buckets). No gradient.
@@ -184,6 +192,8 @@ def chunked_bucket_sums(hidden: Tensor, weight: Tensor, labels: Tensor, buckets:
         s, e = c * chunk_size, min((c + 1) * chunk_size, n_rows)
         vc = valid[s:e]
         logits = torch.mm(h2d[s:e], weight.t()).float()  # [c, V]: input-dtype matmul, fp32 softmax
+        if logits_scaling != 1.0:
+            logits.div_(logits_scaling)
         tgt = logits.gather(1, torch.where(vc, y[s:e], 0).unsqueeze(1)).squeeze(1)  # [c]
         nll = torch.logsumexp(logits, dim=-1) - tgt  # [c]
         hit = tgt >= logits.amax(dim=-1)  # [c]: the label is an argmax (a tie counts)
@@ -195,14 +205,17 @@ def chunked_bucket_sums(hidden: Tensor, weight: Tensor, labels: Tensor, buckets:
     return sums.t()  # [3, k] -> [k, 3]
 
 
-def chunked_nll_sum(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 256) -> Tensor:
+def chunked_nll_sum(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 256,
+                    logits_scaling: float = 1.0) -> Tensor:
     """fp32 sum of token NLLs over labels != IGNORE_INDEX, never building the full logits.
 
     hidden [..., H], weight [V, H] (the lm_head weight, tied or not), labels [...] already shifted.
     Returns 0.0 (not NaN) when every label is ignored. Gradients are computed only for the inputs
-    that need them under the current grad mode (none in eval).
+    that need them under the current grad mode (none in eval). logits_scaling: the logits are divided by it
+    (Granite's config field; 1: none).
     """
     _check_inputs(hidden, weight, labels, chunk_size)
     grad_on = torch.is_grad_enabled()
     return _ChunkedNLLSum.apply(hidden, weight, labels, chunk_size,
-                                grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+                                grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+                                float(logits_scaling))

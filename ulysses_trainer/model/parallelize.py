@@ -50,6 +50,7 @@ from ..vocabulary.names import (
     default_mlp_tiles,
 )
 from .loss_head import LOSS_TYPES, LossHead
+from .row_rope import use_row_rope
 from .sp_model import SequenceParallelCausalLM
 from .undo import ModelSnapshot, use_private_config
 
@@ -210,8 +211,11 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan
     if install_mixer is not None:
         install_mixer(fam.mixer, layers, state, plan)
     use_fused_rope(model)  # RoPE in one pass over q and k (Triton on CUDA; HF's ops elsewhere)
+    use_row_rope(model, state)  # LongRoPE / dynamic: frequencies chosen on the whole row, as one process does
     # 2. loss head
-    model.lm_head = LossHead(model.lm_head, plan.loss_type, plan.loss_chunk_size)
+    # logits_scaling: the model's head divides its logits by it (Granite); the loss head does the same
+    model.lm_head = LossHead(model.lm_head, plan.loss_type, plan.loss_chunk_size,
+                             float(getattr(model.config, "logits_scaling", None) or 1.0))
     # 3. lean norms (before tiling and checkpointing, which only wrap what is there)
     if plan.lean_norm:
         use_lean_norms(model, plan.norm_kernel, fam.norm_offset)
@@ -227,7 +231,9 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = True  # HF decoder layers call _gradient_checkpointing_func
             layer._gradient_checkpointing_func = checkpointer.for_layer(i)
-        if tiles > 1:  # the recompute needs the tiled MLP's graph, not its output (TiledMLP.unused_output)
+        # the recompute needs the tiled MLP's graph, not its output (TiledMLP.unused_output), where the output feeds
+        # the residual add alone; a post-norm (OLMo 2) keeps it for its backward, so the tiles run
+        if tiles > 1 and not fam.post_norms:
             checkpointer.recompute_context = lambda i: layers[i].mlp.unused_output()
     # 6. the stash for kept attention outputs (only a recompute can reuse them: checked in _check)
     if plan.attention_stash:  # decided once (vocabulary/lever_settings.Fixed.attention_stash)

@@ -98,7 +98,10 @@ class ModelShape:
                       linear_k_dim=self.linear_k_dim, linear_v_dim=self.linear_v_dim, linear_conv=self.linear_conv,
                       shared_expert=self.shared_expert)
         attention, mlp = fam.attention_params(d), fam.mlp_params(d)
-        norms = (("input_norm", self.hidden), ("post_attention_norm", self.hidden))
+        # a layer's two norms: before attention and before the MLP, or (post-norm: OLMo 2) after each
+        first, second = ("post_attention_norm", "post_feedforward_norm") if fam.post_norms else \
+            ("input_norm", "post_attention_norm")
+        norms = ((first, self.hidden), (second, self.hidden))
         layer = (*sorted(attention, key=lambda kv: kv[0].endswith("_norm")),  # projections, then q/k norms
                  *mlp, *norms)
         mixed = set(self.mixer_layers)
@@ -121,7 +124,11 @@ class ModelShape:
             + self.layers * fam.active_mlp_numel(d)
         once, tiled = fam.mlp.trace_groups(d)
         token_mixer = mixer if mixer_first else attention
-        order = lambda names: ("input_norm", *[n for n, _ in names], "post_attention_norm", *once, *tiled)  # noqa: E731
+        if fam.post_norms:  # post_feedforward_norm runs after the MLP; listed before it, where the trace splits a
+            # layer into attention and MLP uses (a norm is under ZeRO-3's persistence threshold: never gathered)
+            order = lambda names: (*[n for n, _ in names], first, second, *once, *tiled)  # noqa: E731
+        else:
+            order = lambda names: (first, *[n for n, _ in names], second, *once, *tiled)  # noqa: E731
         derived = {
             "family": fam, "dims": d, "layer_params": mixer_layer if mixer_first else layer,
             "numels": {**dict(layer), **dict(mixer), "embed": embed, "lm_head": embed, "final_norm": self.hidden},

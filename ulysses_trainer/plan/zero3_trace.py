@@ -57,8 +57,10 @@ def module_trace(shape: ModelShape, gradient_checkpointing: bool = True, checkpo
     tiled = tiled_mlp > 1  # levers/tiled_mlp.py: forward runs the tiles; backward re-runs each before its backward
     at = lambda i, names: [(i, n) for n in names]  # noqa: E731
     forward = lambda i: at(i, attns[i] + mlp * tiled_mlp)  # noqa: E731
-    # a checkpoint's recompute skips a tiled MLP's forward (TiledMLP.unused_output): its backward recomputes
-    recompute = lambda i: at(i, attns[i] + ([] if tiled else mlp))  # noqa: E731
+    # a checkpoint's recompute skips a tiled MLP's forward (TiledMLP.unused_output): its backward recomputes; not
+    # after a post-norm (OLMo 2), whose backward reads the MLP's output
+    skips = tiled and not shape.family.post_norms
+    recompute = lambda i: at(i, attns[i] + ([] if skips else mlp * tiled_mlp))  # noqa: E731
     backward = lambda i: at(i, (mlp + mlp[::-1]) * tiled_mlp if tiled else mlp[::-1]) + at(i, attns[i][::-1])  # noqa: E731
     head: Param = (-1, "embed") if shape.tied_embeddings else (-1, "lm_head")
     trace: list[Param] = [(-1, "embed")]
