@@ -67,6 +67,17 @@ def test_levers_change_memory_not_results(preset):
     assert_equal(sp_run([build(preset) for _ in range(2)], ids, pos, labels, **levers), ref)
 
 
+def test_dynamic_rope_is_chosen_on_the_row_too():
+    """Dynamic NTK scaling also rescales by the longest position of the forward (past max_position_embeddings 32
+    here): under SP 2 the row's choice, as stock's forward of the row (model/row_rope.py wraps any such RoPE)."""
+    dynamic = {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10_000.0, "factor": 2.0},
+               "max_position_embeddings": 32}
+    ids, pos, labels = batch(71, [30, 41], seed=4, masked=True)
+    ref = row_reference(build("tiny-llama", **dynamic), ids, pos, labels)
+    assert _largest_grad_error(reference(build("tiny-llama", **dynamic), ids, pos, labels), ref) > 1e-3
+    assert_equal(sp_run([build("tiny-llama", **dynamic) for _ in range(2)], ids, pos, labels), ref)
+
+
 def test_the_row_reference_keeps_documents_apart():
     """Stock transformers' forward of a packed row with position_ids equals its forward one document at a time
     (a RoPE that does not depend on the length): the Phi-3 reference keeps documents apart."""
@@ -261,3 +272,34 @@ def test_the_presets_refuse_nothing_of_their_own():
     for model_type in ("granite", "olmo2", "phi3"):
         for name in FAMILIES[model_type].presets:
             assert FAMILIES[model_type].check_config(preset_config(name)) is None, name
+
+
+def test_olmo2s_lean_norms_are_its_own_norms_in_bf16():
+    """OLMo 2's RMSNorm multiplies the weight in fp32 and casts after (Qwen3's casts first): the lean norm the
+    family installs (norm_fp32_weight) gives its bf16 output bitwise and its gradients to bf16 rounding; the
+    Qwen3-style one does not give its output."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from ulysses_trainer.families import family
+    from ulysses_trainer.levers.lean_norm import LeanRMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    hf = Olmo2RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        hf.weight.copy_(1 + 0.3 * torch.randn(64, generator=gen))
+    x = (3 * torch.randn(5, 37, 64, generator=gen)).to(torch.bfloat16)
+    g = torch.randn(5, 37, 64, generator=gen).to(torch.bfloat16)
+
+    def run(norm):
+        xi = x.clone().requires_grad_(True)
+        out = norm(xi)
+        out.backward(g)
+        grads = (xi.grad.float(), norm.weight.grad.float())
+        norm.weight.grad = None
+        return out.detach(), grads
+
+    ref_out, (ref_gx, ref_gw) = run(hf)
+    out, (gx, gw) = run(LeanRMSNorm(hf, "torch", family("olmo2").norm_offset, family("olmo2").norm_fp32_weight))
+    assert torch.equal(out, ref_out)
+    assert (gx - ref_gx).norm() <= 1e-2 * ref_gx.norm() and (gw - ref_gw).norm() <= 1e-2 * ref_gw.norm()
+    assert not torch.equal(LeanRMSNorm(hf, "torch")(x), ref_out)

@@ -212,6 +212,8 @@ class Family:
     fused_rope: bool = False
     # RMSNorms scale by (offset + weight) in fp32 (Qwen3.5's zero-centred norms: 1.0); 0.0: weight, Qwen3's way
     norm_offset: float = 0.0
+    # RMSNorms multiply the weight in fp32 and cast after (OLMo 2's); False: cast, then times the weight (Qwen3's)
+    norm_fp32_weight: bool = False
     # the layers whose layer_types entry is mixer.kind run it instead of attention (None: every layer attends)
     mixer: TokenMixer | None = None
     # the Qwen BPE its presets (and a checkpoint without tokenizer files) are tokenized with (data/tokenizer.py)

@@ -218,7 +218,7 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan
                              float(getattr(model.config, "logits_scaling", None) or 1.0))
     # 3. lean norms (before tiling and checkpointing, which only wrap what is there)
     if plan.lean_norm:
-        use_lean_norms(model, plan.norm_kernel, fam.norm_offset)
+        use_lean_norms(model, plan.norm_kernel, fam.norm_offset, fam.norm_fp32_weight)
     # 4. the family's MLP block: tiled, and its load-balancing statistics where it has them (sparse: router)
     tiles = plan.tiled_mlp
     stats, coef = install_mlp(fam.mlp, model, layers, tiles, plan.experts_implementation)

@@ -21,7 +21,8 @@ from ..qwen3 import VOCAB_SIZE as QWEN_VOCAB
 from ..qwen3 import GatedMlp
 
 OLMO2 = Family(model_type="olmo2", config_class="Olmo2Config", causal_lm_class="Olmo2ForCausalLM", mlp=GatedMlp(),
-               qk_norm=True, qk_norm_whole=True, post_norms=True, refused_flags=("attention_bias",),
+               qk_norm=True, qk_norm_whole=True, post_norms=True, norm_fp32_weight=True,
+               refused_flags=("attention_bias",),
                modules=f"{__name__}.modules",
                presets={"tiny-olmo2": dict(
                             vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
