@@ -303,3 +303,31 @@ def test_olmo2s_lean_norms_are_its_own_norms_in_bf16():
     assert torch.equal(out, ref_out)
     assert (gx - ref_gx).norm() <= 1e-2 * ref_gx.norm() and (gw - ref_gw).norm() <= 1e-2 * ref_gw.norm()
     assert not torch.equal(LeanRMSNorm(hf, "torch")(x), ref_out)
+
+
+@pytest.mark.parametrize("preset", ["tiny-phi3", "tiny-granite"])
+def test_verify_sp_passes_them(preset):
+    """verify_sp (train/verify_sp.py) at sp 2 on a packed row: Granite's logits_scaling; Phi-3's LongRoPE, where
+    the stock reference is the row's forward (one process picks the factors on the whole row, as the trainer does;
+    per document its 30-token one would take the short ones)."""
+    from tests.test_verify_sp import _check, _row
+
+    out = _check(build(preset, seed=1), lambda: build(preset, seed=1), _row(64, 503, [30, 34]), 2)
+    for result in out:
+        assert not isinstance(result, Exception), result
+        assert abs(result.loss - result.ref_loss) <= 1e-5 * abs(result.ref_loss) and result.worst <= 1e-5
+
+
+def test_the_per_position_loss_divides_granites_logits():
+    """The per-position loss plot's NLLs (train/diagnostics.per_token_losses, given the loss head's
+    logits_scaling) are stock Granite's per-token cross-entropy."""
+    from ulysses_trainer.train.diagnostics import per_token_losses
+
+    model = build("tiny-granite")
+    ids, _, labels = batch(40, None, seed=3)
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state
+        want = F.cross_entropy(model(input_ids=ids).logits[0, :-1], labels[0, 1:], reduction="none")
+    got = per_token_losses(hidden[:, :-1], model.lm_head.weight, labels[:, 1:], chunk=7,
+                           logits_scaling=model.config.logits_scaling)
+    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-6)

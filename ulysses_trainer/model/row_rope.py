@@ -58,6 +58,12 @@ class RowRotary(nn.Module):
         return self._plain(self.rotary, x, position_ids, *args, **kwargs)
 
 
+def chooses_by_longest(model: nn.Module) -> bool:
+    """Whether some rotary embedding of `model` picks its frequencies by the longest position of the forward: its
+    stock forward of a packed row then differs from its forwards of the row's documents one at a time."""
+    return any(_longest_dependent(m) for m in model.modules())
+
+
 def use_row_rope(model: nn.Module, state: ParallelState) -> int:
     """Wrap every rotary embedding of `model` whose frequencies depend on the longest position (RowRotary); returns
     how many."""
