@@ -232,6 +232,10 @@ class Family:
     lora_default: tuple[str, ...] = LORA_DEFAULT_TARGETS
     # one qkv_proj of width q + 2 kv in place of q_proj, k_proj, v_proj (Phi-3)
     fused_qkv: bool = False
+    # the attention's tensors (attention_params' names) in the order its module registers them, where that is not
+    # its projections then its norms (Phi-3's registers o_proj before qkv_proj): the order of model.parameters(),
+    # which ZeRO-3's partitions and optimizer sub-groups follow
+    attention_registered: tuple[str, ...] = ()
     # q_norm / k_norm span the whole projection, all heads (OLMo 2: widths q and kv), not one head (Qwen3)
     qk_norm_whole: bool = False
     # the layer norms its sub-blocks' outputs before each residual add (OLMo 2: post_attention_layernorm,

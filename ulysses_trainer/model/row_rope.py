@@ -4,8 +4,10 @@ dynamic NTK scaling), decided on the whole row under SP.
 transformers' rotary embedding picks them from max(position_ids) + 1 of the call (modeling_rope_utils'
 dynamic_rope_update). Under Ulysses each rank calls it on its own L/sp shard, so ranks holding only early positions
 would pick the short factors while the others pick the long ones: not what one process's forward of the row
-computes. RowRotary runs transformers' own update with the row's longest real position (this shard's, its pads left
+computes. RowForward runs transformers' own update with the row's longest real position (this shard's, its pads left
 out, then the maximum over the SP group), then the embedding's forward without the update on this rank's positions.
+It is the embedding's own `forward` (an instance attribute, which unparallelize removes: model/undo.py), so the
+module, its buffers and their names stay as they were (verify_sp copies them by name).
 """
 
 from __future__ import annotations
@@ -27,12 +29,11 @@ def _longest_dependent(rotary: nn.Module) -> bool:
     return isinstance(rope_type, str) and (rope_type == "longrope" or "dynamic" in rope_type)
 
 
-class RowRotary(nn.Module):
-    """Wraps a transformers rotary embedding (as its child, so unparallelize drops it): frequencies from the row's
-    longest real position over the SP group, cos/sin for this rank's positions."""
+class RowForward:
+    """A transformers rotary embedding's forward under SP: frequencies from the row's longest real position over the
+    SP group, cos/sin for this rank's positions."""
 
     def __init__(self, rotary: nn.Module, state: ParallelState):
-        super().__init__()
         update = type(rotary).forward  # transformers' forward, decorated with its frequency update
         plain = getattr(update, "__wrapped__", None)  # the forward itself (functools.wraps)
         if plain is None:
@@ -42,7 +43,7 @@ class RowRotary(nn.Module):
         self.rotary, self.state = rotary, state
         self._update, self._plain = update, plain
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         pos = position_ids
         shard = shard_in_scope()
         if shard is not None and shard.has_pads and tuple(pos.shape) == tuple(shard.position_ids.shape):
@@ -65,10 +66,9 @@ def chooses_by_longest(model: nn.Module) -> bool:
 
 
 def use_row_rope(model: nn.Module, state: ParallelState) -> int:
-    """Wrap every rotary embedding of `model` whose frequencies depend on the longest position (RowRotary); returns
-    how many."""
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if _longest_dependent(child) and not isinstance(parent, RowRotary)]
-    for parent, name, child in targets:
-        setattr(parent, name, RowRotary(child, state))
+    """Give every rotary embedding of `model` whose frequencies depend on the longest position its RowForward;
+    returns how many."""
+    targets = [m for m in model.modules() if _longest_dependent(m) and "forward" not in m.__dict__]
+    for m in targets:
+        m.forward = RowForward(m, state)
     return len(targets)

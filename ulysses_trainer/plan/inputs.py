@@ -102,7 +102,9 @@ class ModelShape:
         first, second = ("post_attention_norm", "post_feedforward_norm") if fam.post_norms else \
             ("input_norm", "post_attention_norm")
         norms = ((first, self.hidden), (second, self.hidden))
-        layer = (*sorted(attention, key=lambda kv: kv[0].endswith("_norm")),  # projections, then q/k norms
+        registered = fam.attention_registered
+        layer = (*sorted(attention, key=(lambda kv: registered.index(kv[0])) if registered else  # the module's order
+                         (lambda kv: kv[0].endswith("_norm"))),  # projections, then q/k norms
                  *mlp, *norms)
         mixed = set(self.mixer_layers)
         mixer = fam.mixer.params(d) if fam.mixer is not None and mixed else []

@@ -100,7 +100,8 @@ def _tiny() -> dict[str, Any]:
 
 
 PHI3 = Family(model_type="phi3", config_class="Phi3Config", causal_lm_class="Phi3ForCausalLM", mlp=FusedGatedMlp(),
-              qk_norm=False, fused_qkv=True, attention_linears=("qkv_proj", "o_proj"), lora_default=("qkv_proj",),
+              qk_norm=False, fused_qkv=True, attention_registered=("o", "qkv"),
+              attention_linears=("qkv_proj", "o_proj"), lora_default=("qkv_proj",),
               modules=f"{__name__}.modules",
               presets={"tiny-phi3": _tiny(),
                        "phi-3.5-mini": dict(
