@@ -157,37 +157,20 @@ def test_lora_targets_phi3_has_not_are_refused_naming_its_own():
     assert family("phi3").lora_targets(None) == ("qkv_proj",)
 
 
-@pytest.mark.parametrize("preset", ["tiny-granite"])
-def test_the_trainers_model_path_matches_transformers(preset):
-    """The trainer's own path (model_config_for -> plan_for -> build_model -> parallelize with the plan's levers)
-    on a 48-token row: one forward/backward and the logits = the stock model's (the loss head's logits_scaling)."""
-    from ulysses_trainer import parallelize, shard_batch
+def test_the_trainers_model_path_matches_transformers():
+    """The trainer's own path (tests/sp_rank.trainer_path_matches: model_config_for -> plan_for -> build_model ->
+    parallelize with the plan's levers) on Granite: one forward/backward = the stock model's, and its logits (the
+    loss head divides them by logits_scaling) = the stock head's."""
+    from tests.sp_rank import trainer_path_matches
     from ulysses_trainer.config import TrainConfig
-    from ulysses_trainer.ds_config import load_ds_config
     from ulysses_trainer.model.load import build_model, model_config_for
-    from ulysses_trainer.parallel.state import single_process_state
-    from ulysses_trainer.plan.resolve import plan_for
-    from ulysses_trainer.plan.types import Machine
 
-    cfg = TrainConfig(model_name_or_path=preset, max_length=48)
-    config = model_config_for(cfg)
-    plan = plan_for(cfg, config, load_ds_config(cfg.deepspeed), Machine(gpus=1, gpu_memory_gb=None,
-                                                                        host_memory_gb=64.0))
+    sp_model = trainer_path_matches("tiny-granite", 48)
     ids = torch.randint(0, 1000, (1, 48), generator=torch.Generator().manual_seed(3))
-    ref = build_model(config, torch.float32, seed=5)
-    out = ref(input_ids=ids, labels=ids)
-    out.loss.backward()
-    sp_model = parallelize(build_model(config, torch.float32, seed=5), single_process_state(),
-                           plan.model_plan(None, 1))
-    shard = shard_batch(ids, sp_size=1, sp_rank=0)
-    loss = sp_model(**shard.model_inputs()) / shard.num_valid
-    loss.backward()
-    assert abs(loss.item() - out.loss.item()) <= 1e-5 * abs(out.loss.item())
-    grads = {n.removeprefix("causal_lm."): p.grad for n, p in sp_model.named_parameters()}
-    for name, p in ref.named_parameters():
-        assert (grads[name] - p.grad).norm() <= 1e-5 * p.grad.norm() + 1e-12, name
-    logits = sp_model.logits(ids)  # the loss head's logits: the stock head's (Granite's divided by logits_scaling)
-    assert torch.allclose(logits, out.logits.float(), rtol=1e-5, atol=1e-6)
+    stock = build_model(model_config_for(TrainConfig(model_name_or_path="tiny-granite", max_length=48)),
+                        torch.float32, seed=5)
+    with torch.no_grad():
+        assert torch.allclose(sp_model.logits(ids), stock(input_ids=ids).logits.float(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("preset", ["tiny-granite", "tiny-olmo2", "tiny-phi3", "granite-3.1-8b", "olmo-2-7b",
