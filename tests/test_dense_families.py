@@ -234,13 +234,13 @@ def test_a_checkpoint_with_such_a_layer_is_refused_by_the_command(tmp_path, caps
 
 
 def test_an_architecture_without_a_family_is_refused_naming_the_supported_ones(tmp_path, capsys):
-    from transformers import Olmo2Config
+    from transformers import StableLmConfig
 
-    config = Olmo2Config(vocab_size=503, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = StableLmConfig(vocab_size=503, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2)
     code, err = _plan_exit(capsys, _save(tmp_path, config), "--gpus", "1")
     assert code == 2 and err.count("\n") == 1, err
-    assert "model_type 'olmo2'" in err and "llama" in err and "docs/models.md" in err, err
+    assert "model_type 'stablelm'" in err and "llama" in err and "docs/models.md" in err, err
 
 
 def test_the_presets_refuse_nothing_of_their_own():

@@ -46,8 +46,8 @@ def test_moe_presets_carry_the_published_dimensions():
 def test_every_preset_belongs_to_one_family_and_unknown_types_are_refused():
     assert set(PRESETS) == {n for f in FAMILIES.values() for n in f.presets}
     assert {preset_config(n).model_type for n in PRESETS} == set(FAMILIES)
-    with pytest.raises(ConfigError, match="'olmo2' is not supported; this trainer supports qwen3, qwen3_moe"):
-        family("olmo2")
+    with pytest.raises(ConfigError, match="'stablelm' is not supported; this trainer supports qwen3, qwen3_moe"):
+        family("stablelm")
 
 
 def test_dense_layer_order_is_unchanged():

@@ -66,8 +66,10 @@ def test_presets_list():
         "tiny-qwen3.5", "qwen3.5-9b", "qwen3.5-27b", "tiny-qwen3.5-moe", "qwen3.5-35b-a3b", "qwen3.5-122b-a10b",
         "qwen3.5-397b-a17b"} | {  # Qwen3.5: tests/test_qwen3_5.py
         "tiny-llama", "llama-3.1-8b", "llama-3.1-70b", "tiny-mistral", "mistral-small-24b", "tiny-ministral",
-        "tiny-qwen2", "qwen2.5-7b"}
-    # the dense families: tests/test_dense_families.py
+        "tiny-qwen2", "qwen2.5-7b"} | {
+        "tiny-gemma3", "gemma-3-27b", "tiny-granite", "granite-3.1-8b", "tiny-olmo2", "olmo-2-7b", "tiny-phi3",
+        "phi-3.5-mini"}
+    # the dense families: tests/test_dense_families.py, tests/test_more_dense_families.py
 
 
 def test_a_wrong_dimension_misses_the_published_count():

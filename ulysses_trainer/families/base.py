@@ -212,6 +212,8 @@ class Family:
     fused_rope: bool = False
     # RMSNorms scale by (offset + weight) in fp32 (Qwen3.5's zero-centred norms: 1.0); 0.0: weight, Qwen3's way
     norm_offset: float = 0.0
+    # RMSNorms multiply the weight in fp32 and cast after (OLMo 2's); False: cast, then times the weight (Qwen3's)
+    norm_fp32_weight: bool = False
     # the layers whose layer_types entry is mixer.kind run it instead of attention (None: every layer attends)
     mixer: TokenMixer | None = None
     # the Qwen BPE its presets (and a checkpoint without tokenizer files) are tokenized with (data/tokenizer.py)
@@ -237,11 +239,27 @@ class Family:
         output feeds the residual add alone, whose backward does not read it; a norm after the MLP (Gemma 3's)
         reads it."""
         return self.layer_order[-1] == "mlp"
+    # the attention's nn.Linear names in module order (Phi-3 fuses q, k, v into qkv_proj) and LoRA's default
+    # targets among them (PEFT's default for Qwen3: q_proj, v_proj)
+    attention_linears: tuple[str, ...] = ATTENTION_LINEARS
+    lora_default: tuple[str, ...] = LORA_DEFAULT_TARGETS
+    # one qkv_proj of width q + 2 kv in place of q_proj, k_proj, v_proj (Phi-3)
+    fused_qkv: bool = False
+    # the attention's tensors (attention_params' names) in the order its module registers them, where that is not
+    # its projections then its norms (Phi-3's registers o_proj before qkv_proj): the order of model.parameters(),
+    # which ZeRO-3's partitions and optimizer sub-groups follow
+    attention_registered: tuple[str, ...] = ()
+    # q_norm / k_norm span the whole projection, all heads (OLMo 2: widths q and kv), not one head (Qwen3)
+    qk_norm_whole: bool = False
 
     def attention_params(self, d: LayerDims) -> list[tuple[str, int]]:
         """q, (q_norm,) k, (k_norm,) v, o: the attention's modules in the order they run (a projection's bias right
         after its weight)."""
         h, q, k = d.hidden, d.q_width, d.kv_width
+        if self.fused_qkv:
+            return [("qkv", h * (q + 2 * k)), ("o", q * h)]
+        if self.qk_norm_whole:
+            return [("q", h * q), ("q_norm", q), ("k", h * k), ("k_norm", k), ("v", h * k), ("o", q * h)]
         if self.gated_attention:
             return [("q", h * 2 * q), ("q_norm", d.head_dim), ("k", h * k), ("k_norm", d.head_dim), ("v", h * k),
                     ("o", q * h)]
@@ -260,7 +278,7 @@ class Family:
     def lora_linears(self) -> tuple[str, ...]:
         """A decoder layer's nn.Linear modules, what LoRA can adapt ("all-linear"), in module order: the attention
         projections, then the MLP block's."""
-        return ATTENTION_LINEARS + (self.mixer.lora_linears if self.mixer else ()) + self.mlp.lora_linears
+        return self.attention_linears + (self.mixer.lora_linears if self.mixer else ()) + self.mlp.lora_linears
 
     def lora_targets(self, target_modules: Any) -> tuple[str, ...]:
         """The Linear names LoRA adapts, from target_modules as PEFT takes it (names, "all-linear", or None: the
@@ -268,7 +286,7 @@ class Family:
         ConfigError naming those it has."""
         linears = self.lora_linears()
         if target_modules is None:
-            return LORA_DEFAULT_TARGETS
+            return self.lora_default
         if target_modules == "all-linear":
             return linears
         names = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)

@@ -36,10 +36,14 @@ def softcapped(logits: Tensor, softcap: float | None) -> Tensor:
     return logits if not softcap else torch.tanh(logits / softcap) * softcap
 
 
-def nll_sum(hidden: Tensor, weight: Tensor, labels: Tensor, softcap: float | None = None) -> Tensor:
-    """Reference: full logits in the input dtype, upcast to fp32 (soft-capped where `softcap` is given), summed
-    cross-entropy (fp32 scalar)."""
-    logits = softcapped(F.linear(hidden, weight).float(), softcap)  # [..., V]
+def nll_sum(hidden: Tensor, weight: Tensor, labels: Tensor, softcap: float | None = None,
+            logits_scaling: float = 1.0) -> Tensor:
+    """Reference: full logits in the input dtype (divided by logits_scaling, as Granite's head does), upcast to
+    fp32 (soft-capped where `softcap` is given), summed cross-entropy (fp32 scalar)."""
+    logits = F.linear(hidden, weight)  # [..., V]
+    if logits_scaling != 1.0:
+        logits = logits / logits_scaling
+    logits = softcapped(logits.float(), softcap)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
@@ -63,7 +67,8 @@ class _ChunkedNLLSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int,
-                want_hidden_grad: bool, want_weight_grad: bool, softcap: float | None = None) -> Tensor:
+                want_hidden_grad: bool, want_weight_grad: bool, softcap: float | None = None,
+                logits_scaling: float = 1.0) -> Tensor:
         n_hidden = hidden.shape[-1]
         h2d = hidden.reshape(-1, n_hidden)  # [..., H] -> [N, H]
         y = labels.reshape(-1)  # [...] -> [N]
@@ -107,6 +112,8 @@ class _ChunkedNLLSum(torch.autograd.Function):
                     continue
                 h, yc, vc = h2d[s:e], y[s:e], valid[s:e]
                 logits = torch.mm(h, weight.t()).float()  # [c, V]: input-dtype matmul, fp32 softmax
+                if logits_scaling != 1.0:
+                    logits.div_(logits_scaling)  # Granite: the logits divided, as its head does
                 if softcap:  # cap * tanh(z / cap); its derivative 1 - tanh^2 scales the dlogits below
                     tanh = logits.div_(softcap).tanh_()  # [c, V], in place of z
                     logits = tanh * softcap
@@ -123,6 +130,8 @@ class _ChunkedNLLSum(torch.autograd.Function):
                 if softcap:
                     probs.mul_(tanh.square_().neg_().add_(1.0))  # d(capped)/dz = 1 - tanh^2
                     del tanh
+                if logits_scaling != 1.0:
+                    probs.div_(logits_scaling)  # the division's backward: d(logits before it) = d(logits) / s
                 dbuf[s - gs:e - gs].copy_(probs)  # [c, V] fp32 -> input dtype, rows of the group
                 del logits, probs
             if not wants_grad:
@@ -165,7 +174,7 @@ class _ChunkedNLLSum(torch.autograd.Function):
             grad_h = grad_h.view(ctx.hidden_shape).to(ctx.hidden_dtype)  # [N, H] -> [..., H]
         if grad_w is not None:
             grad_w = grad_w.mul_(scale).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 BUCKET_COLUMNS = ("nll", "hits", "tokens")  # the columns of chunked_bucket_sums
@@ -173,7 +182,7 @@ BUCKET_COLUMNS = ("nll", "hits", "tokens")  # the columns of chunked_bucket_sums
 
 @torch.no_grad()
 def chunked_bucket_sums(hidden: Tensor, weight: Tensor, labels: Tensor, buckets: Tensor, num_buckets: int,
-                        chunk_size: int = 256, softcap: float | None = None) -> Tensor:
+                        chunk_size: int = 256, softcap: float | None = None, logits_scaling: float = 1.0) -> Tensor:
     """Evaluation's sums by bucket, never building the full logits: [num_buckets, 3] float64, per bucket the sum
     of token NLLs, the tokens whose label is an argmax of their logits (teacher-forced hits) and the tokens,
     over labels != IGNORE_INDEX. buckets: labels' shape, each token's bucket in [0, num_buckets). No gradient.
@@ -196,7 +205,10 @@ def chunked_bucket_sums(hidden: Tensor, weight: Tensor, labels: Tensor, buckets:
             continue
         s, e = c * chunk_size, min((c + 1) * chunk_size, n_rows)
         vc = valid[s:e]
-        logits = softcapped(torch.mm(h2d[s:e], weight.t()).float(), softcap)  # [c, V]: fp32 softmax
+        logits = torch.mm(h2d[s:e], weight.t()).float()  # [c, V]: input-dtype matmul, fp32 softmax
+        if logits_scaling != 1.0:
+            logits.div_(logits_scaling)
+        logits = softcapped(logits, softcap)
         tgt = logits.gather(1, torch.where(vc, y[s:e], 0).unsqueeze(1)).squeeze(1)  # [c]
         nll = torch.logsumexp(logits, dim=-1) - tgt  # [c]
         hit = tgt >= logits.amax(dim=-1)  # [c]: the label is an argmax (a tie counts)
@@ -209,15 +221,18 @@ def chunked_bucket_sums(hidden: Tensor, weight: Tensor, labels: Tensor, buckets:
 
 
 def chunked_nll_sum(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 256,
-                    softcap: float | None = None) -> Tensor:
+                    softcap: float | None = None, logits_scaling: float = 1.0) -> Tensor:
     """fp32 sum of token NLLs over labels != IGNORE_INDEX, never building the full logits; `softcap`: the logits
-    soft-capped first (cap * tanh(logits / cap), a config's final_logit_softcapping), chunk by chunk.
+    soft-capped first (cap * tanh(logits / cap), a config's final_logit_softcapping), chunk by chunk;
+    `logits_scaling`: every logit divided by it before (Granite's head).
 
     hidden [..., H], weight [V, H] (the lm_head weight, tied or not), labels [...] already shifted.
     Returns 0.0 (not NaN) when every label is ignored. Gradients are computed only for the inputs
-    that need them under the current grad mode (none in eval).
+    that need them under the current grad mode (none in eval). logits_scaling: the logits are divided by it
+    (Granite's config field; 1: none).
     """
     _check_inputs(hidden, weight, labels, chunk_size)
     grad_on = torch.is_grad_enabled()
     return _ChunkedNLLSum.apply(hidden, weight, labels, chunk_size,
-                                grad_on and hidden.requires_grad, grad_on and weight.requires_grad, softcap)
+                                grad_on and hidden.requires_grad, grad_on and weight.requires_grad, softcap,
+                                float(logits_scaling))

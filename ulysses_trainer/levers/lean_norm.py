@@ -46,23 +46,25 @@ def available_norm_kernels() -> list[str]:
     return ["triton", "torch"] if fused else ["torch"]
 
 
-def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> tuple[Tensor, Tensor]:
+def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0,
+                     fp32_weight: bool = False) -> tuple[Tensor, Tensor]:
     """HF RMSNorm's forward, op for op; also returns rstd = 1/sqrt(mean(x^2) + eps), fp32 [..., 1]. offset 0:
     Qwen3's (normalized, cast, times weight); offset > 0: the zero-centred norm of Qwen3.5 (normalized times
-    offset + weight in fp32, then cast)."""
+    offset + weight in fp32, then cast); fp32_weight: offset 0 the same way (OLMo 2's: weight times the fp32
+    normalized, then cast)."""
     xf = x.to(torch.float32)
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if offset:
+    if offset or fp32_weight:
         return ((xf * rstd) * (offset + weight.float())).type_as(x), rstd
     return weight * (xf * rstd).to(x.dtype), rstd
 
 
 class _LeanRMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
-        out, rstd = rms_norm_forward(x, weight, eps, offset)
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, offset: float, fp32_weight: bool = False) -> Tensor:
+        out, rstd = rms_norm_forward(x, weight, eps, offset, fp32_weight)
         ctx.save_for_backward(x, weight, rstd)
-        ctx.offset = offset
+        ctx.offset, ctx.fp32_weight = offset, fp32_weight
         return out
 
     @staticmethod
@@ -79,7 +81,7 @@ class _LeanRMSNormFunction(torch.autograd.Function):
         for s in range(0, x2.shape[0], rows):
             xf = x2[s:s + rows].to(torch.float32)  # [n, W]
             r, g = r2[s:s + rows], g2[s:s + rows]
-            if offset:  # fp32 throughout: out = (x * rstd) * (offset + weight)
+            if offset or ctx.fp32_weight:  # fp32 throughout: out = (x * rstd) * (offset + weight)
                 nf = xf * r  # [n, W]
                 gf = g.to(torch.float32)
                 if grad_w is not None:
@@ -97,16 +99,17 @@ class _LeanRMSNormFunction(torch.autograd.Function):
                 grad_var = -0.5 * grad_r * r.pow(3)  # rsqrt'(v) = -1/2 rsqrt(v)^3
                 grad_x[s:s + rows] = (gn * r + (grad_var.expand_as(xf) / width) * (2 * xf)).to(x.dtype)
         return (None if grad_x is None else grad_x.view_as(x),
-                None if grad_w is None else grad_w.to(weight.dtype), None, None)
+                None if grad_w is None else grad_w.to(weight.dtype), None, None, None)
 
 
 class LeanRMSNorm(nn.Module):
     """Drop-in for an HF RMSNorm (Qwen3RMSNorm, LlamaRMSNorm): `weight` and `variance_epsilon` are
     adopted under the same names, so state_dict keys are unchanged."""
 
-    def __init__(self, norm: nn.Module, kernel: str = "torch", offset: float = 0.0):
+    def __init__(self, norm: nn.Module, kernel: str = "torch", offset: float = 0.0, fp32_weight: bool = False):
         super().__init__()
         self.offset = float(offset)  # scale by offset + weight (Qwen3.5's zero-centred norms: 1.0)
+        self.fp32_weight = bool(fp32_weight)  # the weight multiplies in fp32, then the cast (OLMo 2's norms)
         if kernel not in NORM_KERNELS:
             raise ValueError(f"norm kernel {kernel!r}: use one of {', '.join(NORM_KERNELS)}")
         if kernel == "triton" and _triton_function() is None:
@@ -127,11 +130,11 @@ class LeanRMSNorm(nn.Module):
         if self.kernel == "triton" and x.is_cuda:
             # (x, weight, eps, offset, casting: "llama" fp32 rms, cast, then * weight; "gemma" all in fp32 with
             # offset + weight, then cast; dx not written into dy)
-            casting = "gemma" if self.offset else "llama"
+            casting = "gemma" if self.offset or self.fp32_weight else "llama"
             return _triton_function().apply(x, self.weight, self.variance_epsilon, self.offset, casting, False)
         if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad):
-            return rms_norm_forward(x, self.weight, self.variance_epsilon, self.offset)[0]
-        return _LeanRMSNormFunction.apply(x, self.weight, self.variance_epsilon, self.offset)
+            return rms_norm_forward(x, self.weight, self.variance_epsilon, self.offset, self.fp32_weight)[0]
+        return _LeanRMSNormFunction.apply(x, self.weight, self.variance_epsilon, self.offset, self.fp32_weight)
 
 
 def is_rms_norm(module: nn.Module) -> bool:
@@ -140,12 +143,12 @@ def is_rms_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and not type(module).__module__.startswith(_PACKAGE)
 
 
-def use_lean_norms(model: nn.Module, kernel: str = "torch", offset: float = 0.0) -> int:
+def use_lean_norms(model: nn.Module, kernel: str = "torch", offset: float = 0.0, fp32_weight: bool = False) -> int:
     """Replace every HF RMSNorm in `model` by a LeanRMSNorm (running `kernel`, scaling by offset + weight: the
     family's norm_offset) in place; returns how many. A family's other norms (Qwen3.5's gated one) are its own
     torch side's to swap (families/qwen3_5/lean_gated_norm.py)."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if is_rms_norm(child)]
     for parent, name, child in targets:
-        setattr(parent, name, LeanRMSNorm(child, kernel, offset))
+        setattr(parent, name, LeanRMSNorm(child, kernel, offset, fp32_weight))
     return len(targets)

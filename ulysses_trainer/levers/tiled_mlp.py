@@ -154,19 +154,21 @@ class TiledMLP(TiledBlock, nn.Module):
     names, so `layer.mlp = TiledMLP(layer.mlp, n)` leaves state_dict keys unchanged.
     """
 
+    # the MLP's children (and activation) it adopts under the same names; a subclass for another gated MLP layout
+    # names its own and defines tile_forward (families/phi3/modules.TiledFusedMLP: gate_up_proj)
+    PARTS: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
     def __init__(self, mlp: nn.Module, num_tiles: int):
         super().__init__()
-        missing = [a for a in ("gate_proj", "up_proj", "down_proj", "act_fn") if not hasattr(mlp, a)]
+        missing = [a for a in self.PARTS if not hasattr(mlp, a)]
         if missing:
-            raise ConfigError(f"tiled_mlp needs a gated MLP with gate_proj, up_proj, down_proj and act_fn; "
+            raise ConfigError(f"tiled_mlp needs a gated MLP with {', '.join(self.PARTS)}; "
                               f"{type(mlp).__name__} lacks {missing}. Set tiled_mlp: false for this model")
         if isinstance(num_tiles, bool) or not isinstance(num_tiles, int) or num_tiles < 1:
             raise ConfigError(f"tiled_mlp tiles must be an int >= 1, got {num_tiles!r}; "
                               "use tiled_mlp: true, false, auto or a positive int")
-        self.gate_proj = mlp.gate_proj
-        self.up_proj = mlp.up_proj
-        self.down_proj = mlp.down_proj
-        self.act_fn = mlp.act_fn
+        for name in self.PARTS:
+            setattr(self, name, getattr(mlp, name))
         self.num_tiles = num_tiles
         self.output_unused = False  # see unused_output()
 

@@ -19,10 +19,11 @@ class LossHead(nn.Module):
     """Replaces `lm_head` (same `weight` Parameter, same state_dict key). forward(hidden) gives
     logits as before; forward(hidden, labels) gives the fp32 sum of token NLLs over valid labels;
     forward(hidden, labels, buckets, num_buckets) evaluation's [num_buckets, 3] sums (chunked_bucket_sums).
-    `softcap`: the config's final_logit_softcapping (Gemma), applied to the logits wherever they are made."""
+    `softcap`: the config's final_logit_softcapping (Gemma), applied to the logits wherever they are made;
+    logits_scaling: every logit divided by it first, as the model's own head does (Granite's config field; 1: none)."""
 
     def __init__(self, lm_head: nn.Linear, loss_type: str = "chunked_nll", chunk_size: int = 256,
-                 softcap: float | None = None):
+                 softcap: float | None = None, logits_scaling: float = 1.0):
         super().__init__()
         assert getattr(lm_head, "bias", None) is None, "lm_head with a bias is not supported"
         assert loss_type in LOSS_TYPES, f"loss_type {loss_type!r}: use one of {LOSS_TYPES}"
@@ -30,14 +31,18 @@ class LossHead(nn.Module):
         self.in_features, self.out_features = lm_head.in_features, lm_head.out_features
         self.loss_type, self.chunk_size = loss_type, chunk_size
         self.softcap = softcap or None
+        self.logits_scaling = float(logits_scaling)
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, buckets: torch.Tensor | None = None,
                 num_buckets: int = 0) -> torch.Tensor:
+        s = self.logits_scaling
         if labels is None:
-            return softcapped(F.linear(hidden, self.weight), self.softcap)
+            logits = F.linear(hidden, self.weight)
+            return softcapped(logits / s if s != 1.0 else logits, self.softcap)
+        kw = dict(softcap=self.softcap, logits_scaling=s)
         if buckets is not None:  # plain nll: every row in one chunk, the full logits as its loss builds them
             chunk = self.chunk_size if self.loss_type == "chunked_nll" else max(1, labels.numel())
-            return chunked_bucket_sums(hidden, self.weight, labels, buckets, num_buckets, chunk, self.softcap)
+            return chunked_bucket_sums(hidden, self.weight, labels, buckets, num_buckets, chunk, **kw)
         if self.loss_type == "chunked_nll":
-            return chunked_nll_sum(hidden, self.weight, labels, self.chunk_size, self.softcap)
-        return nll_sum(hidden, self.weight, labels, self.softcap)
+            return chunked_nll_sum(hidden, self.weight, labels, self.chunk_size, **kw)
+        return nll_sum(hidden, self.weight, labels, **kw)

@@ -50,6 +50,7 @@ from ..vocabulary.names import (
     default_mlp_tiles,
 )
 from .loss_head import LOSS_TYPES, LossHead
+from .row_rope import use_row_rope
 from .sp_model import SequenceParallelCausalLM
 from .undo import ModelSnapshot, use_private_config
 
@@ -210,12 +211,14 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan
     if install_mixer is not None:
         install_mixer(fam.mixer, layers, state, plan)
     use_fused_rope(model)  # RoPE in one pass over q and k (Triton on CUDA; HF's ops elsewhere)
+    use_row_rope(model, state)  # LongRoPE / dynamic: frequencies chosen on the whole row, as one process does
     # 2. loss head
     model.lm_head = LossHead(model.lm_head, plan.loss_type, plan.loss_chunk_size,
-                             getattr(model.config, "final_logit_softcapping", None))  # Gemma's, where set
+                             getattr(model.config, "final_logit_softcapping", None),  # Gemma's, where set
+                             float(getattr(model.config, "logits_scaling", None) or 1.0))  # Granite's head divides
     # 3. lean norms (before tiling and checkpointing, which only wrap what is there)
     if plan.lean_norm:
-        use_lean_norms(model, plan.norm_kernel, fam.norm_offset)
+        use_lean_norms(model, plan.norm_kernel, fam.norm_offset, fam.norm_fp32_weight)
     # 4. the family's MLP block: tiled, and its load-balancing statistics where it has them (sparse: router)
     tiles = plan.tiled_mlp
     stats, coef = install_mlp(fam.mlp, model, layers, tiles, plan.experts_implementation)

@@ -10,8 +10,9 @@ from typing import Any
 
 from torch import nn
 
-# instance attributes parallelize sets on decoder layers (HF's GradientCheckpointingLayer reads them)
-_FLAGS = ("gradient_checkpointing", "_gradient_checkpointing_func")
+# instance attributes parallelize sets on modules: decoder layers' (HF's GradientCheckpointingLayer reads them), a
+# rotary embedding's own forward (model/row_rope.py)
+_FLAGS = ("gradient_checkpointing", "_gradient_checkpointing_func", "forward")
 
 
 def _is_config(value: Any) -> bool:

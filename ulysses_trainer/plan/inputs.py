@@ -102,7 +102,9 @@ class ModelShape:
                       shared_expert=self.shared_expert)
         attention, mlp = fam.attention_params(d), fam.mlp_params(d)
         norms = tuple((name, self.hidden) for name in fam.layer_norms())  # Qwen3: input, post-attention
-        layer = (*sorted(attention, key=lambda kv: kv[0].endswith("_norm")),  # projections, then q/k norms
+        registered = fam.attention_registered
+        layer = (*sorted(attention, key=(lambda kv: registered.index(kv[0])) if registered else  # the module's order
+                         (lambda kv: kv[0].endswith("_norm"))),  # projections, then q/k norms
                  *mlp, *norms)
         mixed = set(self.mixer_layers)
         mixer = fam.mixer.params(d) if fam.mixer is not None and mixed else []

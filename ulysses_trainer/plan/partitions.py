@@ -24,14 +24,16 @@ def lora_numels(shape: ModelShape, target_modules: Any, r: int) -> tuple[int, ..
     q_out = 2 * q if shape.family.gated_attention else q  # an output gate doubles q_proj's width (Qwen3.5)
     dims = {"q_proj": (shape.hidden, q_out), "k_proj": (shape.hidden, kv), "v_proj": (shape.hidden, kv),
             "o_proj": (q, shape.hidden), "gate_proj": (shape.hidden, shape.intermediate),
-            "up_proj": (shape.hidden, shape.intermediate), "down_proj": (shape.intermediate, shape.hidden)}
+            "up_proj": (shape.hidden, shape.intermediate), "down_proj": (shape.intermediate, shape.hidden),
+            # the fused projections (Phi-3)
+            "qkv_proj": (shape.hidden, q + 2 * kv), "gate_up_proj": (shape.hidden, 2 * shape.intermediate)}
     mixer = shape.family.mixer
     own = mixer.lora_shapes(shape.dims) if mixer is not None else {}  # the mixer's Linears (Gated DeltaNet)
     dims.update(own)
     per_layer = [(name, n) for name in shape.family.lora_linears() if name in names
                  for n in (r * dims[name][0], dims[name][1] * r)]
     mixed = set(shape.mixer_layers)  # a mixer layer has its own Linears instead of q/k/v/o_proj
-    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    attention = shape.family.attention_linears
     return tuple(n for i in range(shape.layers) for name, n in per_layer
                  if (name not in attention or i not in mixed) and (name not in own or i in mixed))
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..levers.chunked_loss import softcapped
 from ..parallel.sharding import IGNORE_INDEX
 from ..vocabulary.names import GIB
 
@@ -28,11 +29,13 @@ from ..vocabulary.names import GIB
 
 
 @torch.no_grad()
-def per_token_losses(hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int = 256) -> Tensor:
+def per_token_losses(hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int = 256,
+                     logits_scaling: float = 1.0, softcap: float | None = None) -> Tensor:
     """fp32 NLL of every position, NaN where the label is ignored; labels' shape.
 
     hidden [..., H] (the final-norm output), weight [V, H] (lm_head), labels [...] already shifted.
-    Logits exist for `chunk` rows at a time, in the weight's dtype then fp32, as in the chunked loss.
+    Logits exist for `chunk` rows at a time, in the weight's dtype then fp32, as in the chunked loss (divided by
+    logits_scaling, as the model's head does: Granite; then soft-capped where `softcap` is given: Gemma).
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
@@ -42,6 +45,9 @@ def per_token_losses(hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int 
     for s in range(0, h2d.shape[0], chunk):
         e = min(s + chunk, h2d.shape[0])
         logits = torch.mm(h2d[s:e], weight.t()).float()  # [c, V]
+        if logits_scaling != 1.0:
+            logits.div_(logits_scaling)
+        logits = softcapped(logits, softcap)
         yc = y[s:e]
         valid = yc != IGNORE_INDEX
         tgt = logits.gather(1, torch.where(valid, yc, 0).unsqueeze(1)).squeeze(1)  # [c]

@@ -21,7 +21,8 @@ def write_per_position_loss(engine, model: SequenceParallelCausalLM, shard: Shar
     with torch.no_grad():
         hidden = model.final_hidden(shard.input_ids, shard.context)  # [b, s/sp, H]
         with deepspeed.zero.GatheredParameters([lm.lm_head.weight]):  # the full weight, one chunk of logits at a time
-            losses = per_token_losses(hidden[:1], lm.lm_head.weight, shard.labels[:1], chunk)  # [1, s/sp]
+            losses = per_token_losses(hidden[:1], lm.lm_head.weight, shard.labels[:1], chunk,  # [1, s/sp]
+                                      lm.lm_head.logits_scaling, lm.lm_head.softcap)  # the loss head's (Granite, Gemma)
     engine.train()
     full = gather_sequence(losses[0], state.sp_size, state.sp_group)  # [s/sp] -> [s]
     targets = gather_sequence(shard.labels[0], state.sp_size, state.sp_group)

@@ -5,7 +5,8 @@ Both run on a private copy of the weights (gathered from the engine as ZeRO-3 ga
 optimizer and the RNG are untouched: the first step is the same with the check on or off. The copy is
 parallelized with the run's own mechanisms (Ulysses attention across the real SP ranks, the loss head, lean
 norms, tiled MLP, checkpointing), each rank runs its shard; `unparallelize` gives the stock model back, and SP
-rank 0 runs it on the whole short row, one forward per packed document. A loss, gradient norm or sampled gradient
+rank 0 runs it on the whole short row, one forward per packed document (one forward of the row where the RoPE picks
+its frequencies by the row's longest position: model/row_rope.py). A loss, gradient norm or sampled gradient
 outside the exactness tolerances (fp32: 1e-5 relative; bf16: loss 1e-2, gradient norm 5e-2) stops the run
 (exit 2) with one line naming the layer type whose output (or, for a backward-only difference, whose gradients)
 first differs.
@@ -25,6 +26,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..model.parallelize import ParallelizeConfig, parallelize, unparallelize
+from ..model.row_rope import chooses_by_longest
 from ..parallel.comm import all_reduce, gather_objects, sum_in_place
 from ..parallel.sharding import IGNORE_INDEX, shard_batch
 from ..parallel.state import ParallelState
@@ -271,11 +273,14 @@ def _stock(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, posi
     shifted[:, :-1] = labels[:, 1:]
     shifted[:, :-1][position_ids[:, 1:] == 0] = IGNORE_INDEX
     starts = sorted(set([0] + (position_ids[0] == 0).nonzero().flatten().tolist())) + [n]
+    spans = list(zip(starts[:-1], starts[1:]))
+    if chooses_by_longest(model):  # LongRoPE, dynamic: the row's forward, its documents kept apart by position_ids
+        spans = [(0, n)]  # (transformers' packed-sequence masks), picks the factors on the row as the trainer does
     ref_out: dict[str, list[torch.Tensor]] = {}
     total = torch.zeros((), dtype=torch.float32, device=input_ids.device)
     with _recording(model, watched, ref_out):
-        for a, e in zip(starts[:-1], starts[1:]):
-            logits = model(input_ids=input_ids[:, a:e]).logits.float()  # [1, e-a, vocab]
+        for a, e in spans:
+            logits = model(input_ids=input_ids[:, a:e], position_ids=position_ids[:, a:e]).logits.float()  # [1, e-a, V]
             total = total + F.cross_entropy(logits[0], shifted[0, a:e], ignore_index=IGNORE_INDEX, reduction="sum")
             del logits
     (total / count).backward()
