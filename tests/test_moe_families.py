@@ -1,0 +1,243 @@
+"""The sparse-MoE families beyond Qwen3-MoE (Mixtral, Qwen2-MoE) under Ulysses SP equal stock transformers, the
+load-balancing loss included, and what the trainer cannot run of them is refused in one line.
+
+The harness is tests/test_qwen3_5.py's (threads as ranks, the all-to-alls and the router statistics' all-reduces
+moving the data; fp32 on the CPU: loss rel <= 1e-5, every gradient ||g - g_ref|| / ||g_ref|| <= 1e-5). The reference
+is the stock model with SDPA, one forward per packed document: the token loss is F.cross_entropy over the trained
+targets, the aux loss transformers' own load_balancing_loss_func over every document's router logits together (the
+statistics are means over the whole row, as the SP ranks' sums over the group make them), router_aux_loss_coef
+times. Each SP rank adds coef x aux / sp to its share (the all-reduce's backward sums the router grads over the
+group; DeepSpeed's average over the world is the same factor, parallel/loss.aux_for_backward). The models are the
+tiny presets with a 503-token vocabulary and routers drawn N(0, 0.5) so routing differs per token: tiny-mixtral's
+16-token window is shorter than the documents.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_qwen3_5 import IGNORE, assert_equal, batch
+from tests.test_qwen3_5 import build as build_tiny
+
+
+def build(preset: str, aux: bool = True, seed: int = 0, **overrides):
+    """The tiny preset (503-token vocabulary), the load-balancing loss on or off, routers drawn N(0, 0.5)."""
+    model = build_tiny(preset, seed=seed, **overrides)
+    model.config.output_router_logits = aux
+    g = torch.Generator().manual_seed(seed + 11)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            router = layer.mlp.gate.weight
+            router.copy_(torch.randn(router.shape, generator=g) * 0.5)
+    return model
+
+
+def reference(model, ids, pos, labels):
+    """Stock transformers, one forward per document: (CE mean + coef x aux over all documents' router logits,
+    grads, aux)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    c = model.config
+    aux_on = bool(c.output_router_logits)
+    total, count, router_logits = 0.0, 0, []
+    starts = (pos[0] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+    for a, e in zip(starts[:-1], starts[1:]):
+        out = model(input_ids=ids[:, a:e], output_router_logits=aux_on)
+        target = labels[0, a + 1:e]
+        total = total + F.cross_entropy(out.logits[0, :-1].float(), target, reduction="sum", ignore_index=IGNORE)
+        count += int((target != IGNORE).sum())
+        if aux_on:
+            router_logits.append(out.router_logits)  # per layer [doc tokens, E]
+    loss = total / count
+    aux = torch.zeros(())
+    if aux_on:
+        per_layer = tuple(torch.cat(docs) for docs in zip(*router_logits))  # [all tokens, E] per layer
+        aux = load_balancing_loss_func(per_layer, c.num_experts, c.num_experts_per_tok)
+        loss = loss + c.router_aux_loss_coef * aux
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), grads, float(aux.detach())
+
+
+def sp_run(models, ids, pos, labels, **levers):
+    """Each thread a rank with its own copy of the model, the objective as the trainer forms it: (global loss incl.
+    coef x aux, summed grads, aux)."""
+    from tests.sp_rank import parallelize_rank
+    from tests.threaded_ranks import run_threads
+    from ulysses_trainer import global_loss, shard_batch, step_token_count
+
+    def one(rank: int, world_size: int):
+        model, state = parallelize_rank(models[rank], world_size, **{"loss_chunk_size": 7, **levers})
+        shard = shard_batch(ids, position_ids=pos, labels=labels, sp_size=world_size, sp_rank=rank)
+        count = step_token_count(shard.num_valid, state)
+        local = model(**shard.model_inputs())
+        objective = local / count
+        aux = 0.0
+        if model.aux_loss is not None:
+            objective = objective + model.aux_loss_coef * model.aux_loss / world_size
+            aux = float(model.aux_loss.detach())
+        objective.backward()
+        grads = {n.removeprefix("causal_lm."): p.grad.detach().clone() for n, p in model.named_parameters()
+                 if p.grad is not None}
+        return float(global_loss(local.detach(), count, state)) + model.aux_loss_coef * aux, grads, aux
+
+    out = run_threads(len(models), one)
+    assert len({round(a, 12) for _, _, a in out}) == 1  # every SP rank holds the whole row's aux loss
+    return out[0][0], {n: sum(o[1][n] for o in out) for n in out[0][1]}, out[0][2]
+
+
+def check(got, ref, aux_expected: bool = True):
+    """Loss (incl. coef x aux) and every gradient as assert_equal, the aux loss within 1e-6 relative."""
+    assert_equal(got[:2], ref[:2])
+    if aux_expected:
+        assert ref[2] > 1.0  # E x sum f P is 1 when balanced: something to get right
+        assert abs(got[2] - ref[2]) <= 1e-6 * ref[2], (got[2], ref[2])
+
+
+# sp 1, 2, 4 (4 > the 2 KV heads: replicated); packed documents (one shorter than the window after one longer, one
+# crossing a rank boundary); assistant-only style masks (the first third of each document not trained on)
+CASES = [
+    ("tiny-mixtral", 1, [40, 31], False),
+    ("tiny-mixtral", 2, [9, 50, 12], True),
+    ("tiny-mixtral", 4, None, False),  # one 67-token document and a pad: windows across rank boundaries
+]
+
+
+@pytest.mark.parametrize("preset, sp_size, docs, masked", CASES)
+def test_sp_equals_stock_transformers_with_the_aux_loss(preset, sp_size, docs, masked):
+    length = sum(docs) if docs else 67  # 67: padded to 68 (sp 2, 4)
+    ids, pos, labels = batch(length, docs, seed=sp_size, masked=masked)
+    ref = reference(build(preset), ids, pos, labels)
+    check(sp_run([build(preset) for _ in range(sp_size)], ids, pos, labels), ref)
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral"])
+def test_levers_change_memory_not_results(preset):
+    # checkpointing with every input offloaded to the host pool, checkpoint_every 2, the experts in 3 tiles
+    ids, pos, labels = batch(70, [33, 37], seed=5, masked=True)
+    ref = reference(build(preset), ids, pos, labels)
+    levers = dict(gradient_checkpointing=True, activation_offload=True, checkpoint_every=2, tiled_mlp=3)
+    check(sp_run([build(preset) for _ in range(2)], ids, pos, labels, **levers), ref)
+
+
+def test_mixtral_routes_as_its_own_router_and_its_window_applies():
+    """What the Mixtral cases prove: its router renormalises the top-2 weights (Qwen3-MoE's with norm_topk_prob
+    true, not false), and the window changes the loss; the aux loss off leaves the CE alone (sp 2)."""
+    model = build("tiny-mixtral")
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    _, weights, _ = model.model.layers[0].mlp.gate(x)
+    assert torch.allclose(weights.sum(-1), torch.ones(5))
+    ids, pos, labels = batch(71, [9, 50, 12], seed=2)
+    windowed = reference(build("tiny-mixtral", aux=False), ids, pos, labels)
+    unwindowed = reference(build("tiny-mixtral", aux=False, sliding_window=None), ids, pos, labels)[0]
+    assert abs(windowed[0] - unwindowed) / abs(windowed[0]) > 1e-4, (windowed[0], unwindowed)
+    check(sp_run([build("tiny-mixtral", aux=False) for _ in range(2)], ids, pos, labels), windowed, False)
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral"])
+def test_the_trainers_model_path_matches_transformers(preset):
+    """The trainer's own path (model_config_for, which turns the aux loss on -> plan_for -> build_model ->
+    parallelize with the plan's levers) on a 48-token row: one forward/backward, loss + coef x aux, = the stock
+    model's own loss (transformers adds router_aux_loss_coef x its aux loss when given labels)."""
+    from ulysses_trainer import parallelize, shard_batch
+    from ulysses_trainer.config import TrainConfig
+    from ulysses_trainer.ds_config import load_ds_config
+    from ulysses_trainer.model.load import build_model, model_config_for
+    from ulysses_trainer.parallel.state import single_process_state
+    from ulysses_trainer.plan.resolve import plan_for
+    from ulysses_trainer.plan.types import Machine
+
+    cfg = TrainConfig(model_name_or_path=preset, max_length=48)
+    config = model_config_for(cfg)
+    assert config.output_router_logits is True
+    plan = plan_for(cfg, config, load_ds_config(cfg.deepspeed), Machine(gpus=1, gpu_memory_gb=None,
+                                                                        host_memory_gb=64.0))
+    ids = torch.randint(0, 1000, (1, 48), generator=torch.Generator().manual_seed(3))
+    ref = build_model(config, torch.float32, seed=5)
+    out = ref(input_ids=ids, labels=ids)
+    assert out.aux_loss is not None and out.aux_loss > 1.0
+    out.loss.backward()
+    sp_model = parallelize(build_model(config, torch.float32, seed=5), single_process_state(),
+                           plan.model_plan(None, 1))
+    shard = shard_batch(ids, sp_size=1, sp_rank=0)
+    loss = sp_model(**shard.model_inputs()) / shard.num_valid + sp_model.aux_loss_coef * sp_model.aux_loss
+    loss.backward()
+    assert sp_model.aux_loss_coef == config.router_aux_loss_coef
+    assert abs(loss.item() - out.loss.item()) <= 1e-5 * abs(out.loss.item())
+    grads = {n.removeprefix("causal_lm."): p.grad for n, p in sp_model.named_parameters()}
+    for name, p in ref.named_parameters():
+        assert (grads[name] - p.grad).norm() <= 1e-5 * p.grad.norm() + 1e-12, name
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral"])
+def test_the_plan_counts_the_built_model(preset):
+    """The planner's parameter list, in module order, is the built model's: tensor by tensor."""
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_trainer.families.presets import preset_config
+    from ulysses_trainer.plan.inputs import ModelShape
+
+    config = preset_config(preset)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert list(ModelShape.from_config(config).param_numels) == [p.numel() for p in model.parameters()]
+
+
+# published totals: Mixtral-8x7B 46.7B (12.9B active)
+PUBLISHED = {"mixtral-8x7b": (46_702_792_704, 12.9e9)}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_presets_count_the_published_sizes_and_plan_at_1m_on_8_gpus(name, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_trainer.__main__ import main as cli_main
+    from ulysses_trainer.families.presets import preset_config
+    from ulysses_trainer.plan.inputs import ModelShape
+
+    config = preset_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_config(config)
+    total, active = PUBLISHED[name]
+    assert sum(p.numel() for p in model.parameters()) == total == shape.num_params
+    assert abs(shape.num_active_params - active) <= 0.01 * active
+    # 1M tokens is past its positions: stretched with YaRN, as the refusal says
+    code = cli_main(["plan", "--model", name, "--max_length", "1048576", "--gpus", "8", "--gpu_memory_gb", "139.8",
+                     "--host_memory_gb", "1000", "--model_init_kwargs",
+                     '{"rope_parameters": {"rope_type": "yarn", "factor": "auto"}}', "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["estimate"]["parameters"] == total and data["plan"]["sp_size"] == 8
+    assert data["plan"]["step_parts_s"]["experts (grouped_mm)"] > 0  # the experts at their measured rate
+
+
+def _save(tmp_path, config) -> str:
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / config.model_type
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+def _plan_exit(capsys, model: str) -> tuple[int, str]:
+    from ulysses_trainer.__main__ import main as cli_main
+
+    capsys.readouterr()
+    code = cli_main(["plan", "--model", model, "--max_length", "4096", "--gpus", "2", "--gpu_memory_gb", "80",
+                     "--host_memory_gb", "64"])
+    return code, capsys.readouterr().err
+
+
+def test_router_jitter_is_refused_in_one_line(tmp_path, capsys):
+    from ulysses_trainer.families import family
+    from ulysses_trainer.families.presets import preset_config
+
+    config = preset_config("tiny-mixtral")
+    assert family("mixtral").check_config(config) is None
+    config.router_jitter_noise = 0.01
+    code, err = _plan_exit(capsys, _save(tmp_path, config))
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and "router_jitter_noise" in err, err
