@@ -100,22 +100,27 @@ def check(got, ref, aux_expected: bool = True):
 
 # sp 1, 2, 4 (4 > the 2 KV heads: replicated); packed documents (one shorter than the window after one longer, one
 # crossing a rank boundary); assistant-only style masks (the first third of each document not trained on)
+# crossing a rank boundary); assistant-only style masks; once with the aux loss off (the CE alone)
 CASES = [
-    ("tiny-mixtral", 1, [40, 31], False),
-    ("tiny-mixtral", 2, [9, 50, 12], True),
-    ("tiny-mixtral", 4, None, False),  # one 67-token document and a pad: windows across rank boundaries
+    ("tiny-mixtral", 1, [40, 31], False, True),
+    ("tiny-mixtral", 2, [9, 50, 12], True, True),
+    ("tiny-mixtral", 4, None, False, True),  # one 67-token document and a pad: windows across rank boundaries
+    ("tiny-qwen2-moe", 1, None, True, True),
+    ("tiny-qwen2-moe", 2, [30, 41], False, False),
+    ("tiny-qwen2-moe", 4, [9, 50, 12], True, True),
 ]
+PRESETS = ["tiny-mixtral", "tiny-qwen2-moe"]
 
 
-@pytest.mark.parametrize("preset, sp_size, docs, masked", CASES)
-def test_sp_equals_stock_transformers_with_the_aux_loss(preset, sp_size, docs, masked):
+@pytest.mark.parametrize("preset, sp_size, docs, masked, aux", CASES)
+def test_sp_equals_stock_transformers_with_the_aux_loss(preset, sp_size, docs, masked, aux):
     length = sum(docs) if docs else 67  # 67: padded to 68 (sp 2, 4)
     ids, pos, labels = batch(length, docs, seed=sp_size, masked=masked)
-    ref = reference(build(preset), ids, pos, labels)
-    check(sp_run([build(preset) for _ in range(sp_size)], ids, pos, labels), ref)
+    ref = reference(build(preset, aux), ids, pos, labels)
+    check(sp_run([build(preset, aux) for _ in range(sp_size)], ids, pos, labels), ref, aux)
 
 
-@pytest.mark.parametrize("preset", ["tiny-mixtral"])
+@pytest.mark.parametrize("preset", PRESETS)
 def test_levers_change_memory_not_results(preset):
     # checkpointing with every input offloaded to the host pool, checkpoint_every 2, the experts in 3 tiles
     ids, pos, labels = batch(70, [33, 37], seed=5, masked=True)
@@ -124,21 +129,21 @@ def test_levers_change_memory_not_results(preset):
     check(sp_run([build(preset) for _ in range(2)], ids, pos, labels, **levers), ref)
 
 
-def test_mixtral_routes_as_its_own_router_and_its_window_applies():
-    """What the Mixtral cases prove: its router renormalises the top-2 weights (Qwen3-MoE's with norm_topk_prob
-    true, not false), and the window changes the loss; the aux loss off leaves the CE alone (sp 2)."""
-    model = build("tiny-mixtral")
+def test_what_the_cases_prove_differs_between_the_families():
+    """Mixtral's router renormalises its top-2 weights, Qwen2-MoE's (norm_topk_prob false) does not; Qwen2-MoE's
+    shared expert acts (its gate is not 0); Mixtral's window changes the loss."""
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
-    _, weights, _ = model.model.layers[0].mlp.gate(x)
-    assert torch.allclose(weights.sum(-1), torch.ones(5))
+    mixtral, qwen2_moe = build("tiny-mixtral").model.layers[0].mlp, build("tiny-qwen2-moe").model.layers[0].mlp
+    assert torch.allclose(mixtral.gate(x)[1].sum(-1), torch.ones(5))
+    assert (qwen2_moe.gate(x)[1].sum(-1) < 1 - 1e-3).all()
+    assert (torch.sigmoid(qwen2_moe.shared_expert_gate(x)) * qwen2_moe.shared_expert(x)).abs().max() > 1e-3
     ids, pos, labels = batch(71, [9, 50, 12], seed=2)
-    windowed = reference(build("tiny-mixtral", aux=False), ids, pos, labels)
+    windowed = reference(build("tiny-mixtral", aux=False), ids, pos, labels)[0]
     unwindowed = reference(build("tiny-mixtral", aux=False, sliding_window=None), ids, pos, labels)[0]
-    assert abs(windowed[0] - unwindowed) / abs(windowed[0]) > 1e-4, (windowed[0], unwindowed)
-    check(sp_run([build("tiny-mixtral", aux=False) for _ in range(2)], ids, pos, labels), windowed, False)
+    assert abs(windowed - unwindowed) / abs(windowed) > 1e-4, (windowed, unwindowed)
 
 
-@pytest.mark.parametrize("preset", ["tiny-mixtral"])
+@pytest.mark.parametrize("preset", PRESETS)
 def test_the_trainers_model_path_matches_transformers(preset):
     """The trainer's own path (model_config_for, which turns the aux loss on -> plan_for -> build_model ->
     parallelize with the plan's levers) on a 48-token row: one forward/backward, loss + coef x aux, = the stock
@@ -173,7 +178,7 @@ def test_the_trainers_model_path_matches_transformers(preset):
         assert (grads[name] - p.grad).norm() <= 1e-5 * p.grad.norm() + 1e-12, name
 
 
-@pytest.mark.parametrize("preset", ["tiny-mixtral"])
+@pytest.mark.parametrize("preset", PRESETS)
 def test_the_plan_counts_the_built_model(preset):
     """The planner's parameter list, in module order, is the built model's: tensor by tensor."""
     from transformers import AutoModelForCausalLM
@@ -187,8 +192,9 @@ def test_the_plan_counts_the_built_model(preset):
     assert list(ModelShape.from_config(config).param_numels) == [p.numel() for p in model.parameters()]
 
 
-# published totals: Mixtral-8x7B 46.7B (12.9B active)
-PUBLISHED = {"mixtral-8x7b": (46_702_792_704, 12.9e9)}
+# published totals (the model cards round them): Mixtral-8x7B 46.7B (12.9B active), Qwen1.5-MoE-A2.7B 14.3B
+# (2.7B active)
+PUBLISHED = {"mixtral-8x7b": (46_702_792_704, 12.9e9), "qwen1.5-moe-a2.7b": (14_315_784_192, 2.7e9)}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -241,3 +247,23 @@ def test_router_jitter_is_refused_in_one_line(tmp_path, capsys):
     config.router_jitter_noise = 0.01
     code, err = _plan_exit(capsys, _save(tmp_path, config))
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and "router_jitter_noise" in err, err
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(decoder_sparse_step=2), "decoder_sparse_step"),
+    (dict(mlp_only_layers=[0]), "mlp_only_layers"),
+    (dict(qkv_bias=False), "qkv_bias"),
+    (dict(use_sliding_window=True, sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+     "use_sliding_window"),
+])
+def test_what_qwen2_moe_does_not_run_is_refused_in_one_line(change, named, tmp_path, capsys):
+    """Dense layers among the sparse ones, q/k/v without biases, windowed layers: exit 2, one line naming it."""
+    from ulysses_trainer.families import family
+    from ulysses_trainer.families.presets import preset_config
+
+    config = preset_config("tiny-qwen2-moe")
+    assert family("qwen2_moe").check_config(config) is None
+    for key, value in change.items():
+        setattr(config, key, value)
+    code, err = _plan_exit(capsys, _save(tmp_path, config))
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and named in err, err

@@ -19,13 +19,14 @@ from ..errors import ConfigError
 from .base import AllReduce, Family, LayerDims, MlpBlock, MlpRun, TokenMixer
 from .dense import LLAMA, MINISTRAL, MISTRAL, QWEN2
 from .mixtral import MIXTRAL
+from .qwen2_moe import QWEN2_MOE
 from .qwen3 import QWEN3
 from .qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from .qwen3_moe import QWEN3_MOE
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, LLAMA, MISTRAL,
                                                          MINISTRAL, QWEN2)}
-FAMILIES.update({f.model_type: f for f in (MIXTRAL,)})  # the sparse families beyond Qwen's
+FAMILIES.update({f.model_type: f for f in (MIXTRAL, QWEN2_MOE)})  # the sparse families beyond Qwen's
 # preset name -> its family (a name belongs to one family)
 _PRESET_FAMILY: dict[str, Family] = {name: f for f in FAMILIES.values() for name in f.presets}
 PRESETS: tuple[str, ...] = tuple(_PRESET_FAMILY)
