@@ -267,3 +267,16 @@ def test_what_qwen2_moe_does_not_run_is_refused_in_one_line(change, named, tmp_p
         setattr(config, key, value)
     code, err = _plan_exit(capsys, _save(tmp_path, config))
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and named in err, err
+
+
+def test_gpt_oss_is_refused_in_one_line_naming_why(tmp_path, capsys):
+    """gpt-oss's attention sinks need the kernel's log-sum-exp, which the Ulysses kernels do not return: its
+    checkpoint is refused before any work, one line saying so (not trained without its sinks)."""
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(vocab_size=503, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                          num_experts_per_tok=2)
+    code, err = _plan_exit(capsys, _save(tmp_path, config))
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert "model_type 'gpt_oss'" in err and "attention sinks" in err and "mixtral" in err, err

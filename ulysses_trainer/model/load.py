@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..config import TrainConfig
 from ..errors import ConfigError
-from ..families import FAMILIES, PRESETS, family, supported
+from ..families import FAMILIES, PRESETS, family, supported, why_not
 from ..families.presets import is_preset, preset_config
 from ..vocabulary.names import CHECKPOINT_MARKER
 from .positions import check_positions, rope_dict
@@ -174,8 +174,8 @@ def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) 
     """
     config = language_model_config(source_config(name_or_path))
     if config.model_type not in FAMILIES:
-        raise ConfigError(f"model {name_or_path!r} has model_type {config.model_type!r}; this trainer "
-                          f"supports {supported()}")
+        raise ConfigError(f"model {name_or_path!r} has model_type {config.model_type!r}"
+                          f"{why_not(config.model_type)}; this trainer supports {supported()}")
     why = family(config.model_type).check_config(config)
     if why:
         raise ConfigError(f"model {name_or_path!r}: {why}")
