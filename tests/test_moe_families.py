@@ -20,19 +20,34 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_qwen3_5 import IGNORE, assert_equal, batch
+from tests.test_qwen3_5 import IGNORE, VOCAB, assert_equal, batch
 from tests.test_qwen3_5 import build as build_tiny
 
 
 def build(preset: str, aux: bool = True, seed: int = 0, **overrides):
-    """The tiny preset (503-token vocabulary), the load-balancing loss on or off, routers drawn N(0, 0.5)."""
-    model = build_tiny(preset, seed=seed, **overrides)
+    """The tiny preset (503-token vocabulary), the load-balancing loss on or off, routers drawn N(0, 0.5);
+    gpt-oss (no SDPA in transformers: its sinks) built eager, its sinks drawn N(0, 1)."""
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_trainer.families.presets import preset_config
+
+    if preset != "tiny-gpt-oss":
+        model = build_tiny(preset, seed=seed, **overrides)
+    else:
+        config = preset_config(preset)
+        config.vocab_size = VOCAB
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
     model.config.output_router_logits = aux
     g = torch.Generator().manual_seed(seed + 11)
     with torch.no_grad():
         for layer in model.model.layers:
-            router = layer.mlp.gate.weight
-            router.copy_(torch.randn(router.shape, generator=g) * 0.5)
+            router = getattr(layer.mlp, "gate", None) or layer.mlp.router
+            router.weight.copy_(torch.randn(router.weight.shape, generator=g) * 0.5)
+            if hasattr(layer.self_attn, "sinks"):
+                layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=g))
     return model
 
 
@@ -108,8 +123,11 @@ CASES = [
     ("tiny-qwen2-moe", 1, None, True, True),
     ("tiny-qwen2-moe", 2, [30, 41], False, False),
     ("tiny-qwen2-moe", 4, [9, 50, 12], True, True),
+    ("tiny-gpt-oss", 1, [40, 31], True, True),
+    ("tiny-gpt-oss", 2, [9, 50, 12], False, True),  # sinks and a window inside short and long documents
+    ("tiny-gpt-oss", 4, None, True, True),
 ]
-PRESETS = ["tiny-mixtral", "tiny-qwen2-moe"]
+PRESETS = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-gpt-oss"]
 
 
 @pytest.mark.parametrize("preset, sp_size, docs, masked, aux", CASES)
@@ -131,16 +149,28 @@ def test_levers_change_memory_not_results(preset):
 
 def test_what_the_cases_prove_differs_between_the_families():
     """Mixtral's router renormalises its top-2 weights, Qwen2-MoE's (norm_topk_prob false) does not; Qwen2-MoE's
-    shared expert acts (its gate is not 0); Mixtral's window changes the loss."""
+    shared expert acts (its gate is not 0); Mixtral's window changes the loss; gpt-oss's sinks and its window each
+    change the loss (so the gpt-oss cases prove both)."""
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
     mixtral, qwen2_moe = build("tiny-mixtral").model.layers[0].mlp, build("tiny-qwen2-moe").model.layers[0].mlp
     assert torch.allclose(mixtral.gate(x)[1].sum(-1), torch.ones(5))
     assert (qwen2_moe.gate(x)[1].sum(-1) < 1 - 1e-3).all()
     assert (torch.sigmoid(qwen2_moe.shared_expert_gate(x)) * qwen2_moe.shared_expert(x)).abs().max() > 1e-3
-    ids, pos, labels = batch(71, [9, 50, 12], seed=2)
-    windowed = reference(build("tiny-mixtral", aux=False), ids, pos, labels)[0]
-    unwindowed = reference(build("tiny-mixtral", aux=False, sliding_window=None), ids, pos, labels)[0]
-    assert abs(windowed - unwindowed) / abs(windowed) > 1e-4, (windowed, unwindowed)
+    ids = batch(40, None, seed=2)[0]  # one 40-token document: 16-token windows cut it
+
+    def loss(model) -> float:
+        with torch.no_grad():
+            return float(F.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:]))
+
+    windowed, unwindowed = loss(build("tiny-mixtral")), loss(build("tiny-mixtral", sliding_window=None))
+    assert abs(windowed - unwindowed) / windowed > 1e-4, (windowed, unwindowed)
+    gpt_oss, zero_sinks = build("tiny-gpt-oss"), build("tiny-gpt-oss")
+    with torch.no_grad():
+        for layer in zero_sinks.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)  # exp(sink) = 0: a plain softmax
+    with_sinks, full = loss(gpt_oss), loss(build("tiny-gpt-oss", layer_types=["full_attention"] * 2))
+    no_sinks = loss(zero_sinks)
+    assert abs(with_sinks - no_sinks) / with_sinks > 1e-4 and abs(with_sinks - full) / with_sinks > 1e-4
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -156,12 +186,13 @@ def test_the_trainers_model_path_matches_transformers(preset):
     from ulysses_trainer.plan.resolve import plan_for
     from ulysses_trainer.plan.types import Machine
 
-    cfg = TrainConfig(model_name_or_path=preset, max_length=48)
+    # the 503-token vocabulary through model_init_kwargs, as a user's overrides reach the config (cheap on the CPU)
+    cfg = TrainConfig(model_name_or_path=preset, max_length=48, model_init_kwargs={"vocab_size": VOCAB})
     config = model_config_for(cfg)
-    assert config.output_router_logits is True
+    assert config.output_router_logits is True and config.vocab_size == VOCAB
     plan = plan_for(cfg, config, load_ds_config(cfg.deepspeed), Machine(gpus=1, gpu_memory_gb=None,
                                                                         host_memory_gb=64.0))
-    ids = torch.randint(0, 1000, (1, 48), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(3))
     ref = build_model(config, torch.float32, seed=5)
     out = ref(input_ids=ids, labels=ids)
     assert out.aux_loss is not None and out.aux_loss > 1.0
@@ -193,8 +224,10 @@ def test_the_plan_counts_the_built_model(preset):
 
 
 # published totals (the model cards round them): Mixtral-8x7B 46.7B (12.9B active), Qwen1.5-MoE-A2.7B 14.3B
-# (2.7B active)
-PUBLISHED = {"mixtral-8x7b": (46_702_792_704, 12.9e9), "qwen1.5-moe-a2.7b": (14_315_784_192, 2.7e9)}
+# (2.7B active), gpt-oss-20b 20.9B (3.6B active), gpt-oss-120b 116.8B (5.1B active; gpt-oss's active counts leave
+# the embedding table out, the last element says so)
+PUBLISHED = {"mixtral-8x7b": (46_702_792_704, 12.9e9, False), "qwen1.5-moe-a2.7b": (14_315_784_192, 2.7e9, False),
+             "gpt-oss-20b": (20_914_757_184, 3.6e9, True), "gpt-oss-120b": (116_829_156_672, 5.1e9, True)}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -209,16 +242,20 @@ def test_presets_count_the_published_sizes_and_plan_at_1m_on_8_gpus(name, capsys
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     shape = ModelShape.from_config(config)
-    total, active = PUBLISHED[name]
+    total, active, without_embedding = PUBLISHED[name]
     assert sum(p.numel() for p in model.parameters()) == total == shape.num_params
-    assert abs(shape.num_active_params - active) <= 0.01 * active
+    counted = shape.num_active_params - (shape.vocab * shape.hidden if without_embedding else 0)
+    assert abs(counted - active) <= 0.01 * active, counted
     # 1M tokens is past its positions: stretched with YaRN, as the refusal says
+    # host memory for gpt-oss-120b's Adam states on the host (16 bytes a parameter)
     code = cli_main(["plan", "--model", name, "--max_length", "1048576", "--gpus", "8", "--gpu_memory_gb", "139.8",
-                     "--host_memory_gb", "1000", "--model_init_kwargs",
+                     "--host_memory_gb", "2500", "--model_init_kwargs",
                      '{"rope_parameters": {"rope_type": "yarn", "factor": "auto"}}', "--json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["estimate"]["parameters"] == total and data["plan"]["sp_size"] == 8
     assert data["plan"]["step_parts_s"]["experts (grouped_mm)"] > 0  # the experts at their measured rate
+    if name.startswith("gpt-oss"):  # the sinks' path keeps no attention output for the recompute
+        assert data["plan"]["keep_attention_outputs"] == 0, data["plan"]["keep_attention_outputs"]
 
 
 def _save(tmp_path, config) -> str:
@@ -269,14 +306,42 @@ def test_what_qwen2_moe_does_not_run_is_refused_in_one_line(change, named, tmp_p
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and named in err, err
 
 
-def test_gpt_oss_is_refused_in_one_line_naming_why(tmp_path, capsys):
-    """gpt-oss's attention sinks need the kernel's log-sum-exp, which the Ulysses kernels do not return: its
-    checkpoint is refused before any work, one line saying so (not trained without its sinks)."""
-    from transformers import GptOssConfig
 
-    config = GptOssConfig(vocab_size=503, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-                          num_experts_per_tok=2)
+def test_a_gpt_oss_without_its_biases_is_refused_in_one_line(tmp_path, capsys):
+    from ulysses_trainer.families import family
+    from ulysses_trainer.families.presets import preset_config
+
+    config = preset_config("tiny-gpt-oss")
+    assert family("gpt_oss").check_config(config) is None
+    config.attention_bias = False
     code, err = _plan_exit(capsys, _save(tmp_path, config))
-    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
-    assert "model_type 'gpt_oss'" in err and "attention sinks" in err and "mixtral" in err, err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and "attention_bias" in err, err
+
+
+def test_sink_attention_equals_gpt_oss_eager_attention():
+    """attention/kernels.sink_attention (the sink as a key of its own; windowed: block masks) against transformers'
+    own eager_attention_forward of gpt-oss (the sinks concatenated to the scores), GQA, one document per row, with and
+    without a window: outputs and the gradients of q, k, v and the sinks."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from ulysses_trainer.attention.kernels import sdpa_attention, sink_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 37, 4, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 37, 2, 8, generator=g, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, generator=g, requires_grad=True)
+    for window in (None, 5):
+        out = sink_attention(q, k, v, sinks, scale=0.3, attend=sdpa_attention, window=window)
+        i, j = torch.arange(37)[:, None], torch.arange(37)[None, :]
+        allowed = (j <= i) & ((j > i - window) if window else True)
+        mask = torch.zeros(37, 37).masked_fill(~allowed, float("-inf"))
+        module = SimpleNamespace(num_key_value_groups=2, sinks=sinks, training=False)
+        ref = eager_attention_forward(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                                      scaling=0.3)[0]  # [b, s, h, d]
+        assert torch.allclose(out, ref, atol=1e-6)
+        got = torch.autograd.grad(out.square().sum(), (q, k, v, sinks))
+        want = torch.autograd.grad(ref.square().sum(), (q, k, v, sinks))
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, atol=1e-5)

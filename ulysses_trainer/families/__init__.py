@@ -18,6 +18,7 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .base import AllReduce, Family, LayerDims, MlpBlock, MlpRun, TokenMixer
 from .dense import LLAMA, MINISTRAL, MISTRAL, QWEN2
+from .gpt_oss import GPT_OSS
 from .mixtral import MIXTRAL
 from .qwen2_moe import QWEN2_MOE
 from .qwen3 import QWEN3
@@ -26,12 +27,7 @@ from .qwen3_moe import QWEN3_MOE
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, LLAMA, MISTRAL,
                                                          MINISTRAL, QWEN2)}
-FAMILIES.update({f.model_type: f for f in (MIXTRAL, QWEN2_MOE)})  # the sparse families beyond Qwen's
-# architectures known and refused, each with why (what would be trained wrong without the missing piece)
-NOT_YET: dict[str, str] = {
-    "gpt_oss": "its attention sinks (a learned logit per head in every softmax's denominator) need the attention "
-               "kernel's log-sum-exp and its gradient, which the trainer's Ulysses kernels do not return yet, so it "
-               "would train without them, silently wrong"}
+FAMILIES.update({f.model_type: f for f in (MIXTRAL, QWEN2_MOE, GPT_OSS)})  # the sparse families beyond Qwen's
 # preset name -> its family (a name belongs to one family)
 _PRESET_FAMILY: dict[str, Family] = {name: f for f in FAMILIES.values() for name in f.presets}
 PRESETS: tuple[str, ...] = tuple(_PRESET_FAMILY)
@@ -42,15 +38,9 @@ def family(model_type: str) -> Family:
     """The family of a transformers model_type; ConfigError naming the supported ones."""
     f = FAMILIES.get(model_type)
     if f is None:
-        raise ConfigError(f"model_type {model_type!r} is not supported{why_not(model_type)}; this trainer supports "
+        raise ConfigError(f"model_type {model_type!r} is not supported; this trainer supports "
                           f"{supported()}")
     return f
-
-
-def why_not(model_type: str) -> str:
-    """", not trained yet: <why>" for an architecture the trainer knows and refuses (NOT_YET), else ""."""
-    why = NOT_YET.get(model_type)
-    return f", not trained yet: {why}" if why else ""
 
 
 def supported() -> str:
@@ -80,5 +70,5 @@ def preset_family(name: str) -> Family | None:
     return _PRESET_FAMILY.get(name.lower())
 
 
-__all__ = ["FAMILIES", "MODEL_TYPES", "NOT_YET", "PRESETS", "AllReduce", "Family", "LayerDims", "MlpBlock", "MlpRun",
-           "TokenMixer", "family", "preset_family", "register", "supported", "unregister", "why_not"]
+__all__ = ["FAMILIES", "MODEL_TYPES", "PRESETS", "AllReduce", "Family", "LayerDims", "MlpBlock", "MlpRun", "TokenMixer",
+           "family", "preset_family", "register", "supported", "unregister"]

@@ -224,6 +224,9 @@ class Family:
     refused_flags: tuple[str, ...] = ()
     # q_proj, k_proj and v_proj carry biases (Qwen2); o_proj has none
     qkv_bias: bool = False
+    # a learned sink logit per query head in every softmax (gpt-oss: attention/kernels.sink_attention), which keeps
+    # no attention output for the recompute (the plan keeps none)
+    attention_sinks: bool = False
 
     def attention_params(self, d: LayerDims) -> list[tuple[str, int]]:
         """q, (q_norm,) k, (k_norm,) v, o: the attention's modules in the order they run (a projection's bias right
