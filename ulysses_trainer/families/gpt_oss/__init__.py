@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..base import ATTENTION_LINEARS, Family, LayerDims
+from ..base import Family, LayerDims
 from ..qwen3 import VOCAB_SIZE as QWEN_VOCAB
 from ..qwen3_moe import SparseMoeMlp
 
@@ -64,9 +64,6 @@ class GptOssFamily(Family):
         h, q, k = d.hidden, d.q_width, d.kv_width
         return [("sinks_bias", q // d.head_dim), ("q", h * q), ("q_bias", q), ("k", h * k), ("k_bias", k),
                 ("v", h * k), ("v_bias", k), ("o", q * h), ("o_bias", h)]
-
-    def lora_linears(self) -> tuple[str, ...]:
-        return ATTENTION_LINEARS  # the experts are fused 3-D weights and the router is not adapted
 
     def check_config(self, config: Any) -> str | None:
         if not getattr(config, "attention_bias", True):
