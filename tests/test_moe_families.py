@@ -177,36 +177,13 @@ def test_what_the_cases_prove_differs_between_the_families():
 def test_the_trainers_model_path_matches_transformers(preset):
     """The trainer's own path (model_config_for, which turns the aux loss on -> plan_for -> build_model ->
     parallelize with the plan's levers) on a 48-token row: one forward/backward, loss + coef x aux, = the stock
-    model's own loss (transformers adds router_aux_loss_coef x its aux loss when given labels)."""
-    from ulysses_trainer import parallelize, shard_batch
-    from ulysses_trainer.config import TrainConfig
-    from ulysses_trainer.ds_config import load_ds_config
-    from ulysses_trainer.model.load import build_model, model_config_for
-    from ulysses_trainer.parallel.state import single_process_state
-    from ulysses_trainer.plan.resolve import plan_for
-    from ulysses_trainer.plan.types import Machine
+    model's own loss (transformers adds router_aux_loss_coef x its aux loss when given labels); the 503-token
+    vocabulary through model_init_kwargs, as a user's overrides reach the config (cheap on the CPU)."""
+    from tests.sp_rank import trainer_path_matches
 
-    # the 503-token vocabulary through model_init_kwargs, as a user's overrides reach the config (cheap on the CPU)
-    cfg = TrainConfig(model_name_or_path=preset, max_length=48, model_init_kwargs={"vocab_size": VOCAB})
-    config = model_config_for(cfg)
-    assert config.output_router_logits is True and config.vocab_size == VOCAB
-    plan = plan_for(cfg, config, load_ds_config(cfg.deepspeed), Machine(gpus=1, gpu_memory_gb=None,
-                                                                        host_memory_gb=64.0))
-    ids = torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(3))
-    ref = build_model(config, torch.float32, seed=5)
-    out = ref(input_ids=ids, labels=ids)
-    assert out.aux_loss is not None and out.aux_loss > 1.0
-    out.loss.backward()
-    sp_model = parallelize(build_model(config, torch.float32, seed=5), single_process_state(),
-                           plan.model_plan(None, 1))
-    shard = shard_batch(ids, sp_size=1, sp_rank=0)
-    loss = sp_model(**shard.model_inputs()) / shard.num_valid + sp_model.aux_loss_coef * sp_model.aux_loss
-    loss.backward()
-    assert sp_model.aux_loss_coef == config.router_aux_loss_coef
-    assert abs(loss.item() - out.loss.item()) <= 1e-5 * abs(out.loss.item())
-    grads = {n.removeprefix("causal_lm."): p.grad for n, p in sp_model.named_parameters()}
-    for name, p in ref.named_parameters():
-        assert (grads[name] - p.grad).norm() <= 1e-5 * p.grad.norm() + 1e-12, name
+    sp_model = trainer_path_matches(preset, 48, {"vocab_size": VOCAB})
+    assert sp_model.config.vocab_size == VOCAB and sp_model.config.output_router_logits is True
+    assert sp_model.aux_loss > 1.0 and sp_model.aux_loss_coef == sp_model.config.router_aux_loss_coef
 
 
 @pytest.mark.parametrize("preset", PRESETS)
