@@ -75,10 +75,12 @@ def summed_grads(steps: Sequence[RankStep]) -> dict[str, torch.Tensor]:
 
 
 
-def trainer_path_matches(model_name: str, length: int) -> SequenceParallelCausalLM:
+def trainer_path_matches(model_name: str, length: int,
+                         model_init_kwargs: dict | None = None) -> SequenceParallelCausalLM:
     """The trainer's own model path on one process (model_config_for -> plan_for -> build_model -> parallelize with
-    the plan's levers -> the loss sum over the shard's valid tokens) on one random row of `length` = the stock
-    model built alike: loss and every gradient (fp32, 1e-5). Returns the parallelized model."""
+    the plan's levers -> the loss sum over the shard's valid tokens, plus coef x the aux loss of a sparse model,
+    whose stock loss adds it too) on one random row of `length` = the stock model built alike: loss and every
+    gradient (fp32, 1e-5). `model_init_kwargs` reach the config as a user's do. Returns the parallelized model."""
     from ulysses_trainer import parallelize, shard_batch
     from ulysses_trainer.config import TrainConfig
     from ulysses_trainer.ds_config import load_ds_config
@@ -87,11 +89,11 @@ def trainer_path_matches(model_name: str, length: int) -> SequenceParallelCausal
     from ulysses_trainer.plan.resolve import plan_for
     from ulysses_trainer.plan.types import Machine
 
-    cfg = TrainConfig(model_name_or_path=model_name, max_length=length)
+    cfg = TrainConfig(model_name_or_path=model_name, max_length=length, model_init_kwargs=model_init_kwargs)
     config = model_config_for(cfg)
     plan = plan_for(cfg, config, load_ds_config(cfg.deepspeed), Machine(gpus=1, gpu_memory_gb=None,
                                                                         host_memory_gb=64.0))
-    ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, min(1000, config.vocab_size), (1, length), generator=torch.Generator().manual_seed(3))
     ref = build_model(config, torch.float32, seed=5)
     out = ref(input_ids=ids, labels=ids)
     out.loss.backward()
@@ -99,6 +101,9 @@ def trainer_path_matches(model_name: str, length: int) -> SequenceParallelCausal
                            plan.model_plan(None, 1))
     shard = shard_batch(ids, sp_size=1, sp_rank=0)
     loss = sp_model(**shard.model_inputs()) / shard.num_valid
+    if sp_model.aux_loss is not None:  # the load-balancing loss over the row (levers/sparse_moe.py)
+        assert out.aux_loss is not None and abs(sp_model.aux_loss.item() - out.aux_loss.item()) <= 1e-6 * out.aux_loss
+        loss = loss + sp_model.aux_loss_coef * sp_model.aux_loss
     loss.backward()
     assert abs(loss.item() - out.loss.item()) <= 1e-5 * abs(out.loss.item())
     grads = {n.removeprefix("causal_lm."): p.grad for n, p in sp_model.named_parameters()}

@@ -68,8 +68,11 @@ def test_presets_list():
         "tiny-llama", "llama-3.1-8b", "llama-3.1-70b", "tiny-mistral", "mistral-small-24b", "tiny-ministral",
         "tiny-qwen2", "qwen2.5-7b"} | {
         "tiny-gemma3", "gemma-3-27b", "tiny-granite", "granite-3.1-8b", "tiny-olmo2", "olmo-2-7b", "tiny-phi3",
-        "phi-3.5-mini"}
-    # the dense families: tests/test_dense_families.py, tests/test_more_dense_families.py
+        "phi-3.5-mini"} | {
+        "tiny-mixtral", "mixtral-8x7b", "tiny-qwen2-moe", "qwen1.5-moe-a2.7b", "tiny-gpt-oss", "gpt-oss-20b",
+        "gpt-oss-120b"}
+    # the dense families: tests/test_dense_families.py, tests/test_gemma3_family.py, tests/test_more_dense_families.py;
+    # the sparse ones: tests/test_moe_families.py
 
 
 def test_a_wrong_dimension_misses_the_published_count():

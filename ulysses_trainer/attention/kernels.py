@@ -145,6 +145,66 @@ def windowed_attention(q, k, v, *, scale: float, window: int, cu_seqlens=None, m
     return torch.cat(outs).reshape(q.shape)  # [b*s, h, d] -> [b, s, h, d]
 
 
+def _sink_document(q, k, v, sinks, scale: float):
+    """One document [n, h, d] (k, v [n, hk, d]) with an attention sink per query head as a key of its own: a zero
+    query row and a sink key row go first, q gets sinks / scale in an extra column that only the sink key reads
+    (k gets 0 there, the sink key 1 and 0 elsewhere), the sink's value is 0. So every query's softmax has
+    exp(sink) in its denominator and nothing in its numerator (gpt-oss's sinks), through any causal kernel;
+    the width is padded to a multiple of 8 with zeros (the flash kernels' head sizes). [n, h, d] -> [n+1, h, w]."""
+    n, h, d = q.shape
+    w = -(-(d + 1) // 8) * 8
+    col = (sinks.to(q.dtype) / scale)[None, :, None].expand(n, h, 1)  # [n, h, 1]
+    qa = F.pad(torch.cat([q, col], dim=-1), (0, w - d - 1, 0, 0, 1, 0))  # [n+1, h, w], row 0: the dummy query
+    sink_key = F.pad(k.new_ones(1, k.shape[1], 1), (d, w - d - 1))  # [1, hk, w]: 1 in column d
+    ka = torch.cat([sink_key, F.pad(k, (0, w - d))])  # [n+1, hk, w]
+    va = F.pad(v, (0, w - d, 0, 0, 1, 0))  # [n+1, hk, w], row 0: the sink's zero value
+    return qa, ka, va
+
+
+def _sink_windowed(qa, ka, va, scale: float, window: int, n: int) -> torch.Tensor:
+    """A windowed document with its sink (_sink_document's rows): real query i sees the sink and the real keys
+    (i - window, i]; queries in blocks of `window`, each against the sink and the keys its block can reach."""
+    gqa, outs = qa.shape[1] != ka.shape[1], []
+    for a in range(0, n, window):
+        e, lo = min(a + window, n), max(0, a - window + 1)
+        qi = torch.arange(a, e, device=qa.device)[:, None]
+        ki = torch.arange(lo, e, device=qa.device)[None, :]
+        mask = torch.cat([torch.ones_like(qi, dtype=torch.bool), (ki <= qi) & (ki > qi - window)], dim=1)
+        kk, vv = (torch.cat([t[:1], t[lo + 1:e + 1]]) for t in (ka, va))  # the sink, then the reachable keys
+        # [B, h, w] -> [1, h, B, w] for SDPA, and back
+        out = F.scaled_dot_product_attention(qa[None, a + 1:e + 1].transpose(1, 2), kk[None].transpose(1, 2),
+                                             vv[None].transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=gqa)
+        outs.append(out.transpose(1, 2)[0])
+    return torch.cat(outs)
+
+
+def sink_attention(q, k, v, sinks, *, scale: float, attend: Callable[..., torch.Tensor], window: int | None = None,
+                   cu_seqlens=None, max_seqlen=None, pad_spans=()) -> torch.Tensor:
+    """Causal attention with a learned sink logit per query head in every softmax's denominator (gpt-oss's
+    attention sinks, `sinks` [h] for the given heads), packed documents kept apart, a pad's output 0: each document
+    through `attend` (a kernel of KERNEL_FUNCTIONS) with the sink as a key of its own (_sink_document), or with a
+    sliding `window` through SDPA block masks that always reach the sink. Exact: the sink's gradient is the extra
+    query column's."""
+    b, s, _, d = q.shape
+    qf, kf, vf = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))  # [b, s, h, d] -> [b*s, h, d]
+    if _single_doc_per_row(cu_seqlens, b):
+        pieces = [(r * s, (r + 1) * s, False) for r in range(b)]
+    else:
+        pieces = Documents(cu_seqlens, max_seqlen, pad_spans).pieces()
+    outs = []
+    for a, e, pad in pieces:
+        if pad:
+            outs.append(qf.new_zeros(e - a, *qf.shape[1:]))
+            continue
+        qa, ka, va = _sink_document(qf[a:e], kf[a:e], vf[a:e], sinks, scale)
+        if window is not None:
+            out = _sink_windowed(qa, ka, va, scale, window, e - a)  # [n, h, w]
+        else:
+            out = attend(qa[None], ka[None], va[None], scale=scale)[0, 1:]  # [n+1, h, w] -> [n, h, w]
+        outs.append(out[..., :d])
+    return torch.cat(outs).reshape(q.shape)  # [b*s, h, d] -> [b, s, h, d]
+
+
 KERNEL_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "sdpa": sdpa_attention,
     "flash_attention_2": flash2_attention,

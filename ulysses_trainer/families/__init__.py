@@ -19,15 +19,19 @@ from ..errors import ConfigError
 from .base import AllReduce, Family, LayerDims, MlpBlock, MlpRun, TokenMixer
 from .dense import LLAMA, MINISTRAL, MISTRAL, QWEN2
 from .gemma3 import GEMMA3
+from .gpt_oss import GPT_OSS
 from .granite import GRANITE
+from .mixtral import MIXTRAL
 from .olmo2 import OLMO2
 from .phi3 import PHI3
+from .qwen2_moe import QWEN2_MOE
 from .qwen3 import QWEN3
 from .qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from .qwen3_moe import QWEN3_MOE
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, LLAMA, MISTRAL,
-                                                         MINISTRAL, QWEN2, GEMMA3, GRANITE, OLMO2, PHI3)}
+                                                         MINISTRAL, QWEN2, GEMMA3, GRANITE, OLMO2, PHI3, MIXTRAL,
+                                                         QWEN2_MOE, GPT_OSS)}
 # preset name -> its family (a name belongs to one family)
 _PRESET_FAMILY: dict[str, Family] = {name: f for f in FAMILIES.values() for name in f.presets}
 PRESETS: tuple[str, ...] = tuple(_PRESET_FAMILY)

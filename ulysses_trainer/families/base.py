@@ -229,16 +229,6 @@ class Family:
     # a decoder layer's norms by name and its blocks ("attention", "mlp") in the order they run: Qwen3's pre-norm
     # layer; Gemma 3 norms each block's output too (the plan's parameter order, ZeRO-3 trace, norm time and memory)
     layer_order: tuple[str, ...] = ("input_norm", "attention", "post_attention_norm", "mlp")
-
-    def layer_norms(self) -> tuple[str, ...]:
-        """The decoder layer's own norms (hidden-wide RMSNorms), in the order they run."""
-        return tuple(n for n in self.layer_order if n not in ("attention", "mlp"))
-
-    def recompute_skips_mlp(self) -> bool:
-        """Whether a checkpoint's recompute may skip a tiled MLP's forward (TiledMLP.unused_output): only where its
-        output feeds the residual add alone, whose backward does not read it; a norm after the MLP (Gemma 3's)
-        reads it."""
-        return self.layer_order[-1] == "mlp"
     # the attention's nn.Linear names in module order (Phi-3 fuses q, k, v into qkv_proj) and LoRA's default
     # targets among them (PEFT's default for Qwen3: q_proj, v_proj)
     attention_linears: tuple[str, ...] = ATTENTION_LINEARS
@@ -251,6 +241,19 @@ class Family:
     attention_registered: tuple[str, ...] = ()
     # q_norm / k_norm span the whole projection, all heads (OLMo 2: widths q and kv), not one head (Qwen3)
     qk_norm_whole: bool = False
+    # a learned sink logit per query head in every softmax (gpt-oss: attention/kernels.sink_attention), which keeps
+    # no attention output for the recompute (the plan keeps none)
+    attention_sinks: bool = False
+
+    def layer_norms(self) -> tuple[str, ...]:
+        """The decoder layer's own norms (hidden-wide RMSNorms), in the order they run."""
+        return tuple(n for n in self.layer_order if n not in ("attention", "mlp"))
+
+    def recompute_skips_mlp(self) -> bool:
+        """Whether a checkpoint's recompute may skip a tiled MLP's forward (TiledMLP.unused_output): only where its
+        output feeds the residual add alone, whose backward does not read it; a norm after the MLP (Gemma 3's,
+        OLMo 2's) reads it."""
+        return self.layer_order[-1] == "mlp"
 
     def attention_params(self, d: LayerDims) -> list[tuple[str, int]]:
         """q, (q_norm,) k, (k_norm,) v, o: the attention's modules in the order they run (a projection's bias right

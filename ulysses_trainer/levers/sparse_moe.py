@@ -196,12 +196,15 @@ class SparseMoE(TiledBlock, nn.Module):
                  norm_topk_prob: bool):
         super().__init__()
         experts = getattr(block, "experts", None)
-        if not (hasattr(block, "gate") and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)):
+        # the router under the block's own name (gpt-oss: router; the others: gate), so state-dict keys stay
+        self.router_name = "router" if hasattr(block, "router") and not hasattr(block, "gate") else "gate"
+        if not (hasattr(block, self.router_name) and isinstance(getattr(experts, "gate_up_proj", None),
+                                                                torch.Tensor)):
             raise ConfigError(f"the sparse MLP needs transformers' fused experts (experts.gate_up_proj [E, 2I, H], "
                               f"transformers >= 5); {type(block).__name__} has none: upgrade transformers")
         if isinstance(num_tiles, bool) or not isinstance(num_tiles, int) or num_tiles < 1:
             raise ConfigError(f"tiled_mlp tiles must be an int >= 1, got {num_tiles!r}")
-        self.gate = block.gate
+        setattr(self, self.router_name, getattr(block, self.router_name))
         self.experts = experts
         # Qwen3.5-MoE's always-on shared expert (an MLP on every row) and its sigmoid gate: None without one
         self.shared_expert = getattr(block, "shared_expert", None)
@@ -215,7 +218,8 @@ class SparseMoE(TiledBlock, nn.Module):
         shape = x.shape
         x2d = x.reshape(-1, shape[-1])  # [b, s, H] -> [N, H]: routing is per row
         shared = None if self.shared_expert is None else self.shared_expert(x2d)  # [N, H]
-        logits, weights, idx = route(self.gate, x2d, self.top_k, self.norm_topk_prob)  # [N, E], [N, k], [N, k]
+        router = getattr(self, self.router_name)
+        logits, weights, idx = route(router, x2d, self.top_k, self.norm_topk_prob)  # [N, E], [N, k], [N, k]
         if self.num_tiles == 1 and not self.output_unused:
             out = self.experts(x2d, idx, weights)  # [N, H]
         else:

@@ -95,9 +95,11 @@ class UserLayout:
         """model_class on the meta device holding the trained tensors, and the checkpoint's own where the causal LM
         has none (the vision tower); every tensor present. Its save_pretrained writes the checkpoint's layout."""
         config = copy.deepcopy(self.config)
-        config._attn_implementation = "sdpa"  # the export loads anywhere, without our SP attention
+        # the export loads anywhere, without our SP attention (eager for a class without SDPA: gpt-oss)
+        attn = "sdpa" if getattr(self.model_class, "_supports_sdpa", True) else "eager"
+        config._attn_implementation = attn
         with torch.device("meta"):
-            model = self.model_class._from_config(config, attn_implementation="sdpa")
+            model = self.model_class._from_config(config, attn_implementation=attn)
         if self.conversions is not None:  # saved back through the same conversions, reversed
             model._weight_conversions = self.conversions
         state = {self._held_name(k): v for k, v in trained.items()}

@@ -306,24 +306,34 @@ def model_config_for(cfg: TrainConfig) -> PretrainedConfig:
     return config
 
 
+def _built_attention(config: PretrainedConfig) -> str:
+    """sdpa, or eager where the family's causal-LM class does not take SDPA."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
+
+
 def build_model(config: PretrainedConfig, dtype: torch.dtype, from_pretrained_path: str | None = None,
                 seed: int = 0) -> torch.nn.Module:
     """The family's causal LM (Qwen3ForCausalLM, Qwen3MoeForCausalLM): random init (seeded, global RNG untouched)
     for presets, else the checkpoint.
 
-    Built with SDPA; the trainer switches attention afterwards. Under ZeRO-3 call it inside
-    deepspeed.zero.Init (presets) or with an HfDeepSpeedConfig alive (checkpoints).
+    Built with SDPA (eager for a class without it: gpt-oss, whose sinks SDPA cannot take); the trainer switches
+    attention afterwards. Under ZeRO-3 call it inside deepspeed.zero.Init (presets) or with an HfDeepSpeedConfig
+    alive (checkpoints).
     """
+    attn = _built_attention(config)
     if from_pretrained_path is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     else:
         local = Path(from_pretrained_path).exists()
         # use_kernels=False: transformers >= 5.25 swaps in Hub kernels by default; the levers wrap its own forwards
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
-                from_pretrained_path, config=config, dtype=dtype, attn_implementation="sdpa",
+                from_pretrained_path, config=config, dtype=dtype, attn_implementation=attn,
                 local_files_only=local, output_loading_info=True, use_kernels=False)
         except OSError as exc:
             raise ConfigError(f"cannot load weights from {from_pretrained_path!r}: {exc}") from None

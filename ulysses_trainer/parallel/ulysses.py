@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.kernels import KERNEL_FUNCTIONS, windowed_attention
+from ..attention.kernels import KERNEL_FUNCTIONS, sink_attention, windowed_attention
 from ..attention.stash import AttentionStash
 from ..vocabulary.layout import check_heads
 from ..vocabulary.names import KEEPING_KERNELS
@@ -41,8 +41,10 @@ class UlyssesAttention:
         self.attend = KERNEL_FUNCTIONS[self.kernel]
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.kv_repeat = max(1, state.sp_size // num_kv_heads)
-        # no "flash" in the name: transformers then looks for a hub kernel of that name
-        self.name = f"ulysses_sp{state.sp_size}_{self.kernel.replace('flash_attention', 'fa')}_{id(self):x}"
+        # no "flash" in the name (transformers then looks for a hub kernel of that name) and no "sdpa" (it then
+        # refuses a model without SDPA support: gpt-oss)
+        kernel_tag = self.kernel.replace("flash_attention", "fa").replace("sdpa", "sdp")
+        self.name = f"ulysses_sp{state.sp_size}_{kernel_tag}_{id(self):x}"
         self.stash: AttentionStash | None = None  # set by parallelize when attention outputs are kept
 
     def register(self, model: torch.nn.Module) -> str:
@@ -52,7 +54,8 @@ class UlyssesAttention:
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                  scaling: float | None = None, sliding_window: int | None = None,
-                 sp_context: ShardContext | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                 sp_context: ShardContext | None = None, s_aux: torch.Tensor | None = None,
+                 **kwargs) -> tuple[torch.Tensor, None]:
         # sp_context: the shard's context, which SequenceParallelCausalLM always passes (transformers' layers hand
         # it on as a keyword argument); without it the forward bypassed the wrapper, which at sp > 1 would run the
         # all-to-alls on a whole sequence per rank (at sp=1 a plain forward is the stock one)
@@ -78,6 +81,13 @@ class UlyssesAttention:
         if cu_seqlens is not None and cu_seqlens.device != q.device:
             cu_seqlens = cu_seqlens.to(q.device)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        if s_aux is not None:
+            # attention sinks (gpt-oss), one per query head: this rank's heads are the r-th h/sp of them
+            sinks = s_aux.reshape(sp_size, -1)[self.state.sp_rank if sp_size > 1 else 0]  # [h] -> [h/sp]
+            out = sink_attention(q, k, v, sinks, scale=scale, attend=self.attend,
+                                 window=None if sliding_window is None else int(sliding_window),
+                                 cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, pad_spans=pad_spans)
+            return heads_to_seq(out, sp_size, group), None  # [b, s, h/sp, d] -> [b, s/sp, h, d]
         if sliding_window is not None:
             # every rank holds the whole sequence of its heads: the window applies as in one process
             out = windowed_attention(q, k, v, scale=scale, window=int(sliding_window), cu_seqlens=cu_seqlens,

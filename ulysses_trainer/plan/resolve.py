@@ -131,7 +131,9 @@ def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: F
     found = fuller = None
     if budget is not None:
         # packed rows keep outputs as dense rows do (attention/grouped.py: per KV group, buffers of a dense row)
-        keep = shape.layers if cfg.gradient_checkpointing and base.attn_implementation in KEEPING_KERNELS else 0
+        can_keep = cfg.gradient_checkpointing and base.attn_implementation in KEEPING_KERNELS \
+            and not shape.family.attention_sinks  # the sinks' path keeps no output
+        keep = shape.layers if can_keep else 0
         whole = search_fits(shape, base, fx, keep, budget, machine.host_memory_gb, zero.by_placement)
         # auto leaves the host room for the OS, the data workers and the page cache where a plan fits within it
         roomy = search_fits(shape, base, fx, keep, budget, HOST_HEADROOM * machine.host_memory_gb,
