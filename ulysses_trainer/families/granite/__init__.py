@@ -5,10 +5,13 @@ to the attention function as `scaling`, which Ulysses attention applies), each r
 residual_multiplier (GraniteDecoderLayer, inside the layer a checkpoint recomputes). The one the trainer replaces is
 the head: its loss head divides the logits by logits_scaling as GraniteForCausalLM does (model/loss_head.py).
 
-Preset `granite-3.1-8b` from the published config of ibm-granite/granite-3.1-8b-base: vocab 49,155, hidden 4096,
-FFN 12,800, 40 layers, 32 q / 8 kv heads of 128, rope_theta 1e7, 131,072 positions, rms_norm_eps 1e-5, tied
-embeddings, embedding_multiplier 12, attention_multiplier 0.0078125, residual_multiplier 0.22, logits_scaling 16
-(8,170,848,256 parameters; the Granite 3.x 8B configs share this shape and these multipliers). `tiny-granite`: the
+Preset `granite-3.1-8b`: the Granite 3.x 8B shape and multipliers as a published Granite 3.3-8B config.json gives
+them (hidden 4096, FFN 12,800, 40 layers, 32 q / 8 kv heads of 128, rope_theta 1e7, 131,072 positions,
+rms_norm_eps 1e-5, tied embeddings, embedding_multiplier 12, attention_multiplier 0.0078125, residual_multiplier
+0.22, logits_scaling 16) with the vocabulary of 49,155 a third-party parameter table gives for 3.1; it counts
+8,170,848,256 parameters, 16,384 (4 x 4096) fewer than that table's 8,170,864,640, so the 3.1 vocabulary may be
+49,159. ibm-granite/granite-3.1-8b-base's own config.json was not read here: a checkpoint's config is what the
+trainer reads. `tiny-granite`: the
 dense tiny shape with multipliers away from 1 (and an attention scale other than 1/sqrt(head_dim)), so the tests
 see each one.
 """

@@ -9,9 +9,11 @@ comes after), so each token's statistics are the ones one process computes. The 
 block, tiled by levers/tiled_mlp.TiledMLP). The planner counts the layer in module order: q, k, v, o, q_norm (q
 wide), k_norm (kv wide), gate, up, down, post_attention_layernorm, post_feedforward_layernorm.
 
-Preset `olmo-2-7b` from the published config of allenai/OLMo-2-1124-7B (its model card: 32 layers, hidden 4096,
-32 heads, 4096 positions): vocab 100,352, FFN 11,008, 32 kv heads (no GQA), rope_theta 5e5, rms_norm_eps 1e-6,
-untied embeddings (7,298,617,344 parameters). `tiny-olmo2`: the dense tiny shape, Qwen vocabulary.
+Preset `olmo-2-7b`, OLMo-2-1124-7B's shape: 32 layers, hidden 4096, 32 heads, 4096 positions as its model card
+gives them; vocab 100,352, FFN 11,008, 32 kv heads (no GQA), rope_theta 5e5, rms_norm_eps 1e-6 and untied
+embeddings as OLMo 2 7B is usually described, not checked against its config.json here (7,298,617,344 parameters
+with them): a checkpoint's own config.json is what the trainer reads. `tiny-olmo2`: the dense tiny shape, Qwen
+vocabulary.
 """
 
 from __future__ import annotations
