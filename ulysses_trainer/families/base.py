@@ -244,6 +244,11 @@ class Family:
     # a learned sink logit per query head in every softmax (gpt-oss: attention/kernels.sink_attention), which keeps
     # no attention output for the recompute (the plan keeps none)
     attention_sinks: bool = False
+    # what the plan says it estimated for this family, as one note (the generic path's: model/generic.py)
+    plan_note: str = ""
+    # the MLP's output feeds the residual add alone (a pre-norm layer), so a recompute may skip a tiled MLP's
+    # forward; False where that is not known (the generic path)
+    mlp_output_unread: bool = True
 
     def layer_norms(self) -> tuple[str, ...]:
         """The decoder layer's own norms (hidden-wide RMSNorms), in the order they run."""
@@ -253,7 +258,7 @@ class Family:
         """Whether a checkpoint's recompute may skip a tiled MLP's forward (TiledMLP.unused_output): only where its
         output feeds the residual add alone, whose backward does not read it; a norm after the MLP (Gemma 3's,
         OLMo 2's) reads it."""
-        return self.layer_order[-1] == "mlp"
+        return self.mlp_output_unread and self.layer_order[-1] == "mlp"
 
     def attention_params(self, d: LayerDims) -> list[tuple[str, int]]:
         """q, (q_norm,) k, (k_norm,) v, o: the attention's modules in the order they run (a projection's bias right

@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from ..families import FAMILIES, PRESETS, family, supported
 from ..families.presets import is_preset, preset_config
 from ..vocabulary.names import CHECKPOINT_MARKER
+from .generic import is_generic, register_generic
 from .positions import check_positions, describe_rope_by_layer_type, rope_by_layer_type, rope_dict
 
 _YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
@@ -173,15 +174,19 @@ def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) 
     rope_parameters / rope_scaling in model_init_kwargs are left for resolve_rope_parameters.
     """
     config = language_model_config(source_config(name_or_path))
-    if config.model_type not in FAMILIES:
-        raise ConfigError(f"model {name_or_path!r} has model_type {config.model_type!r}; this trainer "
-                          f"supports {supported()}")
-    why = family(config.model_type).check_config(config)
+    generic = config.model_type not in FAMILIES or is_generic(FAMILIES[config.model_type])
+    why = None if generic else family(config.model_type).check_config(config)
     if why:
         raise ConfigError(f"model {name_or_path!r}: {why}")
     overrides = {k: v for k, v in (model_init_kwargs or {}).items() if k not in _ROPE_KEYS}
     if overrides:
         config = _override(config, overrides)
+    if generic:  # no family folder: the generic path (model/generic.py) registers one for it, or says why not
+        why = register_generic(config)
+        if why:
+            raise ConfigError(f"model {name_or_path!r} has model_type {config.model_type!r}, which no family of "
+                              f"this trainer covers and the generic path refuses: {why}; this trainer supports "
+                              f"{supported()}")
     config.use_cache = False  # training: no KV cache
     return config
 

@@ -191,7 +191,7 @@ def plan_from(sr: PlanSearch, *, attention: AttentionShare | None = None) -> Pla
         decided=decided(cfg, sr.asked, s),
         notes=plan_notes(cfg, machine, s, attention=attention, budget_note=sr.budget_note, st=st,
                          engine_plan=sr.engine_plan, fx=fx, best=best, host_gb=chosen.host_per_host / GIB)
-        + ((roomy_note,) if roomy_note else ()),
+        + ((roomy_note,) if roomy_note else ()) + ((shape.family.plan_note,) if shape.family.plan_note else ()),
         fixed=sr.asked, zero=sr.zero,
         attention_from="" if not cfg.packing else "data" if attention else "one document (worst case)",
         search_base=base)
