@@ -111,3 +111,16 @@ def test_what_it_cannot_classify_is_refused_in_one_line(tmp_path, name, extra, n
     line = str(err.value)
     assert "\n" not in line and f"model_type {config.model_type!r}" in line and named in line, line
     assert config.model_type not in FAMILIES
+
+
+def test_an_attention_keyword_ulysses_does_not_apply_is_refused():
+    """Gemma 2's attention passes softcap to the attention function: Ulysses attention would drop it."""
+    from ulysses_trainer.model.generic import Refused, _attention
+
+    config = _config("Gemma2Config")
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        attn = AutoModelForCausalLM.from_config(config).model.layers[0].self_attn
+    with pytest.raises(Refused, match="passes softcap to the attention function"):
+        _attention(attn, config, "layer 0.self_attn")

@@ -18,9 +18,11 @@ tiled MLP's forward for a generic family).
 
 from __future__ import annotations
 
+import ast
 import copy
 import inspect
 import re
+import textwrap
 from typing import Any
 
 import torch
@@ -37,6 +39,8 @@ GENERIC_NOTE = ("generic decoder: parameters counted from the built model on the
 _LAYER_PARTS = {"self_attn", "input_layernorm", "mlp", "post_attention_layernorm"}
 _ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+# what Ulysses attention takes of the keywords a layer passes its attention function (parallel/ulysses.py)
+_ATTENTION_KEYWORDS = {"dropout", "scaling", "sliding_window", "position_ids"}
 # a causal-LM head that changes the logits after lm_head (Cohere's logit_scale): the trainer's loss head would not
 # (an assignment to logits other than lm_head's output; not a call's logits=logits, keyword)
 _LOGITS_CHANGED = re.compile(r"^\s*logits\s*[*/+-]?=(?!\s*self\.lm_head\().*[^,\s]\s*$", re.M)
@@ -77,9 +81,18 @@ def _attention(attn: nn.Module, config: Any, where: str) -> dict[str, Any]:
     missing = [n for n, m in linears.items() if not isinstance(m, nn.Linear)]
     if missing:
         raise Refused(f"{where} ({type(attn).__name__}) has no Linear {', '.join(missing)}")
-    if "ALL_ATTENTION_FUNCTIONS" not in inspect.getsource(type(attn).forward):
+    source = textwrap.dedent(inspect.getsource(type(attn).forward))
+    calls = [c for c in ast.walk(ast.parse(source)) if isinstance(c, ast.Call)
+             and isinstance(c.func, ast.Name) and c.func.id == "attention_interface"]
+    if "ALL_ATTENTION_FUNCTIONS" not in source or not calls:
         raise Refused(f"{where} ({type(attn).__name__}) does not go through transformers' attention interface "
                       f"(ALL_ATTENTION_FUNCTIONS), so Ulysses attention would not be what runs")
+    unheard = sorted({k.arg for c in calls for k in c.keywords if k.arg is not None} - _ATTENTION_KEYWORDS)
+    if unheard:  # e.g. Gemma 2's softcap: Ulysses attention would drop it
+        raise Refused(f"{where} ({type(attn).__name__}) passes {unheard[0]} to the attention function, which "
+                      f"Ulysses attention does not apply")
+    if getattr(attn, "is_causal", True) is not True:
+        raise Refused(f"{where} ({type(attn).__name__}) is not causal; Ulysses attention is")
     biases = [n for n in _ATTENTION_LINEARS[:3] if linears[n].bias is not None]
     if biases not in ([], list(_ATTENTION_LINEARS[:3])) or linears["o_proj"].bias is not None:
         raise Refused(f"{where}: biases on {', '.join(n for n, m in linears.items() if m.bias is not None)} (the "
