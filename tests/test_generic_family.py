@@ -124,3 +124,27 @@ def test_an_attention_keyword_ulysses_does_not_apply_is_refused():
         attn = AutoModelForCausalLM.from_config(config).model.layers[0].self_attn
     with pytest.raises(Refused, match="passes softcap to the attention function"):
         _attention(attn, config, "layer 0.self_attn")
+
+
+def test_an_mlp_computing_otherwise_is_refused():
+    """gate/up/down Linears and an act_fn, but the activation on up: the tiled MLP would run another function."""
+    from transformers.activations import ACT2FN
+
+    from ulysses_trainer.model.generic import Refused, _mlp
+
+    class ActOnUp(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            h, i = config.hidden_size, config.intermediate_size
+            self.gate_proj, self.up_proj = torch.nn.Linear(h, i, bias=False), torch.nn.Linear(h, i, bias=False)
+            self.down_proj, self.act_fn = torch.nn.Linear(i, h, bias=False), ACT2FN[config.hidden_act]
+
+        def forward(self, x):
+            return self.down_proj(self.gate_proj(x) * self.act_fn(self.up_proj(x)))
+
+    config = _config("helium")
+    with pytest.raises(Refused, match=r"does not compute down\(act\(gate\(x\)\) \* up\(x\)\)"):
+        _mlp(ActOnUp(config), config, "layer 0.mlp")
+    from transformers.models.helium.modeling_helium import HeliumMLP
+
+    _mlp(HeliumMLP(config), config, "layer 0.mlp")  # the stock one passes

@@ -116,14 +116,32 @@ def _attention(attn: nn.Module, config: Any, where: str) -> dict[str, Any]:
     return fields
 
 
-def _mlp(mlp: nn.Module, where: str) -> None:
-    """Refused unless `mlp` is a bias-free gated gate/up/down MLP with a parameter-free activation."""
+def _mlp(mlp: nn.Module, config: Any, where: str) -> None:
+    """Refused unless `mlp` is a bias-free gated gate/up/down MLP with a parameter-free activation whose forward is
+    down(act(gate(x)) * up(x)), what the tiled MLP runs (checked on a small one of its class, built on the CPU)."""
     parts = dict(mlp.named_children())
     linear = all(isinstance(parts.get(n), nn.Linear) and parts[n].bias is None for n in _MLP_LINEARS)
     rest = [n for n, m in parts.items() if n not in _MLP_LINEARS and not _param_free(m)]
-    if not linear or rest:
+    if not linear or rest or not hasattr(mlp, "act_fn"):
         raise Refused(f"{where} ({type(mlp).__name__}: {', '.join(parts)}) is not a gated MLP of bias-free "
-                      f"gate_proj / up_proj / down_proj Linears")
+                      f"gate_proj / up_proj / down_proj Linears and an act_fn")
+    small = copy.deepcopy(config)
+    small.hidden_size, small.intermediate_size = 8, 16  # its arithmetic, not its size
+    g = torch.Generator().manual_seed(0)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+            cpu = type(mlp)(small).float()
+        with torch.no_grad():
+            for p in cpu.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / 3)
+            x = torch.randn(5, 8, generator=g)
+            same = torch.equal(cpu(x), cpu.down_proj(cpu.act_fn(cpu.gate_proj(x)) * cpu.up_proj(x)))
+    except Exception as exc:  # a class that needs more than the config, or another layout
+        raise Refused(f"{where} ({type(mlp).__name__}) cannot be checked on a small copy ({type(exc).__name__}); "
+                      f"the generic path tiles only an MLP it has checked") from None
+    if not same:
+        raise Refused(f"{where} ({type(mlp).__name__}) does not compute down(act(gate(x)) * up(x)), what the "
+                      f"trainer's tiled MLP runs")
 
 
 def _family(config: Any) -> Family:
@@ -160,6 +178,7 @@ def _family(config: Any) -> Family:
         raise Refused(f"{type(body).__name__} has a module {extra[0]!r} the generic path cannot classify")
     fp32 = {_norm_casting(body.norm, h, "the final norm")}
     fields: dict[str, Any] = {}
+    checked: set[type] = set()
     for i, layer in enumerate(layers):
         where = f"layer {i}"
         kinds = {n: type(m).__name__ for n, m in layer.named_children() if n not in _LAYER_PARTS and
@@ -175,7 +194,9 @@ def _family(config: Any) -> Family:
                           f"self_attn, mlp and the pre-norms input_layernorm, post_attention_layernorm)")
         fields = _attention(layer.self_attn, config, f"{where}.self_attn")
         fp32 |= fields.pop("norm_fp32", set())
-        _mlp(layer.mlp, f"{where}.mlp")
+        if type(layer.mlp) not in checked:  # one check per class: its arithmetic, not its weights
+            _mlp(layer.mlp, config, f"{where}.mlp")
+            checked.add(type(layer.mlp))
         fp32 |= {_norm_casting(getattr(layer, n), h, f"{where}.{n}") for n in ("input_layernorm",
                                                                              "post_attention_layernorm")}
     if len(fp32) > 1:
