@@ -2,13 +2,14 @@
 attention interface and whose MLP is a gated per-token one trains exact under Ulysses SP, and what it cannot
 classify is refused before any work in one line naming it.
 
-Helium (its RMSNorms multiply the weight in fp32) and Seed-OSS (biases on q, k and v), tiny (2 layers of hidden 64,
+Helium (its RMSNorms multiply the weight in fp32), Seed-OSS (biases on q, k and v) and Arcee (a plain up/down MLP
+with a squared ReLU), tiny (2 layers of hidden 64,
 8 q / 2 kv heads of 8, a 503-token vocabulary) and random, fp32 on the CPU: sp 1 and 2 through the threaded SP
 harness (tests/test_qwen3_5.py's) with checkpointing, offloaded layer inputs and a tiled MLP, and the trainer's own
 path (model_config_for -> plan_for -> build_model -> parallelize) from a saved config.json, each against the stock
 model (loss rel <= 1e-5, every gradient rel <= 1e-5). Refused: a layer_types entry that is not attention (LFM2's
 short convolutions), a decoder layer holding a module the path cannot classify (Exaone 4's norm after the MLP), a
-non-gated MLP (Arcee's), a LayerNorm (StarCoder2's), a dropout (Seed-OSS's defaults).
+fused gate_up MLP (GLM's), a LayerNorm (StarCoder2's), a dropout (Seed-OSS's defaults).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ulysses_trainer.families import FAMILIES, unregister
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=512, use_cache=False, pad_token_id=None,
             bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
-ARCHITECTURES = {"helium": "HeliumConfig", "seed_oss": "SeedOssConfig"}
+ARCHITECTURES = {"helium": "HeliumConfig", "seed_oss": "SeedOssConfig", "arcee": "ArceeConfig"}
 NO_DROPOUT = {"seed_oss": dict(attention_dropout=0.0, residual_dropout=0.0)}  # its defaults: 0.1
 assert IGNORE == -100
 
@@ -61,7 +62,7 @@ def _load(tmp_path, config):
 
 
 @pytest.mark.parametrize("name, sp_size, docs", [("helium", 1, [30, 41]), ("helium", 2, [9, 50, 12]),
-                                                 ("seed_oss", 2, None)])
+                                                 ("seed_oss", 2, None), ("arcee", 2, [30, 41])])
 def test_sp_equals_stock_transformers(tmp_path, name, sp_size, docs):
     _, config = _load(tmp_path, _config(name))
     length = sum(docs) if docs else 67
@@ -88,16 +89,19 @@ def test_the_trainers_path_and_plan(tmp_path):
     plan = plan_for(cfg, config, load_ds_config(cfg.deepspeed), Machine(gpus=2, gpu_memory_gb=80.0,
                                                                         host_memory_gb=64.0))
     assert [n for n in plan.notes if n.startswith("generic decoder")] == [GENERIC_NOTE]
-    built = sum(p.numel() for p in _build(config).parameters())
+    from ulysses_trainer.families.dense import PlainMlp
     from ulysses_trainer.plan.inputs import ModelShape
 
-    assert ModelShape.from_config(config).num_params == built
+    _, arcee = _load(tmp_path, _config("arcee"))
+    assert isinstance(FAMILIES["arcee"].mlp, PlainMlp)
+    for c in (config, arcee):  # what the planner counts is what transformers builds
+        assert ModelShape.from_config(c).num_params == sum(p.numel() for p in _build(c).parameters())
 
 
 @pytest.mark.parametrize("name, extra, named", [
     ("Lfm2Config", dict(layer_types=["conv", "full_attention"]), "layer type 'conv'"),
     ("Exaone4Config", {}, "'post_feedforward_layernorm' (Exaone4RMSNorm)"),
-    ("ArceeConfig", {}, "ArceeMLP: up_proj, down_proj"),
+    ("GlmConfig", {}, "GlmMLP: gate_up_proj, down_proj"),
     ("Starcoder2Config", {}, "LayerNorm, not an RMSNorm"),
     ("SeedOssConfig", {}, "attention_dropout is 0.1; set it to 0"),  # Ulysses attention runs no dropout
 ])

@@ -3,8 +3,9 @@
 What it accepts is decided from the config and the causal LM built on the meta device (no weights, no memory): every
 decoder layer holds `self_attn` (q/k/v/o Linear projections, q/k/v biases all or none, optional per-head or
 whole-width q/k RMSNorms) whose forward goes through transformers' attention interface (ALL_ATTENTION_FUNCTIONS, so
-the trainer's Ulysses attention is what runs), `mlp` (Linear gate/up/down without biases and a parameter-free
-activation: it acts per token, so tiling it is exact), and the two pre-norm RMSNorms input_layernorm /
+the trainer's Ulysses attention is what runs, with no keyword it would drop), `mlp` (bias-free Linear gate/up/down,
+or up/down, and an act_fn, computing down(act(gate(x)) * up(x)) or down(act(up(x))) as a small CPU copy of its class
+shows: it acts per token, so tiling it is exact), and the two pre-norm RMSNorms input_layernorm /
 post_attention_layernorm; no other module. Every RMSNorm's arithmetic is run once on a few CPU numbers against the
 lean norm the trainer swaps in (one of its two castings), and every layer's parameters counted from the meta model
 must equal what the Family counts. A layer_types entry other than full or sliding attention, a decoder layer
@@ -29,13 +30,14 @@ import torch
 from torch import nn
 
 from ..families import FAMILIES, register, unregister
-from ..families.base import ATTENTION_LAYER_TYPES, Family
+from ..families.base import ATTENTION_LAYER_TYPES, Family, MlpBlock
+from ..families.dense import PlainMlp
 from ..families.qwen3 import GatedMlp
 from ..levers.lean_norm import is_rms_norm, rms_norm_forward
 
 GENERIC_NOTE = ("generic decoder: parameters counted from the built model on the meta device; time at the dense "
-                "rate; memory with a gated MLP's and pre-norm RMSNorm layers' terms (as for Llama); the recompute "
-                "reruns a tiled MLP's forward")
+                "rate; memory with its MLP's (gated or plain) and pre-norm RMSNorm layers' terms (as for Llama); the "
+                "recompute reruns a tiled MLP's forward")
 _LAYER_PARTS = {"self_attn", "input_layernorm", "mlp", "post_attention_layernorm"}
 _ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -116,14 +118,17 @@ def _attention(attn: nn.Module, config: Any, where: str) -> dict[str, Any]:
     return fields
 
 
-def _mlp(mlp: nn.Module, config: Any, where: str) -> None:
-    """Refused unless `mlp` is a bias-free gated gate/up/down MLP with a parameter-free activation whose forward is
-    down(act(gate(x)) * up(x)), what the tiled MLP runs (checked on a small one of its class, built on the CPU)."""
+def _mlp(mlp: nn.Module, config: Any, where: str) -> MlpBlock:
+    """The block of a bias-free gated gate/up/down MLP or plain up/down MLP with a parameter-free act_fn whose forward
+    is down(act(gate(x)) * up(x)) or down(act(up(x))), what the tiled MLP runs (checked on a small one of its class,
+    built on the CPU); Refused otherwise."""
     parts = dict(mlp.named_children())
-    linear = all(isinstance(parts.get(n), nn.Linear) and parts[n].bias is None for n in _MLP_LINEARS)
-    rest = [n for n, m in parts.items() if n not in _MLP_LINEARS and not _param_free(m)]
+    names = _MLP_LINEARS if "gate_proj" in parts else _MLP_LINEARS[1:]
+    linear = all(isinstance(parts.get(n), nn.Linear) and parts[n].bias is None for n in names)
+    rest = [n for n, m in parts.items() if n not in names and not _param_free(m)]
+    formula = "down(act(gate(x)) * up(x))" if "gate_proj" in parts else "down(act(up(x)))"
     if not linear or rest or not hasattr(mlp, "act_fn"):
-        raise Refused(f"{where} ({type(mlp).__name__}: {', '.join(parts)}) is not a gated MLP of bias-free "
+        raise Refused(f"{where} ({type(mlp).__name__}: {', '.join(parts)}) is not a gated or plain MLP of bias-free "
                       f"gate_proj / up_proj / down_proj Linears and an act_fn")
     small = copy.deepcopy(config)
     small.hidden_size, small.intermediate_size = 8, 16  # its arithmetic, not its size
@@ -135,13 +140,15 @@ def _mlp(mlp: nn.Module, config: Any, where: str) -> None:
             for p in cpu.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) / 3)
             x = torch.randn(5, 8, generator=g)
-            same = torch.equal(cpu(x), cpu.down_proj(cpu.act_fn(cpu.gate_proj(x)) * cpu.up_proj(x)))
+            up = cpu.up_proj(x)
+            inner = cpu.act_fn(cpu.gate_proj(x)) * up if "gate_proj" in parts else cpu.act_fn(up)
+            same = torch.equal(cpu(x), cpu.down_proj(inner))
     except Exception as exc:  # a class that needs more than the config, or another layout
         raise Refused(f"{where} ({type(mlp).__name__}) cannot be checked on a small copy ({type(exc).__name__}); "
                       f"the generic path tiles only an MLP it has checked") from None
     if not same:
-        raise Refused(f"{where} ({type(mlp).__name__}) does not compute down(act(gate(x)) * up(x)), what the "
-                      f"trainer's tiled MLP runs")
+        raise Refused(f"{where} ({type(mlp).__name__}) does not compute {formula}, what the trainer's tiled MLP runs")
+    return GatedMlp() if "gate_proj" in parts else PlainMlp()
 
 
 def _family(config: Any) -> Family:
@@ -178,7 +185,7 @@ def _family(config: Any) -> Family:
         raise Refused(f"{type(body).__name__} has a module {extra[0]!r} the generic path cannot classify")
     fp32 = {_norm_casting(body.norm, h, "the final norm")}
     fields: dict[str, Any] = {}
-    checked: set[type] = set()
+    checked: dict[type, MlpBlock] = {}
     for i, layer in enumerate(layers):
         where = f"layer {i}"
         kinds = {n: type(m).__name__ for n, m in layer.named_children() if n not in _LAYER_PARTS and
@@ -186,7 +193,7 @@ def _family(config: Any) -> Family:
         if kinds:
             name, kind = next(iter(kinds.items()))
             raise Refused(f"{where} ({type(layer).__name__}) holds {name!r} ({kind}), a module the generic path "
-                          f"cannot classify (it takes attention, a gated MLP and two pre-norms; a recurrent or "
+                          f"cannot classify (it takes attention, an MLP and two pre-norms; a recurrent or "
                           f"convolutional mixer has no Ulysses path)")
         absent = sorted(_LAYER_PARTS - {n for n, _ in layer.named_children()})
         if absent:
@@ -195,14 +202,17 @@ def _family(config: Any) -> Family:
         fields = _attention(layer.self_attn, config, f"{where}.self_attn")
         fp32 |= fields.pop("norm_fp32", set())
         if type(layer.mlp) not in checked:  # one check per class: its arithmetic, not its weights
-            _mlp(layer.mlp, config, f"{where}.mlp")
-            checked.add(type(layer.mlp))
+            checked[type(layer.mlp)] = _mlp(layer.mlp, config, f"{where}.mlp")
         fp32 |= {_norm_casting(getattr(layer, n), h, f"{where}.{n}") for n in ("input_layernorm",
                                                                              "post_attention_layernorm")}
+    blocks = {type(b) for b in checked.values()}
+    if len(blocks) != 1:
+        raise Refused("its layers mix gated and plain MLPs; the generic family takes one kind")
     if len(fp32) > 1:
         raise Refused("its RMSNorms cast in two ways, the trainer's lean norms take one per model")
     fam = Family(model_type=config.model_type, config_class=type(config).__name__, causal_lm_class=cls.__name__,
-                 mlp=GatedMlp(), norm_fp32_weight=fp32.pop(), modules="ulysses_trainer.families.dense.modules",
+                 mlp=next(iter(checked.values())), norm_fp32_weight=fp32.pop(),
+                 modules="ulysses_trainer.families.dense.modules",
                  qk_norm=fields.get("qk_norm", False), qk_norm_whole=fields.get("qk_norm_whole", False),
                  qkv_bias=fields["qkv_bias"], plan_note=GENERIC_NOTE, mlp_output_unread=False)
     _check_counts(fam, config, model)
