@@ -152,3 +152,21 @@ def test_an_mlp_computing_otherwise_is_refused():
     from transformers.models.helium.modeling_helium import HeliumMLP
 
     _mlp(HeliumMLP(config), config, "layer 0.mlp")  # the stock one passes
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama", "tiny-qwen2", "tiny-mistral"])
+def test_it_derives_what_the_hand_written_families_declare(preset):
+    """On a config of a family it does not replace (Qwen3: per-head q/k norms; Llama; Qwen2: q/k/v biases; Mistral:
+    a window on every layer), the generic family counts a layer as the hand-written one does, in the same order."""
+    from ulysses_trainer.families import family
+    from ulysses_trainer.families.presets import preset_config
+    from ulysses_trainer.model.generic import generic_family
+
+    config = preset_config(preset)
+    fam, own = generic_family(config), family(config.model_type)
+    assert not isinstance(fam, str), fam
+    d = own.layer_dims(config)
+    assert (fam.attention_params(d), fam.mlp_params(d), fam.layer_norms()) == \
+        (own.attention_params(d), own.mlp_params(d), own.layer_norms())
+    assert (fam.qk_norm, fam.qkv_bias, fam.norm_fp32_weight, fam.windowed_layers(config)) == \
+        (own.qk_norm, own.qkv_bias, own.norm_fp32_weight, own.windowed_layers(config))
