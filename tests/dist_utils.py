@@ -89,14 +89,21 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = JOB_TI
     return [results[r] for r in range(world_size)]
 
 
+def unverified(args: list[str]) -> list[str]:
+    """`args` with verify_sp false unless they name it: the launched tests of other things (faults, stops, resume,
+    data, export) skip the startup check's few seconds; the runs that check it, and the exactness runs that keep it
+    on as a user's run has it (tests/test_e2e_train.py, tests/test_train_runs.py, the README's commands), say so."""
+    return list(args) if "--verify_sp" in args else [*args, "--verify_sp", "false"]
+
+
 def train_command(num_gpus: int, args: list[str]) -> list[str]:
-    """The real `deepspeed --num_gpus N launch/train.py ...` command, on a free master port."""
+    """The real `deepspeed --num_gpus N launch/train.py ...` command, on a free master port (verify_sp: unverified)."""
     import sys
     from pathlib import Path
 
     deepspeed = Path(sys.executable).with_name("deepspeed")
     return [str(deepspeed) if deepspeed.exists() else "deepspeed", "--master_port", str(free_port()),
-            "--num_gpus", str(num_gpus), "launch/train.py", *args]
+            "--num_gpus", str(num_gpus), "launch/train.py", *unverified(args)]
 
 
 STARTED: list[subprocess.Popen] = []  # jobs start_job began; conftest's reaper kills what a test left running

@@ -49,7 +49,8 @@ SP_ARGS = COMMON + ["--gradient_accumulation_steps", "2", "--per_device_train_ba
 
 
 def run_train(num_gpus: int, args: list[str], output_dir: Path) -> subprocess.CompletedProcess:
-    proc = run_trainer(num_gpus, [*args, "--output_dir", str(output_dir)], timeout=JOB_TIMEOUT_S)
+    verify = [] if "--verify_sp" in args else ["--verify_sp", "auto"]  # on at the first start, as a user's run
+    proc = run_trainer(num_gpus, [*args, *verify, "--output_dir", str(output_dir)], timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, job_failure(proc)
     return proc
 

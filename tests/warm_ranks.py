@@ -84,8 +84,9 @@ def run_trainer(num_ranks: int, args: list[str], timeout: float, env: dict[str, 
     """`deepspeed --num_gpus N launch/train.py ARGS` without the launcher: N forked ranks, their stdout and stderr
     gathered as the launcher's would be. The first rank to fail ends the others (the launcher does the same);
     past `timeout` every rank is killed and subprocess.TimeoutExpired raised, as subprocess.run does."""
-    from tests.dist_utils import free_port, train_env
+    from tests.dist_utils import free_port, train_env, unverified
 
+    args = unverified(args)  # verify_sp as tests/dist_utils.train_command has it
     ctx = context()
     base, port = env or train_env(), free_port()
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:

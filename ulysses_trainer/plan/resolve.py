@@ -135,9 +135,12 @@ def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: F
             and not shape.family.attention_sinks  # the sinks' path keeps no output
         keep = shape.layers if can_keep else 0
         whole = search_fits(shape, base, fx, keep, budget, machine.host_memory_gb, zero.by_placement)
-        # auto leaves the host room for the OS, the data workers and the page cache where a plan fits within it
+        # auto leaves the host room for the OS, the data workers and the page cache where a plan fits within it:
+        # searched again within that room only where some plan the whole host allows holds more
+        full = machine.host_memory_gb is not None and any(
+            e.host_per_host > HOST_HEADROOM * machine.host_memory_gb * GIB for es in whole.found.values() for e in es)
         roomy = search_fits(shape, base, fx, keep, budget, HOST_HEADROOM * machine.host_memory_gb,
-                            zero.by_placement) if whole.fits and machine.host_memory_gb is not None else whole
+                            zero.by_placement) if full else whole
         found, fuller = (roomy, whole) if roomy.fits and roomy is not whole else (whole, None)
     return PlanSearch(cfg, shape, machine, base, fx, asked, zero, budget, budget_note, found, engine_plan, fuller)
 
