@@ -34,6 +34,9 @@ from ..vocabulary.layout import padded_length
 from ..vocabulary.model_plan import ModelPlan
 
 MAX_TOKENS = 4096  # the row's first tokens the check runs: a few seconds at 8B
+# on a CPU run: the stock model's whole-row logits over a 151,669-token vocabulary are 2.5 GB at 4096 tokens and
+# most of the check's 18 s on 2 ranks of 2 cores; 1024 tokens still cross every rank boundary of any sp
+MAX_TOKENS_CPU = 1024
 PROJECTION = 8  # each token's output of a watched module is compared as this many random projections
 SAMPLE = 4096  # elements of each parameter's gradient compared one by one (a strided sample)
 # (loss, gradient norm and the whole sampled gradient, each parameter's sampled gradient): the exactness
@@ -302,14 +305,14 @@ def _output_error(name: str, outs: list[dict[str, list[torch.Tensor]]], ref_out:
     return _rel(got, full)
 
 
-def first_row_cut(row: dict, sp_size: int, pad_to_multiple_of: int | None, max_length: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(input_ids, labels, position_ids), each [1, n]: the row's first real tokens, at most MAX_TOKENS, n a
+def first_row_cut(row: dict, sp_size: int, pad_to_multiple_of: int | None, max_length: int,
+                  max_tokens: int = MAX_TOKENS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(input_ids, labels, position_ids), each [1, n]: the row's first real tokens, at most `max_tokens`, n a
     multiple the sharding accepts; None for a row too short to shard. Labels with no target left train every
     token (the check is of the model, not of the masking)."""
     unit = padded_length(1, sp_size, pad_to_multiple_of)
     real = int(row.get("real_tokens", row["input_ids"].shape[-1]))
-    n = min(real, max_length, max(MAX_TOKENS, unit)) // unit * unit
+    n = min(real, max_length, max(max_tokens, unit)) // unit * unit
     if n < max(2, unit):
         return None
     ids = row["input_ids"].reshape(-1)[:n][None]
@@ -325,7 +328,8 @@ def run_check(source: nn.Module, new_model: Callable[[], nn.Module], mechanisms:
               device: torch.device, pad_token_id: int = 0) -> VerifyResult | None:
     """The check on a fresh model holding `source`'s weights (the engine's, gathered), with every RNG state as
     it was afterwards. None when the row is too short to shard. Collective: every rank of the job calls it."""
-    cut = first_row_cut(row, state.sp_size, pad_to_multiple_of, max_length)
+    cut = first_row_cut(row, state.sp_size, pad_to_multiple_of, max_length,
+                        MAX_TOKENS if device.type == "cuda" else MAX_TOKENS_CPU)
     if cut is None:
         return None
     t0 = time.perf_counter()
