@@ -214,10 +214,6 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
                                 "host RAM", [
         _rehearse("qwen3_5_27b_8gpu_1m", "--config", Q35_27B, "--gpus", "8", "--host_memory_gb", "560",
                   "--warmup_length", "8192")]),
-    "rehearse_llama_1m": ("rank 0 of Llama-3.1-8B at 1,048,576 tokens on 8 GPUs (sp=8) on one GPU, the reference's "
-                          "shape on another family; an 8-GPU node's host RAM", [
-        _rehearse("llama_3_1_8b_8gpu_1m", "--config", "launch/recipes/llama_3_1_8b_8gpu_1m.yaml", "--gpus", "8",
-                  "--host_memory_gb", "560", "--warmup_length", "8192")]),
     "rehearse_qwen3_5_35b_1m": ("rank 0 of Qwen3.5-35B-A3B at 1,048,576 tokens on 8 GPUs (sp=8) on one GPU; the "
                                 "node's host RAM", [
         _rehearse("qwen3_5_35b_a3b_8gpu_1m", "--config", Q35_35B, "--gpus", "8", "--host_memory_gb", "560",

@@ -25,6 +25,7 @@ HARMLESS = frozenset({
     "attn_implementation", "gradient_checkpointing", "checkpoint_every", "activation_offload",
     "keep_attention_outputs", "tiled_mlp", "lean_norm", "norm_kernel", "optimizer_offload", "host_memory_gb",
     "loss_type", "loss_chunk_size",
+    "verify_sp",  # a startup check on a private copy: no number of the run moves with it (tests/test_e2e_train.py)
 })
 # changes that go through but change what follows; the note says how
 NOTED = {
