@@ -148,9 +148,8 @@ def test_resume_comparison_refuses_what_breaks_exactness_naming_both_values(tmp_
     assert check_resume_config(str(ckpt), _record(max_length=128), allow_change=True) == {"max_length": (64, 128)}
     assert check_resume_config(str(ckpt), _record(max_length=64, save_steps=3), allow_change=False) == \
         {"save_steps": (None, 3)}
-    # verify_sp runs on a private copy before step 1: a resume may turn it off (or on) without breaking exactness
-    assert check_resume_config(str(ckpt), _record(max_length=64, verify_sp=False), allow_change=False) == \
-        {"verify_sp": ("auto", False)}
+    # verify_sp runs on a private copy before step 1: a resume may turn it off (or on); nothing to record
+    assert check_resume_config(str(ckpt), _record(max_length=64, verify_sp=False), allow_change=False) == {}
 
 
 def test_data_accounting_counts_skipped_records_and_the_tail(tmp_path):

@@ -25,7 +25,6 @@ HARMLESS = frozenset({
     "attn_implementation", "gradient_checkpointing", "checkpoint_every", "activation_offload",
     "keep_attention_outputs", "tiled_mlp", "lean_norm", "norm_kernel", "optimizer_offload", "host_memory_gb",
     "loss_type", "loss_chunk_size",
-    "verify_sp",  # a startup check on a private copy: no number of the run moves with it (tests/test_e2e_train.py)
 })
 # changes that go through but change what follows; the note says how
 NOTED = {
@@ -36,8 +35,10 @@ NOTED = {
 }
 LAYOUT = ("world_size", "sp_size", "dp_size")
 # how this run was started, not what it trains: never compared
+# how this start of the run begins, not what it trains: verify_sp runs once before step 1 on a private copy (auto:
+# off at a resume), and no number of the run moves with it (tests/test_e2e_train.py)
 NOT_COMPARED = frozenset({"resume_from_checkpoint", "allow_config_change", "overwrite_output_dir",
-                          "allow_beyond_positions"})
+                          "allow_beyond_positions", "verify_sp"})
 
 
 def run_record(config: dict[str, Any], world_size: int, sp_size: int, dp_size: int) -> dict[str, Any]:
