@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.sp_rank import trainer_path_matches
-from tests.test_qwen3_5 import assert_equal, batch, build, reference, sp_run
+from tests.test_qwen3_5 import assert_equal, batch, build, lora_model, reference, sp_run
 from ulysses_trainer.errors import ConfigError
 
 # Qwen2 with its second layer windowed (16 tokens) and the first full, as its layer_types allow
@@ -103,30 +103,14 @@ def test_windowed_attention_equals_a_full_mask():
         assert torch.allclose(got, want, atol=1e-5)
 
 
-def _lora_model(preset: str):
-    """The preset with LoRA on every Linear (the trainer's add_lora, r 4), B drawn so the adapters act."""
-    from ulysses_trainer.config import TrainConfig
-    from ulysses_trainer.model.lora import add_lora
-
-    cfg = TrainConfig(model_name_or_path=preset, use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                      lora_target_modules="all-linear")
-    model, _ = add_lora(build(preset), cfg)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
-
-
 @pytest.mark.parametrize("preset, sp_size", [("tiny-llama", 2), ("tiny-mistral", 4), ("tiny-qwen2", 2)])
 def test_lora_under_sp_equals_stock_peft(preset, sp_size):
     """LoRA on all-linear: the adapters' loss and gradients (the only ones: the base weights are frozen) under SP
     equal the stock PEFT model's, packed masked rows."""
     ids, pos, labels = batch(71, [9, 50, 12], seed=2, masked=True)
-    ref = reference(_lora_model(preset), ids, pos, labels)
+    ref = reference(lora_model(preset), ids, pos, labels)
     assert len(ref[1]) == 2 * 7 * 2 and all("lora_" in n for n in ref[1])  # 2 layers x 7 Linears x (A, B)
-    assert_equal(sp_run([_lora_model(preset) for _ in range(sp_size)], ids, pos, labels), ref)
+    assert_equal(sp_run([lora_model(preset) for _ in range(sp_size)], ids, pos, labels), ref)
 
 
 def test_llama3_rope_scaling_is_the_models_own():

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.sp_rank import trainer_path_matches
-from tests.test_qwen3_5 import assert_equal, batch, build, reference, sp_run
+from tests.test_qwen3_5 import assert_equal, batch, build, lora_model, reference, sp_run
 
 PRESET = "tiny-gemma3"
 # sp 1, 2, 4; packed documents: one inside a window (9 tokens), one across windows and the rank boundary (50), one
@@ -238,9 +238,8 @@ def test_positions_past_gemmas_own_and_a_yarn_over_them_are_refused_in_one_line(
 def test_lora_under_sp_equals_stock_peft():
     """LoRA on all-linear (r 4, B drawn non-zero): the adapters' loss and gradients (the only ones: the base weights
     are frozen) at sp 2 equal the stock PEFT model's, packed masked rows, a document across the window."""
-    from tests.test_dense_families import _lora_model
 
     ids, pos, labels = batch(71, [9, 50, 12], seed=2, masked=True)
-    ref = reference(_lora_model(PRESET), ids, pos, labels)
+    ref = reference(lora_model(PRESET), ids, pos, labels)
     assert len(ref[1]) == 2 * 7 * 2 and all("lora_" in n for n in ref[1])  # 2 layers x 7 Linears x (A, B)
-    assert_equal(sp_run([_lora_model(PRESET) for _ in range(2)], ids, pos, labels), ref)
+    assert_equal(sp_run([lora_model(PRESET) for _ in range(2)], ids, pos, labels), ref)

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_qwen3_5 import IGNORE, VOCAB, assert_equal, batch
+from tests.test_qwen3_5 import IGNORE, VOCAB, assert_equal, batch, lora_model
 from tests.test_qwen3_5 import build as build_tiny
 
 
@@ -173,31 +173,14 @@ def test_what_the_cases_prove_differs_between_the_families():
     assert abs(with_sinks - no_sinks) / with_sinks > 1e-4 and abs(with_sinks - full) / with_sinks > 1e-4
 
 
-def _lora_model(preset: str):
-    """The preset with LoRA on every Linear the family adapts (the trainer's add_lora, all-linear: the attention
-    projections; the experts are fused 3-D weights), r 4, B drawn so the adapters act."""
-    from ulysses_trainer.config import TrainConfig
-    from ulysses_trainer.model.lora import add_lora
-
-    cfg = TrainConfig(model_name_or_path=preset, use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                      lora_target_modules="all-linear")
-    model, _ = add_lora(build(preset), cfg)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
-
-
 @pytest.mark.parametrize("preset", PRESETS)
 def test_lora_under_sp_equals_stock_peft(preset):
     """LoRA on all-linear at sp 2, packed masked rows, the aux loss on (the frozen routers still route): the
     adapters' loss and gradients (the only ones) equal the stock PEFT model's."""
     ids, pos, labels = batch(71, [9, 50, 12], seed=2, masked=True)
-    ref = reference(_lora_model(preset), ids, pos, labels)
+    ref = reference(lora_model(preset, build), ids, pos, labels)
     assert len(ref[1]) == 2 * 4 * 2 and all("lora_" in n for n in ref[1])  # 2 layers x q, k, v, o x (A, B)
-    check(sp_run([_lora_model(preset) for _ in range(2)], ids, pos, labels), ref)
+    check(sp_run([lora_model(preset, build) for _ in range(2)], ids, pos, labels), ref)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_qwen3_5 import IGNORE, assert_equal, batch, build, reference, sp_run
+from tests.test_qwen3_5 import IGNORE, assert_equal, batch, build, lora_model, reference, sp_run
 from ulysses_trainer.errors import ConfigError
 
 
@@ -107,30 +107,14 @@ def _largest_grad_error(got, ref) -> float:
     return max(float(torch.linalg.norm(got[1][n] - g) / torch.linalg.norm(g)) for n, g in ref[1].items())
 
 
-def _lora_model(preset: str):
-    """The preset with LoRA on every Linear (the trainer's add_lora, r 4), B drawn so the adapters act."""
-    from ulysses_trainer.config import TrainConfig
-    from ulysses_trainer.model.lora import add_lora
-
-    cfg = TrainConfig(model_name_or_path=preset, use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                      lora_target_modules="all-linear")
-    model, _ = add_lora(build(preset), cfg)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
-
-
 def test_lora_on_phi3s_fused_projections_under_sp_equals_stock_peft():
     """all-linear on Phi-3 is its fused names (qkv_proj, o_proj, gate_up_proj, down_proj); the adapters' loss and
     gradients under SP 2 with the MLP tiled equal the stock PEFT model's on packed masked rows."""
     ids, pos, labels = batch(71, [30, 41], seed=2, masked=True)
-    ref = row_reference(_lora_model("tiny-phi3"), ids, pos, labels)
+    ref = row_reference(lora_model("tiny-phi3"), ids, pos, labels)
     adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in ref[1]}
     assert adapted == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} and len(ref[1]) == 2 * 4 * 2
-    assert_equal(sp_run([_lora_model("tiny-phi3") for _ in range(2)], ids, pos, labels, tiled_mlp=3), ref)
+    assert_equal(sp_run([lora_model("tiny-phi3") for _ in range(2)], ids, pos, labels, tiled_mlp=3), ref)
 
 
 @pytest.mark.parametrize("targets", [None, "all-linear"])

@@ -42,6 +42,23 @@ def build(preset: str, seed: int = 0, vocab: int = VOCAB, **overrides):
     return model
 
 
+
+def lora_model(preset: str, build=build):
+    """The preset (`build`: this file's, or a family test's own) with LoRA on every Linear the family adapts (the
+    trainer's add_lora, all-linear, r 4), B drawn so the adapters act."""
+    from ulysses_trainer.config import TrainConfig
+    from ulysses_trainer.model.lora import add_lora
+
+    cfg = TrainConfig(model_name_or_path=preset, use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                      lora_target_modules="all-linear")
+    model, _ = add_lora(build(preset), cfg)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
 def batch(length: int, docs: list[int] | None, seed: int = 0, masked: bool = False, vocab: int = VOCAB):
     """ids [1, L], positions restarting per document, labels (masked: the first third of each document is a
     prompt, not trained on)."""
