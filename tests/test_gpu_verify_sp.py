@@ -56,6 +56,11 @@ def _check(build, kernel: str):
     mechanisms = ParallelizeConfig(attn_implementation=kernel, loss_chunk_size=256, tiled_mlp=2,
                                    gradient_checkpointing=True, norm_kernel="auto", deltanet_kernel="auto")
 
+    # torch starts CUDA's linear algebra lazily and refuses two threads starting it at once ("lazy wrapper should
+    # be called at most once"; the torch DeltaNet kernel's triangular solves): start it here, as ranks are processes
+    eye = torch.eye(2, device="cuda")
+    torch.linalg.solve_triangular(eye, eye, upper=False)
+
     def rank(r: int, world_size: int):
         state = make_parallel_state(world_size)
         try:

@@ -3,6 +3,7 @@ model of the job's collectives that it adds (plan/collectives.py, plan/comm_mode
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -215,6 +216,7 @@ def _main(argv):
     (["--gpus", "4", "--no_such_field", "1"], "no_such_field"),
     (["--gpus", "4", "--max_length", "512", "--warmup_length", "1024"], "--warmup_length must be between 2"),
     (["--gpus", "4", "--host_standin"], "add --standin"),
+    (["--gpus", "4", "--host_cores", "0"], "--host_cores must be >= 1, got 0"),
     (["--gpus", "4", "--layer_times", "--gradient_accumulation_steps", "2"], "add --gradient_accumulation_steps 1"),
 ])
 def test_bad_input_exits_2_with_one_message(argv, needle, capsys):
@@ -361,14 +363,62 @@ def test_the_warm_up_row_keeps_the_rows_layout(docs, pads, length):
     assert warmup_row(row, len(row["input_ids"])) is row  # the full length: the row itself
 
 
+def test_the_warm_up_cuts_the_timed_steps_rows(monkeypatch):
+    """The warm-up runs the timed step's rows cut short, not step 0's: a step 0 of one document and a timed step of
+    packed ones would otherwise leave the varlen kernels' compile and autotune (fla's: ~18 s at 1M on an H100) in
+    the timed step."""
+    from types import SimpleNamespace
+
+    from ulysses_trainer.parallel.sharding import document_layout
+    from ulysses_trainer.train import data_order, rehearsal
+
+    rows = {0: [[_row([1024])]], 1: [[_row([600, 424])]]}  # per step: micro-batches of rows
+    monkeypatch.setattr(data_order, "micro_batch_rows", lambda plan, dp_rank, step: rows[step])
+    trainer = SimpleNamespace(plan=None, state=SimpleNamespace(dp_rank=0), shard_rows=lambda micro: micro)
+    (micro,) = rehearsal._warmup_batches(trainer, 64, timed_step=1)
+    (row,) = micro
+    assert len(row["input_ids"]) == 64
+    assert document_layout(row["position_ids"][None], [64])[2]  # packed, as the timed step's row
+
+
 def test_the_rehearsed_compute_is_the_median_of_the_steps_after_the_warm_up(tmp_path):
     """compute_s as the trainer's end-of-run line measures a step (train/metrics.steady_step_s): with four steps,
     the median of the three after the warm-up, not their mean."""
     out = tmp_path / "r.json"
-    assert _main(["--config", RECIPE, "--gpus", "2", "--max_length", "256", "--steps", "4", "--out", str(out)]) == 0
+    assert _main(["--config", RECIPE, "--gpus", "2", "--max_length", "256", "--steps", "4", "--host_cores", "2",
+                  "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert len(r["step_s"]) == 4 and r["optimizer_step_s_added"] is None
     assert r["compute_s"] == statistics.median(r["step_s"][1:])
+    assert (r["host_cores"], r["cores_per_rank"]) == (2, 1)  # the node's 2 cores over its 2 ranks
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and 2 cores")
+def test_a_rank_runs_on_its_share_of_the_cores_and_gets_them_back():
+    """rehearsal.cores_share: every thread of the process (a worker started before it too) on the first n cores
+    while the step runs, as a rank of the node; the affinity restored after."""
+    import threading
+
+    from ulysses_trainer.train.rehearsal import cores_share
+
+    before = os.sched_getaffinity(0)
+    seen, go, done = {}, threading.Event(), threading.Event()
+
+    def worker():
+        go.wait()
+        seen["inside"] = os.sched_getaffinity(0)
+        done.set()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    with cores_share(1):
+        assert os.sched_getaffinity(0) == {min(before)}
+        go.set()
+        done.wait(10)
+    t.join()
+    assert seen["inside"] == {min(before)}
+    assert os.sched_getaffinity(0) == before
 
 
 def test_a_skipped_update_under_local_fill_is_an_error(tmp_path, monkeypatch, capsys):

@@ -41,7 +41,7 @@ from .console import use_console
 DEFAULT_COMM_FILE = Path(COMM_FILE)
 _FLAGS = {"json", "standin", "host_standin", "layer_times", "count_collectives", "help"}  # take no value
 _OWN = {"config", "gpus", "rank", "steps", "warmup_length", "out", "comm", "gpus_per_node", "internode_gbps",
-        "a2a_hidden", "zero3_hidden", "a2a_stall_s_per_gb", "collective_fill", "gpus_per_host", *_FLAGS}
+        "host_cores", "a2a_hidden", "zero3_hidden", "a2a_stall_s_per_gb", "collective_fill", "gpus_per_host", *_FLAGS}
 MEANINGLESS = ("losses are meaningless: collectives on the fake process group move no data; what they would "
                "fill holds this rank's own values (collective_fill local) or whatever was there (none)")
 
@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--comm", help=f"measured bandwidth JSON (default {DEFAULT_COMM_FILE.relative_to(REPO_ROOT)} "
                                    f"if present, else an assumed NVLink figure)")
     ap.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node of the job (default 8)")
+    ap.add_argument("--host_cores", type=int,
+                    help="CPU cores of the job's node (default: this machine's): the rank runs on its share (cores / "
+                         "ranks per node, at most this machine's), as its CPU Adam will, and the plan counts the same")
     ap.add_argument("--gpus_per_host", dest="gpus_per_node", type=int, help=argparse.SUPPRESS)  # plan's old spelling
     ap.add_argument("--internode_gbps", type=float, default=DEFAULT_INTERNODE_GBPS,
                     help=f"network GB/s per GPU for collectives that cross nodes (default {DEFAULT_INTERNODE_GBPS:g}"
@@ -115,6 +118,8 @@ def _check_args(args: argparse.Namespace) -> None:
                           "it is for memory rehearsals only; add --standin")
     if args.gpus_per_node < 1:
         raise ConfigError(f"--gpus_per_node must be >= 1, got {args.gpus_per_node}")
+    if args.host_cores is not None and args.host_cores < 1:
+        raise ConfigError(f"--host_cores must be >= 1, got {args.host_cores}")
     if not args.internode_gbps > 0:
         raise ConfigError(f"--internode_gbps must be > 0, got {args.internode_gbps}")
     for name in ("a2a_hidden", "zero3_hidden"):
@@ -171,6 +176,7 @@ def rehearse(plan, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:
             "tokens_per_s_predicted": None if predicted is None else tokens / predicted,
             # every rank of a node holds about what this one does (the same shapes; only the data differs)
             "ranks_per_node": min(plan.world_size, opts.gpus_per_node),
+            "host_cores": plan.machine.host_cores, "cores_per_rank": opts.cores,
             **measured, "comm": comm}
 
 
@@ -227,7 +233,8 @@ def main(argv: list[str] | None = None, around_step=None) -> int:
         if args.warmup_length is not None and not 2 <= args.warmup_length <= cfg.max_length:
             raise ConfigError(f"--warmup_length must be between 2 and max_length {cfg.max_length}, "
                               f"got {args.warmup_length}")
-        plan = prepare(cfg, args.gpus, training=False)  # the rehearsal writes nothing into output_dir
+        # the rehearsal writes nothing into output_dir
+        plan = prepare(cfg, args.gpus, training=False, host_cores=args.host_cores)
         comm_file = args.comm or (str(DEFAULT_COMM_FILE) if DEFAULT_COMM_FILE.is_file() else None)
         bandwidth = load_bandwidth(comm_file, args.internode_gbps)
     except ConfigError as exc:
@@ -236,10 +243,17 @@ def main(argv: list[str] | None = None, around_step=None) -> int:
     print(f"[ulysses_trainer] rehearsal: this process is rank {args.rank} of {args.gpus} (sp {plan.sp_size} x "
           f"dp {plan.dp_size}) on torch's fake process group; memory and compute are this rank's, communication "
           f"is modelled ({bandwidth.source}); {MEANINGLESS}", flush=True)
+    node_cores = args.host_cores or os.cpu_count() or 1
+    share = max(1, node_cores // min(args.gpus, args.gpus_per_node))  # this rank's cores in the job
+    here = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if share > here:
+        print(f"[ulysses_trainer] rehearsal note: a rank of the job has {share} CPU cores ({node_cores} per node); "
+              f"this machine gives it {here}, so its CPU work (Adam on the host) is timed slower than the job's",
+              flush=True)
     opts = Rehearsal(rank=args.rank, steps=args.steps, standin=args.standin, host_standin=args.host_standin,
                      layer_times=args.layer_times, gpus_per_node=args.gpus_per_node,
                      count_collectives=args.count_collectives, warmup_length=args.warmup_length,
-                     collective_fill=args.collective_fill, around_step=around_step)
+                     collective_fill=args.collective_fill, around_step=around_step, cores=min(share, here))
     try:
         with warnings.catch_warnings():
             # DeepSpeed calls torch's older collective names, and each call would print a deprecation warning

@@ -7,6 +7,7 @@ the run with exit code 2 and nothing written to output_dir.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,12 +105,15 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def prepare(cfg: TrainConfig, world_size: int, training: bool = True) -> RunPlan:
+def prepare(cfg: TrainConfig, world_size: int, training: bool = True, host_cores: int | None = None) -> RunPlan:
     """Every check and decision before heavy work, in one descent: the plan's inputs, the one plan search and the
     refusals it decides before the data, the data, the plan timed from the data, the output_dir and the filled
     DeepSpeed JSON. training=False (the rehearsal): output_dir is neither checked nor written, and on CPU host
-    memory is checked for the one rank it runs."""
+    memory is checked for the one rank it runs, and `host_cores` (the job's node's CPU cores) replaces this
+    machine's in the CPU Adam's time."""
     ins = _inputs(cfg, world_size)
+    if host_cores is not None:
+        ins = dataclasses.replace(ins, machine=dataclasses.replace(ins.machine, host_cores=host_cores))
     search = search_plan(cfg, ins.shape, ins.machine, ins.zero, layout=ins.layout)  # the run's one search
     resolved, digest = _refuse_before_data(cfg, ins, search, world_size, training)
     data = _read_data(cfg, ins, resolved.run.dp_size)

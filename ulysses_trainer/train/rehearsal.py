@@ -58,9 +58,34 @@ class Rehearsal:
     count_collectives: bool = False
     warmup_length: int | None = None  # tokens of the warm-up step's sequences; None: max_length
     collective_fill: str = "local"  # what collectives leave in their outputs (parallel/fake.py)
+    # the CPU cores this rank runs on, as its share of the job's node (its CPU Adam's): None, all of this machine's
+    cores: int | None = None
     # a context each train step runs in, given the step's index and the step count (a profiler around the last
     # one, say); inside the timed span, so what it costs shows in that step's time
     around_step: Callable[[int, int], contextlib.AbstractContextManager] | None = None
+
+
+@contextlib.contextmanager
+def cores_share(n: int | None):
+    """Every thread of this process on the first `n` CPUs it may use, as one rank of a node shares the node's
+    cores with the others (CPU Adam's OpenMP threads included); restored after. None: unchanged."""
+    import os
+
+    tasks = [int(t) for t in os.listdir("/proc/self/task")] if hasattr(os, "sched_setaffinity") else []
+    allowed = sorted(os.sched_getaffinity(0)) if tasks else []
+    if n is None or not tasks or n >= len(allowed):
+        yield
+        return
+    before = {t: os.sched_getaffinity(t) for t in tasks}
+    share = set(allowed[:n])
+    for t in tasks:
+        os.sched_setaffinity(t, share)
+    try:
+        yield
+    finally:
+        for t in [int(t) for t in os.listdir("/proc/self/task")]:
+            with contextlib.suppress(OSError):  # a thread that ended in between
+                os.sched_setaffinity(t, before.get(t, set(allowed)))
 
 
 # slots a host stand-in holds: the one a layer's forward copy writes and the one the next backward's fetch reads
@@ -98,16 +123,16 @@ def warmup_row(row: dict, length: int) -> dict:
     return out
 
 
-def _warmup_batches(trainer, length: int | None) -> list:
-    """Step 0's shards at `length` tokens, each row's layout kept (warmup_row): kernels compile and DeepSpeed
-    records its module order as at the full length, in less time."""
+def _warmup_batches(trainer, length: int | None, timed_step: int) -> list:
+    """The timed step's shards cut to `length` tokens, each row's layout kept (warmup_row): kernels compile and
+    autotune for the paths the timed step takes (one document or packed: fla tunes its varlen kernels apart, at
+    ~18 s on an H100 at 1M), and DeepSpeed records its module order as at the full length, in less time."""
+    from . import data_order as order
+
     if length is None:
         return trainer.micro_batches(0)
-    plan, micro = trainer.plan, trainer.cfg.per_device_train_batch_size
-    rows = [plan.train_data[i] for i in range(plan.dp_size * micro)]  # the first step's rows
-    cut = [warmup_row(r, length) for r in rows]
-    start = trainer.state.dp_rank * micro
-    return [trainer.shard_rows(cut[start:start + micro]) for _ in range(trainer.cfg.gradient_accumulation_steps)]
+    rows = order.micro_batch_rows(trainer.plan, trainer.state.dp_rank, timed_step)  # this rank's, per micro-batch
+    return [trainer.shard_rows([warmup_row(r, length) for r in micro]) for micro in rows]
 
 
 def _layer_timer(trainer, cuda: bool):
@@ -153,10 +178,11 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
             _sync(plan.device)
             t0 = time.perf_counter()
             before = engine.skipped_steps
-            batches = _warmup_batches(trainer, opts.warmup_length) if warmup else trainer.micro_batches(step)
+            batches = (_warmup_batches(trainer, opts.warmup_length, opts.steps - 1) if warmup
+                       else trainer.micro_batches(step))
             timer = _layer_timer(trainer, cuda) if opts.layer_times and step == opts.steps - 1 else None
             with opts.around_step(step, opts.steps) if opts.around_step else contextlib.nullcontext():
-                with timer or contextlib.nullcontext():
+                with cores_share(opts.cores), timer or contextlib.nullcontext():
                     loss, grad_norm, _ = trainer.train_step(batches)
                 _sync(plan.device)
             times.append(time.perf_counter() - t0)
