@@ -365,8 +365,7 @@ def test_the_warm_up_row_keeps_the_rows_layout(docs, pads, length):
 
 def test_the_warm_up_cuts_the_timed_steps_rows(monkeypatch):
     """The warm-up runs the timed step's rows cut short, not step 0's: a step 0 of one document and a timed step of
-    packed ones would otherwise leave the varlen kernels' compile and autotune (fla's: ~18 s at 1M on an H100) in
-    the timed step."""
+    packed ones would otherwise leave the varlen kernels' compile and autotune in the timed step."""
     from types import SimpleNamespace
 
     from ulysses_trainer.parallel.sharding import document_layout

@@ -125,8 +125,9 @@ def warmup_row(row: dict, length: int) -> dict:
 
 def _warmup_batches(trainer, length: int | None, timed_step: int) -> list:
     """The timed step's shards cut to `length` tokens, each row's layout kept (warmup_row): kernels compile and
-    autotune for the paths the timed step takes (one document or packed: fla tunes its varlen kernels apart, at
-    ~18 s on an H100 at 1M), and DeepSpeed records its module order as at the full length, in less time."""
+    autotune for the paths the timed step takes (one document or packed: Triton compiles and tunes varlen kernels
+    apart, and step 0's rows need not be laid out as the timed step's), and DeepSpeed records its module order as at
+    the full length, in less time."""
     from . import data_order as order
 
     if length is None:
