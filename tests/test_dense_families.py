@@ -58,7 +58,7 @@ def test_levers_change_memory_not_results(preset):
     assert_equal(sp_run([build(preset) for _ in range(2)], ids, pos, labels, **levers), ref)
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral", "tiny-qwen2"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-ministral"])
 def test_the_trainers_model_path_matches_transformers(preset):
     """The trainer's own path (model_config_for -> plan_for -> build_model -> parallelize with the plan's levers)
     on a 48-token row (3 windows of tiny-mistral): one forward/backward = the stock model's."""
@@ -103,7 +103,8 @@ def test_windowed_attention_equals_a_full_mask():
         assert torch.allclose(got, want, atol=1e-5)
 
 
-@pytest.mark.parametrize("preset, sp_size", [("tiny-llama", 2), ("tiny-mistral", 4), ("tiny-qwen2", 2)])
+@pytest.mark.parametrize("preset, sp_size", [("tiny-llama", 2), ("tiny-mistral", 4), ("tiny-qwen2", 2),
+                                             ("tiny-ministral", 2)])
 def test_lora_under_sp_equals_stock_peft(preset, sp_size):
     """LoRA on all-linear: the adapters' loss and gradients (the only ones: the base weights are frozen) under SP
     equal the stock PEFT model's, packed masked rows."""

@@ -107,6 +107,16 @@ def _largest_grad_error(got, ref) -> float:
     return max(float(torch.linalg.norm(got[1][n] - g) / torch.linalg.norm(g)) for n, g in ref[1].items())
 
 
+@pytest.mark.parametrize("preset", ["tiny-granite", "tiny-olmo2"])
+def test_lora_under_sp_equals_stock_peft(preset):
+    """LoRA on all-linear (Granite's multipliers and OLMo 2's post-norms around the adapted Linears): the adapters'
+    loss and gradients under SP 2, the MLP in 3 tiles, equal the stock PEFT model's on packed masked rows."""
+    ids, pos, labels = batch(71, [9, 50, 12], seed=2, masked=True)
+    ref = reference(lora_model(preset), ids, pos, labels)
+    assert len(ref[1]) == 2 * 7 * 2 and all("lora_" in n for n in ref[1])  # 2 layers x 7 Linears x (A, B)
+    assert_equal(sp_run([lora_model(preset) for _ in range(2)], ids, pos, labels, tiled_mlp=3), ref)
+
+
 def test_lora_on_phi3s_fused_projections_under_sp_equals_stock_peft():
     """all-linear on Phi-3 is its fused names (qkv_proj, o_proj, gate_up_proj, down_proj); the adapters' loss and
     gradients under SP 2 with the MLP tiled equal the stock PEFT model's on packed masked rows."""
@@ -139,6 +149,15 @@ def test_lora_targets_phi3_has_not_are_refused_naming_its_own():
     with pytest.raises(ConfigError, match="no such Linear.*qkv_proj, o_proj, gate_up_proj, down_proj"):
         family("phi3").lora_targets(["q_proj", "v_proj"])
     assert family("phi3").lora_targets(None) == ("qkv_proj",)
+
+
+@pytest.mark.parametrize("preset", ["tiny-olmo2", "tiny-phi3"])
+def test_the_trainers_model_path_matches_transformers_olmo2_phi3(preset):
+    """The same path on OLMo 2 (post-norms, the recompute rule the plan sets) and Phi-3 (fused projections, LongRoPE
+    past its 32 original positions on the 48-token row): one forward/backward = the stock model's."""
+    from tests.sp_rank import trainer_path_matches
+
+    trainer_path_matches(preset, 48)
 
 
 def test_the_trainers_model_path_matches_transformers():
