@@ -9,8 +9,8 @@ without their auxiliary loss. Tolerances for bf16 as tests/test_gpu_qwen3_5.py: 
 whole gradient, as one vector, ||g - g_ref|| / ||g_ref|| <= 5e-2; for the sparse ones the gradient's norm within
 5e-2 (tests/test_gpu_moe.py's): in bf16 two computations route a token apart wherever its router logits tie within
 rounding, which moves the vector, not its size (stock Mixtral with eager attention against stock with SDPA, bf16 on
-the CPU at this width: gradient 1.3e-1 apart, its norm 9.4e-3; Mistral's: 1.1e-2 and 8.8e-5). In fp32 every one is exact on the CPU
-(tests/test_dense_families.py, test_moe_families.py, ...). The figures are printed (`pytest -s`).
+the CPU at this width: gradient 1.3e-1 apart, its norm 9.4e-3; Mistral's: 1.1e-2 and 8.8e-5). In fp32 every one is
+exact on the CPU (tests/test_dense_families.py, test_moe_families.py, ...). The figures are printed (`pytest -s`).
 """
 
 from __future__ import annotations
