@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None, around_step=None) -> int:
     print(f"[ulysses_trainer] rehearsal: this process is rank {args.rank} of {args.gpus} (sp {plan.sp_size} x "
           f"dp {plan.dp_size}) on torch's fake process group; memory and compute are this rank's, communication "
           f"is modelled ({bandwidth.source}); {MEANINGLESS}", flush=True)
-    node_cores = args.host_cores or os.cpu_count() or 1
+    node_cores = plan.machine.host_cores or 1  # --host_cores, else this machine's: what the plan counted
     share = max(1, node_cores // min(args.gpus, args.gpus_per_node))  # this rank's cores in the job
     here = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if share > here:
