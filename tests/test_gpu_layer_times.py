@@ -65,3 +65,7 @@ def test_layer_times_add_up_and_show_attention(tmp_path):
     assert min(t["forward_s"]) >= 0.9 * alone, (t["forward_s"], alone)
     # the recompute reuses the kept attention outputs (keep_attention_outputs = every layer): no attention in it
     assert max(t["recompute_s"]) < min(t["forward_s"]), t
+    # the same spans on the host's clock: the host queues ahead, so none is negative and the step's is no longer
+    host = t["host"]
+    assert len(host["forward_s"]) == len(t["forward_s"]) and min(host["forward_s"]) >= 0, host
+    assert 0 < host["step_s"] <= t["step_s"] * 1.02, (host["step_s"], t["step_s"])

@@ -72,3 +72,4 @@ def test_a_slow_layer_shows_in_its_own_spans(layers, every, slow, hooks, monkeyp
     # every slow MLP call falls in one span: the forward's, the recompute's, the rebuild's (the clock moves only there)
     assert r["step_s"] == pytest.approx(sum(parts)) and r["unaccounted_s"] == pytest.approx(0.0)
     assert "layer times of the last step" in summary(r)
+    assert "host" not in r  # on CPU the device's clock is the host's: no second copy

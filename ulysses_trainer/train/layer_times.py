@@ -37,6 +37,11 @@ class _Mark:
             return self.event.elapsed_time(later.event) / 1000.0  # ms -> s; both recorded on one stream
         return later.t - self.t
 
+    def host_seconds_to(self, later: _Mark) -> float:
+        """The host's clock between the two marks: where it matches the device's span, the device waited on the
+        host (a host-side stall); where it is far shorter, the host ran ahead queueing work."""
+        return later.t - self.t
+
 
 class LayerTimes:
     """Marks one step's layers while entered; `result()` after the step's device work is done (synchronize)."""
@@ -85,9 +90,16 @@ class LayerTimes:
         self.marks.append((layer, stage, _Mark(self.cuda)))
 
     def result(self) -> dict[str, Any]:
-        """Seconds by layer and around them (call after torch.cuda.synchronize())."""
+        """Seconds by layer and around them (call after torch.cuda.synchronize()); on a GPU, `host` holds the same
+        spans on the host's clock."""
+        r = self._spans(lambda a, b: a.seconds_to(b))
+        if self.cuda:
+            r["host"] = self._spans(lambda a, b: a.host_seconds_to(b))
+        return r
+
+    def _spans(self, dt: Any) -> dict[str, Any]:
         n = len(self.layers)
-        fwd = [self.forward[i][0].seconds_to(self.forward[i][-1]) if len(self.forward.get(i, [])) == 2 else None
+        fwd = [dt(self.forward[i][0], self.forward[i][-1]) if len(self.forward.get(i, [])) == 2 else None
                for i in range(n)]
         recompute: list[float | None] = [None] * n
         backward: list[float | None] = [None] * n
@@ -96,15 +108,15 @@ class LayerTimes:
         for j, k in enumerate(done):
             layer, _, mark = self.marks[k]
             start = self.marks[done[j - 1] + 1][2] if j else self.marks[0][2]
-            recompute[layer] = start.seconds_to(mark)
+            recompute[layer] = dt(start, mark)
             if k + 1 < len(self.marks):
-                backward[layer] = mark.seconds_to(self.marks[k + 1][2])
+                backward[layer] = dt(mark, self.marks[k + 1][2])
             else:
-                last = mark.seconds_to(self.end)
+                last = dt(mark, self.end)
         first_fwd, last_fwd = self.forward.get(0), self.forward.get(n - 1)
-        step = self.start.seconds_to(self.end)
-        before = self.start.seconds_to(first_fwd[0]) if first_fwd else None
-        loss = last_fwd[-1].seconds_to(self.marks[0][2]) if last_fwd and self.marks else None
+        step = dt(self.start, self.end)
+        before = dt(self.start, first_fwd[0]) if first_fwd else None
+        loss = dt(last_fwd[-1], self.marks[0][2]) if last_fwd and self.marks else None
         spans = [before, *fwd, loss, *recompute, *backward, last]
         return {
             "step_s": step,
