@@ -58,8 +58,22 @@ def is_stopped(pid: int) -> bool:
 
 def has_pending(pid: int, signum: int) -> bool:
     """The signal waits for the (stopped) process: sent to it, not yet handled (/proc/PID/status ShdPnd)."""
-    mask = _status(pid, "ShdPnd")
+    return _in_mask(pid, "ShdPnd", signum)
+
+
+def _in_mask(pid: int, field: str, signum: int) -> bool:
+    mask = _status(pid, field)
     return mask is not None and bool(int(mask, 16) & (1 << (signum - 1)))
+
+
+def catches(pid: int, signum: int) -> bool:
+    """The process has a handler of its own for the signal (/proc/PID/status SigCgt)."""
+    return _in_mask(pid, "SigCgt", signum)
+
+
+def blocks(pid: int, signum: int) -> bool:
+    """The process's main thread blocks the signal (/proc/PID/status SigBlk)."""
+    return _in_mask(pid, "SigBlk", signum)
 
 
 def wait_for(cond, job: subprocess.Popen, what: str, timeout: float = JOB_TIMEOUT_S) -> None:

@@ -1,8 +1,10 @@
 """Ctrl-C under the README's own command, `deepspeed --num_gpus 2 launch/train.py` (CPU, gloo), sent as a terminal
-sends it: SIGINT to the job's whole process group (DeepSpeed's runner, its per-node launcher and the ranks). At
+sends it: SIGINT to the job's whole process group (DeepSpeed's runner, its per-node launcher and the ranks). In the
+runner's first seconds (its interpreter importing torch: only the installed .pth file's handler is in place), at
 start-up (the rank processes exist, their interpreters still starting) and during training (rank 0 held as it
 writes step 1's row until the signal is pending there): exit 130, one line, no traceback from any process (the
-runner's KeyboardInterrupt included), nothing half-written. One launched run per phase."""
+runner's KeyboardInterrupt included), nothing half-written. One launched run per phase; the first seconds' runs
+end within a second."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import psutil
@@ -17,7 +20,7 @@ import pytest
 import torch
 
 from tests.dist_utils import JOB_TIMEOUT_S, start_job, train_command, train_env
-from tests.held_rank import has_pending, held_env, is_stopped, wait_for
+from tests.held_rank import blocks, catches, has_pending, held_env, is_stopped, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +55,24 @@ def _ranks(p: subprocess.Popen) -> dict[int, psutil.Process]:
 
 def _clean(log: str) -> None:
     assert "Traceback" not in log and "KeyboardInterrupt" not in log and "Exception ignored" not in log, log[-4000:]
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.2, 0.5, 1.0])
+def test_ctrl_c_while_the_command_imports_torch_says_one_line_and_exits_130(tmp_path, after_s):
+    """From the moment the .pth file's handler is in place (SIGTERM caught: Python's own start catches only
+    SIGINT), at once and later in the runner's import of torch (on a fast machine the last may reach the ranks)."""
+    out = tmp_path / "run"
+    p = _start(out, train_env())
+    # the entry point blocks both once torch is imported: reached without the start-up handler, it was not there
+    wait_for(lambda: catches(p.pid, signal.SIGTERM) or blocks(p.pid, signal.SIGINT), p, "the runner's handler")
+    assert catches(p.pid, signal.SIGTERM), "the start-up handler did not act: reinstall (pip install -e .)"
+    time.sleep(after_s)
+    os.killpg(p.pid, signal.SIGINT)
+    rc, log = _finish(p, out)
+    assert rc == 130, log[-4000:]
+    assert log.count("interrupted before training: nothing written") == 1, log[-4000:]
+    _clean(log)
+    assert not out.exists()
 
 
 def test_ctrl_c_while_the_ranks_start_says_one_line_and_exits_130(tmp_path):

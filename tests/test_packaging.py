@@ -117,7 +117,7 @@ def _installed(tmp: Path) -> Path:
     folder with pip --target."""
     src = tmp / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(REPO_ROOT / name, src / name)
     shutil.copytree(REPO_ROOT / "ulysses_trainer", src / "ulysses_trainer",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
@@ -137,6 +137,7 @@ def test_an_installed_wheel_trains_plans_and_prepares_data_from_any_directory(tm
     assert (target / "ulysses_trainer" / "ds_configs" / "zero3.json").is_file()
     assert (target / "ulysses_trainer" / "recipes" / "reference_8gpu_1m.yaml").is_file()
     assert not (target / "launch").exists() and not (target / "ds_configs").exists()
+    assert (target / "00-ulysses_trainer-runner.pth").is_file()  # beside the package: site-packages once installed
     away = tmp_path / "elsewhere"  # no checkout here or above
     away.mkdir()
     env = train_env()

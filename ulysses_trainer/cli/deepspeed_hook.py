@@ -4,10 +4,19 @@
 (`python -m deepspeed.launcher.launch`), which starts the ranks. Left alone, a Ctrl-C to the terminal's process
 group ends the runner at once with a KeyboardInterrupt traceback while the ranks still save, the launcher kills
 the ranks 30 s later, and a rank that dies of a signal makes the job exit 247 (-9 as a byte) after the survivors'
-gloo tracebacks. No code of the trainer runs in those two processes, except this: torch imports every installed
-`torch.backends` entry point (pyproject.toml names `install`), and both processes import torch (through
-`deepspeed`) before they do anything. `install` acts only when the process is one of those two launching this
-trainer (launch/train.py, or `--module ulysses_trainer.cli.rank`); in any other process it returns at once.
+gloo tracebacks. No code of the trainer runs in those two processes, except this, twice:
+
+- `guard_start`, at interpreter start-up: the installed package puts `00-ulysses_trainer-runner.pth` in
+  site-packages (setup.py), whose one line Python's `site` runs before the program; when the command line names
+  deepspeed it runs this file (not the package: an editable install's import hook is not in place yet). In the
+  runner it takes SIGINT and SIGTERM from then until `install` (torch's import, the command's first seconds):
+  the one line and exit 130. Only a Ctrl-C in the interpreter's own start, before `site` reads the .pth
+  files (about 10 to 30 ms), is Python's: killed by SIGINT, or `Fatal Python error: init_import_site`.
+- `install`: torch imports every installed `torch.backends` entry point (pyproject.toml names it), and both
+  processes import torch (through `deepspeed`) before they do anything else.
+
+Both act only when the process is one of those two launching this trainer (launch/train.py, or
+`--module ulysses_trainer.cli.rank`); in any other process they return at once, changing nothing.
 
 - The runner: SIGINT and SIGTERM are blocked in its main thread (so also in every process it starts, until their
   own handlers are in place: blocked signals stay pending, never lost) and a thread takes them: before the
@@ -15,12 +24,13 @@ trainer (launch/train.py, or `--module ulysses_trainer.cli.rank`); in any other 
   runner waits for the launcher's exit code, which it returns as its own.
 - The per-node launcher: replaced (exec, same pid) by cli/node_launcher.py, which starts the same ranks.
 
-TORCH_DEVICE_BACKEND_AUTOLOAD=0 turns this off (DeepSpeed's own behaviour). A multi-node runner (a hostfile) is
+TORCH_DEVICE_BACKEND_AUTOLOAD=0 turns both off (DeepSpeed's own behaviour). A multi-node runner (a hostfile) is
 left as DeepSpeed has it; its per-node launchers are replaced as on one node.
 """
 
 from __future__ import annotations
 
+import _thread
 import os
 import sys
 
@@ -29,6 +39,23 @@ _NODE_LAUNCHER = "ulysses_trainer.cli.node_launcher"
 # DeepSpeed launcher options that cli/node_launcher.py does not implement: with any of them DeepSpeed's stays
 _UNSUPPORTED = ("--save_pid", "--bind_cores_to_rank", "--bind_core_list", "--no_python")
 INTERRUPTED_BEFORE_TRAINING = "[ulysses_trainer] interrupted before training: nothing written"
+_EXITING = _thread.allocate_lock()  # the line once, though the main thread and the signal thread both take signals
+
+
+def guard_start() -> bool:
+    """The installed .pth file's call at interpreter start-up: in the runner, Ctrl-C / SIGTERM before `install`
+    runs say the one line and exit 130 (no rank exists yet). Never raises; any other process: nothing (False)."""
+    try:
+        # torch's switch for its entry points (install) turns this off too
+        if os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD") == "0" or launch_role(_cmdline())[0] != "runner":
+            return False
+        import _signal  # not signal: its enum import would widen the window this closes by tens of ms
+
+        for sig in (_signal.SIGINT, _signal.SIGTERM):
+            _signal.signal(sig, _handle)
+        return True
+    except Exception:  # noqa: BLE001 -- DeepSpeed's behaviour then, never a failed start
+        return False
 
 
 def install() -> None:
@@ -119,20 +146,31 @@ def _guard_runner() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, sigs)  # this thread, and so every process the runner starts
 
     def take() -> None:
-        me = os.getpid()
         while True:
-            signum = signal.sigwait(sigs)
-            children = _children(me)
-            if not children:  # no launcher yet: the job never started
-                print(INTERRUPTED_BEFORE_TRAINING, file=sys.stderr, flush=True)
-                os._exit(130)
-            for pid in children:  # a signal sent to the runner alone; the launcher treats a repeat as one
-                try:
-                    os.kill(pid, signum)
-                except ProcessLookupError:
-                    pass
+            _take(signal.sigwait(sigs))
 
     threading.Thread(target=take, name="ulysses_trainer-signals", daemon=True).start()
+
+
+def _handle(signum: int, frame: object) -> None:
+    """guard_start's handler (Python runs it in the main thread; after _guard_runner only a signal delivered to a
+    thread that left it unblocked reaches it)."""
+    _take(signum)
+
+
+def _take(signum: int) -> None:
+    """A signal to the runner: passed on to the per-node launcher, or before there is one, the line and exit 130."""
+    children = _children(os.getpid())
+    if not children:  # no launcher yet: the job never started
+        if _EXITING.acquire(False):  # else the other taker is saying it and exiting
+            os.write(2, f"{INTERRUPTED_BEFORE_TRAINING}\n".encode())  # not print: the main thread may be printing
+            os._exit(130)
+        return
+    for pid in children:  # a signal sent to the runner alone; the launcher treats a repeat as one
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
 
 
 def _children(pid: int) -> list[int]:
