@@ -11,7 +11,7 @@ gloo tracebacks. No code of the trainer runs in those two processes, except this
   deepspeed it runs this file (not the package: an editable install's import hook is not in place yet). In the
   runner it takes SIGINT and SIGTERM from then until `install` (torch's import, the command's first seconds):
   the one line and exit 130. Only a Ctrl-C in the interpreter's own start, before `site` reads the .pth
-  files (about 10 to 30 ms), is Python's: killed by SIGINT, or `Fatal Python error: init_import_site`.
+  files (its first tens of ms), is Python's: killed by SIGINT, or `Fatal Python error: init_import_site`.
 - `install`: torch imports every installed `torch.backends` entry point (pyproject.toml names it), and both
   processes import torch (through `deepspeed`) before they do anything else.
 
@@ -30,7 +30,7 @@ left as DeepSpeed has it; its per-node launchers are replaced as on one node.
 
 from __future__ import annotations
 
-import _thread
+import _thread  # the standard library only, no module of the package: the start-up .pth runs this file alone
 import os
 import sys
 
