@@ -29,6 +29,9 @@ from .generic import is_generic, register_generic
 from .positions import check_positions, describe_rope_by_layer_type, rope_by_layer_type, rope_dict
 
 _YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
+# an already-YaRN checkpoint's options that a longer YaRN keeps (gpt-oss: truncate false); attention_factor is
+# left out: transformers derives it from the factor, which changes
+_YARN_KEPT = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 _ROPE_KEYS = ("rope_parameters", "rope_scaling")  # rope_scaling: the pre-5.0 name
 # rope keys kept from the checkpoint whatever scaling is asked for: which dimensions rotate (Qwen3.5)
 _ROPE_SHAPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
@@ -227,8 +230,8 @@ def resolve_rope_parameters(config: PretrainedConfig, rope_params: dict | None,
 
     YaRN keys: factor (number or "auto" = max_length / original), original_max_position_embeddings
     (default: the checkpoint's pretraining length), rope_theta (must equal the checkpoint's), and
-    transformers' optional beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate.
-    None leaves the checkpoint's own rope untouched.
+    transformers' optional beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate (an already-YaRN
+    checkpoint's own, attention_factor apart, where not given). None leaves the checkpoint's own rope untouched.
     """
     if rope_params is None:
         return None
@@ -267,6 +270,7 @@ def resolve_rope_parameters(config: PretrainedConfig, rope_params: dict | None,
 
     if ckpt.get("rope_type") == "yarn" and ckpt.get("original_max_position_embeddings"):
         default_original = ckpt["original_max_position_embeddings"]  # already YaRN: its pretraining length
+        params = {**{k: ckpt[k] for k in _YARN_KEPT if k in ckpt}, **params}  # and its options, unless given
     else:
         default_original = config.max_position_embeddings
     original = params.pop("original_max_position_embeddings", default_original)
