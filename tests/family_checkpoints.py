@@ -28,6 +28,14 @@ FAMILIES = {
         query_pre_attn_scalar=16, final_logit_softcapping=30.0)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
                                                             head_dim=16, router_aux_loss_coef=0.02)),
+    "ministral": ("MinistralConfig", "MinistralForCausalLM", dict(
+        head_dim=16, sliding_window=16, layer_types=["sliding_attention", "full_attention"])),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict()),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        embedding_multiplier=12.0, attention_multiplier=0.2, residual_multiplier=0.3, logits_scaling=4.0)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=16,
         layer_types=["sliding_attention", "full_attention"])),

@@ -27,6 +27,7 @@ LLAMA_SPECIALS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>
 GEMMA_SPECIALS = ("<bos>", "<start_of_turn>", "<end_of_turn>")
 MISTRAL_SPECIALS = ("<s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
 PHI3_SPECIALS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+QWEN_SPECIALS = ("<|im_start|>", "<|im_end|>")
 GPT_OSS_SPECIALS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
 
 CONVERSATIONS = [
@@ -122,13 +123,15 @@ def test_llama31_shaped_template_trains_each_answer_and_its_eot_by_prefixes(tmp_
     ("llama3", LLAMA_SPECIALS, "<|begin_of_text|>", "<|eot_id|>", "", None, ()),
     ("gemma3", GEMMA_SPECIALS, "<bos>", "<end_of_turn>", "", None, ()),
     ("phi3", PHI3_SPECIALS, None, "<|end|>", "", None, (EOS,)),
+    ("phi3_5", PHI3_SPECIALS, None, "<|end|>", "", None, (EOS,)),
+    ("qwen2_5", QWEN_SPECIALS, None, "<|im_end|>", "", None, ()),
     ("gptoss", GPT_OSS_SPECIALS, None, "<|end|>", "<|start|>assistant<|channel|>final<|message|>", "<|return|>", ()),
-], ids=["llama3", "gemma3", "phi3", "gpt-oss"])
+], ids=["llama3", "gemma3", "phi3", "phi3.5", "qwen2.5", "gpt-oss"])
 def test_a_shipped_template_trl_knows_trains_as_its_training_variant_marks(tmp_path, name, specials, bos, end, prefix,
                                                                            last_end, after_last):
-    """The template Llama 3, Gemma 3, Phi-3 or gpt-oss checkpoints ship (TRL's copy): rendered with TRL's training
-    variant, its {% generation %} blocks trained: each answer's words and its turn end (Phi-3's last answer also its
-    eos, gpt-oss's its <|return|>, each gpt-oss answer with its channel header), nothing else."""
+    """The template Llama 3, Gemma 3, Phi-3, Phi-3.5, Qwen2.5 or gpt-oss checkpoints ship (TRL's copy): rendered with
+    TRL's training variant, its {% generation %} blocks trained: each answer's words and its turn end (Phi-3's last
+    answer also its eos, gpt-oss's its <|return|>, each gpt-oss answer with its channel header), nothing else."""
     tok = _tokenizer(tmp_path, specials, _trl_template(name), bos=bos)
     renderer = chat_template_of(tok)
     assert renderer.training == _trl_template(f"{name}_training")  # TRL's own variant, byte for byte
