@@ -1,7 +1,7 @@
 """A user's Llama (dense, at sp 2) and Mixtral (sparse, at sp 1) checkpoint, each with its own tokenizer and chat
 template, trained through the rank entry of `deepspeed launch/train.py` on CPU ranks (tests/warm_ranks.py) on
 conversations with assistant_only_loss: a run stopped after step 2 and resumed to step 4 logs what the straight
-4-step run logs, bitwise (fp32 on the CPU, ../shared/CONTRACT.md), and exports the same final/ bitwise, in the
+4-step run logs, bitwise (fp32 on the CPU, the tolerance for a resume), and exports the same final/ bitwise, in the
 checkpoint's own layout (its tensor names and shards: Mixtral's experts one by one under block_sparse_moe).
 
   straight  4 steps, a checkpoint every 2
