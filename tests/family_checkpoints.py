@@ -92,3 +92,37 @@ def write_family_checkpoint(path: Path, model_type: str, *, vocab_size: int = 48
         written.update({k: v for k, v in hub_config.items() if k != "_drop"})
         (path / "config.json").write_text(json.dumps(written, indent=2) + "\n")
     return path
+
+
+MXFP4_QUANTIZATION = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                 "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}
+
+
+def write_mxfp4_gpt_oss(path: Path, vocab_size: int) -> Path:
+    """A tiny gpt-oss checkpoint stored as the Hub's is: its experts in MXFP4 (`experts.gate_up_proj_blocks` uint8
+    [E, out, in / 32, 16] and `_scales` [E, out, in / 32], drawn at random; scale 127 = 2^0), the rest bf16, and
+    config.json's quantization_config; one safetensors file."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    write_family_checkpoint(path, "gpt_oss", vocab_size=vocab_size)
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    tensors = {}
+    for f in sorted(set(index.values())):
+        tensors.update(load_file(str(path / f)))
+        (path / f).unlink()
+    (path / "model.safetensors.index.json").unlink()
+    g = torch.Generator().manual_seed(0)
+    stored = {}
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, rows, cols = t.shape  # [E, in, out]
+            stored[name + "_blocks"] = torch.randint(0, 256, (experts, cols, rows // 32, 16), generator=g,
+                                                     dtype=torch.uint8)
+            stored[name + "_scales"] = torch.full((experts, cols, rows // 32), 127, dtype=torch.uint8)
+        else:
+            stored[name] = t
+    save_file(stored, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4_QUANTIZATION}, indent=2))
+    return path

@@ -131,3 +131,33 @@ def test_config_generation_config_and_tokenizer_are_the_checkpoints(exported):
     assert back.chat_template == source.chat_template
     assert back.all_special_tokens == source.all_special_tokens
     assert back("alpha bravo zulu")["input_ids"] == source("alpha bravo zulu")["input_ids"]
+
+
+def test_an_mxfp4_checkpoint_is_refused_naming_the_dequantize_step_whose_output_loads(tmp_path, capsys):
+    """gpt-oss as the Hub stores it (MXFP4 experts, quantization_config): `plan` exits 2 in one line naming the
+    one-time dequantize; the checkpoint that step writes (bf16 experts under their fused names, no
+    quantization_config) is accepted and built, in the layout the export keeps (above)."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from tests.family_checkpoints import write_mxfp4_gpt_oss
+    from ulysses_trainer.__main__ import main as cli_main
+    from ulysses_trainer.config import TrainConfig
+    from ulysses_trainer.model.load import build_model, model_config_for
+
+    quantized = write_mxfp4_gpt_oss(tmp_path / "mxfp4", write_tokenizer(tmp_path / "mxfp4"))
+    capsys.readouterr()
+    assert cli_main(["plan", "--model", str(quantized), "--gpus", "1", "--gpu_memory_gb", "80", "--host_memory_gb",
+                     "64", "--max_length", "64"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "stored quantized (mxfp4)" in errors[0], errors
+    assert "quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16).save_pretrained(OUT)" in errors[0]
+    out = tmp_path / "bf16"  # the step the message names
+    AutoModelForCausalLM.from_pretrained(quantized, quantization_config=Mxfp4Config(dequantize=True),
+                                         dtype=torch.bfloat16).save_pretrained(out)
+    config = model_config_for(TrainConfig(model_name_or_path=str(out), max_length=64))
+    model = build_model(config, torch.float32, str(out))
+    assert model.model.layers[0].mlp.experts.gate_up_proj.abs().max() > 0
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert {k for k in _stored(out) if ".mlp.experts." in k} == {
+        f"model.layers.{i}.mlp.experts.{n}" for i in range(2)
+        for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}

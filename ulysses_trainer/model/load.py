@@ -177,6 +177,9 @@ def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) 
     rope_parameters / rope_scaling in model_init_kwargs are left for resolve_rope_parameters.
     """
     config = language_model_config(source_config(name_or_path))
+    why = quantized_checkpoint(config, name_or_path)
+    if why:
+        raise ConfigError(why)
     generic = config.model_type not in FAMILIES or is_generic(FAMILIES[config.model_type])
     why = None if generic else family(config.model_type).check_config(config)
     if why:
@@ -192,6 +195,26 @@ def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) 
                               f"{supported()}")
     config.use_cache = False  # training: no KV cache
     return config
+
+
+def quantized_checkpoint(config: PretrainedConfig, name_or_path: str) -> str | None:
+    """Why a checkpoint stored quantized (its config's quantization_config: gpt-oss's MXFP4 experts) is refused,
+    None for one that is not. The trainer trains and exports full-precision weights: transformers would dequantize
+    on some machines and not on others, build it outside ZeRO-3's partitioned init, and the export's config.json
+    would still name the quantization its tensors no longer have."""
+    quant = getattr(config, "quantization_config", None)
+    if quant is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    method = getattr(method, "value", method)
+    if method == "mxfp4":
+        fix = (f"dequantize it once into a bf16 checkpoint: AutoModelForCausalLM.from_pretrained({name_or_path!r}, "
+               f"quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16).save_pretrained(OUT), then "
+               f"set model_name_or_path to OUT")
+    else:
+        fix = "train from its unquantized weights"
+    return (f"model {name_or_path!r} is stored quantized ({method}), and this trainer trains and exports "
+            f"full-precision weights; {fix}")
 
 
 def _override(config: PretrainedConfig, overrides: dict[str, Any]) -> PretrainedConfig:
