@@ -176,10 +176,11 @@ def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) 
 
     rope_parameters / rope_scaling in model_init_kwargs are left for resolve_rope_parameters.
     """
-    config = language_model_config(source_config(name_or_path))
-    why = quantized_checkpoint(config, name_or_path)
+    source = source_config(name_or_path)
+    why = quantized_checkpoint(source, name_or_path)  # the whole checkpoint's config: a multimodal one's holds it
     if why:
         raise ConfigError(why)
+    config = language_model_config(source)
     generic = config.model_type not in FAMILIES or is_generic(FAMILIES[config.model_type])
     why = None if generic else family(config.model_type).check_config(config)
     if why:
