@@ -69,6 +69,9 @@ def exported(request, tmp_path_factory):
     ckpt = tmp_path_factory.mktemp(request.param) / "ckpt"
     vocab = write_tokenizer(ckpt, specials, template)
     write_family_checkpoint(ckpt, model_type, vocab_size=vocab, hub_config=hub, **overrides)
+    if model_type == "gemma3_text":  # an instruct checkpoint's eos list, which holds its answer end already
+        answer_end = load_tokenizer(str(ckpt)).special_token_id("<end_of_turn>")
+        (ckpt / "generation_config.json").write_text(json.dumps({**GENERATION, "eos_token_id": [0, answer_end]}))
     cfg = TrainConfig(model_name_or_path=str(ckpt), max_length=32)
     config = model_config_for(cfg)
     sp_model = parallelize(build_model(config, torch.float32, str(ckpt)), single_process_state(),
@@ -111,7 +114,7 @@ def test_from_pretrained_of_the_export_gives_the_trained_tensors_under_the_sourc
 def test_config_generation_config_and_tokenizer_are_the_checkpoints(exported):
     from transformers import AutoTokenizer
 
-    from ulysses_trainer.data.tokenizer import LOADER_KEYS
+    from ulysses_trainer.data.tokenizer import LOADER_KEYS, load_tokenizer
 
     ckpt, final, _ = exported
     written, original = (json.loads((d / "config.json").read_text()) for d in (final, ckpt))
@@ -121,8 +124,12 @@ def test_config_generation_config_and_tokenizer_are_the_checkpoints(exported):
         c.pop(dtype_key)
         c.pop("transformers_version", None)
     assert written == original  # model_type, architectures, the rope as the file wrote it, use_cache: the user's
-    assert json.loads((final / "generation_config.json").read_text()) == {
-        **json.loads((ckpt / "generation_config.json").read_text())} and GENERATION["temperature"] == 0.6
+    generation = json.loads((ckpt / "generation_config.json").read_text())
+    if "<|eot_id|>" in (ckpt / "tokenizer.json").read_text():  # chat-trained from a base eos list: Llama's answer
+        # end first among them, so generation stops where the template ends an answer
+        generation["eos_token_id"] = [load_tokenizer(str(ckpt)).special_token_id("<|eot_id|>"), 0, 1]
+    assert json.loads((final / "generation_config.json").read_text()) == generation  # Gemma's: as written
+    assert generation["temperature"] == 0.6
     tok_written, tok_original = (json.loads((d / "tokenizer_config.json").read_text()) for d in (final, ckpt))
     # every key of the checkpoint's (a qwen2 directory's generic tokenizer re-saved as Qwen2's class adds its
     # add_prefix_space and bos_token), none of from_pretrained's loading arguments
