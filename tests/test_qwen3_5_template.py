@@ -158,7 +158,10 @@ def test_the_training_variants_ship_with_the_package():
 
     root = resources.files("ulysses_trainer.data").joinpath("chat_templates")
     names = sorted(p.name for p in root.iterdir() if p.name.endswith(".jinja"))
-    assert names == sorted([*TRAINING_VARIANTS.values(), "qwen3_5_think.jinja"])  # + the presets' template
+    from ulysses_trainer.data.training_templates import TRAINING_VARIANTS as OTHER_FAMILIES
+
+    # + the presets' template
+    assert names == sorted([*TRAINING_VARIANTS.values(), *OTHER_FAMILIES.values(), "qwen3_5_think.jinja"])
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert "data/chat_templates/*.jinja" in pyproject
 

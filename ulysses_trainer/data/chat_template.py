@@ -1,7 +1,7 @@
 """A checkpoint's own chat template (any but Qwen3's shipped one): its rendering and its trained spans.
 
 The conversation is rendered by the template (apply_chat_template, tools passed through). A shipped template that
-TRL swaps for a training variant with assistant_only_loss (Qwen3.5's, data/qwen3_5_template.py) renders those
+TRL swaps for a training variant with assistant_only_loss (data/training_templates.py) renders those
 conversations with that variant, whose generation markers give the trained spans. With assistant_only_loss the
 trained spans are found, first rule that applies:
 
@@ -60,7 +60,7 @@ class UnencodableSpecialText(ConfigError):
 class TemplateRenderer:
     """Segments of conversations and prompt-completion pairs rendered by the checkpoint's chat template; `rule`
     says how its assistant turns are found (MARKERS, CHATML or PREFIXES, see the module doc). training: the
-    template's training variant (data/qwen3_5_template.py), which renders the conversations of assistant_only_loss
+    template's training variant (data/training_templates.py), which renders the conversations of assistant_only_loss
     in its place; its generation markers say what is trained."""
 
     def __init__(self, hf_tokenizer: Any, name: str, training: str | None = None) -> None:
@@ -141,9 +141,9 @@ class TemplateRenderer:
                     f"{where}, message {k}: the chat template of {self.name} renders earlier turns differently once "
                     f"later turns follow, and it neither writes ChatML turns (<|im_start|>assistant\\n ... "
                     f"<|im_end|>) nor marks the assistant's output with {{% generation %}}, so the trained spans "
-                    f"cannot be found; set assistant_only_loss false (every token trained), or wrap each assistant "
-                    f"turn's output in the template in {{% generation %}} ... {{% endgeneration %}} as TRL's "
-                    f"training templates do")
+                    f"cannot be found; set assistant_only_loss false (every token trained), or give a template that "
+                    f"wraps each assistant turn's output in {{% generation %}} ... {{% endgeneration %}}, as TRL's "
+                    f"training templates do, with chat_template_path")
             spans.append((len(head), len(upto)))
         return spans
 

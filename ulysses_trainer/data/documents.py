@@ -42,12 +42,12 @@ from .formats import (
     rows_of,
 )
 from .loading import load_text_dataset
-from .qwen3_5_template import training_variant
 from .qwen3_template import is_qwen3_template
 from .rows import Rows, build_rows
 from .sequences import SequenceDataset
 from .synthetic import synthetic_documents
 from .tokenizer import Tokenizer, special_texts
+from .training_templates import training_variant
 from .workers import chunks_of, ordered_map, text_size
 
 _TOKENS_PER_WORD = 1.26  # of the synthetic prose under the Qwen BPE (measured)
@@ -209,8 +209,9 @@ def _tokenized_examples(kind: str, rows: Iterable[dict], source: str, cfg: Train
 
 def chat_template_of(tokenizer: Tokenizer) -> TemplateRenderer | None:
     """The checkpoint's own chat template where its tokenizer has one (with TRL's training variant of a shipped
-    Qwen3.5-family template, for assistant_only_loss); None: Qwen3's format, built in (also for Qwen3's shipped
-    template, which the built-in format renders byte for byte, in TRL's training variant with assistant_only_loss)."""
+    template TRL knows, for assistant_only_loss: data/training_templates.py); None: Qwen3's format, built in (also
+    for Qwen3's shipped template, which the built-in format renders byte for byte, in TRL's training variant with
+    assistant_only_loss)."""
     hf = getattr(tokenizer, "hf_tokenizer", None)
     template = getattr(hf, "chat_template", None) if hf is not None else None
     if not template or is_qwen3_template(template):

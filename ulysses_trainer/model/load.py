@@ -29,6 +29,9 @@ from .generic import is_generic, register_generic
 from .positions import check_positions, describe_rope_by_layer_type, rope_by_layer_type, rope_dict
 
 _YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
+# an already-YaRN checkpoint's options that a longer YaRN keeps (gpt-oss: truncate false); attention_factor is
+# left out: transformers derives it from the factor, which changes
+_YARN_KEPT = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 _ROPE_KEYS = ("rope_parameters", "rope_scaling")  # rope_scaling: the pre-5.0 name
 # rope keys kept from the checkpoint whatever scaling is asked for: which dimensions rotate (Qwen3.5)
 _ROPE_SHAPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
@@ -173,7 +176,11 @@ def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) 
 
     rope_parameters / rope_scaling in model_init_kwargs are left for resolve_rope_parameters.
     """
-    config = language_model_config(source_config(name_or_path))
+    source = source_config(name_or_path)
+    why = quantized_checkpoint(source, name_or_path)  # the whole checkpoint's config: a multimodal one's holds it
+    if why:
+        raise ConfigError(why)
+    config = language_model_config(source)
     generic = config.model_type not in FAMILIES or is_generic(FAMILIES[config.model_type])
     why = None if generic else family(config.model_type).check_config(config)
     if why:
@@ -189,6 +196,26 @@ def load_model_config(name_or_path: str, model_init_kwargs: dict | None = None) 
                               f"{supported()}")
     config.use_cache = False  # training: no KV cache
     return config
+
+
+def quantized_checkpoint(config: PretrainedConfig, name_or_path: str) -> str | None:
+    """Why a checkpoint stored quantized (its config's quantization_config: gpt-oss's MXFP4 experts) is refused,
+    None for one that is not. The trainer trains and exports full-precision weights: transformers would dequantize
+    on some machines and not on others, build it outside ZeRO-3's partitioned init, and the export's config.json
+    would still name the quantization its tensors no longer have."""
+    quant = getattr(config, "quantization_config", None)
+    if quant is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    method = getattr(method, "value", method)
+    if method == "mxfp4":
+        fix = (f"dequantize it once into a bf16 checkpoint: AutoModelForCausalLM.from_pretrained({name_or_path!r}, "
+               f"quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16).save_pretrained(OUT), then "
+               f"set model_name_or_path to OUT")
+    else:
+        fix = "train from its unquantized weights"
+    return (f"model {name_or_path!r} is stored quantized ({method}), and this trainer trains and exports "
+            f"full-precision weights; {fix}")
 
 
 def _override(config: PretrainedConfig, overrides: dict[str, Any]) -> PretrainedConfig:
@@ -227,8 +254,8 @@ def resolve_rope_parameters(config: PretrainedConfig, rope_params: dict | None,
 
     YaRN keys: factor (number or "auto" = max_length / original), original_max_position_embeddings
     (default: the checkpoint's pretraining length), rope_theta (must equal the checkpoint's), and
-    transformers' optional beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate.
-    None leaves the checkpoint's own rope untouched.
+    transformers' optional beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate (an already-YaRN
+    checkpoint's own, attention_factor apart, where not given). None leaves the checkpoint's own rope untouched.
     """
     if rope_params is None:
         return None
@@ -267,6 +294,7 @@ def resolve_rope_parameters(config: PretrainedConfig, rope_params: dict | None,
 
     if ckpt.get("rope_type") == "yarn" and ckpt.get("original_max_position_embeddings"):
         default_original = ckpt["original_max_position_embeddings"]  # already YaRN: its pretraining length
+        params = {**{k: ckpt[k] for k in _YARN_KEPT if k in ckpt}, **params}  # and its options, unless given
     else:
         default_original = config.max_position_embeddings
     original = params.pop("original_max_position_embeddings", default_original)

@@ -7,8 +7,9 @@ vocab.json and merges.txt), so AutoProcessor reads in final/ what it read in the
 the template (chat_template_path), the processor's chat_template.json carries the template trained with; where the
 tokenizer has no template (the built-in Qwen3 format),
 this project's Jinja rendering of that format; for a ChatML format the turn end `<|im_end|>` first among the
-generation_config's eos ids, as Qwen3 checkpoints ship them; for a LoRA adapter a `base_model_name_or_path` that
-loads.
+generation_config's eos ids, as Qwen3 checkpoints ship them; for another template the token it ends an answer with
+(Llama 3's <|eot_id|>) first among them where they lack it (a base checkpoint's eos alone); for a LoRA adapter a
+`base_model_name_or_path` that loads.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ class ExportFiles:
             turn_end = self.tokenizer.special_token_id(TURN_END) if self.tokenizer is not None else None
             if turn_end is not None:
                 _add_eos(directory, int(turn_end))
+        elif self.chat and template is not None and self.tokenizer is not None:
+            answer_end = template_answer_end(self.tokenizer)
+            if answer_end is not None:  # a base checkpoint's eos is not the chat's: generation stops at both
+                _add_eos(directory, answer_end, only_if_absent=True)
         if self.adapter_base is not None:
             _set_adapter_base(directory, self.adapter_base)
 
@@ -126,9 +131,31 @@ def saved_chat_template(directory: str) -> str | None:
     return None
 
 
-def _add_eos(directory: str, turn_end: int) -> None:
+_PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+def template_answer_end(tokenizer: Any) -> int | None:
+    """The special token a checkpoint's chat template trains an answer to end with: the last trained special token of
+    one exchange rendered as assistant_only_loss renders it (Llama 3's <|eot_id|>, Gemma's <end_of_turn>, gpt-oss's
+    <|return|>); None where the template has none or cannot render the exchange."""
+    from ..data.documents import chat_template_of
+    from ..errors import ConfigError
+
+    renderer = chat_template_of(tokenizer)
+    if renderer is None:
+        return None
+    try:
+        segments = renderer.conversation(_PROBE, None, True, "the export's answer-end probe")
+    except ConfigError:  # a template that refuses this exchange: the generation_config stays the checkpoint's
+        return None
+    ends = [s.text for s in segments if s.trained and s.special]
+    return int(tokenizer.special_token_id(ends[-1])) if ends else None
+
+
+def _add_eos(directory: str, turn_end: int, only_if_absent: bool = False) -> None:
     """The turn end first among the eos ids of the export's generation_config (the checkpoint's own, with its eos
-    list, e.g. Qwen3's [<|im_end|>, <|endoftext|>]; an adapter's directory has none and keeps none)."""
+    list, e.g. Qwen3's [<|im_end|>, <|endoftext|>]; an adapter's directory has none and keeps none); only_if_absent:
+    a list that holds it already stays as the checkpoint wrote it."""
     path = os.path.join(directory, _GENERATION_CONFIG)
     if not os.path.isfile(path):
         return
@@ -136,6 +163,8 @@ def _add_eos(directory: str, turn_end: int) -> None:
         gen = json.load(f)
     eos = gen.get("eos_token_id")
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if only_if_absent and turn_end in eos:
+        return
     gen["eos_token_id"] = [turn_end] + [e for e in eos if e != turn_end]
     with open(path, "w") as f:
         json.dump(gen, f, indent=2)
