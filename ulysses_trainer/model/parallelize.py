@@ -20,7 +20,8 @@ passes a ParallelizeConfig, whose `auto` values are decided once, by Parallelize
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Any
 
 from torch import nn
@@ -28,7 +29,7 @@ from torch import nn
 from ..attention.kernels import available_kernels
 from ..attention.stash import AttentionStash
 from ..config import FIELDS
-from ..errors import ConfigError
+from ..errors import ConfigError, close_name
 from ..families import family
 from ..families.installs import installer, load_modules
 from ..levers.host_pool import HostPool
@@ -39,7 +40,7 @@ from ..parallel.integrations import unregister_attention
 from ..parallel.state import ParallelState
 from ..parallel.ulysses import UlyssesAttention, _no_mask
 from ..probe import installed_deltanet_kernels
-from ..vocabulary.lever_settings import Fixed, decode_levers
+from ..vocabulary.lever_settings import LEVER_FIELDS, Fixed, Levers, decode_levers
 from ..vocabulary.model_plan import ModelPlan
 from ..vocabulary.names import (
     auto_num_tiles,
@@ -57,41 +58,58 @@ from .undo import ModelSnapshot, use_private_config
 __all__ = ["ParallelizeConfig", "SequenceParallelCausalLM", "apply", "parallelize", "unparallelize"]
 
 
-def _default(name: str) -> Any:
-    """The training config's default for a field of the same name (one copy of each default)."""
-    return field(default=FIELDS[name].default)
+# the training config's fields a loop of your own sets besides the levers (names, values, defaults: TrainConfig's)
+MECHANISM_FIELDS = ("attn_implementation", "loss_type", "loss_chunk_size", "lean_norm", "norm_kernel",
+                    "experts_implementation", "deltanet_kernel", "host_memory_gb")
+# the lever fields it sets (its optimizer is its own: no optimizer_offload)
+OWN_LOOP_LEVERS = tuple(n for n in LEVER_FIELDS if n != "optimizer_offload")
 
 
-@dataclass
+@dataclass(frozen=True, init=False)
 class ParallelizeConfig:
-    """The mechanisms and lever values for a loop of your own, with the training config's names and defaults.
-    A lever left at `auto` is installed unset (no input offloaded, no attention output kept, every layer keeps
-    its input) until `apply(model, plan)` sets it from a resolved plan."""
+    """The settings of a loop of your own, given by the training config's names with its values and defaults
+    (`ParallelizeConfig(tiled_mlp=4, local_seq_len=L // sp)`). The levers are decoded once, by the trainer's
+    decoder, into `levers` (vocabulary/lever_settings.Levers, None = auto); a lever left auto is installed unset
+    (no input offloaded, no attention output kept, every layer keeps its input) until `apply(model, plan)` sets it
+    from a resolved plan. The kernels and the loss stay as given: `resolve` decides their `auto`."""
 
-    attn_implementation: str = _default("attn_implementation")
-    loss_type: str = _default("loss_type")
-    loss_chunk_size: int = _default("loss_chunk_size")
-    tiled_mlp: bool | int | str = _default("tiled_mlp")  # False | True (auto_num_tiles) | tiles | "auto" (the rule)
-    lean_norm: bool = _default("lean_norm")  # RMSNorms save their input only (levers/lean_norm.py)
-    norm_kernel: str = _default("norm_kernel")  # triton (Liger's fused RMSNorm) | torch | auto (triton where installed)
-    gradient_checkpointing: bool = _default("gradient_checkpointing")
-    checkpoint_every: int | str = _default("checkpoint_every")  # keep every k-th layer's input; rebuild the others
-    activation_offload: bool | int | str = _default("activation_offload")  # False | True (all kept) | n | "auto"
-    # layers whose attention output + LSE are kept from the checkpoint's forward to skip the kernel in the
-    # recompute (attention/stash.py): False | True (all layers) | n first layers | "auto" (apply)
-    keep_attention_outputs: bool | int | str = _default("keep_attention_outputs")
-    # a sparse model's experts kernel (transformers' experts_implementation): eager | batched_mm | grouped_mm | auto
-    experts_implementation: str = _default("experts_implementation")
-    # a Gated DeltaNet layer's rule kernel (Qwen3.5): fla | torch | auto (fla where installed on a GPU)
-    deltanet_kernel: str = _default("deltanet_kernel")
-    host_memory_gb: float | None = _default("host_memory_gb")  # None: detected
-    local_seq_len: int | None = None  # tokens per rank per row; needed for tiling decisions
-    ranks_per_node: int = 1  # ranks sharing this host's RAM (splits the offload budget)
+    levers: Levers  # the memory levers decoded (gradient_checkpointing ... tiled_mlp; None = auto)
+    attn_implementation: str  # attention kernel, or auto (the fastest installed)
+    loss_type: str
+    loss_chunk_size: int
+    lean_norm: bool  # RMSNorms save their input only (levers/lean_norm.py)
+    norm_kernel: str  # triton (Liger's fused RMSNorm) | torch | auto (triton where installed)
+    experts_implementation: str  # a sparse model's experts kernel: eager | batched_mm | grouped_mm | auto
+    deltanet_kernel: str  # a Gated DeltaNet layer's rule kernel (Qwen3.5): fla | torch | auto
+    host_memory_gb: float | None  # None: detected
+    local_seq_len: int | None  # tokens per rank per row; needed for tiling decisions
+    ranks_per_node: int  # ranks sharing this host's RAM (splits the offload budget)
+
+    def __init__(self, *, local_seq_len: int | None = None, ranks_per_node: int = 1, levers: Levers | None = None,
+                 **settings: Any) -> None:
+        """settings: MECHANISM_FIELDS and OWN_LOOP_LEVERS by name (the rest at the training config's defaults);
+        levers: a decoded record in place of the lever fields. ConfigError for a lever value that cannot run."""
+        known = [*MECHANISM_FIELDS, *OWN_LOOP_LEVERS]
+        for name in settings:
+            if name not in known:
+                close = close_name(name, known)
+                raise TypeError(f"ParallelizeConfig got an unexpected keyword argument {name!r}; "
+                                + (f"did you mean {close!r}?" if close else f"it takes {', '.join(known)}"))
+        given = [n for n in OWN_LOOP_LEVERS if n in settings]
+        if levers is not None and given:
+            raise TypeError(f"ParallelizeConfig takes levers= or the lever fields, not both ({given[0]} given)")
+        values = {n: settings.get(n, FIELDS[n].default) for n in (*MECHANISM_FIELDS, *OWN_LOOP_LEVERS)}
+        set_field = object.__setattr__  # frozen: set once, here
+        set_field(self, "levers", levers or decode_levers(SimpleNamespace(**values)))
+        for name in MECHANISM_FIELDS:
+            set_field(self, name, values[name])
+        set_field(self, "local_seq_len", local_seq_len)
+        set_field(self, "ranks_per_node", ranks_per_node)
 
     def resolve(self, config: Any) -> ModelPlan:
         """The ModelPlan of these settings for an HF model config: `auto` decided with the kernels installed
         here and the tile rules. ConfigError for values that cannot run."""
-        fx = self.levers(config)
+        fx = self._bound(config)
         if self.loss_type not in LOSS_TYPES:
             raise ConfigError(f"loss_type {self.loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
         norm = choose_norm_kernel(self.norm_kernel, tuple(available_norm_kernels())) if self.lean_norm else "torch"
@@ -104,18 +122,19 @@ class ParallelizeConfig:
                        experts_implementation=choose_experts_implementation(self.experts_implementation),
                        deltanet_kernel=choose_deltanet_kernel(self.deltanet_kernel,
                                                               installed_deltanet_kernels()),
-                       lean_norm=self.lean_norm, norm_kernel=norm, gradient_checkpointing=self.gradient_checkpointing,
+                       lean_norm=self.lean_norm, norm_kernel=norm,
+                       gradient_checkpointing=self.levers.gradient_checkpointing,
                        host_memory_gb=self.host_memory_gb, ranks_per_node=self.ranks_per_node)
 
-    def levers(self, config: Any) -> Fixed:
-        """The levers decoded (vocabulary/lever_settings.decode_levers, the trainer's decoder) and bound to the HF model
-        config: None = auto. `tiled_mlp: true` is the lever's own count for local_seq_len tokens (1 without it)."""
+    def _bound(self, config: Any) -> Fixed:
+        """The levers bound to the HF model config (None = auto): `tiled_mlp: true` is the lever's own count
+        for local_seq_len tokens (1 without it)."""
         def true_tiles() -> int:
             if self.local_seq_len is None:
                 return 1
             return auto_num_tiles(self.local_seq_len, config.hidden_size, _row_width(config))
 
-        return decode_levers(self).bind(config.num_hidden_layers, true_tiles)
+        return self.levers.bind(config.num_hidden_layers, true_tiles)
 
 
 def _row_width(config: Any) -> int:

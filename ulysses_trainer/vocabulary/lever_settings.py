@@ -1,8 +1,9 @@
 """The memory levers as the user wrote them, decoded once: `decode_levers` is the one reader of the raw fields
 (`gradient_checkpointing`, `checkpoint_every`, `activation_offload`, `keep_attention_outputs`, `tiled_mlp`,
-`optimizer_offload`) of a TrainConfig or a ParallelizeConfig. The config checks, the planner (plan/resolve.py)
-and `parallelize` read its `Levers`, and `Levers.bind` gives the model-bound `Fixed` the search and the
-ModelPlan read. Torch-free; imports nothing of the package but its errors.
+`optimizer_offload`) of a TrainConfig or of a loop of your own's settings (ParallelizeConfig decodes them into its
+`levers`). The config checks, the planner (plan/resolve.py) and `parallelize` read its `Levers`, and
+`Levers.bind` gives the model-bound `Fixed` the search and the ModelPlan read. Torch-free; imports nothing of
+the package but its errors.
 
 Meanings, one each: `false` / 0 layers = none, `true` = every layer (that keeps an input, for the offload),
 `auto` = None (the plan decides; a loop of your own leaves it unset until `apply`). `tiled_mlp`: false or 1 =
@@ -21,6 +22,8 @@ from ..errors import ConfigError
 
 # the levers the plan's search decides when they are `auto` (in the order the messages name them)
 AUTO_LEVERS = ("checkpoint_every", "activation_offload", "keep_attention_outputs", "tiled_mlp", "optimizer_offload")
+# the training config's fields decode_levers reads
+LEVER_FIELDS = ("gradient_checkpointing", *AUTO_LEVERS)
 
 TRUE_TILES = "rule"  # tiled_mlp true: the lever's own count for the tokens per rank (names.auto_num_tiles)
 
@@ -108,11 +111,12 @@ def _count(name: str, v: Any, unit: str) -> int | Literal["all"] | None:
 
 
 def decode_levers(cfg: Any) -> Levers:
-    """The levers of a TrainConfig or a ParallelizeConfig, checked on their own and together (ConfigError, exit 2,
-    naming the fix); the checks against the model are `Levers.bind`'s."""
+    """The levers of a TrainConfig (or of an object holding the same LEVER_FIELDS: ParallelizeConfig's values),
+    checked on their own and together (ConfigError, exit 2, naming the fix); the checks against the model are
+    `Levers.bind`'s."""
     ckpt, off, keep, tiled, every = (cfg.gradient_checkpointing, cfg.activation_offload, cfg.keep_attention_outputs,
                                      cfg.tiled_mlp, cfg.checkpoint_every)
-    # a ParallelizeConfig has no optimizer: its placement is the caller's optimizer's
+    # a loop of your own (ParallelizeConfig) has no optimizer_offload: its placement is the caller's optimizer's
     opt = getattr(cfg, "optimizer_offload", "auto")
     _need(isinstance(ckpt, bool), f"gradient_checkpointing must be true or false, got {ckpt!r}")
     offload = _count("activation_offload", off, "layers")
