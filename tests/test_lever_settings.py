@@ -92,7 +92,7 @@ def test_the_attention_stash_means_one_thing(ckpt, keep, stash):
 
 def _config_holder(node: ast.expr, in_config_class: bool) -> bool:
     """Whether `node` names a TrainConfig or ParallelizeConfig: `cfg`, `config`, `<x>.cfg`, or `self` inside
-    a *Config class (the package's names for them; a Plan, Settings or Fixed is `plan`, `s`, `fx`...)."""
+    a *Config class (the package's names for them; a Plan, Settings or Levers is `plan`, `s`, `fx`...)."""
     if isinstance(node, ast.Name):
         return node.id in {"cfg", "config", "train_config"} or (node.id == "self" and in_config_class)
     return isinstance(node, ast.Attribute) and node.attr == "cfg"

@@ -40,7 +40,7 @@ from ..parallel.integrations import unregister_attention
 from ..parallel.state import ParallelState
 from ..parallel.ulysses import UlyssesAttention, _no_mask
 from ..probe import installed_deltanet_kernels
-from ..vocabulary.lever_settings import LEVER_FIELDS, Fixed, Levers, decode_levers
+from ..vocabulary.lever_settings import LEVER_FIELDS, Levers, decode_levers
 from ..vocabulary.model_plan import ModelPlan
 from ..vocabulary.names import (
     auto_num_tiles,
@@ -126,7 +126,7 @@ class ParallelizeConfig:
                        gradient_checkpointing=self.levers.gradient_checkpointing,
                        host_memory_gb=self.host_memory_gb, ranks_per_node=self.ranks_per_node)
 
-    def _bound(self, config: Any) -> Fixed:
+    def _bound(self, config: Any) -> Levers:
         """The levers bound to the HF model config (None = auto): `tiled_mlp: true` is the lever's own count
         for local_seq_len tokens (1 without it)."""
         def true_tiles() -> int:
@@ -253,7 +253,7 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan
         if tiles > 1 and fam.recompute_skips_mlp():  # the recompute needs the tiled MLP's graph, not its output
             checkpointer.recompute_context = lambda i: layers[i].mlp.unused_output()
     # 6. the stash for kept attention outputs (only a recompute can reuse them: checked in _check)
-    if plan.attention_stash:  # decided once (vocabulary/lever_settings.Fixed.attention_stash)
+    if plan.attention_stash:  # decided once (vocabulary/lever_settings.Levers.attention_stash)
         attention.stash = AttentionStash()
     model.train()
     sp_model = SequenceParallelCausalLM(model, state, attention, checkpointer, tiles, stats, coef)
@@ -285,7 +285,7 @@ def unparallelize(model: SequenceParallelCausalLM) -> nn.Module:
     return hf
 
 
-def _fixed_levers(fx: Fixed, num_layers: int) -> ModelPlan:
+def _fixed_levers(fx: Levers, num_layers: int) -> ModelPlan:
     """What a loop of your own installs before apply: auto is every layer keeping its input, none offloaded
     or kept (the stash installed when a layer may keep its output)."""
     saved = range(0, num_layers, fx.checkpoint_every or 1)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..vocabulary.lever_settings import Fixed  # the levers bound to a model (None: searched)
+from ..vocabulary.lever_settings import Levers  # the levers bound to a model (None: searched)
 from ..vocabulary.names import GIB, default_mlp_tiles
 from .inputs import ModelShape, Settings, Zero3Knobs, saved_layer_count
 from .memory import estimate
@@ -62,7 +62,7 @@ class Search:
 
     shape: ModelShape
     base: Settings
-    fixed: Fixed
+    fixed: Levers
     gpu_gb: float
     host_gb: float
     knobs: dict[bool, Zero3Knobs]  # per optimizer placement
@@ -225,7 +225,7 @@ class Fits:
         return winner[1], True, best
 
 
-def search_fits(shape: ModelShape, base: Settings, fx: Fixed, keep_max: int, gpu_gb: float, host_gb: float,
+def search_fits(shape: ModelShape, base: Settings, fx: Levers, keep_max: int, gpu_gb: float, host_gb: float,
                 knobs: dict[bool, Zero3Knobs]) -> Fits:
     """The plan's one search (memory only; `Fits.fastest` times what it found).
 
@@ -264,7 +264,7 @@ def with_headroom(shape: ModelShape, chosen: MemoryEstimate, gpu_gb: float, host
     return best
 
 
-def cheapest_autos(shape: ModelShape, base: Settings, fx: Fixed) -> MemoryEstimate:
+def cheapest_autos(shape: ModelShape, base: Settings, fx: Levers) -> MemoryEstimate:
     """The CPU run (no GPU budget): nothing is short of memory; the autos take their cheapest values."""
     every = fx.checkpoint_every or 1
     tiles = fx.tiled_mlp if fx.tiled_mlp is not None else default_mlp_tiles(base.local_tokens, shape.mlp_row_width)
@@ -277,7 +277,7 @@ def cheapest_autos(shape: ModelShape, base: Settings, fx: Fixed) -> MemoryEstima
 # -------------------------------------------------------------------- goal 2: the cheapest that fits
 
 
-def cheapest_fit(shape: ModelShape, base: Settings, fx: Fixed, gpu_gb: float, host_gb: float,
+def cheapest_fit(shape: ModelShape, base: Settings, fx: Levers, gpu_gb: float, host_gb: float,
                  knobs: dict[bool, Zero3Knobs] | None = None) -> tuple[MemoryEstimate, bool]:
     """(the first estimate that fits in the cost order, True) or (the closest miss, False). Memory only; the
     ZeRO-3 sizes per placement are `knobs` (search_fits's; None: the base's for both), the kept attention

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
-from ..vocabulary.lever_settings import Fixed
+from ..vocabulary.lever_settings import Levers
 from .fit_search import cheapest_fit
 from .inputs import ModelShape, Settings, Zero3Knobs
 from .memory_record import MemoryEstimate
@@ -62,8 +62,9 @@ def choose_settings(shape: ModelShape, base: Settings, hw: Hardware, *, activati
     """
     hw.check()
     base = replace(base, gpus_per_node=hw.gpus_per_node or hw.gpus)
-    fx = Fixed(activation_offload=activation_offload, keep_attention_outputs=None, tiled_mlp=tiled_mlp,
-               checkpoint_every=checkpoint_every, optimizer_offload=optimizer_offload)
+    fx = Levers(gradient_checkpointing=base.gradient_checkpointing, checkpoint_every=checkpoint_every,
+                activation_offload=activation_offload, keep_attention_outputs=None, tiled_mlp=tiled_mlp,
+                optimizer_offload=optimizer_offload)
     e, fits = cheapest_fit(shape, base, fx, hw.gpu_memory_gb, hw.host_memory_gb, knobs)
     return Choice(e.settings, e, fits)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..vocabulary.lever_settings import Fixed
+from ..vocabulary.lever_settings import Levers
 from .attention_share import AttentionShare
 from .fit_search import HOST_HEADROOM
 from .inputs import Settings
@@ -18,7 +18,7 @@ WORST_CASE = ("packing: attention timed as one document of max_length, the worst
 
 
 def plan_notes(cfg: Any, machine: Machine, s: Settings, *, attention: AttentionShare | None, budget_note: str | None,
-               st: StepTime | None, engine_plan: Plan | None, fx: Fixed,
+               st: StepTime | None, engine_plan: Plan | None, fx: Levers,
                best: dict[bool, tuple[float, MemoryEstimate]], host_gb: float | None = None) -> tuple[str, ...]:
     """The notes of the plan whose chosen settings are `s`: the machine and the data it assumed, the GPU budget it
     measured, what its step time extrapolates, and the optimizer placements it weighed (`best`: the predicted
@@ -54,7 +54,7 @@ def plan_notes(cfg: Any, machine: Machine, s: Settings, *, attention: AttentionS
     return tuple(notes)
 
 
-def decided(cfg: Any, asked: Fixed, s: Settings) -> tuple[str, ...]:
+def decided(cfg: Any, asked: Levers, s: Settings) -> tuple[str, ...]:
     """The settings `auto` left to the plan, each with what it became (`asked`: the levers the config and the ZeRO
     JSON fixed)."""
     out = []

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..vocabulary.layout import Layout, resolve_layout
-from ..vocabulary.lever_settings import AUTO_LEVERS, Fixed, decode_levers
+from ..vocabulary.lever_settings import AUTO_LEVERS, Levers, decode_levers
 from ..vocabulary.names import GIB, KEEPING_KERNELS, auto_num_tiles, choose_kernels
 from .attention_share import AttentionShare
 from .card_rates import rates_for
@@ -53,8 +53,8 @@ class PlanSearch:
     shape: ModelShape
     machine: Machine
     base: Settings  # the search's starting settings; plan_from sets their attention_fraction
-    fx: Fixed  # the levers the search decides: None
-    asked: Fixed  # what the config and the ZeRO JSON fixed
+    fx: Levers  # the levers the search decides: None
+    asked: Levers  # what the config and the ZeRO JSON fixed
     zero: ZeroSettings
     budget: float | None  # GiB per GPU; None: no GPU
     budget_note: str | None
@@ -124,7 +124,7 @@ def replan_after_engine(first: Plan, cfg: Any, shape: ModelShape, machine: Machi
                              budget_note, engine_plan=first), attention=attention)
 
 
-def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: Fixed, asked: Fixed,
+def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: Levers, asked: Levers,
             zero: ZeroSettings, budget: float | None, budget_note: str | None, *,
             engine_plan: Plan | None) -> PlanSearch:
     """The search over the levers `fx` leaves open (None) within the budgets (none without a GPU)."""

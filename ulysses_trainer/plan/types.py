@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import ConfigError
-from ..vocabulary.lever_settings import Fixed
+from ..vocabulary.lever_settings import Levers
 from ..vocabulary.model_plan import ModelPlan
 from ..vocabulary.names import DEFAULT_SUB_GROUP_SIZE, GIB, check_zero_stage, offload_sub_group_size
 from ..zero_json import zero_size
@@ -161,7 +161,7 @@ class Plan:
     notes: tuple[str, ...]  # extrapolations, assumptions, alternatives weighed
     # the levers as the config and the ZeRO JSON fixed them (None: auto, decided by the search); the longest
     # length `plan` reports searches the same autos
-    fixed: Fixed = field(compare=False, repr=False)
+    fixed: Levers = field(compare=False, repr=False)
     # what the run's ZeRO JSON fixes (read_zero): its ZeRO-3 sizes per optimizer placement (by_placement) are the
     # re-plan's and the longest-length search's too
     zero: ZeroSettings = field(default_factory=ZeroSettings, compare=False, repr=False)
@@ -192,7 +192,7 @@ class Plan:
                    host_held_slots: int | None = None) -> ModelPlan:
         """What parallelize installs for this plan. levers False: the mechanisms only (no input offloaded, no
         attention output kept yet: the trainer sets those with apply once the engine is built); the stash is
-        installed wherever a layer may keep its output (lever_settings.Fixed.attention_stash), so that plan may."""
+        installed wherever a layer may keep its output (lever_settings.Levers.attention_stash), so that plan may."""
         r = self.run
         return ModelPlan(
             attn_implementation=r.attn_implementation, loss_type=r.loss_type, loss_chunk_size=r.loss_chunk_size,

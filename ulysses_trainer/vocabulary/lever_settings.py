@@ -2,8 +2,8 @@
 (`gradient_checkpointing`, `checkpoint_every`, `activation_offload`, `keep_attention_outputs`, `tiled_mlp`,
 `optimizer_offload`) of a TrainConfig or of a loop of your own's settings (ParallelizeConfig decodes them into its
 `levers`). The config checks, the planner (plan/resolve.py) and `parallelize` read its `Levers`, and
-`Levers.bind` gives the model-bound `Fixed` the search and the ModelPlan read. Torch-free; imports nothing of
-the package but its errors.
+`Levers.bind` gives the same record bound to a model, which the search and the ModelPlan read. Torch-free;
+imports nothing of the package but its errors.
 
 Meanings, one each: `false` / 0 layers = none, `true` = every layer (that keeps an input, for the offload),
 `auto` = None (the plan decides; a loop of your own leaves it unset until `apply`). `tiled_mlp`: false or 1 =
@@ -38,15 +38,20 @@ def _is_int(v: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class Fixed:
-    """The levers bound to a model (None = auto, to be searched): what `Levers.bind` gives the planner's search
-    and the ModelPlan. Without checkpointing offload and keep are 0 and every is 1."""
+class Levers:
+    """The memory levers, one record from the user's value to the search: `decode_levers` makes it of a config
+    (checked on its own, no model yet), `bind` the same record against a model (its "all" / "rule" made counts),
+    which the planner's search reads (None = auto: searched) and the ModelPlan is made of. Without checkpointing
+    offload and keep are 0 and every is 1."""
 
-    activation_offload: int | Literal["all"] | None  # offloaded layer inputs; "all": every layer that keeps one
-    keep_attention_outputs: int | None
-    tiled_mlp: int | None
-    checkpoint_every: int | None
+    gradient_checkpointing: bool
+    checkpoint_every: int | None  # 1 without checkpointing
+    # offloaded layer inputs; "all": every layer that keeps one (stays "all" once bound: the count is the thinning's)
+    activation_offload: int | Literal["all"] | None  # 0 without checkpointing
+    keep_attention_outputs: int | Literal["all"] | None  # 0 without checkpointing; bound: a count
+    tiled_mlp: int | Literal["rule"] | None  # 1 untiled, TRUE_TILES: names.auto_num_tiles; bound: a count
     optimizer_offload: bool | None
+    pinned: tuple[str, ...] = ()  # the searched levers the config fixed; "gradient_checkpointing" first when off
 
     def offload_for(self, saved: int) -> int | None:
         """The fixed offload count where `saved` layers keep an input (None: auto)."""
@@ -56,19 +61,6 @@ class Fixed:
     def attention_stash(self) -> bool:
         """Whether the attention-output stash is installed: some layer may keep its output (auto or > 0)."""
         return self.keep_attention_outputs != 0
-
-
-@dataclass(frozen=True)
-class Levers:
-    """The levers of one config, checked on their own (no model yet); None = auto."""
-
-    gradient_checkpointing: bool
-    checkpoint_every: int | None  # 1 without checkpointing
-    activation_offload: int | Literal["all"] | None  # 0 without checkpointing
-    keep_attention_outputs: int | Literal["all"] | None  # 0 without checkpointing
-    tiled_mlp: int | Literal["rule"] | None  # 1 untiled, TRUE_TILES: names.auto_num_tiles
-    optimizer_offload: bool | None
-    pinned: tuple[str, ...]  # the searched levers the config fixed; "gradient_checkpointing" first when it is off
 
     def with_json_placement(self, json_offload: bool | None) -> Levers:
         """The optimizer's placement once the ZeRO JSON is read: where the JSON has an offload_optimizer section
@@ -82,9 +74,9 @@ class Levers:
                               f"optimizer_offload auto (the JSON wins) or edit the JSON")
         return replace(self, optimizer_offload=json_offload)
 
-    def bind(self, layers: int, true_tiles: Callable[[], int]) -> Fixed:
-        """The levers against a model of `layers` decoder layers (ConfigError naming the fix); true_tiles: the
-        tile count `tiled_mlp: true` stands for (asked only then)."""
+    def bind(self, layers: int, true_tiles: Callable[[], int]) -> Levers:
+        """The levers against a model of `layers` decoder layers (ConfigError naming the fix): `true` kept
+        outputs are `layers`, `true` tiles `true_tiles()` (asked only then)."""
         keep = self.keep_attention_outputs
         if _is_int(keep) and keep > layers:
             raise ConfigError(f"keep_attention_outputs={keep} exceeds the model's {layers} layers; "
@@ -96,10 +88,8 @@ class Levers:
                 raise ConfigError(f"activation_offload={offload} must be between 0 and {saved} layers (the "
                                   f"layers that keep an input: {layers} / checkpoint_every {every}, "
                                   f"rounded up); true offloads all of them")
-        return Fixed(activation_offload=offload, keep_attention_outputs=layers if keep == "all" else keep,
-                     tiled_mlp=true_tiles() if self.tiled_mlp == TRUE_TILES else self.tiled_mlp,
-                     checkpoint_every=self.checkpoint_every,
-                     optimizer_offload=self.optimizer_offload)
+        return replace(self, keep_attention_outputs=layers if keep == "all" else keep,
+                       tiled_mlp=true_tiles() if self.tiled_mlp == TRUE_TILES else self.tiled_mlp)
 
 
 def _count(name: str, v: Any, unit: str) -> int | Literal["all"] | None:
