@@ -132,3 +132,20 @@ def test_no_raw_lever_field_is_read_outside_the_decoder():
              for p in sorted(PACKAGE.rglob("*.py")) if p != DECODER and p not in DEFINITION
              for line, field in raw_lever_reads(p.read_text())}
     assert not found, f"decode the levers with vocabulary/lever_settings.decode_levers instead: {sorted(found)}"
+
+
+@pytest.mark.parametrize("values, installed", [  # installed on the 2-layer tiny model: tiles, offloaded, kept
+    ({"tiled_mlp": 2, "checkpoint_every": 2, "activation_offload": 1, "keep_attention_outputs": 1}, (2, (0,), (0,))),
+    ({"activation_offload": True, "keep_attention_outputs": True, "tiled_mlp": False}, (1, (0, 1), (0, 1))),
+    ({"gradient_checkpointing": False, "tiled_mlp": 3}, (3, (), ())),
+])
+def test_the_trainers_plan_and_a_loop_of_your_own_install_the_same_levers(values, installed):
+    """Fixed levers become the same ModelPlan by both roads (Plan.model_plan, ParallelizeConfig.resolve): one
+    lever record, one rule for the layers each covers (ModelPlan.of)."""
+    config = preset_config("tiny")
+    trainer_side = resolve_plan(TrainConfig(**values), ModelShape.from_config(config), CPU).model_plan(None, 1)
+    own_loop = ParallelizeConfig(attn_implementation="sdpa", **values).resolve(config)
+    fields = ("tiled_mlp", "gradient_checkpointing", "checkpoint_every", "offload_layers", "kept_attention_layers",
+              "attention_stash")
+    assert [getattr(trainer_side, f) for f in fields] == [getattr(own_loop, f) for f in fields]
+    assert (own_loop.tiled_mlp, own_loop.offload_layers, own_loop.kept_attention_layers) == installed

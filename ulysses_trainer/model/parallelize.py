@@ -115,16 +115,16 @@ class ParallelizeConfig:
         norm = choose_norm_kernel(self.norm_kernel, tuple(available_norm_kernels())) if self.lean_norm else "torch"
         width = _row_width(config)
         auto_tiles = default_mlp_tiles(self.local_seq_len, width) if self.local_seq_len else 1
-        return replace(_fixed_levers(fx, config.num_hidden_layers),
-                       attn_implementation=choose_kernel(self.attn_implementation, tuple(available_kernels())),
-                       loss_type=self.loss_type, loss_chunk_size=self.loss_chunk_size,
-                       tiled_mlp=auto_tiles if fx.tiled_mlp is None else fx.tiled_mlp,
-                       experts_implementation=choose_experts_implementation(self.experts_implementation),
-                       deltanet_kernel=choose_deltanet_kernel(self.deltanet_kernel,
-                                                              installed_deltanet_kernels()),
-                       lean_norm=self.lean_norm, norm_kernel=norm,
-                       gradient_checkpointing=self.levers.gradient_checkpointing,
-                       host_memory_gb=self.host_memory_gb, ranks_per_node=self.ranks_per_node)
+        # auto levers are installed unset until apply (ModelPlan.of); auto tiles: the shape rule
+        return ModelPlan.of(replace(fx, tiled_mlp=auto_tiles if fx.tiled_mlp is None else fx.tiled_mlp),
+                            config.num_hidden_layers,
+                            attn_implementation=choose_kernel(self.attn_implementation, tuple(available_kernels())),
+                            loss_type=self.loss_type, loss_chunk_size=self.loss_chunk_size,
+                            experts_implementation=choose_experts_implementation(self.experts_implementation),
+                            deltanet_kernel=choose_deltanet_kernel(self.deltanet_kernel,
+                                                                   installed_deltanet_kernels()),
+                            lean_norm=self.lean_norm, norm_kernel=norm,
+                            host_memory_gb=self.host_memory_gb, ranks_per_node=self.ranks_per_node)
 
     def _bound(self, config: Any) -> Levers:
         """The levers bound to the HF model config (None = auto): `tiled_mlp: true` is the lever's own count
@@ -284,12 +284,3 @@ def unparallelize(model: SequenceParallelCausalLM) -> nn.Module:
     model._undone = True
     return hf
 
-
-def _fixed_levers(fx: Levers, num_layers: int) -> ModelPlan:
-    """What a loop of your own installs before apply: auto is every layer keeping its input, none offloaded
-    or kept (the stash installed when a layer may keep its output)."""
-    saved = range(0, num_layers, fx.checkpoint_every or 1)
-    return ModelPlan(checkpoint_every=fx.checkpoint_every or 1,
-                     offload_layers=tuple(saved[:fx.offload_for(len(saved)) or 0]),
-                     kept_attention_layers=tuple(range(fx.keep_attention_outputs or 0)),
-                     attention_stash=fx.attention_stash)

@@ -173,20 +173,27 @@ class Plan:
     search_base: Settings | None = field(default=None, compare=False, repr=False)
 
     @property
+    def levers(self) -> Levers:
+        """The levers the search chose, every one concrete: the record the config's were decoded into (`fixed`)."""
+        r = self.run
+        return Levers(gradient_checkpointing=r.gradient_checkpointing, checkpoint_every=r.checkpoint_every,
+                      activation_offload=r.activation_offload, keep_attention_outputs=r.keep_attention_outputs,
+                      tiled_mlp=r.tiled_mlp, optimizer_offload=r.optimizer_offload, pinned=self.fixed.pinned)
+
+    @property
     def saved_layers(self) -> tuple[int, ...]:
         """The layers whose input is kept for backward."""
-        r = self.run
-        return tuple(range(0, self.num_layers, r.checkpoint_every)) if r.gradient_checkpointing else ()
+        return self.levers.saved_layers(self.num_layers)
 
     @property
     def offload_layers(self) -> tuple[int, ...]:
         """Of the saved layers, those whose input lives in pinned host memory."""
-        return self.saved_layers[:self.run.activation_offload]
+        return self.levers.offload_layers(self.num_layers)
 
     @property
     def kept_attention_layers(self) -> tuple[int, ...]:
         """The layers keeping their attention output for the recompute."""
-        return tuple(range(self.run.keep_attention_outputs))
+        return self.levers.kept_attention_layers()
 
     def model_plan(self, host_memory_gb: float | None, ranks_per_node: int, *, levers: bool = True,
                    host_held_slots: int | None = None) -> ModelPlan:
@@ -194,13 +201,11 @@ class Plan:
         attention output kept yet: the trainer sets those with apply once the engine is built); the stash is
         installed wherever a layer may keep its output (lever_settings.Levers.attention_stash), so that plan may."""
         r = self.run
-        return ModelPlan(
+        chosen = self.levers if levers else replace(self.levers, activation_offload=0, keep_attention_outputs=0)
+        return ModelPlan.of(
+            chosen, self.num_layers, attention_stash=self.fixed.attention_stash,
             attn_implementation=r.attn_implementation, loss_type=r.loss_type, loss_chunk_size=r.loss_chunk_size,
-            tiled_mlp=r.tiled_mlp, lean_norm=r.lean_norm, norm_kernel=r.norm_kernel,
-            gradient_checkpointing=r.gradient_checkpointing, checkpoint_every=r.checkpoint_every,
-            offload_layers=self.offload_layers if levers else (),
-            kept_attention_layers=self.kept_attention_layers if levers else (),
-            attention_stash=self.fixed.attention_stash,
+            lean_norm=r.lean_norm, norm_kernel=r.norm_kernel,
             checkpoint_bytes_per_layer=self.checkpoint_bytes_per_layer if levers else 0,
             host_memory_gb=host_memory_gb, ranks_per_node=ranks_per_node, host_held_slots=host_held_slots,
             experts_implementation=r.experts_implementation, deltanet_kernel=r.deltanet_kernel or "torch")

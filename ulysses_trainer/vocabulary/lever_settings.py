@@ -62,6 +62,25 @@ class Levers:
         """Whether the attention-output stash is installed: some layer may keep its output (auto or > 0)."""
         return self.keep_attention_outputs != 0
 
+    # the layers each lever covers, of a bound record on a model of `num_layers` layers: an auto lever (None) as
+    # installed before a plan sets it (every layer keeps its input, none offloaded, none keeps its output)
+
+    def saved_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layers whose input is kept for backward: every checkpoint_every-th one (none without checkpoints)."""
+        return tuple(range(0, num_layers, self.checkpoint_every or 1)) if self.gradient_checkpointing else ()
+
+    def offload_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Of the saved layers, those whose input lives in pinned host memory (the first ones)."""
+        saved = self.saved_layers(num_layers)
+        return saved[:self.offload_for(len(saved)) or 0]
+
+    def kept_attention_layers(self) -> tuple[int, ...]:
+        """The layers keeping their attention output for the recompute (the first ones)."""
+        keep = self.keep_attention_outputs
+        if keep == "all":
+            raise ValueError("kept_attention_layers of an unbound record: bind it to the model first (Levers.bind)")
+        return tuple(range(keep or 0))
+
     def with_json_placement(self, json_offload: bool | None) -> Levers:
         """The optimizer's placement once the ZeRO JSON is read: where the JSON has an offload_optimizer section
         (json_offload not None) it says where Adam lives and wins over `auto`; a config that says otherwise is
