@@ -75,6 +75,8 @@ def test_the_callers_config_is_never_changed_and_undo_gives_the_stock_model():
 @pytest.mark.parametrize("bad, pattern", [
     (dict(loss_type="bogus"), r"loss_type 'bogus' is unknown; use one of chunked_nll, nll"),
     (dict(tiled_mlp=0), r"tiled_mlp"),
+    # the kernels by the planner's rule (vocabulary/names.choose_kernels): refused as the trainer refuses it
+    (dict(lean_norm=False, norm_kernel="triton"), r"norm_kernel triton is the lean norms' kernel: set lean_norm true"),
 ])
 def test_a_refused_parallelize_changes_nothing(bad, pattern):
     config = _config()

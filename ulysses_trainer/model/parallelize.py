@@ -20,7 +20,7 @@ passes a ParallelizeConfig, whose `auto` values are decided once, by Parallelize
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -42,14 +42,7 @@ from ..parallel.ulysses import UlyssesAttention, _no_mask
 from ..probe import installed_deltanet_kernels
 from ..vocabulary.lever_settings import LEVER_FIELDS, Levers, decode_levers
 from ..vocabulary.model_plan import ModelPlan
-from ..vocabulary.names import (
-    auto_num_tiles,
-    choose_deltanet_kernel,
-    choose_experts_implementation,
-    choose_kernel,
-    choose_norm_kernel,
-    default_mlp_tiles,
-)
+from ..vocabulary.names import auto_num_tiles, choose_kernels, default_mlp_tiles
 from .loss_head import LOSS_TYPES, LossHead
 from .row_rope import use_row_rope
 from .sp_model import SequenceParallelCausalLM
@@ -112,18 +105,16 @@ class ParallelizeConfig:
         fx = self._bound(config)
         if self.loss_type not in LOSS_TYPES:
             raise ConfigError(f"loss_type {self.loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
-        norm = choose_norm_kernel(self.norm_kernel, tuple(available_norm_kernels())) if self.lean_norm else "torch"
+        # the planner's one kernel decision (vocabulary/names.choose_kernels), with the kernels installed here
+        kernels = choose_kernels(self.attn_implementation, self.norm_kernel, self.experts_implementation,
+                                 self.lean_norm, tuple(available_kernels()), tuple(available_norm_kernels()),
+                                 self.deltanet_kernel, installed_deltanet_kernels())
         width = _row_width(config)
         auto_tiles = default_mlp_tiles(self.local_seq_len, width) if self.local_seq_len else 1
         # auto levers are installed unset until apply (ModelPlan.of); auto tiles: the shape rule
         return ModelPlan.of(replace(fx, tiled_mlp=auto_tiles if fx.tiled_mlp is None else fx.tiled_mlp),
-                            config.num_hidden_layers,
-                            attn_implementation=choose_kernel(self.attn_implementation, tuple(available_kernels())),
-                            loss_type=self.loss_type, loss_chunk_size=self.loss_chunk_size,
-                            experts_implementation=choose_experts_implementation(self.experts_implementation),
-                            deltanet_kernel=choose_deltanet_kernel(self.deltanet_kernel,
-                                                                   installed_deltanet_kernels()),
-                            lean_norm=self.lean_norm, norm_kernel=norm,
+                            config.num_hidden_layers, **asdict(kernels),
+                            loss_type=self.loss_type, loss_chunk_size=self.loss_chunk_size, lean_norm=self.lean_norm,
                             host_memory_gb=self.host_memory_gb, ranks_per_node=self.ranks_per_node)
 
     def _bound(self, config: Any) -> Levers:
