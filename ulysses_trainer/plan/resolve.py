@@ -119,7 +119,7 @@ def replan_after_engine(first: Plan, cfg: Any, shape: ModelShape, machine: Machi
     `first`'s, and so are the two the engine fixed (optimizer placement, tiles). Equal to `first` when the
     GPU holds what the memory model expected."""
     budget, budget_note = machine.gpu_budget(first)
-    fx = replace(first.fixed, optimizer_offload=first.run.optimizer_offload, tiled_mlp=first.run.tiled_mlp)
+    fx = replace(first.fixed, optimizer_offload=first.levers.optimizer_offload, tiled_mlp=first.levers.tiled_mlp)
     return plan_from(_search(cfg, shape, machine, first.search_base, fx, first.fixed, first.zero, budget,
                              budget_note, engine_plan=first), attention=attention)
 
