@@ -1,0 +1,89 @@
+"""A preset whose vocabulary is smaller than Qwen's (Llama-3.1's 128,256) is tokenized with a stand-in: the Qwen BPE
+truncated to its first 128,000 ranks, Llama 3's special tokens at Llama 3's ids. Its ids fit the preset's embedding
+on text and chat data, its two encoders (tiktoken for documents, transformers for templates) agree, text
+round-trips, and the Llama-3.1-8B 1M recipe plans and prepares its data through it."""
+
+from __future__ import annotations
+
+import random
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+from ulysses_trainer.__main__ import main as cli_main
+from ulysses_trainer.cli.argv import load_config
+from ulysses_trainer.data.documents import build_sequences
+from ulysses_trainer.data.stand_in_bpe import STAND_INS
+from ulysses_trainer.data.synthetic import synthetic_documents
+from ulysses_trainer.data.tokenizer import check_tokenizer_fits, family_vocabulary, preset_tokenizer
+from ulysses_trainer.families import family
+from ulysses_trainer.model.load import model_config_for
+
+RECIPE = str(Path(__file__).resolve().parent.parent / "launch" / "recipes" / "llama_3_1_8b_8gpu_1m.yaml")
+BPE = STAND_INS["llama3"].ranks  # 128,000: ids below are BPE tokens, those from here Llama 3's specials
+LLAMA3_IDS = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|finetune_right_pad_id|>": 128004,
+              "<|start_header_id|>": 128006, "<|end_header_id|>": 128007, "<|eot_id|>": 128009,
+              "<|reserved_special_token_247|>": 128255}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return preset_tokenizer("llama3")
+
+
+def _texts() -> list[str]:
+    """Synthetic documents, scripts and emoji, and random code points (every byte-level path of the BPE)."""
+    rng = random.Random(0)
+    docs = synthetic_documents(0, 300)
+    texts = [next(docs) for _ in range(3)]
+    texts += ["naïve café — Größe, 日本語のテキスト, 한국어, عربي, emoji 🙂👩🏽‍💻, tabs\t\tand\r\nnewlines  ",
+              "".join(chr(c) for c in (rng.randrange(0x20, 0x2FFFF) for _ in range(2000))
+                      if not 0xD800 <= c < 0xE000),  # no lone surrogates: not text
+              bytes(rng.randrange(256) for _ in range(3000)).decode("utf-8", errors="replace")]
+    return texts
+
+
+def test_the_llama_preset_takes_the_stand_in_with_llama3s_specials_at_llama3s_ids(tok):
+    model = model_config_for(load_config(["--config", RECIPE]))
+    assert family_vocabulary(family("llama"), model) == "llama3"
+    tiny = model_config_for(load_config(["--model_name_or_path", "tiny-llama"]))
+    assert family_vocabulary(family("llama"), tiny) == "qwen3"  # its embedding holds the Qwen BPE's ids
+    hf = tok.hf_tokenizer
+    assert {t: hf.convert_tokens_to_ids(t) for t in LLAMA3_IDS} == LLAMA3_IDS
+    assert tok.vocab_size == model.vocab_size == 128256 and len(hf.get_vocab()) == 128256
+    assert (tok.eos_token_id, hf.bos_token_id) == (model.eos_token_id, model.bos_token_id) == (128001, 128000)
+    assert "stand-in" in tok.name and "128,000 ranks" in tok.name and "Llama 3" in tok.name
+    check_tokenizer_fits(tok, model)
+
+
+def test_both_encoders_agree_emit_only_bpe_ids_and_round_trip(tok):
+    hf = tok.hf_tokenizer
+    for text in _texts():
+        ids = tok.encode(text)
+        assert ids == hf(text, add_special_tokens=False)["input_ids"]  # tiktoken's ids are transformers'
+        assert max(ids) < BPE  # plain text: never a special id, never one past the truncation
+        assert tok.decode(ids) == unicodedata.normalize("NFC", text)
+    assert tok.encode_batch(_texts()[:2]) == [tok.encode(t) for t in _texts()[:2]]
+    assert tok.encode("a<|eot_id|>b")[1] == 128009  # as the transformers tokenizer matches specials in text
+
+
+@pytest.mark.parametrize("data", [(), ("--dataset_name", "synthetic:agent_sessions", "--assistant_only_loss", "true")],
+                         ids=["synthetic text", "chat"])
+def test_the_recipes_data_fits_the_presets_embedding(tok, data):
+    cfg = load_config(["--config", RECIPE, "--max_length", "8192", *data])
+    ds = build_sequences(cfg, tok, split="train", dp_size=1, num_sequences=2)
+    for i in range(len(ds)):
+        ids = ds[i]["input_ids"][:ds.real_tokens(i)]
+        assert int(ids.max()) < 128256 and int(ids.min()) >= 0
+        specials = {int(x) for x in ids[ids >= BPE]}
+        assert specials <= ({128001} if not data else {128000, 128006, 128007, 128009})
+    if data:  # Llama 3's chat format: bos, headers, an <|eot_id|> after each turn, the answers trained
+        row = ds[0]["input_ids"][:ds.real_tokens(0)].tolist()
+        assert row[:2] == [128000, 128006] and 128009 in row and ds.counts.to_dict()["trained_tokens"] > 0
+
+
+def test_the_recipe_plans_on_8_h100s(capsys):
+    rc = cli_main(["plan", "--config", RECIPE, "--gpus", "8", "--gpu", "h100", "--host_memory_gb", "2000"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "llama-3.1-8b, max_length 1,048,576" in out and "sp 8 x dp 1" in out
