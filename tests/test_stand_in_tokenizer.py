@@ -87,3 +87,15 @@ def test_the_recipe_plans_on_8_h100s(capsys):
     rc = cli_main(["plan", "--config", RECIPE, "--gpus", "8", "--gpu", "h100", "--host_memory_gb", "2000"])
     out = capsys.readouterr().out
     assert rc == 0 and "llama-3.1-8b, max_length 1,048,576" in out and "sp 8 x dp 1" in out
+
+
+def test_an_export_carries_the_stand_in_as_a_checkpoints_tokenizer(tok, tmp_path):
+    """save_pretrained writes what AutoTokenizer loads back: the same ids, specials and chat template."""
+    from ulysses_trainer.data.tokenizer import load_tokenizer
+
+    tok.save_pretrained(str(tmp_path))
+    back = load_tokenizer(str(tmp_path))
+    text = _texts()[3]
+    assert back.encode(text) == tok.encode(text) and back.vocab_size == 128256 and back.eos_token_id == 128001
+    assert back.hf_tokenizer.chat_template == tok.hf_tokenizer.chat_template
+    assert back.hf_tokenizer.convert_tokens_to_ids("<|eot_id|>") == 128009
