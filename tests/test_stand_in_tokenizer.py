@@ -17,6 +17,7 @@ from ulysses_trainer.data.documents import build_sequences
 from ulysses_trainer.data.stand_in_bpe import STAND_INS
 from ulysses_trainer.data.synthetic import synthetic_documents
 from ulysses_trainer.data.tokenizer import check_tokenizer_fits, family_vocabulary, preset_tokenizer
+from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.families import family
 from ulysses_trainer.model.load import model_config_for
 
@@ -99,3 +100,33 @@ def test_an_export_carries_the_stand_in_as_a_checkpoints_tokenizer(tok, tmp_path
     assert back.encode(text) == tok.encode(text) and back.vocab_size == 128256 and back.eos_token_id == 128001
     assert back.hf_tokenizer.chat_template == tok.hf_tokenizer.chat_template
     assert back.hf_tokenizer.convert_tokens_to_ids("<|eot_id|>") == 128009
+
+
+@pytest.mark.parametrize("preset, stand_in", [("mistral-small-24b", "mistral_tekken"), ("mixtral-8x7b", "llama2"),
+                                              ("phi-3.5-mini", "phi3"), ("granite-3.1-8b", "granite3"),
+                                              ("olmo-2-7b", "olmo2")])
+def test_every_preset_smaller_than_qwens_vocabulary_takes_its_familys_stand_in(preset, stand_in):
+    """Its specials at the family's ids (the preset's bos / eos / pad among them), the BPE's ids around them: text
+    encodes to neither a special nor an id past the embedding, both encoders alike, and round-trips."""
+    model = model_config_for(load_config(["--model_name_or_path", preset]))
+    assert family_vocabulary(family(model.model_type), model) == stand_in
+    tok = preset_tokenizer(stand_in)
+    hf, spec = tok.hf_tokenizer, STAND_INS[stand_in]
+    assert {t: hf.convert_tokens_to_ids(t) for _, t in spec.specials} == {t: i for i, t in spec.specials}
+    assert tok.vocab_size == model.vocab_size and tok.eos_token_id == model.eos_token_id
+    for role in ("bos", "pad"):  # where the preset names one
+        if getattr(model, f"{role}_token_id", None) is not None:
+            assert getattr(hf, f"{role}_token_id") == getattr(model, f"{role}_token_id"), role
+    check_tokenizer_fits(tok, model)
+    specials = {i for i, _ in spec.specials}
+    for text in _texts()[2:] + ["<s>[INST] hi [/INST]</s>"]:  # specials: their ids
+        ids = tok.encode(text)
+        assert ids == hf(text, add_special_tokens=False)["input_ids"] and max(ids) < model.vocab_size
+        if "<s>" not in text:
+            assert not specials & set(ids) and tok.decode(ids) == unicodedata.normalize("NFC", text)
+    if spec.template is None:  # no chat format of its own here: chat data is refused naming the fix
+        cfg = load_config(["--model_name_or_path", preset, "--max_length", "2048", "--dataset_name",
+                           "synthetic:agent_sessions"])
+        with pytest.raises(ConfigError, match="no chat template to render conversations with; point "
+                                              "model_name_or_path at a checkpoint"):
+            build_sequences(cfg, tok, split="train", dp_size=1, num_sequences=1)

@@ -86,7 +86,7 @@ LLAMA = Family(model_type="llama", config_class="LlamaConfig", causal_lm_class="
                         "llama-3.1-70b": _llama(8192, 28672, 80, 64)})
 
 MISTRAL = Family(model_type="mistral", config_class="MistralConfig", causal_lm_class="MistralForCausalLM",
-                 mlp=GatedMlp(), qk_norm=False, modules=f"{__name__}.modules",
+                 mlp=GatedMlp(), qk_norm=False, modules=f"{__name__}.modules", stand_in="mistral_tekken",
                  presets={"tiny-mistral": _tiny(sliding_window=16, rope_parameters={"rope_type": "default",
                                                                                     "rope_theta": 10_000.0}),
                           "mistral-small-24b": dict(
