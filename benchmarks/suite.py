@@ -45,6 +45,7 @@ MOE_REDUCED = ("--config", MOE, "--sp_size", "1", "--max_length", "131072", "--m
                "--model_init_kwargs", '{"num_hidden_layers": 4, "rope_parameters": {"rope_type": "yarn", "factor": 4}}')
 AGENT, ONE_1M = "launch/recipes/agent_sessions_1m.yaml", "launch/recipes/one_gpu_4b_1m.yaml"
 Q35_27B, Q35_35B = "launch/recipes/qwen3_5_27b_8gpu_1m.yaml", "launch/recipes/qwen3_5_35b_a3b_8gpu_1m.yaml"
+LLAMA_8B_1M = "launch/recipes/llama_3_1_8b_8gpu_1m.yaml"
 AGENT_DATA = ("--dataset_name", "synthetic:agent_sessions", "--assistant_only_loss", "true")
 SP2_KERNELS = ("--attn_implementation", "sdpa", "--norm_kernel", "torch")  # the real sp=2 runs' (no FA4, no Liger)
 
@@ -145,6 +146,11 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
     "rehearse_reference": ("rank 0 of the reference run (Qwen3-8B, 1M, sp=8) on one GPU; an 8-GPU node's host RAM", [
         _rehearse("reference_8gpu_1m", "--config", REF, "--gpus", "8", "--host_memory_gb", "560",
                   "--warmup_length", "8192")]),
+    "rehearse_llama_8b_1m": ("rank 0 of Llama-3.1-8B at 1,048,576 tokens on 8 GPUs (sp=8) on one GPU, the reference's "
+                             "shape on another family (its preset's stand-in tokenizer); a 2 TB, 128-core node's host, "
+                             "the last step timed layer by layer", [
+        _rehearse("llama_3_1_8b_8gpu_1m", "--config", LLAMA_8B_1M, "--gpus", "8", "--host_memory_gb", "2000",
+                  "--host_cores", "128", "--warmup_length", "8192", "--layer_times")]),
     "rehearse_reference_library_tiles": ("the same rehearsal with flash-attn-4's own tiles instead of the trainer's "
                                          "(run it next to rehearse_reference, on the same machine)", [
         (PROF_REHEARSAL, "--no_profile", "--fa4_tiles", "library", "--out",

@@ -17,7 +17,8 @@ RECIPES = Path(__file__).resolve().parent.parent / "launch" / "recipes"
 WORLD = {"reference_8gpu_1m.yaml": 8, "one_gpu_4b_long.yaml": 1, "one_gpu_4b_1m.yaml": 1, "cpu_default.yaml": 2,
          "moe_8gpu_1m.yaml": 8,
          "agent_sessions_1m.yaml": 1, "one_gpu_4b_sessions.yaml": 1, "sessions_8gpu_1m.yaml": 8,
-         "qwen3_5_27b_8gpu_1m.yaml": 8, "qwen3_5_35b_a3b_8gpu_1m.yaml": 8, "qwen3_5_9b_one_gpu_256k.yaml": 1}
+         "qwen3_5_27b_8gpu_1m.yaml": 8, "qwen3_5_35b_a3b_8gpu_1m.yaml": 8, "qwen3_5_9b_one_gpu_256k.yaml": 1,
+         "llama_3_1_8b_8gpu_1m.yaml": 8}
 
 
 def _load(name: str) -> TrainConfig:
@@ -62,6 +63,18 @@ def test_reference_recipe_is_the_reference_run():
     assert rope["original_max_position_embeddings"] == 40960 and model.max_position_embeddings == 163840
     assert cfg.bf16 is True and cfg.loss_type == "chunked_nll" and cfg.learning_rate == 1e-5
     assert cfg.activation_offload == "auto" and cfg.tiled_mlp == "auto" and cfg.logging_steps == 1
+
+
+def test_llama_recipe_is_the_reference_shape_on_llama_3_1_8b():
+    """YaRN over Llama 3.1's own 131,072 positions (factor auto: 8) to the 1M row, as the positions check names for
+    a llama3 scaling stretched further; 4 q / 1 kv heads a rank."""
+    cfg = _load("llama_3_1_8b_8gpu_1m.yaml")
+    model = model_config_for(cfg)
+    assert (cfg.model_name_or_path, cfg.max_length, cfg.sp_size) == ("llama-3.1-8b", 1048576, 8)
+    assert (model.model_type, model.num_attention_heads // 8, model.num_key_value_heads // 8) == ("llama", 4, 1)
+    rope = model.rope_parameters
+    assert (rope["rope_type"], rope["factor"], rope["rope_theta"]) == ("yarn", 8.0, 5e5)
+    assert rope["original_max_position_embeddings"] == 131072 and model.max_position_embeddings == 1048576
 
 
 def test_one_gpu_recipe_stretches_qwen3_4b():

@@ -59,14 +59,15 @@ def sequence_segments(row: dict[str, Any], real_tokens: int, tokenizer: Any) -> 
 
 def describe(argv: list[str]) -> tuple[dict[str, Any], bool]:
     from ..data.documents import build_sequences
-    from ..data.tokenizer import apply_tokenizer_options, load_tokenizer
+    from ..data.tokenizer import apply_tokenizer_options, family_vocabulary, load_tokenizer
     from ..families import family
     from ..model.load import checkpoint_source, model_config_for
     from ..train.data_order import epoch_permutation
 
     as_json, show, rest = _split(argv)
     cfg = load_config(rest)
-    vocabulary = family(model_config_for(cfg).model_type).tokenizer  # the Qwen BPE a preset's family names
+    model_config = model_config_for(cfg)
+    vocabulary = family_vocabulary(family(model_config.model_type), model_config)  # what a preset is tokenized with
     tokenizer = apply_tokenizer_options(load_tokenizer(checkpoint_source(cfg.model_name_or_path), vocabulary),
                                         cfg.chat_template_path, cfg.eos_token)
     ds = build_sequences(cfg, tokenizer, split="train")
@@ -75,7 +76,8 @@ def describe(argv: list[str]) -> tuple[dict[str, Any], bool]:
     counts = ds.counts.to_dict()
     if "trained_tokens" not in counts:  # text: every token but a row's first is a target, pads excepted
         counts["trained_tokens"] = sum(int(_targets(ds[i]).sum()) for i in range(len(ds)))
-    counts.update(kind=ds.kind, source=ds.source, max_length=ds.max_length, examples_total=ds.documents_total)
+    counts.update(kind=ds.kind, source=ds.source, max_length=ds.max_length, examples_total=ds.documents_total,
+                  tokenizer=tokenizer.name)  # what tokenized it: a checkpoint's own, the Qwen BPE or a stand-in
     return {"sequences": seqs, "counts": counts}, as_json
 
 

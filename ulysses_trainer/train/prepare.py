@@ -18,7 +18,7 @@ from ..config import TrainConfig, config_to_dict, validate_config
 from ..data.accounting import check_something_trained
 from ..data.order import steps_of, trained_rows
 from ..data.recall_probe import RecallProbe, build_recall_probe
-from ..data.tokenizer import apply_tokenizer_options, check_tokenizer_fits, load_tokenizer
+from ..data.tokenizer import apply_tokenizer_options, check_tokenizer_fits, family_vocabulary, load_tokenizer
 from ..ds_config import OptimizerSpec, load_ds_config, zero_config_for
 from ..ds_config_record import filled_line
 from ..errors import ConfigError
@@ -201,8 +201,8 @@ def _read_data(cfg: TrainConfig, ins: _Inputs, dp_size: int) -> _Data:
     """The tokenizer and the data, checked: enough rows for one step and one eval round, something trained."""
     model_config = ins.model_config
     source = checkpoint_source(cfg.model_name_or_path)
-    tokenizer = apply_tokenizer_options(load_tokenizer(source, family(model_config.model_type).tokenizer),
-                                        cfg.chat_template_path, cfg.eos_token)
+    vocabulary = family_vocabulary(family(model_config.model_type), model_config)  # what a preset is tokenized with
+    tokenizer = apply_tokenizer_options(load_tokenizer(source, vocabulary), cfg.chat_template_path, cfg.eos_token)
     check_tokenizer_fits(tokenizer, model_config)
     per_step = dp_size * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     # the whole dataset: the order is a permutation of all of it, whatever max_steps (TRL's sampler)

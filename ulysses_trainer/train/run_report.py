@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 
 
 def report_data(plan: RunPlan) -> None:
+    if getattr(plan.tokenizer, "stand_in", False):  # a preset's stand-in, not the model's own tokenizer: say so
+        log.info(f"tokenizer: {plan.tokenizer.name}")
     for what, data in (("data", plan.train_data), ("eval data", plan.eval_data)):
         counts = getattr(data, "counts", None)
         if counts is not None:

@@ -15,8 +15,9 @@ llama3 scaling factor 8 over 8,192 original positions, 131,072 positions, rms_no
 Mistral-Small-24B-Base-2501 (vocab 131,072, hidden 5120, FFN 32,768, 40 layers, 32 q / 8 kv heads of 128,
 rope_theta 1e8, 32,768 positions, no sliding window) and Qwen2.5-7B (vocab 152,064, hidden 3584, FFN 18,944,
 28 layers, 28 q / 4 kv heads of 128, rope_theta 1e6, 131,072 positions, rms_norm_eps 1e-6, untied, no sliding
-window). The tiny CPU presets keep the Qwen vocabulary so the
-built-in tokenizer's ids fit (data/tokenizer.py); tiny-mistral's 16-token window is shorter than the tests' rows.
+window). The tiny CPU presets keep the Qwen vocabulary so the built-in tokenizer's ids fit (data/tokenizer.py); the
+Llama-3.1 presets' 128,256 ids take Llama 3's stand-in (the Qwen BPE's first 128,000 ranks, Llama 3's special tokens
+at 128000+: data/stand_in_bpe.py); tiny-mistral's 16-token window is shorter than the tests' rows.
 """
 
 from __future__ import annotations
@@ -79,12 +80,13 @@ def _llama(hidden: int, intermediate: int, layers: int, heads: int) -> dict[str,
 
 LLAMA = Family(model_type="llama", config_class="LlamaConfig", causal_lm_class="LlamaForCausalLM", mlp=GatedMlp(),
                qk_norm=False, refused_flags=("attention_bias", "mlp_bias"), modules=f"{__name__}.modules",
+               stand_in="llama3",
                presets={"tiny-llama": _tiny(rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=64)),
                         "llama-3.1-8b": _llama(4096, 14336, 32, 32),
                         "llama-3.1-70b": _llama(8192, 28672, 80, 64)})
 
 MISTRAL = Family(model_type="mistral", config_class="MistralConfig", causal_lm_class="MistralForCausalLM",
-                 mlp=GatedMlp(), qk_norm=False, modules=f"{__name__}.modules",
+                 mlp=GatedMlp(), qk_norm=False, modules=f"{__name__}.modules", stand_in="mistral_tekken",
                  presets={"tiny-mistral": _tiny(sliding_window=16, rope_parameters={"rope_type": "default",
                                                                                     "rope_theta": 10_000.0}),
                           "mistral-small-24b": dict(

@@ -40,7 +40,7 @@ def _tiny() -> dict[str, Any]:
 
 GRANITE = Family(model_type="granite", config_class="GraniteConfig", causal_lm_class="GraniteForCausalLM",
                  mlp=GatedMlp(), qk_norm=False, refused_flags=("attention_bias", "mlp_bias"),
-                 modules=f"{__name__}.modules",
+                 modules=f"{__name__}.modules", stand_in="granite3",
                  presets={"tiny-granite": _tiny(),
                           "granite-3.1-8b": dict(
                               vocab_size=49155, hidden_size=4096, intermediate_size=12800, num_hidden_layers=40,

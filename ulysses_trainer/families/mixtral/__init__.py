@@ -48,7 +48,7 @@ def _mixtral(**kw: Any) -> dict[str, Any]:
 
 
 MIXTRAL = Family(model_type="mixtral", config_class="MixtralConfig", causal_lm_class="MixtralForCausalLM",
-                 mlp=MixtralMoeMlp(), qk_norm=False, modules=f"{__name__}.modules",
+                 mlp=MixtralMoeMlp(), qk_norm=False, modules=f"{__name__}.modules", stand_in="llama2",
                  presets={
                      # CPU preset: 2 layers of hidden 64, 8 q / 2 kv heads of 16 (sp=4 replicates KV), 8 experts
                      # of width 32, top-2, a 16-token window

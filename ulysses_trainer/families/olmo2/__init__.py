@@ -23,7 +23,7 @@ from ..qwen3 import VOCAB_SIZE as QWEN_VOCAB
 from ..qwen3 import GatedMlp
 
 OLMO2 = Family(model_type="olmo2", config_class="Olmo2Config", causal_lm_class="Olmo2ForCausalLM", mlp=GatedMlp(),
-               qk_norm=True, qk_norm_whole=True, norm_fp32_weight=True,
+               qk_norm=True, qk_norm_whole=True, norm_fp32_weight=True, stand_in="olmo2",
                # each block's output normed before its residual add, no norm before: the post-norms run after
                layer_order=("attention", "post_attention_norm", "mlp", "post_feedforward_norm"),
                refused_flags=("attention_bias",),

@@ -102,7 +102,7 @@ def _tiny() -> dict[str, Any]:
 PHI3 = Family(model_type="phi3", config_class="Phi3Config", causal_lm_class="Phi3ForCausalLM", mlp=FusedGatedMlp(),
               qk_norm=False, fused_qkv=True, attention_registered=("o", "qkv"),
               attention_linears=("qkv_proj", "o_proj"), lora_default=("qkv_proj",),
-              modules=f"{__name__}.modules",
+              modules=f"{__name__}.modules", stand_in="phi3",
               presets={"tiny-phi3": _tiny(),
                        "phi-3.5-mini": dict(
                            vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,

@@ -1,0 +1,132 @@
+"""A preset whose vocabulary is smaller than Qwen's (Llama-3.1's 128,256) is tokenized with a stand-in: the Qwen BPE
+truncated to its first 128,000 ranks, Llama 3's special tokens at Llama 3's ids. Its ids fit the preset's embedding
+on text and chat data, its two encoders (tiktoken for documents, transformers for templates) agree, text
+round-trips, and the Llama-3.1-8B 1M recipe plans and prepares its data through it."""
+
+from __future__ import annotations
+
+import random
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+from ulysses_trainer.__main__ import main as cli_main
+from ulysses_trainer.cli.argv import load_config
+from ulysses_trainer.data.documents import build_sequences
+from ulysses_trainer.data.stand_in_bpe import STAND_INS
+from ulysses_trainer.data.synthetic import synthetic_documents
+from ulysses_trainer.data.tokenizer import check_tokenizer_fits, family_vocabulary, preset_tokenizer
+from ulysses_trainer.errors import ConfigError
+from ulysses_trainer.families import family
+from ulysses_trainer.model.load import model_config_for
+
+RECIPE = str(Path(__file__).resolve().parent.parent / "launch" / "recipes" / "llama_3_1_8b_8gpu_1m.yaml")
+BPE = STAND_INS["llama3"].ranks  # 128,000: ids below are BPE tokens, those from here Llama 3's specials
+LLAMA3_IDS = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|finetune_right_pad_id|>": 128004,
+              "<|start_header_id|>": 128006, "<|end_header_id|>": 128007, "<|eot_id|>": 128009,
+              "<|reserved_special_token_247|>": 128255}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return preset_tokenizer("llama3")
+
+
+def _texts() -> list[str]:
+    """Synthetic documents, scripts and emoji, and random code points (every byte-level path of the BPE)."""
+    rng = random.Random(0)
+    docs = synthetic_documents(0, 300)
+    texts = [next(docs) for _ in range(3)]
+    texts += ["naïve café — Größe, 日本語のテキスト, 한국어, عربي, emoji 🙂👩🏽‍💻, tabs\t\tand\r\nnewlines  ",
+              "".join(chr(c) for c in (rng.randrange(0x20, 0x2FFFF) for _ in range(2000))
+                      if not 0xD800 <= c < 0xE000),  # no lone surrogates: not text
+              bytes(rng.randrange(256) for _ in range(3000)).decode("utf-8", errors="replace")]
+    return texts
+
+
+def test_the_llama_preset_takes_the_stand_in_with_llama3s_specials_at_llama3s_ids(tok):
+    model = model_config_for(load_config(["--config", RECIPE]))
+    assert family_vocabulary(family("llama"), model) == "llama3"
+    tiny = model_config_for(load_config(["--model_name_or_path", "tiny-llama"]))
+    assert family_vocabulary(family("llama"), tiny) == "qwen3"  # its embedding holds the Qwen BPE's ids
+    hf = tok.hf_tokenizer
+    assert {t: hf.convert_tokens_to_ids(t) for t in LLAMA3_IDS} == LLAMA3_IDS
+    assert tok.vocab_size == model.vocab_size == 128256 and len(hf.get_vocab()) == 128256
+    assert (tok.eos_token_id, hf.bos_token_id) == (model.eos_token_id, model.bos_token_id) == (128001, 128000)
+    assert "stand-in" in tok.name and "128,000 ranks" in tok.name and "Llama 3" in tok.name
+    check_tokenizer_fits(tok, model)
+
+
+def test_both_encoders_agree_emit_only_bpe_ids_and_round_trip(tok):
+    hf = tok.hf_tokenizer
+    for text in _texts():
+        ids = tok.encode(text)
+        assert ids == hf(text, add_special_tokens=False)["input_ids"]  # tiktoken's ids are transformers'
+        assert max(ids) < BPE  # plain text: never a special id, never one past the truncation
+        assert tok.decode(ids) == unicodedata.normalize("NFC", text)
+    assert tok.encode_batch(_texts()[:2]) == [tok.encode(t) for t in _texts()[:2]]
+    assert tok.encode("a<|eot_id|>b")[1] == 128009  # as the transformers tokenizer matches specials in text
+
+
+@pytest.mark.parametrize("data", [(), ("--dataset_name", "synthetic:agent_sessions", "--assistant_only_loss", "true")],
+                         ids=["synthetic text", "chat"])
+def test_the_recipes_data_fits_the_presets_embedding(tok, data):
+    cfg = load_config(["--config", RECIPE, "--max_length", "8192", *data])
+    ds = build_sequences(cfg, tok, split="train", dp_size=1, num_sequences=2)
+    for i in range(len(ds)):
+        ids = ds[i]["input_ids"][:ds.real_tokens(i)]
+        assert int(ids.max()) < 128256 and int(ids.min()) >= 0
+        specials = {int(x) for x in ids[ids >= BPE]}
+        assert specials <= ({128001} if not data else {128000, 128006, 128007, 128009})
+    if data:  # Llama 3's chat format: bos, headers, an <|eot_id|> after each turn, the answers trained
+        row = ds[0]["input_ids"][:ds.real_tokens(0)].tolist()
+        assert row[:2] == [128000, 128006] and 128009 in row and ds.counts.to_dict()["trained_tokens"] > 0
+
+
+def test_the_recipe_plans_on_8_h100s(capsys):
+    rc = cli_main(["plan", "--config", RECIPE, "--gpus", "8", "--gpu", "h100", "--host_memory_gb", "2000"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "llama-3.1-8b, max_length 1,048,576" in out and "sp 8 x dp 1" in out
+
+
+def test_an_export_carries_the_stand_in_as_a_checkpoints_tokenizer(tok, tmp_path):
+    """save_pretrained writes what AutoTokenizer loads back: the same ids, specials and chat template."""
+    from ulysses_trainer.data.tokenizer import load_tokenizer
+
+    tok.save_pretrained(str(tmp_path))
+    back = load_tokenizer(str(tmp_path))
+    text = _texts()[3]
+    assert back.encode(text) == tok.encode(text) and back.vocab_size == 128256 and back.eos_token_id == 128001
+    assert back.hf_tokenizer.chat_template == tok.hf_tokenizer.chat_template
+    assert back.hf_tokenizer.convert_tokens_to_ids("<|eot_id|>") == 128009
+
+
+@pytest.mark.parametrize("preset, stand_in", [("mistral-small-24b", "mistral_tekken"), ("mixtral-8x7b", "llama2"),
+                                              ("phi-3.5-mini", "phi3"), ("granite-3.1-8b", "granite3"),
+                                              ("olmo-2-7b", "olmo2")])
+def test_every_preset_smaller_than_qwens_vocabulary_takes_its_familys_stand_in(preset, stand_in):
+    """Its specials at the family's ids (the preset's bos / eos / pad among them), the BPE's ids around them: text
+    encodes to neither a special nor an id past the embedding, both encoders alike, and round-trips."""
+    model = model_config_for(load_config(["--model_name_or_path", preset]))
+    assert family_vocabulary(family(model.model_type), model) == stand_in
+    tok = preset_tokenizer(stand_in)
+    hf, spec = tok.hf_tokenizer, STAND_INS[stand_in]
+    assert {t: hf.convert_tokens_to_ids(t) for _, t in spec.specials} == {t: i for i, t in spec.specials}
+    assert tok.vocab_size == model.vocab_size and tok.eos_token_id == model.eos_token_id
+    for role in ("bos", "pad"):  # where the preset names one
+        if getattr(model, f"{role}_token_id", None) is not None:
+            assert getattr(hf, f"{role}_token_id") == getattr(model, f"{role}_token_id"), role
+    check_tokenizer_fits(tok, model)
+    specials = {i for i, _ in spec.specials}
+    for text in _texts()[2:] + ["<s>[INST] hi [/INST]</s>"]:  # specials: their ids
+        ids = tok.encode(text)
+        assert ids == hf(text, add_special_tokens=False)["input_ids"] and max(ids) < model.vocab_size
+        if "<s>" not in text:
+            assert not specials & set(ids) and tok.decode(ids) == unicodedata.normalize("NFC", text)
+    if spec.template is None:  # no chat format of its own here: chat data is refused naming the fix
+        cfg = load_config(["--model_name_or_path", preset, "--max_length", "2048", "--dataset_name",
+                           "synthetic:agent_sessions"])
+        with pytest.raises(ConfigError, match="no chat template to render conversations with; point "
+                                              "model_name_or_path at a checkpoint"):
+            build_sequences(cfg, tok, split="train", dp_size=1, num_sequences=1)
