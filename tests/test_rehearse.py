@@ -380,16 +380,25 @@ def test_the_warm_up_cuts_the_timed_steps_rows(monkeypatch):
     assert document_layout(row["position_ids"][None], [64])[2]  # packed, as the timed step's row
 
 
-def test_the_rehearsed_compute_is_the_median_of_the_steps_after_the_warm_up(tmp_path):
+def test_the_rehearsed_compute_is_the_median_of_the_steps_after_the_warm_up(tmp_path, monkeypatch):
     """compute_s as the trainer's end-of-run line measures a step (train/metrics.steady_step_s): with four steps,
-    the median of the three after the warm-up, not their mean."""
+    the median of the three after the warm-up, not their mean. After a shorter warm-up, the kernels whose tuning is
+    keyed by the token count (attention/length_tuned.py: fla's q/k L2 norm) are tuned for the timed step's tokens,
+    once, outside the timed steps."""
+    from ulysses_trainer.attention import length_tuned
+
+    monkeypatch.setattr(length_tuned, "_TUNERS", {})
+    asked = []
+    length_tuned.register(("a length-keyed kernel", 2, 64), asked.append)
+    length_tuned.register(("a length-keyed kernel", 2, 64), asked.append)  # the same shape again: one tuner
     out = tmp_path / "r.json"
     assert _main(["--config", RECIPE, "--gpus", "2", "--max_length", "256", "--steps", "4", "--host_cores", "2",
-                  "--out", str(out)]) == 0
+                  "--warmup_length", "64", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert len(r["step_s"]) == 4 and r["optimizer_step_s_added"] is None
     assert r["compute_s"] == statistics.median(r["step_s"][1:])
     assert (r["host_cores"], r["cores_per_rank"]) == (2, 1)  # the node's 2 cores over its 2 ranks
+    assert asked == [256] and r["length_tuning_s"] >= 0  # one micro-batch row of 256 tokens, tuned once
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,

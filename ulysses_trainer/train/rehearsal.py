@@ -136,6 +136,23 @@ def _warmup_batches(trainer, length: int | None, timed_step: int) -> list:
     return [trainer.shard_rows([warmup_row(r, length) for r in micro]) for micro in rows]
 
 
+def _tune_for_the_timed_length(plan, log) -> float | None:
+    """After a warm-up shorter than the run: tune the kernels whose autotuning is keyed by the token count
+    (attention/length_tuned.py) for the timed step's, outside the timed step; the seconds it took (None: none)."""
+    from ..attention import length_tuned
+
+    tokens = plan.cfg.per_device_train_batch_size * plan.padded_length  # a micro-batch's tokens after the all-to-all
+    t0 = time.perf_counter()
+    names = length_tuned.tune_for_tokens(tokens)
+    _sync(plan.device)
+    if not names:
+        return None
+    seconds = time.perf_counter() - t0
+    log.info(f"rehearsal: tuned for the timed step's {tokens:,} tokens after the warm-up ({', '.join(names)}: its "
+             f"autotuning is keyed by the token count), {seconds:.2f} s, not timed")
+    return seconds
+
+
 def _layer_timer(trainer, cuda: bool):
     from .layer_times import LayerTimes
     from .out_of_memory import decoder_layers
@@ -174,6 +191,7 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
         pool = None if trainer.model.checkpointer is None else trainer.model.checkpointer.pool
         adam_bytes = materialize_adam_states(engine)  # held from step 1 on, as in every real step after the first
         times, losses, skipped = [], [], []
+        tuned_s = None
         for step in range(opts.steps):
             warmup = step == 0 and opts.steps > 1
             _sync(plan.device)
@@ -192,6 +210,8 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
             log.info(f"rehearsal step {step + 1}/{opts.steps}: {times[-1]:.3f} s"
                      f"{' (warm-up)' if warmup else ''}; loss {loss:.4g} (meaningless)"
                      f"{', update skipped (non-finite gradient norm)' if skipped[-1] else ''}")
+            if warmup and opts.warmup_length is not None:
+                tuned_s = _tune_for_the_timed_length(plan, log)
         if any(skipped) and opts.collective_fill == "local" and not opts.standin:
             # real-looking values give finite gradients; a skipped update would leave the optimizer untimed (the
             # stand-in computes no attention, so its outputs, and the gradients after them, are anything)
@@ -221,7 +241,8 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
         stash = trainer.model.attention.stash
         out = {"collective_fill": opts.collective_fill, "step_s": times, "losses": losses,
                "optimizer_update_skipped": skipped,
-               "optimizer_step_s_added": opt_s, "adam_state_bytes": adam_bytes, "collectives_counted": counted,
+               "optimizer_step_s_added": opt_s, "length_tuning_s": tuned_s, "adam_state_bytes": adam_bytes,
+               "collectives_counted": counted,
                **memory, "offloaded_layers": len(ck.offload_layers) if ck is not None else 0,
                "kept_attention_layers": len(stash.layers) if stash is not None else 0,
                "attention_kernel": trainer.model.attention.kernel, "mlp_tiles": trainer.resolved.run.tiled_mlp,

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...attention import length_tuned
+
 CHUNK = 64  # the torch kernel's chunk length (fla's too)
 
 
@@ -249,6 +251,9 @@ def _fla_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqle
     if not _fla_groups_values():
         q, k = _grouped(q, k, v)
     b, t = q.shape[:2]
+    # fla tunes its q/k L2 norm per bucket of b*t*heads rows: a shorter warm-up can tune the run's length ahead
+    length_tuned.register(("fla q/k l2norm", *q.shape[2:], q.dtype, q.device), _l2norm_tuner(*q.shape[2:], q.dtype,
+                                                                                            q.device))
     if cu_seqlens is not None:
         # [b, t, h, d] -> [1, b*t, h, d]
         q, k, v, g, beta = (x.reshape(1, b * t, *x.shape[2:]) for x in (q, k, v, g, beta))
@@ -256,6 +261,19 @@ def _fla_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqle
     o, _ = fn(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False, cu_seqlens=cu_seqlens,
               use_qk_l2norm_in_kernel=True)
     return o.reshape(b, t, *v.shape[2:])  # [1, b*t, h, dv] -> [b, t, h, dv]
+
+
+def _l2norm_tuner(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    """tune(tokens): fla's q/k L2 norm forward and backward once over [tokens, heads, head_dim] (what
+    chunk_gated_delta_rule's use_qk_l2norm_in_kernel runs on q and k), which autotunes it for that row count."""
+    def tune(tokens: int) -> None:
+        fwd, bwd = _fla("fla.modules.norm.l2norm", "l2norm_fwd"), _fla("fla.modules.norm.l2norm", "l2norm_bwd")
+        if fwd is None or bwd is None:
+            return
+        x = torch.randn(tokens, heads, head_dim, dtype=dtype, device=device)
+        y, rstd = fwd(x)
+        bwd(y, rstd, torch.randn_like(y))
+    return tune
 
 
 DELTANET_FUNCTIONS = {"fla": _fla_rule, "torch": torch_rule}
