@@ -65,16 +65,33 @@ def test_reference_recipe_is_the_reference_run():
     assert cfg.activation_offload == "auto" and cfg.tiled_mlp == "auto" and cfg.logging_steps == 1
 
 
-def test_llama_recipe_is_the_reference_shape_on_llama_3_1_8b():
-    """YaRN over Llama 3.1's own 131,072 positions (factor auto: 8) to the 1M row, as the positions check names for
-    a llama3 scaling stretched further; 4 q / 1 kv heads a rank."""
+def test_llama_recipe_is_the_reference_shape_on_llama_3_1_8b_on_its_own_rope():
+    """Llama 3.1's own llama3 rope, exactly (the preset's: the published config.json's), trained past its 131,072
+    positions with allow_beyond_positions, as the reference run does: its rotary frequencies are transformers' own
+    llama3 ones for the Hub's config, so nothing changes where it was trained; 4 q / 1 kv heads a rank."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from ulysses_trainer.families.dense import LLAMA3_ROPE
+
     cfg = _load("llama_3_1_8b_8gpu_1m.yaml")
     model = model_config_for(cfg)
     assert (cfg.model_name_or_path, cfg.max_length, cfg.sp_size) == ("llama-3.1-8b", 1048576, 8)
     assert (model.model_type, model.num_attention_heads // 8, model.num_key_value_heads // 8) == ("llama", 4, 1)
-    rope = model.rope_parameters
-    assert (rope["rope_type"], rope["factor"], rope["rope_theta"]) == ("yarn", 8.0, 5e5)
-    assert rope["original_max_position_embeddings"] == 131072 and model.max_position_embeddings == 1048576
+    assert cfg.allow_beyond_positions is True and model.max_position_embeddings == 131072
+    assert model.rope_parameters == LLAMA3_ROPE == {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    hub = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                      max_position_embeddings=131072, rope_parameters={
+                          "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})  # the Hub's config
+    got, got_scale = ROPE_INIT_FUNCTIONS["llama3"](model, torch.device("cpu"))
+    want, want_scale = ROPE_INIT_FUNCTIONS["llama3"](hub, torch.device("cpu"))
+    assert got.shape == (64,) and torch.equal(got, want) and got_scale == want_scale == 1.0
+    unscaled = 1.0 / 500000.0 ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128)
+    assert not torch.equal(got, unscaled)  # a real llama3 scaling, not the plain rope_theta frequencies
 
 
 def test_one_gpu_recipe_stretches_qwen3_4b():

@@ -229,7 +229,8 @@ class TrainConfig:
         "(model, max_length, sp/dp layout, data, seed, batch, optimizer); harmless changes always go through")
     allow_beyond_positions: bool = _f(
         False, "train a max_length beyond the positions the model covers (max_position_embeddings, or what its "
-        "rope scaling stretches them to) without YaRN factor auto; without it such a max_length is refused")
+        "rope scaling stretches them to) on the rope as it is, without a stretch (YaRN, or a llama3 checkpoint's "
+        "own with a larger factor); without it such a max_length is refused")
     allow_over_plan: bool = _f(
         False, "start even where the plan's GPU memory exceeds the device by more than the memory model's "
         "worst measured under-prediction (3.1%); the run then most likely stops out of GPU memory")

@@ -32,6 +32,8 @@ _YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscal
 # an already-YaRN checkpoint's options that a longer YaRN keeps (gpt-oss: truncate false); attention_factor is
 # left out: transformers derives it from the factor, which changes
 _YARN_KEPT = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+# a llama3 checkpoint's keys that a larger llama3 factor keeps (unless given)
+_LLAMA3_KEPT = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _ROPE_KEYS = ("rope_parameters", "rope_scaling")  # rope_scaling: the pre-5.0 name
 # rope keys kept from the checkpoint whatever scaling is asked for: which dimensions rotate (Qwen3.5)
 _ROPE_SHAPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
@@ -250,7 +252,8 @@ def _number(name: str, value: Any) -> float:
 
 def resolve_rope_parameters(config: PretrainedConfig, rope_params: dict | None,
                             max_length: int) -> dict | None:
-    """Apply the requested rope (YaRN or default) to `config` in place; return the resolved dict.
+    """Apply the requested rope (YaRN, a llama3 checkpoint's llama3 with a larger factor, or default) to `config` in
+    place; return the resolved dict.
 
     YaRN keys: factor (number or "auto" = max_length / original), original_max_position_embeddings
     (default: the checkpoint's pretraining length), rope_theta (must equal the checkpoint's), and
@@ -288,9 +291,11 @@ def resolve_rope_parameters(config: PretrainedConfig, rope_params: dict | None,
         resolved = {"rope_type": "default", "rope_theta": theta, **shape}
         config.rope_parameters = resolved
         return resolved
+    if rope_type == "llama3":
+        return _stretch_llama3(config, ckpt, params, theta, shape, max_length)
     if rope_type != "yarn":
         raise ConfigError(f"rope_parameters.rope_type {rope_type!r} is not supported; use yarn "
-                          f"(e.g. {{rope_type: yarn, factor: auto}}) or default")
+                          f"(e.g. {{rope_type: yarn, factor: auto}}), llama3 (over a llama3 checkpoint) or default")
 
     if ckpt.get("rope_type") == "yarn" and ckpt.get("original_max_position_embeddings"):
         default_original = ckpt["original_max_position_embeddings"]  # already YaRN: its pretraining length
@@ -319,6 +324,42 @@ def resolve_rope_parameters(config: PretrainedConfig, rope_params: dict | None,
                 "original_max_position_embeddings": int(original), **params, **shape}
     config.rope_parameters = resolved
     config.max_position_embeddings = int(round(original * factor))
+    return resolved
+
+
+def _stretch_llama3(config: PretrainedConfig, ckpt: dict[str, Any], params: dict[str, Any], theta: Any,
+                    shape: dict[str, Any], max_length: int) -> dict[str, Any]:
+    """A llama3 checkpoint's own scaling with a larger factor; its other keys (low/high_freq_factor,
+    original_max_position_embeddings) kept unless given. The positions it covers keep the checkpoint's ratio to
+    original x factor (Llama 3.1: 131,072 = 2 x 8,192 x 8), so factor auto = the checkpoint's factor x max_length /
+    its max_position_embeddings (Llama 3.1 to 1,048,576: 64)."""
+    if ckpt.get("rope_type") != "llama3":
+        raise ConfigError(f"rope_parameters.rope_type llama3 stretches a checkpoint's own llama3 scaling; this "
+                          f"{config.model_type} model's rope is {ckpt.get('rope_type')}; use "
+                          f"{{rope_type: yarn, factor: auto}}")
+    unknown = sorted(set(params) - {"factor", *_LLAMA3_KEPT})
+    if unknown:
+        raise ConfigError(f"rope_parameters: unknown llama3 keys {unknown}; allowed: rope_type, factor, rope_theta, "
+                          f"{', '.join(_LLAMA3_KEPT)}")
+    own_factor = _number("factor", ckpt.get("factor", 1.0))
+    merged = {**{k: ckpt[k] for k in _LLAMA3_KEPT if k in ckpt}, **params}
+    original = merged.get("original_max_position_embeddings")
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ConfigError(f"rope_parameters.original_max_position_embeddings must be a positive integer, "
+                          f"got {original!r}")
+    # the checkpoint's positions over its original x factor (Llama 3.1: 2), kept by the stretch
+    ratio = config.max_position_embeddings / (ckpt.get("original_max_position_embeddings", original) * own_factor)
+    factor = merged.pop("factor", "auto")
+    factor = max_length / (ratio * original) if factor == "auto" else _number("factor", factor)
+    if factor <= own_factor:
+        raise ConfigError(f"llama3 factor {factor:g} does not stretch the checkpoint's own factor {own_factor:g}; "
+                          f"use factor auto (= {own_factor:g} x max_length / max_position_embeddings "
+                          f"{config.max_position_embeddings:,}) or a larger factor")
+    for key in ("low_freq_factor", "high_freq_factor"):
+        merged[key] = _number(key, merged.get(key))
+    resolved = {"rope_type": "llama3", "rope_theta": theta, "factor": float(factor), **merged, **shape}
+    config.rope_parameters = resolved
+    config.max_position_embeddings = int(round(ratio * original * factor))
     return resolved
 
 

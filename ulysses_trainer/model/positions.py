@@ -51,12 +51,14 @@ def positions_covered(config: PretrainedConfig) -> int | None:
 
 
 YARN_AUTO = """--model_init_kwargs '{"rope_parameters": {"rope_type": "yarn", "factor": "auto"}}'"""
+LLAMA3_AUTO = """--model_init_kwargs '{"rope_parameters": {"rope_type": "llama3", "factor": "auto"}}'"""
 
 
 def check_positions(config: PretrainedConfig, max_length: int, own_rope: dict[str, Any],
                     requested: bool) -> None:
-    """A max_length past the positions the model covers is refused (ConfigError) naming YaRN with factor auto,
-    which stretches them to max_length; allow_beyond_positions lets it through (the fields' docs say so)."""
+    """A max_length past the positions the model covers is refused (ConfigError) naming the checkpoint's own scaling
+    and the stretches that reach max_length (its own llama3 with factor auto for a llama3 checkpoint, YaRN with
+    factor auto); allow_beyond_positions lets it through (the fields' docs say so)."""
     config = getattr(config, "text_config", None) or config  # a multimodal layout: its text model's
     covered = positions_covered(config)
     if covered is None or max_length <= covered:
@@ -72,12 +74,16 @@ def check_positions(config: PretrainedConfig, max_length: int, own_rope: dict[st
         how = (f"the rope_parameters given ({rp.get('rope_type')} factor {rp.get('factor', 1):g} over "
                f"{rp.get('original_max_position_embeddings', config.max_position_embeddings):,} positions) "
                f"cover {covered:,}")
-        fix = 'set rope_parameters factor to auto (= max_length / original_max_position_embeddings)'
+        fix = ("set rope_parameters factor to auto (= the checkpoint's factor x max_length / its "
+               "max_position_embeddings)" if rp.get("rope_type") == "llama3" else
+               "set rope_parameters factor to auto (= max_length / original_max_position_embeddings)")
     else:
         scaled = own_rope.get("rope_type", "default") != "default"
         how = (f"the checkpoint's own {own_rope.get('rope_type')} scaling (factor {own_rope.get('factor', 1):g}) "
                f"covers {covered:,}" if scaled else f"max_position_embeddings is {covered:,} and it has no rope "
                f"scaling")
         fix = f"stretch them with YaRN to max_length: {YARN_AUTO}"
+        if own_rope.get("rope_type") == "llama3":  # its own scheme stretched, or YaRN over its positions
+            fix = f"stretch its own llama3 scaling to max_length: {LLAMA3_AUTO}, or {fix}"
     raise ConfigError(f"max_length {max_length:,} is beyond the model's positions: {how}; {fix}, or set "
                       f"allow_beyond_positions true to train past them anyway")
