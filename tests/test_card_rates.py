@@ -31,6 +31,9 @@ YARN = ["--model_init_kwargs", '{"rope_parameters": {"rope_type": "yarn", "facto
 def test_each_card_table_is_its_files():
     assert rates.kernel_rates_from_results(RESULTS, H100_KERNEL_SOURCES, ()) == H100.KERNEL_RATES
     assert rates.hd256_rates_from_results(RESULTS, *H100_HD256) == H100.HD256_RATES
+    assert rates.deltanet_rule_rates_from_results(RESULTS, H100.DELTANET_SOURCE) == (H100.DELTANET_RULE_S,
+                                                                                     H100.DELTANET_RULE_PEAK_BYTES)
+    assert "H100" in json.loads((RESULTS / H100.DELTANET_SOURCE).read_text())["env"]["device"]
     for card, table in TABLES.items():
         norm, rope, experts = SOURCES[card]
         assert rates.norm_rates_from_results(RESULTS, norm) == table.NORM_S_PER_ELEMENT
@@ -51,8 +54,8 @@ def test_the_device_name_picks_the_table_and_the_notes_say_what_was_borrowed():
     assert rates_for("h200") == (H200, [])
     table, notes = rates_for("NVIDIA H100 80GB HBM3")
     assert table is H100 and rates_for("h100")[0] is H100
-    assert notes == ["H100 rates: the dense rate, the chunked loss's rates, the DeltaNet rule and conv, CPU Adam "
-                     "measured on an H200"]
+    assert notes == ["H100 rates: the dense rate, the chunked loss's rates, the DeltaNet conv, CPU Adam measured on "
+                     "an H200"]
     assert rates_for(None) == (H200, ["rates of an H200 assumed"])
     table, notes = rates_for("NVIDIA A100-SXM4-80GB", 79.2)  # unknown: the card nearest in memory
     assert table is H100 and "rates measured on an H100, the nearest measured card, not on NVIDIA A100" in notes[0]

@@ -5,8 +5,9 @@ Torch-free. The H200's tables are plan/rates.py's constants. The H100's come fro
 `benchmarks/suite.py card_rates` (files named *_h100*); what was not measured on it is the H200's, listed in
 `borrowed` so the plan says so: the dense rate (fitted on H200 runs of Qwen3-4B; the H100's dense plans held within
 3% with it: the reference rehearsal 237.4 s measured vs 241.5 planned, the one-GPU 256K recipe 141.3 vs 145.4), the
-chunked loss's rates, the DeltaNet rule and conv, and the host's CPU Adam. Field names are plan/rates.py's constant
-names: the families read a table as they read that module (`rates.EXPERTS_TFLOPS`).
+chunked loss's rates, the DeltaNet conv (its rule is the H100's own: deltanet_kernels/h100.json), and the host's
+CPU Adam. Field names are plan/rates.py's constant names: the families read a table as they read that module
+(`rates.EXPERTS_TFLOPS`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ H100_KERNEL_SOURCES = {
     "flash_attention_2": (("attention_kernels_h100.json", "sdpa_flash_expanded_kv"),),
 }
 H100_HD256 = ("attention_kernels_hd256_h100.json", {"sdpa": "sdpa_cudnn", "flash_attention_4": "flash_attention_4"})
+H100_DELTANET = "deltanet_kernels/h100.json"
 # one device-to-device copy of 1 GiB (data_dependence_*.json "copy_d2d"): H100 1451 GB/s, H200 2012 GB/s; the
 # fused GPU Adam is memory-bound, so the H200's effective bandwidth scales by their ratio
 COPY_GBPS = {"h100": 1451.41, "h200": 2012.26}
@@ -54,6 +56,8 @@ class Rates:
     DELTANET_RULE_S: tuple[float, float] = h200.DELTANET_RULE_S
     DELTANET_RULE_PEAK_BYTES: float = h200.DELTANET_RULE_PEAK_BYTES
     DELTANET_CONV_S: float = h200.DELTANET_CONV_S
+    DELTANET_RULE_CARD: str = "H200"  # the cards the DeltaNet rule's and conv's rates were measured on
+    DELTANET_CONV_CARD: str = "H200"
 
     @property
     def name(self) -> str:
@@ -90,7 +94,13 @@ H100 = Rates(
     EXPERTS_TFLOPS={"eager": ((1, 64.62), (4, 18.71), (8, 10.16)),
                     "grouped_mm": ((1, 197.72), (4, 141.86), (8, 134.99))},
     GPU_BANDWIDTH=round(h200.GPU_BANDWIDTH * COPY_GBPS["h100"] / COPY_GBPS["h200"], -9),
-    borrowed=("the dense rate", "the chunked loss's rates", "the DeltaNet rule and conv", "CPU Adam"),
+    # deltanet_kernels/h100.json: fla's rule at 1M over the 27B's 2 key / 6 value heads, 0.105 s fwd+bwd (the
+    # H200's: 0.105 s); its conv was not measured on this card
+    DELTANET_SOURCE=H100_DELTANET,
+    DELTANET_RULE_S=(4.1365e-09, 1.6622e-08),
+    DELTANET_RULE_PEAK_BYTES=4158.7,
+    DELTANET_RULE_CARD="H100",
+    borrowed=("the dense rate", "the chunked loss's rates", "the DeltaNet conv", "CPU Adam"),
 )
 
 TABLES: dict[str, Rates] = {"h200": H200, "h100": H100}

@@ -182,16 +182,23 @@ def loss_rates_from_results(results_dir: str | Path) -> tuple[float, float]:
     return round(6.0 * vocab * hidden * t / fixed("matmul") / 1e12, 1), float(f"{rest / (t * vocab):.5g}")
 
 
+def deltanet_rule_rates_from_results(results_dir: str | Path,
+                                     source: str = DELTANET_SOURCE) -> tuple[tuple[float, float], float]:
+    """(DELTANET_RULE_S, DELTANET_RULE_PEAK_BYTES) rebuilt from a benchmark file: its longest Qwen3.5-27B rule row."""
+    data = json.loads((Path(results_dir) / source).read_text())
+    rule = max((r for r in data["delta_rule"] if r["model"].startswith("qwen3.5-27b")), key=lambda r: r["tokens"])
+    n = rule["tokens"] * rule["value_heads"]
+    return (float(f"{rule['fwd_s'] / n:.5g}"), float(f"{rule['fwd_bwd_s'] / n:.5g}")), round(
+        rule["peak_gib"] * 2**30 / n, 1)
+
+
 def deltanet_rates_from_results(results_dir: str | Path) -> tuple[tuple[float, float], float, float]:
     """(DELTANET_RULE_S, DELTANET_RULE_PEAK_BYTES, DELTANET_CONV_S) rebuilt from the benchmark file: its longest
     Qwen3.5-27B rule row and its longest conv row (a test ties the table to it)."""
     data = json.loads((Path(results_dir) / DELTANET_SOURCE).read_text())
-    rule = max((r for r in data["delta_rule"] if r["model"].startswith("qwen3.5-27b")), key=lambda r: r["tokens"])
-    n = rule["tokens"] * rule["value_heads"]
     conv = max(data["conv"], key=lambda r: r["tokens"])
     conv_s = conv["fwd_bwd_s"] / (conv["tokens"] * conv["channels"])
-    return ((float(f"{rule['fwd_s'] / n:.5g}"), float(f"{rule['fwd_bwd_s'] / n:.5g}")),
-            round(rule["peak_gib"] * 2**30 / n, 1), float(f"{conv_s:.5g}"))
+    return (*deltanet_rule_rates_from_results(results_dir), float(f"{conv_s:.5g}"))
 
 
 def hd256_rates_from_results(results_dir: str | Path, source: str = DELTANET_SOURCE,

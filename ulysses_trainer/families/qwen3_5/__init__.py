@@ -103,7 +103,9 @@ class GatedDeltaNet(TokenMixer):
         extra = max(0.0, run.forward_passes - 1.0)
         rule = t * d.linear_v_heads * head * (fwd_bwd + extra * fwd)
         conv = t * self._conv(d) * rates.DELTANET_CONV_S * (1.0 + extra / 3.0)
-        return rule + conv, ["DeltaNet layers timed at fla's measured rule and conv rates (H200, one shape; the "
+        cards = (getattr(rates, "DELTANET_RULE_CARD", "H200"), getattr(rates, "DELTANET_CONV_CARD", "H200"))
+        on = cards[0] if cards[0] == cards[1] else f"the rule on an {cards[0]}, the conv on an {cards[1]}"
+        return rule + conv, [f"DeltaNet layers timed at fla's measured rule and conv rates ({on}, one shape; the "
                              "torch kernel's rule and conv are not measured)"]
 
     @staticmethod
