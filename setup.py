@@ -23,7 +23,9 @@ _CODE = """try:
   if d is not None and os.path.isfile(f):
    m = type(sys)('ulysses_trainer.cli.deepspeed_hook')
    m.__file__ = f
-   exec(compile(open(f, encoding='utf-8').read(), f, 'exec'), m.__dict__)
+   with open(f, encoding='utf-8') as h:
+    code = compile(h.read(), f, 'exec')
+   exec(code, m.__dict__)
    m.guard_start() and sys.modules.setdefault(m.__name__, m)
    break
 except Exception:

@@ -76,3 +76,22 @@ def test_roles():
 def test_how_a_rank_ended():
     assert how_it_ended(-9) == "was killed by signal 9 (SIGKILL)"
     assert how_it_ended(1) == "exited with code 1"
+
+
+@pytest.mark.slow
+def test_the_start_up_lines_code_leaves_no_warning(tmp_path, monkeypatch):
+    """setup.py's .pth line (this checkout's, not the installed copy's) acts in the runner and leaves nothing for
+    `python -W error` (-X dev) to report: no unclosed file, no warning of any kind."""
+    import runpy
+
+    import setuptools
+
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: None)  # setup.py's names, without building anything
+    line = runpy.run_path(str(ROOT / "setup.py"))["pth_line"](str(ROOT))
+    fake = tmp_path / "deepspeed"  # the runner's name, so the line runs the hook's guard_start
+    fake.write_text(line + "import gc, sys; gc.collect(); print('ulysses_trainer.cli.deepspeed_hook' in sys.modules)\n")
+    # -S: without site, so the installed copy of the line (which may be older) does not run before it
+    cmd = [sys.executable, "-S", "-X", "dev", "-W", "error", str(fake), "--num_gpus", "2", "launch/train.py"]
+    res = subprocess.run(cmd, cwd=ROOT, text=True, env={k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"},
+                         capture_output=True, timeout=60)
+    assert (res.returncode, res.stdout, res.stderr) == (0, "True\n", ""), res.stderr
