@@ -180,3 +180,26 @@ def test_an_installed_wheel_trains_plans_and_prepares_data_from_any_directory(tm
     readme = run(*["launch/recipes/reference_8gpu_1m.yaml" if a == str(RECIPE) else a for a in PLAN_ARGS])
     assert readme.returncode == 0, readme.stderr[-3000:]
     assert json.loads(readme.stdout) == json.loads(planned.stdout)
+
+
+# modules tests import-or-skip that the README's install leaves out on purpose, and why
+NOT_INSTALLED = {"liger_kernel": "its CUDA kernels: the GPU tests", "wandb": "an optional reporter (an account)"}
+
+
+def test_the_readmes_install_brings_every_module_a_test_skips_without():
+    """CI (.ci/run) runs the README's install: the tests that import-or-skip a module (TRL's comparisons among them)
+    run there, except those NOT_INSTALLED names."""
+    import re
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:
+        pytest.skip("tomllib needs Python 3.11")
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    install = (REPO_ROOT / "README.md").read_text().split("```bash\n", 1)[1].splitlines()[0]
+    extras = re.search(r'-e "\.\[([\w,]+)\]"', install).group(1).split(",")
+    wanted = [*project["dependencies"], *(d for e in extras for d in project["optional-dependencies"][e])]
+    installed = {re.split(r"[<>=!~\[; ]", d)[0].lower().replace("-", "_") for d in wanted}
+    skipped = {m.split(".")[0] for p in (REPO_ROOT / "tests").glob("*.py")
+               for m in re.findall(r'importorskip\(\s*"([\w.]+)"', p.read_text())}
+    assert "trl" in skipped and {m for m in skipped if m.lower() not in installed} == set(NOT_INSTALLED)

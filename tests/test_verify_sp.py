@@ -76,6 +76,35 @@ def test_data_parallel_ranks_each_check_their_own_row(world, sp_size):
     assert out[0].ref_loss != out[-1].ref_loss  # the dp ranks did check different rows
 
 
+
+MOE_PRESETS = {"tiny-moe", "tiny-mixtral", "tiny-qwen2-moe", "tiny-gpt-oss"}
+
+
+def _tiny_presets() -> list[str]:
+    from ulysses_trainer.families import FAMILIES
+
+    return [next(p for p in f.presets if p.startswith("tiny")) for f in FAMILIES.values()]
+
+
+@pytest.mark.parametrize("sp_size", [2, 4])
+@pytest.mark.parametrize("preset", _tiny_presets())
+def test_every_familys_tiny_preset_passes(preset, sp_size):
+    """Every family at sp 2 and 4 (KV heads split, and replicated where the preset has fewer than 4) on a packed row;
+    the MoE ones (but Qwen3.5's, built as above) with their routers drawn wide and the load-balancing loss on,
+    gpt-oss eager (its sinks)."""
+    from tests.test_moe_families import build as build_moe
+
+    def build():
+        return (build_moe if preset in MOE_PRESETS else build_preset)(preset, seed=1, pad_token_id=0)
+
+    out = _check(build(), build, _row(64, 503, [30, 34]), sp_size)
+    for result in out:
+        assert not isinstance(result, Exception), result
+        assert abs(result.loss - result.ref_loss) <= 1e-5 * abs(result.ref_loss)
+        assert abs(result.grad_norm - result.ref_grad_norm) <= 1e-5 * result.ref_grad_norm
+        assert result.worst <= 1e-5 and result.tokens == 64
+
+
 def _shift_rank_1(x: torch.Tensor) -> torch.Tensor:
     """Rank 1's sequence shard rolled by one token: a wrong shard that keeps every shape."""
     import torch.distributed as dist
