@@ -19,7 +19,7 @@ QWEN3_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 
 
 def fixtures_dir() -> Path | None:
-    for d in (os.environ.get("ULYSSES_FIXTURES"), ROOT.parent / "shared" / "fixtures", "/work/shared/fixtures"):
+    for d in (os.environ.get("ULYSSES_FIXTURES"), ROOT.parent / "shared" / "fixtures"):
         if d and Path(d).is_dir():
             return Path(d)
     return None
