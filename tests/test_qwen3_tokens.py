@@ -71,7 +71,7 @@ def test_the_exported_tokenizer_agrees(tok, tmp_path):
 def test_the_fixture_facts_hold(tok):
     """The shared fixtures' README: eos <|im_end|> 151645, pad <|endoftext|> 151643, and the tool and think tags
     are added tokens that are not special."""
-    d = fixtures_dir()  # ../shared/fixtures beside the repository, or ULYSSES_FIXTURES
+    d = fixtures_dir()
     if d is None or not (d / "README.md").is_file():
         pytest.skip("the shared fixtures are absent")
     facts = (d / "README.md").read_text()
