@@ -17,14 +17,14 @@ import json
 import random
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.dist_utils import JOB_TIMEOUT_S, train_env
+from tests.dist_utils import JOB_TIMEOUT_S
 from tests.tiny_checkpoint import WORDS, write_checkpoint
+from tests.warm_ranks import run_bare
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("tensorboard", reason="the dev extra installs tensorboard")
@@ -43,8 +43,7 @@ def _documents(path: Path, num_docs: int, seed: int = 1) -> Path:
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "launch/train.py", *args], cwd=ROOT, env=train_env(), capture_output=True,
-                          text=True, timeout=JOB_TIMEOUT_S)
+    proc = run_bare(args, timeout=JOB_TIMEOUT_S)  # `python launch/train.py ARGS`, forked (tests/warm_ranks.py)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     return proc
 

@@ -9,21 +9,20 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import JOB_TIMEOUT_S, train_env
+from tests.dist_utils import JOB_TIMEOUT_S
 from tests.tiny_checkpoint import write_checkpoint, write_documents
+from tests.warm_ranks import run_bare
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "launch/train.py", *args], cwd=ROOT, env=train_env(),
-                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    return run_bare(args, timeout=JOB_TIMEOUT_S)  # `python launch/train.py ARGS`, forked (tests/warm_ranks.py)
 
 
 @pytest.fixture(scope="module")

@@ -65,14 +65,29 @@ def adopt(env: dict[str, str]) -> None:
     torch.set_num_threads(1)
 
 
-def _trainer_rank(env: dict[str, str], argv: list[str], out_path: str, err_path: str) -> None:
-    """A forked rank of `deepspeed launch/train.py ARGV`: its stdout and stderr appended to the job's two files."""
+def _trainer_rank(env: dict[str, str], argv: list[str], out_path: str, err_path: str, script: str | None = None
+                  ) -> None:
+    """A forked rank of `deepspeed launch/train.py ARGV` (or of `deepspeed SCRIPT ARGV`): its stdout and stderr
+    appended to the job's two files."""
     adopt(env)
     for fd, path in ((1, out_path), (2, err_path)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), fd)
     sys.stdout.reconfigure(line_buffering=True)  # as under PYTHONUNBUFFERED: the ranks' lines stay whole
     sys.stderr.reconfigure(line_buffering=True)
+    if env.get("PYTHONFAULTHANDLER"):  # as a started interpreter reads it: a signal death prints the stack
+        import faulthandler
+
+        faulthandler.enable()
     os.chdir(ROOT)
+    if script is not None:  # a user's script (examples/): run as its own __main__, exit code from SystemExit
+        sys.argv = [os.path.join(ROOT, script), *argv]
+        sys.path.insert(0, os.path.dirname(sys.argv[0]))
+        import runpy
+
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return
     sys.argv = [os.path.join(ROOT, "launch", "train.py"), *argv]
     from ulysses_trainer.cli.rank import run
 
@@ -84,17 +99,28 @@ def run_trainer(num_ranks: int, args: list[str], timeout: float, env: dict[str, 
     """`deepspeed --num_gpus N launch/train.py ARGS` without the launcher: N forked ranks, their stdout and stderr
     gathered as the launcher's would be. The first rank to fail ends the others (the launcher does the same);
     past `timeout` every rank is killed and subprocess.TimeoutExpired raised, as subprocess.run does."""
-    from tests.dist_utils import free_port, train_env, unverified
+    from tests.dist_utils import unverified
 
-    args = unverified(args)  # verify_sp as tests/dist_utils.train_command has it
+    return run_script(num_ranks, None, unverified(args), timeout, env)  # verify_sp as train_command has it
+
+
+def run_script(num_ranks: int, script: str | None, args: list[str], timeout: float,
+               env: dict[str, str] | None = None, launched: bool = True) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus N SCRIPT ARGS` (SCRIPT relative to the checkout; None: launch/train.py) without the
+    launcher, as run_trainer describes. launched False: `python SCRIPT ARGS` instead (one process, none of the
+    launcher's variables), forked all the same."""
+    from tests.dist_utils import free_port, train_env
+
     ctx = context()
     base, port = env or train_env(), free_port()
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         for path in (out, err):
             open(path, "w").close()
+        assert launched or num_ranks == 1, "a bare python process is one rank"
         procs = [ctx.Process(target=_trainer_rank, daemon=False,
-                             args=(rank_environment(base, r, num_ranks, port), [*args, f"--local_rank={r}"], out, err))
+                             args=(rank_environment(base, r, num_ranks, port), [*args, f"--local_rank={r}"], out, err,
+                                   script) if launched else (base, list(args), out, err, script))
                  for r in range(num_ranks)]
         for p in procs:
             p.start()
@@ -116,5 +142,11 @@ def run_trainer(num_ranks: int, args: list[str], timeout: float, env: dict[str, 
                 p.join()
         with open(out) as f_out, open(err) as f_err:
             return subprocess.CompletedProcess(["ranks", "--master_port", str(port), "--num_gpus", str(num_ranks),
-                                                "launch/train.py", *args], code,
+                                                script or "launch/train.py", *args], code,
                                                f_out.read(), f_err.read())
+
+
+def run_bare(args: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python launch/train.py ARGS` (one process, no launcher) as a fork of the server; tests/test_export.py
+    starts that command itself."""
+    return run_script(1, None, args, timeout, env, launched=False)
