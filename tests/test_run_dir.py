@@ -1,4 +1,4 @@
-"""A run directory through the real command (2 CPU ranks): the export is ready for generation, a second
+"""A run directory through the trainer's rank entry (2 CPU ranks): the export is ready for generation, a second
 run into it is refused untouched, a resume into a model of another size is refused before anything is
 written, and overwrite_output_dir replaces the previous run instead of appending to it."""
 
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import JOB_TIMEOUT_S, train_command, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, train_env
 from tests.tiny_checkpoint import write_checkpoint, write_documents
+from tests.warm_ranks import run_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -21,8 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(args: list[str], ranks: int) -> subprocess.CompletedProcess:
-    cmd = train_command(2, args) if ranks == 2 else [sys.executable, "launch/train.py", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    """2 ranks as the launcher starts them (forks of tests/warm_ranks.py's server), or the real script, 1 process."""
+    if ranks == 2:
+        return run_trainer(2, args, timeout=JOB_TIMEOUT_S)
+    return subprocess.run([sys.executable, "launch/train.py", *args], cwd=ROOT, env=train_env(),
+                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
 
 
 def _tree(path: Path) -> dict[str, bytes]:
