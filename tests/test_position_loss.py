@@ -1,11 +1,12 @@
 """The per-position loss plot, the eval rows' loss by position and the recall probe, from one real CPU training run
-(2 SP ranks through the launcher, ZeRO-3)."""
+(2 SP ranks as the launcher starts them, forked from tests/warm_ranks.py's server; ZeRO-3)."""
 
 import json
 
 import pytest
 
-from tests.dist_utils import JOB_TIMEOUT_S, job_failure, run_job, train_command, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, job_failure, train_env
+from tests.warm_ranks import run_trainer
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -13,11 +14,11 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("position") / "run"
-    cmd = train_command(2, ["--max_length", "1024", "--max_steps", "2", "--plot_per_position_loss", "true",
-                            "--eval_steps", "2", "--eval_recall_probe", "true", "--bf16", "false",
-                            "--save_strategy", "no", "--output_dir", str(out)])
+    args = ["--max_length", "1024", "--max_steps", "2", "--plot_per_position_loss", "true",
+            "--eval_steps", "2", "--eval_recall_probe", "true", "--bf16", "false",
+            "--save_strategy", "no", "--output_dir", str(out)]
     # faulthandler: a rank that dies from a signal (SIGSEGV, SIGABRT) prints its Python stack before it goes
-    res = run_job(cmd, timeout=JOB_TIMEOUT_S, env=dict(train_env(), PYTHONFAULTHANDLER="1"))
+    res = run_trainer(2, args, timeout=JOB_TIMEOUT_S, env=dict(train_env(), PYTHONFAULTHANDLER="1"))
     assert res.returncode == 0, job_failure(res)
     return out, res
 
