@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import JOB_TIMEOUT_S, free_port, job_failure, run_job, train_command, train_env
+from tests.dist_utils import JOB_TIMEOUT_S, free_port, job_failure, train_command, train_env
+from tests.warm_ranks import run_trainer
 from ulysses_trainer.parallel.state import group_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,8 +93,8 @@ def test_two_nodes_through_a_hostfile_sp2_inside_dp2_across_equal_one_node_dp2(t
                 p.kill()
     for p, (stdout, stderr) in zip(nodes, results):
         assert p.returncode == 0, f"{stdout[-2000:]}\n{stderr[-5000:]}"
-    one = tmp_path / "one_node"
-    proc = run_job(train_command(2, [*ARGS, "--sp_size", "1", "--output_dir", str(one)]), timeout=JOB_TIMEOUT_S)
+    one = tmp_path / "one_node"  # the reference: its ranks needn't come from the launcher (tests/warm_ranks.py)
+    proc = run_trainer(2, [*ARGS, "--sp_size", "1", "--output_dir", str(one)], timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, job_failure(proc)
     two, ref = metrics(out), metrics(one)
     assert [r["step"] for r in two] == [r["step"] for r in ref] == [1, 2]
