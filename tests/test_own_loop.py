@@ -1,15 +1,15 @@
-"""Bring your own loop: examples/own_loop.py under the real launcher, the public ZeRO JSON filler, and the
-copies of the example in README.md and docs/library-api.md."""
+"""Bring your own loop: examples/own_loop.py on CPU ranks as the launcher starts them, the public ZeRO JSON
+filler, and the copies of the example in README.md and docs/library-api.md."""
 
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import JOB_TIMEOUT_S, free_port, job_failure, run_job
+from tests.dist_utils import JOB_TIMEOUT_S, job_failure
+from tests.warm_ranks import run_script
 from ulysses_trainer import destroy_distributed, fill_zero_config
 from ulysses_trainer.errors import ConfigError
 
@@ -18,11 +18,9 @@ EXAMPLE = ROOT / "examples" / "own_loop.py"
 
 
 def run_example(num_gpus: int, args: list[str]) -> list[float]:
-    """The losses rank 0 prints, from `deepspeed --num_gpus N examples/own_loop.py ...`."""
-    deepspeed = Path(sys.executable).with_name("deepspeed")
-    cmd = [str(deepspeed) if deepspeed.exists() else "deepspeed", "--master_port", str(free_port()),
-           "--num_gpus", str(num_gpus), str(EXAMPLE.relative_to(ROOT)), *args]
-    proc = run_job(cmd, timeout=JOB_TIMEOUT_S)
+    """The losses rank 0 prints, from the ranks of `deepspeed --num_gpus N examples/own_loop.py ...` (forks of
+    tests/warm_ranks.py's server; the README's commands launch the example through `deepspeed` itself)."""
+    proc = run_script(num_gpus, str(EXAMPLE.relative_to(ROOT)), args, timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, job_failure(proc)
     return [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", proc.stdout, flags=re.M)]
 
