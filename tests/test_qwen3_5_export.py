@@ -241,23 +241,21 @@ def test_a_hub_layout_checkpoint_trains_and_exports_to_the_same_logits(moe, layo
     step; final/ loaded by from_pretrained of the checkpoint's class gives the logits of the run's own last
     checkpoint (its ZeRO-3 fp32 state), which differ from the checkpoint trained from; the vision tower and the MTP
     head are the checkpoint's bytes."""
-    import subprocess
-    import sys
 
     import transformers
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tests.dist_utils import JOB_TIMEOUT_S, ROOT, job_failure, train_env
+    from tests.dist_utils import JOB_TIMEOUT_S, job_failure
     from tests.tiny_checkpoint import write_documents
+    from tests.warm_ranks import run_bare
 
     ckpt = write_qwen3_5_checkpoint(tmp_path / "ckpt", moe=moe, layout=layout)
     docs = write_documents(tmp_path / "docs.jsonl", num_docs=8, words_per_doc=31)
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "launch/train.py", "--model_name_or_path", str(ckpt), "--dataset_name",
-                           str(docs), "--max_length", "32", "--max_steps", "1", "--learning_rate", "1e-2",
-                           "--bf16", "false", "--max_shard_size", "40KB", "--output_dir", str(out)],
-                          cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    proc = run_bare(["--model_name_or_path", str(ckpt), "--dataset_name", str(docs), "--max_length", "32",
+                     "--max_steps", "1", "--learning_rate", "1e-2", "--bf16", "false", "--max_shard_size", "40KB",
+                     "--output_dir", str(out)], timeout=JOB_TIMEOUT_S)  # `python launch/train.py`, forked
     assert proc.returncode == 0, job_failure(proc)
     final = out / "final"
     cls = getattr(transformers, json.loads((ckpt / "config.json").read_text())["architectures"][0])
@@ -296,27 +294,25 @@ def test_lora_on_a_hub_layout_checkpoint_adapts_the_language_model_and_merges_in
     with the adapter: as its adapter_config loads (AutoPeftModelForCausalLM: the text model), and on the
     multimodal class with TO_CONDITIONAL's key_mapping."""
     import re
-    import subprocess
-    import sys
 
     import transformers
     from peft import AutoPeftModelForCausalLM, PeftModel
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from tests.dist_utils import JOB_TIMEOUT_S, ROOT, job_failure, train_env
+    from tests.dist_utils import JOB_TIMEOUT_S, job_failure
     from tests.tiny_checkpoint import write_documents
+    from tests.warm_ranks import run_bare
 
     ckpt = write_qwen3_5_checkpoint(tmp_path / "ckpt", moe=moe)
     docs = write_documents(tmp_path / "docs.jsonl", num_docs=8, words_per_doc=31)
     conditional_cls = getattr(transformers, json.loads((ckpt / "config.json").read_text())["architectures"][0])
     for merge in ("false", "true"):
-        proc = subprocess.run([sys.executable, "launch/train.py", "--model_name_or_path", str(ckpt), "--dataset_name",
-                               str(docs), "--max_length", "32", "--max_steps", "2", "--learning_rate", "1e-2",
-                               "--bf16", "false", "--seed", "3", "--use_peft", "true", "--lora_r", "4",
-                               "--lora_dropout", "0", "--lora_target_modules", "all-linear", "--merge_lora", merge,
-                               "--max_shard_size", "40KB", "--output_dir", str(tmp_path / f"merge_{merge}")],
-                              cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+        proc = run_bare(["--model_name_or_path", str(ckpt), "--dataset_name", str(docs), "--max_length", "32",
+                         "--max_steps", "2", "--learning_rate", "1e-2", "--bf16", "false", "--seed", "3",
+                         "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0", "--lora_target_modules",
+                         "all-linear", "--merge_lora", merge, "--max_shard_size", "40KB",
+                         "--output_dir", str(tmp_path / f"merge_{merge}")], timeout=JOB_TIMEOUT_S)  # forked
         assert proc.returncode == 0, job_failure(proc)
     adapter, final = tmp_path / "merge_false" / "final", tmp_path / "merge_true" / "final"
 
