@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.dist_utils import JOB_TIMEOUT_S, job_failure, run_job, train_command
+from tests.dist_utils import JOB_TIMEOUT_S, job_failure
+from tests.warm_ranks import run_trainer
 from ulysses_trainer.cli.train import main
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.train.run_log import Reporters
@@ -119,8 +120,7 @@ def test_real_command_report_to_tensorboard_has_the_losses_of_metrics_jsonl(tmp_
     out = tmp_path / "out"
     args = ["--report_to", "tensorboard", "--max_steps", "2", "--max_length", "128", "--bf16", "false",
             "--eval_steps", "2", "--save_strategy", "no", "--output_dir", str(out)]
-    cmd = train_command(1, args)
-    proc = run_job(cmd, timeout=JOB_TIMEOUT_S)
+    proc = run_trainer(1, args, timeout=JOB_TIMEOUT_S)  # the launched rank's entry, forked (tests/warm_ranks.py)
     assert proc.returncode == 0, job_failure(proc)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "loss" in r]
