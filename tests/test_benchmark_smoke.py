@@ -5,8 +5,6 @@ import contextlib
 import json
 import re
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,8 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from benchmarks import suite
-from tests.dist_utils import JOB_TIMEOUT_S, train_env
+from tests.dist_utils import JOB_TIMEOUT_S
+from tests.warm_ranks import run_script
 from ulysses_trainer.families.presets import preset_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,10 +65,10 @@ def test_suite_refuses_an_unknown_case(capsys):
 @pytest.mark.slow
 def test_long_context_standin_probe_with_the_new_levers_holds_adam_states(tmp_path):
     out = tmp_path / "probe.json"
-    cmd = [sys.executable, "benchmarks/long_context.py", "--system", "ours", "--model", "tiny", "--lengths", "256",
-           "--steps", "1", "--standin-from", "1", "--checkpoint-every", "2", "--offload-optimizer",
-           "--keep-attention-outputs", "true", "--out", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    args = ["--system", "ours", "--model", "tiny", "--lengths", "256", "--steps", "1", "--standin-from", "1",
+            "--checkpoint-every", "2", "--offload-optimizer", "--keep-attention-outputs", "true", "--out", str(out)]
+    # `python benchmarks/long_context.py ARGS`, forked from the preloaded server (tests/warm_ranks.py)
+    res = run_script(1, "benchmarks/long_context.py", args, timeout=JOB_TIMEOUT_S, launched=False)
     assert res.returncode == 0, res.stderr[-3000:]
     (point,) = json.loads(out.read_text())["points"]
     assert point["status"] == "ok", point
@@ -84,14 +83,14 @@ def test_long_context_standin_probe_with_the_new_levers_holds_adam_states(tmp_pa
 @pytest.mark.slow
 def test_profile_step_buckets_attention_and_matmuls(tmp_path):
     out = tmp_path / "profile.json"
-    cmd = [sys.executable, "benchmarks/profile_step.py", "--model", "tiny", "--length", "128",
-           "--keep-attention-outputs", "true", "--out", str(out)]
+    args = ["--model", "tiny", "--length", "128", "--keep-attention-outputs", "true", "--out", str(out)]
     with contextlib.ExitStack() as held:  # the port the benchmarks once all used, held as another job would
         with contextlib.suppress(OSError):
             sock = held.enter_context(socket.socket())
             sock.bind(("127.0.0.1", 29511))
             sock.listen()
-        res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+        # `python benchmarks/profile_step.py ARGS` (no MASTER_PORT: it picks a free one), forked as above
+        res = run_script(1, "benchmarks/profile_step.py", args, timeout=JOB_TIMEOUT_S, launched=False)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(out.read_text())["seconds_by_bucket"]
     for name in ("attention forward", "attention backward", "matmul"):
