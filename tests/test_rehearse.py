@@ -7,15 +7,16 @@ import os
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tests.dist_utils import JOB_TIMEOUT_S, free_port, train_env
-from ulysses_trainer.plan.collectives import Collective, Job, step_collectives
+from ulysses_trainer.plan.collectives import EVERY_LAYER, Collective, Job, step_collectives
 from ulysses_trainer.plan.comm_model import A2A_STALL_S_PER_GB, Overlap, estimate, load_bandwidth, wire_bytes
 from ulysses_trainer.plan.counts import param_numels
-from ulysses_trainer.plan.inputs import ModelShape
+from ulysses_trainer.plan.inputs import ModelShape, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = str(ROOT / "launch/recipes/cpu_default.yaml")
@@ -66,9 +67,11 @@ def test_all_to_alls_tiny_sp4_replicate_kv_heads_by_hand():
     assert _by_name(a2a, "ulysses forward k").bytes == 1024 * (2 * 2) * 16 * 4 == 256 * 1024
     assert sum(c.count for c in a2a) == 2 * 12 == 24
     # checkpoint_every 2: layer 1 keeps no input and its forward runs once more in backward: +4 all-to-alls
-    assert sum(c.count for c in _ops(s, Job(4, 4, 1024, bytes_per_el=4, checkpoint_every=2), "all_to_all")) == 28
+    thinned = Job(4, 4, 1024, bytes_per_el=4, levers=replace(EVERY_LAYER, checkpoint_every=2))
+    assert sum(c.count for c in _ops(s, thinned, "all_to_all")) == 28
     # no checkpointing: forward and backward only, 8 per layer; gradient accumulation 3 triples it
-    plain = Job(4, 4, 1024, grad_accum=3, bytes_per_el=4, gradient_checkpointing=False)
+    plain = Job(4, 4, 1024, grad_accum=3, bytes_per_el=4,
+                levers=replace(EVERY_LAYER, gradient_checkpointing=False))
     assert sum(c.count for c in _ops(s, plain, "all_to_all")) == 3 * 2 * 8
     assert _ops(s, Job(4, 1, 4096, bytes_per_el=4), "all_to_all") == []  # sp 1 (dp 4): no all-to-all
 
@@ -124,7 +127,8 @@ def test_zero3_collectives_qwen3_8b_w4_by_hand():
     # a tiled MLP (12 tiles: what auto picks at 131,072 tokens per rank) runs gate/up/down 12 x 2 times
     # between a layer's recompute and its attention's backward (12 x 6 x 50M elements > 1e9): q, k, v, o
     # are gathered a third time there; the MLP weights stay gathered across the tiles (2 per layer)
-    tiled = step_collectives(s, Job(world_size=4, sp_size=4, local_tokens=65536, tiled_mlp=12))
+    tiled = step_collectives(s, Job(world_size=4, sp_size=4, local_tokens=65536,
+                                        levers=replace(EVERY_LAYER, tiled_mlp=12)))
     assert 12 * 6 * mlp > 1e9
     assert _by_name(tiled, "zero3 gather: q/o").count == 2 * 3 * 36
     assert _by_name(tiled, "zero3 gather: k/v").count == 2 * 3 * 36
@@ -141,6 +145,25 @@ def test_zero3_tied_embedding_is_gathered_three_times():
 
 
 # ------------------------------------------------------------------ bandwidth and time
+
+
+def test_a_plans_job_counts_with_the_plans_own_lever_record():
+    # Job.of reads the settings' lever record (Settings.levers, what Plan.levers is made of), not copies of it:
+    # thinning and tiles chosen by the plan reach the counts, and a record with an auto lever left is refused
+    s = ModelShape.preset("qwen3-8b")
+    run = Settings(max_length=262_144, sp_size=4, checkpoint_every=2, tiled_mlp=12, activation_offload=3)
+    job = Job.of(run)
+    assert job.levers == run.levers
+    assert (job.levers.checkpoint_every, job.levers.tiled_mlp, job.levers.activation_offload) == (2, 12, 3)
+    by_hand = Job(world_size=4, sp_size=4, local_tokens=65536, gpus_per_node=4,
+                  levers=replace(EVERY_LAYER, checkpoint_every=2, tiled_mlp=12))
+    assert step_collectives(s, job) == step_collectives(s, by_hand)
+    assert step_collectives(s, job) != step_collectives(s, Job(world_size=4, sp_size=4, local_tokens=65536,
+                                                               gpus_per_node=4))
+    with pytest.raises(ValueError, match="every one decided"):
+        Job(4, 4, 1024, levers=replace(EVERY_LAYER, tiled_mlp="rule"))
+    with pytest.raises(ValueError, match="every one decided"):
+        Job(4, 4, 1024, levers=replace(EVERY_LAYER, checkpoint_every=None))
 
 
 def test_wire_bytes_ring_factors():

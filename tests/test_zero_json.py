@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -212,7 +213,8 @@ def test_the_rehearsal_times_communication_with_the_plans_sizes():
                                             "reduce_bucket_size": "auto"}})
     run = Settings(max_length=64, sp_size=2, bf16=False, zero3=zero.by_placement[False])
     plan = SimpleNamespace(cfg=TrainConfig(), resolved=SimpleNamespace(run=run))
-    job = comm_job(plan, gpus_per_node=8, tiled_mlp=1, checkpoint_every=1)
+    job = comm_job(plan, gpus_per_node=8, levers=run.levers)
+    assert comm_job(plan, gpus_per_node=8, levers=replace(run.levers, tiled_mlp=7)).levers.tiled_mlp == 7
     assert (job.max_reuse_distance, job.reduce_bucket_size, job.param_persistence_threshold) == (12345, None, 100_000)
 
 

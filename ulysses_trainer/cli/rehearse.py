@@ -158,7 +158,10 @@ def rehearse(plan, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:
     # the steps after the warm-up, measured as the trainer's end-of-run line measures them
     compute = steady_step_s(measured["step_s"]) + (measured["optimizer_step_s_added"] or 0.0)
     compute_s = None if opts.standin else compute
-    job = comm_job(plan, opts.gpus_per_node, measured["mlp_tiles"], measured["checkpoint_every"])
+    # the levers as the rehearsed model ran them (its after-engine plan's tiles and thinning)
+    ran = dataclasses.replace(plan.resolved.levers, tiled_mlp=measured["mlp_tiles"],
+                              checkpoint_every=measured["checkpoint_every"])
+    job = comm_job(plan, opts.gpus_per_node, ran)
     comm = estimate(plan.shape, job, bandwidth, compute_s, overlap)
     predicted = None if compute_s is None else compute_s + comm["comm_s_estimate"]
     tokens = plan.sequences_per_step * plan.cfg.max_length  # the whole job's real tokens per step

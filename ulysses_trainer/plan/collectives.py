@@ -34,26 +34,36 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from ..vocabulary.lever_settings import Levers
 from .inputs import ModelShape, Settings
 from .zero3_trace import gathers_per_micro_step
+
+# a job's levers where none are given: every layer checkpointed (keeps its input), untiled, nothing offloaded
+EVERY_LAYER = Levers(gradient_checkpointing=True, checkpoint_every=1, activation_offload=0, keep_attention_outputs=0,
+                     tiled_mlp=1, optimizer_offload=False)
 
 
 @dataclass(frozen=True)
 class Job:
-    """One training job's layout, as the trainer runs it."""
+    """One training job's layout, as the trainer runs it, and its levers: the plan's lever record itself
+    (checkpointing, thinning and tiles are what the counts read of it)."""
 
     world_size: int
     sp_size: int
     local_tokens: int  # tokens per rank per micro-step (micro batch x padded length / sp)
     grad_accum: int = 1
     bytes_per_el: int = 2
-    gradient_checkpointing: bool = True
-    checkpoint_every: int = 1
     gpus_per_node: int = 8
     param_persistence_threshold: int | None = None  # elements; None: 10 * hidden (the "auto" fill)
     reduce_bucket_size: int | None = None  # elements; None: hidden**2
     max_reuse_distance: int = 1_000_000_000  # stage3_max_reuse_distance, elements
-    tiled_mlp: int = 1  # MLP tiles; 1 = untiled
+    levers: Levers = EVERY_LAYER  # concrete (a plan's, Settings.levers): no auto left
+
+    def __post_init__(self) -> None:
+        lv = self.levers
+        if lv.checkpoint_every is None or isinstance(lv.tiled_mlp, str) or lv.tiled_mlp is None:
+            raise ValueError(f"a job's levers are a plan's, every one decided: checkpoint_every "
+                             f"{lv.checkpoint_every!r}, tiled_mlp {lv.tiled_mlp!r}")
 
     @property
     def dp_size(self) -> int:
@@ -66,10 +76,9 @@ class Job:
         gpus_per_node None: the settings' ranks per host."""
         z = s.zero3
         return cls(world_size=s.world_size, sp_size=s.sp_size, local_tokens=s.local_tokens, grad_accum=accumulation,
-                   bytes_per_el=s.act_bytes, gradient_checkpointing=s.gradient_checkpointing,
-                   checkpoint_every=s.checkpoint_every, gpus_per_node=gpus_per_node or s.ranks_per_node,
+                   bytes_per_el=s.act_bytes, gpus_per_node=gpus_per_node or s.ranks_per_node,
                    param_persistence_threshold=z.param_persistence_threshold, reduce_bucket_size=z.reduce_bucket_size,
-                   max_reuse_distance=z.max_reuse_distance, tiled_mlp=s.tiled_mlp)
+                   max_reuse_distance=z.max_reuse_distance, levers=s.levers)
 
 
 @dataclass(frozen=True)
@@ -111,9 +120,9 @@ def ulysses_all_to_alls(shape: ModelShape, job: Job) -> list[Collective]:
     kv_eff = shape.kv_heads * max(1, sp_size // shape.kv_heads)  # KV heads after replication
     q_bytes = job.local_tokens * shape.heads * shape.head_dim * job.bytes_per_el  # q and the output
     kv_bytes = job.local_tokens * kv_eff * shape.head_dim * job.bytes_per_el
-    forwards = 1 + (1 if job.gradient_checkpointing else 0)  # forward, recompute
+    forwards = 1 + (1 if job.levers.gradient_checkpointing else 0)  # forward, recompute
     mixed = set(shape.mixer_layers)
-    rebuilt_ids = rebuilt_layer_ids(shape.layers, job.checkpoint_every)
+    rebuilt_ids = rebuilt_layer_ids(shape.layers, job.levers.checkpoint_every)
     cross = sp_size > job.gpus_per_node
     out = []
     kinds = [(shape.layers - len(mixed), [i for i in rebuilt_ids if i not in mixed], None)]
@@ -146,8 +155,9 @@ def zero3_collectives(shape: ModelShape, job: Job) -> list[Collective]:
         else job.param_persistence_threshold
     cross = w > job.gpus_per_node
     shard = lambda n: -(-n // w) * e  # noqa: E731 - per-rank input bytes of gathering an n-element tensor
-    gathers = gathers_per_micro_step(shape, job.gradient_checkpointing, job.checkpoint_every, thr,
-                                     job.max_reuse_distance, job.tiled_mlp)
+    lv = job.levers
+    gathers = gathers_per_micro_step(shape, lv.gradient_checkpointing, lv.checkpoint_every, thr,
+                                     job.max_reuse_distance, lv.tiled_mlp)
     size = shape.numels
     out = []
     by_size: dict[int, list[str]] = {}  # one row per tensor size: q/o, k/v, gate/up/down, embedding

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from ..errors import ConfigError
 from ..families import Family, LayerDims, MlpRun, family
 from ..vocabulary.layout import check_heads, padded_length
+from ..vocabulary.lever_settings import Levers
 from ..vocabulary.names import (
     DEFAULT_SUB_GROUP_SIZE,
     PLANNED_KERNELS,
@@ -270,6 +271,14 @@ class Settings:
     def local_tokens(self) -> int:
         """t: tokens one rank holds per micro-step (batch x padded length / sp)."""
         return self.micro_batch * self.padded_length // self.sp_size
+
+    @property
+    def levers(self) -> Levers:
+        """These settings' levers as the one lever record (vocabulary/lever_settings.Levers), every one concrete:
+        what the plan (types.Plan.levers) and the comm model's job (collectives.Job) read."""
+        return Levers(gradient_checkpointing=self.gradient_checkpointing, checkpoint_every=self.checkpoint_every,
+                      activation_offload=self.activation_offload, keep_attention_outputs=self.keep_attention_outputs,
+                      tiled_mlp=self.tiled_mlp, optimizer_offload=self.optimizer_offload)
 
 
 def saved_layer_count(shape: ModelShape, checkpoint_every: int) -> int:

@@ -175,10 +175,7 @@ class Plan:
     @property
     def levers(self) -> Levers:
         """The levers the search chose, every one concrete: the record the config's were decoded into (`fixed`)."""
-        r = self.run
-        return Levers(gradient_checkpointing=r.gradient_checkpointing, checkpoint_every=r.checkpoint_every,
-                      activation_offload=r.activation_offload, keep_attention_outputs=r.keep_attention_outputs,
-                      tiled_mlp=r.tiled_mlp, optimizer_offload=r.optimizer_offload, pinned=self.fixed.pinned)
+        return replace(self.run.levers, pinned=self.fixed.pinned)
 
     @property
     def saved_layers(self) -> tuple[int, ...]:

@@ -15,14 +15,14 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def comm_job(plan, gpus_per_node: int, tiled_mlp: int, checkpoint_every: int):
+def comm_job(plan, gpus_per_node: int, levers):
     """The comm model's view of the run the trainer makes from `plan`: the planner's own call (Job.of of the
-    plan's settings, with the ZeRO-3 sizes as the plan read them), tiled_mlp and checkpoint_every as the
-    rehearsed model ran them."""
+    plan's settings, with the ZeRO-3 sizes as the plan read them) with `levers`, the lever record (Levers) the
+    rehearsed model ran."""
     from ..plan.collectives import Job
 
-    run = dataclasses.replace(plan.resolved.run, tiled_mlp=tiled_mlp, checkpoint_every=checkpoint_every)
-    return Job.of(run, plan.cfg.gradient_accumulation_steps, gpus_per_node)
+    return dataclasses.replace(Job.of(plan.resolved.run, plan.cfg.gradient_accumulation_steps, gpus_per_node),
+                               levers=levers)
 
 
 def _sync(device: str) -> None:
