@@ -68,3 +68,22 @@ def test_every_preset_is_in_help_and_on_the_configuration_page():
     page = (ROOT / "docs" / "configuration.md").read_text()
     assert [p for p in PRESETS if not re.search(rf"[ (,]{re.escape(p)}[,)]", help_text)] == []
     assert [p for p in PRESETS if f"`{p}`" not in page] == []
+
+
+def _drawn_parts(text: str) -> list[str]:
+    """The entries of docs/design.md's drawing of the package: `  name/` or `  name.py` under `ulysses_trainer/`."""
+    start = text.index("```\nulysses_trainer/\n")
+    block = text[start:text.index("```", start + 4)]
+    return re.findall(r"^  (\w+)(?:/|\.py)\s", block, re.M)
+
+
+def test_design_draws_every_part_of_the_package_once():
+    # the drawing is where a reader finds a part: a part a move left out, drew twice (families/ once was) or that
+    # no longer exists fails here
+    pkg = Path(ulysses_trainer.__file__).parent
+    parts = {p.name for p in pkg.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))} \
+        | {p.stem for p in pkg.glob("*.py") if not p.stem.startswith("_")}
+    drawn = _drawn_parts((ROOT / "docs" / "design.md").read_text())
+    assert sorted(n for n in set(drawn) if drawn.count(n) > 1) == [], "drawn twice"
+    assert sorted(parts - set(drawn)) == [], "parts missing from docs/design.md's drawing"
+    assert sorted(set(drawn) - parts) == [], "drawn but not a part of the package"
