@@ -149,3 +149,45 @@ def test_the_trainers_plan_and_a_loop_of_your_own_install_the_same_levers(values
               "attention_stash")
     assert [getattr(trainer_side, f) for f in fields] == [getattr(own_loop, f) for f in fields]
     assert (own_loop.tiled_mlp, own_loop.offload_layers, own_loop.kept_attention_layers) == installed
+
+
+LEVER_NAMES = {"gradient_checkpointing", *RAW_LEVERS}
+# the records that may declare a lever field, and why each holds its own: everything else reads a Levers
+LEVER_HOLDERS = {
+    "config/train_config.py TrainConfig",  # the user's values as written (decode_levers reads them)
+    "vocabulary/lever_settings.py Levers",  # the one record
+    "vocabulary/model_plan.py ModelPlan",  # what parallelize installs: concrete counts and layer indices
+    "plan/inputs.py Settings",  # the search's candidates (their levers as a record: Settings.levers)
+    "plan/types.py ZeroSettings",  # the ZeRO JSON's own optimizer placement (None: the JSON has no section)
+}
+
+
+def test_no_other_record_copies_a_lever_field():
+    # the comm model's Job and the MLP terms' MlpRun hold the plan's Levers; a new record copying tiled_mlp & co.
+    # beside it fails here
+    holders = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id in LEVER_NAMES
+                    for n in node.body):
+                holders.add(f"{path.relative_to(PACKAGE).as_posix()} {node.name}")
+    assert holders == LEVER_HOLDERS
+
+
+def test_the_mlp_terms_and_the_comm_jobs_read_the_plans_lever_record():
+    from dataclasses import replace
+
+    from ulysses_trainer.plan.collectives import Job
+    from ulysses_trainer.plan.inputs import Settings, mlp_run
+
+    shape = ModelShape.preset("qwen3-8b")
+    s = Settings(max_length=65_536, sp_size=2, checkpoint_every=3, tiled_mlp=8, activation_offload=2)
+    run, job = mlp_run(shape, s), Job.of(s)
+    assert run.levers == job.levers == s.levers
+    assert (run.tiled_mlp, run.gradient_checkpointing, job.levers.checkpoint_every) == (8, True, 3)
+    # the terms follow the record: untiled, the MLP keeps its intermediates; tiled, one tile's at most
+    untiled = mlp_run(shape, replace(s, tiled_mlp=1))
+    assert shape.family.mlp.saved(shape.dims, untiled) != shape.family.mlp.saved(shape.dims, run)
+    with pytest.raises(ValueError, match="tiles are a plan's count"):
+        replace(run, levers=replace(run.levers, tiled_mlp=TRUE_TILES))

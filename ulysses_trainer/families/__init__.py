@@ -1,17 +1,16 @@
 """The model families, each one folder (a torchtitan TrainSpec in spirit), registered here once.
 
-A family's folder holds two layers. Its `__init__` is its torch-free facts, below both the planner and the model
-code (it imports nothing of the package but errors and other families' facts), so the planner reads the same facts
-the trainer builds from: its transformers names (config and causal-LM classes), its presets (presets.py builds
-their configs), the decoder layer's parameters in module order (what the memory model, the ZeRO-3 trace and the FLOP
-counts assume), whether it has q/k norms, its MLP block and token mixer as behaviour (base.MlpBlock, base.TokenMixer:
-parameters, memory and time terms, ZeRO-3 trace groups, collectives, LoRA targets, what training sets on its
-config). Its `modules.py` (Family.modules) is its torch side, on the runtime code: what parallelize swaps in for its
-block and mixer, and its Ulysses pieces (Qwen3.5's Gated DeltaNet split by head, its kernels, its lean gated norm),
-registered through installs.py when a model of the family is parallelized. Nothing outside asks which family it
-has. Another family is one new folder here plus its entry in FAMILIES, or `register(family)` (and
-installs.register_install for a new block) from outside (tests/test_family_seam.py adds one that way).
-"""
+A family's folder holds two layers. Its `__init__` is its torch-free facts, below both the planner and the model code
+(it imports nothing of the package but errors, the plan's vocabulary and other families' facts), so the planner reads
+the same facts the trainer builds from: its transformers names (config and causal-LM classes), its presets (presets.py
+builds their configs), the decoder layer's parameters in module order (what the memory model, the ZeRO-3 trace and the
+FLOP counts assume), whether it has q/k norms, its MLP block and token mixer as behaviour (base.MlpBlock,
+base.TokenMixer: parameters, memory and time terms, ZeRO-3 trace groups, collectives, LoRA targets, what training sets
+on its config). Its `modules.py` (Family.modules) is its torch side, on the runtime code: what parallelize swaps in for
+its block and mixer, and its Ulysses pieces (Qwen3.5's Gated DeltaNet split by head, its kernels, its lean gated norm),
+registered through installs.py when a model of the family is parallelized. Nothing outside asks which family it has.
+Another family is one new folder here plus its entry in FAMILIES, or `register(family)` (and installs.register_install
+for a new block) from outside (tests/test_family_seam.py adds one that way). """
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ A family owns what differs between families: the MLP (or expert) block (its para
 memory, time, ZeRO-3 uses and collectives, what training sets on its config) and its LoRA targets. The planner and
 the model code call these methods; neither asks which family it has. What parallelize swaps into a model for a
 block or a mixer is the family's torch side (its folder's modules.py, registered in families/installs.py keyed by
-the block's class): this module and the facts of every family import nothing of the trainer but its errors, so the
-planner below the model reads them without torch.
+the block's class): this module and the facts of every family import nothing of the trainer but its errors and the
+plan's vocabulary (torch-free), so the planner below the model reads them without torch.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
+from ..vocabulary.lever_settings import Levers
 
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # the layer_types entries Ulysses attention runs (a sliding window applies on the whole sequence of a rank's heads)
@@ -46,16 +47,30 @@ class LayerDims:
 
 @dataclass(frozen=True)
 class MlpRun:
-    """What an MLP block's plan terms read of one run on one rank (plan/ fills it from its Settings)."""
+    """What an MLP block's plan terms read of one run on one rank (plan/ fills it from its Settings): the run's
+    lever record itself, whose tiles and checkpointing the terms read through `tiled_mlp` and
+    `gradient_checkpointing`."""
 
     tokens: int  # t: tokens one rank holds per micro-step
     act_bytes: int  # 2 (bf16) or 4
-    tiled_mlp: int = 1  # sequence tiles (1 = untiled)
-    gradient_checkpointing: bool = True
+    levers: Levers  # the plan's, every one decided (vocabulary/lever_settings)
     forward_passes: float = 1.0  # forwards per layer on average (recompute and checkpoint_every rebuilds)
     experts_implementation: str = "grouped_mm"
     lean_norm: bool = True  # the norms keep only their inputs (levers/lean_norm.py, lean_gated_norm.py)
     weights_frozen: bool = False  # LoRA: the base weights get no gradient, so the backward skips their matmuls
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.levers.tiled_mlp, int):
+            raise ValueError(f"an MLP run's tiles are a plan's count, got tiled_mlp {self.levers.tiled_mlp!r}")
+
+    @property
+    def tiled_mlp(self) -> int:
+        """Sequence tiles (1 = untiled)."""
+        return self.levers.tiled_mlp
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self.levers.gradient_checkpointing
 
     @property
     def backward_flops(self) -> float:

@@ -339,10 +339,9 @@ def forward_passes(shape: ModelShape, s: Settings) -> float:
 
 def mlp_run(shape: ModelShape, s: Settings) -> MlpRun:
     """What the family's MLP block terms read of these settings (families/base.MlpRun)."""
-    return MlpRun(tokens=s.local_tokens, act_bytes=s.act_bytes, tiled_mlp=s.tiled_mlp,
-                  gradient_checkpointing=s.gradient_checkpointing, forward_passes=forward_passes(shape, s),
-                  experts_implementation=s.experts_implementation, lean_norm=s.lean_norm,
-                  weights_frozen=s.trainable_numels is not None)
+    return MlpRun(tokens=s.local_tokens, act_bytes=s.act_bytes, levers=s.levers,
+                  forward_passes=forward_passes(shape, s), experts_implementation=s.experts_implementation,
+                  lean_norm=s.lean_norm, weights_frozen=s.trainable_numels is not None)
 
 
 def kv_repeat(shape: ModelShape, sp_size: int) -> int:
