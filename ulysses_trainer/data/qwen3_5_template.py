@@ -28,11 +28,17 @@ TRAINING_VARIANTS = {
 def training_variant(template: object) -> str | None:
     """The training variant of a shipped Qwen3.5-family template (a dict of named templates: its default), None for
     any other template."""
+    return shipped_variant(template, TRAINING_VARIANTS)
+
+
+def shipped_variant(template: object, variants: dict[str, str]) -> str | None:
+    """The packaged template `variants` maps a shipped template's sha256 to (a dict of named templates: its
+    default), None for a template it does not name."""
     if isinstance(template, dict):
         template = template.get("default")
     if not isinstance(template, str):
         return None
-    name = TRAINING_VARIANTS.get(hashlib.sha256(template.encode("utf-8")).hexdigest())
+    name = variants.get(hashlib.sha256(template.encode("utf-8")).hexdigest())
     if name is None:
         return None
     return resources.files(__package__).joinpath("chat_templates", name).read_text(encoding="utf-8")

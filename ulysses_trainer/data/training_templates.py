@@ -11,9 +11,7 @@ prefixes), and is refused for assistant_only_loss where none of them finds the a
 
 from __future__ import annotations
 
-import hashlib
-from importlib import resources
-
+from .qwen3_5_template import shipped_variant
 from .qwen3_5_template import training_variant as qwen3_5_training_variant
 
 # sha256 of the shipped template (TRL's copy of it, trl/chat_templates/<name>.jinja) -> its training variant's file
@@ -30,14 +28,4 @@ TRAINING_VARIANTS = {
 def training_variant(template: object) -> str | None:
     """TRL's training variant of a shipped template (a dict of named templates: its default), None for a template
     TRL ships none for."""
-    qwen3_5 = qwen3_5_training_variant(template)
-    if qwen3_5 is not None:
-        return qwen3_5
-    if isinstance(template, dict):
-        template = template.get("default")
-    if not isinstance(template, str):
-        return None
-    name = TRAINING_VARIANTS.get(hashlib.sha256(template.encode("utf-8")).hexdigest())
-    if name is None:
-        return None
-    return resources.files(__package__).joinpath("chat_templates", name).read_text(encoding="utf-8")
+    return qwen3_5_training_variant(template) or shipped_variant(template, TRAINING_VARIANTS)
