@@ -130,3 +130,55 @@ def test_every_preset_smaller_than_qwens_vocabulary_takes_its_familys_stand_in(p
         with pytest.raises(ConfigError, match="no chat template to render conversations with; point "
                                               "model_name_or_path at a checkpoint"):
             build_sequences(cfg, tok, split="train", dp_size=1, num_sequences=1)
+
+
+# The published tokenizers' special tokens (a sample of each: the named ones, the ends of a reserved range), written
+# out apart from STAND_INS: Llama 3.1's tokenizer.json added_tokens, mistral-common's Tekken controls (20 named, then
+# <SPECIAL_n> to 999, the BPE from 1000), Llama 2's SentencePiece, Phi-3's added tokens (torchtune's Phi-3 table),
+# Granite 3's (StarCoder's at 1-18, its role tokens after the 49,152 BPE ids), dolma2's (tiktoken's cl100k_base
+# specials and OLMo's <|pad|>)
+PUBLISHED = {
+    "llama3": {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|reserved_special_token_0|>": 128002,
+               "<|finetune_right_pad_id|>": 128004, "<|reserved_special_token_2|>": 128005,
+               "<|start_header_id|>": 128006, "<|end_header_id|>": 128007, "<|eom_id|>": 128008, "<|eot_id|>": 128009,
+               "<|python_tag|>": 128010, "<|reserved_special_token_3|>": 128011,
+               "<|reserved_special_token_247|>": 128255},
+    "mistral_tekken": {"<unk>": 0, "<s>": 1, "</s>": 2, "[INST]": 3, "[/INST]": 4, "[AVAILABLE_TOOLS]": 5,
+                       "[TOOL_CALLS]": 9, "<pad>": 11, "[SYSTEM_PROMPT]": 17, "[/SYSTEM_PROMPT]": 18,
+                       "[TOOL_CONTENT]": 19, "<SPECIAL_20>": 20, "<SPECIAL_999>": 999},
+    "llama2": {"<unk>": 0, "<s>": 1, "</s>": 2},
+    "phi3": {"<unk>": 0, "<s>": 1, "</s>": 2, "<|endoftext|>": 32000, "<|assistant|>": 32001,
+             "<|placeholder1|>": 32002, "<|placeholder4|>": 32005, "<|system|>": 32006, "<|end|>": 32007,
+             "<|placeholder5|>": 32008, "<|placeholder6|>": 32009, "<|user|>": 32010},
+    "granite3": {"<|end_of_text|>": 0, "<fim_prefix>": 1, "<fim_middle>": 2, "<fim_suffix>": 3, "<reponame>": 18,
+                 "<|start_of_role|>": 49152, "<|end_of_role|>": 49153, "<|tool_call|>": 49154},
+    "olmo2": {"<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259, "<|fim_suffix|>": 100260,
+              "<|endofprompt|>": 100276, "<|pad|>": 100277},
+}
+# (specials, the first id of the BPE's ranks) of each published vocabulary
+PUBLISHED_LAYOUT = {"llama3": (256, 0), "mistral_tekken": (1000, 1000), "llama2": (3, 3), "phi3": (14, 3),
+                    "granite3": (22, 19), "olmo2": (6, 0)}
+# the presets' config.json ids (bos, eos, pad; None: the published config sets none), as the published configs have them
+PRESET_IDS = {"llama-3.1-8b": (128000, 128001, None), "mistral-small-24b": (1, 2, None), "mixtral-8x7b": (1, 2, None),
+              "phi-3.5-mini": (1, 32000, 32000), "granite-3.1-8b": (0, 0, 0), "olmo-2-7b": (None, 100257, 100277),
+              "gemma-3-27b": (2, 1, 0), "gpt-oss-20b": (None, 200002, 199999), "qwen2.5-7b": (151643, 151643, None)}
+
+
+@pytest.mark.parametrize("vocabulary", list(PUBLISHED))
+def test_each_stand_ins_special_tokens_are_the_published_tokenizers(vocabulary):
+    """Every special token the published tokenizer has, at its id (the sample above), no other specials, and the
+    BPE's ranks starting where the published BPE's do: a chat template's tokens and a config's ids mean the same
+    in the stand-in as in the checkpoint's own tokenizer."""
+    spec = STAND_INS[vocabulary]
+    specials = {text: i for i, text in spec.specials}
+    assert {t: specials.get(t) for t in PUBLISHED[vocabulary]} == PUBLISHED[vocabulary]
+    assert len(specials) == len(spec.specials) == PUBLISHED_LAYOUT[vocabulary][0]  # one id per text
+    assert spec.bpe_ids()[0] == PUBLISHED_LAYOUT[vocabulary][1]
+    for role in ("bos", "eos", "pad"):
+        assert getattr(spec, role) is None or getattr(spec, role) in specials, role
+
+
+@pytest.mark.parametrize("preset", list(PRESET_IDS))
+def test_each_presets_token_ids_are_its_published_configs(preset):
+    model = model_config_for(load_config(["--model_name_or_path", preset]))
+    assert tuple(getattr(model, f"{r}_token_id", None) for r in ("bos", "eos", "pad")) == PRESET_IDS[preset]

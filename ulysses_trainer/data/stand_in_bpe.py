@@ -40,6 +40,24 @@ def _llama3_specials() -> tuple[tuple[int, str], ...]:
     return tuple(out)
 
 
+# Tekken's control tokens 0-19 in rank order (mistral-common's Tekkenizer; github.com/mistralai/mistral-common)
+_TEKKEN_CONTROLS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                    "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]",
+                    "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]")
+
+
+def _tekken_specials() -> tuple[tuple[int, str], ...]:
+    """Tekken's 1,000 special tokens at 0-999: its named controls, then `<SPECIAL_{id}>` fillers; its BPE from 1000."""
+    return tuple((i, _TEKKEN_CONTROLS[i] if i < len(_TEKKEN_CONTROLS) else f"<SPECIAL_{i}>") for i in range(1000))
+
+
+# StarCoder's special tokens, which Granite 3's vocabulary keeps at 1-18 (<|end_of_text|> at 0 is its eos)
+_STARCODER_SPECIALS = ("<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>", "<filename>", "<gh_stars>",
+                       "<issue_start>", "<issue_comment>", "<issue_closed>", "<jupyter_start>", "<jupyter_text>",
+                       "<jupyter_code>", "<jupyter_output>", "<empty_output>", "<commit_before>", "<commit_msg>",
+                       "<commit_after>", "<reponame>")
+
+
 @dataclass(frozen=True)
 class StandIn:
     """A family's stand-in vocabulary: `vocab_size` ids, `specials` (id, text) at the family's ids, the first
@@ -83,22 +101,30 @@ STAND_INS = {
     # Llama 3's template (its generation markers give assistant_only_loss its tokens)
     "llama3": StandIn("Llama 3", 128256, _llama3_specials(), bos="<|begin_of_text|>", eos="<|end_of_text|>",
                       pad="<|finetune_right_pad_id|>", template="llama3_training.jinja"),
-    # Mistral's Tekken (Mistral-Small-24B-2501): its control tokens first (the rest of its 1,000 are placeholders)
-    "mistral_tekken": StandIn("Mistral Tekken", 131072, ((0, "<unk>"), (1, "<s>"), (2, "</s>"), (3, "[INST]"),
-                                                         (4, "[/INST]")), bos="<s>", eos="</s>"),
+    # Mistral's Tekken (Mistral-Small-24B-2501): 1,000 special tokens first (20 controls, then <SPECIAL_20> ...),
+    # its 130,072 BPE ranks after them
+    "mistral_tekken": StandIn("Mistral Tekken", 131072, _tekken_specials(), bos="<s>", eos="</s>"),
     # Mixtral's Llama 2 SentencePiece vocabulary: <unk>, <s>, </s> first; [INST] is text there
     "llama2": StandIn("Llama 2", 32000, ((0, "<unk>"), (1, "<s>"), (2, "</s>")), bos="<s>", eos="</s>"),
-    # Phi-3 / 3.5: Llama 2's three, then its chat tokens from 32000; Phi-3.5's template
+    # Phi-3 / 3.5: Llama 2's three, then its 11 added tokens from 32000 (chat tokens and placeholders); Phi-3.5's
+    # template
     "phi3": StandIn("Phi-3", 32064, ((0, "<unk>"), (1, "<s>"), (2, "</s>"), (32000, "<|endoftext|>"),
-                                     (32001, "<|assistant|>"), (32006, "<|system|>"), (32007, "<|end|>"),
+                                     (32001, "<|assistant|>"), (32002, "<|placeholder1|>"), (32003, "<|placeholder2|>"),
+                                     (32004, "<|placeholder3|>"), (32005, "<|placeholder4|>"), (32006, "<|system|>"),
+                                     (32007, "<|end|>"), (32008, "<|placeholder5|>"), (32009, "<|placeholder6|>"),
                                      (32010, "<|user|>")), bos="<s>", eos="<|endoftext|>", pad="<|endoftext|>",
                     template="phi3_5_training.jinja"),
-    # Granite 3.x: <|end_of_text|> first (its bos, eos and pad), its role tokens last
-    "granite3": StandIn("Granite 3", 49155, ((0, "<|end_of_text|>"), (49152, "<|start_of_role|>"),
-                                             (49153, "<|end_of_role|>"), (49154, "<|tool_call|>")),
+    # Granite 3.0 / 3.1: <|end_of_text|> first (its bos, eos and pad), StarCoder's specials, its role tokens last
+    "granite3": StandIn("Granite 3", 49155, ((0, "<|end_of_text|>"),
+                                             *((i + 1, t) for i, t in enumerate(_STARCODER_SPECIALS)),
+                                             (49152, "<|start_of_role|>"), (49153, "<|end_of_role|>"),
+                                             (49154, "<|tool_call|>")),
                         bos="<|end_of_text|>", eos="<|end_of_text|>", pad="<|end_of_text|>"),
-    # OLMo 2's dolma2 vocabulary (cl100k's ids): <|endoftext|> and <|pad|>, padded to 100,352 rows
-    "olmo2": StandIn("OLMo 2", 100352, ((100257, "<|endoftext|>"), (100277, "<|pad|>")), bos=None,
+    # OLMo 2's dolma2 vocabulary: cl100k_base's ids and specials (<|endoftext|>, the three infill tokens,
+    # <|endofprompt|>) and its own <|pad|>, 100,278 ids padded to 100,352 rows
+    "olmo2": StandIn("OLMo 2", 100352, ((100257, "<|endoftext|>"), (100258, "<|fim_prefix|>"),
+                                        (100259, "<|fim_middle|>"), (100260, "<|fim_suffix|>"),
+                                        (100276, "<|endofprompt|>"), (100277, "<|pad|>")), bos=None,
                      eos="<|endoftext|>", pad="<|pad|>"),
 }
 
