@@ -3,7 +3,6 @@ predicted step time and peak against the measured ones at the end, and the recor
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 
@@ -69,9 +68,9 @@ def report_plan(r: Plan, before_build: bool, digest: str) -> None:
             (f"within the memory model's worst measured under-prediction ({UNDER_PREDICTION:.1%}), and it errs on the "
              f"high side: the run may still fit")
         log.warning(f"warning: the plan does not fit: {p.shortage()} ({why})")
-    if r.run.gradient_checkpointing:
+    if r.levers.gradient_checkpointing:
         n, saved, off = r.num_layers, len(r.saved_layers), len(r.offload_layers)
-        kept = f"1 in {r.run.checkpoint_every} layers keeps its input" if r.run.checkpoint_every > 1 else \
+        kept = f"1 in {r.levers.checkpoint_every} layers keeps its input" if r.levers.checkpoint_every > 1 else \
             "every layer keeps its input"
         log.info(f"checkpoints: {kept} ({saved}/{n}), {off} in pinned host memory "
               f"({r.checkpoint_bytes_per_layer * off / 2**30:.2f} GiB)")
@@ -82,8 +81,8 @@ def report_plan(r: Plan, before_build: bool, digest: str) -> None:
 def replan_line(first: Plan, after: Plan, free_gb: float) -> str:
     """The after-engine phase in one line: the plan searched again with the GPU memory the engine left (`free_gb`,
     the least of any rank's) and what it changed of `first` (the settings under their config names)."""
-    changed = [f"{f.name} {getattr(first.run, f.name)} -> {getattr(after.run, f.name)}"
-               for f in dataclasses.fields(first.run) if getattr(first.run, f.name) != getattr(after.run, f.name)]
+    before, now = first.run.flat(), after.run.flat()
+    changed = [f"{name} {before[name]} -> {now[name]}" for name in before if before[name] != now[name]]
     what = f"changed {', '.join(changed)}" if changed else "unchanged"
     return f"replanned after the engine ({free_gb:.1f} GiB GPU memory free on the fullest rank): {what}"
 
