@@ -61,7 +61,7 @@ def test_tiled_mlp_0_is_refused_by_the_config_the_plan_and_a_loop_of_your_own(ca
     with pytest.raises(ConfigError, match="tiled_mlp must be >= 1 tiles"):
         ParallelizeConfig(tiled_mlp=0).resolve(preset_config("tiny"))
     # the untiled spellings stay accepted by both
-    assert ParallelizeConfig(tiled_mlp=1).resolve(preset_config("tiny")).tiled_mlp == 1
+    assert ParallelizeConfig(tiled_mlp=1).resolve(preset_config("tiny")).levers.tiled_mlp == 1
     untiled = resolve_plan(TrainConfig(tiled_mlp=False), ModelShape.from_config(preset_config("tiny")), CPU)
     assert untiled.run.levers.tiled_mlp == 1
 
@@ -145,10 +145,10 @@ def test_the_trainers_plan_and_a_loop_of_your_own_install_the_same_levers(values
     config = preset_config("tiny")
     trainer_side = resolve_plan(TrainConfig(**values), ModelShape.from_config(config), CPU).model_plan(None, 1)
     own_loop = ParallelizeConfig(attn_implementation="sdpa", **values).resolve(config)
-    fields = ("tiled_mlp", "gradient_checkpointing", "checkpoint_every", "offload_layers", "kept_attention_layers",
-              "attention_stash")
-    assert [getattr(trainer_side, f) for f in fields] == [getattr(own_loop, f) for f in fields]
-    assert (own_loop.tiled_mlp, own_loop.offload_layers, own_loop.kept_attention_layers) == installed
+    installs = lambda p: (p.levers.tiled_mlp, p.levers.gradient_checkpointing, p.checkpoint_every,  # noqa: E731
+                          p.offload_layers, p.kept_attention_layers, p.attention_stash)
+    assert installs(trainer_side) == installs(own_loop)
+    assert (own_loop.levers.tiled_mlp, own_loop.offload_layers, own_loop.kept_attention_layers) == installed
 
 
 LEVER_NAMES = {"gradient_checkpointing", *RAW_LEVERS}
@@ -156,7 +156,6 @@ LEVER_NAMES = {"gradient_checkpointing", *RAW_LEVERS}
 LEVER_HOLDERS = {
     "config/train_config.py TrainConfig",  # the user's values as written (decode_levers reads them)
     "vocabulary/lever_settings.py Levers",  # the one record
-    "vocabulary/model_plan.py ModelPlan",  # what parallelize installs: concrete counts and layer indices
     "plan/types.py ZeroSettings",  # the ZeRO JSON's own optimizer placement (None: the JSON has no section)
 }
 
