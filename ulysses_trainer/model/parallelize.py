@@ -191,8 +191,8 @@ def parallelize(model: nn.Module, state: ParallelState,
     Every input is checked before the model is changed (ConfigError / TypeError naming the fix); the caller's
     config object is never changed (the model runs on a private copy); `unparallelize` (or a failure half-way)
     puts the model back as it was."""
-    if isinstance(plan, ParallelizeConfig):
-        plan = plan.resolve(model.config)
+    # a loop of your own's config becomes the ModelPlan it names (its auto decided here); from here on `plan` is one
+    plan = plan.resolve(model.config) if isinstance(plan, ParallelizeConfig) else plan
     layers = _check(model, plan)
     c = model.config
     fam = family(getattr(c, "model_type", "qwen3"))

@@ -45,7 +45,7 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
 
 
 @dataclass(frozen=True)
-class PlanSearch:
+class LeverSearch:
     """Every decision before the step time and the one search over the levers (memory only: the data's attention
     share moves the time, never the memory). `plan_from` makes the Plan of it, with or without the share."""
 
@@ -71,7 +71,7 @@ class PlanSearch:
 
 
 def search_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettings | None = None, *,
-                layout: Layout | None = None) -> PlanSearch:
+                layout: Layout | None = None) -> LeverSearch:
     """One pass down: the machine's budget, the layout, the kernels, the base settings, the levers decoded and
     bound, then the search. ConfigError for settings that cannot run."""
     zero = zero or ZeroSettings()
@@ -127,7 +127,7 @@ def replan_after_engine(first: Plan, cfg: Any, shape: ModelShape, machine: Machi
 
 def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: Levers, asked: Levers,
             zero: ZeroSettings, budget: float | None, budget_note: str | None, *,
-            engine_plan: Plan | None) -> PlanSearch:
+            engine_plan: Plan | None) -> LeverSearch:
     """The search over the levers `fx` leaves open (None) within the budgets (none without a GPU)."""
     found = fuller = None
     if budget is not None:
@@ -143,10 +143,10 @@ def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: L
         roomy = search_fits(shape, base, fx, keep, budget, HOST_HEADROOM * machine.host_memory_gb,
                             zero.by_placement) if full else whole
         found, fuller = (roomy, whole) if roomy.fits and roomy is not whole else (whole, None)
-    return PlanSearch(cfg, shape, machine, base, fx, asked, zero, budget, budget_note, found, engine_plan, fuller)
+    return LeverSearch(cfg, shape, machine, base, fx, asked, zero, budget, budget_note, found, engine_plan, fuller)
 
 
-def plan_from(sr: PlanSearch, *, attention: AttentionShare | None = None) -> Plan:
+def plan_from(sr: LeverSearch, *, attention: AttentionShare | None = None) -> Plan:
     """The Plan of a search: the fastest of what it found, timed with the packed data's attention share
     (None: one document per row), then the step time and the notes. No search runs here."""
     cfg, shape, machine, fx, budget = sr.cfg, sr.shape, sr.machine, sr.fx, sr.budget

@@ -11,28 +11,28 @@ from ..messages import ON_STDERR
 from ..plan.memory import UNDER_PREDICTION
 from ..plan.types import Plan
 from .metrics import peak_gpu_mem_gb, predicted_vs_measured
-from .prepare import RunPlan
+from .prepare import PreparedRun
 from .resume_check import run_record
 
 log = logging.getLogger(__name__)
 
 
-def report_data(plan: RunPlan) -> None:
-    if getattr(plan.tokenizer, "stand_in", False):  # a preset's stand-in, not the model's own tokenizer: say so
-        log.info(f"tokenizer: {plan.tokenizer.name}")
-    for what, data in (("data", plan.train_data), ("eval data", plan.eval_data)):
+def report_data(prepared: PreparedRun) -> None:
+    if getattr(prepared.tokenizer, "stand_in", False):  # a preset's stand-in, not the model's own tokenizer: say so
+        log.info(f"tokenizer: {prepared.tokenizer.name}")
+    for what, data in (("data", prepared.train_data), ("eval data", prepared.eval_data)):
         counts = getattr(data, "counts", None)
         if counts is not None:
             log.info(f"{what}: {counts.summary()}")
-    if plan.zero_filled:
-        log.info(plan.zero_filled)
-    if plan.disk:
-        log.info(plan.disk)
+    if prepared.zero_filled:
+        log.info(prepared.zero_filled)
+    if prepared.disk:
+        log.info(prepared.disk)
 
 
-def data_record(plan: RunPlan) -> dict:
+def data_record(prepared: PreparedRun) -> dict:
     """The train and eval data's accounting, as config.json keeps it."""
-    return {what: data.counts.to_dict() for what, data in (("train", plan.train_data), ("eval", plan.eval_data))
+    return {what: data.counts.to_dict() for what, data in (("train", prepared.train_data), ("eval", prepared.eval_data))
             if getattr(data, "counts", None) is not None}
 
 
@@ -105,18 +105,18 @@ def report_predicted_vs_measured(r: Plan, step_times: list[float]) -> None:
     log.info(predicted_vs_measured(p.step_s, p.peak_gpu_gb, step_times, peak_gpu_mem_gb()))
 
 
-def run_config_record(plan: RunPlan, step: int, path: str) -> dict:
+def run_config_record(prepared: PreparedRun, step: int, path: str) -> dict:
     """config.json's content: this run's config, layout and data accounting; on resume the earlier runs' configs
     (read from `path`) stay in its `history` with the step each change took effect."""
-    record = {**run_record(config_to_dict(plan.cfg), plan.world_size, plan.sp_size, plan.dp_size),
-              "data": data_record(plan), "plan_digest": plan.plan_digest, "history": []}
+    record = {**run_record(config_to_dict(prepared.cfg), prepared.world_size, prepared.sp_size, prepared.dp_size),
+              "data": data_record(prepared), "plan_digest": prepared.plan_digest, "history": []}
     try:
         with open(path) as f:
             previous = json.load(f)
     except (OSError, ValueError):
         previous = None
-    if plan.resume_path and isinstance(previous, dict):
+    if prepared.resume_path and isinstance(previous, dict):
         history = previous.pop("history", []) if isinstance(previous.get("history"), list) else []
         record["history"] = history + [{"until_step": step, **previous,
-                                        "changes_at_resume": {k: list(v) for k, v in plan.config_changes.items()}}]
+                                        "changes_at_resume": {k: list(v) for k, v in prepared.config_changes.items()}}]
     return record
