@@ -206,31 +206,15 @@ def test_deltanet_kernel_auto_takes_fla_where_installed_and_the_plan_names_it():
 
 
 def _zero3_rank(rank, world_size, preset, ids, pos, labels):
-    import deepspeed
-    from deepspeed.utils import safe_get_full_grad
-
-    from tests.dist_utils import zero3_config
-    from ulysses_trainer import (
-        ParallelizeConfig,
-        global_loss,
-        loss_for_backward,
-        make_parallel_state,
-        parallelize,
-        shard_batch,
-        step_token_count,
-    )
+    from tests.dist_utils import sp_zero3_step
+    from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize
 
     state = make_parallel_state(world_size)
     model = parallelize(build(preset), state, ParallelizeConfig(attn_implementation="sdpa", loss_chunk_size=7,
                                                                   tiled_mlp=2, gradient_checkpointing=True))
-    engine, *_ = deepspeed.initialize(model=model, config=zero3_config(world_size),
-                                      optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-    shard = shard_batch(ids, position_ids=pos, labels=labels, sp_size=world_size, sp_rank=state.sp_rank)
-    tokens = step_token_count(shard.num_valid, state)
-    loss_sum = engine(**shard.model_inputs())
-    engine.backward(loss_for_backward(loss_sum, tokens, state), scale_wrt_gas=False)
-    grads = {n.removeprefix("causal_lm."): safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
-    return global_loss(float(loss_sum), tokens, state), grads
+    step = sp_zero3_step(model, state, ids, position_ids=pos, labels=labels,
+                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    return step["loss"], step["grads"]
 
 
 @pytest.mark.slow
