@@ -183,7 +183,7 @@ def test_the_mlp_terms_and_the_comm_jobs_read_the_plans_lever_record():
     s = Settings(max_length=65_536, sp_size=2).with_levers(checkpoint_every=3, tiled_mlp=8, activation_offload=2)
     run, job = mlp_run(shape, s), Job.of(s)
     assert run.levers == job.levers == s.levers
-    assert (run.tiled_mlp, run.gradient_checkpointing, job.levers.checkpoint_every) == (8, True, 3)
+    assert (run.levers.tiled_mlp, run.levers.gradient_checkpointing, job.levers.checkpoint_every) == (8, True, 3)
     # the terms follow the record: untiled, the MLP keeps its intermediates; tiled, one tile's at most
     untiled = mlp_run(shape, s.with_levers(tiled_mlp=1))
     assert shape.family.mlp.saved(shape.dims, untiled) != shape.family.mlp.saved(shape.dims, run)
