@@ -200,6 +200,52 @@ def zero3_config(world_size: int, **zero: object) -> dict:
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
 
 
+def sp_zero3_step(model, state, ids, *, position_ids=None, labels=None, pad_to_multiple_of: int | None = None,
+                  optimizer: Callable | None = None) -> dict:
+    """Inside a rank: one training step's forward and backward of a parallelized `model` (on `state`) in a ZeRO-3
+    engine (zero3_config; `optimizer(params)`, default SGD at lr 0: no step is taken) over this rank's shard of
+    `ids` (this dp rank's sequence), the loss normalised over every rank's tokens as the trainer does
+    (loss_for_backward). Returns the global loss, the full gradients under the stock model's names, the step's
+    token count, the shard and the engine."""
+    import deepspeed
+    import torch
+    from deepspeed.utils import safe_get_full_grad
+
+    from ulysses_trainer import global_loss, loss_for_backward, shard_batch, step_token_count
+
+    engine, *_ = deepspeed.initialize(model=model, config=zero3_config(state.world_size),
+                                      optimizer=(optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.0)))(
+                                          model.parameters()))
+    shard = shard_batch(ids, position_ids=position_ids, labels=labels, sp_size=state.sp_size,
+                        sp_rank=state.sp_rank, pad_to_multiple_of=pad_to_multiple_of)
+    tokens = step_token_count(shard.num_valid, state)
+    loss_sum = engine(**shard.model_inputs())
+    engine.backward(loss_for_backward(loss_sum, tokens, state), scale_wrt_gas=False)
+    grads = {n.removeprefix("causal_lm."): safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+    return {"loss": global_loss(float(loss_sum), tokens, state), "grads": grads, "tokens": tokens, "shard": shard,
+            "engine": engine}
+
+
+def stock_zero3_step(model, world_size: int, ids, *, wire: Callable | None = None) -> tuple[float, dict, Any]:
+    """Inside a rank: a stock HF causal LM in a ZeRO-3 engine that partitions even tiny parameters with small
+    buckets (so each module really gathers and reductions happen between its parts), AdamW; `wire(engine)` before
+    the step; one forward + backward of `ids` (labels = ids). Returns (loss, {name: full grad as numpy}, engine):
+    numpy, since tensors cross the result queue as shared memory that dies with the rank."""
+    import deepspeed
+    import torch
+    from deepspeed.utils import safe_get_full_grad
+
+    config = zero3_config(world_size, reduce_bucket_size=20_000, stage3_prefetch_bucket_size=20_000)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                      config=config)
+    if wire is not None:
+        wire(engine)
+    out = engine(input_ids=ids, labels=ids)
+    engine.backward(out.loss)
+    grads = {n: safe_get_full_grad(p).numpy().copy() for n, p in engine.module.named_parameters()}
+    return out.loss.item(), grads, engine
+
+
 def tiny_zero3_sp_step(rank: int, world_size: int, pcfg, *, layers: int | None = None, seq: int = 41,
                        small_buckets: bool = False):
     """Inside a rank: a tiny Qwen3 (seed 5) under `parallelize(pcfg)` in a ZeRO-3 engine (SGD, lr 0), one

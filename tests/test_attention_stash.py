@@ -203,15 +203,18 @@ def test_sp2_zero3_kept_outputs_equal_recompute():
 
 def test_kept_bytes_are_the_plans_term():
     """One memory model: what the stash holds per kept layer is the planner's kept-attention term."""
+    from dataclasses import replace
+
     from ulysses_trainer import shard_batch
     from ulysses_trainer.model.parallelize import apply
     from ulysses_trainer.plan.inputs import ModelShape, Settings
     from ulysses_trainer.plan.layer_terms import kept_attention_bytes_per_layer
+    from ulysses_trainer.vocabulary.lever_settings import EVERY_LAYER
     from ulysses_trainer.vocabulary.model_plan import ModelPlan
 
     model = _tiny_parallel("auto")
     assert model.attention.stash.layers == set()  # auto: nothing kept until a plan says so
-    apply(model, ModelPlan(kept_attention_layers=(0, 2)))
+    apply(model, ModelPlan(levers=replace(EVERY_LAYER, keep_attention_outputs=2), num_layers=3))
     length = 24
     model(**shard_batch(torch.randint(0, 1000, (1, length)), sp_size=1, sp_rank=0).model_inputs())
     per = kept_attention_bytes_per_layer(ModelShape.from_config(model.config), Settings(max_length=length, bf16=False))

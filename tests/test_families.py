@@ -70,19 +70,19 @@ def test_sparse_trace_runs_the_router_once_and_the_experts_per_tile():
 
 def test_sparse_memory_terms_scale_with_top_k_and_tiles():
     shape = ModelShape.preset("qwen3-30b-a3b")
-    s = Settings(max_length=1048576, sp_size=8, tiled_mlp=1)
+    s = Settings(max_length=1048576, sp_size=8).with_levers(tiled_mlp=1)
     saved = layer_forward_saved(shape, s)
     t = 131072
     assert saved["experts: permuted token buffer (top_k x t rows)"] == 8 * t * 2048 * 2
     assert saved["experts: intermediates of the top_k x t routed rows (gate_up, act, product)"] == 4 * 8 * t * 768 * 2
     assert "MLP intermediates (gate, act, up, product)" not in saved
-    tiled = Settings(max_length=1048576, sp_size=8, tiled_mlp=8)
+    tiled = Settings(max_length=1048576, sp_size=8).with_levers(tiled_mlp=8)
     assert sum(layer_forward_saved(shape, tiled).values()) < sum(saved.values())
     assert sum(mlp_backward_extra(shape, tiled).values()) < sum(mlp_backward_extra(shape, s).values())
     batched = layer_forward_saved(shape, Settings(max_length=131072, experts_implementation="batched_mm"))
     assert batched["experts (batched_mm): gathered gate_up weights of one tile's rows"] == 768 * 2**30  # measured ask
     # active FLOPs: top_k experts per token, 2 x fwd passes + 4
-    plain = Settings(max_length=131072, gradient_checkpointing=False)
+    plain = Settings(max_length=131072).with_levers(gradient_checkpointing=False)
     assert shape.family.mlp.experts_flops(shape.dims, mlp_run(shape, plain), shape.layers) == \
         48 * 8 * 3 * 2048 * 768 * 131072 * 6
 

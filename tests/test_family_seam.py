@@ -58,7 +58,7 @@ def test_the_planner_reads_the_new_familys_block(plain_family):
     assert layer_param_numels(shape)[6:8] == [h * i, i * h]  # after q, k, v, o, q_norm, k_norm: up, down
     assert forward_order(shape)[-2:] == ["up", "down"]
     assert gathers_per_micro_step(shape, persistence_threshold=0)["up"] >= 2
-    s = Settings(max_length=4096, tiled_mlp=1)
+    s = Settings(max_length=4096).with_levers(tiled_mlp=1)
     saved = layer_forward_saved(shape, s)
     assert saved["plain MLP intermediates (up, act)"] == 2 * 4096 * i * 2
     assert "MLP intermediates (gate, act, up, product)" not in saved

@@ -61,9 +61,9 @@ def test_tiled_mlp_0_is_refused_by_the_config_the_plan_and_a_loop_of_your_own(ca
     with pytest.raises(ConfigError, match="tiled_mlp must be >= 1 tiles"):
         ParallelizeConfig(tiled_mlp=0).resolve(preset_config("tiny"))
     # the untiled spellings stay accepted by both
-    assert ParallelizeConfig(tiled_mlp=1).resolve(preset_config("tiny")).tiled_mlp == 1
+    assert ParallelizeConfig(tiled_mlp=1).resolve(preset_config("tiny")).levers.tiled_mlp == 1
     untiled = resolve_plan(TrainConfig(tiled_mlp=False), ModelShape.from_config(preset_config("tiny")), CPU)
-    assert untiled.run.tiled_mlp == 1
+    assert untiled.run.levers.tiled_mlp == 1
 
 
 @pytest.mark.parametrize("ckpt, keep, stash", [
@@ -145,10 +145,10 @@ def test_the_trainers_plan_and_a_loop_of_your_own_install_the_same_levers(values
     config = preset_config("tiny")
     trainer_side = resolve_plan(TrainConfig(**values), ModelShape.from_config(config), CPU).model_plan(None, 1)
     own_loop = ParallelizeConfig(attn_implementation="sdpa", **values).resolve(config)
-    fields = ("tiled_mlp", "gradient_checkpointing", "checkpoint_every", "offload_layers", "kept_attention_layers",
-              "attention_stash")
-    assert [getattr(trainer_side, f) for f in fields] == [getattr(own_loop, f) for f in fields]
-    assert (own_loop.tiled_mlp, own_loop.offload_layers, own_loop.kept_attention_layers) == installed
+    installs = lambda p: (p.levers.tiled_mlp, p.levers.gradient_checkpointing, p.checkpoint_every,  # noqa: E731
+                          p.offload_layers, p.kept_attention_layers, p.attention_stash)
+    assert installs(trainer_side) == installs(own_loop)
+    assert (own_loop.levers.tiled_mlp, own_loop.offload_layers, own_loop.kept_attention_layers) == installed
 
 
 LEVER_NAMES = {"gradient_checkpointing", *RAW_LEVERS}
@@ -156,8 +156,6 @@ LEVER_NAMES = {"gradient_checkpointing", *RAW_LEVERS}
 LEVER_HOLDERS = {
     "config/train_config.py TrainConfig",  # the user's values as written (decode_levers reads them)
     "vocabulary/lever_settings.py Levers",  # the one record
-    "vocabulary/model_plan.py ModelPlan",  # what parallelize installs: concrete counts and layer indices
-    "plan/inputs.py Settings",  # the search's candidates (their levers as a record: Settings.levers)
     "plan/types.py ZeroSettings",  # the ZeRO JSON's own optimizer placement (None: the JSON has no section)
 }
 
@@ -182,12 +180,33 @@ def test_the_mlp_terms_and_the_comm_jobs_read_the_plans_lever_record():
     from ulysses_trainer.plan.inputs import Settings, mlp_run
 
     shape = ModelShape.preset("qwen3-8b")
-    s = Settings(max_length=65_536, sp_size=2, checkpoint_every=3, tiled_mlp=8, activation_offload=2)
+    s = Settings(max_length=65_536, sp_size=2).with_levers(checkpoint_every=3, tiled_mlp=8, activation_offload=2)
     run, job = mlp_run(shape, s), Job.of(s)
     assert run.levers == job.levers == s.levers
-    assert (run.tiled_mlp, run.gradient_checkpointing, job.levers.checkpoint_every) == (8, True, 3)
+    assert (run.levers.tiled_mlp, run.levers.gradient_checkpointing, job.levers.checkpoint_every) == (8, True, 3)
     # the terms follow the record: untiled, the MLP keeps its intermediates; tiled, one tile's at most
-    untiled = mlp_run(shape, replace(s, tiled_mlp=1))
+    untiled = mlp_run(shape, s.with_levers(tiled_mlp=1))
     assert shape.family.mlp.saved(shape.dims, untiled) != shape.family.mlp.saved(shape.dims, run)
     with pytest.raises(ValueError, match="tiles are a plan's count"):
         replace(run, levers=replace(run.levers, tiled_mlp=TRUE_TILES))
+
+
+def test_the_planners_settings_hold_one_decided_lever_record():
+    from dataclasses import fields, replace
+
+    from ulysses_trainer.plan.calibration import settings_from_dict
+    from ulysses_trainer.plan.inputs import Settings
+    from ulysses_trainer.vocabulary.lever_settings import EVERY_LAYER, LEVER_FIELDS
+
+    assert not {f.name for f in fields(Settings)} & set(LEVER_FIELDS)  # the record, not copies of its fields
+    s = Settings(max_length=4096).with_levers(tiled_mlp=4, activation_offload=2)
+    assert s.levers == replace(EVERY_LAYER, tiled_mlp=4, activation_offload=2)
+    for undecided in ({"tiled_mlp": TRUE_TILES}, {"tiled_mlp": None}, {"activation_offload": "all"},
+                      {"checkpoint_every": None}, {"optimizer_offload": None}, {"keep_attention_outputs": "all"}):
+        with pytest.raises(ValueError, match="decided lever record"):
+            s.with_levers(**undecided)
+    # the flat form (plan --json's settings, a calibration point) names each lever once, and reads back
+    flat = s.flat()
+    assert "levers" not in flat
+    assert {n: flat[n] for n in LEVER_FIELDS} == {n: getattr(s.levers, n) for n in LEVER_FIELDS}
+    assert settings_from_dict({k: v for k, v in flat.items() if k != "zero3"} | {"zero3": s.zero3.__dict__}) == s

@@ -79,8 +79,8 @@ def test_plan_with_lora_times_no_weight_gradient_matmuls():
 
     shape = ModelShape.preset("qwen3-4b")
     adapters = lora_numels(shape, None, 16)
-    full = Settings(max_length=65536, tiled_mlp=4)
-    lora = Settings(max_length=65536, tiled_mlp=4, trainable_numels=adapters)
+    full = Settings(max_length=65536).with_levers(tiled_mlp=4)
+    lora = Settings(max_length=65536, trainable_numels=adapters).with_levers(tiled_mlp=4)
     run = mlp_run(shape, full)
     passes, t, head = run.forward_passes, run.tokens, shape.vocab * shape.hidden
     expected = shape.layers * shape.active_layer_numel * t * (2 * passes + 2) + 4 * head * t

@@ -10,7 +10,7 @@ import torch
 import transformers
 from torch import nn
 
-from tests.dist_utils import JOB_TIMEOUT_S, run_ranks, zero3_config
+from tests.dist_utils import JOB_TIMEOUT_S, run_ranks, stock_zero3_step
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.host_pool import HostPool, detect_host_memory_gb, host_bytes_needed
 from ulysses_trainer.levers.recompute import LayerRecompute
@@ -276,24 +276,18 @@ def test_tuple_outputs_extra_args_and_frozen_input(offload, input_needs_grad):
 
 
 def _zero3_loss_and_grads(rank: int, world_size: int, offload: list[int] | None):
-    import deepspeed
-    from deepspeed.utils import safe_get_full_grad
-
     model = _tiny_qwen3(3)  # the same initial weights on every rank and in every run
-    # Partition even tiny parameters, so that the recompute in backward really re-gathers them.
-    config = zero3_config(world_size, reduce_bucket_size=20_000, stage3_prefetch_bucket_size=20_000)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                      config=config)
     ckpt = None if offload is None else LayerRecompute(3, offload, HostPool(host_memory_gb=1.0))
-    _wire(engine.module, ckpt)
-    engine.train()
+
+    def wire(engine):
+        _wire(engine.module, ckpt)
+        engine.train()
+
     ids = torch.randint(0, 128, (1, 19), generator=torch.Generator().manual_seed(100 + rank))
-    out = engine(input_ids=ids, labels=ids)
-    engine.backward(out.loss)
-    # numpy, not tensors: tensors cross the result queue as shared memory that dies with this process
-    grads = {n: safe_get_full_grad(p).numpy().copy() for n, p in engine.module.named_parameters()}
+    # tiny parameters partitioned, so that the recompute in backward really re-gathers them
+    loss, grads, _ = stock_zero3_step(model, world_size, ids, wire=wire)
     calls = None if ckpt is None else (ckpt.forward_calls, ckpt.recompute_calls)
-    return out.loss.item(), grads, calls
+    return loss, grads, calls
 
 
 def _zero3_runs(rank: int, world_size: int):

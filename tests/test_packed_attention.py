@@ -220,20 +220,9 @@ BOUNDARY_DOCS = ([16, 1, 15], [5, 20, 1, 6])
 
 
 def _sp2_packed(rank, world_size):
-    import deepspeed
-    from deepspeed.utils import safe_get_full_grad
-
-    from tests.dist_utils import zero3_config
+    from tests.dist_utils import sp_zero3_step
     from tests.test_sp_exact import build_model, make_batch
-    from ulysses_trainer import (
-        ParallelizeConfig,
-        global_loss,
-        loss_for_backward,
-        make_parallel_state,
-        parallelize,
-        shard_batch,
-        step_token_count,
-    )
+    from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize
 
     results = []
     for docs in BOUNDARY_DOCS:
@@ -242,16 +231,9 @@ def _sp2_packed(rank, world_size):
         # 4 KV heads over sp=2: two KV-head groups per rank, kept outputs on both layers
         model = parallelize(build_model(kv_heads=4), state, ParallelizeConfig(
             attn_implementation="sdpa", tiled_mlp=False, keep_attention_outputs=True))
-        engine, *_ = deepspeed.initialize(model=model, config=zero3_config(world_size),
-                                          optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
-        shard = shard_batch(ids, position_ids=pos, sp_size=world_size, sp_rank=state.sp_rank)
-        tokens = step_token_count(shard.num_valid, state)
-        loss_sum = engine(**shard.model_inputs())
-        engine.backward(loss_for_backward(loss_sum, tokens, state), scale_wrt_gas=False)
-        grads = {n.removeprefix("causal_lm."): safe_get_full_grad(p).clone()
-                 for n, p in engine.module.named_parameters()}
-        results.append({"loss": global_loss(float(loss_sum), tokens, state), "grads": grads,
-                        "replays": model.attention.stash.replays, "cu": shard.context.cu_seqlens.tolist()})
+        step = sp_zero3_step(model, state, ids, position_ids=pos)
+        results.append({"loss": step["loss"], "grads": step["grads"], "replays": model.attention.stash.replays,
+                        "cu": step["shard"].context.cu_seqlens.tolist()})
     return results
 
 

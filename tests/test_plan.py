@@ -46,7 +46,7 @@ def test_model_states_qwen3_8b_zero3_8_ranks():
     assert M.master_weights_bytes(Q8, s) == 4 * N_8B // 8
     assert M.adam_states_bytes(Q8, s) == 8 * N_8B // 8
     # optimizer offload: nothing of the optimizer left on the GPU, 12 bytes/param + pinned grads on the host
-    off = replace(s, optimizer_offload=True)
+    off = s.with_levers(optimizer_offload=True)
     assert M.gradients_bytes(Q8, off) == M.master_weights_bytes(Q8, off) == M.adam_states_bytes(Q8, off) == 0
     assert host_terms.host_optimizer_bytes(Q8, off) >= 12 * N_8B // 8 + 4 * N_8B // 8 + 2 * N_8B // 8
 
@@ -64,16 +64,16 @@ def test_checkpoints_1m_tokens_sp8():
     assert inputs.local_tokens(s) == 131_072
     assert M.checkpoint_bytes_per_layer(Q8, s) == 131_072 * 4096 * 2 == GIB
     assert M.checkpoints_gpu_bytes(Q8, s) == 36 * GIB
-    off = replace(s, activation_offload=6)
+    off = s.with_levers(activation_offload=6)
     assert M.checkpoints_gpu_bytes(Q8, off) == 30 * GIB
     assert host_terms.host_pool_bytes(Q8, off) == 6 * GIB + 4096  # exact sum (page-aligned slots) + alignment
-    every = replace(s, activation_offload=36)
+    every = s.with_levers(activation_offload=36)
     assert M.checkpoints_gpu_bytes(Q8, every) == 2 * GIB  # the one recomputed + the one prefetched
 
 
 def test_pinned_power_of_two_rounding_reproduces_the_448k_host_story():
     # at 448K a Qwen3-4B checkpoint is ~2.3 GB and per-tensor pinning takes a 4 GiB block each
-    s = Settings(max_length=448 * 1024, activation_offload=36)
+    s = Settings(max_length=448 * 1024).with_levers(activation_offload=36)
     per = M.checkpoint_bytes_per_layer(Q4, s)
     assert per == 458_752 * 2560 * 2
     assert host_terms.host_pool_bytes(Q4, replace(s, pinned_rounding="pow2")) == 36 * 4 * GIB
@@ -120,7 +120,7 @@ def test_layer_terms_by_hand():
     assert sum(saved.values()) - sum(lean.values()) == 4 * t * (2 * h + q + k) + 2 * t * h
     assert saved["attention output + LSE (fp32)"] == t * q * 2 + t * 32 * 4
     assert saved["o_proj input"] == 0  # sp 1: the kernel's output itself
-    tiled = replace(s, tiled_mlp=16)
+    tiled = s.with_levers(tiled_mlp=16)
     assert layer_terms.layer_forward_saved(Q4, tiled)["MLP intermediates (gate, act, up, product)"] == 0
     r = t // 16
     extra = layer_terms.mlp_backward_extra(Q4, tiled)
@@ -135,15 +135,16 @@ def test_layer_terms_by_hand():
 def test_tiling_lowers_the_layer_working_set_and_offload_lowers_the_peak():
     s = Settings(max_length=262_144)
     untiled = estimate(Q4, s)
-    tiled = estimate(Q4, replace(s, tiled_mlp=16))
+    tiled = estimate(Q4, s.with_levers(tiled_mlp=16))
     assert tiled.phases["layer_backward"] < untiled.phases["layer_backward"]
-    off = estimate(Q4, replace(s, tiled_mlp=16, activation_offload=20))
+    off = estimate(Q4, s.with_levers(tiled_mlp=16, activation_offload=20))
     assert off.gpu_peak == tiled.gpu_peak - 20 * M.checkpoint_bytes_per_layer(Q4, s)
-    assert off.host_per_rank - tiled.host_per_rank == host_terms.host_pool_bytes(Q4, replace(s, activation_offload=20))
+    assert off.host_per_rank - tiled.host_per_rank == host_terms.host_pool_bytes(Q4,
+                                                                                 s.with_levers(activation_offload=20))
 
 
 def test_estimate_adds_up():
-    e = estimate(Q8, Settings(max_length=1_048_576, sp_size=8, tiled_mlp=8, activation_offload=3))
+    e = estimate(Q8, Settings(max_length=1_048_576, sp_size=8).with_levers(tiled_mlp=8, activation_offload=3))
     counted = sum(t.gpu for t in e.terms if e.counts(t) and t.phase != "overhead")
     assert counted == e.gpu_peak
     assert e.peak_phase == max(("layer_backward", "loss"), key=lambda p: e.phases[p])
@@ -152,7 +153,7 @@ def test_estimate_adds_up():
 
 
 def test_first_step_has_no_adam_states_until_the_step():
-    s = Settings(max_length=32_768, tiled_mlp=16)
+    s = Settings(max_length=32_768).with_levers(tiled_mlp=16)
     first = estimate(Q4, replace(s, first_step=True))
     steady = estimate(Q4, s)
     assert first.term("Adam m, v").gpu == 0 and steady.term("Adam m, v").gpu == 8 * counts.num_params(Q4)
@@ -165,7 +166,7 @@ def test_bad_settings_are_config_errors():
     with pytest.raises(ConfigError, match="query heads"):
         estimate(Q8, Settings(max_length=4096, sp_size=3))
     with pytest.raises(ConfigError, match="activation_offload"):
-        estimate(Q8, Settings(max_length=4096, activation_offload=37))
+        estimate(Q8, Settings(max_length=4096).with_levers(activation_offload=37))
 
 
 # ------------------------------------------------------------------ search
@@ -174,24 +175,25 @@ def test_bad_settings_are_config_errors():
 def test_search_no_levers_when_memory_is_ample():
     c = choose_settings(Q8, Settings(max_length=32_768, sp_size=8), Hardware(8, 141, 2000))
     assert c.fits
-    assert (c.settings.activation_offload, c.settings.tiled_mlp, c.settings.optimizer_offload) == (0, 1, False)
+    lv = c.settings.levers
+    assert (lv.activation_offload, lv.tiled_mlp, lv.optimizer_offload) == (0, 1, False)
 
 
 def test_search_offloads_when_tight_and_picks_the_fewest():
     hw = Hardware(8, 76, 1000)
     c = choose_settings(Q8, Settings(max_length=1_048_576, sp_size=8, lean_norm=False), hw)  # HF's norms: tight
-    s = c.settings
-    assert c.fits and s.activation_offload > 0 and not s.optimizer_offload
+    s, lv = c.settings, c.settings.levers
+    assert c.fits and lv.activation_offload > 0 and not lv.optimizer_offload
     lean = choose_settings(Q8, Settings(max_length=1_048_576, sp_size=8), hw)  # lean norms: no offload needed
-    assert lean.fits and lean.settings.activation_offload == 0 and lean.estimate.gpu_peak < c.estimate.gpu_peak
-    fits = lambda **kw: estimate(Q8, replace(s, **kw)).fits(hw.gpu_memory_gb, hw.host_memory_gb)  # noqa: E731
-    assert not fits(activation_offload=s.activation_offload - 1, tiled_mlp=64)  # one fewer never fits
-    assert s.tiled_mlp == 1 or not fits(tiled_mlp=s.tiled_mlp - 1)  # one tile fewer does not fit
+    assert lean.fits and lean.settings.levers.activation_offload == 0 and lean.estimate.gpu_peak < c.estimate.gpu_peak
+    fits = lambda **kw: estimate(Q8, s.with_levers(**kw)).fits(hw.gpu_memory_gb, hw.host_memory_gb)  # noqa: E731
+    assert not fits(activation_offload=lv.activation_offload - 1, tiled_mlp=64)  # one fewer never fits
+    assert lv.tiled_mlp == 1 or not fits(tiled_mlp=lv.tiled_mlp - 1)  # one tile fewer does not fit
 
 
 def test_search_uses_optimizer_offload_only_when_needed_and_reports_no_fit():
     tight = choose_settings(Q8, Settings(max_length=65_536, sp_size=1), Hardware(1, 80, 500))
-    assert tight.fits and tight.settings.optimizer_offload  # 16 bytes x 8.2B params alone exceed 80 GiB
+    assert tight.fits and tight.settings.levers.optimizer_offload  # 16 bytes x 8.2B params alone exceed 80 GiB
     fixed = choose_settings(Q8, Settings(max_length=65_536, sp_size=1), Hardware(1, 80, 500), optimizer_offload=False)
     assert not fixed.fits
 
@@ -232,9 +234,9 @@ def test_load_measurements_reads_benchmark_results(tmp_path):
     (tmp_path / "other.json").write_text("{}")  # not a long_context_*.json: ignored
     [m] = load_measurements(tmp_path)
     s = m.settings
-    got = (m.system, s.max_length, s.activation_offload, m.peak_gpu_gb, m.peak_host_gb)
+    got = (m.system, s.max_length, s.levers.activation_offload, m.peak_gpu_gb, m.peak_host_gb)
     assert got == ("ours", 131072, 4, 70.0, 3.0)
-    assert s.tiled_mlp == auto_num_tiles(131072, 2560, 9728) == 16
+    assert s.levers.tiled_mlp == auto_num_tiles(131072, 2560, 9728) == 16
     assert s.first_step is True  # one step: Adam's m, v appear only inside it
 
 
@@ -345,8 +347,8 @@ def test_cli_calibrate_and_python_m(tmp_path):
 
 
 def test_checkpoints_held_with_checkpoint_every_by_hand():
-    s = Settings(max_length=65_536, checkpoint_every=3)  # Qwen3-4B: 36 layers, block starts 0, 3, ..., 33
-    at = lambda j, **kw: M.gpu_checkpoints_at(Q4, replace(s, **kw), j)  # noqa: E731
+    s = Settings(max_length=65_536).with_levers(checkpoint_every=3)  # Qwen3-4B: 36 layers, block starts 0, 3, ..., 33
+    at = lambda j, **kw: M.gpu_checkpoints_at(Q4, s.with_levers(**kw), j)  # noqa: E731
     assert at(35) == 12 + 2  # 12 block inputs + the rebuilt inputs of layers 34, 35
     assert at(34) == 12 + 1 and at(33) == 12  # rebuilt inputs freed one by one
     assert at(35, activation_offload=12) == 1 + 2  # all starts on the host: the fetched one + 2 rebuilt
@@ -356,24 +358,24 @@ def test_checkpoints_held_with_checkpoint_every_by_hand():
     # checkpoint_every 1 is the per-layer rule: resident layers a..j, fetched + prefetched below them
     one = Settings(max_length=65_536)
     assert M.gpu_checkpoints_at(Q4, one, 35) == 36
-    assert M.gpu_checkpoints_at(Q4, replace(one, activation_offload=30), 35) == 6
-    assert M.gpu_checkpoints_at(Q4, replace(one, activation_offload=30), 30) == 1 + 1
+    assert M.gpu_checkpoints_at(Q4, one.with_levers(activation_offload=30), 35) == 6
+    assert M.gpu_checkpoints_at(Q4, one.with_levers(activation_offload=30), 30) == 1 + 1
     from ulysses_trainer.errors import ConfigError
 
     with pytest.raises(ConfigError, match="between 0 and 12 layers"):
-        estimate(Q4, replace(s, activation_offload=13))
+        estimate(Q4, s.with_levers(activation_offload=13))
 
 
 def test_search_thins_checkpoints_only_when_nothing_else_fits():
     hw = Hardware(1, 139.8, 125.87)  # one H200 and its host, as measured
     base = Settings(max_length=131_072)
-    assert choose_settings(Q4, base, hw).settings.checkpoint_every == 1  # 128K fits without it
+    assert choose_settings(Q4, base, hw).settings.levers.checkpoint_every == 1  # 128K fits without it
     per_layer, _ = largest_max_length(Q4, base, hw, checkpoint_every=1)
     thinned, choice = largest_max_length(Q4, base, hw)
-    assert choice.settings.checkpoint_every > 1 and choice.settings.optimizer_offload
+    assert choice.settings.levers.checkpoint_every > 1 and choice.settings.levers.optimizer_offload
     assert thinned > 1.5 * per_layer  # what checkpoint_every buys on one GPU
     near = choose_settings(Q4, replace(base, max_length=1_048_576), hw)
-    tried_12 = estimate(Q4, replace(near.settings, checkpoint_every=12, activation_offload=3))
+    tried_12 = estimate(Q4, near.settings.with_levers(checkpoint_every=12, activation_offload=3))
     assert near.estimate.gpu_required < tried_12.gpu_required  # a miss shows the closest settings
 
 
@@ -408,8 +410,8 @@ def test_grouped_attention_and_kept_outputs_by_hand():
     assert unattributed_bytes(Q4, s) == 0 and unattributed_bytes(Q4, replace(s, lean_norm=False)) == 8 * t * Q4.hidden
     # kept attention outputs: all 36 held at the top layer's backward but its own (now its saved output)
     per = t * Q4.q_width * 2 + t * Q4.heads * 4
-    base = estimate(Q4, replace(s, activation_offload=36))
-    kept = estimate(Q4, replace(s, activation_offload=36, keep_attention_outputs=36))
+    base = estimate(Q4, s.with_levers(activation_offload=36))
+    kept = estimate(Q4, s.with_levers(activation_offload=36, keep_attention_outputs=36))
     (term,) = [x for x in kept.terms if x.name.startswith("attention outputs kept")]
     assert term.gpu == 35 * per and kept.gpu_peak - base.gpu_peak == 35 * per
 
@@ -425,8 +427,8 @@ def test_attention_path_at_sp8_one_kv_head_per_rank():
     t = 131_072
     u, rows = t * 4096 * 2, t * 32 * 4  # rows: fp32 row sums (LSE-sized) of the 32 heads' worth
     # the variants ran one step each: no ZeRO-3 trace yet (zero3_trace false)
-    s = Settings(max_length=8 * t, sp_size=8, tiled_mlp=12, attn_implementation="standin_memory_only",
-                 zero3_trace=False)
+    s = Settings(max_length=8 * t, sp_size=8, attn_implementation="standin_memory_only",
+                 zero3_trace=False).with_levers(tiled_mlp=12)
     full, grouped = attention_backward_extra(Q8, s), attention_backward_extra(Q8, s, keeps_output=True)
     # both: d(out) (the all-to-all's result; its send buffer and o_proj's input grad are freed) 1, the
     # residual-stream grad 1; all heads: the kernel's dq, dk, dv 1.5 and its fp32 dq accumulator 2
@@ -442,8 +444,8 @@ def test_attention_path_at_sp8_one_kv_head_per_rank():
     assert phase == "attention backward" and "o_proj input" not in detail
     # the kept layers are the lowest: with 35 of 36 kept the top layer runs on all heads and the peak is the
     # backward of layer 34, the highest one on the larger group path
-    assert M.backward_peak_layer(Q8, replace(s, keep_attention_outputs=35)) == 34
-    assert M.backward_peak_layer(Q8, replace(s, keep_attention_outputs=36)) == 35
+    assert M.backward_peak_layer(Q8, s.with_levers(keep_attention_outputs=35)) == 34
+    assert M.backward_peak_layer(Q8, s.with_levers(keep_attention_outputs=36)) == 35
     # the real F.sdpa on 4 query heads and their 1 KV head (cuDNN's GQA backward, 256K rehearsal on the H200):
     # one fp32 workspace of twice the accumulator, 2 u more than the stand-in
     sdpa = attention_backward_extra(Q8, replace(s, attn_implementation="sdpa"))
@@ -453,8 +455,8 @@ def test_attention_path_at_sp8_one_kv_head_per_rank():
     # the measured rehearsals: every variant within 0..2% over
     doc = json.loads((ROOT / "benchmarks/results/rehearsal/memory_variants_8b_sp8.json").read_text())
     for p in doc["points"]:
-        v = replace(s, max_length=p["max_length"], checkpoint_every=p["checkpoint_every"],
-                    activation_offload=p["offloaded_layers"], keep_attention_outputs=p["kept_attention_layers"])
+        v = replace(s.with_levers(checkpoint_every=p["checkpoint_every"], activation_offload=p["offloaded_layers"],
+                                  keep_attention_outputs=p["kept_attention_layers"]), max_length=p["max_length"])
         err = estimate(Q8, v).gpu_peak / GIB / p["peak_gpu_mem_gb"] - 1
         assert 0 <= err <= (0.01 if p["variant"] in "AE" else 0.02), (p["variant"], err)
 
@@ -467,7 +469,7 @@ def test_zero3_holds_max_live_parameters_from_the_second_step():
     from ulysses_trainer.plan.inputs import Zero3Knobs
     from ulysses_trainer.plan.layer_terms import layer_gathered_params_bytes
 
-    s = Settings(max_length=131_072, sp_size=2, tiled_mlp=5, keep_attention_outputs=36)
+    s = Settings(max_length=131_072, sp_size=2).with_levers(tiled_mlp=5, keep_attention_outputs=36)
     steady, first = layer_gathered_params_bytes(Q4, s), layer_gathered_params_bytes(Q4, replace(s, zero3_trace=False))
     assert steady - first == 1_000_000_000 * 2 - (sum(layer_param_numels(Q4)) + int(0.9 * Q4.hidden**2)) * 2
     assert estimate(Q4, s).gpu_peak - estimate(Q4, replace(s, zero3_trace=False)).gpu_peak == steady - first
@@ -487,8 +489,8 @@ def test_offload_sub_groups_stay_under_a_power_of_two():
     from ulysses_trainer.plan.inputs import Zero3Knobs
 
     size = json.loads(Path("ds_configs/zero3_offload.json").read_text())["zero_optimization"]["sub_group_size"]
-    host = {g: host_terms.host_optimizer_bytes(Q4, Settings(max_length=1024, optimizer_offload=True,
-                                                   zero3=Zero3Knobs(sub_group_size=g))) for g in (size, 2**28)}
+    host = {g: host_terms.host_optimizer_bytes(Q4, Settings(max_length=1024, zero3=Zero3Knobs(sub_group_size=g))
+                                               .with_levers(optimizer_offload=True)) for g in (size, 2**28)}
     exact = counts.num_params(Q4) * 12 + counts.num_params(Q4) * 4 + 8 * GIB
     assert host[size] < 1.03 * exact < host[2**28] - 10 * GIB
 
@@ -534,7 +536,8 @@ def test_the_fa4_stand_in_is_planned_as_flash_attention_4():
 
     moe = ModelShape.from_config(preset_config("qwen3-30b-a3b"))
     for shape in (Q8, moe):
-        s = Settings(max_length=4_194_304, sp_size=8, tiled_mlp=32, checkpoint_every=2, activation_offload=18)
+        s = Settings(max_length=4_194_304, sp_size=8).with_levers(tiled_mlp=32, checkpoint_every=2,
+                                                                  activation_offload=18)
         fa4, twin, plain = (estimate(shape, replace(s, attn_implementation=k))
                              for k in ("flash_attention_4", STANDIN_FA4,
                                                                              STANDIN))

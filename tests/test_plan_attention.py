@@ -49,7 +49,7 @@ def test_pads_count_no_attention():
 
 
 def test_attention_time_scales_with_the_fraction_and_memory_does_not_move():
-    s = Settings(max_length=262144, attn_implementation="flash_attention_4", gradient_checkpointing=True)
+    s = Settings(max_length=262144, attn_implementation="flash_attention_4").with_levers(gradient_checkpointing=True)
     packed = replace(s, attention_fraction=0.3)
     n = 4_000_000_000
     full, part = step_time(Q4, s, n).parts, step_time(Q4, packed, n).parts
@@ -139,7 +139,7 @@ def test_the_replan_after_the_engine_keeps_the_datas_attention(monkeypatch):
 
     line = replan_line(first, again, 120.0)  # this config fixes every lever: the measured memory changes none
     assert line == "replanned after the engine (120.0 GiB GPU memory free on the fullest rank): unchanged", line
-    fewer = replace(again, run=replace(again.run, activation_offload=3, tiled_mlp=16))  # as a fuller GPU would
+    fewer = replace(again, run=again.run.with_levers(activation_offload=3, tiled_mlp=16))  # as a fuller GPU would
     assert replan_line(again, fewer, 20.5).endswith(": changed activation_offload 36 -> 3, tiled_mlp 8 -> 16"), \
         replan_line(again, fewer, 20.5)
     assert replan_line(again, again, 120.0).endswith(": unchanged")

@@ -206,31 +206,15 @@ def test_deltanet_kernel_auto_takes_fla_where_installed_and_the_plan_names_it():
 
 
 def _zero3_rank(rank, world_size, preset, ids, pos, labels):
-    import deepspeed
-    from deepspeed.utils import safe_get_full_grad
-
-    from tests.dist_utils import zero3_config
-    from ulysses_trainer import (
-        ParallelizeConfig,
-        global_loss,
-        loss_for_backward,
-        make_parallel_state,
-        parallelize,
-        shard_batch,
-        step_token_count,
-    )
+    from tests.dist_utils import sp_zero3_step
+    from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize
 
     state = make_parallel_state(world_size)
     model = parallelize(build(preset), state, ParallelizeConfig(attn_implementation="sdpa", loss_chunk_size=7,
                                                                   tiled_mlp=2, gradient_checkpointing=True))
-    engine, *_ = deepspeed.initialize(model=model, config=zero3_config(world_size),
-                                      optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-    shard = shard_batch(ids, position_ids=pos, labels=labels, sp_size=world_size, sp_rank=state.sp_rank)
-    tokens = step_token_count(shard.num_valid, state)
-    loss_sum = engine(**shard.model_inputs())
-    engine.backward(loss_for_backward(loss_sum, tokens, state), scale_wrt_gas=False)
-    grads = {n.removeprefix("causal_lm."): safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
-    return global_loss(float(loss_sum), tokens, state), grads
+    step = sp_zero3_step(model, state, ids, position_ids=pos, labels=labels,
+                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    return step["loss"], step["grads"]
 
 
 @pytest.mark.slow
@@ -324,7 +308,8 @@ def test_full_attention_at_head_dim_256_is_timed_at_its_measured_rate():
     shape = ModelShape.preset("qwen3.5-27b")
     for kernel, pts in rates.HD256_RATES.items():
         for length, tflops in pts:
-            s = Settings(max_length=length, sp_size=8, attn_implementation=kernel, deltanet_kernel="fla", tiled_mlp=16)
+            s = Settings(max_length=length, sp_size=8, attn_implementation=kernel,
+                         deltanet_kernel="fla").with_levers(tiled_mlp=16)
             fwd, bwd = attention_seconds(shape, s)[:2]
             assert 3.5 * attention_flops_forward(shape, s) / (fwd + bwd) / 1e12 == pytest.approx(tflops, rel=1e-6)
     assert head_dim_scale("sdpa", 128, 1048576) == 1.0  # Qwen3's head dim: the points as measured
@@ -343,7 +328,8 @@ def test_the_plan_times_and_sizes_deltanet_layers_by_their_own_terms():
     assert rates.deltanet_rates_from_results(results) == (rates.DELTANET_RULE_S, rates.DELTANET_RULE_PEAK_BYTES,
                                                           rates.DELTANET_CONV_S)  # the table is the file's
     shape = ModelShape.preset("qwen3.5-27b")  # 48 DeltaNet + 16 full-attention layers
-    s = Settings(max_length=1048576, sp_size=8, attn_implementation="sdpa", deltanet_kernel="fla", tiled_mlp=16)
+    s = Settings(max_length=1048576, sp_size=8, attn_implementation="sdpa",
+                 deltanet_kernel="fla").with_levers(tiled_mlp=16)
     st = step_time(shape, s, shape.num_params)
     every = step_time(shape.__class__(**{**_fields(shape), "mixer_layers": ()}), s, shape.num_params)
     assert st.parts["attention backward"] * 4 == pytest.approx(every.parts["attention backward"])  # 16 of 64 attend
@@ -352,13 +338,11 @@ def test_the_plan_times_and_sizes_deltanet_layers_by_their_own_terms():
     assert phase.startswith("linear_attention") and "DeltaNet backward: the rule's measured fwd+bwd peak" in terms
     # the rule's measured peak at this shape: 1M tokens x 6 value heads a rank, 24.4 GiB in the benchmark
     assert terms["DeltaNet backward: the rule's measured fwd+bwd peak"] / 2**30 == pytest.approx(24.4, rel=0.01)
-    from dataclasses import replace
-
     from ulysses_trainer.plan.memory import kept_attention_at
 
     # keep_attention_outputs 16: of the first 16 layers, layers 3, 7, 11, 15 attend and keep an output
-    assert kept_attention_at(shape, replace(s, keep_attention_outputs=16), 64) == 4
-    assert st.parts["attention forward"] > step_time(shape, replace(s, keep_attention_outputs=16),
+    assert kept_attention_at(shape, s.with_levers(keep_attention_outputs=16), 64) == 4
+    assert st.parts["attention forward"] > step_time(shape, s.with_levers(keep_attention_outputs=16),
                                                      shape.num_params).parts["attention forward"]
 
 
@@ -372,7 +356,8 @@ def test_the_floor_and_the_all_to_alls_count_the_deltanet_layers():
     from ulysses_trainer.plan.step_time import step_floor, step_time
 
     shape = ModelShape.preset("qwen3.5-27b")
-    s = Settings(max_length=1048576, sp_size=8, attn_implementation="sdpa", deltanet_kernel="fla", tiled_mlp=16)
+    s = Settings(max_length=1048576, sp_size=8, attn_implementation="sdpa",
+                 deltanet_kernel="fla").with_levers(tiled_mlp=16)
     st = step_time(shape, s, shape.num_params)
     floor = step_floor(shape, s, st.parts)
     kernels = st.parts["attention forward"] + st.parts["attention backward"] + st.parts["linear_attention kernels"]
@@ -482,7 +467,8 @@ def test_zero3_gathered_layer_params_are_the_binding_layer_kinds():
     term = "ZeRO-3 gathered layer params + grads"
     for sp_size, binds, own, below in ((1, "linear_attention backward", deltanet, deltanet),
                                   (8, "attention backward", attention, deltanet)):
-        s = Settings(max_length=131072, sp_size=sp_size, zero3_trace=False, deltanet_kernel="fla", tiled_mlp=16)
+        s = Settings(max_length=131072, sp_size=sp_size, zero3_trace=False,
+                     deltanet_kernel="fla").with_levers(tiled_mlp=16)
         est = estimate(shape, s)
         assert backward_peak_layer(shape, s) == 63  # the top layer, a full-attention one
         assert est.term(f"layer working set ({binds})").gpu > 0

@@ -93,7 +93,7 @@ def test_bad_report_to_exits_2_before_any_work(value, pattern, tmp_path, monkeyp
 
 
 def test_report_to_is_decoded_once_in_prepare_and_the_trainer_reads_it(tmp_path, monkeypatch):
-    """prepare decodes report_to into RunPlan.reporters; no other module of the package calls the decoder."""
+    """prepare decodes report_to into PreparedRun.reporters; no other module of the package calls the decoder."""
     import ast
 
     from ulysses_trainer.cli.argv import load_config

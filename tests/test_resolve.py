@@ -117,7 +117,7 @@ def test_auto_takes_the_fused_norm_kernel_where_installed_and_predicts_it_faster
 def test_the_norm_split_leaves_the_calibrated_total_unchanged():
     from ulysses_trainer.plan.counts import num_params
 
-    s = Settings(max_length=262144, keep_attention_outputs=36, optimizer="none")
+    s = Settings(max_length=262144, optimizer="none").with_levers(keep_attention_outputs=36)
     lean, hf = (step_time(Q4, replace(s, lean_norm=v), num_params(Q4)) for v in (True, False))
     assert lean.total_s == pytest.approx(hf.total_s, rel=1e-12)  # the torch norms were inside the dense rate
     assert "RMSNorms (torch)" in lean.parts and "RMSNorms (torch)" not in hf.parts
@@ -144,7 +144,7 @@ def test_the_lean_norm_module_refuses_a_kernel_it_cannot_run():
 
 def test_auto_chooses_the_fastest_plan_that_fits_not_the_first():
     best = _plan()
-    assert best.predicted.fits and best.run.optimizer_offload and len(best.kept_attention_layers) == 36
+    assert best.predicted.fits and best.run.levers.optimizer_offload and len(best.kept_attention_layers) == 36
     on_gpu = _plan(optimizer_offload=False)
     assert on_gpu.predicted.fits and best.predicted.step_s < on_gpu.predicted.step_s
     first_fit = _plan(optimizer_offload=False, keep_attention_outputs=False)  # what `auto` used to run
@@ -153,7 +153,7 @@ def test_auto_chooses_the_fastest_plan_that_fits_not_the_first():
     # the JSON's offload_optimizer section wins over auto
     json_says_gpu = resolve_plan(TrainConfig(model_name_or_path="qwen3-4b", max_length=262144, sp_size=1), Q4,
                                  Machine(gpus=1, **H200), ZeroSettings(optimizer_offload=False))
-    assert not json_says_gpu.run.optimizer_offload
+    assert not json_says_gpu.run.levers.optimizer_offload
     with pytest.raises(ConfigError, match="optimizer_offload true but the ZeRO JSON has no offload_optimizer"):
         resolve_plan(TrainConfig(model_name_or_path="qwen3-4b", max_length=262144, optimizer_offload=True), Q4,
                      Machine(gpus=1, **H200), ZeroSettings(optimizer_offload=False))
@@ -181,7 +181,8 @@ def test_the_engine_measurement_changes_the_plan_only_when_memory_is_short():
     second = replan_after_engine(first, cfg, Q4, crowded)
     assert second.predicted.fits and second.predicted.gpu_budget_gb == pytest.approx(119.8, abs=0.01)
     # fixed by the engine
-    assert second.run.optimizer_offload == first.run.optimizer_offload and second.run.tiled_mlp == first.run.tiled_mlp
+    assert (second.levers.optimizer_offload, second.levers.tiled_mlp) == (first.levers.optimizer_offload,
+                                                                        first.levers.tiled_mlp)
     assert len(second.kept_attention_layers) + len(second.saved_layers) - len(second.offload_layers) < \
         len(first.kept_attention_layers) + len(first.saved_layers) - len(first.offload_layers)
     assert any("measured" in n for n in second.notes)
@@ -244,16 +245,15 @@ def test_the_step_swaps_rotate_half_for_the_rope_kernel_where_the_family_takes_i
 
 @pytest.mark.parametrize("source, settings, measured", [
     # benchmarks/results/long_context_ours_fwdbwd_qwen3-4b_262144_kept_cudnn_warm.json (forward+backward)
-    ("cudnn kept", dict(max_length=262144, keep_attention_outputs=36, optimizer="none"), 155.90),
-    ("fa4 kept", dict(max_length=262144, keep_attention_outputs=36, optimizer="none",
-                      attn_implementation="flash_attention_4"), 134.78),
-    ("fa4 kept 128K", dict(max_length=131072, keep_attention_outputs=36, optimizer="none",
-                           attn_implementation="flash_attention_4"), 39.40),
+    ("cudnn kept", dict(max_length=262144, optimizer="none"), 155.90),
+    ("fa4 kept", dict(max_length=262144, optimizer="none", attn_implementation="flash_attention_4"), 134.78),
+    ("fa4 kept 128K", dict(max_length=131072, optimizer="none", attn_implementation="flash_attention_4"), 39.40),
 ])
 def test_step_time_reproduces_the_calibration_runs(source, settings, measured):
     """The runs the dense rate was fitted to, which rotated q and k with HF's rotate_half: the plan (the fused
-    kernel's RoPE) predicts them less rotate_half's measured seconds plus the kernel's."""
-    s = Settings(**settings)
+    kernel's RoPE) predicts them less rotate_half's measured seconds plus the kernel's. Every run kept all 36
+    layers' attention outputs."""
+    s = Settings(**settings).with_levers(keep_attention_outputs=36)
     from ulysses_trainer.plan.counts import num_params
     from ulysses_trainer.plan.inputs import mlp_run
     from ulysses_trainer.plan.step_time import rope_seconds

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist_utils import run_ranks, zero3_config
+from tests.dist_utils import run_ranks
 
 VOCAB = 503
 
@@ -58,36 +58,18 @@ def reference(ids, pos, kv_heads):
 
 
 def _sp_rank(rank, world_size, sp_size, ids, pos, kv_heads, pad_to):
-    import deepspeed
-    from deepspeed.utils import safe_get_full_grad
-
-    from ulysses_trainer import (
-        ParallelizeConfig,
-        global_loss,
-        loss_for_backward,
-        make_parallel_state,
-        parallelize,  # the public API, as users call it
-        shard_batch,
-        step_token_count,
-    )
+    from tests.dist_utils import sp_zero3_step
+    from ulysses_trainer import ParallelizeConfig, make_parallel_state, parallelize  # the public API, as users call it
 
     state = make_parallel_state(sp_size)
     model = parallelize(build_model(kv_heads), state,
                         ParallelizeConfig(attn_implementation="sdpa", loss_chunk_size=7, tiled_mlp=False,
                                           gradient_checkpointing=False))
-    ds_cfg = zero3_config(world_size)
-    engine, *_ = deepspeed.initialize(model=model, config=ds_cfg,
-                                      optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
     row = state.dp_rank  # each dp rank trains its own sequence
-    shard = shard_batch(ids[row:row + 1], position_ids=pos[row:row + 1], sp_size=sp_size, sp_rank=state.sp_rank,
-                        pad_to_multiple_of=pad_to)
-    tokens = step_token_count(shard.num_valid, state)
-    loss_sum = engine(**shard.model_inputs())
-    engine.backward(loss_for_backward(loss_sum, tokens, state), scale_wrt_gas=False)
-    loss = global_loss(float(loss_sum), tokens, state)
-    grads = {n.removeprefix("causal_lm."): safe_get_full_grad(p).clone()
-             for n, p in engine.module.named_parameters()}
-    return {"loss": loss, "grads": grads, "tokens": tokens, "shard_ids": shard.input_ids,
+    step = sp_zero3_step(model, state, ids[row:row + 1], position_ids=pos[row:row + 1], pad_to_multiple_of=pad_to,
+                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    shard = step["shard"]
+    return {"loss": step["loss"], "grads": step["grads"], "tokens": step["tokens"], "shard_ids": shard.input_ids,
             "shard_labels": shard.labels, "shard_pos": shard.context.position_ids, "sp_rank": state.sp_rank,
             "dp_rank": state.dp_rank}
 

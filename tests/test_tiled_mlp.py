@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
-from tests.dist_utils import JOB_TIMEOUT_S, run_ranks, zero3_config
+from tests.dist_utils import JOB_TIMEOUT_S, run_ranks, stock_zero3_step
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.tiled_mlp import TiledMLP
 from ulysses_trainer.vocabulary.names import auto_num_tiles
@@ -84,8 +84,6 @@ def test_auto_num_tiles():
 
 
 def _engine_grads(rank, world_size, tiled):
-    import deepspeed
-    from deepspeed.utils import safe_get_full_grad
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(0)  # the same initial weights on every rank and in both runs
@@ -93,20 +91,12 @@ def _engine_grads(rank, world_size, tiled):
     if tiled:
         for layer in model.model.layers:
             layer.mlp = TiledMLP(layer.mlp, 3)
-    # Partition even tiny parameters (so each tile really all-gathers) and use small buckets
-    # (so reductions happen between tiles).
-    config = zero3_config(world_size, reduce_bucket_size=20_000, stage3_prefetch_bucket_size=20_000)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                      config=config)
     g = torch.Generator().manual_seed(100 + rank)  # different data per rank
     # 2 rows on rank 1: with 3 tiles one of its tiles is empty and must still all-gather like rank 0's
     ids = torch.randint(0, 1000, (1, 37 if rank == 0 else 2), generator=g)
-    out = engine(input_ids=ids, labels=ids)
-    engine.backward(out.loss)
-    # numpy, not tensors: tensors cross the result queue as shared memory that dies with this process
-    grads = {n: safe_get_full_grad(p).numpy().copy() for n, p in engine.module.named_parameters()}
+    loss, grads, engine = stock_zero3_step(model, world_size, ids)  # tiny parameters partitioned: each tile gathers
     engine.step()
-    return out.loss.item(), grads
+    return loss, grads
 
 
 def _tiled_vs_untiled(rank, world_size):

@@ -260,8 +260,8 @@ def zero_config_for(ds: dict, cfg: TrainConfig, plan: Any, world_size: int, *, d
     plan` calls it too: both refuse the same JSONs with the same message (exit 2)."""
     return fill_ds_config(ds, cfg, world_size, plan.run.dp_size, device_is_cuda, bf16=plan.run.bf16,
                           total_steps=total_steps, hidden_size=hidden_size, source=source,
-                          use_deepspeed_optimizer=None if plan.run.optimizer_offload else False,
-                          optimizer_offload=plan.run.optimizer_offload)
+                          use_deepspeed_optimizer=None if plan.levers.optimizer_offload else False,
+                          optimizer_offload=plan.levers.optimizer_offload)
 
 
 def fill_zero_config(config: str | os.PathLike | dict, *, world_size: int, dp_size: int, micro_batch: int = 1,

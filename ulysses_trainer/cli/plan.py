@@ -176,7 +176,7 @@ def run_plan(argv: list[str]) -> int:
     # the plan's layout, kernels and loss, none of its length-dependent choices: the longest does not depend
     # on the max_length asked (the ZeRO-3 sizes per placement as the plan's own search had them)
     knobs = plan.zero.by_placement
-    base = replace(plan.run, max_length=cfg.max_length, activation_offload=0, keep_attention_outputs=0,
+    base = replace(plan.run.with_levers(activation_offload=0, keep_attention_outputs=0), max_length=cfg.max_length,
                    zero3=knobs[False])
     # Adam's placement as the config and the ZeRO JSON fixed it (lever_settings: decode_levers, with_json_placement)
     longest, best = (largest_max_length(shape, base, hw, optimizer_offload=plan.fixed.optimizer_offload, knobs=knobs)

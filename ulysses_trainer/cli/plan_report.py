@@ -40,10 +40,11 @@ def format_estimate(e: MemoryEstimate) -> str:
 
 
 def settings_summary(s: Settings) -> dict[str, Any]:
+    lv = s.levers
     return {"max_length": s.max_length, "sp_size": s.sp_size, "dp": s.dp_size,
-            "activation_offload": s.activation_offload,
-            "tiled_mlp": s.tiled_mlp if s.tiled_mlp > 1 else False, "offload_optimizer": s.optimizer_offload,
-            "checkpoint_every": s.checkpoint_every, "loss_type": s.loss_type, "loss_chunk_size": s.loss_chunk_size}
+            "activation_offload": lv.activation_offload,
+            "tiled_mlp": lv.tiled_mlp if lv.tiled_mlp > 1 else False, "offload_optimizer": lv.optimizer_offload,
+            "checkpoint_every": lv.checkpoint_every, "loss_type": s.loss_type, "loss_chunk_size": s.loss_chunk_size}
 
 
 def shortage(plan: Plan) -> str:
@@ -88,19 +89,19 @@ def text_report(plan: Plan, machine: Machine, longest: int | None, best: Choice 
         lines.append("recipe lines: " + "; ".join(
             [f"activation_offload: {len(plan.offload_layers)}",
              f"keep_attention_outputs: {len(plan.kept_attention_layers)}",
-             f"tiled_mlp: {s.tiled_mlp if s.tiled_mlp > 1 else 'false'}",
-             f"checkpoint_every: {s.checkpoint_every}",
-             f"optimizer_offload: {str(s.optimizer_offload).lower()}"]))
-    if s.checkpoint_every > 1:
-        lines.append(_rebuild_cost(s.checkpoint_every))
+             f"tiled_mlp: {s.levers.tiled_mlp if s.levers.tiled_mlp > 1 else 'false'}",
+             f"checkpoint_every: {s.levers.checkpoint_every}",
+             f"optimizer_offload: {str(s.levers.optimizer_offload).lower()}"]))
+    if s.levers.checkpoint_every > 1:
+        lines.append(_rebuild_cost(s.levers.checkpoint_every))
     if longest is None:
         lines.append("largest max_length that fits: not searched (no GPU: pass --gpu_memory_gb to plan one)")
     elif best is not None:
-        b = best.settings
+        b = best.settings.levers
         lines.append(f"largest max_length that fits: {longest:,} (activation_offload {b.activation_offload}, "
                      f"tiled_mlp {b.tiled_mlp}, optimizer_offload {str(b.optimizer_offload).lower()}, "
                      f"checkpoint_every {b.checkpoint_every}, no attention outputs kept; "
-                     f"searched in multiples of {1024 * b.sp_size:,})")
+                     f"searched in multiples of {1024 * best.settings.sp_size:,})")
     else:
         lines.append("largest max_length that fits: none (not even 1024 x sp tokens)")
     lines.append("memory in GiB (2**30 bytes)")

@@ -149,37 +149,37 @@ def load_rehearsal_config(args: argparse.Namespace, overrides: list[str]):
                                attn_implementation=kernel)
 
 
-def rehearse(plan, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:
+def rehearse(prepared, opts: Rehearsal, bandwidth, overlap) -> dict[str, Any]:
     """Measure rank opts.rank, add the modelled communication, and return the whole result."""
     from ..plan.comm_model import estimate
     from ..train.metrics import steady_step_s
 
-    measured = run_rehearsal(plan, opts)
+    measured = run_rehearsal(prepared, opts)
     # the steps after the warm-up, measured as the trainer's end-of-run line measures them
     compute = steady_step_s(measured["step_s"]) + (measured["optimizer_step_s_added"] or 0.0)
     compute_s = None if opts.standin else compute
     # the levers as the rehearsed model ran them (its after-engine plan's tiles and thinning)
-    ran = dataclasses.replace(plan.resolved.levers, tiled_mlp=measured["mlp_tiles"],
+    ran = dataclasses.replace(prepared.resolved.levers, tiled_mlp=measured["mlp_tiles"],
                               checkpoint_every=measured["checkpoint_every"])
-    job = comm_job(plan, opts.gpus_per_node, ran)
-    comm = estimate(plan.shape, job, bandwidth, compute_s, overlap)
+    job = comm_job(prepared, opts.gpus_per_node, ran)
+    comm = estimate(prepared.shape, job, bandwidth, compute_s, overlap)
     predicted = None if compute_s is None else compute_s + comm["comm_s_estimate"]
-    tokens = plan.sequences_per_step * plan.cfg.max_length  # the whole job's real tokens per step
-    return {"status": "ok", "world_size": plan.world_size, "rank": opts.rank, "sp_size": plan.sp_size,
-            "dp_size": plan.dp_size, "max_length": plan.cfg.max_length, "padded_length": plan.padded_length,
-            "local_tokens": job.local_tokens, "model": plan.cfg.model_name_or_path,
-            "attention_kernel": measured["attention_kernel"], "standin": opts.standin, "bf16": plan.bf16,
+    tokens = prepared.sequences_per_step * prepared.cfg.max_length  # the whole job's real tokens per step
+    return {"status": "ok", "world_size": prepared.world_size, "rank": opts.rank, "sp_size": prepared.sp_size,
+            "dp_size": prepared.dp_size, "max_length": prepared.cfg.max_length, "padded_length": prepared.padded_length,
+            "local_tokens": job.local_tokens, "model": prepared.cfg.model_name_or_path,
+            "attention_kernel": measured["attention_kernel"], "standin": opts.standin, "bf16": prepared.bf16,
             "gpus_per_node": opts.gpus_per_node, "collective_fill": opts.collective_fill,
             "losses_meaningful": False, "note": MEANINGLESS,
             "compute_time_real": not opts.standin, "compute_s": compute_s,
             "compute_s_measured_with_standin": compute if opts.standin else None,
-            "warmup_length": opts.warmup_length or plan.cfg.max_length,
+            "warmup_length": opts.warmup_length or prepared.cfg.max_length,
             "comm_s_estimate": comm["comm_s_estimate"], "predicted_step_s": predicted,
             "tokens_per_step": tokens,
             "tokens_per_s_predicted": None if predicted is None else tokens / predicted,
             # every rank of a node holds about what this one does (the same shapes; only the data differs)
-            "ranks_per_node": min(plan.world_size, opts.gpus_per_node),
-            "host_cores": plan.machine.host_cores, "cores_per_rank": opts.cores,
+            "ranks_per_node": min(prepared.world_size, opts.gpus_per_node),
+            "host_cores": prepared.machine.host_cores, "cores_per_rank": opts.cores,
             **measured, "comm": comm}
 
 
@@ -237,16 +237,16 @@ def main(argv: list[str] | None = None, around_step=None) -> int:
             raise ConfigError(f"--warmup_length must be between 2 and max_length {cfg.max_length}, "
                               f"got {args.warmup_length}")
         # the rehearsal writes nothing into output_dir
-        plan = prepare(cfg, args.gpus, training=False, host_cores=args.host_cores)
+        prepared = prepare(cfg, args.gpus, training=False, host_cores=args.host_cores)
         comm_file = args.comm or (str(DEFAULT_COMM_FILE) if DEFAULT_COMM_FILE.is_file() else None)
         bandwidth = load_bandwidth(comm_file, args.internode_gbps)
     except ConfigError as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_INVALID
-    print(f"[ulysses_trainer] rehearsal: this process is rank {args.rank} of {args.gpus} (sp {plan.sp_size} x "
-          f"dp {plan.dp_size}) on torch's fake process group; memory and compute are this rank's, communication "
+    print(f"[ulysses_trainer] rehearsal: this process is rank {args.rank} of {args.gpus} (sp {prepared.sp_size} x "
+          f"dp {prepared.dp_size}) on torch's fake process group; memory and compute are this rank's, communication "
           f"is modelled ({bandwidth.source}); {MEANINGLESS}", flush=True)
-    node_cores = plan.machine.host_cores or 1  # --host_cores, else this machine's: what the plan counted
+    node_cores = prepared.machine.host_cores or 1  # --host_cores, else this machine's: what the plan counted
     share = max(1, node_cores // min(args.gpus, args.gpus_per_node))  # this rank's cores in the job
     here = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if share > here:
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None, around_step=None) -> int:
             # DeepSpeed calls torch's older collective names, and each call would print a deprecation warning
             warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
                                     category=FutureWarning)
-            result = rehearse(plan, opts, bandwidth, Overlap(a2a_hidden=args.a2a_hidden,
+            result = rehearse(prepared, opts, bandwidth, Overlap(a2a_hidden=args.a2a_hidden,
                                                              zero3_hidden=args.zero3_hidden,
                                                              a2a_stall_s_per_gb=args.a2a_stall_s_per_gb))
     except ConfigError as exc:  # found once the engine exists (e.g. host RAM for offload)
@@ -272,9 +272,9 @@ def main(argv: list[str] | None = None, around_step=None) -> int:
         if type(exc).__name__ != "OutOfMemoryError":
             traceback.print_exc()
             return EXIT_FAILURE
-        result = _out_of_memory(plan, opts, exc)  # a result too: this length does not fit this rank
-        print(f"[ulysses_trainer] rehearsal rank {opts.rank}/{plan.world_size}: out of GPU memory at "
-              f"{plan.cfg.max_length:,} tokens ({result['error']})", file=sys.stderr, flush=True)
+        result = _out_of_memory(prepared, opts, exc)  # a result too: this length does not fit this rank
+        print(f"[ulysses_trainer] rehearsal rank {opts.rank}/{prepared.world_size}: out of GPU memory at "
+              f"{prepared.cfg.max_length:,} tokens ({result['error']})", file=sys.stderr, flush=True)
         _write(args.out, result)
         return EXIT_FAILURE
     print(summary_line(result), flush=True)
@@ -284,11 +284,12 @@ def main(argv: list[str] | None = None, around_step=None) -> int:
     return EXIT_OK
 
 
-def _out_of_memory(plan, opts: Rehearsal, exc: Exception) -> dict[str, Any]:
+def _out_of_memory(prepared, opts: Rehearsal, exc: Exception) -> dict[str, Any]:
     from ..train.metrics import peak_gpu_mem_gb, peak_host_mem_gb
 
-    return {"status": "oom", "error": str(exc).splitlines()[0][:300], "world_size": plan.world_size,
-            "rank": opts.rank, "sp_size": plan.sp_size, "dp_size": plan.dp_size, "max_length": plan.cfg.max_length,
+    return {"status": "oom", "error": str(exc).splitlines()[0][:300], "world_size": prepared.world_size,
+            "rank": opts.rank, "sp_size": prepared.sp_size, "dp_size": prepared.dp_size,
+            "max_length": prepared.cfg.max_length,
             "standin": opts.standin, "losses_meaningful": False, "compute_s": None, "comm_s_estimate": None,
             "predicted_step_s": None, "tokens_per_s_predicted": None, "peak_gpu_mem_gb": peak_gpu_mem_gb(),
             "peak_host_mem_gb": peak_host_mem_gb()}

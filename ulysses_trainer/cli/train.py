@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str], seen: InterruptRecorder) -> int:
-    plan = None
+    prepared = None
     try:
         with seen.held():  # torch and transformers import here: a Ctrl-C waits for them to finish
             from ..parallel.init import destroy_distributed
@@ -171,20 +171,20 @@ def _main(argv: list[str], seen: InterruptRecorder) -> int:
         cfg = load_config(argv)
         if _launched():
             _init_distributed()
-        plan = prepare(cfg, world_size_from_env())
+        prepared = prepare(cfg, world_size_from_env())
         with seen.held():
             from ..train.trainer import Trainer
         _init_distributed()
-        code = Trainer(plan).train() or EXIT_OK
+        code = Trainer(prepared).train() or EXIT_OK
         destroy_distributed(together=True)
         return code
     except Exception as exc:  # noqa: BLE001 - every failure becomes one line and its exit code here
-        return _ended_by(exc, seen, argv, plan)
+        return _ended_by(exc, seen, argv, prepared)
     except KeyboardInterrupt as exc:  # before the trainer's stop handler exists, or a second signal
-        return _ended_by(exc, seen, argv, plan)
+        return _ended_by(exc, seen, argv, prepared)
 
 
-def _ended_by(exc: BaseException, seen: InterruptRecorder, argv: list[str], plan) -> int:
+def _ended_by(exc: BaseException, seen: InterruptRecorder, argv: list[str], prepared) -> int:
     """The exit code of a run that raised `exc`, after its one line: a TrainerError's own line and code (the
     out-of-memory one with the plan command that fits); a Ctrl-C's (130, or 1 for a second one, which says why);
     a peer's death named; a traceback only for a failure nobody named. `plan`: None before the run was prepared."""
@@ -198,7 +198,7 @@ def _ended_by(exc: BaseException, seen: InterruptRecorder, argv: list[str], plan
         return code
     if isinstance(exc, TrainerError):
         pinned = getattr(exc, "pinned", None)  # train/out_of_memory.OutOfGpuMemory: the levers the run had pinned
-        hint = f"; {_fitting_plan(argv, pinned, plan.world_size)}" if pinned is not None and plan else ""
+        hint = f"; {_fitting_plan(argv, pinned, prepared.world_size)}" if pinned is not None and prepared else ""
         _report(f"error: {exc}{hint}")
         if exc.end_group:  # no collective where a peer may be inside one: the process's exit ends the group
             _end_group()
@@ -206,9 +206,9 @@ def _ended_by(exc: BaseException, seen: InterruptRecorder, argv: list[str], plan
     if seen.received:  # the Ctrl-C, turned into another error by a library on its way up
         _end_group()
         return interrupted()
-    if _peer_failure(exc, plan.cfg.output_dir if plan else None):  # its cause in one line, not gloo's traceback
+    if _peer_failure(exc, prepared.cfg.output_dir if prepared else None):  # its cause in one line, not gloo's traceback
         return EXIT_FAILURE  # the group is left to the process's exit: a collective with the dead peer hangs
-    if _rank() != 0 and plan is not None:  # usually a peer's failure seen here ("Connection closed by peer"):
+    if _rank() != 0 and prepared is not None:  # usually a peer's failure seen here ("Connection closed by peer"):
         _quiet_wait()  # let the rank that failed first report; the launcher ends this one meanwhile
     traceback.print_exception(exc)
     _end_group()

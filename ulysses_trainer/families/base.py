@@ -48,8 +48,8 @@ class LayerDims:
 @dataclass(frozen=True)
 class MlpRun:
     """What an MLP block's plan terms read of one run on one rank (plan/ fills it from its Settings): the run's
-    lever record itself, whose tiles and checkpointing the terms read through `tiled_mlp` and
-    `gradient_checkpointing`."""
+    lever record itself, whose tiles and checkpointing the terms read (`levers.tiled_mlp`,
+    `levers.gradient_checkpointing`)."""
 
     tokens: int  # t: tokens one rank holds per micro-step
     act_bytes: int  # 2 (bf16) or 4
@@ -62,15 +62,6 @@ class MlpRun:
     def __post_init__(self) -> None:
         if not isinstance(self.levers.tiled_mlp, int):
             raise ValueError(f"an MLP run's tiles are a plan's count, got tiled_mlp {self.levers.tiled_mlp!r}")
-
-    @property
-    def tiled_mlp(self) -> int:
-        """Sequence tiles (1 = untiled)."""
-        return self.levers.tiled_mlp
-
-    @property
-    def gradient_checkpointing(self) -> bool:
-        return self.levers.gradient_checkpointing
 
     @property
     def backward_flops(self) -> float:

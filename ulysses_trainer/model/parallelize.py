@@ -13,9 +13,9 @@ Order (each step relies on the ones before it):
      every k-th layer does and backward rebuilds the rest), on device or in pinned host memory, and
      recomputes in backward; there the tiled MLP skips its forward (its backward recomputes each tile).
   6. The attention-output stash: kept outputs let the recompute skip the kernel.
-`plan` is a ModelPlan (vocabulary/model_plan.py): every value concrete. The trainer takes it from its resolved plan
-(plan/resolve.py) and sets the levers with `apply` once the engine holds the model states; a loop of your own
-passes a ParallelizeConfig, whose `auto` values are decided once, by ParallelizeConfig.resolve.
+`plan` is a ModelPlan (vocabulary/model_plan.py: the kernels and the bound lever record). The trainer takes it
+from its resolved plan (plan/resolve.py) and sets the levers with `apply` once the engine holds the model states;
+a loop of your own passes a ParallelizeConfig, whose `auto` values are decided once, by ParallelizeConfig.resolve.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def apply(model: SequenceParallelCausalLM, plan: ModelPlan) -> None:
     allocated now when the plan gives the bytes, so a shortage is an error before step 1, not mid-run) and
     the layers keeping their attention outputs. `plan`: a ModelPlan (a resolved Plan's: Plan.model_plan)."""
     ck, stash = model.checkpointer, model.attention.stash
-    tiles = plan.tiled_mlp
+    tiles = plan.levers.tiled_mlp
     if tiles != model.tiles:
         raise ValueError(f"the plan has {tiles} MLP tiles but parallelize installed {model.tiles}; tiles are "
                          f"installed with the model: pass tiled_mlp={tiles} to ParallelizeConfig")
@@ -175,7 +175,7 @@ def _check(model: nn.Module, plan: ModelPlan) -> nn.ModuleList:
         raise ConfigError(f"loss_type {plan.loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
     if plan.loss_chunk_size < 1:
         raise ConfigError(f"loss_chunk_size must be >= 1, got {plan.loss_chunk_size}")
-    if plan.attention_stash and not plan.gradient_checkpointing:
+    if plan.attention_stash and not plan.levers.gradient_checkpointing:
         raise ConfigError("keeping attention outputs needs gradient_checkpointing (only a recompute reuses them): "
                           "set gradient_checkpointing true or keep_attention_outputs false")
     return layers
@@ -191,8 +191,8 @@ def parallelize(model: nn.Module, state: ParallelState,
     Every input is checked before the model is changed (ConfigError / TypeError naming the fix); the caller's
     config object is never changed (the model runs on a private copy); `unparallelize` (or a failure half-way)
     puts the model back as it was."""
-    if isinstance(plan, ParallelizeConfig):
-        plan = plan.resolve(model.config)
+    # a loop of your own's config becomes the ModelPlan it names (its auto decided here); from here on `plan` is one
+    plan = plan.resolve(model.config) if isinstance(plan, ParallelizeConfig) else plan
     layers = _check(model, plan)
     c = model.config
     fam = family(getattr(c, "model_type", "qwen3"))
@@ -230,11 +230,11 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan
     if plan.lean_norm:
         use_lean_norms(model, plan.norm_kernel, fam.norm_offset, fam.norm_fp32_weight)
     # 4. the family's MLP block: tiled, and its load-balancing statistics where it has them (sparse: router)
-    tiles = plan.tiled_mlp
+    tiles = plan.levers.tiled_mlp
     stats, coef = install_mlp(fam.mlp, model, layers, tiles, plan.experts_implementation)
     # 5. checkpointing (+ offload, set by apply)
     checkpointer = None
-    if plan.gradient_checkpointing:
+    if plan.levers.gradient_checkpointing:
         pool = HostPool(host_memory_gb=plan.host_memory_gb, ranks_per_node=plan.ranks_per_node,
                         held_slots=plan.host_held_slots)
         checkpointer = LayerRecompute(len(layers), [], pool)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..vocabulary.lever_settings import LEVER_FIELDS
 from ..vocabulary.names import DEFAULT_SUB_GROUP_SIZE, GIB, PLANNED_KERNELS, STANDIN, STANDINS, auto_num_tiles
 from .inputs import ModelShape, Settings, Zero3Knobs
 from .memory import estimate
@@ -44,15 +45,17 @@ class Measurement:
 
 
 def settings_from_dict(d: dict[str, Any]) -> Settings:
-    """Settings from JSON (unknown keys are an error, so a typo cannot silently change a prediction)."""
-    known = {f.name for f in fields(Settings)}
+    """Settings from JSON, the levers under their own names (Settings.flat's keys; unknown keys are an error, so a
+    typo cannot silently change a prediction)."""
+    known = ({f.name for f in fields(Settings)} - {"levers"}) | set(LEVER_FIELDS)
     bad = sorted(set(d) - known)
     if bad:
         raise ConfigError(f"calibration settings have unknown keys {bad}; known: {sorted(known)}")
     d = dict(d)
     if isinstance(d.get("zero3"), dict):
         d["zero3"] = Zero3Knobs(**d["zero3"])
-    return Settings(**d)
+    return Settings(**{k: v for k, v in d.items() if k not in LEVER_FIELDS}).with_levers(
+        **{k: v for k, v in d.items() if k in LEVER_FIELDS})
 
 
 def load_calibration(path: str | Path = CALIBRATION_FILE) -> list[Measurement]:
@@ -90,21 +93,22 @@ def benchmark_settings(system: str, shape: ModelShape, point: dict[str, Any], st
         base = replace(base, zero_stage=0, optimizer="none")
     if system == "ours":
         # points measured before lean norms existed carry no "lean_norm" key: HF norms
-        return replace(base, activation_offload=int(point.get("offloaded_layers") or 0),
-                       lean_norm=bool(point.get("lean_norm", False)),
+        levers = base.with_levers(activation_offload=int(point.get("offloaded_layers") or 0),
+                                  keep_attention_outputs=int(point.get("kept_attention_layers", 0)),
+                                  checkpoint_every=int(point.get("checkpoint_every", 1)),
+                                  optimizer_offload=bool(point.get("offload_optimizer", False)),
+                                  tiled_mlp=auto_num_tiles(length, shape.hidden, shape.mlp_row_width))
+        return replace(levers, lean_norm=bool(point.get("lean_norm", False)),
                        grouped_attention=bool(point.get("grouped_attention", False)),
-                       keep_attention_outputs=int(point.get("kept_attention_layers", 0)),
-                       checkpoint_every=int(point.get("checkpoint_every", 1)),
-                       optimizer_offload=bool(point.get("offload_optimizer", False)),
                        # long_context.py sets smaller sub-groups with optimizer offload (2**28 in the first
                        # runs, which did not record it)
                        zero3=replace(DEEPSPEED_DEFAULT_KNOBS, sub_group_size=int(point.get("sub_group_size", 2**28)))
-                       if point.get("offload_optimizer") else DEEPSPEED_DEFAULT_KNOBS,
-                       tiled_mlp=auto_num_tiles(length, shape.hidden, shape.mlp_row_width))
+                       if point.get("offload_optimizer") else DEEPSPEED_DEFAULT_KNOBS)
     if system == "alst":  # every checkpoint offloaded per tensor (pinned, power-of-two), no prefetch;
         # DeepSpeed TiledMLP with ceil(L / H) shards; TiledFusedLogitsLoss with 1024-row shards
-        return replace(base, activation_offload=shape.layers, pinned_rounding="pow2", prefetch_offloaded=False,
-                       tiled_mlp=max(1, math.ceil(length / shape.hidden)), loss_chunk_size=1024)
+        ceil_tiles = max(1, math.ceil(length / shape.hidden))
+        return replace(base.with_levers(activation_offload=shape.layers, tiled_mlp=ceil_tiles),
+                       pinned_rounding="pow2", prefetch_offloaded=False, loss_chunk_size=1024)
     return replace(base, loss_type="nll")  # hf: full logits, no tiling, no offload
 
 
@@ -170,7 +174,7 @@ def format_comparison(rows: list[Comparison]) -> str:
         he = c.host_error
         lines.append(
             f"{m.source[:34]:<34} {m.system:<6} {m.model:<10} {s.max_length:>9,} {s.attn_implementation[:10]:<10} "
-            f"{s.activation_offload:>4} {m.peak_gpu_gb:>9.2f} {c.predicted_gpu_gb:>9.2f} {c.gpu_error:>+7.1%} "
+            f"{s.levers.activation_offload:>4} {m.peak_gpu_gb:>9.2f} {c.predicted_gpu_gb:>9.2f} {c.gpu_error:>+7.1%} "
             + (f"{m.peak_host_gb:>9.2f} {c.predicted_host_gb:>9.2f} {he:>+7.1%}" if he is not None
                else f"{'-':>9} {c.predicted_host_gb:>9.2f} {'-':>7}")
             + ("  over-predicted, known (calibration.json)" if m.over_predicted else ""))

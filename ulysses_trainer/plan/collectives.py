@@ -34,13 +34,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ..vocabulary.lever_settings import Levers
+from ..vocabulary.lever_settings import EVERY_LAYER, Levers
 from .inputs import ModelShape, Settings
 from .zero3_trace import gathers_per_micro_step
-
-# a job's levers where none are given: every layer checkpointed (keeps its input), untiled, nothing offloaded
-EVERY_LAYER = Levers(gradient_checkpointing=True, checkpoint_every=1, activation_offload=0, keep_attention_outputs=0,
-                     tiled_mlp=1, optimizer_offload=False)
 
 
 @dataclass(frozen=True)
@@ -61,9 +57,8 @@ class Job:
 
     def __post_init__(self) -> None:
         lv = self.levers
-        if lv.checkpoint_every is None or isinstance(lv.tiled_mlp, str) or lv.tiled_mlp is None:
-            raise ValueError(f"a job's levers are a plan's, every one decided: checkpoint_every "
-                             f"{lv.checkpoint_every!r}, tiled_mlp {lv.tiled_mlp!r}")
+        if not lv.decided:
+            raise ValueError(f"a job's levers are a plan's, every one decided, got {lv}")
 
     @property
     def dp_size(self) -> int:

@@ -51,8 +51,14 @@ class Rung:
     offload: int | None  # the fixed offload count, None: searched
     knobs: Zero3Knobs  # the ZeRO-3 sizes with this placement (an added offload shrinks the sub-groups)
 
-    def kw(self) -> dict[str, Any]:
-        return {"checkpoint_every": self.every, "optimizer_offload": self.opt, "zero3": self.knobs}
+    def levers(self) -> dict[str, Any]:
+        """The levers this rung sets (Settings.with_levers)."""
+        return {"checkpoint_every": self.every, "optimizer_offload": self.opt}
+
+
+def _at(base: Settings, r: Rung, **levers: Any) -> Settings:
+    """`base` at rung `r` (its thinning, placement and that placement's ZeRO-3 sizes) with `levers` changed."""
+    return replace(base.with_levers(**r.levers(), **levers), zero3=r.knobs)
 
 
 @dataclass
@@ -73,7 +79,7 @@ class Search:
     def rungs(self) -> Iterator[list[Rung]]:
         """Per checkpoint_every, cheapest first, the rungs of each placement to try there (GPU first)."""
         fx, layers = self.fixed, self.shape.layers
-        if not self.base.gradient_checkpointing:
+        if not self.base.levers.gradient_checkpointing:
             everies = [1]
         else:
             everies = [fx.checkpoint_every] if fx.checkpoint_every is not None \
@@ -83,7 +89,7 @@ class Search:
             opts = [False]  # no ZeRO, no ZeRO-Offload
         for every in everies:
             saved = saved_layer_count(self.shape, every)
-            offload = fx.offload_for(saved) if self.base.gradient_checkpointing else 0
+            offload = fx.offload_for(saved) if self.base.levers.gradient_checkpointing else 0
             if offload is not None and offload > saved and fx.checkpoint_every is None and every > 1:
                 continue  # a thinning the search tries keeps fewer inputs than the fixed offload asks for
             yield [Rung(every, opt, saved, offload, self.knobs[opt]) for opt in opts]
@@ -104,9 +110,10 @@ class Search:
 
     # ---------------------------------------------------------------- the fit test
 
-    def est(self, **kw: Any) -> MemoryEstimate:
-        """The estimate of the base settings with `kw` changed (kept when it is the closest miss so far)."""
-        return self._seen(estimate(self.shape, replace(self.base, **kw)))
+    def est(self, r: Rung, **levers: Any) -> MemoryEstimate:
+        """The estimate of the base settings at rung `r` with `levers` changed (kept when it is the closest miss so
+        far)."""
+        return self._seen(estimate(self.shape, _at(self.base, r, **levers)))
 
     def _seen(self, e: MemoryEstimate) -> MemoryEstimate:
         if self.closest is None or sum(shortfall(e, self.gpu_gb, self.host_gb)) < \
@@ -117,20 +124,19 @@ class Search:
     def fits(self, e: MemoryEstimate) -> bool:
         return e.fits(self.gpu_gb, self.host_gb)
 
-    def fewest_offloaded(self, r: Rung, **kw: Any) -> MemoryEstimate | None:
+    def fewest_offloaded(self, r: Rung, **levers: Any) -> MemoryEstimate | None:
         """The estimate with the fewest offloaded inputs that fits (GPU memory falls and host memory grows
         with each one: the fewest that fit the GPU are the best chance for the host), or None."""
-        kw |= r.kw()
         if r.offload is not None:
-            e = self.est(activation_offload=r.offload, **kw)
+            e = self.est(r, activation_offload=r.offload, **levers)
             return e if self.fits(e) else None
         lo, hi = 0, r.saved
-        e_hi = self.est(activation_offload=hi, **kw)
+        e_hi = self.est(r, activation_offload=hi, **levers)
         if e_hi.gpu_required > self.gpu_gb * GIB:
             return None
         while lo < hi:  # invariant: hi fits the GPU
             mid = (lo + hi) // 2
-            e = self.est(activation_offload=mid, **kw)
+            e = self.est(r, activation_offload=mid, **levers)
             if e.gpu_required <= self.gpu_gb * GIB:
                 hi, e_hi = mid, e
             else:
@@ -142,13 +148,13 @@ class Search:
         Untiled is tried on its own; from 2 tiles on, memory only falls as tiles grow, so bisect."""
         if len(ladder) == 1:
             return at_top
-        first = self._seen(estimate(self.shape, replace(at_top.settings, tiled_mlp=ladder[0])))
+        first = self._seen(estimate(self.shape, at_top.settings.with_levers(tiled_mlp=ladder[0])))
         if self.fits(first):
             return first
         lo, hi, best = 1, len(ladder) - 1, at_top  # ladder[lo] untested or failing, ladder[hi] fits
         while lo < hi:
             mid = (lo + hi) // 2
-            e = self._seen(estimate(self.shape, replace(at_top.settings, tiled_mlp=ladder[mid])))
+            e = self._seen(estimate(self.shape, at_top.settings.with_levers(tiled_mlp=ladder[mid])))
             if self.fits(e):
                 hi, best = mid, e
             else:
@@ -180,11 +186,12 @@ def _timed_candidates(sr: Search, r: Rung, tiles: int, keep_max: int) -> list[Me
     base = sr.fewest_offloaded(r, keep_attention_outputs=0, tiled_mlp=tiles)
     if base is None:
         return []
-    a0, kw = base.settings.activation_offload, {"tiled_mlp": tiles} | r.kw()
-    k_lo = sr.most_kept(0, keep_max, lambda k: sr.fits(sr.est(activation_offload=a0, keep_attention_outputs=k, **kw)))
+    a0 = base.settings.levers.activation_offload
+    k_lo = sr.most_kept(0, keep_max, lambda k: sr.fits(sr.est(r, activation_offload=a0, keep_attention_outputs=k,
+                                                              tiled_mlp=tiles)))
     k_hi = sr.most_kept(k_lo, keep_max,
                         lambda k: sr.fewest_offloaded(r, keep_attention_outputs=k, tiled_mlp=tiles) is not None)
-    out = [sr.est(activation_offload=a0, keep_attention_outputs=k_lo, **kw)]
+    out = [sr.est(r, activation_offload=a0, keep_attention_outputs=k_lo, tiled_mlp=tiles)]
     if k_hi > k_lo:
         out.append(sr.fewest_offloaded(r, keep_attention_outputs=k_hi, tiled_mlp=tiles))
     return out
@@ -218,10 +225,10 @@ class Fits:
         best: dict[bool, tuple[float, MemoryEstimate]] = {}
         for opt, found in self.found.items():
             for e in map(at, found):
-                key = (time_of(e.settings), e.settings.activation_offload)
-                if opt not in best or key < (best[opt][0], best[opt][1].settings.activation_offload):
+                key = (time_of(e.settings), e.settings.levers.activation_offload)
+                if opt not in best or key < (best[opt][0], best[opt][1].settings.levers.activation_offload):
                     best[opt] = (key[0], e)
-        winner = min(best.values(), key=lambda te: (te[0], te[1].settings.optimizer_offload))
+        winner = min(best.values(), key=lambda te: (te[0], te[1].settings.levers.optimizer_offload))
         return winner[1], True, best
 
 
@@ -251,12 +258,12 @@ def with_headroom(shape: ModelShape, chosen: MemoryEstimate, gpu_gb: float, host
     """`chosen` with the fewest more offloaded inputs that bring the GPU need under GPU_HEADROOM of the
     budget, or as many more as the host holds (within HOST_HEADROOM where `chosen` is): the same predicted step,
     less risk of running out."""
-    s, saved = chosen.settings, saved_layer_count(shape, chosen.settings.checkpoint_every)
+    s, saved = chosen.settings, saved_layer_count(shape, chosen.settings.levers.checkpoint_every)
     best = chosen
-    for a in range(s.activation_offload + 1, saved + 1):
+    for a in range(s.levers.activation_offload + 1, saved + 1):
         if best.gpu_required <= GPU_HEADROOM * gpu_gb * GIB:
             break
-        e = estimate(shape, replace(s, activation_offload=a))
+        e = estimate(shape, s.with_levers(activation_offload=a))
         roomy = host_gb is not None and best.fits(gpu_gb, host_gb * HOST_HEADROOM)
         if not e.fits(gpu_gb, host_gb * HOST_HEADROOM if roomy else host_gb):
             break  # never past the host's headroom for the GPU's, where the plan was under it
@@ -268,9 +275,9 @@ def cheapest_autos(shape: ModelShape, base: Settings, fx: Levers) -> MemoryEstim
     """The CPU run (no GPU budget): nothing is short of memory; the autos take their cheapest values."""
     every = fx.checkpoint_every or 1
     tiles = fx.tiled_mlp if fx.tiled_mlp is not None else default_mlp_tiles(base.local_tokens, shape.mlp_row_width)
-    s = replace(base, checkpoint_every=every, tiled_mlp=tiles, optimizer_offload=bool(fx.optimizer_offload),
-                activation_offload=fx.offload_for(saved_layer_count(shape, every)) or 0,
-                keep_attention_outputs=fx.keep_attention_outputs or 0)
+    s = base.with_levers(checkpoint_every=every, tiled_mlp=tiles, optimizer_offload=bool(fx.optimizer_offload),
+                         activation_offload=fx.offload_for(saved_layer_count(shape, every)) or 0,
+                         keep_attention_outputs=fx.keep_attention_outputs or 0)
     return estimate(shape, s)
 
 
@@ -285,7 +292,7 @@ def cheapest_fit(shape: ModelShape, base: Settings, fx: Levers, gpu_gb: float, h
 
     At each rung the fewest offloaded inputs are searched at the most tiles (GPU memory falls as tiles grow,
     host memory does not depend on them), then the fewest tiles for that count."""
-    sr = Search(shape, base, replace(fx, keep_attention_outputs=base.keep_attention_outputs), gpu_gb, host_gb,
+    sr = Search(shape, base, replace(fx, keep_attention_outputs=base.levers.keep_attention_outputs), gpu_gb, host_gb,
                 knobs or {False: base.zero3, True: base.zero3})
     ladder = sr.tile_ladder(every_count=True)
     for rungs in sr.rungs():
@@ -303,7 +310,7 @@ def _closest_in_cost_order(sr: Search, tiles: int) -> MemoryEstimate:
     for rungs in sr.rungs():
         for r in rungs:
             for k in [r.offload] if r.offload is not None else range(r.saved + 1):
-                e = estimate(sr.shape, replace(sr.base, activation_offload=k, tiled_mlp=tiles, **r.kw()))
+                e = estimate(sr.shape, _at(sr.base, r, activation_offload=k, tiled_mlp=tiles))
                 if closest is None or sum(shortfall(e, sr.gpu_gb, sr.host_gb)) < \
                         sum(shortfall(closest, sr.gpu_gb, sr.host_gb)):
                     closest = e

@@ -13,7 +13,7 @@ PAGE = 4096  # HostPool slots are page-aligned (levers/recompute.py)
 def host_pool_bytes(shape: ModelShape, s: Settings) -> int:
     """Pinned host memory for the offloaded checkpoints: one pool of k page-aligned slots, exactly the
     sum (ours), or each checkpoint rounded up to a power of two (per-tensor pin_memory)."""
-    k = s.activation_offload
+    k = s.levers.activation_offload
     if k == 0:
         return 0
     per = s.local_tokens * shape.hidden * s.act_bytes  # one checkpointed layer input
@@ -28,7 +28,7 @@ def host_optimizer_bytes(shape: ModelShape, s: Settings) -> int:
     PyTorch's allocator (power-of-two rounded). DeepSpeed fills a sub-group until it reaches sub_group_size,
     so groups land just over it: at 2**28 every 4B group's buffer rounds to 2 GiB (28.1 GiB, the 1M H200
     run: host 118.19 GiB measured, 118.58 predicted); ds_configs/zero3_offload.json uses 2**28 - 2**25."""
-    if not s.optimizer_offload or s.optimizer == "none":
+    if not s.levers.optimizer_offload or s.optimizer == "none":
         return 0
     n = _trainable_shard_numel(shape, s)
     grads32 = sum(pinned_bytes(g * FP32, "pow2") for g in _sub_group_numels(shape, s))

@@ -5,13 +5,13 @@ plan/partitions.py). plan/memory.py turns them into terms.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ..errors import ConfigError
 from ..families import Family, LayerDims, MlpRun, family
 from ..vocabulary.layout import check_heads, padded_length
-from ..vocabulary.lever_settings import Levers
+from ..vocabulary.lever_settings import EVERY_LAYER, Levers
 from ..vocabulary.names import (
     DEFAULT_SUB_GROUP_SIZE,
     PLANNED_KERNELS,
@@ -195,9 +195,16 @@ class Zero3Knobs:
         return {k: v for k, v in self.__dict__.items() if k != "max_reuse_distance"}
 
 
+# Settings.flat: the lever written after each of these fields (the order the settings' JSON has always had)
+_LEVERS_AFTER = {"zero3_trace": ("optimizer_offload", "gradient_checkpointing", "activation_offload",
+                                 "checkpoint_every", "tiled_mlp"),
+                 "grouped_attention": ("keep_attention_outputs",)}
+
+
 @dataclass(frozen=True)
 class Settings:
-    """One run's layout and levers. Field names follow the training config where it has them."""
+    """One run's layout and levers. Field names follow the training config where it has them; the levers are the
+    one lever record (vocabulary/lever_settings.Levers), decided."""
 
     max_length: int
     sp_size: int = 1
@@ -214,18 +221,15 @@ class Settings:
     # From the second step on ZeRO-3's prefetcher follows the trace of the first and keeps parameters
     # gathered up to stage3_max_live_parameters; False: a first step measured alone (no trace yet)
     zero3_trace: bool = True
-    optimizer_offload: bool = False  # ZeRO-Offload: fp32 master, Adam m, v and fp32 grads on the host
-    gradient_checkpointing: bool = True
-    activation_offload: int = 0  # layers whose checkpointed input lives in pinned host memory
-    checkpoint_every: int = 1  # only every k-th layer keeps its input; backward rebuilds the others
-    tiled_mlp: int = 1  # MLP tiles; 1 = untiled
+    # the memory levers, decided (Levers.decided): gradient checkpointing, every k-th layer keeping its input,
+    # the inputs offloaded to pinned host memory, the layers keeping their attention output, the MLP tiles and
+    # ZeRO-Offload (fp32 master, Adam m, v and fp32 grads on the host); `with_levers` changes them
+    levers: Levers = EVERY_LAYER
     lean_norm: bool = True  # RMSNorms keep only their input (ours); False: HF's fp32 copies (alst, hf)
     norm_kernel: str = "torch"  # the lean norms' kernel (levers/lean_norm.py): torch ops or triton (fused)
     # attention/grouped.py: the kernel runs one KV-head group at a time (ours; with one KV head per rank only
     # for layers keeping their output, see layer_terms.attention_runs_grouped); False: on all heads at once
     grouped_attention: bool = True
-    # the first n layers keep their attention output + LSE from the checkpoint's forward (attention/stash.py)
-    keep_attention_outputs: int = 0
     # packed rows: their causal varlen attention, sum(l_i^2) over documents, as a share of one document of
     # max_length (mean over the data's rows, plan/attention_share.py); 1.0: one document, the worst case
     attention_fraction: float = 1.0
@@ -250,6 +254,11 @@ class Settings:
     cuda_context_gb: float = 1.0  # CUDA context, cuBLAS workspace, NCCL buffers (outside torch's count)
     host_baseline_gb: float = 2.5  # resident memory of one process apart from pinned buffers (H200: 2.1-2.3)
 
+    def __post_init__(self) -> None:
+        if not self.levers.decided:
+            raise ValueError(f"the planner's settings hold a decided lever record (Levers.bind, the search), "
+                             f"got {self.levers}")
+
     @property
     def world_size(self) -> int:
         return self.sp_size * self.dp_size
@@ -272,13 +281,34 @@ class Settings:
         """t: tokens one rank holds per micro-step (batch x padded length / sp)."""
         return self.micro_batch * self.padded_length // self.sp_size
 
+    # read-only spellings of three levers for train/rehearsal.py's result and benchmarks/memory_attribution.py,
+    # which read them off a plan's run; everything else reads `levers`
     @property
-    def levers(self) -> Levers:
-        """These settings' levers as the one lever record (vocabulary/lever_settings.Levers), every one concrete:
-        what the plan (types.Plan.levers) and the comm model's job (collectives.Job) read."""
-        return Levers(gradient_checkpointing=self.gradient_checkpointing, checkpoint_every=self.checkpoint_every,
-                      activation_offload=self.activation_offload, keep_attention_outputs=self.keep_attention_outputs,
-                      tiled_mlp=self.tiled_mlp, optimizer_offload=self.optimizer_offload)
+    def tiled_mlp(self) -> int:
+        return self.levers.tiled_mlp
+
+    @property
+    def checkpoint_every(self) -> int:
+        return self.levers.checkpoint_every
+
+    @property
+    def optimizer_offload(self) -> bool:
+        return self.levers.optimizer_offload
+
+    def with_levers(self, **levers: Any) -> Settings:
+        """These settings with the named levers of their record changed (`with_levers(tiled_mlp=8)`)."""
+        return replace(self, levers=replace(self.levers, **levers))
+
+    def flat(self) -> dict[str, Any]:
+        """The settings under their training-config names, the levers' among them where `plan --json` has always
+        written them (MemoryEstimate.to_dict, the replan's line)."""
+        out: dict[str, Any] = {}
+        for name, value in self.__dict__.items():
+            if name != "levers":
+                out[name] = value
+            for lever in _LEVERS_AFTER.get(name, ()):
+                out[lever] = getattr(self.levers, lever)
+        return out
 
 
 def saved_layer_count(shape: ModelShape, checkpoint_every: int) -> int:
@@ -298,23 +328,25 @@ def check_settings(shape: ModelShape, s: Settings) -> None:
     check_heads(s.sp_size, shape.heads, shape.kv_heads,
                 mixer.sp_heads(shape.dims) if mixer is not None and shape.mixer_layers else ())
     need(s.micro_batch >= 1, f"per_device_train_batch_size must be >= 1, got {s.micro_batch}")
-    need(s.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {s.checkpoint_every}")
-    need(0 <= s.keep_attention_outputs <= shape.layers and (s.keep_attention_outputs == 0 or s.gradient_checkpointing),
+    lv = s.levers
+    need(lv.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {lv.checkpoint_every}")
+    need(0 <= lv.keep_attention_outputs <= shape.layers
+         and (lv.keep_attention_outputs == 0 or lv.gradient_checkpointing),
          f"kept_attention_layers must be 0..{shape.layers} and needs gradient_checkpointing, "
-         f"got {s.keep_attention_outputs}")
-    need(s.checkpoint_every == 1 or s.gradient_checkpointing, "checkpoint_every > 1 needs gradient_checkpointing")
-    saved = saved_layer_count(shape, s.checkpoint_every)
-    need(0 <= s.activation_offload <= saved,
-         f"activation_offload={s.activation_offload} must be between 0 and {saved} layers (the layers that keep "
-         f"an input: {shape.layers} / checkpoint_every {s.checkpoint_every}, rounded up)")
-    need(s.activation_offload == 0 or s.gradient_checkpointing,
+         f"got {lv.keep_attention_outputs}")
+    need(lv.checkpoint_every == 1 or lv.gradient_checkpointing, "checkpoint_every > 1 needs gradient_checkpointing")
+    saved = saved_layer_count(shape, lv.checkpoint_every)
+    need(0 <= lv.activation_offload <= saved,
+         f"activation_offload={lv.activation_offload} must be between 0 and {saved} layers (the layers that keep "
+         f"an input: {shape.layers} / checkpoint_every {lv.checkpoint_every}, rounded up)")
+    need(lv.activation_offload == 0 or lv.gradient_checkpointing,
          "activation_offload needs gradient_checkpointing: true (it offloads the checkpoints)")
-    need(s.tiled_mlp >= 1, f"tiled_mlp must be >= 1 tiles, got {s.tiled_mlp}")
+    need(lv.tiled_mlp >= 1, f"tiled_mlp must be >= 1 tiles, got {lv.tiled_mlp}")
     need(s.loss_chunk_size >= 1, f"loss_chunk_size must be >= 1, got {s.loss_chunk_size}")
     need(s.attn_implementation in PLANNED_KERNELS,
          f"attention kernel {s.attn_implementation!r} is unknown; use one of {PLANNED_KERNELS}")
     need(s.zero_stage in (0, 3), f"zero_stage {s.zero_stage} is not modelled; use 3 (or 0 for plain torch)")
-    need(not (s.optimizer_offload and s.zero_stage != 3), "optimizer offload needs ZeRO stage 3")
+    need(not (lv.optimizer_offload and s.zero_stage != 3), "optimizer offload needs ZeRO stage 3")
     need(0 <= s.allocator_slack < 1, f"allocator_slack must be in [0, 1), got {s.allocator_slack}")
 
 
@@ -330,9 +362,9 @@ def local_tokens(s: Settings) -> int:
 def forward_passes(shape: ModelShape, s: Settings) -> float:
     """Forwards per layer, on average: 1, plus the recompute with checkpointing, plus the rebuild of
     (c-1) of every c layers under checkpoint_every c."""
-    if not s.gradient_checkpointing:
+    if not s.levers.gradient_checkpointing:
         return 1.0
-    c = s.checkpoint_every
+    c = s.levers.checkpoint_every
     rebuilt = shape.layers - -(-shape.layers // c)  # layers that are not block starts
     return 2.0 + rebuilt / shape.layers
 

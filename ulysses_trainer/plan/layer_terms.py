@@ -76,7 +76,7 @@ def attention_groups(shape: ModelShape, sp_size: int) -> int:
 def top_layer_keeps_output(shape: ModelShape, s: Settings) -> bool:
     """Whether the top layer keeps its attention output: the kept layers are the lowest ones
     (plan/memory.py kept_attention_at), so only when every layer does."""
-    return s.keep_attention_outputs >= shape.layers
+    return s.levers.keep_attention_outputs >= shape.layers
 
 
 def attention_runs_grouped(shape: ModelShape, s: Settings, keeps_output: bool) -> bool:
@@ -161,7 +161,7 @@ def layer_working_set(shape: ModelShape, s: Settings,
     mlp = {**flow, **saved, **mlp_backward_extra(shape, s)}
     attn_saved = {k: v for k, v in saved.items() if not k.startswith(("post-attention", "MLP", "o_proj"))}
     attn = {**flow, **attn_saved, **attention_backward_extra(shape, s, keeps_output)}
-    if not s.gradient_checkpointing:  # the saved tensors are counted under activations already
+    if not s.levers.gradient_checkpointing:  # the saved tensors are counted under activations already
         mlp = {k: v for k, v in mlp.items() if k not in saved}
         attn = {k: v for k, v in attn.items() if k not in saved}
     phases = [("MLP backward", mlp), ("attention backward", attn)]
@@ -173,7 +173,7 @@ def layer_working_set(shape: ModelShape, s: Settings,
         mixer_mlp = {**flow, **own, **mlp_backward_extra(shape, s)}
         mixer_own = {**flow, **{k: v for k, v in own.items() if not k.startswith(("post-attention", "MLP"))},
                      **mixer.backward_extra(shape.dims, run, rates)}
-        if not s.gradient_checkpointing:
+        if not s.levers.gradient_checkpointing:
             mixer_mlp = {k: v for k, v in mixer_mlp.items() if k not in own}
             mixer_own = {k: v for k, v in mixer_own.items() if k not in own}
         phases += [(f"{mixer.kind} layer: MLP backward", mixer_mlp), (f"{mixer.kind} backward", mixer_own)]

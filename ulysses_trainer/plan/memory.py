@@ -76,7 +76,7 @@ def weights_bytes(shape: ModelShape, s: Settings) -> int:
 def gradients_bytes(shape: ModelShape, s: Settings) -> int:
     """Reduced gradients in the training dtype: ZeRO-3's flat gradient partition (N/W), or full .grad
     tensors unsharded. Under optimizer offload the partition is on the host (see host terms)."""
-    if s.optimizer_offload or (s.zero_stage == 0 and s.first_step):
+    if s.levers.optimizer_offload or (s.zero_stage == 0 and s.first_step):
         return 0
     return _trainable_shard_numel(shape, s) * s.act_bytes
 
@@ -93,7 +93,7 @@ def gradients_created_in_backward_bytes(shape: ModelShape, s: Settings) -> int:
 def master_weights_bytes(shape: ModelShape, s: Settings) -> int:
     """fp32 master copy of this rank's partition (4 N/W). None when the weights are fp32 already
     (DeepSpeed reuses them), when there is no optimizer, or when it is offloaded."""
-    if s.optimizer == "none" or s.optimizer_offload or not s.bf16:
+    if s.optimizer == "none" or s.levers.optimizer_offload or not s.bf16:
         return 0
     return _trainable_shard_numel(shape, s) * FP32
 
@@ -101,7 +101,7 @@ def master_weights_bytes(shape: ModelShape, s: Settings) -> int:
 def adam_states_bytes(shape: ModelShape, s: Settings) -> int:
     """Adam m and v, fp32, for this rank's partition (8 N/W); on the host when offloaded. Before the
     first optimizer step they do not exist yet (counted in the optimizer-step phase instead)."""
-    if s.optimizer == "none" or s.optimizer_offload or s.first_step:
+    if s.optimizer == "none" or s.levers.optimizer_offload or s.first_step:
         return 0
     return _trainable_shard_numel(shape, s) * 2 * FP32
 
@@ -139,9 +139,9 @@ def gpu_checkpoints_at(shape: ModelShape, s: Settings, j: int) -> int:
     fetched copy of j's block start if it is offloaded; the rebuilt inputs of j's block from b+1 up to j
     (rebuilt all at once by the block's top layer, freed one by one); and, during a block start's
     backward, the prefetched input of the block start below it if that one is offloaded."""
-    if not s.gradient_checkpointing:
+    if not s.levers.gradient_checkpointing:
         return 0
-    c, a, pre = s.checkpoint_every, s.activation_offload, int(s.prefetch_offloaded)
+    c, a, pre = s.levers.checkpoint_every, s.levers.activation_offload, int(s.prefetch_offloaded)
     saved_at_or_below = j // c + 1
     resident = max(0, saved_at_or_below - a)
     b = j - j % c
@@ -164,7 +164,7 @@ def kept_attention_at(shape: ModelShape, s: Settings, j: int) -> int:
     """Kept attention outputs held during layer j's backward: those of the kept layers below j (layer j's
     own became its attention's saved output, counted in the working set; those above are used up). Only
     attention layers keep one (not a family's mixer layers: Qwen3.5's Gated DeltaNet)."""
-    return shape.attending_before[min(s.keep_attention_outputs, j)]
+    return shape.attending_before[min(s.levers.keep_attention_outputs, j)]
 
 
 def backward_peak_layer(shape: ModelShape, s: Settings) -> int:
@@ -177,7 +177,7 @@ def backward_peak_layer(shape: ModelShape, s: Settings) -> int:
     ws = {keeps: layer_working_set(shape, s, keeps)[0] for keeps in (False, True)}
     return max(range(shape.layers - 1, -1, -1),
                key=lambda j: gpu_checkpoints_at(shape, s, j) * ck + kept_attention_at(shape, s, j) * kept
-               + grads_so_far_bytes(shape, s, j) + ws[j < s.keep_attention_outputs])
+               + grads_so_far_bytes(shape, s, j) + ws[j < s.levers.keep_attention_outputs])
 
 
 def gpu_checkpoints_held(shape: ModelShape, s: Settings) -> int:
@@ -192,7 +192,7 @@ def checkpoints_gpu_bytes(shape: ModelShape, s: Settings) -> int:
 
 def activations_no_checkpointing_bytes(shape: ModelShape, s: Settings) -> int:
     """Without checkpointing every layer keeps its forward-saved tensors (the layer's saved set x N)."""
-    if s.gradient_checkpointing:
+    if s.levers.gradient_checkpointing:
         return 0
     saved = layer_forward_saved(shape, s)
     return shape.layers * sum(saved.values())
@@ -212,7 +212,7 @@ def optimizer_step_bytes(shape: ModelShape, s: Settings) -> int:
     """During the step, per sub-group: its fp32 gradient copy (4 x sub-group elements), plus, for a
     non-fused torch AdamW, a full-size fp32 temporary; on the first step also Adam's m, v, created
     there. Nothing on the GPU when offloaded."""
-    if s.optimizer == "none" or s.optimizer_offload:
+    if s.optimizer == "none" or s.levers.optimizer_offload:
         return 0
     largest = max(_sub_group_numels(shape, s)) if s.zero_stage == 3 else sum(trainable_numels(shape, s))
     grad = largest * FP32 if (s.bf16 or s.zero_stage == 0) else 0
@@ -229,7 +229,7 @@ def estimate(shape: ModelShape, s: Settings) -> MemoryEstimate:
     check_settings(shape, s)
     ck = checkpoint_bytes_per_layer(shape, s)
     peak_layer = backward_peak_layer(shape, s)
-    ws, ws_phase, ws_detail = layer_working_set(shape, s, peak_layer < s.keep_attention_outputs)
+    ws, ws_phase, ws_detail = layer_working_set(shape, s, peak_layer < s.levers.keep_attention_outputs)
     held = gpu_checkpoints_at(shape, s, peak_layer)
     terms = [
         Term("weights", weights_bytes(shape, s), 0, "static"),
@@ -238,12 +238,12 @@ def estimate(shape: ModelShape, s: Settings) -> MemoryEstimate:
         Term("Adam m, v", adam_states_bytes(shape, s), 0, "static"),
         Term("persistent small params", persistent_params_bytes(shape, s), 0, "static"),
         Term("gradient reduce bucket", reduce_bucket_bytes(shape, s), 0, "static"),
-        Term(f"layer checkpoints ({held} on GPU, {s.activation_offload} on host)"
-         + (f", 1 in {s.checkpoint_every} kept" if s.checkpoint_every > 1 else ""),
+        Term(f"layer checkpoints ({held} on GPU, {s.levers.activation_offload} on host)"
+         + (f", 1 in {s.levers.checkpoint_every} kept" if s.levers.checkpoint_every > 1 else ""),
              checkpoints_gpu_bytes(shape, s), host_pool_bytes(shape, s), "resident",
              {"per layer": ck}),
         Term("activations without checkpointing", activations_no_checkpointing_bytes(shape, s), 0, "resident"),
-        Term(f"attention outputs kept for the recompute ({s.keep_attention_outputs} layers)",
+        Term(f"attention outputs kept for the recompute ({s.levers.keep_attention_outputs} layers)",
              kept_attention_at(shape, s, peak_layer) * kept_attention_bytes_per_layer(shape, s),
              0, "resident"),
         Term("rope cos/sin", rope_bytes(shape, s), 0, "resident"),

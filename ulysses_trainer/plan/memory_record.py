@@ -57,7 +57,7 @@ class MemoryEstimate:
     def to_dict(self) -> dict[str, Any]:
         s = self.settings
         return {
-            "settings": {_JSON_KEYS.get(k, k): v for k, v in s.__dict__.items() if k != "zero3"}
+            "settings": {_JSON_KEYS.get(k, k): v for k, v in s.flat().items() if k != "zero3"}
             | {"zero3": s.zero3.memory_sizes()},
             "local_tokens": s.local_tokens, "padded_length": s.padded_length,
             "parameters": self.shape.num_params,

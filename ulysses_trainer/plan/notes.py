@@ -47,10 +47,10 @@ def plan_notes(cfg: Any, machine: Machine, s: Settings, *, attention: AttentionS
     if engine_plan is not None:  # the placement was weighed before the engine was built
         notes.extend(n for n in engine_plan.notes if n.startswith("optimizer_offload auto"))
     if fx.optimizer_offload is None and len(best) == 2:
-        other = best[not s.optimizer_offload]
-        notes.append(f"optimizer_offload auto: Adam on the {'host' if s.optimizer_offload else 'GPU'}, predicted "
-                     f"{format_seconds(best[s.optimizer_offload][0])} s/step against {format_seconds(other[0])} s "
-                     f"with Adam on the {'GPU' if s.optimizer_offload else 'host'}")
+        host = s.levers.optimizer_offload
+        notes.append(f"optimizer_offload auto: Adam on the {'host' if host else 'GPU'}, predicted "
+                     f"{format_seconds(best[host][0])} s/step against {format_seconds(best[not host][0])} s "
+                     f"with Adam on the {'GPU' if host else 'host'}")
     return tuple(notes)
 
 
@@ -64,11 +64,8 @@ def decided(cfg: Any, asked: Levers, s: Settings) -> tuple[str, ...]:
         out.append(f"norm_kernel {s.norm_kernel}")
     if cfg.deltanet_kernel == "auto" and s.deltanet_kernel:
         out.append(f"deltanet_kernel {s.deltanet_kernel}")
-    for name, fixed, value in (("activation_offload", asked.activation_offload, s.activation_offload),
-                               ("keep_attention_outputs", asked.keep_attention_outputs, s.keep_attention_outputs),
-                               ("tiled_mlp", asked.tiled_mlp, s.tiled_mlp),
-                               ("checkpoint_every", asked.checkpoint_every, s.checkpoint_every),
-                               ("optimizer_offload", asked.optimizer_offload, s.optimizer_offload)):
+    for name in ("activation_offload", "keep_attention_outputs", "tiled_mlp", "checkpoint_every", "optimizer_offload"):
+        fixed, value = getattr(asked, name), getattr(s.levers, name)
         if fixed is None:
             out.append(f"{name} {str(value).lower() if isinstance(value, bool) else value}")
     return tuple(out)

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..vocabulary.layout import Layout, resolve_layout
-from ..vocabulary.lever_settings import AUTO_LEVERS, Levers, decode_levers
+from ..vocabulary.lever_settings import AUTO_LEVERS, EVERY_LAYER, Levers, decode_levers
 from ..vocabulary.names import GIB, KEEPING_KERNELS, auto_num_tiles, choose_kernels
 from .attention_share import AttentionShare
 from .card_rates import rates_for
@@ -45,7 +45,7 @@ def resolve_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettin
 
 
 @dataclass(frozen=True)
-class PlanSearch:
+class LeverSearch:
     """Every decision before the step time and the one search over the levers (memory only: the data's attention
     share moves the time, never the memory). `plan_from` makes the Plan of it, with or without the share."""
 
@@ -71,7 +71,7 @@ class PlanSearch:
 
 
 def search_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSettings | None = None, *,
-                layout: Layout | None = None) -> PlanSearch:
+                layout: Layout | None = None) -> LeverSearch:
     """One pass down: the machine's budget, the layout, the kernels, the base settings, the levers decoded and
     bound, then the search. ConfigError for settings that cannot run."""
     zero = zero or ZeroSettings()
@@ -92,7 +92,8 @@ def search_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSetting
         kernels = replace(kernels, attn_implementation=fastest or kernels.attn_implementation)
     base = Settings(max_length=cfg.max_length, sp_size=layout.sp_size, dp_size=layout.dp_size,
                     micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
-                    gradient_checkpointing=cfg.gradient_checkpointing, loss_type=cfg.loss_type,
+                    levers=replace(EVERY_LAYER, gradient_checkpointing=cfg.gradient_checkpointing),
+                    loss_type=cfg.loss_type,
                     loss_chunk_size=cfg.loss_chunk_size, lean_norm=cfg.lean_norm, norm_kernel=kernels.norm_kernel,
                     attn_implementation=kernels.attn_implementation, pad_to_multiple_of=cfg.pad_to_multiple_of,
                     zero3=zero.knobs,
@@ -107,7 +108,7 @@ def search_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSetting
         raise ConfigError(f"keep_attention_outputs needs a kernel that can keep its outputs (sdpa, "
                           f"flash_attention_4); {kernels.attn_implementation} cannot: set keep_attention_outputs "
                           f"false or attn_implementation sdpa")
-    check_settings(shape, replace(base, keep_attention_outputs=0))
+    check_settings(shape, base)
     return _search(cfg, shape, machine, base, asked, asked, zero, budget, budget_note, engine_plan=None)
 
 
@@ -126,7 +127,7 @@ def replan_after_engine(first: Plan, cfg: Any, shape: ModelShape, machine: Machi
 
 def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: Levers, asked: Levers,
             zero: ZeroSettings, budget: float | None, budget_note: str | None, *,
-            engine_plan: Plan | None) -> PlanSearch:
+            engine_plan: Plan | None) -> LeverSearch:
     """The search over the levers `fx` leaves open (None) within the budgets (none without a GPU)."""
     found = fuller = None
     if budget is not None:
@@ -142,10 +143,10 @@ def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: L
         roomy = search_fits(shape, base, fx, keep, budget, HOST_HEADROOM * machine.host_memory_gb,
                             zero.by_placement) if full else whole
         found, fuller = (roomy, whole) if roomy.fits and roomy is not whole else (whole, None)
-    return PlanSearch(cfg, shape, machine, base, fx, asked, zero, budget, budget_note, found, engine_plan, fuller)
+    return LeverSearch(cfg, shape, machine, base, fx, asked, zero, budget, budget_note, found, engine_plan, fuller)
 
 
-def plan_from(sr: PlanSearch, *, attention: AttentionShare | None = None) -> Plan:
+def plan_from(sr: LeverSearch, *, attention: AttentionShare | None = None) -> Plan:
     """The Plan of a search: the fastest of what it found, timed with the packed data's attention share
     (None: one document per row), then the step time and the notes. No search runs here."""
     cfg, shape, machine, fx, budget = sr.cfg, sr.shape, sr.machine, sr.fx, sr.budget
@@ -166,8 +167,8 @@ def plan_from(sr: PlanSearch, *, attention: AttentionShare | None = None) -> Pla
         chosen, fits, best = sr.found.fastest(lambda s: time_of(s).total_s, fraction)
         fuller = sr.fuller.fastest(lambda s: time_of(s).total_s, fraction)[0] if sr.fuller else chosen
         if time_of(fuller.settings).total_s < time_of(chosen.settings).total_s:  # room for the host, at a cost
-            levers = ", ".join(f"{k} {str(getattr(fuller.settings, k)).lower()}" for k in AUTO_LEVERS
-                               if getattr(fuller.settings, k) != getattr(chosen.settings, k))
+            levers = ", ".join(f"{k} {str(getattr(fuller.settings.levers, k)).lower()}" for k in AUTO_LEVERS
+                               if getattr(fuller.settings.levers, k) != getattr(chosen.settings.levers, k))
             roomy_note = (f"auto left the host room (under {HOST_HEADROOM:.0%} of its memory): the fastest plan "
                           f"that fits holds {fuller.host_per_host / GIB:.1f} GiB per host and would take "
                           f"{time_of(fuller.settings).total_s:.1f} s/step; set {levers} to run it")

@@ -198,7 +198,7 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
                      f"{scale:.2f}, the measured fwd+bwd ratio ({r.HD256_SOURCE})" if scale != 1.0 else
                      f"attention kernel rates measured at head_dim {r.MEASURED_HEAD_SHAPE[2]}, used at "
                      f"{shape.head_dim} (not measured there)")
-    kept = s.keep_attention_outputs if s.gradient_checkpointing else 0
+    kept = s.levers.keep_attention_outputs if s.levers.gradient_checkpointing else 0
     # a family's mixer layers (Qwen3.5's Gated DeltaNet) run no attention kernel, and keep no attention output
     mixed = set(shape.mixer_layers)
     attending = [i for i in range(shape.layers) if i not in mixed]
@@ -251,7 +251,7 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     shard = num_params / s.world_size
     if s.optimizer == "none":
         pass
-    elif s.optimizer_offload:
+    elif s.levers.optimizer_offload:
         # each rank updates its shard on its share of the node's cores (the rate measured with 16 of them)
         cores = host_cores or CORES_PER_GPU_ASSUMED * s.ranks_per_node
         per_rank = max(cores / s.ranks_per_node, 1.0)

@@ -209,14 +209,14 @@ class Plan:
 
     def summary(self) -> str:
         """One line: what runs, the predicted step time and peak memory."""
-        p, r = self.predicted, self.run
+        p, r, lv = self.predicted, self.run, self.levers
         gpu = p.gpu_budget_gb is not None
-        adam = "Adam on the host" if r.optimizer_offload else f"Adam on the {'GPU' if gpu else 'device'}"
+        adam = "Adam on the host" if lv.optimizer_offload else f"Adam on the {'GPU' if gpu else 'device'}"
         step = f"{format_seconds(p.step_s)} s/step" if gpu else "no step time (no GPU)"
         deltanet = f", {r.deltanet_kernel} deltanet" if r.deltanet_kernel else ""
         return (f"sp {r.sp_size} x dp {r.dp_size}, {r.attn_implementation}{deltanet}, {r.norm_kernel} norms, "
-                f"tiled_mlp {r.tiled_mlp}, "
-                f"checkpoint_every {r.checkpoint_every}, {len(self.offload_layers)}/{len(self.saved_layers)} "
+                f"tiled_mlp {lv.tiled_mlp}, "
+                f"checkpoint_every {lv.checkpoint_every}, {len(self.offload_layers)}/{len(self.saved_layers)} "
                 f"layer inputs offloaded, {len(self.kept_attention_layers)}/{self.num_layers} attention outputs kept, "
                 f"{adam}{self._attention()}; predicted {step}, peak {p.peak_gpu_gb:.1f} GiB "
                 f"{'GPU' if gpu else 'device'} (allocated), "
@@ -228,19 +228,19 @@ class Plan:
         return ", packed attention timed as one document (worst case)" if self.attention_from else ""
 
     def to_dict(self) -> dict[str, Any]:
-        r, p = self.run, self.predicted
+        r, p, lv = self.run, self.predicted, self.levers
         return {"model": self.model, "max_length": r.max_length, "padded_length": r.padded_length,
                 "bf16": r.bf16,
                 "sp_size": r.sp_size, "dp": r.dp_size, "attn_implementation": r.attn_implementation,
-                "loss_type": r.loss_type, "loss_chunk_size": r.loss_chunk_size, "tiled_mlp": r.tiled_mlp,
+                "loss_type": r.loss_type, "loss_chunk_size": r.loss_chunk_size, "tiled_mlp": lv.tiled_mlp,
                 "lean_norm": r.lean_norm, "norm_kernel": r.norm_kernel,
                 "experts_implementation": r.experts_implementation, "deltanet_kernel": r.deltanet_kernel,
-                "gradient_checkpointing": r.gradient_checkpointing,
-                "checkpoint_every": r.checkpoint_every, "saved_layers": list(self.saved_layers),
+                "gradient_checkpointing": lv.gradient_checkpointing,
+                "checkpoint_every": lv.checkpoint_every, "saved_layers": list(self.saved_layers),
                 "offload_layers": list(self.offload_layers), "activation_offload": len(self.offload_layers),
                 "keep_attention_outputs": len(self.kept_attention_layers),
                 "kept_attention_layers": list(self.kept_attention_layers),
-                "optimizer_offload": r.optimizer_offload, "num_layers": self.num_layers,
+                "optimizer_offload": lv.optimizer_offload, "num_layers": self.num_layers,
                 "checkpoint_bytes_per_layer": self.checkpoint_bytes_per_layer,
                 "kept_attention_bytes_per_layer": self.kept_attention_bytes_per_layer,
                 "terms": [{"name": n, "gpu_bytes": g, "host_bytes": h} for n, g, h in p.terms],

@@ -21,35 +21,35 @@ from ..model.lora import lora_scaling, merged_state_dict
 from .chat_export import ExportFiles, adapter_base, source_file
 from .checkpoint import agree_on_failure, fsync_tree
 from .output_guard import OutputWriteError, describe_failure, failure_message
-from .prepare import RunPlan
+from .prepare import PreparedRun
 
 log = logging.getLogger(__name__)
 DEFAULT_SHARD = "5GB"  # save_pretrained's, where there is no checkpoint whose sharding to keep
 
 
-def export_model(engine, plan: RunPlan, peft_model, is_main: bool, name: str) -> None:
+def export_model(engine, prepared: PreparedRun, peft_model, is_main: bool, name: str) -> None:
     """The model as HF files in output_dir/<name> (final/, or a save_only_model checkpoint): the adapter
     (LoRA without merge_lora) or the whole, merged model. Collective."""
-    cfg, source = plan.cfg, plan.source
-    chat = getattr(plan.train_data, "kind", None) in (CONVERSATIONAL, PROMPT_COMPLETION)
+    cfg, source = prepared.cfg, prepared.source
+    chat = getattr(prepared.train_data, "kind", None) in (CONVERSATIONAL, PROMPT_COMPLETION)
     config_file = source_file(source, "config.json")  # a Hub id: its cached snapshot, which the run loaded
     source_dir = str(config_file.parent) if config_file is not None else None
-    files = ExportFiles(plan.tokenizer, chat, source=source)
+    files = ExportFiles(prepared.tokenizer, chat, source=source)
     shard = shard_bytes(cfg.max_shard_size) if cfg.max_shard_size is not None else None  # None: the checkpoint's
     if peft_model is not None and not cfg.merge_lora:
         base = adapter_base(cfg.model_name_or_path, source, cfg.output_dir, name)
-        export_adapter(engine, peft_model, cfg.output_dir, ExportFiles(plan.tokenizer, chat, adapter_base=base),
+        export_adapter(engine, peft_model, cfg.output_dir, ExportFiles(prepared.tokenizer, chat, adapter_base=base),
                        is_main, name=name)
         if source is None:  # a preset's base exists nowhere else: <name>/base, which the adapter names
-            export_hf(engine, plan.model_config, cfg.output_dir, files, is_main,
+            export_hf(engine, prepared.model_config, cfg.output_dir, files, is_main,
                       transform=lambda sd: merged_state_dict(sd, 0.0), name=os.path.join(name, "base"),
                       max_shard_size=shard or DEFAULT_SHARD)
     else:
         merge = (lambda sd: merged_state_dict(sd, lora_scaling(peft_model))) if peft_model else None
-        export_hf(engine, plan.model_config, cfg.output_dir, files, is_main, transform=merge,
-                  config_json=export_config_json(cfg, plan.model_config, plan.bf16), max_shard_size=shard, name=name,
-                  source_dir=source_dir)
-        note = dtype_change_note(source, plan.bf16) if is_main else None
+        export_hf(engine, prepared.model_config, cfg.output_dir, files, is_main, transform=merge,
+                  config_json=export_config_json(cfg, prepared.model_config, prepared.bf16), max_shard_size=shard,
+                  name=name, source_dir=source_dir)
+        note = dtype_change_note(source, prepared.bf16) if is_main else None
         if note:  # said, not silently kept: the weights are what was trained
             log.info(note if name == "final" else note.replace("final/", f"{name}/", 1))
 

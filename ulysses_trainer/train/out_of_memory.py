@@ -154,7 +154,7 @@ def check_host_fits(resolved: Plan, machine: Machine, device: str, ranks_here: i
 
 def _lever_values(plan: Plan, names: tuple[str, ...]) -> str:
     d = plan.to_dict()
-    values = {**{n: d[n] for n in AUTO_LEVERS}, "gradient_checkpointing": plan.run.gradient_checkpointing}
+    values = {**{n: d[n] for n in AUTO_LEVERS}, "gradient_checkpointing": plan.levers.gradient_checkpointing}
     return " ".join(f"--{n} {str(values[n]).lower()}" for n in names)
 
 

@@ -28,7 +28,7 @@ from ..model.lora import check_lora
 from ..plan.attention_share import AttentionShare, timed_from_data
 from ..plan.counts import num_params
 from ..plan.inputs import ModelShape
-from ..plan.resolve import PlanSearch, plan_from, resolve_plan, search_plan
+from ..plan.resolve import LeverSearch, plan_from, resolve_plan, search_plan
 from ..plan.types import Machine, Plan, ZeroSettings, read_zero
 from ..probe import this_machine
 from ..vocabulary.layout import Layout
@@ -44,9 +44,10 @@ from .strategies import ends_epoch, save_due
 
 
 @dataclass
-class RunPlan:
-    """What prepare decided and loaded. The plan's values (layout, kernel, bf16, padded length) are read from
-    `resolved`, never copied: after the engine is built the trainer replaces it with the plan it runs."""
+class PreparedRun:
+    """The prepared run: what prepare decided and loaded, its Plan as `resolved`. The plan's values (layout, kernel,
+    bf16, padded length) are read from `resolved`, never copied: after the engine is built the trainer replaces it
+    with the plan it runs."""
 
     cfg: TrainConfig
     world_size: int
@@ -105,7 +106,7 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def prepare(cfg: TrainConfig, world_size: int, training: bool = True, host_cores: int | None = None) -> RunPlan:
+def prepare(cfg: TrainConfig, world_size: int, training: bool = True, host_cores: int | None = None) -> PreparedRun:
     """Every check and decision before heavy work, in one descent: the plan's inputs, the one plan search and the
     refusals it decides before the data, the data, the plan timed from the data, the output_dir and the filled
     DeepSpeed JSON. training=False (the rehearsal): output_dir is neither checked nor written, and on CPU host
@@ -167,7 +168,7 @@ def _inputs(cfg: TrainConfig, world_size: int) -> _Inputs:
                    read_zero(ds_raw, str(cfg.deepspeed)))
 
 
-def _refuse_before_data(cfg: TrainConfig, ins: _Inputs, search: PlanSearch, world_size: int,
+def _refuse_before_data(cfg: TrainConfig, ins: _Inputs, search: LeverSearch, world_size: int,
                         training: bool) -> tuple[Plan, str]:
     """(the plan without the data's share, its digest or "" with packing), refused before a long tokenization
     where it cannot run: the ZeRO JSON against it, the host and the GPU memory. Memory does not depend on the
@@ -236,7 +237,7 @@ def _read_data(cfg: TrainConfig, ins: _Inputs, dp_size: int) -> _Data:
 
 
 def _run_plan(cfg: TrainConfig, world_size: int, training: bool, ins: _Inputs, data: _Data, resolved: Plan,
-              digest: str) -> RunPlan:
+              digest: str) -> PreparedRun:
     """The resume's config check, output_dir and its disk need, and the DeepSpeed JSON filled for the plan."""
     sp_size, dp_size = resolved.run.sp_size, resolved.run.dp_size
     resume_path, train, total, per_step = ins.resume_path, data.train, data.total, data.per_step
@@ -259,7 +260,7 @@ def _run_plan(cfg: TrainConfig, world_size: int, training: bool, ins: _Inputs, d
     # torch's fused AdamW on the GPU (no JIT build); DeepSpeed's CPU Adam only where states live on the host
     ds, opt = ins.zero_config(cfg, resolved, world_size, total)
     zero_filled = filled_line(ins.ds_raw, ds, str(cfg.deepspeed))
-    return RunPlan(cfg=cfg, world_size=world_size, device=ins.device, resolved=resolved, layout=ins.layout,
+    return PreparedRun(cfg=cfg, world_size=world_size, device=ins.device, resolved=resolved, layout=ins.layout,
                    machine=ins.machine, shape=ins.shape, model_config=ins.model_config, tokenizer=data.tokenizer,
                    train_data=train, eval_data=data.eval_data, ds_config=ds, optimizer=opt,
                    steps_per_epoch=steps_per_epoch, epoch_steps=steps_per_epoch, total_steps=total,

@@ -45,7 +45,7 @@ from . import run_report as report
 from .checkpoint import EVENTS_FILE, agree_on_failure
 from .eval_plot import PLOT, eval_rows, native_window, plot_eval_by_position
 from .output_guard import OutputWriteError, describe_failure, failure_message
-from .prepare import RunPlan
+from .prepare import PreparedRun
 from .resume_check import notes as resume_notes
 
 log = logging.getLogger(__name__)
@@ -54,31 +54,31 @@ Failure = tuple[str, int, str]  # (the path, describe_failure's code, the error'
 
 
 class RunLog:
-    def __init__(self, plan: RunPlan, is_main: bool):
-        cfg = plan.cfg
+    def __init__(self, prepared: PreparedRun, is_main: bool):
+        cfg = prepared.cfg
         self.is_main = is_main
         self.output_dir = cfg.output_dir
         self.metrics = MetricsFile(cfg.output_dir)
         self.events = MetricsFile(cfg.output_dir, EVENTS_FILE)  # not training rows: metrics.jsonl's all carry loss
-        self.reporters = Reporters(plan.reporters, cfg.output_dir, config_to_dict(cfg), cfg.run_name)
+        self.reporters = Reporters(prepared.reporters, cfg.output_dir, config_to_dict(cfg), cfg.run_name)
         self.failure: Failure | None = None  # rank 0's failed row write, agreed at the step's end
-        self.window = native_window(plan.model_config)  # drawn on the eval plot
+        self.window = native_window(prepared.model_config)  # drawn on the eval plot
         self.title = f"{cfg.model_name_or_path}, max_length {cfg.max_length:,}: eval loss by position"
 
-    def write_run_config(self, plan: RunPlan, step: int) -> None:
+    def write_run_config(self, prepared: PreparedRun, step: int) -> None:
         """config.json: this run's config, layout and data accounting; on resume the earlier runs' configs
         stay in its `history` with the step each change took effect. ds_config.json: the ZeRO JSON the engine
         runs, every "auto" filled. Rank 0 writes. Collective."""
         failure = None
         if self.is_main:
             path = os.path.join(self.output_dir, "config.json")
-            record = report.run_config_record(plan, step, path)
+            record = report.run_config_record(prepared, step, path)
             try:
                 with open(path, "w") as f:
                     json.dump(record, f, indent=1)
                 path = os.path.join(self.output_dir, DS_CONFIG_FILE)
                 with open(path, "w") as f:
-                    json.dump(plan.ds_config, f, indent=1)
+                    json.dump(prepared.ds_config, f, indent=1)
             except OSError as exc:
                 failure = (path, describe_failure(exc, path), str(exc))
         code = agree_on_failure(failure[1] if failure else 0)

@@ -3,7 +3,6 @@ predicted step time and peak against the measured ones at the end, and the recor
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 
@@ -12,28 +11,28 @@ from ..messages import ON_STDERR
 from ..plan.memory import UNDER_PREDICTION
 from ..plan.types import Plan
 from .metrics import peak_gpu_mem_gb, predicted_vs_measured
-from .prepare import RunPlan
+from .prepare import PreparedRun
 from .resume_check import run_record
 
 log = logging.getLogger(__name__)
 
 
-def report_data(plan: RunPlan) -> None:
-    if getattr(plan.tokenizer, "stand_in", False):  # a preset's stand-in, not the model's own tokenizer: say so
-        log.info(f"tokenizer: {plan.tokenizer.name}")
-    for what, data in (("data", plan.train_data), ("eval data", plan.eval_data)):
+def report_data(prepared: PreparedRun) -> None:
+    if getattr(prepared.tokenizer, "stand_in", False):  # a preset's stand-in, not the model's own tokenizer: say so
+        log.info(f"tokenizer: {prepared.tokenizer.name}")
+    for what, data in (("data", prepared.train_data), ("eval data", prepared.eval_data)):
         counts = getattr(data, "counts", None)
         if counts is not None:
             log.info(f"{what}: {counts.summary()}")
-    if plan.zero_filled:
-        log.info(plan.zero_filled)
-    if plan.disk:
-        log.info(plan.disk)
+    if prepared.zero_filled:
+        log.info(prepared.zero_filled)
+    if prepared.disk:
+        log.info(prepared.disk)
 
 
-def data_record(plan: RunPlan) -> dict:
+def data_record(prepared: PreparedRun) -> dict:
     """The train and eval data's accounting, as config.json keeps it."""
-    return {what: data.counts.to_dict() for what, data in (("train", plan.train_data), ("eval", plan.eval_data))
+    return {what: data.counts.to_dict() for what, data in (("train", prepared.train_data), ("eval", prepared.eval_data))
             if getattr(data, "counts", None) is not None}
 
 
@@ -69,9 +68,9 @@ def report_plan(r: Plan, before_build: bool, digest: str) -> None:
             (f"within the memory model's worst measured under-prediction ({UNDER_PREDICTION:.1%}), and it errs on the "
              f"high side: the run may still fit")
         log.warning(f"warning: the plan does not fit: {p.shortage()} ({why})")
-    if r.run.gradient_checkpointing:
+    if r.levers.gradient_checkpointing:
         n, saved, off = r.num_layers, len(r.saved_layers), len(r.offload_layers)
-        kept = f"1 in {r.run.checkpoint_every} layers keeps its input" if r.run.checkpoint_every > 1 else \
+        kept = f"1 in {r.levers.checkpoint_every} layers keeps its input" if r.levers.checkpoint_every > 1 else \
             "every layer keeps its input"
         log.info(f"checkpoints: {kept} ({saved}/{n}), {off} in pinned host memory "
               f"({r.checkpoint_bytes_per_layer * off / 2**30:.2f} GiB)")
@@ -82,8 +81,8 @@ def report_plan(r: Plan, before_build: bool, digest: str) -> None:
 def replan_line(first: Plan, after: Plan, free_gb: float) -> str:
     """The after-engine phase in one line: the plan searched again with the GPU memory the engine left (`free_gb`,
     the least of any rank's) and what it changed of `first` (the settings under their config names)."""
-    changed = [f"{f.name} {getattr(first.run, f.name)} -> {getattr(after.run, f.name)}"
-               for f in dataclasses.fields(first.run) if getattr(first.run, f.name) != getattr(after.run, f.name)]
+    before, now = first.run.flat(), after.run.flat()
+    changed = [f"{name} {before[name]} -> {now[name]}" for name in before if before[name] != now[name]]
     what = f"changed {', '.join(changed)}" if changed else "unchanged"
     return f"replanned after the engine ({free_gb:.1f} GiB GPU memory free on the fullest rank): {what}"
 
@@ -106,18 +105,18 @@ def report_predicted_vs_measured(r: Plan, step_times: list[float]) -> None:
     log.info(predicted_vs_measured(p.step_s, p.peak_gpu_gb, step_times, peak_gpu_mem_gb()))
 
 
-def run_config_record(plan: RunPlan, step: int, path: str) -> dict:
+def run_config_record(prepared: PreparedRun, step: int, path: str) -> dict:
     """config.json's content: this run's config, layout and data accounting; on resume the earlier runs' configs
     (read from `path`) stay in its `history` with the step each change took effect."""
-    record = {**run_record(config_to_dict(plan.cfg), plan.world_size, plan.sp_size, plan.dp_size),
-              "data": data_record(plan), "plan_digest": plan.plan_digest, "history": []}
+    record = {**run_record(config_to_dict(prepared.cfg), prepared.world_size, prepared.sp_size, prepared.dp_size),
+              "data": data_record(prepared), "plan_digest": prepared.plan_digest, "history": []}
     try:
         with open(path) as f:
             previous = json.load(f)
     except (OSError, ValueError):
         previous = None
-    if plan.resume_path and isinstance(previous, dict):
+    if prepared.resume_path and isinstance(previous, dict):
         history = previous.pop("history", []) if isinstance(previous.get("history"), list) else []
         record["history"] = history + [{"until_step": step, **previous,
-                                        "changes_at_resume": {k: list(v) for k, v in plan.config_changes.items()}}]
+                                        "changes_at_resume": {k: list(v) for k, v in prepared.config_changes.items()}}]
     return record

@@ -26,7 +26,7 @@ from .metrics import device_peak_tflops, peak_gpu_mem_gb, peak_host_mem_gb, row_
 from .non_finite import NonFiniteError, non_finite_step
 from .out_of_memory import OutOfGpuMemory, Where, decoder_layers, oom_message, pinned_levers
 from .position_loss import write_per_position_loss
-from .prepare import RunPlan
+from .prepare import PreparedRun
 from .resume_check import run_record
 from .run_log import LogInterval, RunLog
 from .schedule import set_peak_learning_rate
@@ -40,12 +40,12 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, plan: RunPlan):
-        self.plan, self.cfg = plan, plan.cfg
-        self.state: ParallelState = make_parallel_state(plan.layout)
-        self.device = torch.device(plan.device, int(os.environ.get("LOCAL_RANK", 0))) \
-            if plan.device == "cuda" else torch.device("cpu")
-        if plan.device == "cuda":
+    def __init__(self, prepared: PreparedRun):
+        self.prepared, self.cfg = prepared, prepared.cfg
+        self.state: ParallelState = make_parallel_state(prepared.layout)
+        self.device = torch.device(prepared.device, int(os.environ.get("LOCAL_RANK", 0))) \
+            if prepared.device == "cuda" else torch.device("cpu")
+        if prepared.device == "cuda":
             torch.cuda.set_device(self.device)
         self.stop = StopSignal(on_request=self._say_stopping)
         self.step = 0
@@ -57,32 +57,38 @@ class Trainer:
         self.where = Where()  # the step, phase and layer running: named by an out-of-memory error
         if self.state.is_main:  # before memory climbs: the plan and the data
             report.report_run_name(self.cfg.run_name)
-            report.report_plan(plan.resolved, before_build=True, digest=plan.plan_digest)
-            report.report_data(plan)
-        try:  # the build step (build.py); from the engine on, self.plan holds the plan the run runs
+            report.report_plan(prepared.resolved, before_build=True, digest=prepared.plan_digest)
+            report.report_data(prepared)
+        try:  # the build step (build.py); from the engine on, self.prepared holds the plan the run runs
             self.where.enter("building the model")
-            self.model, self.peft_model = build_model(plan, self.state, self.device)
+            self.model, self.peft_model = build_model(prepared, self.state, self.device)
             self.where.enter("building the engine")
-            self.engine, self.plan = build_engine(plan, self.model, self.device)
+            self.engine, self.prepared = build_engine(prepared, self.model, self.device)
         except torch.OutOfMemoryError:  # as in a step: one line, no collective (the peers may be in the build's)
             raise self._out_of_memory() from None
         if self.state.is_main:  # the after-engine phase, named: what the measured free memory changed
-            report.report_replan(plan.resolved, self.plan.resolved, self.plan.machine.gpu_free_after_engine_gb,
-                                 self.plan.plan_digest)
+            after = self.prepared
+            report.report_replan(prepared.resolved, after.resolved, after.machine.gpu_free_after_engine_gb,
+                                 after.plan_digest)
         self.where.watch(decoder_layers(self.model), self.model.checkpointer)
-        self.run_log = RunLog(self.plan, self.state.is_main)
+        self.run_log = RunLog(self.prepared, self.state.is_main)
         self._saved_step: int | None = None  # the step the last checkpoint holds
-        if verify_due(self.cfg.verify_sp, resuming=bool(plan.resume_path)):  # before anything of the run is written
+        if verify_due(self.cfg.verify_sp, resuming=bool(prepared.resume_path)):  # before anything of the run is written
             self.where.enter("verify_sp: a copy of the model and its gradients; verify_sp false skips it")
             try:
-                verify_run(self.plan, self.model.causal_lm, self.state, self.device)
+                verify_run(self.prepared, self.model.causal_lm, self.state, self.device)
             except torch.OutOfMemoryError:  # the one OOM line, naming the check
                 raise self._out_of_memory() from None
 
     @property
+    def plan(self) -> PreparedRun:
+        """The prepared run under its earlier name, which train/rehearsal.py still reads."""
+        return self.prepared
+
+    @property
     def resolved(self) -> Plan:
         """The plan the run runs (the one after the engine once it is built)."""
-        return self.plan.resolved
+        return self.prepared.resolved
 
     def _say_stopping(self) -> None:
         """The first stop request, from the signal handler: one line from rank 0."""
@@ -90,15 +96,15 @@ class Trainer:
             report.say_stopping(self.cfg.save_strategy)
 
     # ------------------------------------------------------------------ data
-    # public with train_step, engine, model, plan, resolved and state: what a rehearsal (rehearsal.py) and the
+    # public with train_step, engine, model, prepared, resolved and state: what a rehearsal (rehearsal.py) and the
     # benchmarks drive a step with
     def micro_batches(self, step: int) -> list[Shard]:
         """This rank's shards for optimizer step `step` (deterministic: resume lands on the same data)."""
-        return [self.shard_rows(rows) for rows in order.micro_batch_rows(self.plan, self.state.dp_rank, step)]
+        return [self.shard_rows(rows) for rows in order.micro_batch_rows(self.prepared, self.state.dp_rank, step)]
 
     def shard_rows(self, rows: list[dict]) -> Shard:
         """This rank's shard of one micro-batch of rows (any rows: a rehearsal's warm-up cuts its own)."""
-        return order.shard_rows(rows, self.plan, self.state, self.device)
+        return order.shard_rows(rows, self.prepared, self.state, self.device)
 
     # ------------------------------------------------------------------ steps
     def train_step(self, shards: list[Shard]) -> tuple[float, float, int]:
@@ -132,8 +138,8 @@ class Trainer:
         exactly like training. Collective."""
         self.engine.eval()
         try:
-            return evaluation.evaluate(self.model, self.plan.eval_data, self.cfg.per_device_eval_batch_size,
-                                       self.cfg.max_length, self.state, self.shard_rows, self.plan.recall_probe)
+            return evaluation.evaluate(self.model, self.prepared.eval_data, self.cfg.per_device_eval_batch_size,
+                                       self.cfg.max_length, self.state, self.shard_rows, self.prepared.recall_probe)
         finally:
             self.engine.train()
 
@@ -148,16 +154,16 @@ class Trainer:
         if not self._params_finite():  # never write a non-finite state over a good checkpoint
             raise NonFiniteError(f"the parameters are not finite at step {self.step}; not saving (the last "
                                  f"checkpoint stays intact). Check the model weights or lower learning_rate")
-        plan = self.plan
+        prepared = self.prepared
         self._saved_step = self.step
         if self.cfg.save_only_model:  # the weights as an HF export, no optimizer state (not resumable)
             self._export(f"checkpoint-{self.step}")
             ckpt.mark_weights_only(self.cfg.output_dir, self.step, self.state.is_main, self.cfg.save_total_limit)
             return
         ckpt.save_checkpoint(self.engine, self.cfg.output_dir, self.step, self._client_state(),
-                             self.state.is_main, model_config=plan.model_config,
-                             run_config=run_record(config_to_dict(self.cfg), plan.world_size, plan.sp_size,
-                                                   plan.dp_size),
+                             self.state.is_main, model_config=prepared.model_config,
+                             run_config=run_record(config_to_dict(self.cfg), prepared.world_size, prepared.sp_size,
+                                                   prepared.dp_size),
                              total_limit=self.cfg.save_total_limit)
 
     def _params_finite(self) -> bool:
@@ -174,7 +180,7 @@ class Trainer:
         torch.set_rng_state(client["rng_cpu"])
         # a checkpoint between two logged rows: the next row's mean still covers the steps before it
         self.interval = LogInterval.from_state(client.get("log_interval"))
-        changes = self.plan.config_changes
+        changes = self.prepared.config_changes
         if "learning_rate" in changes:  # the checkpoint's schedule carries its own peak: give it the new one
             set_peak_learning_rate(self.engine.lr_scheduler, self.cfg.learning_rate)
         self.run_log.resume_at(self.step, path, changes)
@@ -189,43 +195,43 @@ class Trainer:
                 self._bar.close()
 
     def _train(self) -> int:
-        cfg, plan = self.cfg, self.plan
+        cfg, prepared = self.cfg, self.prepared
         if self.state.is_main:
             # overwrite_output_dir, or a fresh start where a run stopped before its first step (config.json, empty
             # TensorBoard events): nothing the trainer wrote before survives, and nothing else is touched
-            if plan.clear_output_dir or not plan.resume_path:
+            if prepared.clear_output_dir or not prepared.resume_path:
                 removed = ckpt.clear_previous_run(cfg.output_dir)
                 if removed:  # said: what overwrite_output_dir deleted
-                    log.info(ckpt.describe_removed(cfg.output_dir, removed, plan.clear_output_dir))
+                    log.info(ckpt.describe_removed(cfg.output_dir, removed, prepared.clear_output_dir))
             os.makedirs(cfg.output_dir, exist_ok=True)
-        if plan.resume_path:  # found and checked by prepare()
+        if prepared.resume_path:  # found and checked by prepare()
             self.where.enter("loading the checkpoint")
-            self.resume(plan.resume_path)
-            if self.step >= plan.total_steps and self.state.is_main:  # e.g. the export failed on a full disk
+            self.resume(prepared.resume_path)
+            if self.step >= prepared.total_steps and self.state.is_main:  # e.g. the export failed on a full disk
                 log.info(f"training already finished at step {self.step} "
-                         f"({os.path.basename(os.path.normpath(plan.resume_path))}): writing the final export only")
-        self.run_log.write_run_config(self.plan, self.step)
+                         f"({os.path.basename(os.path.normpath(prepared.resume_path))}): writing the final export only")
+        self.run_log.write_run_config(self.prepared, self.step)
         self.run_log.open_reporters()
         self.stop.install()
         saving = cfg.save_strategy != "no"
-        row_flops = row_model_flops(plan.shape, plan.train_data)  # each row's real documents (metrics.py)
+        row_flops = row_model_flops(prepared.shape, prepared.train_data)  # each row's real documents (metrics.py)
         peak = device_peak_tflops(self.device)
         if self.state.is_main:
             log.info("mfu: model FLOPs of the real documents / " + (
                 f"{peak[0]:g} TFLOP/s per GPU, the dense bf16 peak of an {peak[1]}" if peak else
                 "no known peak for this device (mfu null)"))
-        bar = self._bar = tqdm(total=plan.total_steps, initial=self.step, disable=not self.state.is_main,
+        bar = self._bar = tqdm(total=prepared.total_steps, initial=self.step, disable=not self.state.is_main,
                                unit="it", dynamic_ncols=True)
         step_times: list[float] = []
-        while self.step < plan.total_steps:
+        while self.step < prepared.total_steps:
             t0 = time.perf_counter()
             skipped_before = self.engine.skipped_steps
             self.where.step = self.step + 1
             loss, grad_norm, tokens = self.train_step(self.micro_batches(self.step))
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 self._non_finite_step(loss, grad_norm, self.engine.skipped_steps > skipped_before, bar)
-            real_tokens = order.step_real_tokens(plan, self.step)
-            flops = float(row_flops[order.step_rows(plan, self.step).numpy()].sum())
+            real_tokens = order.step_real_tokens(prepared, self.step)
+            flops = float(row_flops[order.step_rows(prepared, self.step).numpy()].sum())
             self.step += 1
             self.num_tokens += real_tokens
             self.num_loss_tokens += tokens
@@ -233,8 +239,8 @@ class Trainer:
             dt = time.perf_counter() - t0
             step_times.append(dt)
             bar.update(1)
-            epoch_end = ends_epoch(self.step, plan.sequences_per_step, len(plan.train_data))
-            if log_due(cfg, self.step, plan.total_steps, epoch_end):
+            epoch_end = ends_epoch(self.step, prepared.sequences_per_step, len(prepared.train_data))
+            if log_due(cfg, self.step, prepared.total_steps, epoch_end):
                 self._log(loss, grad_norm, dt, real_tokens, throughput(flops, dt, self.state.world_size, peak), bar)
             if eval_due(cfg, self.step, epoch_end):
                 self.where.enter("evaluation")
@@ -268,7 +274,7 @@ class Trainer:
         return 0
 
     def _export(self, name: str) -> None:
-        export.export_model(self.engine, self.plan, self.peft_model, self.state.is_main, name)
+        export.export_model(self.engine, self.prepared, self.peft_model, self.state.is_main, name)
 
     def _out_of_memory(self) -> OutOfGpuMemory:
         """The one line for an OOM where self.where says (the plan command is added by the command line)."""
@@ -297,7 +303,7 @@ class Trainer:
         their token-weighted mean where there are several; the rest of the last step."""
         loss, token_weighted, aux_loss = self.interval.take(loss)
         lr = self.engine.lr_scheduler.get_last_lr()[0]
-        epoch = order.epoch_of(self.plan, self.step)  # passes over the data
+        epoch = order.epoch_of(self.prepared, self.step)  # passes over the data
         row = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "learning_rate": lr,
                "num_tokens": self.num_tokens, "num_loss_tokens": self.num_loss_tokens, "epoch": epoch,
                "tokens_per_s": tokens / dt, **rates,  # tflops_per_gpu, mfu: the real documents' FLOPs

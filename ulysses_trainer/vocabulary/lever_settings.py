@@ -53,6 +53,14 @@ class Levers:
     optimizer_offload: bool | None
     pinned: tuple[str, ...] = ()  # the searched levers the config fixed; "gradient_checkpointing" first when off
 
+    @property
+    def decided(self) -> bool:
+        """Every lever a value (none auto, no "all" or "rule" left): a plan's record, the only kind the planner's
+        Settings, the comm model's Job and the MLP terms hold."""
+        return (_is_int(self.checkpoint_every) and _is_int(self.activation_offload)
+                and _is_int(self.keep_attention_outputs) and _is_int(self.tiled_mlp)
+                and isinstance(self.optimizer_offload, bool))
+
     def offload_for(self, saved: int) -> int | None:
         """The fixed offload count where `saved` layers keep an input (None: auto)."""
         return saved if self.activation_offload == "all" else self.activation_offload
@@ -109,6 +117,12 @@ class Levers:
                                   f"rounded up); true offloads all of them")
         return replace(self, keep_attention_outputs=layers if keep == "all" else keep,
                        tiled_mlp=true_tiles() if self.tiled_mlp == TRUE_TILES else self.tiled_mlp)
+
+
+# a decided record where none is given: every layer checkpointed (keeps its input), untiled, nothing offloaded or
+# kept, Adam on the GPU; the planner's Settings and the comm model's Job start from it
+EVERY_LAYER = Levers(gradient_checkpointing=True, checkpoint_every=1, activation_offload=0, keep_attention_outputs=0,
+                     tiled_mlp=1, optimizer_offload=False)
 
 
 def _count(name: str, v: Any, unit: str) -> int | Literal["all"] | None:

@@ -43,21 +43,21 @@ class PlainMlp(MlpBlock):
         """Untiled: act keeps up(x), down_proj keeps act(up(x)): 2 [t, I]; tiled: only the input, counted with the
         post-attention norm's output."""
         return {"MLP intermediates (up, act)": 2 * run.tokens * d.intermediate * run.act_bytes
-                if run.tiled_mlp == 1 else 0}
+                if run.levers.tiled_mlp == 1 else 0}
 
     def backward_extra(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
         """Untiled: the grads of act and up coexist with the saved two (2 [t, I]), and the input grad [t, H]. Tiled:
         the full input grad plus one tile's forward + backward (4 [r, I] and 2 [r, H], r = t/tiles)."""
         t, e, h, i = run.tokens, run.act_bytes, d.hidden, d.intermediate
-        if run.tiled_mlp == 1:
+        if run.levers.tiled_mlp == 1:
             return {"MLP backward: grads of act, up": 2 * t * i * e, "MLP backward: input grad": t * h * e}
-        r = -(-t // run.tiled_mlp)
+        r = -(-t // run.levers.tiled_mlp)
         return {"tiled MLP: input grad [t, H]": t * h * e,
                 f"tiled MLP: one tile of {r} rows (intermediates + grads)": 4 * r * i * e + 2 * r * h * e}
 
     def weight_grad_numel(self, d: LayerDims, run: MlpRun) -> int:
         """Tiled: the two weight grads accumulate in full over the tiles; untiled: one at a time."""
-        return (2 if run.tiled_mlp > 1 else 1) * d.hidden * d.intermediate
+        return (2 if run.levers.tiled_mlp > 1 else 1) * d.hidden * d.intermediate
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -73,17 +73,17 @@ class FusedGatedMlp(GatedMlp):
         """The gated MLP's, plus the fused grad [t, 2I] that gate_up_proj's backward takes (assembled from the
         gate and up grads), and one input grad in place of two."""
         t, e, h, i = run.tokens, run.act_bytes, d.hidden, d.intermediate
-        if run.tiled_mlp == 1:
+        if run.levers.tiled_mlp == 1:
             return {"MLP backward: grads of product, act, up": 2 * t * i * e,
                     "MLP backward: the fused gate_up grad [t, 2I]": 2 * t * i * e,
                     "MLP backward: input grad": t * h * e}
-        r = -(-t // run.tiled_mlp)
+        r = -(-t // run.levers.tiled_mlp)
         return {"tiled MLP: input grad [t, H]": t * h * e,
                 f"tiled MLP: one tile of {r} rows (intermediates + grads)": 8 * r * i * e + r * h * e}
 
     def weight_grad_numel(self, d: LayerDims, run: MlpRun) -> int:
         """Tiled: both weight grads accumulate in full over the tiles; untiled: gate_up's, the larger, at most."""
-        return (3 if run.tiled_mlp > 1 else 2) * d.hidden * d.intermediate
+        return (3 if run.levers.tiled_mlp > 1 else 2) * d.hidden * d.intermediate
 
 
 def _tiny() -> dict[str, Any]:

@@ -46,23 +46,23 @@ class GatedMlp(MlpBlock):
         4 [t, I] tensors (not 3: SiLU's backward needs its input, the product both factors); tiled: only the
         input, counted with the post-attention norm's output."""
         return {"MLP intermediates (gate, act, up, product)":
-                4 * run.tokens * d.intermediate * run.act_bytes if run.tiled_mlp == 1 else 0}
+                4 * run.tokens * d.intermediate * run.act_bytes if run.levers.tiled_mlp == 1 else 0}
 
     def backward_extra(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
         """Untiled: the grads of the product and of act/up coexist with the saved four (2 more [t, I]), and the
         gate/up input grads ([t, H] each). Tiled: the full input grad plus one tile's forward + backward
         (6 [r, I] and 2 [r, H], r = t/tiles)."""
         t, e, h, i = run.tokens, run.act_bytes, d.hidden, d.intermediate
-        if run.tiled_mlp == 1:
+        if run.levers.tiled_mlp == 1:
             return {"MLP backward: grads of product, act, up": 2 * t * i * e,
                     "MLP backward: input grads (gate, up)": 2 * t * h * e}
-        r = -(-t // run.tiled_mlp)
+        r = -(-t // run.levers.tiled_mlp)
         return {"tiled MLP: input grad [t, H]": t * h * e,
                 f"tiled MLP: one tile of {r} rows (intermediates + grads)": 6 * r * i * e + 2 * r * h * e}
 
     def weight_grad_numel(self, d: LayerDims, run: MlpRun) -> int:
         """Tiled: the three weight grads accumulate in full over the tiles; untiled: one at a time."""
-        return (3 if run.tiled_mlp > 1 else 1) * d.hidden * d.intermediate
+        return (3 if run.levers.tiled_mlp > 1 else 1) * d.hidden * d.intermediate
 
 
 def common_kwargs(layers: int) -> dict[str, Any]:

@@ -45,9 +45,9 @@ def experts_calls(run: MlpRun) -> float:
     tiled, a call is 8 (its forward runs without a graph, its backward recomputes each tile) and a checkpoint's
     recompute skips the experts (SparseMoE.unused_output), while checkpoint_every's rebuilds run them."""
     fp = run.forward_passes
-    if run.tiled_mlp == 1:
+    if run.levers.tiled_mlp == 1:
         return (2.0 * fp + 4.0) / 6.0
-    return (2.0 * (fp - (1.0 if run.gradient_checkpointing else 0.0)) + 6.0) / 8.0
+    return (2.0 * (fp - (1.0 if run.levers.gradient_checkpointing else 0.0)) + 6.0) / 8.0
 
 
 class SparseMoeMlp(MlpBlock):
@@ -106,9 +106,9 @@ class SparseMoeMlp(MlpBlock):
         if run.experts_implementation == "batched_mm":
             # transformers' batched_mm gathers each row's gate_up weights [rows, 2I, H] (per top-k slot): on the
             # H200, one Qwen3-30B-A3B block at 131,072 rows asked for 768 GiB = 131,072 x 1536 x 2048 x 2 B
-            r = -(-t // run.tiled_mlp)
+            r = -(-t // run.levers.tiled_mlp)
             terms["experts (batched_mm): gathered gate_up weights of one tile's rows"] = r * 2 * i * h * e
-        if run.tiled_mlp == 1:
+        if run.levers.tiled_mlp == 1:
             terms["experts: permuted token buffer (top_k x t rows)"] = k * t * h * e
             terms["experts: intermediates of the top_k x t routed rows (gate_up, act, product)"] = 4 * k * t * i * e
         return terms
@@ -116,10 +116,10 @@ class SparseMoeMlp(MlpBlock):
     def backward_extra(self, d: LayerDims, run: MlpRun) -> dict[str, int]:
         """Per routed row (top_k per token) as a dense MLP per token, plus the permuted buffer's grad."""
         t, e, h, i, k = run.tokens, run.act_bytes, d.hidden, d.intermediate, d.top_k
-        if run.tiled_mlp == 1:
+        if run.levers.tiled_mlp == 1:
             return {"experts backward: grads of product, act, up (top_k x t rows)": 2 * k * t * i * e,
                     "experts backward: permuted buffer grad and input grad": (k + 1) * t * h * e}
-        r = -(-t // run.tiled_mlp)
+        r = -(-t // run.levers.tiled_mlp)
         return {"tiled experts: input grad [t, H]": t * h * e,
                 f"tiled experts: one tile of {r} tokens (top_k x rows: buffer, intermediates, grads)":
                     6 * k * r * i * e + 3 * k * r * h * e}
@@ -149,10 +149,10 @@ class SparseMoeMlp(MlpBlock):
         if impl not in rates.EXPERTS_TFLOPS:
             notes.append(f"experts_implementation {impl} not timed: eager's rate used")
             impl = "eager"
-        rate, extra = experts_rate(rates.EXPERTS_TFLOPS[impl], run.tiled_mlp)
+        rate, extra = experts_rate(rates.EXPERTS_TFLOPS[impl], run.levers.tiled_mlp)
         if extra:
             notes.append(f"experts rate measured at 1-{rates.EXPERTS_TFLOPS[impl][-1][0]} tiles, "
-                         f"held at {run.tiled_mlp}")
+                         f"held at {run.levers.tiled_mlp}")
         if t != rates.EXPERTS_MEASURED_ROWS:
             notes.append(f"experts rate measured at {rates.EXPERTS_MEASURED_ROWS:,} rows per rank, used at {t:,}")
         call = 6.0 * t * d.top_k * 3 * d.hidden * d.intermediate
