@@ -205,8 +205,8 @@ def main():
         unit = t * c.hidden_size * e
         stash = trainer.model.attention.stash
         res.update(local_tokens=t, hidden=c.hidden_size, unit_bytes=unit, kernel=trainer.model.attention.kernel,
-                   kept=len(stash.layers) if stash is not None else 0, tiles=trainer.resolved.run.tiled_mlp,
-                   checkpoint_every=trainer.resolved.run.checkpoint_every,
+                   kept=len(stash.layers) if stash is not None else 0, tiles=trainer.resolved.run.levers.tiled_mlp,
+                   checkpoint_every=trainer.resolved.run.levers.checkpoint_every,
                    offloaded=len(trainer.model.checkpointer.offload_layers),
                    predicted_by_plan_peak_gpu_gb=trainer.resolved.predicted.peak_gpu_gb, build_s=time.time() - t0)
         print("built", res, flush=True)

@@ -396,7 +396,7 @@ def test_the_warm_up_cuts_the_timed_steps_rows(monkeypatch):
 
     rows = {0: [[_row([1024])]], 1: [[_row([600, 424])]]}  # per step: micro-batches of rows
     monkeypatch.setattr(data_order, "micro_batch_rows", lambda plan, dp_rank, step: rows[step])
-    trainer = SimpleNamespace(plan=None, state=SimpleNamespace(dp_rank=0), shard_rows=lambda micro: micro)
+    trainer = SimpleNamespace(prepared=None, state=SimpleNamespace(dp_rank=0), shard_rows=lambda micro: micro)
     (micro,) = rehearsal._warmup_batches(trainer, 64, timed_step=1)
     (row,) = micro
     assert len(row["input_ids"]) == 64

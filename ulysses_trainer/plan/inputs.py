@@ -281,20 +281,6 @@ class Settings:
         """t: tokens one rank holds per micro-step (batch x padded length / sp)."""
         return self.micro_batch * self.padded_length // self.sp_size
 
-    # read-only spellings of three levers for train/rehearsal.py's result and benchmarks/memory_attribution.py,
-    # which read them off a plan's run; everything else reads `levers`
-    @property
-    def tiled_mlp(self) -> int:
-        return self.levers.tiled_mlp
-
-    @property
-    def checkpoint_every(self) -> int:
-        return self.levers.checkpoint_every
-
-    @property
-    def optimizer_offload(self) -> bool:
-        return self.levers.optimizer_offload
-
     def with_levers(self, **levers: Any) -> Settings:
         """These settings with the named levers of their record changed (`with_levers(tiled_mlp=8)`)."""
         return replace(self, levers=replace(self.levers, **levers))

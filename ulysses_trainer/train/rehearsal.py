@@ -15,13 +15,13 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def comm_job(plan, gpus_per_node: int, levers):
-    """The comm model's view of the run the trainer makes from `plan`: the planner's own call (Job.of of the
+def comm_job(prepared, gpus_per_node: int, levers):
+    """The comm model's view of the run the trainer makes from `prepared`: the planner's own call (Job.of of the
     plan's settings, with the ZeRO-3 sizes as the plan read them) with `levers`, the lever record (Levers) the
     rehearsed model ran."""
     from ..plan.collectives import Job
 
-    return dataclasses.replace(Job.of(plan.resolved.run, plan.cfg.gradient_accumulation_steps, gpus_per_node),
+    return dataclasses.replace(Job.of(prepared.resolved.run, prepared.cfg.gradient_accumulation_steps, gpus_per_node),
                                levers=levers)
 
 
@@ -132,19 +132,20 @@ def _warmup_batches(trainer, length: int | None, timed_step: int) -> list:
 
     if length is None:
         return trainer.micro_batches(0)
-    rows = order.micro_batch_rows(trainer.plan, trainer.state.dp_rank, timed_step)  # this rank's, per micro-batch
+    rows = order.micro_batch_rows(trainer.prepared, trainer.state.dp_rank, timed_step)  # this rank's, per micro-batch
     return [trainer.shard_rows([warmup_row(r, length) for r in micro]) for micro in rows]
 
 
-def _tune_for_the_timed_length(plan, log) -> float | None:
+def _tune_for_the_timed_length(prepared, log) -> float | None:
     """After a warm-up shorter than the run: tune the kernels whose autotuning is keyed by the token count
     (attention/length_tuned.py) for the timed step's, outside the timed step; the seconds it took (None: none)."""
     from ..attention import length_tuned
 
-    tokens = plan.cfg.per_device_train_batch_size * plan.padded_length  # a micro-batch's tokens after the all-to-all
+    # a micro-batch's tokens after the all-to-all
+    tokens = prepared.cfg.per_device_train_batch_size * prepared.padded_length
     t0 = time.perf_counter()
     names = length_tuned.tune_for_tokens(tokens)
-    _sync(plan.device)
+    _sync(prepared.device)
     if not names:
         return None
     seconds = time.perf_counter() - t0
@@ -169,8 +170,8 @@ def _host_offload(pool, host_standin: bool, peak_host_gb: float) -> dict[str, An
             "host_offload_counted_gb": counted / 2**30, "peak_host_job_gb": peak_host_gb + (counted - held) / 2**30}
 
 
-def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
-    """Build the trainer as rank opts.rank of plan.world_size on the fake group and run opts.steps train
+def run_rehearsal(prepared, opts: Rehearsal) -> dict[str, Any]:
+    """Build the trainer as rank opts.rank of prepared.world_size on the fake group and run opts.steps train
     steps (and, with count_collectives, one more that records the collectives issued). Returns what was
     measured (memory, step times, partitions, collectives counted); nothing of the comm model."""
     import torch
@@ -180,13 +181,14 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
     from .metrics import peak_gpu_mem_gb, peak_host_mem_gb
     from .trainer import Trainer
 
-    cuda = plan.device == "cuda"
-    with fake_process_group(opts.rank, plan.world_size, opts.gpus_per_node, plan.device, opts.collective_fill):
+    cuda = prepared.device == "cuda"
+    with fake_process_group(opts.rank, prepared.world_size, opts.gpus_per_node, prepared.device,
+                            opts.collective_fill):
         if opts.host_standin:  # the pool is made with the model and pinned with the engine: say it now
-            plan = dataclasses.replace(plan, host_held_slots=HOST_STANDIN_SLOTS)
+            prepared = dataclasses.replace(prepared, host_held_slots=HOST_STANDIN_SLOTS)
         # no verify_sp: the fake group's collectives move no data, so the parallelized model cannot equal the stock one
-        plan = dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, verify_sp=False))
-        trainer = Trainer(plan)
+        prepared = dataclasses.replace(prepared, cfg=dataclasses.replace(prepared.cfg, verify_sp=False))
+        trainer = Trainer(prepared)
         engine = trainer.engine
         pool = None if trainer.model.checkpointer is None else trainer.model.checkpointer.pool
         adam_bytes = materialize_adam_states(engine)  # held from step 1 on, as in every real step after the first
@@ -194,7 +196,7 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
         tuned_s = None
         for step in range(opts.steps):
             warmup = step == 0 and opts.steps > 1
-            _sync(plan.device)
+            _sync(prepared.device)
             t0 = time.perf_counter()
             before = engine.skipped_steps
             batches = (_warmup_batches(trainer, opts.warmup_length, opts.steps - 1) if warmup
@@ -203,7 +205,7 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
             with opts.around_step(step, opts.steps) if opts.around_step else contextlib.nullcontext():
                 with cores_share(opts.cores), timer or contextlib.nullcontext():
                     loss, grad_norm, _ = trainer.train_step(batches)
-                _sync(plan.device)
+                _sync(prepared.device)
             times.append(time.perf_counter() - t0)
             losses.append(loss)
             skipped.append(engine.skipped_steps > before)
@@ -211,7 +213,7 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
                      f"{' (warm-up)' if warmup else ''}; loss {loss:.4g} (meaningless)"
                      f"{', update skipped (non-finite gradient norm)' if skipped[-1] else ''}")
             if warmup and opts.warmup_length is not None:
-                tuned_s = _tune_for_the_timed_length(plan, log)
+                tuned_s = _tune_for_the_timed_length(prepared, log)
         if any(skipped) and opts.collective_fill == "local" and not opts.standin:
             # real-looking values give finite gradients; a skipped update would leave the optimizer untimed (the
             # stand-in computes no attention, so its outputs, and the gradients after them, are anything)
@@ -221,10 +223,10 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
         # bare fake group or stand-in: a skipped update ran no optimizer; time one over this rank's partitions
         opt_s = None
         if skipped[-1]:
-            _sync(plan.device)
+            _sync(prepared.device)
             t0 = time.perf_counter()
             materialize_adam_states(engine)
-            _sync(plan.device)
+            _sync(prepared.device)
             opt_s = time.perf_counter() - t0
         host_gb = peak_host_mem_gb()
         memory = {"peak_gpu_mem_gb": peak_gpu_mem_gb(),
@@ -245,9 +247,9 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
                "collectives_counted": counted,
                **memory, "offloaded_layers": len(ck.offload_layers) if ck is not None else 0,
                "kept_attention_layers": len(stash.layers) if stash is not None else 0,
-               "attention_kernel": trainer.model.attention.kernel, "mlp_tiles": trainer.resolved.run.tiled_mlp,
-               "checkpoint_every": trainer.resolved.run.checkpoint_every,
-               "optimizer_offload": trainer.resolved.run.optimizer_offload,
+               "attention_kernel": trainer.model.attention.kernel, "mlp_tiles": trainer.resolved.run.levers.tiled_mlp,
+               "checkpoint_every": trainer.resolved.run.levers.checkpoint_every,
+               "optimizer_offload": trainer.resolved.run.levers.optimizer_offload,
                "predicted_by_plan_step_s": trainer.resolved.predicted.step_s,
                "predicted_by_plan_peak_gpu_gb": trainer.resolved.predicted.peak_gpu_gb,
                "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -256,7 +258,7 @@ def run_rehearsal(plan, opts: Rehearsal) -> dict[str, Any]:
                "plan_floor_s": dict(trainer.resolved.predicted.floor).get("floor s"),
                "plan_rates_card": rates_for(torch.cuda.get_device_name() if cuda else None)[0].card,
                "layer_times": None if timer is None else timer.result(),
-               **_partition_stats(trainer.model, plan.world_size)}
+               **_partition_stats(trainer.model, prepared.world_size)}
         trainer = engine = None  # noqa: F841 - drop the engine before the group goes
         gc.collect()
         if cuda:

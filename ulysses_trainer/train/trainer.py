@@ -81,11 +81,6 @@ class Trainer:
                 raise self._out_of_memory() from None
 
     @property
-    def plan(self) -> PreparedRun:
-        """The prepared run under its earlier name, which train/rehearsal.py still reads."""
-        return self.prepared
-
-    @property
     def resolved(self) -> Plan:
         """The plan the run runs (the one after the engine once it is built)."""
         return self.prepared.resolved
