@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ulysses_trainer.__main__ import main as cli_main
+from ulysses_trainer.families.presets import preset_config
 from ulysses_trainer.plan import rates
 from ulysses_trainer.plan.card_rates import (
     COPY_GBPS,
@@ -40,6 +41,15 @@ def test_each_card_table_is_its_files():
         assert rates.rope_rates_from_results(RESULTS, rope) == table.ROPE_S_PER_ELEMENT
         assert rates.experts_rates_from_results(RESULTS, experts) == table.EXPERTS_TFLOPS
     assert rates.kernel_rates_from_results(RESULTS) == H200.KERNEL_RATES == rates.KERNEL_RATES
+    for table in TABLES.values():  # sparse blocks measured whole in their own shape, on that card
+        assert [k for k, _ in table.BLOCK_SOURCES] == [k for k, _ in table.BLOCK_TFLOPS]
+        for (key, name), (_, points) in zip(table.BLOCK_SOURCES, table.BLOCK_TFLOPS):
+            assert rates.experts_rates_from_results(RESULTS, name) == points
+            measured = json.loads((RESULTS / name).read_text())
+            assert table.name in measured["gpu"]
+            cfg = preset_config(measured["rows"][0]["model"])
+            assert key == (cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+                           getattr(cfg, "shared_expert_intermediate_size", 0))
     copies = {card: next(p["gb_per_s"] for p in json.loads((RESULTS / f"data_dependence_{card}.json").read_text())[
         "points"] if p["kernel"] == "copy_d2d") for card in TABLES}
     assert copies == pytest.approx(COPY_GBPS, abs=0.01)

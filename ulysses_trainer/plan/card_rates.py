@@ -58,6 +58,11 @@ class Rates:
     DELTANET_CONV_S: float = h200.DELTANET_CONV_S
     DELTANET_RULE_CARD: str = "H200"  # the cards the DeltaNet rule's and conv's rates were measured on
     DELTANET_CONV_CARD: str = "H200"
+    # sparse blocks measured whole in their own shape (a shared expert inside the block's seconds): (experts, top_k,
+    # hidden, intermediate, shared expert width) -> the file; the planner times such a block at its own rate
+    # (families/qwen3_moe.SparseMoeMlp.time_parts), any other at EXPERTS_TFLOPS (Qwen3-30B-A3B's block)
+    BLOCK_SOURCES: tuple[tuple[tuple[int, int, int, int, int], str], ...] = ()
+    BLOCK_TFLOPS: tuple[tuple[tuple[int, int, int, int, int], dict], ...] = ()
 
     @property
     def name(self) -> str:
@@ -100,6 +105,9 @@ H100 = Rates(
     DELTANET_RULE_S=(4.1365e-09, 1.6622e-08),
     DELTANET_RULE_PEAK_BYTES=4158.7,
     DELTANET_RULE_CARD="H100",
+    # moe/moe_experts_35b_h100.json: Qwen3.5-35B-A3B's block (256 experts of 512, top-8, a shared expert of 512)
+    BLOCK_SOURCES=(((256, 8, 2048, 512, 512), "moe/moe_experts_35b_h100.json"),),
+    BLOCK_TFLOPS=(((256, 8, 2048, 512, 512), {"grouped_mm": ((1, 144.74), (4, 102.55))}),),
     borrowed=("the dense rate", "the chunked loss's rates", "the DeltaNet conv", "CPU Adam"),
 )
 

@@ -146,13 +146,19 @@ class SparseMoeMlp(MlpBlock):
         taken = self.experts_flops(d, run, layers) + lm_head
         notes = []
         impl = run.experts_implementation
-        if impl not in rates.EXPERTS_TFLOPS:
+        table, own = rates.EXPERTS_TFLOPS, self._own_block(d, rates, impl)
+        if own is not None:  # this block's shape measured whole: its other matmuls (a shared expert) are inside
+            table = {impl: own}
+            taken += layers * (self.active_numel(d) - SparseMoeMlp.active_numel(self, d)) * t * (
+                2.0 * run.forward_passes + run.backward_flops)
+            source = dict(rates.BLOCK_SOURCES)[self._key(d)]
+            notes.append(f"the sparse block timed at its own shape's measured rate ({source}, on an {rates.name})")
+        elif impl not in table:
             notes.append(f"experts_implementation {impl} not timed: eager's rate used")
             impl = "eager"
-        rate, extra = experts_rate(rates.EXPERTS_TFLOPS[impl], run.levers.tiled_mlp)
+        rate, extra = experts_rate(table[impl], run.levers.tiled_mlp)
         if extra:
-            notes.append(f"experts rate measured at 1-{rates.EXPERTS_TFLOPS[impl][-1][0]} tiles, "
-                         f"held at {run.levers.tiled_mlp}")
+            notes.append(f"experts rate measured at 1-{table[impl][-1][0]} tiles, held at {run.levers.tiled_mlp}")
         if t != rates.EXPERTS_MEASURED_ROWS:
             notes.append(f"experts rate measured at {rates.EXPERTS_MEASURED_ROWS:,} rows per rank, used at {t:,}")
         call = 6.0 * t * d.top_k * 3 * d.hidden * d.intermediate
@@ -160,6 +166,14 @@ class SparseMoeMlp(MlpBlock):
         logits = t * vocab
         loss_s = logits * (6.0 * d.hidden / (rates.LOSS_MATMUL_TFLOPS * 1e12) + rates.LOSS_S_PER_LOGIT)
         return taken, {f"experts ({run.experts_implementation})": experts_s, "lm_head and loss": loss_s}, notes
+
+    @staticmethod
+    def _key(d: LayerDims) -> tuple[int, int, int, int, int]:
+        return (d.experts, d.top_k, d.hidden, d.intermediate, getattr(d, "shared_expert", 0) or 0)
+
+    def _own_block(self, d: LayerDims, rates: Any, impl: str) -> tuple[tuple[int, float], ...] | None:
+        """The (tiles, TFLOP/s) points of a block of exactly this shape measured whole on the card, if any."""
+        return dict(getattr(rates, "BLOCK_TFLOPS", ())).get(self._key(d), {}).get(impl)
 
     def all_reduces(self, d: LayerDims, world_size: int, sp_size: int, gpus_per_node: int,
                     grad_accum: int) -> list[AllReduce]:
