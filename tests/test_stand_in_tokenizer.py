@@ -1,7 +1,9 @@
 """A preset whose vocabulary is smaller than Qwen's (Llama-3.1's 128,256) is tokenized with a stand-in: the Qwen BPE
 truncated to its first 128,000 ranks, Llama 3's special tokens at Llama 3's ids. Its ids fit the preset's embedding
 on text and chat data, its two encoders (tiktoken for documents, transformers for templates) agree, text
-round-trips, and the Llama-3.1-8B 1M recipe plans and prepares its data through it."""
+round-trips, and the Llama-3.1-8B 1M recipe plans and prepares its data through it. Every other family whose
+vocabulary is not Qwen's takes its own stand-in the same way, the larger ones (Gemma 3's, gpt-oss's) holding the whole
+BPE below their specials, with their chat formats."""
 
 from __future__ import annotations
 
@@ -222,6 +224,18 @@ def _chats(tmp_path: Path) -> str:
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CHATS))
     return str(path)
+
+
+@pytest.mark.parametrize("tiny, big", [("tiny-gemma3", "gemma-3-27b"), ("tiny-gpt-oss", "gpt-oss-20b")])
+def test_a_larger_stand_in_is_taken_only_by_an_embedding_that_holds_its_ids(tiny, big):
+    """The tiny presets (the Qwen BPE's 151,936 rows) and any embedding short of the stand-in's ids keep the Qwen
+    BPE; the published shape takes the stand-in."""
+    for preset, rows, want in ((tiny, None, "qwen3"), (big, 200_000, "qwen3"), (big, None, None)):
+        model = model_config_for(load_config(["--model_name_or_path", preset]))
+        model.vocab_size = rows or model.vocab_size
+        fam = family(model.model_type)
+        assert family_vocabulary(fam, model) == (want or fam.stand_in), (preset, rows)
+        assert want or STAND_INS[fam.stand_in].vocab_size == model.vocab_size
 
 
 @pytest.mark.parametrize("preset", list(CHAT_FORMATS))

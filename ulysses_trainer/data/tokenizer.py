@@ -162,9 +162,9 @@ def family_vocabulary(fam: Any, model_config: Any) -> str:
     if not fam.stand_in:
         return fam.tokenizer
     qwen_ids, stand_in_ids = added_tokens(fam.tokenizer)[-1][0] + 1, STAND_INS[fam.stand_in].vocab_size
-    if model_config.vocab_size < qwen_ids or qwen_ids < stand_in_ids <= model_config.vocab_size:
-        return fam.stand_in
-    return fam.tokenizer
+    if stand_in_ids <= qwen_ids:  # a smaller vocabulary's: where Qwen's ids do not fit
+        return fam.stand_in if model_config.vocab_size < qwen_ids else fam.tokenizer
+    return fam.stand_in if model_config.vocab_size >= stand_in_ids else fam.tokenizer
 
 
 def preset_tokenizer(vocabulary: str = "qwen3") -> QwenBPETokenizer | HFTokenizer:
