@@ -1,10 +1,14 @@
 """A preset whose vocabulary is smaller than Qwen's (Llama-3.1's 128,256) is tokenized with a stand-in: the Qwen BPE
 truncated to its first 128,000 ranks, Llama 3's special tokens at Llama 3's ids. Its ids fit the preset's embedding
 on text and chat data, its two encoders (tiktoken for documents, transformers for templates) agree, text
-round-trips, and the Llama-3.1-8B 1M recipe plans and prepares its data through it."""
+round-trips, and the Llama-3.1-8B 1M recipe plans and prepares its data through it. Every other family whose
+vocabulary is not Qwen's takes its own stand-in the same way, the larger ones (Gemma 3's, gpt-oss's) holding the whole
+BPE below their specials, with their chat formats."""
 
 from __future__ import annotations
 
+import functools
+import json
 import random
 import unicodedata
 from pathlib import Path
@@ -20,6 +24,7 @@ from ulysses_trainer.data.tokenizer import check_tokenizer_fits, family_vocabula
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.families import family
 from ulysses_trainer.model.load import model_config_for
+from ulysses_trainer.parallel.sharding import IGNORE_INDEX
 
 RECIPE = str(Path(__file__).resolve().parent.parent / "launch" / "recipes" / "llama_3_1_8b_8gpu_1m.yaml")
 BPE = STAND_INS["llama3"].ranks  # 128,000: ids below are BPE tokens, those from here Llama 3's specials
@@ -102,15 +107,23 @@ def test_an_export_carries_the_stand_in_as_a_checkpoints_tokenizer(tok, tmp_path
     assert back.hf_tokenizer.convert_tokens_to_ids("<|eot_id|>") == 128009
 
 
+@functools.cache
+def _stand_in(vocabulary: str):
+    """One build of each stand-in for the tests below (its truncation takes seconds)."""
+    return preset_tokenizer(vocabulary)
+
+
 @pytest.mark.parametrize("preset, stand_in", [("mistral-small-24b", "mistral_tekken"), ("mixtral-8x7b", "llama2"),
                                               ("phi-3.5-mini", "phi3"), ("granite-3.1-8b", "granite3"),
-                                              ("olmo-2-7b", "olmo2")])
-def test_every_preset_smaller_than_qwens_vocabulary_takes_its_familys_stand_in(preset, stand_in):
+                                              ("olmo-2-7b", "olmo2"), ("gemma-3-27b", "gemma3"),
+                                              ("gpt-oss-20b", "o200k_harmony"), ("gpt-oss-120b", "o200k_harmony")])
+def test_every_preset_whose_vocabulary_is_not_qwens_takes_its_familys_stand_in(preset, stand_in):
     """Its specials at the family's ids (the preset's bos / eos / pad among them), the BPE's ids around them: text
-    encodes to neither a special nor an id past the embedding, both encoders alike, and round-trips."""
+    encodes to neither a special nor an id past the embedding, both encoders alike, and round-trips. A vocabulary
+    larger than Qwen's (Gemma 3's, gpt-oss's) holds all the BPE's ranks, the ids past them unused."""
     model = model_config_for(load_config(["--model_name_or_path", preset]))
     assert family_vocabulary(family(model.model_type), model) == stand_in
-    tok = preset_tokenizer(stand_in)
+    tok = _stand_in(stand_in)
     hf, spec = tok.hf_tokenizer, STAND_INS[stand_in]
     assert {t: hf.convert_tokens_to_ids(t) for _, t in spec.specials} == {t: i for i, t in spec.specials}
     assert tok.vocab_size == model.vocab_size and tok.eos_token_id == model.eos_token_id
@@ -136,7 +149,9 @@ def test_every_preset_smaller_than_qwens_vocabulary_takes_its_familys_stand_in(p
 # out apart from STAND_INS: Llama 3.1's tokenizer.json added_tokens, mistral-common's Tekken controls (20 named, then
 # <SPECIAL_n> to 999, the BPE from 1000), Llama 2's SentencePiece, Phi-3's added tokens (torchtune's Phi-3 table),
 # Granite 3's (StarCoder's at 1-18, its role tokens after the 49,152 BPE ids), dolma2's (tiktoken's cl100k_base
-# specials and OLMo's <|pad|>)
+# specials and OLMo's <|pad|>), Gemma 3's (its controls, <unused0>-<unused98>, turn and image tokens; its reserved
+# <unused99>+ at 256001-262143 not among the stand-in's), o200k_harmony's (tiktoken's: its named tokens, the reserved
+# ones around them, o200k_base's <|endofprompt|> at 200018)
 PUBLISHED = {
     "llama3": {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|reserved_special_token_0|>": 128002,
                "<|finetune_right_pad_id|>": 128004, "<|reserved_special_token_2|>": 128005,
@@ -154,10 +169,17 @@ PUBLISHED = {
                  "<|start_of_role|>": 49152, "<|end_of_role|>": 49153, "<|tool_call|>": 49154},
     "olmo2": {"<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259, "<|fim_suffix|>": 100260,
               "<|endofprompt|>": 100276, "<|pad|>": 100277},
+    "gemma3": {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, "<unused0>": 6, "<unused98>": 104,
+               "<start_of_turn>": 105, "<end_of_turn>": 106, "<start_of_image>": 255999, "<end_of_image>": 256000,
+               "<image_soft_token>": 262144},
+    "o200k_harmony": {"<|startoftext|>": 199998, "<|endoftext|>": 199999, "<|reserved_200000|>": 200000,
+                      "<|return|>": 200002, "<|constrain|>": 200003, "<|channel|>": 200005, "<|start|>": 200006,
+                      "<|end|>": 200007, "<|message|>": 200008, "<|call|>": 200012, "<|reserved_200013|>": 200013,
+                      "<|endofprompt|>": 200018, "<|reserved_201087|>": 201087},
 }
 # (specials, the first id of the BPE's ranks) of each published vocabulary
 PUBLISHED_LAYOUT = {"llama3": (256, 0), "mistral_tekken": (1000, 1000), "llama2": (3, 3), "phi3": (14, 3),
-                    "granite3": (22, 19), "olmo2": (6, 0)}
+                    "granite3": (22, 19), "olmo2": (6, 0), "gemma3": (110, 107), "o200k_harmony": (1090, 0)}
 # the presets' config.json ids (bos, eos, pad; None: the published config sets none), as the published configs have them
 PRESET_IDS = {"llama-3.1-8b": (128000, 128001, None), "mistral-small-24b": (1, 2, None), "mixtral-8x7b": (1, 2, None),
               "phi-3.5-mini": (1, 32000, 32000), "granite-3.1-8b": (0, 0, 0), "olmo-2-7b": (None, 100257, 100277),
@@ -182,3 +204,80 @@ def test_each_stand_ins_special_tokens_are_the_published_tokenizers(vocabulary):
 def test_each_presets_token_ids_are_its_published_configs(preset):
     model = model_config_for(load_config(["--model_name_or_path", preset]))
     assert tuple(getattr(model, f"{r}_token_id", None) for r in ("bos", "eos", "pad")) == PRESET_IDS[preset]
+
+
+CHATS = [[{"role": "system", "content": "kilo lima"}, {"role": "user", "content": "alpha bravo"},
+          {"role": "assistant", "content": "charlie delta echo"}, {"role": "user", "content": "foxtrot"},
+          {"role": "assistant", "content": "golf hotel"}],
+         [{"role": "user", "content": "india"}, {"role": "assistant", "content": "juliet mike"}]]
+# each family's chat format: (the markers its template writes, what TRL's training variant trains of an answer: the
+# text before it, after it, and after the last one)
+CHAT_FORMATS = {
+    "gemma-3-27b": ("gemma3", ("<bos>", "<start_of_turn>", "<end_of_turn>"), "", "<end_of_turn>\n",
+                    "<end_of_turn>\n"),
+    "gpt-oss-20b": ("o200k_harmony", ("<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>"),
+                    "<|start|>assistant<|channel|>final<|message|>", "<|end|>", "<|return|>"),
+}
+
+
+def _chats(tmp_path: Path) -> str:
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CHATS))
+    return str(path)
+
+
+@pytest.mark.parametrize("tiny, big", [("tiny-gemma3", "gemma-3-27b"), ("tiny-gpt-oss", "gpt-oss-20b")])
+def test_a_larger_stand_in_is_taken_only_by_an_embedding_that_holds_its_ids(tiny, big):
+    """The tiny presets (the Qwen BPE's 151,936 rows) and any embedding short of the stand-in's ids keep the Qwen
+    BPE; the published shape takes the stand-in."""
+    for preset, rows, want in ((tiny, None, "qwen3"), (big, 200_000, "qwen3"), (big, None, None)):
+        model = model_config_for(load_config(["--model_name_or_path", preset]))
+        model.vocab_size = rows or model.vocab_size
+        fam = family(model.model_type)
+        assert family_vocabulary(fam, model) == (want or fam.stand_in), (preset, rows)
+        assert want or STAND_INS[fam.stand_in].vocab_size == model.vocab_size
+
+
+@pytest.mark.parametrize("preset", list(CHAT_FORMATS))
+def test_a_larger_vocabularys_stand_in_renders_its_familys_chat_format_and_trains_only_the_answers(preset, tmp_path):
+    """Gemma 3's and gpt-oss's presets render conversations with their family's template (TRL's training variant):
+    each marker is one special id at its published id, every id is below the preset's vocab_size, and
+    assistant_only_loss trains exactly each answer's span as the template's generation markers give it."""
+    model = model_config_for(load_config(["--model_name_or_path", preset]))
+    vocabulary, markers, before, end, last_end = CHAT_FORMATS[preset]
+    assert family_vocabulary(family(model.model_type), model) == vocabulary
+    tok = _stand_in(vocabulary)
+    marker_ids = {m: tok.hf_tokenizer.convert_tokens_to_ids(m) for m in markers}
+    assert marker_ids == {m: PUBLISHED[vocabulary][m] for m in markers}
+    cfg = load_config(["--model_name_or_path", preset, "--dataset_name", _chats(tmp_path), "--max_length", "512",
+                       "--assistant_only_loss", "true"])
+    ds = build_sequences(cfg, tok, split="train", dp_size=1)
+    assert len(ds) == len(CHATS)
+    for i, msgs in enumerate(CHATS):
+        n = ds.real_tokens(i)
+        ids, labels = ds[i]["input_ids"][:n], ds[i]["labels"][:n]
+        assert int(ids.max()) < model.vocab_size and int(ids.min()) >= 0
+        text = tok.hf_tokenizer.apply_chat_template(msgs, tokenize=False)
+        for marker, mid in marker_ids.items():  # every marker the template wrote is its one id, none left as text
+            assert int((ids == mid).sum()) == text.count(marker), marker
+        specials = {i for i, _ in STAND_INS[vocabulary].specials}
+        assert {int(x) for x in ids} & specials == set(marker_ids.values())  # no other special: text is BPE ids
+        answers = [m["content"] for m in msgs if m["role"] == "assistant"]
+        want = [t for k, a in enumerate(answers)
+                for t in tok.encode(before + a + (last_end if k == len(answers) - 1 else end))]
+        assert ids[labels != IGNORE_INDEX].tolist() == want, preset
+        untrained = tok.decode(ids[labels == IGNORE_INDEX].tolist())
+        assert all(m["content"] in untrained for m in msgs if m["role"] == "user")
+
+
+@pytest.mark.parametrize("preset, name", [("gemma-3-27b", "Gemma 3's special tokens at 0-106, 255999-256000, 262144"),
+                                          ("gpt-oss-20b", "gpt-oss o200k_harmony's special tokens at 199998-201087")])
+def test_the_data_command_names_a_larger_vocabularys_stand_in(preset, name, tmp_path, capsys):
+    """`ulysses-trainer data` on the preset's chat data: its counts name the stand-in that tokenized them."""
+    from ulysses_trainer.cli.data import main as data_main
+
+    assert data_main(["--model_name_or_path", preset, "--dataset_name", _chats(tmp_path), "--max_length", "256",
+                      "--assistant_only_loss", "true", "--json"]) == 0
+    counts = json.loads(capsys.readouterr().out)["counts"]
+    assert "stand-in" in counts["tokenizer"] and name in counts["tokenizer"], counts["tokenizer"]
+    assert counts["trained_tokens"] > 0

@@ -1,5 +1,7 @@
-"""A preset's stand-in tokenizer for a family whose vocabulary is smaller than Qwen's: the Qwen BPE truncated to
-its first N ranks, with the family's own special tokens at the family's ids, the ranks filling the ids around them.
+"""A preset's stand-in tokenizer for a family whose vocabulary is not Qwen's: the Qwen BPE (truncated to its first N
+ranks where the family's vocabulary is smaller), with the family's own special tokens at the family's ids, the ranks
+filling the ids around them. A larger vocabulary (Gemma 3's 262,208, gpt-oss's 201,088) keeps all of Qwen's 151,643
+ranks and leaves the ids past them and short of its specials unused: every id it emits is below the vocabulary.
 
 Why it is a well-formed BPE: the Qwen BPE's merge ranks are its token ids, and each token is merged from tokens of
 lower rank, so keeping the ranks below N (and the merges whose parts and result are among them) leaves a BPE that
@@ -23,6 +25,7 @@ from ..errors import ConfigError
 from .tokenizer import HFTokenizer
 
 _FORMAT = 2  # bump when the truncation below changes
+QWEN_RANKS = 151643  # the Qwen BPE's ranks (its ids below <|endoftext|>): what a larger vocabulary's stand-in keeps
 
 
 def _llama3_specials() -> tuple[tuple[int, str], ...]:
@@ -58,11 +61,33 @@ _STARCODER_SPECIALS = ("<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad
                        "<commit_after>", "<reponame>")
 
 
+def _gemma3_specials() -> tuple[tuple[int, str], ...]:
+    """Gemma 3's control and chat tokens (its tokenizer's added tokens): pad, eos, bos, unk, mask and [multimodal] at
+    0-5, <unused0>-<unused98> at 6-104, the turn markers at 105-106, the image markers at 255999-256000 and the
+    image placeholder at 262144. (Its reserved <unused99> ... at 256001-262143 are left out: nothing emits them.)"""
+    return ((0, "<pad>"), (1, "<eos>"), (2, "<bos>"), (3, "<unk>"), (4, "<mask>"), (5, "[multimodal]"),
+            *((6 + i, f"<unused{i}>") for i in range(99)), (105, "<start_of_turn>"), (106, "<end_of_turn>"),
+            (255999, "<start_of_image>"), (256000, "<end_of_image>"), (262144, "<image_soft_token>"))
+
+
+# o200k_harmony's named special tokens (tiktoken's encoding of gpt-oss, as openai_public writes it); the other ids
+# from 199998 to 201087 are its reserved tokens, <|endofprompt|> (o200k_base's) at 200018
+_HARMONY_NAMED = {199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>", 200003: "<|constrain|>",
+                  200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>", 200008: "<|message|>",
+                  200012: "<|call|>", 200018: "<|endofprompt|>"}
+
+
+def _harmony_specials() -> tuple[tuple[int, str], ...]:
+    """gpt-oss's o200k_harmony special tokens at 199998-201087: the named ones, `<|reserved_{id}|>` the others."""
+    return tuple((i, _HARMONY_NAMED.get(i, f"<|reserved_{i}|>")) for i in range(199998, 201088))
+
+
 @dataclass(frozen=True)
 class StandIn:
     """A family's stand-in vocabulary: `vocab_size` ids, `specials` (id, text) at the family's ids, the first
-    vocab_size - len(specials) Qwen BPE ranks in the others; bos / eos / pad by name (None: the family has none),
-    the chat template its presets carry (data/chat_templates/; None: chat data needs a checkpoint's template)."""
+    vocab_size - len(specials) Qwen BPE ranks (all of them, where that is more than Qwen has) in the lowest others;
+    bos / eos / pad by name (None: the family has none), the chat template its presets carry (data/chat_templates/;
+    None: chat data needs a checkpoint's template)."""
 
     family_tokens: str  # whose special tokens these are, for the name
     vocab_size: int
@@ -74,7 +99,7 @@ class StandIn:
 
     @property
     def ranks(self) -> int:
-        return self.vocab_size - len(self.specials)
+        return min(self.vocab_size - len(self.specials), QWEN_RANKS)
 
     @property
     def name(self) -> str:
@@ -84,15 +109,16 @@ class StandIn:
             if b != a + 1:
                 spans.append(f"{start}" if start == a else f"{start}-{a}")
                 start = b
-        return (f"qwen-bpe truncated to {self.ranks:,} ranks + {self.family_tokens}'s special tokens at "
-                f"{', '.join(spans)} (a preset's stand-in: point model_name_or_path at a checkpoint for its own)")
+        bpe = f"truncated to {self.ranks:,} ranks" if self.ranks < QWEN_RANKS else f"({self.ranks:,} ranks)"
+        return (f"qwen-bpe {bpe} + {self.family_tokens}'s special tokens at {', '.join(spans)} in "
+                f"{self.vocab_size:,} ids (a preset's stand-in: point model_name_or_path at a checkpoint for its own)")
 
     def bpe_ids(self) -> list[int]:
         """The id of each kept rank, in rank order: the ids the specials leave free. A kept token spelled as one of
         the specials (Qwen's "<s>" at rank 128,245 under Tekken's) is dropped, its id left unused: the special alone
         has that string."""
         taken = {i for i, _ in self.specials}
-        return [i for i in range(self.vocab_size) if i not in taken]
+        return [i for i in range(self.vocab_size) if i not in taken][:self.ranks]
 
 
 # vocabulary name (a Family's stand_in) -> its stand-in; the specials at the ids the family's tokenizer gives them
@@ -126,6 +152,15 @@ STAND_INS = {
                                         (100259, "<|fim_middle|>"), (100260, "<|fim_suffix|>"),
                                         (100276, "<|endofprompt|>"), (100277, "<|pad|>")), bos=None,
                      eos="<|endoftext|>", pad="<|pad|>"),
+    # the larger vocabularies: Qwen's 151,643 ranks whole, the ids past them unused up to the family's specials
+    # Gemma 3: its controls and turn markers first (the BPE from 107), its image tokens high; TRL's training
+    # variant of Gemma 3's template (<start_of_turn>model ... <end_of_turn> marked for assistant_only_loss)
+    "gemma3": StandIn("Gemma 3", 262208, _gemma3_specials(), bos="<bos>", eos="<eos>", pad="<pad>",
+                      template="gemma3_training.jinja"),
+    # gpt-oss's o200k_harmony: its BPE from 0 (the Qwen ranks at 0-151642), its specials at 199998-201087; TRL's
+    # training variant of gpt-oss's harmony template (<|start|>assistant<|channel|>final<|message|> ... <|end|>)
+    "o200k_harmony": StandIn("gpt-oss o200k_harmony", 201088, _harmony_specials(), bos="<|startoftext|>",
+                             eos="<|return|>", pad="<|endoftext|>", template="gptoss_training.jinja"),
 }
 
 

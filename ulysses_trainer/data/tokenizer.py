@@ -155,10 +155,16 @@ def has_own_tokenizer(path: str | None) -> bool:
 def family_vocabulary(fam: Any, model_config: Any) -> str:
     """The vocabulary a model of family `fam` without tokenizer files is tokenized with: the family's Qwen BPE, or
     its stand-in (data/stand_in_bpe.py) where the model's embedding has fewer rows than that BPE has ids (a
-    Llama-3.1 preset's 128,256)."""
-    if fam.stand_in and model_config.vocab_size < added_tokens(fam.tokenizer)[-1][0] + 1:
-        return fam.stand_in
-    return fam.tokenizer
+    Llama-3.1 preset's 128,256), or, for a family whose vocabulary is larger (Gemma 3's 262,208), at least as many
+    rows as the stand-in has ids: its specials' ids are past the Qwen BPE's."""
+    from .stand_in_bpe import STAND_INS
+
+    if not fam.stand_in:
+        return fam.tokenizer
+    qwen_ids, stand_in_ids = added_tokens(fam.tokenizer)[-1][0] + 1, STAND_INS[fam.stand_in].vocab_size
+    if stand_in_ids <= qwen_ids:  # a smaller vocabulary's: where Qwen's ids do not fit
+        return fam.stand_in if model_config.vocab_size < qwen_ids else fam.tokenizer
+    return fam.stand_in if model_config.vocab_size >= stand_in_ids else fam.tokenizer
 
 
 def preset_tokenizer(vocabulary: str = "qwen3") -> QwenBPETokenizer | HFTokenizer:
@@ -166,8 +172,8 @@ def preset_tokenizer(vocabulary: str = "qwen3") -> QwenBPETokenizer | HFTokenize
     built-in Qwen3 format; Qwen3.5's is an HF tokenizer of the same BPE carrying the chat template Qwen3.5 checkpoints
     ship (data/chat_templates/qwen3_5_think.jinja), so a Qwen3.5 preset's chat data is rendered as a Qwen3.5
     checkpoint's is (its training variant with assistant_only_loss) and its export ships that template. A stand-in
-    vocabulary (STAND_INS: "llama3") is the Qwen BPE truncated below the family's special tokens, with its chat
-    template."""
+    vocabulary (STAND_INS: "llama3", "gemma3", ...) is the Qwen BPE (truncated where the family's is smaller) around
+    the family's special tokens, with its chat template."""
     from .stand_in_bpe import STAND_INS, StandInTokenizer
 
     if vocabulary in STAND_INS:

@@ -224,8 +224,9 @@ class Family:
     mixer: TokenMixer | None = None
     # the Qwen BPE its presets (and a checkpoint without tokenizer files) are tokenized with (data/tokenizer.py)
     tokenizer: str = "qwen3"
-    # a preset whose vocab_size is below that BPE's ids is tokenized with this stand-in instead (data/stand_in_bpe.py:
-    # the BPE truncated, the family's special tokens at its ids); "": none
+    # a preset whose vocab_size is below that BPE's ids, or at least this stand-in's where that is larger, is tokenized
+    # with this stand-in instead (data/stand_in_bpe.py: the BPE, truncated where smaller, the family's special tokens
+    # at its ids); "": none
     stand_in: str = ""
     # its torch side, imported when a model of it is parallelized (families/installs.load_modules): the dotted
     # module that registers what parallelize swaps in for its block and mixer ("": registered by hand)

@@ -19,8 +19,10 @@ conversion writes it and public test fixtures copy it): vocab 262,208, hidden 53
 16 kv heads of 128, sliding_window 1024 with sliding_window_pattern 6 (layers 6, 12, ... global), rope_theta 1e6 with
 linear scaling factor 8 on the global layers, rope_local_base_freq 1e4, query_pre_attn_scalar 168, 131,072
 positions, rms_norm_eps 1e-6, tied embeddings, no soft-capping. The Hub checkpoint is multimodal (Gemma3Config);
-its language model is what the trainer builds. `tiny-gemma3`: the CPU preset, one sliding (16-token window, shorter
-than the tests' rows) and one global layer, the Qwen vocabulary like the other tiny presets.
+its language model is what the trainer builds; it is tokenized with Gemma 3's stand-in (the Qwen BPE with Gemma 3's
+special tokens at its ids and its chat format: data/stand_in_bpe.py). `tiny-gemma3`: the CPU preset, one sliding
+(16-token window, shorter than the tests' rows) and one global layer, the Qwen vocabulary like the other tiny
+presets.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def _tiny() -> dict[str, Any]:
 
 GEMMA3 = Gemma3Family(
     model_type="gemma3_text", config_class="Gemma3TextConfig", causal_lm_class="Gemma3ForCausalLM", mlp=GatedMlp(),
-    qk_norm=True, norm_offset=1.0, layer_order=GEMMA3_LAYER, modules=f"{__name__}.modules",
+    qk_norm=True, norm_offset=1.0, layer_order=GEMMA3_LAYER, modules=f"{__name__}.modules", stand_in="gemma3",
     refused_flags=("attention_bias", "use_bidirectional_attention"),
     presets={"tiny-gemma3": _tiny(),
              "gemma-3-27b": dict(

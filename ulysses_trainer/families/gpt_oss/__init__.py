@@ -15,8 +15,9 @@ Presets from the published openai/gpt-oss-20b and openai/gpt-oss-120b config.jso
 2880, 64 q / 8 kv heads of 64, experts of width 2880, top-4 (32 experts, 24 layers; 128 experts, 36 layers),
 sliding_window 128 on every other layer (the first windowed), YaRN factor 32 over 4,096 original positions with
 rope_theta 150,000 (131,072 positions), rms_norm_eps 1e-5, attention_bias true, router_aux_loss_coef 0.9, untied
-embeddings (20.9B / 3.6B active; 116.8B / 5.1B active). tiny-gpt-oss keeps the Qwen vocabulary at CPU size with a
-16-token window and YaRN (factor 32 over 128 original positions: 4,096).
+embeddings (20.9B / 3.6B active; 116.8B / 5.1B active); tokenized with o200k_harmony's stand-in (the Qwen BPE
+with harmony's special tokens at 199998+ and its chat format: data/stand_in_bpe.py). tiny-gpt-oss keeps the Qwen
+vocabulary at CPU size with a 16-token window and YaRN (factor 32 over 128 original positions: 4,096).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _big(layers: int, experts: int) -> dict[str, Any]:
 
 GPT_OSS = GptOssFamily(
     model_type="gpt_oss", config_class="GptOssConfig", causal_lm_class="GptOssForCausalLM", mlp=GptOssMoeMlp(),
-    qk_norm=False, attention_sinks=True, modules=f"{__name__}.modules",
+    qk_norm=False, attention_sinks=True, modules=f"{__name__}.modules", stand_in="o200k_harmony",
     presets={
         # CPU preset: 2 layers (windowed, full) of hidden 64, 8 q / 2 kv heads of 16 (sp=4 replicates KV), 8 experts
         # of width 32, top-2, a 16-token window
