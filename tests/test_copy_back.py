@@ -52,21 +52,68 @@ def test_staged_copy_back_is_bitwise_deepspeeds():
         assert torch.equal(got[name], p), name
 
 
-@pytest.mark.parametrize("version, installs", [("0.19.8", True), ("0.19.0", True), ("0.20.0", False),
-                                               ("0.17.6", False)])
-def test_installs_only_on_the_deepspeed_release_it_was_checked_against(monkeypatch, version, installs):
-    """It replaces a private method of DeepSpeed's ZeRO-3 optimizer: on another release DeepSpeed's own copy stays."""
+def instrument_w_nvtx(func):  # as DeepSpeed's: a wrapper that keeps the function in its closure, no __wrapped__
+    def wrapped_fn(*args, **kwargs):
+        return func(*args, **kwargs)
+    return wrapped_fn
+
+
+class _Stage3:
+    """An optimizer whose reassign method reads as DeepSpeed 0.19.8's (the code lines install compares)."""
+
+    def __init__(self):
+        import torch
+
+        flat = torch.zeros(8, dtype=torch.bfloat16)
+        self.fp16_groups, self.fp16_partitioned_groups_flat = [[flat]], [flat]
+        self.fp32_partitioned_groups_flat = [torch.zeros(8)]
+
+    @instrument_w_nvtx
+    def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
+        if self.fp16_partitioned_groups_flat[sub_group_id] is not None:
+            # a comment, as DeepSpeed's has
+            self.fp16_partitioned_groups_flat[sub_group_id].data.copy_(
+                self.fp32_partitioned_groups_flat[sub_group_id].data)
+
+            self._unflatten_partitioned_parameters(sub_group_id)
+        else:
+            self._partitioned_params_swap_out(sub_group_id)
+
+    def _unflatten_partitioned_parameters(self, sub_group_id):
+        pass
+
+
+def _changed(self, sub_group_id):  # a release whose copy back does something else first
+    self.fp16_partitioned_groups_flat[sub_group_id].data.zero_()
+    self._unflatten_partitioned_parameters(sub_group_id)
+
+
+def test_installs_only_where_deepspeeds_method_is_the_one_it_replaces(capsys):
+    """It replaces a private method of DeepSpeed's ZeRO-3 optimizer: it reads the installed one first, and where
+    that differs (or an attribute it reads is gone) one line says so and DeepSpeed's own copy stays."""
     import types
 
     import deepspeed
-    import torch
 
     from ulysses_trainer.levers.copy_back import PinnedCopyBack
 
-    monkeypatch.setattr(deepspeed, "__version__", version)
-    flat = torch.zeros(8, dtype=torch.bfloat16)
-    opt = types.SimpleNamespace(fp16_groups=[[flat]], fp16_partitioned_groups_flat=[flat],
-                                fp32_partitioned_groups_flat=[torch.zeros(8)],
-                                _reassign_or_swap_out_partitioned_parameters=lambda i: None,
-                                _unflatten_partitioned_parameters=lambda i: None)
-    assert (PinnedCopyBack.install(opt, always=True, pin=False) is not None) == installs
+    def said() -> list[str]:  # the console's lines (tests/conftest.py installs it, as the commands do)
+        return capsys.readouterr().out.splitlines()
+
+    said()
+    assert PinnedCopyBack.install(_Stage3(), always=True, pin=False) is not None
+    assert said() == []
+    changed = _Stage3()
+    changed._reassign_or_swap_out_partitioned_parameters = types.MethodType(_changed, changed)
+    assert PinnedCopyBack.install(changed, always=True, pin=False) is None
+    assert said() == [
+        "[ulysses_trainer] the parameters' copy back stays DeepSpeed's own (slower, the same bytes): "
+        f"DeepSpeed {deepspeed.__version__}'s _reassign_or_swap_out_partitioned_parameters is not the "
+        "one the pinned copy was written against (0.19.8's)"]
+    bare = types.SimpleNamespace(**vars(_Stage3()))  # the tensors, without the two methods
+    assert PinnedCopyBack.install(bare, always=True, pin=False) is None
+    lines = said()
+    assert len(lines) == 1 and lines[0].endswith("has no _reassign_or_swap_out_partitioned_parameters, "
+                                                 "_unflatten_partitioned_parameters"), lines
+    # where nothing would be staged (masters and partitions on one device), no line: there is nothing to fall back from
+    assert PinnedCopyBack.install(bare, pin=False) is None and said() == []

@@ -108,7 +108,7 @@ def test_plan_command_takes_the_attention_from_the_data(capsys):
     assert plan["predicted_step_s"] < worst["predicted_step_s"]
 
 
-def test_the_replan_after_the_engine_keeps_the_datas_attention(monkeypatch):
+def test_the_replan_after_the_engine_keeps_the_datas_attention(monkeypatch, capsys):
     """The trainer plans again once the engine holds its memory: packed rows stay timed from their documents."""
     from types import SimpleNamespace
 
@@ -143,3 +143,19 @@ def test_the_replan_after_the_engine_keeps_the_datas_attention(monkeypatch):
     assert replan_line(again, fewer, 20.5).endswith(": changed activation_offload 36 -> 3, tiled_mlp 8 -> 16"), \
         replan_line(again, fewer, 20.5)
     assert replan_line(again, again, 120.0).endswith(": unchanged")
+    # what the trainer logs (train/run_report.report_replan): the line whether or not it changed, the plan again
+    # only when it did, nothing on a CPU run (no measurement, no second search)
+    from ulysses_trainer.train.run_report import report_replan
+
+    def said() -> list[str]:  # the console's lines (tests/conftest.py installs it, as the commands do)
+        return [x.removeprefix("[ulysses_trainer] ") for x in capsys.readouterr().out.splitlines()]
+
+    said()
+    report_replan(first, again, 120.0, "d1")
+    assert said() == [line]
+    report_replan(again, fewer, 20.5, "d2")
+    lines = said()
+    assert lines[0] == replan_line(again, fewer, 20.5)
+    assert lines[1].startswith("plan with the free GPU memory measured: ") and lines[1].endswith("d2 on every rank")
+    report_replan(first, first, None, "d1")
+    assert said() == []

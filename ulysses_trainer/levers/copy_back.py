@@ -10,20 +10,72 @@ of sub-group i runs while the host steps sub-group i+1; a buffer is reused only 
 last sub-group's copy is waited for before the step goes on (ZeRO-3's step end reads the partitions). The bytes are
 the same: the same fp32 -> bf16 conversion (copy_), then a copy of bf16 bytes.
 
-Checked against DeepSpeed 0.19.8 (the attributes it reads: fp16_groups, fp16_partitioned_groups_flat,
-fp32_partitioned_groups_flat, _unflatten_partitioned_parameters), so it installs on DeepSpeed 0.19 only: another
-release, or an optimizer without them, keeps DeepSpeed's own copy (slower, the same bytes).
+It replaces a private method of DeepSpeed's ZeRO-3 optimizer, so `install` reads the installed one first: the
+method's code must be the one this was written against (`REPLACED`, DeepSpeed 0.19.8's, comments and blank lines
+aside) and the attributes it reads must be there (`_NEEDS`). Where they are not (another DeepSpeed release that
+changed them), one line says so and DeepSpeed's own copy stays (slower, the same bytes).
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 from typing import Any
 
 import torch
 
-CHECKED_RELEASES = ("0.19",)  # DeepSpeed major.minor whose private method this replaces, read and tested
+log = logging.getLogger(__name__)
+
+# the private method `PinnedCopyBack.reassign` stands in for, as DeepSpeed 0.19.8 writes it (its code lines, comments
+# and blank lines left out): the installed release's must read the same, or it keeps its own
+REPLACED = (
+    "@instrument_w_nvtx",
+    "def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):",
+    "if self.fp16_partitioned_groups_flat[sub_group_id] is not None:",
+    "self.fp16_partitioned_groups_flat[sub_group_id].data.copy_(",
+    "self.fp32_partitioned_groups_flat[sub_group_id].data)",
+    "self._unflatten_partitioned_parameters(sub_group_id)",
+    "else:",
+    "self._partitioned_params_swap_out(sub_group_id)",
+)
 _NEEDS = ("fp16_groups", "fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat",
           "_reassign_or_swap_out_partitioned_parameters", "_unflatten_partitioned_parameters")
+
+
+def code_lines(method: Any) -> tuple[str, ...]:
+    """A method's source as its code lines (stripped; blank and comment lines left out), through DeepSpeed's
+    instrument_w_nvtx wrapper (which keeps the function in its closure, not in __wrapped__); () where unreadable."""
+    fn = inspect.unwrap(getattr(method, "__func__", method))
+    if inspect.isfunction(fn) and fn.__closure__:
+        cells = dict(zip(fn.__code__.co_freevars, fn.__closure__))
+        if "func" in cells and inspect.isfunction(cells["func"].cell_contents):
+            fn = cells["func"].cell_contents
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ()
+    return tuple(line.strip() for line in source.splitlines() if line.strip() and not line.strip().startswith("#"))
+
+
+def unfit(optimizer: Any) -> str | None:
+    """Why this optimizer's copy back cannot be replaced (a missing attribute, or a reassign method that is not
+    the one `REPLACED` holds), or None."""
+    import deepspeed
+
+    missing = [a for a in _NEEDS if not hasattr(optimizer, a)]
+    if missing:
+        return f"DeepSpeed {deepspeed.__version__}'s ZeRO-3 optimizer has no {', '.join(missing)}"
+    if code_lines(optimizer._reassign_or_swap_out_partitioned_parameters) != REPLACED:
+        return (f"DeepSpeed {deepspeed.__version__}'s _reassign_or_swap_out_partitioned_parameters is not the one "
+                f"the pinned copy was written against (0.19.8's)")
+    return None
+
+
+def _host_masters(optimizer: Any, always: bool) -> bool:
+    """Whether the optimizer steps fp32 masters on the host into GPU partitions (or `always`): where staging helps."""
+    pairs = [(d, s) for d, s in zip(getattr(optimizer, "fp16_partitioned_groups_flat", None) or (),
+                                    getattr(optimizer, "fp32_partitioned_groups_flat", None) or ()) if d is not None]
+    return bool(pairs) and (always or any(d.is_cuda and s.device.type == "cpu" for d, s in pairs))
 
 
 class PinnedCopyBack:
@@ -51,17 +103,14 @@ class PinnedCopyBack:
 
     @classmethod
     def install(cls, optimizer: Any, **kw: Any) -> PinnedCopyBack | None:
-        """On a ZeRO-3 optimizer with host fp32 masters and GPU partitions (or `always`), under a DeepSpeed release
-        it was checked against; else None."""
-        import deepspeed
-
-        if ".".join(deepspeed.__version__.split(".")[:2]) not in CHECKED_RELEASES:
+        """On a ZeRO-3 optimizer with host fp32 masters and GPU partitions (or `always`) whose copy back is the one
+        this replaces; else None, with one line (rank 0's) where it would have helped but the method differs."""
+        if not _host_masters(optimizer, kw.get("always", False)):
             return None
-        if not all(hasattr(optimizer, a) for a in _NEEDS):
-            return None
-        pairs = [(d, s) for d, s in zip(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat)
-                 if d is not None]
-        if not pairs or not (kw.get("always") or any(d.is_cuda and s.device.type == "cpu" for d, s in pairs)):
+        why = unfit(optimizer)
+        if why is not None:
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                log.info(f"the parameters' copy back stays DeepSpeed's own (slower, the same bytes): {why}")
             return None
         return cls(optimizer, **kw)
 
