@@ -178,10 +178,8 @@ def _main(argv: list[str], seen: InterruptRecorder) -> int:
         code = Trainer(prepared).train() or EXIT_OK
         destroy_distributed(together=True)
         return code
-    except Exception as exc:  # noqa: BLE001 - every failure becomes one line and its exit code here
-        return _ended_by(exc, seen, argv, prepared)
-    except KeyboardInterrupt as exc:  # before the trainer's stop handler exists, or a second signal
-        return _ended_by(exc, seen, argv, prepared)
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - every failure, and a Ctrl-C before the trainer's
+        return _ended_by(exc, seen, argv, prepared)  # stop handler exists (or a second one): one line, its exit code
 
 
 def _ended_by(exc: BaseException, seen: InterruptRecorder, argv: list[str], prepared) -> int:
