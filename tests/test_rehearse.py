@@ -489,6 +489,30 @@ def test_out_of_memory_is_a_result_too(tmp_path, monkeypatch, capsys):
     assert "out of GPU memory at 512 tokens" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("kind", ["out of memory building the engine", "plan mismatch"])
+def test_the_trainers_own_errors_are_one_line_and_their_exit_code(kind, tmp_path, monkeypatch, capsys):
+    """Out of GPU memory while the trainer builds the engine is a result as a step's is; any other of the
+    package's errors is its one line and exit code, no traceback."""
+    from ulysses_trainer.cli import rehearse
+    from ulysses_trainer.errors import PlanMismatchError
+    from ulysses_trainer.train.out_of_memory import OutOfGpuMemory
+
+    def fail(plan, opts):
+        if kind == "plan mismatch":
+            raise PlanMismatchError("the ranks resolved different plans")
+        raise OutOfGpuMemory("out of GPU memory while building the engine", ())
+
+    monkeypatch.setattr(rehearse, "run_rehearsal", fail)
+    out = tmp_path / "r.json"
+    assert _main(["--config", RECIPE, "--gpus", "4", "--max_length", "512", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if kind == "plan mismatch":
+        assert err.strip().endswith("error: the ranks resolved different plans") and not out.exists()
+    else:
+        assert json.loads(out.read_text())["status"] == "oom" and "out of GPU memory at 512 tokens" in err
+
+
 def test_host_standin_holds_two_slots_and_counts_the_rest(tmp_path, capsys):
     """--host_standin: the offloaded layer inputs share two host slots; the result counts what the job's host
     holds (every offloaded layer's slot) and adds the slots not held to the measured peak."""

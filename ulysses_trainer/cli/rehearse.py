@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import REPO_ROOT
-from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError
+from ..errors import EXIT_FAILURE, EXIT_INVALID, EXIT_OK, ConfigError, TrainerError
 from ..plan.comm_model import DEFAULT_COMM_FILE as COMM_FILE
 from ..train.rehearsal import Rehearsal, comm_job, run_rehearsal
 from ..vocabulary.names import STANDIN, STANDIN_FA4
@@ -265,11 +265,12 @@ def main(argv: list[str] | None = None, around_step=None) -> int:
             result = rehearse(prepared, opts, bandwidth, Overlap(a2a_hidden=args.a2a_hidden,
                                                              zero3_hidden=args.zero3_hidden,
                                                              a2a_stall_s_per_gb=args.a2a_stall_s_per_gb))
-    except ConfigError as exc:  # found once the engine exists (e.g. host RAM for offload)
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return EXIT_INVALID
     except Exception as exc:
-        if type(exc).__name__ != "OutOfMemoryError":
+        # torch's, or the trainer's own while it builds the model and the engine (train/out_of_memory.OutOfGpuMemory)
+        if type(exc).__name__ not in ("OutOfMemoryError", "OutOfGpuMemory"):
+            if isinstance(exc, TrainerError):  # e.g. host RAM for offload, found once the engine exists: its line
+                print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+                return exc.exit_code
             traceback.print_exc()
             return EXIT_FAILURE
         result = _out_of_memory(prepared, opts, exc)  # a result too: this length does not fit this rank
