@@ -110,6 +110,7 @@ def test_installs_only_where_deepspeeds_method_is_the_one_it_replaces(capsys):
         "[ulysses_trainer] the parameters' copy back stays DeepSpeed's own (slower, the same bytes): "
         f"DeepSpeed {deepspeed.__version__}'s _reassign_or_swap_out_partitioned_parameters is not the "
         "one the pinned copy was written against (0.19.8's)"]
+    assert PinnedCopyBack.install(changed, say=False, always=True, pin=False) is None and said() == []  # a peer rank
     bare = types.SimpleNamespace(**vars(_Stage3()))  # the tensors, without the two methods
     assert PinnedCopyBack.install(bare, always=True, pin=False) is None
     lines = said()

@@ -102,14 +102,15 @@ class PinnedCopyBack:
         optimizer._reassign_or_swap_out_partitioned_parameters = self.reassign
 
     @classmethod
-    def install(cls, optimizer: Any, **kw: Any) -> PinnedCopyBack | None:
+    def install(cls, optimizer: Any, say: bool = True, **kw: Any) -> PinnedCopyBack | None:
         """On a ZeRO-3 optimizer with host fp32 masters and GPU partitions (or `always`) whose copy back is the one
-        this replaces; else None, with one line (rank 0's) where it would have helped but the method differs."""
+        this replaces; else None, with one line (where `say`: the main rank) where it would have helped but the
+        method differs."""
         if not _host_masters(optimizer, kw.get("always", False)):
             return None
         why = unfit(optimizer)
         if why is not None:
-            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            if say:  # one rank's line: every rank decides alike
                 log.info(f"the parameters' copy back stays DeepSpeed's own (slower, the same bytes): {why}")
             return None
         return cls(optimizer, **kw)

@@ -55,7 +55,7 @@ def build_engine(prepared: PreparedRun, model: SequenceParallelCausalLM,
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=prepared.ds_config,
                                            lr_scheduler=schedule)
     # Adam on the host: the parameters go back to the GPU through pinned buffers, beside the next sub-group's step
-    PinnedCopyBack.install(engine.optimizer)
+    PinnedCopyBack.install(engine.optimizer, say=model.state.is_main)
     machine = measured_machine(prepared, device)
     resolved = resolve_after_engine(prepared, machine)
     digest = check_same_plan(resolved, "with the free GPU memory measured")  # before step 1
