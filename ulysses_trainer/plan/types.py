@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..vocabulary.lever_settings import Levers
-from ..vocabulary.model_plan import ModelPlan
+from ..vocabulary.model_plan import LayerLists, ModelPlan
 from ..vocabulary.names import DEFAULT_SUB_GROUP_SIZE, GIB, check_zero_stage, offload_sub_group_size
 from ..zero_json import zero_size
 from .inputs import Settings, Zero3Knobs
@@ -146,7 +146,7 @@ class Prediction:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(LayerLists):
     """The concrete run: no `auto` left. `run` holds every setting under its training-config name (layout, kernels,
     precision, each lever decided); the layers each lever covers are properties; `predicted` what the memory model
     and the step time predict for `run` (Prediction)."""
@@ -176,21 +176,6 @@ class Plan:
     def levers(self) -> Levers:
         """The levers the search chose, every one concrete: the record the config's were decoded into (`fixed`)."""
         return replace(self.run.levers, pinned=self.fixed.pinned)
-
-    @property
-    def saved_layers(self) -> tuple[int, ...]:
-        """The layers whose input is kept for backward."""
-        return self.levers.saved_layers(self.num_layers)
-
-    @property
-    def offload_layers(self) -> tuple[int, ...]:
-        """Of the saved layers, those whose input lives in pinned host memory."""
-        return self.levers.offload_layers(self.num_layers)
-
-    @property
-    def kept_attention_layers(self) -> tuple[int, ...]:
-        """The layers keeping their attention output for the recompute."""
-        return self.levers.kept_attention_layers()
 
     def model_plan(self, host_memory_gb: float | None, ranks_per_node: int, *, levers: bool = True,
                    host_held_slots: int | None = None) -> ModelPlan:

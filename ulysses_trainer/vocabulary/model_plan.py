@@ -11,8 +11,31 @@ from typing import Any
 from .lever_settings import EVERY_LAYER, Levers
 
 
+class LayerLists:
+    """The layers each lever covers, by the record's own rule on the model's depth: for a record with `levers` and
+    `num_layers` (ModelPlan, the planner's Plan)."""
+
+    levers: Levers
+    num_layers: int
+
+    @property
+    def saved_layers(self) -> tuple[int, ...]:
+        """The layers whose input is kept for backward."""
+        return self.levers.saved_layers(self.num_layers)
+
+    @property
+    def offload_layers(self) -> tuple[int, ...]:
+        """Of the saved layers, those whose input lives in pinned host memory."""
+        return self.levers.offload_layers(self.num_layers)
+
+    @property
+    def kept_attention_layers(self) -> tuple[int, ...]:
+        """The layers keeping their attention output for the recompute."""
+        return self.levers.kept_attention_layers()
+
+
 @dataclass(frozen=True)
-class ModelPlan:
+class ModelPlan(LayerLists):
     """The mechanisms (kernel, loss head, norms) and the lever record set on them: the layers each lever covers
     are the record's own rule (Levers.saved_layers ...) on the model's `num_layers`."""
 
@@ -44,16 +67,6 @@ class ModelPlan:
     def checkpoint_every(self) -> int:
         """Every k-th layer keeps its input; backward rebuilds the others (auto: every layer until apply)."""
         return self.levers.checkpoint_every or 1
-
-    @property
-    def offload_layers(self) -> tuple[int, ...]:
-        """The layers whose kept input lives in pinned host memory."""
-        return self.levers.offload_layers(self.num_layers)
-
-    @property
-    def kept_attention_layers(self) -> tuple[int, ...]:
-        """The layers keeping their attention output for the recompute."""
-        return self.levers.kept_attention_layers()
 
     @classmethod
     def of(cls, levers: Levers, num_layers: int, **mechanisms: Any) -> ModelPlan:
