@@ -24,7 +24,7 @@ from typing import Any
 from ..errors import ConfigError
 from .tokenizer import HFTokenizer
 
-_FORMAT = 2  # bump when the truncation below changes
+_FORMAT = 3  # bump when the truncation below changes (3: a larger vocabulary keeps every Qwen rank)
 QWEN_RANKS = 151643  # the Qwen BPE's ranks (its ids below <|endoftext|>): what a larger vocabulary's stand-in keeps
 
 
