@@ -251,3 +251,40 @@ def test_fa4_backward_tiles_are_scoped_to_the_call_and_to_head_dim_128(monkeypat
         raise RuntimeError("the kernel failed")
     assert fa._tile_size_bwd_sm90 is table
     assert not grouped._tuned(torch.zeros(1, 2, 1, 128))  # a CPU tensor: no Hopper tiles
+
+
+def test_flash_attn_4_calls_from_threads_go_one_at_a_time(monkeypatch):
+    """flash-attn-4's compiler state breaks when two threads compile at once (verify_sp's ranks are threads):
+    the trainer's fa4 forward and backward, dense and varlen, never run inside the library concurrently."""
+    import sys
+    import threading
+    import time
+    import types
+
+    inside, most = [0], [0]
+    count = threading.Lock()
+
+    def library_call(*args, **kwargs):
+        with count:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.01)  # a compile's length: long enough for another thread to arrive
+        with count:
+            inside[0] -= 1
+        q = args[0]
+        return q, torch.zeros(1), torch.zeros(1)
+
+    fake = types.ModuleType("flash_attn.cute.interface")
+    fake._flash_attn_fwd = fake._flash_attn_bwd = library_call
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", fake)
+    q = torch.zeros(1, 8, 2, 4)
+    docs = grouped.Documents(cu_seqlens=torch.tensor([0, 8], dtype=torch.int32), max_seqlen=8)
+    calls = [lambda: grouped._fa4_fwd(q, q, q, 1.0), lambda: grouped._fa4_bwd(q, q, q, q, q, torch.zeros(1), (), 1.0),
+             lambda: grouped._fa4_varlen_fwd(q, q, q, 1.0, docs),
+             lambda: grouped._fa4_varlen_bwd(q, q, q, q, q, torch.zeros(1, 1), (), 1.0, docs)]
+    threads = [threading.Thread(target=calls[i % 4]) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1, most  # without grouped.FA4_LOCK: 8

@@ -1,7 +1,7 @@
 """Trained-token masks through the real command: `deepspeed --num_gpus N launch/train.py` on CPU ranks.
 
 A conversational dataset with tool calls and assistant_only_loss, and a prompt-completion dataset
-with completion_only_loss (its default), each trained 2 steps at sp=1, sp=2 and sp=4 (world = sp):
+with completion_only_loss (its default), each trained 2 steps at sp=1 and sp=4 (world = sp):
 the logged losses agree within 1e-4 relative, and num_tokens / num_loss_tokens equal what the data
 holds. Long tool results make shards that hold no trained token at sp=4 (checked here).
 """
@@ -81,7 +81,7 @@ def test_masked_losses_equal_across_sp(kind, data_dir, tmp_path):
     empty, sequences = _empty_shards(path, extra)
     assert empty == sequences >= 2 * STEPS, (empty, sequences)
     metrics = {}
-    for sp_size in (1, 2, 4):
+    for sp_size in (1, 4):  # sp 4 is where every sequence has a rank without a loss token (sp 2 adds time, not cover)
         out = tmp_path / f"sp{sp_size}"
         run_train(sp_size, COMMON + extra + ["--dataset_name", str(path), "--sp_size", str(sp_size)], out)
         metrics[sp_size] = read_metrics(out)[0]
@@ -89,9 +89,7 @@ def test_masked_losses_equal_across_sp(kind, data_dir, tmp_path):
     assert [r["step"] for r in ref] == list(range(1, STEPS + 1))
     for r in ref:
         assert 0 < r["num_loss_tokens"] < r["num_tokens"] <= r["step"] * 2 * MAX_LENGTH
-    for sp_size in (2, 4):
-        for r, a in zip(metrics[sp_size], ref):
-            assert rel(r["loss"], a["loss"]) <= 1e-4, (kind, sp_size, r["step"], r["loss"], a["loss"])
-            assert rel(r["grad_norm"], a["grad_norm"]) <= 1e-4, (kind, sp_size, r["step"], r["grad_norm"],
-                                                                  a["grad_norm"])
-            assert (r["num_tokens"], r["num_loss_tokens"]) == (a["num_tokens"], a["num_loss_tokens"])
+    for r, a in zip(metrics[4], ref):
+        assert rel(r["loss"], a["loss"]) <= 1e-4, (kind, r["step"], r["loss"], a["loss"])
+        assert rel(r["grad_norm"], a["grad_norm"]) <= 1e-4, (kind, r["step"], r["grad_norm"], a["grad_norm"])
+        assert (r["num_tokens"], r["num_loss_tokens"]) == (a["num_tokens"], a["num_loss_tokens"])

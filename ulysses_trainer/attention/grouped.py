@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -148,7 +149,7 @@ def _tuned(q: torch.Tensor) -> bool:
 def _sm90_bwd_tiles(fields: dict):
     """The library's Hopper backward takes its tiles from its table (`_tile_size_bwd_sm90`), not from its
     arguments: for the call inside this block only, the table answers with `fields` replaced for head_dim 128
-    (autograd runs the backward on one thread per device, so nothing else calls the table meanwhile)."""
+    (FA4_LOCK is held around it, so no other thread calls the table meanwhile)."""
     import flash_attn.cute.interface as fa
 
     table = fa._tile_size_bwd_sm90
@@ -164,11 +165,19 @@ def _sm90_bwd_tiles(fields: dict):
         fa._tile_size_bwd_sm90 = table
 
 
+# flash-attn-4 compiles a kernel on its first call for a shape, and its CuTe DSL compiler keeps process-wide state
+# that two threads compiling at once corrupt (H100: "'Assign' object has no attribute '_new_value'", then a
+# segfault, with verify_sp's ranks as threads of one process); its calls go one at a time. A trainer rank is a
+# process of its own, so nothing else ever waits on this lock there.
+FA4_LOCK = threading.RLock()
+
+
 def _fa4_fwd(q, k, v, scale, tuned: bool = True):
     from flash_attn.cute.interface import _flash_attn_fwd
 
     kw = FA4_SM90_FWD if tuned and _tuned(q) else {}
-    out, lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True, **kw)[:2]
+    with FA4_LOCK:
+        out, lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True, **kw)[:2]
     return out, lse, ()  # out [b, s, r, d], lse [b, r, s] fp32
 
 
@@ -176,7 +185,7 @@ def _fa4_bwd(g, q, k, v, out, lse, aux, scale, tuned: bool = True):
     from flash_attn.cute.interface import _flash_attn_bwd
 
     tiles = _sm90_bwd_tiles(FA4_SM90_BWD) if tuned and _tuned(q) else contextlib.nullcontext()
-    with tiles:
+    with FA4_LOCK, tiles:
         dq, dk, dv = _flash_attn_bwd(q, k, v, out, g, lse.contiguous(), softmax_scale=scale, causal=True)[:3]
     return dq, dk, dv
 
@@ -191,9 +200,10 @@ def _fa4_varlen_fwd(q, k, v, scale, docs: Documents):
 
     kw = FA4_SM90_FWD if FA4_VARLEN_TUNED and _tuned(q) else {}
     # [1, total, h, d] -> [total, h, d]: the varlen layout; lse comes back [h, total]
-    out, lse = _flash_attn_fwd(q[0], k[0], v[0], cu_seqlens_q=docs.cu_seqlens, cu_seqlens_k=docs.cu_seqlens,
-                               max_seqlen_q=docs.max_seqlen, max_seqlen_k=docs.max_seqlen, softmax_scale=scale,
-                               causal=True, return_lse=True, **kw)[:2]
+    with FA4_LOCK:
+        out, lse = _flash_attn_fwd(q[0], k[0], v[0], cu_seqlens_q=docs.cu_seqlens, cu_seqlens_k=docs.cu_seqlens,
+                                   max_seqlen_q=docs.max_seqlen, max_seqlen_k=docs.max_seqlen, softmax_scale=scale,
+                                   causal=True, return_lse=True, **kw)[:2]
     return out[None], lse[None], ()  # out [1, total, r, d], lse [1, r, total]
 
 
@@ -202,7 +212,7 @@ def _fa4_varlen_bwd(g, q, k, v, out, lse, aux, scale, docs: Documents):
 
     use = FA4_VARLEN_TUNED and _tuned(q)
     tiles = _sm90_bwd_tiles(FA4_SM90_BWD) if use else contextlib.nullcontext()
-    with tiles:
+    with FA4_LOCK, tiles:
         dq, dk, dv = _flash_attn_bwd(q[0], k[0], v[0], out[0], g[0], lse[0].contiguous(), softmax_scale=scale,
                                      causal=True, cu_seqlens_q=docs.cu_seqlens, cu_seqlens_k=docs.cu_seqlens,
                                      max_seqlen_q=docs.max_seqlen, max_seqlen_k=docs.max_seqlen)[:3]
