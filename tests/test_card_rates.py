@@ -35,6 +35,10 @@ def test_each_card_table_is_its_files():
     assert rates.deltanet_rule_rates_from_results(RESULTS, H100.DELTANET_SOURCE) == (H100.DELTANET_RULE_S,
                                                                                      H100.DELTANET_RULE_PEAK_BYTES)
     assert "H100" in json.loads((RESULTS / H100.DELTANET_SOURCE).read_text())["env"]["device"]
+    assert rates.deltanet_conv_rate_from_results(RESULTS, H100.DELTANET_CONV_SOURCE) == H100.DELTANET_CONV_S
+    assert "H100" in json.loads((RESULTS / H100.DELTANET_CONV_SOURCE).read_text())["env"]["device"]
+    assert rates.cpu_adam_rates_from_results(RESULTS, H100.CPU_ADAM_SOURCE) == H100.CPU_ADAM_BY_CORES
+    assert "H100" in json.loads((RESULTS / H100.CPU_ADAM_SOURCE).read_text())["gpu"]
     for card, table in TABLES.items():
         norm, rope, experts = SOURCES[card]
         assert rates.norm_rates_from_results(RESULTS, norm) == table.NORM_S_PER_ELEMENT
@@ -64,8 +68,7 @@ def test_the_device_name_picks_the_table_and_the_notes_say_what_was_borrowed():
     assert rates_for("h200") == (H200, [])
     table, notes = rates_for("NVIDIA H100 80GB HBM3")
     assert table is H100 and rates_for("h100")[0] is H100
-    assert notes == ["H100 rates: the dense rate, the chunked loss's rates, the DeltaNet conv, CPU Adam measured on "
-                     "an H200"]
+    assert notes == ["H100 rates: the dense rate and the chunked loss's rates measured on an H200"]
     assert rates_for(None) == (H200, ["rates of an H200 assumed"])
     table, notes = rates_for("NVIDIA A100-SXM4-80GB", 79.2)  # unknown: the card nearest in memory
     assert table is H100 and "rates measured on an H100, the nearest measured card, not on NVIDIA A100" in notes[0]
@@ -126,18 +129,31 @@ def test_a_plan_for_another_machine_takes_every_kernel_name(capsys):
     assert (out["plan"]["deltanet_kernel"], out["plan"]["attn_implementation"]) == ("fla", "flash_attention_4")
 
 
-def test_cpu_adam_runs_on_each_ranks_share_of_the_nodes_cores(capsys):
+@pytest.mark.parametrize("card", ["h100", "h200"])
+def test_cpu_adam_runs_on_each_ranks_share_of_the_nodes_cores(capsys, card):
     def adam(*extra):
-        out = _plan(capsys, "--gpu", "h100", "--offload_optimizer", "true", *extra)
+        out = _plan(capsys, "--gpu", card, "--offload_optimizer", "true", *extra)
         return dict(out["plan"]["step_parts_s"])["optimizer (CPU Adam, ZeRO-Offload)"], " ".join(out["plan"]["notes"])
 
+    table = TABLES[card]
     assumed, notes = adam()
     assert "16 host cores per GPU assumed" in notes
-    told, told_notes = adam("--host_cores", "128")  # 16 a rank: what the measured rate had
+    told, told_notes = adam("--host_cores", "128")  # 16 a rank
     assert told == pytest.approx(assumed) and "host cores per GPU assumed" not in told_notes
-    assert adam("--host_cores", "32")[0] == pytest.approx(4 * told)  # 4 cores a rank
     params = ModelShape.preset("qwen3.5-35b-a3b").num_params
-    assert told == pytest.approx(params / 8 * rates.CPU_ADAM_S_PER_PARAM, rel=1e-6)
+    assert told == pytest.approx(params / 8 * table.cpu_adam_s_per_param(16), rel=1e-6)
+    four = adam("--host_cores", "32")[0]  # 4 cores a rank
+    assert four == pytest.approx(params / 8 * table.cpu_adam_s_per_param(4), rel=1e-6)
+    # the H200's one point scales by cores; the H100's points are its host's own (memory-bound: 2.9x for 4x fewer)
+    assert four / told == pytest.approx(4.0 if card == "h200" else 5.113 / 1.747, rel=1e-3)
+
+
+def test_the_cpu_adam_rate_between_and_past_the_measured_core_counts():
+    h100 = H100.cpu_adam_s_per_param
+    assert h100(4) == 5.113e-10 and h100(16) == 1.747e-10 and h100(64) == 1.747e-10  # past 16: not faster
+    assert h100(12) == pytest.approx((2.401e-10 + 1.747e-10) / 2)  # between two points: on their line
+    assert h100(2) == pytest.approx(2 * 5.113e-10)  # fewer cores than measured: slower by their ratio
+    assert H200.cpu_adam_s_per_param(32) == pytest.approx(rates.CPU_ADAM_S_PER_PARAM / 2)
 
 
 def test_auto_leaves_the_host_room_and_says_what_it_cost(capsys):

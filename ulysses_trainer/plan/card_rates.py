@@ -4,10 +4,9 @@ that card's files in benchmarks/results/ by a test (tests/test_card_rates.py), a
 Torch-free. The H200's tables are plan/rates.py's constants. The H100's come from its own runs of
 `benchmarks/suite.py card_rates` (files named *_h100*); what was not measured on it is the H200's, listed in
 `borrowed` so the plan says so: the dense rate (fitted on H200 runs of Qwen3-4B; the H100's dense plans held within
-3% with it: the reference rehearsal 237.4 s measured vs 241.5 planned, the one-GPU 256K recipe 141.3 vs 145.4), the
-chunked loss's rates, the DeltaNet conv (its rule is the H100's own: deltanet_kernels/h100.json), and the host's
-CPU Adam. Field names are plan/rates.py's constant names: the families read a table as they read that module
-(`rates.EXPERTS_TFLOPS`).
+3% with it: the reference rehearsal 237.4 s measured vs 241.5 planned, the one-GPU 256K recipe 141.3 vs 145.4) and
+the chunked loss's rates. Field names are plan/rates.py's constant names: the families read a table as they read
+that module (`rates.EXPERTS_TFLOPS`).
 """
 
 from __future__ import annotations
@@ -46,8 +45,9 @@ class Rates:
     borrowed: tuple[str, ...] = ()  # what this card takes from the H200's tables (not measured on it)
     MEASURED_HEAD_SHAPE: tuple[int, int, int] = h200.MEASURED_HEAD_SHAPE
     DENSE_TFLOPS: float = h200.DENSE_TFLOPS
-    CPU_ADAM_S_PER_PARAM: float = h200.CPU_ADAM_S_PER_PARAM
-    CPU_ADAM_MEASURED_CORES: int = h200.CPU_ADAM_MEASURED_CORES
+    # (cores, seconds per parameter) of one rank's CPU Adam step: the H200's is one point, a whole trainer update
+    # (plan/rates.py); a card measured with benchmarks/cpu_adam.py has one point per core count it ran
+    CPU_ADAM_BY_CORES: tuple[tuple[int, float], ...] = ((h200.CPU_ADAM_MEASURED_CORES, h200.CPU_ADAM_S_PER_PARAM),)
     GPU_ADAM_BYTES_PER_PARAM: int = h200.GPU_ADAM_BYTES_PER_PARAM
     EXPERTS_MEASURED_ROWS: int = h200.EXPERTS_MEASURED_ROWS
     LOSS_MATMUL_TFLOPS: float = h200.LOSS_MATMUL_TFLOPS
@@ -58,6 +58,8 @@ class Rates:
     DELTANET_CONV_S: float = h200.DELTANET_CONV_S
     DELTANET_RULE_CARD: str = "H200"  # the cards the DeltaNet rule's and conv's rates were measured on
     DELTANET_CONV_CARD: str = "H200"
+    DELTANET_CONV_SOURCE: str = h200.DELTANET_SOURCE
+    CPU_ADAM_SOURCE: str = "a Qwen3-4B trainer step on the H200 (plan/rates.py)"
     # sparse blocks measured whole in their own shape (a shared expert inside the block's seconds): (experts, top_k,
     # hidden, intermediate, shared expert width) -> the file; the planner times such a block at its own rate
     # (families/qwen3_moe.SparseMoeMlp.time_parts), any other at EXPERTS_TFLOPS (Qwen3-30B-A3B's block)
@@ -68,6 +70,22 @@ class Rates:
     def name(self) -> str:
         """The card as people say it (H100)."""
         return self.card.upper()
+
+    def cpu_adam_s_per_param(self, cores: float) -> float:
+        """Seconds per parameter of a CPU Adam step on `cores` host cores: between measured core counts the line
+        between them; under the fewest, that rate scaled by cores; over the most, the most's rate (more cores than
+        measured are not assumed to help: 8 -> 16 cores gained 1.37x on the H100 host, memory-bound), except for a
+        table of one point, which scales by cores either way (nothing else measured)."""
+        pts = self.CPU_ADAM_BY_CORES
+        (c0, r0), (c1, r1) = pts[0], pts[-1]
+        if len(pts) == 1 or cores <= c0:
+            return r0 * c0 / cores
+        if cores >= c1:
+            return r1
+        for (a, ra), (b, rb) in zip(pts, pts[1:]):
+            if a <= cores <= b:
+                return ra + (rb - ra) * (cores - a) / (b - a)
+        raise AssertionError(pts)  # unreachable: the points are sorted by cores
 
 
 H200 = Rates(card="h200", KERNEL_RATES=h200.KERNEL_RATES, HD256_RATES=h200.HD256_RATES,
@@ -100,15 +118,22 @@ H100 = Rates(
                     "grouped_mm": ((1, 197.72), (4, 141.86), (8, 134.99))},
     GPU_BANDWIDTH=round(h200.GPU_BANDWIDTH * COPY_GBPS["h100"] / COPY_GBPS["h200"], -9),
     # deltanet_kernels/h100.json: fla's rule at 1M over the 27B's 2 key / 6 value heads, 0.105 s fwd+bwd (the
-    # H200's: 0.105 s); its conv was not measured on this card
+    # H200's: 0.105 s); h100_conv.json: fla's conv at 1M over their 1,280 channels, 0.0124 s (the H200's: 0.012)
     DELTANET_SOURCE=H100_DELTANET,
     DELTANET_RULE_S=(4.1365e-09, 1.6622e-08),
     DELTANET_RULE_PEAK_BYTES=4158.7,
     DELTANET_RULE_CARD="H100",
+    DELTANET_CONV_S=9.2131e-12,
+    DELTANET_CONV_CARD="H100",
+    DELTANET_CONV_SOURCE="deltanet_kernels/h100_conv.json",
+    # cpu_adam_h100.json: DeepSpeed's CPU Adam alone on the one-H100 machine's host (16 cores), 1e9 parameters in
+    # the offload sub-groups; the fp32 -> bf16 conversion of the copy back is not in it
+    CPU_ADAM_BY_CORES=((4, 5.113e-10), (8, 2.401e-10), (16, 1.747e-10)),
+    CPU_ADAM_SOURCE="cpu_adam_h100.json",
     # moe/moe_experts_35b_h100.json: Qwen3.5-35B-A3B's block (256 experts of 512, top-8, a shared expert of 512)
     BLOCK_SOURCES=(((256, 8, 2048, 512, 512), "moe/moe_experts_35b_h100.json"),),
     BLOCK_TFLOPS=(((256, 8, 2048, 512, 512), {"grouped_mm": ((1, 144.74), (4, 102.55))}),),
-    borrowed=("the dense rate", "the chunked loss's rates", "the DeltaNet conv", "CPU Adam"),
+    borrowed=("the dense rate", "the chunked loss's rates"),
 )
 
 TABLES: dict[str, Rates] = {"h200": H200, "h100": H100}
@@ -131,5 +156,6 @@ def rates_for(gpu_name: str | None, gpu_memory_gb: float | None = None) -> tuple
         notes.append(f"rates measured on an {card.upper()}, the nearest measured card, not on {gpu_name}")
     table = TABLES[card]
     if table.borrowed:
-        notes.append(f"{table.name} rates: {', '.join(table.borrowed)} measured on an H200")
+        named = ", ".join(table.borrowed[:-1]) + " and " * (len(table.borrowed) > 1) + table.borrowed[-1]
+        notes.append(f"{table.name} rates: {named} measured on an H200")
     return table, notes

@@ -192,13 +192,22 @@ def deltanet_rule_rates_from_results(results_dir: str | Path,
         rule["peak_gib"] * 2**30 / n, 1)
 
 
+def deltanet_conv_rate_from_results(results_dir: str | Path, source: str = DELTANET_SOURCE) -> float:
+    """DELTANET_CONV_S rebuilt from a benchmark file: its longest conv row, seconds per token and channel."""
+    conv = max(json.loads((Path(results_dir) / source).read_text())["conv"], key=lambda r: r["tokens"])
+    return float(f"{conv['fwd_bwd_s'] / (conv['tokens'] * conv['channels']):.5g}")
+
+
 def deltanet_rates_from_results(results_dir: str | Path) -> tuple[tuple[float, float], float, float]:
     """(DELTANET_RULE_S, DELTANET_RULE_PEAK_BYTES, DELTANET_CONV_S) rebuilt from the benchmark file: its longest
     Qwen3.5-27B rule row and its longest conv row (a test ties the table to it)."""
-    data = json.loads((Path(results_dir) / DELTANET_SOURCE).read_text())
-    conv = max(data["conv"], key=lambda r: r["tokens"])
-    conv_s = conv["fwd_bwd_s"] / (conv["tokens"] * conv["channels"])
-    return (*deltanet_rule_rates_from_results(results_dir), float(f"{conv_s:.5g}"))
+    return (*deltanet_rule_rates_from_results(results_dir), deltanet_conv_rate_from_results(results_dir))
+
+
+def cpu_adam_rates_from_results(results_dir: str | Path, source: str) -> tuple[tuple[int, float], ...]:
+    """A card's CPU Adam table rebuilt from benchmarks/cpu_adam.py's file: (cores, seconds per parameter) by cores."""
+    rows = json.loads((Path(results_dir) / source).read_text())["rows"]
+    return tuple((r["cores"], float(f"{r['s_per_param']:.4g}")) for r in sorted(rows, key=lambda r: r["cores"]))
 
 
 def hd256_rates_from_results(results_dir: str | Path, source: str = DELTANET_SOURCE,

@@ -228,21 +228,24 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     norms = {k: norm_seconds(shape, run, k, r) for k in ("torch", s.norm_kernel)} if s.lean_norm else {}
     # the family's MLP block may time parts at their own measured rates in place of the dense rate
     taken, measured, block_notes = shape.family.mlp.time_parts(shape.dims, run, shape.layers, shape.vocab, r)
+    # what the dense part holds can run no faster than its matmuls at the measured matmul rate (the floor's)
+    matmuls_alone = (dense_flops(shape, run) - taken) / (r.LOSS_MATMUL_TFLOPS * 1e12) * accumulation
     if measured:
         parts["matmuls and the rest"] -= taken / (r.DENSE_TFLOPS * 1e12) * accumulation
         notes.extend(block_notes)
         parts.update({name: seconds * accumulation for name, seconds in measured.items()})
     if s.lean_norm:  # the dense rate was fitted with the torch kernel's norms inside it
-        rest = parts["matmuls and the rest"] - norms["torch"] * accumulation
-        if rest < 0:  # a narrow model (Qwen3-30B-A3B: hidden 2048) has more norm than matmul time per token
-            notes.append("the norms' measured time exceeds the dense rate's estimate of everything but attention "
-                         "and experts: that part is counted as the norms alone (not calibrated for this shape)")
-        parts["matmuls and the rest"] = max(rest, 0.0)
+        parts["matmuls and the rest"] -= norms["torch"] * accumulation
         parts[f"RMSNorms ({s.norm_kernel})"] = norms[s.norm_kernel] * accumulation
     if shape.family.fused_rope:  # the dense rate was fitted with HF's rotate_half inside it: swap in the kernel's
         half, fused = (rope_seconds(shape, run, k, len(attending), r) for k in ("torch", "triton"))
-        parts["matmuls and the rest"] = max(parts["matmuls and the rest"] - half * accumulation, 0.0)
+        parts["matmuls and the rest"] -= half * accumulation
         parts["RoPE (triton)"] = fused * accumulation
+    if parts["matmuls and the rest"] < matmuls_alone:  # a narrow model (hidden 2048): more norm than matmul time
+        notes.append("the dense rate's estimate of everything but attention and what was measured apart (experts, "
+                     "norms, RoPE) falls under its matmuls at the measured matmul rate: that part is counted as "
+                     "those matmuls, its elementwise work not (not calibrated for this shape)")
+        parts["matmuls and the rest"] = matmuls_alone
     if s.world_size > 1:  # the collectives' model (the rehearsal's): what of them the compute does not hide
         comm = communication(shape, s, sum(parts.values()), accumulation)
         parts["communication"] = comm["comm_s_estimate"]
@@ -252,11 +255,10 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     if s.optimizer == "none":
         pass
     elif s.levers.optimizer_offload:
-        # each rank updates its shard on its share of the node's cores (the rate measured with 16 of them)
+        # each rank updates its shard on its share of the node's cores, at the card host's rate for that many
         cores = host_cores or CORES_PER_GPU_ASSUMED * s.ranks_per_node
         per_rank = max(cores / s.ranks_per_node, 1.0)
-        parts["optimizer (CPU Adam, ZeRO-Offload)"] = (shard * r.CPU_ADAM_S_PER_PARAM * r.CPU_ADAM_MEASURED_CORES
-                                                       / per_rank)
+        parts["optimizer (CPU Adam, ZeRO-Offload)"] = shard * r.cpu_adam_s_per_param(per_rank)
         if host_cores is None:
             notes.append(f"CPU Adam: {CORES_PER_GPU_ASSUMED} host cores per GPU assumed, each rank on its share "
                          f"(--host_cores: the node's)")
