@@ -255,7 +255,8 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
                    "(plan/rates.py's tables for that card are rebuilt from them): attention at head_dim 128 (32/8 "
                    "heads, 32K-256K; 1M at 4/1 with a bf16 matmul), flash-attn-4's tile gain at 256K and 1M, the "
                    "RMSNorm and RoPE kernels, a Qwen3-30B-A3B sparse block, Gated DeltaNet's rule and conv and "
-                   "attention at head_dim 256 (needs flash-attn-4 and fla-core for their rows)", [
+                   "attention at head_dim 256 (needs flash-attn-4 and fla-core for their rows), and DeepSpeed's CPU "
+                   "Adam on the host's cores", [
         (KERNELS, "--lengths", "32768,65536,131072,262144", "--iters", "2", "--kernels",
          "sdpa_cudnn,sdpa_flash_expanded_kv,ours_grouped_cudnn,ours_grouped_fa4",
          "--out", f"attention_kernels_{CARD}.json"),
@@ -267,7 +268,8 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
          "--out", f"{OUT}/rope_{CARD}"),
         ("benchmarks/moe_experts.py", "--impls", "eager,grouped_mm", "--out", f"moe_experts_{CARD}.json"),
         ("benchmarks/deltanet_kernels.py", f"{OUT}/deltanet_{CARD}.json", "--cases", "delta_rule,conv,attention_hd256",
-         "--lengths", "1048576")]),
+         "--lengths", "1048576"),
+        ("benchmarks/cpu_adam.py", "--cores", "16,8,4", "--out", f"cpu_adam_{CARD}.json")]),
     "profile_qwen3_5_35b_kernels": ("Qwen3.5-35B-A3B's recipe at 4 of its 40 layers under torch.profiler, once with "
                                     "cuDNN and once with flash-attn-4 for its head_dim-256 full-attention layer, the "
                                     "full run's levers otherwise (needs fla-core and flash-attn-4)", [

@@ -114,3 +114,30 @@ def test_profile_rehearsal_buckets_a_rehearsed_step(tmp_path):
     assert profile_rehearsal.main(["--out", str(out), "--no_profile", *args]) == 0
     got = json.loads(out.read_text())
     assert "seconds_by_bucket" not in got and got["top"] == []
+
+
+def test_cpu_adam_benchmark_writes_the_table_the_planner_reads(tmp_path, monkeypatch):
+    """benchmarks/cpu_adam.py times one optimizer step per core count over the offload sub-groups, and its file is
+    what plan/rates.cpu_adam_rates_from_results rebuilds a card's CPU Adam table from (torch's AdamW stands in for
+    DeepSpeed's compiled one here: the op is not what is checked)."""
+    import deepspeed.ops.adam
+
+    from benchmarks import cpu_adam
+    from ulysses_trainer.plan import rates
+
+    class AdamW(torch.optim.AdamW):
+        def __init__(self, params, lr, weight_decay, adamw_mode):
+            assert adamw_mode
+            super().__init__(params, lr=lr, weight_decay=weight_decay)
+
+    monkeypatch.setattr(deepspeed.ops.adam, "DeepSpeedCPUAdam", AdamW)
+    monkeypatch.setattr(cpu_adam, "SUB_GROUP", 700)
+    assert cpu_adam.groups(1500, 700) == [700, 700, 100]
+    out = tmp_path / "cpu_adam.json"
+    assert cpu_adam.main(["--out", str(out), "--params", "1500", "--cores", "1,2,999", "--iters", "2"]) == 0
+    data = json.loads(out.read_text())
+    here = data["host_cores"]
+    assert [r["cores"] for r in data["rows"]] == [c for c in (1, 2) if c <= here]  # past the host's: left out
+    assert all(r["sub_groups"] == 3 and len(r["step_s"]) == 2 and r["s_per_param"] > 0 for r in data["rows"])
+    table = rates.cpu_adam_rates_from_results(tmp_path, "cpu_adam.json")
+    assert [c for c, _ in table] == [r["cores"] for r in data["rows"]]

@@ -149,9 +149,10 @@ def test_every_preset_whose_vocabulary_is_not_qwens_takes_its_familys_stand_in(p
 # out apart from STAND_INS: Llama 3.1's tokenizer.json added_tokens, mistral-common's Tekken controls (20 named, then
 # <SPECIAL_n> to 999, the BPE from 1000), Llama 2's SentencePiece, Phi-3's added tokens (torchtune's Phi-3 table),
 # Granite 3's (StarCoder's at 1-18, its role tokens after the 49,152 BPE ids), dolma2's (tiktoken's cl100k_base
-# specials and OLMo's <|pad|>), Gemma 3's (its controls, <unused0>-<unused98>, turn and image tokens; its reserved
-# <unused99>+ at 256001-262143 not among the stand-in's), o200k_harmony's (tiktoken's: its named tokens, the reserved
-# ones around them, o200k_base's <|endofprompt|> at 200018)
+# specials and OLMo's <|pad|>), Gemma 3's (its controls, [multimodal] at 5 and <unused0> from 6 as
+# google-deepmind/gemma's gm.text.Gemma3Tokenizer lists them, <unused0>-<unused98>, turn and image tokens; its
+# reserved <unused99>+ at 256001-262143 not among the stand-in's), o200k_harmony's (tiktoken's: its named tokens,
+# the reserved ones around them, o200k_base's <|endofprompt|> at 200018)
 PUBLISHED = {
     "llama3": {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|reserved_special_token_0|>": 128002,
                "<|finetune_right_pad_id|>": 128004, "<|reserved_special_token_2|>": 128005,
@@ -169,7 +170,8 @@ PUBLISHED = {
                  "<|start_of_role|>": 49152, "<|end_of_role|>": 49153, "<|tool_call|>": 49154},
     "olmo2": {"<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259, "<|fim_suffix|>": 100260,
               "<|endofprompt|>": 100276, "<|pad|>": 100277},
-    "gemma3": {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, "<unused0>": 6, "<unused98>": 104,
+    "gemma3": {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, "[multimodal]": 5, "<unused0>": 6,
+               "<unused98>": 104,
                "<start_of_turn>": 105, "<end_of_turn>": 106, "<start_of_image>": 255999, "<end_of_image>": 256000,
                "<image_soft_token>": 262144},
     "o200k_harmony": {"<|startoftext|>": 199998, "<|endoftext|>": 199999, "<|reserved_200000|>": 200000,
