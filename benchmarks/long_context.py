@@ -213,7 +213,7 @@ def _plan_ours(net, config, L, kernel, *, model: str, offload, keep, every=1, le
                       gpu_name=torch.cuda.get_device_name(), host_memory_source="detected on this machine")
     plan = resolve_plan(cfg, ModelShape.from_config(config), machine)
     print(f"plan: {plan.summary()}", flush=True)
-    apply(net.sp_model, plan.model_plan(None, 1))
+    apply(net.sp_model, plan.model_setup(None, 1))
 
 
 def _policy(text: str):

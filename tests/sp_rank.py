@@ -98,7 +98,7 @@ def trainer_path_matches(model_name: str, length: int,
     out = ref(input_ids=ids, labels=ids)
     out.loss.backward()
     sp_model = parallelize(build_model(config, torch.float32, seed=5), single_process_state(),
-                           plan.model_plan(None, 1))
+                           plan.model_setup(None, 1))
     shard = shard_batch(ids, sp_size=1, sp_rank=0)
     loss = sp_model(**shard.model_inputs()) / shard.num_valid
     if sp_model.aux_loss is not None:  # the load-balancing loss over the row (levers/sparse_moe.py)

@@ -210,11 +210,11 @@ def test_kept_bytes_are_the_plans_term():
     from ulysses_trainer.plan.inputs import ModelShape, Settings
     from ulysses_trainer.plan.layer_terms import kept_attention_bytes_per_layer
     from ulysses_trainer.vocabulary.lever_settings import EVERY_LAYER
-    from ulysses_trainer.vocabulary.model_plan import ModelPlan
+    from ulysses_trainer.vocabulary.model_setup import ModelSetup
 
     model = _tiny_parallel("auto")
     assert model.attention.stash.layers == set()  # auto: nothing kept until a plan says so
-    apply(model, ModelPlan(levers=replace(EVERY_LAYER, keep_attention_outputs=2), num_layers=3))
+    apply(model, ModelSetup(levers=replace(EVERY_LAYER, keep_attention_outputs=2), num_layers=3))
     length = 24
     model(**shard_batch(torch.randint(0, 1000, (1, length)), sp_size=1, sp_rank=0).model_inputs())
     per = kept_attention_bytes_per_layer(ModelShape.from_config(model.config), Settings(max_length=length, bf16=False))

@@ -124,7 +124,7 @@ def _family_facts() -> list[Path]:
 
 def test_lower_parts_do_not_import_higher_ones():
     """The staircase, bottom up: errors; the plan's vocabulary (what the config checks, the runtime code and the
-    model read of it: kernel names and shape rules, the layout, the levers decoded, the ModelPlan) and the ZeRO
+    model read of it: kernel names and shape rules, the layout, the levers decoded, the ModelSetup) and the ZeRO
     JSON; the runtime code (attention, levers, parallel), which reads the vocabulary, never the planner nor a
     family; the families, each one folder: its facts torch-free (what the planner reads) and its torch side on the
     runtime code (what parallelize swaps in, its Ulysses pieces); the planner on the families' facts; the model,

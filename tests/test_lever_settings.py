@@ -71,12 +71,12 @@ def test_tiled_mlp_0_is_refused_by_the_config_the_plan_and_a_loop_of_your_own(ca
     (False, "auto", False), (False, False, False),
 ])
 def test_the_attention_stash_means_one_thing(ckpt, keep, stash):
-    """The stash is installed where a layer may keep its attention output: the trainer's plan (Plan.model_plan)
+    """The stash is installed where a layer may keep its attention output: the trainer's plan (Plan.model_setup)
     and a loop of your own (ParallelizeConfig) agree, and parallelize installs exactly that."""
     config = preset_config("tiny")
     values = {"gradient_checkpointing": ckpt, "keep_attention_outputs": keep}
     plan = resolve_plan(TrainConfig(**values), ModelShape.from_config(config), CPU)
-    trainer_side = plan.model_plan(None, 1, levers=False)
+    trainer_side = plan.model_setup(None, 1, levers=False)
     own_loop = ParallelizeConfig(attn_implementation="sdpa", **values).resolve(config)
     assert trainer_side.attention_stash is own_loop.attention_stash is stash
     from ulysses_trainer import make_parallel_state
@@ -140,10 +140,10 @@ def test_no_raw_lever_field_is_read_outside_the_decoder():
     ({"gradient_checkpointing": False, "tiled_mlp": 3}, (3, (), ())),
 ])
 def test_the_trainers_plan_and_a_loop_of_your_own_install_the_same_levers(values, installed):
-    """Fixed levers become the same ModelPlan by both roads (Plan.model_plan, ParallelizeConfig.resolve): one
-    lever record, one rule for the layers each covers (ModelPlan.of)."""
+    """Fixed levers become the same ModelSetup by both roads (Plan.model_setup, ParallelizeConfig.resolve): one
+    lever record, one rule for the layers each covers (ModelSetup.of)."""
     config = preset_config("tiny")
-    trainer_side = resolve_plan(TrainConfig(**values), ModelShape.from_config(config), CPU).model_plan(None, 1)
+    trainer_side = resolve_plan(TrainConfig(**values), ModelShape.from_config(config), CPU).model_setup(None, 1)
     own_loop = ParallelizeConfig(attn_implementation="sdpa", **values).resolve(config)
     installs = lambda p: (p.levers.tiled_mlp, p.levers.gradient_checkpointing, p.checkpoint_every,  # noqa: E731
                           p.offload_layers, p.kept_attention_layers, p.attention_stash)

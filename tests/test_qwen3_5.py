@@ -196,7 +196,7 @@ def test_deltanet_kernel_auto_takes_fla_where_installed_and_the_plan_names_it():
 
     fla = plan("qwen3.5-9b", ("fla", "torch"))
     assert fla.run.deltanet_kernel == "fla" and ", fla deltanet," in fla.summary()
-    assert "deltanet_kernel fla" in fla.decided and fla.model_plan(None, 1).deltanet_kernel == "fla"
+    assert "deltanet_kernel fla" in fla.decided and fla.model_setup(None, 1).deltanet_kernel == "fla"
     assert plan("qwen3.5-9b", ("torch",)).run.deltanet_kernel == "torch"
     assert plan("qwen3.5-9b", ("fla", "torch"), deltanet_kernel="torch").run.deltanet_kernel == "torch"
     with pytest.raises(ConfigError, match="deltanet_kernel='fla' is not installed here .*flash-linear-attention"):

@@ -19,7 +19,7 @@ from .base import Family
 
 # (block, model, layers, tiles, experts_implementation) -> (load-balancing statistics or None, their coefficient)
 MlpInstall = Callable[[Any, Any, Any, int, str], tuple[Any, float]]
-# (mixer, layers, state, plan: vocabulary/model_plan.ModelPlan) -> how many layers it swapped
+# (mixer, layers, state, setup: vocabulary/model_setup.ModelSetup) -> how many layers it swapped
 MixerInstall = Callable[[Any, Any, Any, Any], int]
 
 _INSTALLS: dict[type, MlpInstall | MixerInstall] = {}

@@ -1,4 +1,4 @@
-"""`parallelize(model, state, plan)` installs the mechanisms on an HF causal LM; `apply(model, plan)` sets them.
+"""`parallelize(model, state, setup)` installs the mechanisms on an HF causal LM; `apply(model, setup)` sets them.
 
 Order (each step relies on the ones before it):
   1. Ulysses attention: register the SP attention function and switch the model to it; a Qwen3 attention module
@@ -13,7 +13,7 @@ Order (each step relies on the ones before it):
      every k-th layer does and backward rebuilds the rest), on device or in pinned host memory, and
      recomputes in backward; there the tiled MLP skips its forward (its backward recomputes each tile).
   6. The attention-output stash: kept outputs let the recompute skip the kernel.
-`plan` is a ModelPlan (vocabulary/model_plan.py: the kernels and the bound lever record). The trainer takes it
+`setup` is a ModelSetup (vocabulary/model_setup.py: the kernels and the bound lever record). The trainer takes it
 from its resolved plan (plan/resolve.py) and sets the levers with `apply` once the engine holds the model states;
 a loop of your own passes a ParallelizeConfig, whose `auto` values are decided once, by ParallelizeConfig.resolve.
 """
@@ -41,7 +41,7 @@ from ..parallel.state import ParallelState
 from ..parallel.ulysses import UlyssesAttention, _no_mask
 from ..probe import installed_deltanet_kernels
 from ..vocabulary.lever_settings import LEVER_FIELDS, Levers, decode_levers
-from ..vocabulary.model_plan import ModelPlan
+from ..vocabulary.model_setup import ModelSetup
 from ..vocabulary.names import auto_num_tiles, choose_kernels, default_mlp_tiles
 from .loss_head import LOSS_TYPES, LossHead
 from .row_rope import use_row_rope
@@ -63,7 +63,7 @@ class ParallelizeConfig:
     """The settings of a loop of your own, given by the training config's names with its values and defaults
     (`ParallelizeConfig(tiled_mlp=4, local_seq_len=L // sp)`). The levers are decoded once, by the trainer's
     decoder, into `levers` (vocabulary/lever_settings.Levers, None = auto); a lever left auto is installed unset
-    (no input offloaded, no attention output kept, every layer keeps its input) until `apply(model, plan)` sets it
+    (no input offloaded, no attention output kept, every layer keeps its input) until `apply(model, setup)` sets it
     from a resolved plan. The kernels and the loss stay as given: `resolve` decides their `auto`."""
 
     levers: Levers  # the memory levers decoded (gradient_checkpointing ... tiled_mlp; None = auto)
@@ -99,8 +99,8 @@ class ParallelizeConfig:
         set_field(self, "local_seq_len", local_seq_len)
         set_field(self, "ranks_per_node", ranks_per_node)
 
-    def resolve(self, config: Any) -> ModelPlan:
-        """The ModelPlan of these settings for an HF model config: `auto` decided with the kernels installed
+    def resolve(self, config: Any) -> ModelSetup:
+        """The ModelSetup of these settings for an HF model config: `auto` decided with the kernels installed
         here and the tile rules. ConfigError for values that cannot run."""
         fx = self._bound(config)
         if self.loss_type not in LOSS_TYPES:
@@ -111,8 +111,8 @@ class ParallelizeConfig:
                                  self.deltanet_kernel, installed_deltanet_kernels())
         width = _row_width(config)
         auto_tiles = default_mlp_tiles(self.local_seq_len, width) if self.local_seq_len else 1
-        # auto levers are installed unset until apply (ModelPlan.of); auto tiles: the shape rule
-        return ModelPlan.of(replace(fx, tiled_mlp=auto_tiles if fx.tiled_mlp is None else fx.tiled_mlp),
+        # auto levers are installed unset until apply (ModelSetup.of); auto tiles: the shape rule
+        return ModelSetup.of(replace(fx, tiled_mlp=auto_tiles if fx.tiled_mlp is None else fx.tiled_mlp),
                             config.num_hidden_layers, **asdict(kernels),
                             loss_type=self.loss_type, loss_chunk_size=self.loss_chunk_size, lean_norm=self.lean_norm,
                             host_memory_gb=self.host_memory_gb, ranks_per_node=self.ranks_per_node)
@@ -134,24 +134,24 @@ def _row_width(config: Any) -> int:
     return fam.mlp_row_width(fam.layer_dims(config))
 
 
-def apply(model: SequenceParallelCausalLM, plan: ModelPlan) -> None:
+def apply(model: SequenceParallelCausalLM, setup: ModelSetup) -> None:
     """Set the levers parallelize installed: the thinning, the offloaded layer inputs (their pinned pool is
     allocated now when the plan gives the bytes, so a shortage is an error before step 1, not mid-run) and
-    the layers keeping their attention outputs. `plan`: a ModelPlan (a resolved Plan's: Plan.model_plan)."""
+    the layers keeping their attention outputs. `setup`: a ModelSetup (a resolved Plan's: Plan.model_setup)."""
     ck, stash = model.checkpointer, model.attention.stash
-    tiles = plan.levers.tiled_mlp
+    tiles = setup.levers.tiled_mlp
     if tiles != model.tiles:
         raise ValueError(f"the plan has {tiles} MLP tiles but parallelize installed {model.tiles}; tiles are "
                          f"installed with the model: pass tiled_mlp={tiles} to ParallelizeConfig")
-    offload, kept = tuple(plan.offload_layers), tuple(plan.kept_attention_layers)
+    offload, kept = tuple(setup.offload_layers), tuple(setup.kept_attention_layers)
     if ck is None:
-        if offload or kept or plan.checkpoint_every != 1:
+        if offload or kept or setup.checkpoint_every != 1:
             raise ValueError("activation offload, checkpoint_every > 1 and kept attention outputs need "
                              "gradient_checkpointing=True")
         return
-    ck.configure(plan.checkpoint_every, offload)
-    if offload and plan.checkpoint_bytes_per_layer > 0:
-        ck.pool.allocate(plan.checkpoint_bytes_per_layer, len(offload))
+    ck.configure(setup.checkpoint_every, offload)
+    if offload and setup.checkpoint_bytes_per_layer > 0:
+        ck.pool.allocate(setup.checkpoint_bytes_per_layer, len(offload))
     if stash is None:
         if kept:
             raise ValueError("kept attention outputs need keep_attention_outputs other than False at parallelize")
@@ -159,8 +159,8 @@ def apply(model: SequenceParallelCausalLM, plan: ModelPlan) -> None:
     stash.set_layers(kept)
 
 
-def _check(model: nn.Module, plan: ModelPlan) -> nn.ModuleList:
-    """Everything parallelize needs of the model and the plan, checked before it changes anything: its decoder
+def _check(model: nn.Module, setup: ModelSetup) -> nn.ModuleList:
+    """Everything parallelize needs of the model and the setup, checked before it changes anything: its decoder
     layers, a bias-free lm_head, the loss and the stash's need; ConfigError / TypeError naming the fix."""
     if isinstance(model, SequenceParallelCausalLM) or getattr(model, _PARALLELIZED, False):
         raise TypeError("this model is already parallelized; parallelize the stock model once "
@@ -171,11 +171,11 @@ def _check(model: nn.Module, plan: ModelPlan) -> nn.ModuleList:
                         f"architectures of docs/models.md), got {type(model).__name__}")
     if model.lm_head.bias is not None:
         raise TypeError("an lm_head with a bias is not supported (the chunked loss reads its weight only)")
-    if plan.loss_type not in LOSS_TYPES:
-        raise ConfigError(f"loss_type {plan.loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
-    if plan.loss_chunk_size < 1:
-        raise ConfigError(f"loss_chunk_size must be >= 1, got {plan.loss_chunk_size}")
-    if plan.attention_stash and not plan.levers.gradient_checkpointing:
+    if setup.loss_type not in LOSS_TYPES:
+        raise ConfigError(f"loss_type {setup.loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
+    if setup.loss_chunk_size < 1:
+        raise ConfigError(f"loss_chunk_size must be >= 1, got {setup.loss_chunk_size}")
+    if setup.attention_stash and not setup.levers.gradient_checkpointing:
         raise ConfigError("keeping attention outputs needs gradient_checkpointing (only a recompute reuses them): "
                           "set gradient_checkpointing true or keep_attention_outputs false")
     return layers
@@ -185,24 +185,24 @@ _PARALLELIZED = "_ulysses_parallelized"  # set on the HF model while it is paral
 
 
 def parallelize(model: nn.Module, state: ParallelState,
-                plan: ModelPlan | ParallelizeConfig) -> SequenceParallelCausalLM:
+                setup: ModelSetup | ParallelizeConfig) -> SequenceParallelCausalLM:
     """Apply SP attention, the loss head, lean norms, tiled MLP and checkpointing/offload, in that order.
 
     Every input is checked before the model is changed (ConfigError / TypeError naming the fix); the caller's
     config object is never changed (the model runs on a private copy); `unparallelize` (or a failure half-way)
     puts the model back as it was."""
-    # a loop of your own's config becomes the ModelPlan it names (its auto decided here); from here on `plan` is one
-    plan = plan.resolve(model.config) if isinstance(plan, ParallelizeConfig) else plan
-    layers = _check(model, plan)
+    # a loop of your own's config becomes the ModelSetup it names (its auto decided here); from here on `setup` is one
+    setup = setup.resolve(model.config) if isinstance(setup, ParallelizeConfig) else setup
+    layers = _check(model, setup)
     c = model.config
     fam = family(getattr(c, "model_type", "qwen3"))
     load_modules(fam)  # its torch side registers what is swapped in
     installs = (installer(fam.mlp), installer(fam.mixer) if fam.mixer is not None else None)  # before any change
-    attention = UlyssesAttention(state, plan.attn_implementation, c.num_attention_heads, c.num_key_value_heads)
+    attention = UlyssesAttention(state, setup.attn_implementation, c.num_attention_heads, c.num_key_value_heads)
     snapshot = ModelSnapshot(model)  # before any change: what unparallelize restores
     try:
         use_private_config(model)
-        sp_model = _install(model, layers, state, plan, fam, installs, attention)
+        sp_model = _install(model, layers, state, setup, fam, installs, attention)
     except BaseException:
         snapshot.restore()
         unregister_attention(attention.name, attention, _no_mask)
@@ -212,31 +212,31 @@ def parallelize(model: nn.Module, state: ParallelState,
     return sp_model
 
 
-def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan: ModelPlan, fam: Any,
+def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, setup: ModelSetup, fam: Any,
              installs: tuple[Any, Any], attention: UlyssesAttention) -> SequenceParallelCausalLM:
     # 1. attention (on the model's private config: use_private_config), and the family's other token mixer where
     # it has one (Qwen3.5: Gated DeltaNet, split by head)
     model.set_attn_implementation(attention.register(model))
     install_mlp, install_mixer = installs
     if install_mixer is not None:
-        install_mixer(fam.mixer, layers, state, plan)
+        install_mixer(fam.mixer, layers, state, setup)
     use_fused_rope(model)  # RoPE in one pass over q and k (Triton on CUDA; HF's ops elsewhere)
     use_row_rope(model, state)  # LongRoPE / dynamic: frequencies chosen on the whole row, as one process does
     # 2. loss head
-    model.lm_head = LossHead(model.lm_head, plan.loss_type, plan.loss_chunk_size,
+    model.lm_head = LossHead(model.lm_head, setup.loss_type, setup.loss_chunk_size,
                              getattr(model.config, "final_logit_softcapping", None),  # Gemma's, where set
                              float(getattr(model.config, "logits_scaling", None) or 1.0))  # Granite's head divides
     # 3. lean norms (before tiling and checkpointing, which only wrap what is there)
-    if plan.lean_norm:
-        use_lean_norms(model, plan.norm_kernel, fam.norm_offset, fam.norm_fp32_weight)
+    if setup.lean_norm:
+        use_lean_norms(model, setup.norm_kernel, fam.norm_offset, fam.norm_fp32_weight)
     # 4. the family's MLP block: tiled, and its load-balancing statistics where it has them (sparse: router)
-    tiles = plan.levers.tiled_mlp
-    stats, coef = install_mlp(fam.mlp, model, layers, tiles, plan.experts_implementation)
+    tiles = setup.levers.tiled_mlp
+    stats, coef = install_mlp(fam.mlp, model, layers, tiles, setup.experts_implementation)
     # 5. checkpointing (+ offload, set by apply)
     checkpointer = None
-    if plan.levers.gradient_checkpointing:
-        pool = HostPool(host_memory_gb=plan.host_memory_gb, ranks_per_node=plan.ranks_per_node,
-                        held_slots=plan.host_held_slots)
+    if setup.levers.gradient_checkpointing:
+        pool = HostPool(host_memory_gb=setup.host_memory_gb, ranks_per_node=setup.ranks_per_node,
+                        held_slots=setup.host_held_slots)
         checkpointer = LayerRecompute(len(layers), [], pool)
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = True  # HF decoder layers call _gradient_checkpointing_func
@@ -244,11 +244,11 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, plan
         if tiles > 1 and fam.recompute_skips_mlp():  # the recompute needs the tiled MLP's graph, not its output
             checkpointer.recompute_context = lambda i: layers[i].mlp.unused_output()
     # 6. the stash for kept attention outputs (only a recompute can reuse them: checked in _check)
-    if plan.attention_stash:  # decided once (vocabulary/lever_settings.Levers.attention_stash)
+    if setup.attention_stash:  # decided once (vocabulary/lever_settings.Levers.attention_stash)
         attention.stash = AttentionStash()
     model.train()
     sp_model = SequenceParallelCausalLM(model, state, attention, checkpointer, tiles, stats, coef)
-    apply(sp_model, plan)
+    apply(sp_model, setup)
     return sp_model
 
 

@@ -31,7 +31,7 @@ class UlyssesAttention:
     """The attention function registered under `self.name` (one per SP setup)."""
 
     def __init__(self, state: ParallelState, kernel: str, num_heads: int, num_kv_heads: int):
-        """`kernel`: a planned kernel name (ModelPlan.attn_implementation), not `auto`."""
+        """`kernel`: a planned kernel name (ModelSetup.attn_implementation), not `auto`."""
         check_heads(state.sp_size, num_heads, num_kv_heads)  # the layout is the state's: the model must split
         if kernel not in KERNEL_FUNCTIONS:
             raise ValueError(f"attention kernel {kernel!r} is not one of {', '.join(KERNEL_FUNCTIONS)}; the plan "

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..vocabulary.lever_settings import Levers
-from ..vocabulary.model_plan import LayerLists, ModelPlan
+from ..vocabulary.model_setup import LayerLists, ModelSetup
 from ..vocabulary.names import DEFAULT_SUB_GROUP_SIZE, GIB, check_zero_stage, offload_sub_group_size
 from ..zero_json import zero_size
 from .inputs import Settings, Zero3Knobs
@@ -177,14 +177,14 @@ class Plan(LayerLists):
         """The levers the search chose, every one concrete: the record the config's were decoded into (`fixed`)."""
         return replace(self.run.levers, pinned=self.fixed.pinned)
 
-    def model_plan(self, host_memory_gb: float | None, ranks_per_node: int, *, levers: bool = True,
-                   host_held_slots: int | None = None) -> ModelPlan:
+    def model_setup(self, host_memory_gb: float | None, ranks_per_node: int, *, levers: bool = True,
+                   host_held_slots: int | None = None) -> ModelSetup:
         """What parallelize installs for this plan. levers False: the mechanisms only (no input offloaded, no
         attention output kept yet: the trainer sets those with apply once the engine is built); the stash is
         installed wherever a layer may keep its output (lever_settings.Levers.attention_stash), so that plan may."""
         r = self.run
         chosen = self.levers if levers else replace(self.levers, activation_offload=0, keep_attention_outputs=0)
-        return ModelPlan.of(
+        return ModelSetup.of(
             chosen, self.num_layers, attention_stash=self.fixed.attention_stash,
             attn_implementation=r.attn_implementation, loss_type=r.loss_type, loss_chunk_size=r.loss_chunk_size,
             lean_norm=r.lean_norm, norm_kernel=r.norm_kernel,

@@ -35,7 +35,7 @@ def build_model(prepared: PreparedRun, state: ParallelState,
     if cfg.use_peft:  # adapters before the mechanisms, which call the wrapped projections as modules
         model, peft_model = add_lora(model, cfg)
     # host_memory_gb None: the pool detects, with a margin
-    mechanisms = prepared.resolved.model_plan(cfg.host_memory_gb, prepared.machine.ranks_per_node, levers=False,
+    mechanisms = prepared.resolved.model_setup(cfg.host_memory_gb, prepared.machine.ranks_per_node, levers=False,
                                           host_held_slots=prepared.host_held_slots)
     return parallelize(model, state, mechanisms), peft_model
 
@@ -59,7 +59,7 @@ def build_engine(prepared: PreparedRun, model: SequenceParallelCausalLM,
     machine = measured_machine(prepared, device)
     resolved = resolve_after_engine(prepared, machine)
     digest = check_same_plan(resolved, "with the free GPU memory measured")  # before step 1
-    apply(model, resolved.model_plan(cfg.host_memory_gb, prepared.machine.ranks_per_node))
+    apply(model, resolved.model_setup(cfg.host_memory_gb, prepared.machine.ranks_per_node))
     return engine, replace(prepared, resolved=resolved, plan_digest=digest, machine=machine)
 
 

@@ -31,7 +31,7 @@ from ..parallel.comm import all_reduce, gather_objects, sum_in_place
 from ..parallel.sharding import IGNORE_INDEX, shard_batch
 from ..parallel.state import ParallelState
 from ..vocabulary.layout import padded_length
-from ..vocabulary.model_plan import ModelPlan
+from ..vocabulary.model_setup import ModelSetup
 
 MAX_TOKENS = 4096  # the row's first tokens the check runs: a few seconds at 8B
 # on a CPU run: the stock model's whole-row logits over a 151,669-token vocabulary are 2.5 GB at 4096 tokens and
@@ -186,7 +186,7 @@ def _sp_sum(x: float, sp: int, group) -> float:
     return x if sp == 1 else float(all_reduce(torch.tensor([x]), "sum", group).item())
 
 
-def compare(model: nn.Module, mechanisms: ModelPlan | ParallelizeConfig, state: ParallelState,
+def compare(model: nn.Module, mechanisms: ModelSetup | ParallelizeConfig, state: ParallelState,
             input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, bf16: bool,
             pad_token_id: int = 0) -> VerifyResult:
     """Run `model` (a stock HF causal LM of its own, not trained afterwards) parallelized with `mechanisms` on
@@ -323,7 +323,7 @@ def first_row_cut(row: dict, sp_size: int, pad_to_multiple_of: int | None, max_l
     return ids, labels, pos
 
 
-def run_check(source: nn.Module, new_model: Callable[[], nn.Module], mechanisms: ModelPlan | ParallelizeConfig,
+def run_check(source: nn.Module, new_model: Callable[[], nn.Module], mechanisms: ModelSetup | ParallelizeConfig,
               state: ParallelState, row: dict, bf16: bool, pad_to_multiple_of: int | None, max_length: int,
               device: torch.device, pad_token_id: int = 0) -> VerifyResult | None:
     """The check on a fresh model holding `source`'s weights (the engine's, gathered), with every RNG state as

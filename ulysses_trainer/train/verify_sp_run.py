@@ -54,7 +54,7 @@ def verify_run(prepared: PreparedRun, engine_model: nn.Module, state: ParallelSt
             log.info(f"verify_sp: skipped: a copy of the model and its gradients ({need / 2**30:.1f} GiB) does "
                      f"not fit beside the run ({free / 2**30:.1f} GiB free); verify_sp true insists")
         return
-    mechanisms = prepared.resolved.model_plan(cfg.host_memory_gb, prepared.machine.ranks_per_node, levers=False,
+    mechanisms = prepared.resolved.model_setup(cfg.host_memory_gb, prepared.machine.ranks_per_node, levers=False,
                                           host_held_slots=prepared.host_held_slots)
     row = prepared.train_data[int(order.step_rows(prepared, 0)[0])]  # the first row step 1 trains
     pad = getattr(prepared.tokenizer, "pad_token_id", None) or 0

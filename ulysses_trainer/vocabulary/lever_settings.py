@@ -2,7 +2,7 @@
 (`gradient_checkpointing`, `checkpoint_every`, `activation_offload`, `keep_attention_outputs`, `tiled_mlp`,
 `optimizer_offload`) of a TrainConfig or of a loop of your own's settings (ParallelizeConfig decodes them into its
 `levers`). The config checks, the planner (plan/resolve.py) and `parallelize` read its `Levers`, and
-`Levers.bind` gives the same record bound to a model, which the search and the ModelPlan read. Torch-free;
+`Levers.bind` gives the same record bound to a model, which the search and the ModelSetup read. Torch-free;
 imports nothing of the package but its errors.
 
 Meanings, one each: `false` / 0 layers = none, `true` = every layer (that keeps an input, for the offload),
@@ -41,7 +41,7 @@ def _is_int(v: Any) -> bool:
 class Levers:
     """The memory levers, one record from the user's value to the search: `decode_levers` makes it of a config
     (checked on its own, no model yet), `bind` the same record against a model (its "all" / "rule" made counts),
-    which the planner's search reads (None = auto: searched) and the ModelPlan is made of. Without checkpointing
+    which the planner's search reads (None = auto: searched) and the ModelSetup is made of. Without checkpointing
     offload and keep are 0 and every is 1."""
 
     gradient_checkpointing: bool

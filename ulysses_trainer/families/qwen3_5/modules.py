@@ -14,16 +14,16 @@ from .lean_gated_norm import use_lean_gated_norms
 from .ulysses_deltanet import UlyssesGatedDeltaNet
 
 
-def install_gated_deltanet(mixer: GatedDeltaNet, layers: Any, state: Any, plan: Any) -> int:
+def install_gated_deltanet(mixer: GatedDeltaNet, layers: Any, state: Any, setup: Any) -> int:
     """Each DeltaNet layer's linear_attn becomes an UlyssesGatedDeltaNet (same state-dict keys) running
-    plan.deltanet_kernel; with plan.lean_norm its gated RMSNorm keeps only its input and gate."""
+    setup.deltanet_kernel; with setup.lean_norm its gated RMSNorm keeps only its input and gate."""
     n = 0
     for layer in layers:
         net = getattr(layer, "linear_attn", None)
         if net is not None and not isinstance(net, UlyssesGatedDeltaNet):
-            layer.linear_attn = UlyssesGatedDeltaNet(net, state, plan.deltanet_kernel)
+            layer.linear_attn = UlyssesGatedDeltaNet(net, state, setup.deltanet_kernel)
             n += 1
-    if plan.lean_norm:
+    if setup.lean_norm:
         for layer in layers:
             use_lean_gated_norms(layer)
     return n

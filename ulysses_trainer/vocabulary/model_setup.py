@@ -1,6 +1,6 @@
 """What `parallelize(model, state, plan)` installs on a model and which layers `apply(model, plan)` sets: the
 kernels by name and the one lever record, bound (a tile count; an auto lever installed unset until `apply`). Made
-of the lever record (`ModelPlan.of`): the trainer's from its resolved plan (plan/types.Plan.model_plan), a loop of
+of the lever record (`ModelSetup.of`): the trainer's from its resolved plan (plan/types.Plan.model_setup), a loop of
 your own's from ParallelizeConfig.resolve. Torch-free."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from .lever_settings import EVERY_LAYER, Levers
 
 class LayerLists:
     """The layers each lever covers, by the record's own rule on the model's depth: for a record with `levers` and
-    `num_layers` (ModelPlan, the planner's Plan)."""
+    `num_layers` (ModelSetup, the planner's Plan)."""
 
     levers: Levers
     num_layers: int
@@ -35,7 +35,7 @@ class LayerLists:
 
 
 @dataclass(frozen=True)
-class ModelPlan(LayerLists):
+class ModelSetup(LayerLists):
     """The mechanisms (kernel, loss head, norms) and the lever record set on them: the layers each lever covers
     are the record's own rule (Levers.saved_layers ...) on the model's `num_layers`."""
 
@@ -69,10 +69,10 @@ class ModelPlan(LayerLists):
         return self.levers.checkpoint_every or 1
 
     @classmethod
-    def of(cls, levers: Levers, num_layers: int, **mechanisms: Any) -> ModelPlan:
-        """The ModelPlan of a bound lever record (Levers.bind, its tiles decided) on a model of `num_layers`
+    def of(cls, levers: Levers, num_layers: int, **mechanisms: Any) -> ModelSetup:
+        """The ModelSetup of a bound lever record (Levers.bind, its tiles decided) on a model of `num_layers`
         layers, the mechanisms (kernels, loss, host, and attention_stash where it is not the record's) as given.
-        The trainer's plan (plan/types.Plan.model_plan) and a loop of your own (ParallelizeConfig.resolve) make
+        The trainer's plan (plan/types.Plan.model_setup) and a loop of your own (ParallelizeConfig.resolve) make
         theirs here."""
         return cls(**{"levers": levers, "num_layers": num_layers, "attention_stash": levers.attention_stash,
                       **mechanisms})
