@@ -204,8 +204,9 @@ def _plan_ours(net, config, L, kernel, *, model: str, offload, keep, every=1, le
     from ulysses_trainer.plan.resolve import resolve_plan
     from ulysses_trainer.plan.types import Machine
 
+    tiles = net.sp_model.setup.levers.tiled_mlp
     cfg = TrainConfig(model_name_or_path=model, max_length=L, sp_size=1, bf16=True, attn_implementation=kernel,
-                      activation_offload=offload, keep_attention_outputs=keep, tiled_mlp=net.sp_model.tiles,
+                      activation_offload=offload, keep_attention_outputs=keep, tiled_mlp=tiles,
                       checkpoint_every=every, lean_norm=lean_norm, optimizer_offload=optimizer_offload)
     machine = Machine(gpus=1, gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30,
                       host_memory_gb=detect_host_memory_gb(),

@@ -218,3 +218,18 @@ def test_the_loop_without_an_engine_equals_the_unsharded_reference(docs):
         assert abs(loss - ref_loss) / abs(ref_loss) <= 1e-5
         for name, ref in ref_grads.items():
             assert torch.linalg.norm(grads[name] - ref) / torch.linalg.norm(ref) <= 1e-5, name
+
+
+def test_apply_refuses_other_tiles_than_parallelize_installed():
+    """The MLP tiles are installed with the model (parallelize) and read from the setup it keeps: a later `apply` of
+    a setup with another count is refused naming the fix; the same count applies."""
+    from ulysses_trainer.model.parallelize import apply
+
+    model = build_model(_config(), torch.float32, seed=0)
+    cfg = ParallelizeConfig(attn_implementation="sdpa", local_seq_len=LENGTH, tiled_mlp=2)
+    sp_model = parallelize(model, make_parallel_state(1), cfg)
+    assert sp_model.setup.levers.tiled_mlp == 2
+    apply(sp_model, sp_model.setup)  # the same tiles: fine
+    other = dataclasses.replace(sp_model.setup, levers=dataclasses.replace(sp_model.setup.levers, tiled_mlp=3))
+    with pytest.raises(ValueError, match="the plan has 3 MLP tiles but parallelize installed 2.*tiled_mlp=3"):
+        apply(sp_model, other)

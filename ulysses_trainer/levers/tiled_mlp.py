@@ -18,12 +18,12 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from ..parallel.sharding import shard_in_scope
+from ..parallel.sharding import Spans, shard_in_scope
 
-Spans = tuple[tuple[int, int], ...] | None  # (start, end) row ranges of [N, H] that are not pads; None: all
+# `spans`: the (start, end) row ranges of [N, H] that are not pads (sharding.Spans); None: every row
 
 
-def _take(t: Tensor, spans: Spans) -> Tensor:
+def _take(t: Tensor, spans: Spans | None) -> Tensor:
     """The rows of t in spans: [N, H] -> [n_real, H] (a view for one span, a copy for several)."""
     if spans is None:
         return t
@@ -32,7 +32,7 @@ def _take(t: Tensor, spans: Spans) -> Tensor:
     return torch.cat([t[a:e] for a, e in spans]) if spans else t[:0]
 
 
-def _put(dst: Tensor, src: Tensor, spans: Spans) -> None:
+def _put(dst: Tensor, src: Tensor, spans: Spans | None) -> None:
     """dst[spans] = src, the inverse of _take (dst [N, H], src [n_real, H])."""
     s = 0
     for a, e in spans or ():
@@ -40,7 +40,7 @@ def _put(dst: Tensor, src: Tensor, spans: Spans) -> None:
         s += e - a
 
 
-def _real_rows_of(dst: Tensor, spans: Spans) -> tuple[Tensor, bool]:
+def _real_rows_of(dst: Tensor, spans: Spans | None) -> tuple[Tensor, bool]:
     """Where the real rows' results go: a view of dst (None or one span), else a new tensor put back after."""
     if spans is None or len(spans) <= 1:
         return _take(dst, spans), False
@@ -58,7 +58,7 @@ class _TiledMLPFunction(torch.autograd.Function):
     """Saves only x; backward recomputes and backpropagates one tile at a time."""
 
     @staticmethod
-    def forward(ctx, x2d: Tensor, mlp: TiledMLP, spans: Spans = None) -> Tensor:
+    def forward(ctx, x2d: Tensor, mlp: TiledMLP, spans: Spans | None = None) -> Tensor:
         ctx.mlp, ctx.spans = mlp, spans
         ctx.save_for_backward(x2d)
         if mlp.output_unused:  # a checkpoint's recompute: backward recomputes the tiles anyway

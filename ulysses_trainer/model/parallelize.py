@@ -139,9 +139,9 @@ def apply(model: SequenceParallelCausalLM, setup: ModelSetup) -> None:
     allocated now when the plan gives the bytes, so a shortage is an error before step 1, not mid-run) and
     the layers keeping their attention outputs. `setup`: a ModelSetup (a resolved Plan's: Plan.model_setup)."""
     ck, stash = model.checkpointer, model.attention.stash
-    tiles = setup.levers.tiled_mlp
-    if tiles != model.tiles:
-        raise ValueError(f"the plan has {tiles} MLP tiles but parallelize installed {model.tiles}; tiles are "
+    tiles, installed = setup.levers.tiled_mlp, model.setup.levers.tiled_mlp
+    if tiles != installed:
+        raise ValueError(f"the plan has {tiles} MLP tiles but parallelize installed {installed}; tiles are "
                          f"installed with the model: pass tiled_mlp={tiles} to ParallelizeConfig")
     offload, kept = tuple(setup.offload_layers), tuple(setup.kept_attention_layers)
     if ck is None:
@@ -247,7 +247,7 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, setu
     if setup.attention_stash:  # decided once (vocabulary/lever_settings.Levers.attention_stash)
         attention.stash = AttentionStash()
     model.train()
-    sp_model = SequenceParallelCausalLM(model, state, attention, checkpointer, tiles, stats, coef)
+    sp_model = SequenceParallelCausalLM(model, state, attention, checkpointer, setup, stats, coef)
     apply(sp_model, setup)
     return sp_model
 

@@ -11,6 +11,7 @@ from ..parallel.shard_check import check_shard
 from ..parallel.sharding import Shard, ShardContext, shard_scope
 from ..parallel.state import ParallelState
 from ..parallel.ulysses import UlyssesAttention
+from ..vocabulary.model_setup import ModelSetup
 from .undo import ModelSnapshot
 
 
@@ -27,14 +28,14 @@ class SequenceParallelCausalLM(nn.Module):
     _undone = False  # set by unparallelize: the wrapper no longer runs
 
     def __init__(self, causal_lm: nn.Module, state: ParallelState, attention: UlyssesAttention,
-                 checkpointer: LayerRecompute | None, tiles: int = 1, router_stats: RouterStats | None = None,
+                 checkpointer: LayerRecompute | None, setup: ModelSetup, router_stats: RouterStats | None = None,
                  aux_loss_coef: float = 0.0):
         super().__init__()
         self.causal_lm = causal_lm
         self.state = state
         self.attention = attention
         self.checkpointer = checkpointer
-        self.tiles = tiles
+        self.setup = setup  # what parallelize installed (its MLP tiles are fixed from then on: apply checks a setup)
         # a sparse model's load-balancing loss (levers/sparse_moe.py): None without one; after each forward,
         # `aux_loss` holds it (over the whole sequence, the same on every SP rank) for the trainer to add
         # aux_loss_coef times (parallel/loss.aux_for_backward)

@@ -14,7 +14,7 @@ import torch
 
 from ..attention.kernels import KERNEL_FUNCTIONS, sink_attention, windowed_attention
 from ..attention.stash import AttentionStash
-from ..vocabulary.layout import check_heads
+from ..vocabulary.layout import check_heads, kv_repeat
 from ..vocabulary.names import KEEPING_KERNELS
 from .comm import heads_to_seq, seq_to_heads
 from .integrations import register_attention
@@ -40,7 +40,7 @@ class UlyssesAttention:
         self.kernel = kernel
         self.attend = KERNEL_FUNCTIONS[self.kernel]
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.kv_repeat = max(1, state.sp_size // num_kv_heads)
+        self.kv_repeat = kv_repeat(state.sp_size, num_kv_heads)
         # no "flash" in the name (transformers then looks for a hub kernel of that name) and no "sdpa" (it then
         # refuses a model without SDPA support: gpt-oss)
         kernel_tag = self.kernel.replace("flash_attention", "fa").replace("sdpa", "sdp")

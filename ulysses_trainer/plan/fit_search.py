@@ -78,19 +78,19 @@ class Search:
 
     def rungs(self) -> Iterator[list[Rung]]:
         """Per checkpoint_every, cheapest first, the rungs of each placement to try there (GPU first)."""
-        fx, layers = self.fixed, self.shape.layers
+        fixed, layers = self.fixed, self.shape.layers
         if not self.base.levers.gradient_checkpointing:
             everies = [1]
         else:
-            everies = [fx.checkpoint_every] if fx.checkpoint_every is not None \
+            everies = [fixed.checkpoint_every] if fixed.checkpoint_every is not None \
                 else [c for c in EVERY_CHOICES if c <= layers]
-        opts = [fx.optimizer_offload] if fx.optimizer_offload is not None else [False, True]
+        opts = [fixed.optimizer_offload] if fixed.optimizer_offload is not None else [False, True]
         if self.base.zero_stage != 3:
             opts = [False]  # no ZeRO, no ZeRO-Offload
         for every in everies:
             saved = saved_layer_count(self.shape, every)
-            offload = fx.offload_for(saved) if self.base.levers.gradient_checkpointing else 0
-            if offload is not None and offload > saved and fx.checkpoint_every is None and every > 1:
+            offload = fixed.offload_for(saved) if self.base.levers.gradient_checkpointing else 0
+            if offload is not None and offload > saved and fixed.checkpoint_every is None and every > 1:
                 continue  # a thinning the search tries keeps fewer inputs than the fixed offload asks for
             yield [Rung(every, opt, saved, offload, self.knobs[opt]) for opt in opts]
 
@@ -232,14 +232,14 @@ class Fits:
         return winner[1], True, best
 
 
-def search_fits(shape: ModelShape, base: Settings, fx: Levers, keep_max: int, gpu_gb: float, host_gb: float,
+def search_fits(shape: ModelShape, base: Settings, fixed: Levers, keep_max: int, gpu_gb: float, host_gb: float,
                 knobs: dict[bool, Zero3Knobs]) -> Fits:
     """The plan's one search (memory only; `Fits.fastest` times what it found).
 
     It stops at the first checkpoint_every where anything fits: rebuilding a layer costs more than the kept
     attention output or the offload the freed memory could buy; and per placement at the first tile count of
     the ladder where anything fits."""
-    sr = Search(shape, base, fx, gpu_gb, host_gb, knobs)
+    sr = Search(shape, base, fixed, gpu_gb, host_gb, knobs)
     ladder = sr.tile_ladder(every_count=False)
     found: dict[bool, list[MemoryEstimate]] = {}
     for rungs in sr.rungs():
@@ -271,20 +271,21 @@ def with_headroom(shape: ModelShape, chosen: MemoryEstimate, gpu_gb: float, host
     return best
 
 
-def cheapest_autos(shape: ModelShape, base: Settings, fx: Levers) -> MemoryEstimate:
+def cheapest_autos(shape: ModelShape, base: Settings, fixed: Levers) -> MemoryEstimate:
     """The CPU run (no GPU budget): nothing is short of memory; the autos take their cheapest values."""
-    every = fx.checkpoint_every or 1
-    tiles = fx.tiled_mlp if fx.tiled_mlp is not None else default_mlp_tiles(base.local_tokens, shape.mlp_row_width)
-    s = base.with_levers(checkpoint_every=every, tiled_mlp=tiles, optimizer_offload=bool(fx.optimizer_offload),
-                         activation_offload=fx.offload_for(saved_layer_count(shape, every)) or 0,
-                         keep_attention_outputs=fx.keep_attention_outputs or 0)
+    every = fixed.checkpoint_every or 1
+    tiles = fixed.tiled_mlp if fixed.tiled_mlp is not None else default_mlp_tiles(base.local_tokens,
+                                                                                  shape.mlp_row_width)
+    s = base.with_levers(checkpoint_every=every, tiled_mlp=tiles, optimizer_offload=bool(fixed.optimizer_offload),
+                         activation_offload=fixed.offload_for(saved_layer_count(shape, every)) or 0,
+                         keep_attention_outputs=fixed.keep_attention_outputs or 0)
     return estimate(shape, s)
 
 
 # -------------------------------------------------------------------- goal 2: the cheapest that fits
 
 
-def cheapest_fit(shape: ModelShape, base: Settings, fx: Levers, gpu_gb: float, host_gb: float,
+def cheapest_fit(shape: ModelShape, base: Settings, fixed: Levers, gpu_gb: float, host_gb: float,
                  knobs: dict[bool, Zero3Knobs] | None = None) -> tuple[MemoryEstimate, bool]:
     """(the first estimate that fits in the cost order, True) or (the closest miss, False). Memory only; the
     ZeRO-3 sizes per placement are `knobs` (search_fits's; None: the base's for both), the kept attention
@@ -292,7 +293,7 @@ def cheapest_fit(shape: ModelShape, base: Settings, fx: Levers, gpu_gb: float, h
 
     At each rung the fewest offloaded inputs are searched at the most tiles (GPU memory falls as tiles grow,
     host memory does not depend on them), then the fewest tiles for that count."""
-    sr = Search(shape, base, replace(fx, keep_attention_outputs=base.levers.keep_attention_outputs), gpu_gb, host_gb,
+    sr = Search(shape, base, replace(fixed, keep_attention_outputs=base.levers.keep_attention_outputs), gpu_gb, host_gb,
                 knobs or {False: base.zero3, True: base.zero3})
     ladder = sr.tile_ladder(every_count=True)
     for rungs in sr.rungs():

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from ..errors import ConfigError
 from ..families import MlpRun
 from ..vocabulary.layout import check_heads, padded_length
+from ..vocabulary.layout import kv_repeat as layout_kv_repeat
 from ..vocabulary.lever_settings import EVERY_LAYER, Levers
 from ..vocabulary.names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS
 from .model_shape import ModelShape
@@ -205,5 +206,5 @@ def mlp_run(shape: ModelShape, s: Settings) -> MlpRun:
 
 
 def kv_repeat(shape: ModelShape, sp_size: int) -> int:
-    """How many times each KV head is copied before the all-to-all (parallel/ulysses.py)."""
-    return max(1, sp_size // shape.kv_heads)
+    """How many times each KV head is copied before the all-to-all (vocabulary/layout.kv_repeat's rule)."""
+    return layout_kv_repeat(sp_size, shape.kv_heads)

@@ -62,10 +62,10 @@ def choose_settings(shape: ModelShape, base: Settings, hw: Hardware, *, activati
     """
     hw.check()
     base = replace(base, gpus_per_node=hw.gpus_per_node or hw.gpus)
-    fx = Levers(gradient_checkpointing=base.levers.gradient_checkpointing, checkpoint_every=checkpoint_every,
+    fixed = Levers(gradient_checkpointing=base.levers.gradient_checkpointing, checkpoint_every=checkpoint_every,
                 activation_offload=activation_offload, keep_attention_outputs=None, tiled_mlp=tiled_mlp,
                 optimizer_offload=optimizer_offload)
-    e, fits = cheapest_fit(shape, base, fx, hw.gpu_memory_gb, hw.host_memory_gb, knobs)
+    e, fits = cheapest_fit(shape, base, fixed, hw.gpu_memory_gb, hw.host_memory_gb, knobs)
     return Choice(e.settings, e, fits)
 
 

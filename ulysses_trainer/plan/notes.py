@@ -18,7 +18,7 @@ WORST_CASE = ("packing: attention timed as one document of max_length, the worst
 
 
 def plan_notes(cfg: Any, machine: Machine, s: Settings, *, attention: AttentionShare | None, budget_note: str | None,
-               st: StepTime | None, engine_plan: Plan | None, fx: Levers,
+               st: StepTime | None, engine_plan: Plan | None, searched: Levers,
                best: dict[bool, tuple[float, MemoryEstimate]], host_gb: float | None = None) -> tuple[str, ...]:
     """The notes of the plan whose chosen settings are `s`: the machine and the data it assumed, the GPU budget it
     measured, what its step time extrapolates, and the optimizer placements it weighed (`best`: the predicted
@@ -46,7 +46,7 @@ def plan_notes(cfg: Any, machine: Machine, s: Settings, *, attention: AttentionS
         notes.extend(st.extrapolated)
     if engine_plan is not None:  # the placement was weighed before the engine was built
         notes.extend(n for n in engine_plan.notes if n.startswith("optimizer_offload auto"))
-    if fx.optimizer_offload is None and len(best) == 2:
+    if searched.optimizer_offload is None and len(best) == 2:
         host = s.levers.optimizer_offload
         notes.append(f"optimizer_offload auto: Adam on the {'host' if host else 'GPU'}, predicted "
                      f"{format_seconds(best[host][0])} s/step against {format_seconds(best[not host][0])} s "
@@ -54,8 +54,8 @@ def plan_notes(cfg: Any, machine: Machine, s: Settings, *, attention: AttentionS
     return tuple(notes)
 
 
-def decided(cfg: Any, asked: Levers, s: Settings) -> tuple[str, ...]:
-    """The settings `auto` left to the plan, each with what it became (`asked`: the levers the config and the ZeRO
+def decided(cfg: Any, fixed: Levers, s: Settings) -> tuple[str, ...]:
+    """The settings `auto` left to the plan, each with what it became (`fixed`: the levers the config and the ZeRO
     JSON fixed)."""
     out = []
     if cfg.attn_implementation == "auto":
@@ -65,7 +65,7 @@ def decided(cfg: Any, asked: Levers, s: Settings) -> tuple[str, ...]:
     if cfg.deltanet_kernel == "auto" and s.deltanet_kernel:
         out.append(f"deltanet_kernel {s.deltanet_kernel}")
     for name in ("activation_offload", "keep_attention_outputs", "tiled_mlp", "checkpoint_every", "optimizer_offload"):
-        fixed, value = getattr(asked, name), getattr(s.levers, name)
-        if fixed is None:
+        if getattr(fixed, name) is None:
+            value = getattr(s.levers, name)
             out.append(f"{name} {str(value).lower() if isinstance(value, bool) else value}")
     return tuple(out)

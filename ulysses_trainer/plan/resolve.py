@@ -53,8 +53,8 @@ class LeverSearch:
     shape: ModelShape
     machine: Machine
     base: Settings  # the search's starting settings; plan_from sets their attention_fraction
-    fx: Levers  # the levers the search decides: None
-    asked: Levers  # what the config and the ZeRO JSON fixed
+    searched: Levers  # the levers the search decides: None
+    fixed: Levers  # what the config and the ZeRO JSON fixed
     zero: ZeroSettings
     budget: float | None  # GiB per GPU; None: no GPU
     budget_note: str | None
@@ -101,15 +101,15 @@ def search_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSetting
                     deltanet_kernel=kernels.deltanet_kernel if shape.mixer_layers else "",
                     trainable_numels=_lora_numels(cfg, shape))
     # the levers (lever_settings.decode_levers), the ZeRO JSON's optimizer placement winning over auto, bound to
-    # the model: `tiled_mlp: true` sizes its tiles by the tokens per rank. asked: what the config and JSON fixed
-    asked = decode_levers(cfg).with_json_placement(zero.optimizer_offload).bind(
+    # the model: `tiled_mlp: true` sizes its tiles by the tokens per rank. fixed: what the config and JSON fixed
+    fixed = decode_levers(cfg).with_json_placement(zero.optimizer_offload).bind(
         shape.layers, lambda: auto_num_tiles(base.local_tokens, shape.hidden, shape.mlp_row_width))
-    if kernels.attn_implementation not in KEEPING_KERNELS and asked.keep_attention_outputs not in (0, None):
+    if kernels.attn_implementation not in KEEPING_KERNELS and fixed.keep_attention_outputs not in (0, None):
         raise ConfigError(f"keep_attention_outputs needs a kernel that can keep its outputs (sdpa, "
                           f"flash_attention_4); {kernels.attn_implementation} cannot: set keep_attention_outputs "
                           f"false or attn_implementation sdpa")
     check_settings(shape, base)
-    return _search(cfg, shape, machine, base, asked, asked, zero, budget, budget_note, engine_plan=None)
+    return _search(cfg, shape, machine, base, fixed, fixed, zero, budget, budget_note, engine_plan=None)
 
 
 def replan_after_engine(first: Plan, cfg: Any, shape: ModelShape, machine: Machine, *,
@@ -120,36 +120,37 @@ def replan_after_engine(first: Plan, cfg: Any, shape: ModelShape, machine: Machi
     `first`'s, and so are the two the engine fixed (optimizer placement, tiles). Equal to `first` when the
     GPU holds what the memory model expected."""
     budget, budget_note = machine.gpu_budget(first)
-    fx = replace(first.fixed, optimizer_offload=first.levers.optimizer_offload, tiled_mlp=first.levers.tiled_mlp)
-    return plan_from(_search(cfg, shape, machine, first.search_base, fx, first.fixed, first.zero, budget,
+    searched = replace(first.fixed, optimizer_offload=first.levers.optimizer_offload, tiled_mlp=first.levers.tiled_mlp)
+    return plan_from(_search(cfg, shape, machine, first.search_base, searched, first.fixed, first.zero, budget,
                              budget_note, engine_plan=first), attention=attention)
 
 
-def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, fx: Levers, asked: Levers,
+def _search(cfg: Any, shape: ModelShape, machine: Machine, base: Settings, searched: Levers, fixed: Levers,
             zero: ZeroSettings, budget: float | None, budget_note: str | None, *,
             engine_plan: Plan | None) -> LeverSearch:
-    """The search over the levers `fx` leaves open (None) within the budgets (none without a GPU)."""
+    """The search over the levers `searched` leaves open (None) within the budgets (none without a GPU)."""
     found = fuller = None
     if budget is not None:
         # packed rows keep outputs as dense rows do (attention/grouped.py: per KV group, buffers of a dense row)
         can_keep = cfg.gradient_checkpointing and base.attn_implementation in KEEPING_KERNELS \
             and not shape.family.attention_sinks  # the sinks' path keeps no output
         keep = shape.layers if can_keep else 0
-        whole = search_fits(shape, base, fx, keep, budget, machine.host_memory_gb, zero.by_placement)
+        whole = search_fits(shape, base, searched, keep, budget, machine.host_memory_gb, zero.by_placement)
         # auto leaves the host room for the OS, the data workers and the page cache where a plan fits within it:
         # searched again within that room only where some plan the whole host allows holds more
         full = machine.host_memory_gb is not None and any(
             e.host_per_host > HOST_HEADROOM * machine.host_memory_gb * GIB for es in whole.found.values() for e in es)
-        roomy = search_fits(shape, base, fx, keep, budget, HOST_HEADROOM * machine.host_memory_gb,
+        roomy = search_fits(shape, base, searched, keep, budget, HOST_HEADROOM * machine.host_memory_gb,
                             zero.by_placement) if full else whole
         found, fuller = (roomy, whole) if roomy.fits and roomy is not whole else (whole, None)
-    return LeverSearch(cfg, shape, machine, base, fx, asked, zero, budget, budget_note, found, engine_plan, fuller)
+    return LeverSearch(cfg, shape, machine, base, searched, fixed, zero, budget, budget_note, found, engine_plan,
+                       fuller)
 
 
 def plan_from(sr: LeverSearch, *, attention: AttentionShare | None = None) -> Plan:
     """The Plan of a search: the fastest of what it found, timed with the packed data's attention share
     (None: one document per row), then the step time and the notes. No search runs here."""
-    cfg, shape, machine, fx, budget = sr.cfg, sr.shape, sr.machine, sr.fx, sr.budget
+    cfg, shape, machine, searched, budget = sr.cfg, sr.shape, sr.machine, sr.searched, sr.budget
     fraction = attention.mean if cfg.packing and attention is not None else 1.0
     base = replace(sr.base, attention_fraction=fraction)
 
@@ -161,7 +162,7 @@ def plan_from(sr: LeverSearch, *, attention: AttentionShare | None = None) -> Pl
     best: dict = {}
     roomy_note = None
     if sr.found is None:  # no GPU
-        chosen, fits, gpu_miss, host_miss = cheapest_autos(shape, base, fx), True, 0, 0
+        chosen, fits, gpu_miss, host_miss = cheapest_autos(shape, base, searched), True, 0, 0
     else:
         assert budget is not None
         chosen, fits, best = sr.found.fastest(lambda s: time_of(s).total_s, fraction)
@@ -172,7 +173,7 @@ def plan_from(sr: LeverSearch, *, attention: AttentionShare | None = None) -> Pl
             roomy_note = (f"auto left the host room (under {HOST_HEADROOM:.0%} of its memory): the fastest plan "
                           f"that fits holds {fuller.host_per_host / GIB:.1f} GiB per host and would take "
                           f"{time_of(fuller.settings).total_s:.1f} s/step; set {levers} to run it")
-        if fits and fx.activation_offload is None:
+        if fits and searched.activation_offload is None:
             chosen = with_headroom(shape, chosen, budget, machine.host_memory_gb)
         gpu_miss, host_miss = shortfall(chosen, budget, machine.host_memory_gb)
     st = None if budget is None else time_of(chosen.settings)
@@ -192,11 +193,11 @@ def plan_from(sr: LeverSearch, *, attention: AttentionShare | None = None) -> Pl
             binding_limit=limit,
             missing_gpu_gb=gpu_miss / GIB, missing_host_gb=host_miss / GIB, gpu_budget_gb=budget,
             host_budget_gb=machine.host_memory_gb, estimate=chosen),
-        decided=decided(cfg, sr.asked, s),
+        decided=decided(cfg, sr.fixed, s),
         notes=plan_notes(cfg, machine, s, attention=attention, budget_note=sr.budget_note, st=st,
-                         engine_plan=sr.engine_plan, fx=fx, best=best, host_gb=chosen.host_per_host / GIB)
+                         engine_plan=sr.engine_plan, searched=searched, best=best, host_gb=chosen.host_per_host / GIB)
         + ((roomy_note,) if roomy_note else ()) + ((shape.family.plan_note,) if shape.family.plan_note else ()),
-        fixed=sr.asked, zero=sr.zero,
+        fixed=sr.fixed, zero=sr.zero,
         attention_from="" if not cfg.packing else "data" if attention else "one document (worst case)",
         search_base=base)
 

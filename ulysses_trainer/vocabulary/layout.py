@@ -32,6 +32,12 @@ def padded_length(length: int, sp_size: int, pad_to_multiple_of: int | None = No
     return -(-length // m) * m
 
 
+def kv_repeat(sp_size: int, num_kv_heads: int) -> int:
+    """How many times each KV head is copied before the all-to-all: past the KV heads, each rank needs one whole
+    (parallel/ulysses.py does it, plan/ counts it)."""
+    return max(1, sp_size // num_kv_heads)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
