@@ -4,7 +4,8 @@ on one GPU.
 What it measures (results appended to OUT/qwen3_5_mixer.json as each case finishes), bf16, forward + backward:
 
 - `mixer`: the whole mixer of one rank at sp=8 without the all-to-alls (sp=1 on that rank's share of heads:
-  Qwen3.5-27B's 2 key / 6 value heads of 128, hidden 5120; its lean gated norm), at each length, one document and
+  Qwen3.5-27B's 2 key / 6 value heads of 128, hidden 5120, or `--model`'s at `--sp_size`, e.g. qwen3.5-35b-a3b:
+  2 / 4 heads, hidden 2048; its lean gated norm), at each length, one document and
   three packed documents, for every installed deltanet_kernel: forward+backward seconds and peak GiB above the
   input.
 - `conv`: the trainer's causal conv (families/qwen3_5/deltanet_kernels.causal_conv) against fla's causal_conv1d where
@@ -12,7 +13,7 @@ What it measures (results appended to OUT/qwen3_5_mixer.json as each case finish
 - `agree`: the mixer with fla against the mixer with the torch rule on the same weights and packed input (output
   and input-gradient relative differences), where fla is installed.
 
-    python benchmarks/qwen3_5_mixer.py OUT [--lengths 131072,262144,1048576]
+    python benchmarks/qwen3_5_mixer.py OUT [--lengths 131072,262144,1048576] [--model qwen3.5-35b-a3b]
 
 These are the rates plan/rates.py would take for the trainer's own conv and the torch rule (planned today at fla's
 measured ones, benchmarks/results/deltanet_kernels/h200.json).
@@ -45,6 +46,16 @@ def _record(out: Path, key: str, value: object) -> None:
     print(key, json.dumps(value), flush=True)
 
 
+# (preset, sp size) whose one rank's mixer is timed: --model, --sp_size
+MODEL = ["qwen3.5-27b", 8]
+
+
+def _hidden() -> int:
+    from ulysses_trainer.families.presets import preset_config
+
+    return preset_config(MODEL[0]).hidden_size
+
+
 def _mixer(kernel: str, seed: int = 0):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
@@ -53,8 +64,9 @@ def _mixer(kernel: str, seed: int = 0):
     from ulysses_trainer.families.qwen3_5.ulysses_deltanet import UlyssesGatedDeltaNet
     from ulysses_trainer.parallel.state import single_process_state
 
-    c = preset_config("qwen3.5-27b")
-    c.linear_num_key_heads, c.linear_num_value_heads = 2, 6  # one rank's share at sp=8
+    c = preset_config(MODEL[0])
+    sp = MODEL[1]  # one rank's share of the heads at this sp (27B at sp=8: 2 key / 6 value heads)
+    c.linear_num_key_heads, c.linear_num_value_heads = c.linear_num_key_heads // sp, c.linear_num_value_heads // sp
     torch.manual_seed(seed)
     net = Qwen3_5GatedDeltaNet(c, 0).to("cuda", torch.bfloat16)
     mixer = UlyssesGatedDeltaNet(net, single_process_state(), kernel)
@@ -100,7 +112,7 @@ def case_mixer(out: Path, lengths: list[int]) -> None:
         mixer = _mixer(kernel)
         for length in lengths:
             for packed in (False, True):
-                x = torch.randn(1, length, 5120, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                x = torch.randn(1, length, _hidden(), device="cuda", dtype=torch.bfloat16, requires_grad=True)
                 context = _context(length, _cu(length, packed))
 
                 def step(x=x, context=context, mixer=mixer):
@@ -161,7 +173,7 @@ def case_agree(out: Path) -> None:
         _record(out, "agree", {"skipped": "flash-linear-attention not installed (or Triton < 3.7.1 on Hopper)"})
         return
     length = 16384
-    x = torch.randn(1, length, 5120, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, length, _hidden(), device="cuda", dtype=torch.bfloat16)
     cu = _cu(length, True)
     res = {}
     for kernel in ("fla", "torch"):
@@ -180,13 +192,17 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--lengths", default="131072,262144,1048576")
     ap.add_argument("--cases", default="agree,conv,mixer")
+    ap.add_argument("--model", default="qwen3.5-27b", help="the preset whose rank's mixer is timed (qwen3.5-35b-a3b)")
+    ap.add_argument("--sp_size", type=int, default=8, help="the SP size whose share of the heads one rank holds")
     args = ap.parse_args()
+    MODEL[:] = [args.model, args.sp_size]
     args.out.mkdir(parents=True, exist_ok=True)
     import transformers
     import triton
 
-    _record(args.out, "env", {"torch": torch.__version__, "triton": triton.__version__,
-                              "transformers": transformers.__version__, "device": torch.cuda.get_device_name()})
+    _record(args.out, "env", {"torch": torch.__version__, "triton": triton.__version__, "model": args.model,
+                              "sp_size": args.sp_size, "transformers": transformers.__version__,
+                              "device": torch.cuda.get_device_name()})
     lengths = [int(n) for n in args.lengths.split(",")]
     cases = {"agree": lambda: case_agree(args.out), "conv": lambda: case_conv(args.out, lengths),
              "mixer": lambda: case_mixer(args.out, lengths)}
