@@ -7,8 +7,8 @@ The parameters are fp32 flat tensors of the offload sub-group size (zero3_offloa
 shorter) with fp32 gradients, as ZeRO-3 hands them to DeepSpeedCPUAdam.step (AdamW, fp32 states). Every thread of
 the process is pinned to the first `cores` CPUs it may use (train/rehearsal.cores_share, what rehearse does); the
 step is timed `--iters` times after one untimed step (the states are created lazily). The file records the host's
-CPU model and core count beside the rates; plan/rates.CPU_ADAM_S_PER_PARAM is seconds per parameter on its
-CPU_ADAM_MEASURED_CORES cores.
+CPU model and core count beside the rates; a card's table (plan/card_rates.Rates.CPU_ADAM_BY_CORES) is rebuilt
+from it by plan/rates.cpu_adam_rates_from_results.
 """
 
 from __future__ import annotations

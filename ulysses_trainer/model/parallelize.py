@@ -113,9 +113,9 @@ class ParallelizeConfig:
         auto_tiles = default_mlp_tiles(self.local_seq_len, width) if self.local_seq_len else 1
         # auto levers are installed unset until apply (ModelSetup.of); auto tiles: the shape rule
         return ModelSetup.of(replace(fx, tiled_mlp=auto_tiles if fx.tiled_mlp is None else fx.tiled_mlp),
-                            config.num_hidden_layers, **asdict(kernels),
-                            loss_type=self.loss_type, loss_chunk_size=self.loss_chunk_size, lean_norm=self.lean_norm,
-                            host_memory_gb=self.host_memory_gb, ranks_per_node=self.ranks_per_node)
+                             config.num_hidden_layers, **asdict(kernels),
+                             loss_type=self.loss_type, loss_chunk_size=self.loss_chunk_size, lean_norm=self.lean_norm,
+                             host_memory_gb=self.host_memory_gb, ranks_per_node=self.ranks_per_node)
 
     def _bound(self, config: Any) -> Levers:
         """The levers bound to the HF model config (None = auto): `tiled_mlp: true` is the lever's own count

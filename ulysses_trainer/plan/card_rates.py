@@ -82,10 +82,8 @@ class Rates:
             return r0 * c0 / cores
         if cores >= c1:
             return r1
-        for (a, ra), (b, rb) in zip(pts, pts[1:]):
-            if a <= cores <= b:
-                return ra + (rb - ra) * (cores - a) / (b - a)
-        raise AssertionError(pts)  # unreachable: the points are sorted by cores
+        (a, ra), (b, rb) = next((p, q) for p, q in zip(pts, pts[1:]) if cores <= q[0])  # sorted by cores
+        return ra + (rb - ra) * (cores - a) / (b - a)
 
 
 H200 = Rates(card="h200", KERNEL_RATES=h200.KERNEL_RATES, HD256_RATES=h200.HD256_RATES,

@@ -216,9 +216,10 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     else:
         forwards = run.forward_passes * len(attending) - sum(1 for i in attending if i < kept)
         backwards = len(attending)
+    dense = dense_flops(shape, run)
     parts = {"attention forward": forwards * fwd * accumulation,
              "attention backward": backwards * bwd * accumulation,
-             "matmuls and the rest": dense_flops(shape, run) / (r.DENSE_TFLOPS * 1e12) * accumulation}
+             "matmuls and the rest": dense / (r.DENSE_TFLOPS * 1e12) * accumulation}
     mixer = shape.family.mixer
     if mixer is not None and mixed:
         seconds, mixer_notes = mixer.seconds(shape.dims, run, r)
@@ -229,7 +230,7 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     # the family's MLP block may time parts at their own measured rates in place of the dense rate
     taken, measured, block_notes = shape.family.mlp.time_parts(shape.dims, run, shape.layers, shape.vocab, r)
     # what the dense part holds can run no faster than its matmuls at the measured matmul rate (the floor's)
-    matmuls_alone = (dense_flops(shape, run) - taken) / (r.LOSS_MATMUL_TFLOPS * 1e12) * accumulation
+    matmuls_alone = (dense - taken) / (r.LOSS_MATMUL_TFLOPS * 1e12) * accumulation
     if measured:
         parts["matmuls and the rest"] -= taken / (r.DENSE_TFLOPS * 1e12) * accumulation
         notes.extend(block_notes)

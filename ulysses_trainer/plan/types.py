@@ -178,7 +178,7 @@ class Plan(LayerLists):
         return replace(self.run.levers, pinned=self.fixed.pinned)
 
     def model_setup(self, host_memory_gb: float | None, ranks_per_node: int, *, levers: bool = True,
-                   host_held_slots: int | None = None) -> ModelSetup:
+                    host_held_slots: int | None = None) -> ModelSetup:
         """What parallelize installs for this plan. levers False: the mechanisms only (no input offloaded, no
         attention output kept yet: the trainer sets those with apply once the engine is built); the stash is
         installed wherever a layer may keep its output (lever_settings.Levers.attention_stash), so that plan may."""

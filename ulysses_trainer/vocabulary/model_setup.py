@@ -1,4 +1,4 @@
-"""What `parallelize(model, state, plan)` installs on a model and which layers `apply(model, plan)` sets: the
+"""What `parallelize(model, state, setup)` installs on a model and which layers `apply(model, setup)` sets: the
 kernels by name and the one lever record, bound (a tile count; an auto lever installed unset until `apply`). Made
 of the lever record (`ModelSetup.of`): the trainer's from its resolved plan (plan/types.Plan.model_setup), a loop of
 your own's from ParallelizeConfig.resolve. Torch-free."""
