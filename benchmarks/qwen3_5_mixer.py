@@ -13,7 +13,7 @@ What it measures (results appended to OUT/qwen3_5_mixer.json as each case finish
 - `agree`: the mixer with fla against the mixer with the torch rule on the same weights and packed input (output
   and input-gradient relative differences), where fla is installed.
 
-    python benchmarks/qwen3_5_mixer.py OUT [--lengths 131072,262144,1048576] [--model qwen3.5-35b-a3b]
+    python benchmarks/qwen3_5_mixer.py OUT [--lengths 131072,262144,1048576] [--model qwen3.5-35b-a3b] [--kernels fla]
 
 These are the rates plan/rates.py would take for the trainer's own conv and the torch rule (planned today at fla's
 measured ones, benchmarks/results/deltanet_kernels/h200.json).
@@ -105,10 +105,10 @@ def _timed(fn, reps: int = 3) -> tuple[float, float]:
     return sorted(times)[len(times) // 2], (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-def case_mixer(out: Path, lengths: list[int]) -> None:
+def case_mixer(out: Path, lengths: list[int], kernels: list[str] | None) -> None:
     from ulysses_trainer.families.qwen3_5.deltanet_kernels import available_deltanet_kernels
 
-    for kernel in available_deltanet_kernels():
+    for kernel in [k for k in available_deltanet_kernels() if kernels is None or k in kernels]:
         mixer = _mixer(kernel)
         for length in lengths:
             for packed in (False, True):
@@ -194,6 +194,7 @@ def main() -> None:
     ap.add_argument("--cases", default="agree,conv,mixer")
     ap.add_argument("--model", default="qwen3.5-27b", help="the preset whose rank's mixer is timed (qwen3.5-35b-a3b)")
     ap.add_argument("--sp_size", type=int, default=8, help="the SP size whose share of the heads one rank holds")
+    ap.add_argument("--kernels", default=None, help="the mixer case's deltanet kernels (default: every installed)")
     args = ap.parse_args()
     MODEL[:] = [args.model, args.sp_size]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -205,7 +206,7 @@ def main() -> None:
                               "device": torch.cuda.get_device_name()})
     lengths = [int(n) for n in args.lengths.split(",")]
     cases = {"agree": lambda: case_agree(args.out), "conv": lambda: case_conv(args.out, lengths),
-             "mixer": lambda: case_mixer(args.out, lengths)}
+             "mixer": lambda: case_mixer(args.out, lengths, args.kernels and args.kernels.split(","))}
     for name in args.cases.split(","):
         try:
             cases[name]()

@@ -151,6 +151,18 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
                              "the last step timed layer by layer", [
         _rehearse("llama_3_1_8b_8gpu_1m", "--config", LLAMA_8B_1M, "--gpus", "8", "--host_memory_gb", "2000",
                   "--host_cores", "128", "--warmup_length", "8192", "--layer_times")]),
+    "rehearse_gpt_oss_20b_1m": ("rank 0 of gpt-oss-20b at 1,048,576 tokens on 8 GPUs (sp=8: 131,072 tokens, 8 query "
+                                "heads and 1 KV head of 64 a rank) on one GPU, YaRN stretched to the length; cuDNN "
+                                "for the full layers (the sink widens heads to 72); a 2 TB, 128-core node's host, the "
+                                "last step timed layer by layer", [
+        _rehearse(f"gpt_oss_20b_8gpu_1m_{CARD}", "--model_name_or_path", "gpt-oss-20b", "--gpus", "8",
+                  "--max_length", "1048576", "--model_init_kwargs",
+                  '{"rope_parameters": {"rope_type": "yarn", "factor": "auto"}}', "--attn_implementation", "sdpa",
+                  "--host_memory_gb", "2000", "--host_cores", "128", "--warmup_length", "8192", "--layer_times")]),
+    "sink_attention": ("gpt-oss's attention alone at its sp=8 rank shape (8 q / 1 kv heads of 64, sinks): the sliding "
+                       "layers' batched blocks (against the per-block loop at 131,072), the full layers through "
+                       "each installed kernel, 131,072 and 1,048,576 tokens", [
+        ("benchmarks/sink_attention.py", "--lengths", "131072,1048576", "--out", f"sink_attention_{CARD}.json")]),
     "rehearse_reference_library_tiles": ("the same rehearsal with flash-attn-4's own tiles instead of the trainer's "
                                          "(run it next to rehearse_reference, on the same machine)", [
         (PROF_REHEARSAL, "--no_profile", "--fa4_tiles", "library", "--out",

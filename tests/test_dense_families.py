@@ -78,12 +78,17 @@ def test_the_window_is_applied():
     assert (ministral[0].self_attn.sliding_window, ministral[1].self_attn.sliding_window) == (16, None)
 
 
-def test_windowed_attention_equals_a_full_mask():
+@pytest.mark.parametrize("call_queries", [1 << 16, 10])
+def test_windowed_attention_equals_a_full_mask(call_queries, monkeypatch):
     """attention/kernels.windowed_attention (block masks, documents and pads apart) against SDPA with the whole
-    [s, s] mask: same document, causal, key within the window (transformers' sliding_window_overlay)."""
+    [s, s] mask: same document, causal, key within the window (transformers' sliding_window_overlay); all of a
+    document's blocks in one call, and two blocks a call (the 23-token document: 5 blocks in 3 calls)."""
     import torch.nn.functional as F
 
+    from ulysses_trainer.attention import windowed
     from ulysses_trainer.attention.kernels import windowed_attention
+
+    monkeypatch.setattr(windowed, "CALL_QUERIES", call_queries)
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 44, 4, 8, generator=g, requires_grad=True)

@@ -2,11 +2,12 @@
 tiled by the rule, the chunked loss, each installed attention kernel) against stock transformers on the same card.
 
 Each preset is widened to real layer shapes (hidden 1024, 8 q / 2 kv heads of 128, a 4,096-token vocabulary) and
-runs 4,096 tokens packed as three documents; the windowed ones (Mistral, Gemma 3, gpt-oss's sliding layers, Mixtral)
-get a 512-token window, shorter than two of the documents. The reference is the stock model one forward per
-document (Phi-3: the packed row, its LongRoPE chosen on the row as in tests/test_more_dense_families.py), MoE routers
-without their auxiliary loss. Tolerances for bf16 as tests/test_gpu_qwen3_5.py: loss relative error <= 1e-2; the
-whole gradient, as one vector, ||g - g_ref|| / ||g_ref|| <= 5e-2; for the sparse ones the gradient's norm within
+runs 4,096 tokens packed as three documents; the windowed ones (Mistral, Mixtral, and the sliding layers of Ministral,
+Gemma 3 and gpt-oss, each with full layers beside them) get a 512-token window, shorter than two of the documents.
+The reference is the stock model one forward per document (Phi-3: the packed row, its LongRoPE chosen on the row as
+in tests/test_more_dense_families.py), MoE routers without their auxiliary loss. Tolerances for bf16 as
+tests/test_gpu_qwen3_5.py: loss relative error <= 1e-2; the whole gradient, as one vector, ||g - g_ref|| / ||g_ref||
+<= 5e-2; for the sparse ones the gradient's norm within
 5e-2 (tests/test_gpu_moe.py's): in bf16 two computations route a token apart wherever its router logits tie within
 rounding, which moves the vector, not its size (stock Mixtral with eager attention against stock with SDPA, bf16 on
 the CPU at this width: gradient 1.3e-1 apart, its norm 9.4e-3; Mistral's: 1.1e-2 and 8.8e-5). In fp32 every one is
@@ -29,7 +30,8 @@ DOCS = [1500, 2000, 596]
 SHAPE = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128, intermediate_size=2048)
 WINDOW = dict(sliding_window=512)
 PRESETS = {
-    "tiny-llama": {}, "tiny-mistral": WINDOW, "tiny-qwen2": {}, "tiny-gemma3": WINDOW, "tiny-olmo2": {},
+    "tiny-llama": {}, "tiny-mistral": WINDOW, "tiny-ministral": WINDOW, "tiny-qwen2": {}, "tiny-gemma3": WINDOW,
+    "tiny-olmo2": {},
     "tiny-phi3": {}, "tiny-granite": {}, "tiny-gpt-oss": WINDOW, "tiny-mixtral": WINDOW, "tiny-qwen2-moe": {},
 }
 MOE = {"tiny-gpt-oss", "tiny-mixtral", "tiny-qwen2-moe"}

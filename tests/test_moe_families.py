@@ -305,20 +305,24 @@ def test_a_gpt_oss_without_its_biases_is_refused_in_one_line(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and "attention_bias" in err, err
 
 
-def test_sink_attention_equals_gpt_oss_eager_attention():
+@pytest.mark.parametrize("call_queries", [1 << 16, 10])
+def test_sink_attention_equals_gpt_oss_eager_attention(call_queries, monkeypatch):
     """attention/kernels.sink_attention (the sink as a key of its own; windowed: block masks) against transformers'
     own eager_attention_forward of gpt-oss (the sinks concatenated to the scores), GQA, one document per row, with and
-    without a window: outputs and the gradients of q, k, v and the sinks."""
+    without a window: outputs and the gradients of q, k, v and the sinks; the windowed blocks all in one call, and
+    two a call (8 blocks in 4 calls)."""
     from types import SimpleNamespace
 
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
+    from ulysses_trainer.attention import windowed
     from ulysses_trainer.attention.kernels import sdpa_attention, sink_attention
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 37, 4, 8, generator=g, requires_grad=True)
     k, v = (torch.randn(2, 37, 2, 8, generator=g, requires_grad=True) for _ in range(2))
     sinks = torch.randn(4, generator=g, requires_grad=True)
+    monkeypatch.setattr(windowed, "CALL_QUERIES", call_queries)
     for window in (None, 5):
         out = sink_attention(q, k, v, sinks, scale=0.3, attend=sdpa_attention, window=window)
         i, j = torch.arange(37)[:, None], torch.arange(37)[None, :]

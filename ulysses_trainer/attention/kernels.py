@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ..vocabulary.names import STANDIN, STANDIN_FA4
 from .grouped import BACKENDS, Documents, default_backend, grouped_attention, runs_grouped
 from .standin import standin_attention, standin_attention_fa4
+from .windowed import window_blocks
 
 
 def _has(module: str) -> bool:
@@ -107,24 +108,10 @@ def flash2_attention(q, k, v, *, scale: float, cu_seqlens=None, max_seqlen=None,
 
 
 def _windowed_document(q, k, v, scale: float, window: int) -> torch.Tensor:
-    """One document [n, h, d]: each query sees itself and the window - 1 keys before it (transformers'
-    sliding_window_overlay: kv > q - window). Queries in blocks of `window`, each against the keys its block can
-    reach ([B, B + window - 1] masks), so no n x n mask is built."""
-    n = q.shape[0]
-    if n <= window:  # the window reaches the document's start from every query: plain causal attention
+    """One document [n, h, d]: each query sees itself and the window - 1 keys before it (attention/windowed.py)."""
+    if q.shape[0] <= window:  # the window reaches the document's start from every query: plain causal attention
         return _sdpa_dense(q[None], k[None], v[None], scale)[0]
-    gqa, outs = q.shape[1] != k.shape[1], []
-    for a in range(0, n, window):
-        e, lo = min(a + window, n), max(0, a - window + 1)
-        qi = torch.arange(a, e, device=q.device)[:, None]
-        ki = torch.arange(lo, e, device=q.device)[None, :]
-        mask = (ki <= qi) & (ki > qi - window)  # [e - a, e - lo]: causal, within the window
-        # [n, h, d] -> [1, h, B, d] for SDPA, and back
-        out = F.scaled_dot_product_attention(q[None, a:e].transpose(1, 2), k[None, lo:e].transpose(1, 2),
-                                             v[None, lo:e].transpose(1, 2), attn_mask=mask, scale=scale,
-                                             enable_gqa=gqa)
-        outs.append(out.transpose(1, 2)[0])
-    return torch.cat(outs)
+    return window_blocks(q, k, v, scale, window)
 
 
 def windowed_attention(q, k, v, *, scale: float, window: int, cu_seqlens=None, max_seqlen=None,
@@ -161,21 +148,10 @@ def _sink_document(q, k, v, sinks, scale: float):
     return qa, ka, va
 
 
-def _sink_windowed(qa, ka, va, scale: float, window: int, n: int) -> torch.Tensor:
+def _sink_windowed(qa, ka, va, scale: float, window: int) -> torch.Tensor:
     """A windowed document with its sink (_sink_document's rows): real query i sees the sink and the real keys
-    (i - window, i]; queries in blocks of `window`, each against the sink and the keys its block can reach."""
-    gqa, outs = qa.shape[1] != ka.shape[1], []
-    for a in range(0, n, window):
-        e, lo = min(a + window, n), max(0, a - window + 1)
-        qi = torch.arange(a, e, device=qa.device)[:, None]
-        ki = torch.arange(lo, e, device=qa.device)[None, :]
-        mask = torch.cat([torch.ones_like(qi, dtype=torch.bool), (ki <= qi) & (ki > qi - window)], dim=1)
-        kk, vv = (torch.cat([t[:1], t[lo + 1:e + 1]]) for t in (ka, va))  # the sink, then the reachable keys
-        # [B, h, w] -> [1, h, B, w] for SDPA, and back
-        out = F.scaled_dot_product_attention(qa[None, a + 1:e + 1].transpose(1, 2), kk[None].transpose(1, 2),
-                                             vv[None].transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=gqa)
-        outs.append(out.transpose(1, 2)[0])
-    return torch.cat(outs)
+    (i - window, i] (attention/windowed.py, the sink a key every block reaches)."""
+    return window_blocks(qa[1:], ka[1:], va[1:], scale, window, sink_k=ka[:1], sink_v=va[:1])
 
 
 def sink_attention(q, k, v, sinks, *, scale: float, attend: Callable[..., torch.Tensor], window: int | None = None,
@@ -198,7 +174,7 @@ def sink_attention(q, k, v, sinks, *, scale: float, attend: Callable[..., torch.
             continue
         qa, ka, va = _sink_document(qf[a:e], kf[a:e], vf[a:e], sinks, scale)
         if window is not None:
-            out = _sink_windowed(qa, ka, va, scale, window, e - a)  # [n, h, w]
+            out = _sink_windowed(qa, ka, va, scale, window)  # [n, h, w]
         else:
             out = attend(qa[None], ka[None], va[None], scale=scale)[0, 1:]  # [n+1, h, w] -> [n, h, w]
         outs.append(out[..., :d])
