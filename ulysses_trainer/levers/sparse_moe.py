@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from ..errors import ConfigError
 from ..parallel.comm import all_reduce_sum_differentiable
+from ..parallel.sharding import shard_in_scope
 from .tiled_mlp import TiledBlock
 
 
@@ -35,21 +36,21 @@ class RouterStats:
     summed over layers, and the gradient the loss sends back to the probability sums.
 
     Wiring (model/parallelize.py): every SparseMoE shares one RouterStats; the model's forward calls
-    begin(...) before the decoder and aux_loss(...) after it.
+    begin() before the decoder and aux_loss(...) after it. Which rows are pads the layers read from the shard in
+    scope (parallel/sharding.shard_scope), as the tiled MLP does.
     """
 
     def __init__(self, num_experts: int, top_k: int):
         self.num_experts, self.top_k = num_experts, top_k
         self.recording = False
-        self.row_mask: Tensor | None = None  # [rows] 1.0 for real tokens, 0.0 for pads (None: all real)
         self.counts: Tensor | None = None  # [E] top-k assignments, all layers
         self.prob_sums: Tensor | None = None  # [E] router probabilities, all layers (values)
         self.rows: Tensor | None = None  # real rows, all layers
         self.grad_prob_sums: Tensor | None = None  # dJ/d(prob_sums), set by the aux loss's backward
 
-    def begin(self, row_mask: Tensor | None) -> None:
+    def begin(self) -> None:
         """Start a forward: record what the layers route (their recomputes, later, do not record)."""
-        self.recording, self.row_mask = True, row_mask
+        self.recording = True
         self.counts = self.prob_sums = self.grad_prob_sums = self.rows = None
 
     def record(self, counts: Tensor, prob_sums: Tensor, rows: Tensor) -> None:
@@ -233,8 +234,8 @@ class SparseMoE(TiledBlock, nn.Module):
         return out.view(shape)  # [N, H] -> [b, s, H]
 
     def _statistics(self, out: Tensor, logits: Tensor, idx: Tensor) -> Tensor:
-        st = self.stats
-        mask = st.row_mask
+        st, shard = self.stats, shard_in_scope()
+        mask = None if shard is None else shard.row_mask()  # [N] 1.0 real, 0.0 pad: pads route nothing
         if mask is not None and mask.shape[0] != logits.shape[0]:
             raise ValueError(f"row mask of {mask.shape[0]} rows for a layer of {logits.shape[0]}")
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # [N, E]

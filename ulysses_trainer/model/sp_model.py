@@ -80,7 +80,7 @@ class SequenceParallelCausalLM(nn.Module):
         check_shard(self.state, input_ids, context, default_positions)
         stats = self.router_stats
         if stats is not None:
-            stats.begin(context.row_mask())  # the router statistics leave pads out
+            stats.begin()  # the router statistics of this forward (its layers leave the scope's pads out)
         with shard_scope(context):  # for the blocks that transformers' layers call with the hidden states alone
             # transformers' layers hand their keyword arguments on to attention: the one way into it
             out = self.causal_lm.model(input_ids=input_ids, position_ids=context.position_ids, use_cache=False,

@@ -5,8 +5,9 @@ One packed batch travels as one `Shard`: its tokens (`input_ids`), its targets (
 (positions, document boundaries, pads, this rank's slice), built once here by `shard_batch`. The model's calls take
 the context explicitly (SequenceParallelCausalLM.forward / eval_sums / logits); its attention gets it through
 transformers' layer keyword arguments as `sp_context`, and the blocks that transformers' layer calls with the hidden
-states alone (the tiled MLP) read it from `shard_scope`, which the model enters around its decoder and the layer
-recompute re-enters. Pure tensor code (no process group), so it is tested without ranks.
+states alone (the tiled MLP, the sparse block's router statistics, the row RoPE) read it from `shard_scope`, which
+the model enters around its decoder and the layer recompute re-enters. Pure tensor code (no process group), so it
+is tested without ranks.
 """
 
 from __future__ import annotations
