@@ -6,6 +6,10 @@ tests/test_verify_sp.py."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -47,6 +51,30 @@ def _row(seed: int = 0) -> dict:
             "real_tokens": LENGTH}
 
 
+@contextlib.contextmanager
+def _autotune_one_at_a_time() -> Iterator[None]:
+    """Triton's autotuner keeps a launch's arguments on the kernel object while it benchmarks, so two rank threads
+    tuning one kernel at once break it (fla's conv on an H100: `'NoneType' object is not a mapping` in
+    Autotuner.run); a trainer's ranks are processes. Here the autotuned launches go one at a time (they are
+    asynchronous: the threads still overlap on the card)."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        yield
+        return
+    lock, run = threading.RLock(), Autotuner.run
+
+    def serial(self, *args, **kwargs):
+        with lock:
+            return run(self, *args, **kwargs)
+
+    Autotuner.run = serial
+    try:
+        yield
+    finally:
+        Autotuner.run = run
+
+
 def _check(build, kernel: str):
     """run_check on 2 SP ranks (threads) on this card: [result or VerifySpError] per rank."""
     from ulysses_trainer import ParallelizeConfig, make_parallel_state
@@ -69,7 +97,8 @@ def _check(build, kernel: str):
         except VerifySpError as exc:
             return exc
 
-    return run_threads(2, rank, timeout=600.0)
+    with _autotune_one_at_a_time():
+        return run_threads(2, rank, timeout=600.0)
 
 
 @pytest.mark.parametrize("kernel", _kernels())
