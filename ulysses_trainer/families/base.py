@@ -191,9 +191,15 @@ class TokenMixer(ABC):
         """Bytes beyond the saved tensors during the mixer's backward on one rank (`rates`: plan/rates.py)."""
 
     @abstractmethod
-    def seconds(self, d: LayerDims, run: MlpRun, rates: Any) -> tuple[float, list[str]]:
-        """(seconds of one layer's mixer kernels in one micro-step on one rank: run.forward_passes forwards and
-        a backward, notes); its projections are matmuls, timed with the layer's dense FLOPs."""
+    def seconds(self, d: LayerDims, run: MlpRun, rates: Any) -> tuple[float, list[str], float]:
+        """(seconds of one layer's mixer in one micro-step on one rank: run.forward_passes forwards and a backward,
+        notes, the FLOPs of its projections those seconds include): projections not included (0 FLOPs) are
+        matmuls, timed with the layer's dense FLOPs."""
+
+    @abstractmethod
+    def kernel_seconds(self, d: LayerDims, run: MlpRun, rates: Any) -> tuple[float, list[str]]:
+        """(seconds of one layer's mixer kernels alone, the step floor's share of it, in one micro-step on one
+        rank, notes)."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ that module (`rates.EXPERTS_TFLOPS`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import rates as h200
 from .cards import CARDS, card_of
@@ -25,6 +25,12 @@ H100_KERNEL_SOURCES = {
 }
 H100_HD256 = ("attention_kernels_hd256_h100.json", {"sdpa": "sdpa_cudnn", "flash_attention_4": "flash_attention_4"})
 H100_DELTANET = "deltanet_kernels/h100.json"
+# benchmarks/sink_attention.py on the H100: gpt-oss-20b's rank at sp=8 (8 q / 1 kv heads of 64, widened to 72 by the
+# sink's column), cuDNN at 131K and 1M, flash-attn-4 at 131K (tests/test_card_rates.py rebuilds both tables)
+SINK_SOURCES = ("sink_attention/sink_attention_sdpa_h100.json", "sink_attention/sink_attention_fa4_h100.json")
+SINK_RATES_H100 = {"flash_attention_4": ((131072, 423.75, 413.35),),
+                   "sdpa": ((131072, 327.16, 274.23), (1048576, 282.66, 281.06))}
+WINDOW_BLOCK_TFLOPS_H100 = (128, 30.86, 19.93)  # window, fwd, bwd: 1M tokens, masked SDPA on gathered key blocks
 # one device-to-device copy of 1 GiB (data_dependence_*.json "copy_d2d"): H100 1451 GB/s, H200 2012 GB/s; the
 # fused GPU Adam is memory-bound, so the H200's effective bandwidth scales by their ratio
 COPY_GBPS = {"h100": 1451.41, "h200": 2012.26}
@@ -65,6 +71,16 @@ class Rates:
     # (families/qwen3_moe.SparseMoeMlp.time_parts), any other at EXPERTS_TFLOPS (Qwen3-30B-A3B's block)
     BLOCK_SOURCES: tuple[tuple[tuple[int, int, int, int, int], str], ...] = ()
     BLOCK_TFLOPS: tuple[tuple[tuple[int, int, int, int, int], dict], ...] = ()
+    # attention with sinks (gpt-oss) by kernel, (tokens, forward, backward TFLOP/s) at its sp=8 rank shape, and the
+    # sliding layers' batched block path (its window, forward, backward TFLOP/s): benchmarks/sink_attention.py,
+    # measured on SINK_CARD (every card takes them until its own are measured; the plan's note names the card)
+    # DeltaNet mixers measured whole in their own shape (GatedDeltaNet.measured_key -> the file, forward+backward
+    # seconds per local token): the planner times such a mixer at its own rate (families/qwen3_5.GatedDeltaNet.seconds)
+    MIXER_SOURCES: tuple[tuple[tuple[int, int, int, int, int], str], ...] = ()
+    MIXER_S_PER_TOKEN: tuple[tuple[tuple[int, int, int, int, int], float], ...] = ()
+    SINK_RATES: dict = field(default_factory=lambda: dict(SINK_RATES_H100))
+    WINDOW_BLOCK_TFLOPS: tuple[int, float, float] = WINDOW_BLOCK_TFLOPS_H100
+    SINK_CARD: str = "H100"
 
     @property
     def name(self) -> str:
@@ -131,6 +147,9 @@ H100 = Rates(
     # moe/moe_experts_35b_h100.json: Qwen3.5-35B-A3B's block (256 experts of 512, top-8, a shared expert of 512)
     BLOCK_SOURCES=(((256, 8, 2048, 512, 512), "moe/moe_experts_35b_h100.json"),),
     BLOCK_TFLOPS=(((256, 8, 2048, 512, 512), {"grouped_mm": ((1, 144.74), (4, 102.55))}),),
+    # deltanet_kernels/mixer_35b_a3b_sp8_h100.json: Qwen3.5-35B-A3B's mixer of one sp=8 rank, 0.260 s fwd+bwd at 1M
+    MIXER_SOURCES=(((2048, 16, 32, 128, 128), "deltanet_kernels/mixer_35b_a3b_sp8_h100.json"),),
+    MIXER_S_PER_TOKEN=(((2048, 16, 32, 128, 128), 1.9871e-06),),
     borrowed=("the dense rate", "the chunked loss's rates"),
 )
 

@@ -219,3 +219,47 @@ def hd256_rates_from_results(results_dir: str | Path, source: str = DELTANET_SOU
         {"kernel": p["kernel"], "tokens": p["seq_len"], "tflops": p["fwd_bwd_tflops"]} for p in data["points"]]
     return {k: tuple((r["tokens"], round(r["tflops"], 2)) for r in rows if r.get("kernel") == name)
             for k, name in kernels.items()}
+
+
+def _sink_width(head_dim: int) -> int:
+    """attention/kernels._sink_document's width: head_dim + the sink column, padded to a multiple of 8."""
+    return -(-(head_dim + 1) // 8) * 8
+
+
+def sink_rates_from_results(results_dir: str | Path, sources: tuple[str, ...]
+                            ) -> dict[str, tuple[tuple[int, float, float], ...]]:
+    """Sink attention's full layers by kernel, (tokens, forward, backward TFLOP/s) rebuilt from
+    benchmarks/sink_attention.py's files: FLOPs counted at the model's head_dim (2 L^2 heads d forward, backward 2.5x),
+    though the kernel runs the widened head; the first file's point wins where two measured one length."""
+    points: dict[str, dict[int, tuple[float, float]]] = {}
+    for source in sources:
+        data = json.loads((Path(results_dir) / source).read_text())
+        heads, dim = data["shape"]["heads"], data["shape"]["head_dim"]
+        for r in data["rows"]:
+            if not r["case"].startswith("full, ") or "error" in r:
+                continue
+            flops = 2.0 * r["tokens"] ** 2 * heads * dim
+            rate = (round(flops / r["fwd_s"] / 1e12, 2), round(2.5 * flops / (r["fwd_bwd_s"] - r["fwd_s"]) / 1e12, 2))
+            points.setdefault(r["case"][len("full, "):], {}).setdefault(r["tokens"], rate)
+    return {k: tuple((n, *v[n]) for n in sorted(v)) for k, v in sorted(points.items())}
+
+
+def window_block_rates_from_results(results_dir: str | Path, source: str) -> tuple[int, float, float]:
+    """The sliding layers' batched block path (attention/windowed.py), (window, forward, backward TFLOP/s) at the
+    file's longest row: FLOPs as the path computes them, 4 x tokens x heads x keys x width (keys: 2 x window, + 1 sink;
+    the width the sink widens the head to), backward 2.5x."""
+    data = json.loads((Path(results_dir) / source).read_text())
+    heads, dim = data["shape"]["heads"], data["shape"]["head_dim"]
+    r = max((r for r in data["rows"] if r["case"] == "sliding, blocks batched"), key=lambda r: r["tokens"])
+    flops = 4.0 * r["tokens"] * heads * (2 * r["window"] + 1) * _sink_width(dim)
+    return r["window"], round(flops / r["fwd_s"] / 1e12, 2), round(2.5 * flops / (r["fwd_bwd_s"] - r["fwd_s"]) / 1e12,
+                                                                     2)
+
+
+def mixer_rate_from_results(results_dir: str | Path, source: str) -> float:
+    """A whole DeltaNet mixer's forward+backward seconds per local token (benchmarks/qwen3_5_mixer.py's file: its
+    longest one-document fla row, one rank's heads at the file's sp over tokens / sp local tokens)."""
+    data = json.loads((Path(results_dir) / source).read_text())
+    row = max((r for r in data["mixer"] if r["kernel"] == "fla" and not r["packed"] and "fwd_bwd_s" in r),
+              key=lambda r: r["tokens"])
+    return float(f"{row['fwd_bwd_s'] / (row['tokens'] / data['env']['sp_size']):.5g}")

@@ -71,18 +71,9 @@ def attention_flops_forward(shape: ModelShape, s: Settings) -> float:
     return 2.0 * s.micro_batch * length * length * (shape.heads // s.sp_size) * shape.head_dim * s.attention_fraction
 
 
-def window_share(length: int, window: int, fraction: float = 1.0) -> float:
-    """A sliding-window layer's attention FLOPs over a row of `length` tokens as a share of full causal attention's:
-    a query sees at most `window` keys, (2 L w - w^2) / L^2 of the causal L^2 / 2 pairs (1 when the window covers the
-    row); packed rows (`fraction`: Settings.attention_fraction) cost the smaller of the two."""
-    if window <= 0 or window >= length:
-        return fraction
-    return min(fraction, (2.0 * length * window - window * window) / (length * length))
-
-
-def _rate(kernel: str, length: int, r: Rates = H200) -> tuple[float, float, bool]:
-    """(forward, backward TFLOP/s, extrapolated?) of a kernel at a length on r's card, log-interpolated."""
-    pts = r.KERNEL_RATES[kernel]
+def _interpolate(pts, length: int) -> tuple[float, float, bool]:
+    """(forward, backward TFLOP/s, extrapolated?) at a length from (length, forward, backward) points,
+    log-interpolated, held constant past them."""
     if length <= pts[0][0] or length >= pts[-1][0]:
         p = pts[0] if length <= pts[0][0] else pts[-1]
         return p[1], p[2], length != p[0]
@@ -91,6 +82,26 @@ def _rate(kernel: str, length: int, r: Rates = H200) -> tuple[float, float, bool
             w = (math.log(length) - math.log(l0)) / (math.log(l1) - math.log(l0))
             return f0 + w * (f1 - f0), b0 + w * (b1 - b0), False
     raise AssertionError("unreachable")
+
+
+def _rate(kernel: str, length: int, r: Rates = H200) -> tuple[float, float, bool]:
+    """(forward, backward TFLOP/s, extrapolated?) of a kernel at a length on r's card, log-interpolated."""
+    return _interpolate(r.KERNEL_RATES[kernel], length)
+
+
+def _sinks(shape: ModelShape, kernel: str, r: Rates) -> bool:
+    """Whether this model's full layers are timed at the measured sink-attention rates (gpt-oss's sinks widen the
+    head by a column: attention/kernels.sink_attention)."""
+    return shape.family.attention_sinks and kernel in r.SINK_RATES
+
+
+def _layer_rate(shape: ModelShape, kernel: str, length: int, r: Rates) -> tuple[float, float, bool]:
+    """(forward, backward TFLOP/s, extrapolated?) of one full-attention layer's kernel for this model."""
+    if _sinks(shape, kernel, r):
+        return _interpolate(r.SINK_RATES[kernel], length)
+    fwd, bwd, extra = _rate(kernel, length, r)
+    scale = head_dim_scale(kernel, shape.head_dim, length, r)
+    return fwd * scale, bwd * scale, extra
 
 
 def head_dim_scale(kernel: str, head_dim: int, length: int, r: Rates = H200) -> float:
@@ -110,10 +121,25 @@ def attention_seconds(shape: ModelShape, s: Settings, r: Rates = H200) -> tuple[
     """(forward, backward seconds of one layer's kernel, extrapolated?); the stand-in costs nothing."""
     if s.attn_implementation not in r.KERNEL_RATES:
         return 0.0, 0.0, False
-    fwd_tf, bwd_tf, extra = _rate(s.attn_implementation, s.padded_length, r)
-    scale = head_dim_scale(s.attn_implementation, shape.head_dim, s.padded_length, r)
+    fwd_tf, bwd_tf, extra = _layer_rate(shape, s.attn_implementation, s.padded_length, r)
     flops = attention_flops_forward(shape, s)
-    return flops / (fwd_tf * scale * 1e12), 2.5 * flops / (bwd_tf * scale * 1e12), extra
+    return flops / (fwd_tf * 1e12), 2.5 * flops / (bwd_tf * 1e12), extra
+
+
+def windowed_seconds(shape: ModelShape, s: Settings, r: Rates = H200) -> tuple[float, float, bool]:
+    """(forward, backward seconds, measured at this window?) of one sliding-window layer's attention on one rank:
+    attention/windowed.py's blocks, each window of queries against the 2 x window keys before its end (and the
+    sink); FLOPs 4 x tokens x heads/sp x keys x width, backward 2.5x. At the block path's measured rate where its
+    window was measured, else at the planned kernel's full-attention rate (larger blocks: an optimistic guess)."""
+    sink = shape.family.attention_sinks
+    width = -(-(shape.head_dim + 1) // 8) * 8 if sink else shape.head_dim
+    keys = 2 * shape.sliding_window + int(sink)
+    flops = 4.0 * s.micro_batch * s.padded_length * (shape.heads // s.sp_size) * keys * width
+    window, fwd_tf, bwd_tf = r.WINDOW_BLOCK_TFLOPS
+    measured = shape.sliding_window == window
+    if not measured:
+        fwd_tf, bwd_tf, _ = _layer_rate(shape, s.attn_implementation, s.padded_length, r)
+    return flops / (fwd_tf * 1e12), 2.5 * flops / (bwd_tf * 1e12), measured
 
 
 def fastest_attention(shape: ModelShape, length: int, sp_size: int, installed: tuple[str, ...],
@@ -126,9 +152,8 @@ def fastest_attention(shape: ModelShape, length: int, sp_size: int, installed: t
         return None
 
     def seconds(kernel: str) -> float:
-        fwd, bwd, _ = _rate(kernel, length, r)
-        scale = head_dim_scale(kernel, shape.head_dim, length, r)
-        return (1.0 / fwd + 2.5 / bwd) / scale  # per FLOP of forward, the backward 2.5 forwards
+        fwd, bwd, _ = _layer_rate(shape, kernel, length, r)
+        return 1.0 / fwd + 2.5 / bwd  # per FLOP of forward, the backward 2.5 forwards
     return min(timed, key=seconds)
 
 
@@ -183,7 +208,14 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     r, card_notes = rates_for(gpu_name, gpu_memory_gb)
     run = mlp_run(shape, s)  # tokens per rank and forwards per layer, what the terms below read
     fwd, bwd, extra = attention_seconds(shape, s, r)
-    if s.attn_implementation in r.KERNEL_RATES:
+    sinks = _sinks(shape, s.attn_implementation, r)
+    if sinks:
+        pts = r.SINK_RATES[s.attn_implementation]
+        notes.append(f"attention with sinks timed at {s.attn_implementation}'s measured sink-attention rates "
+                     f"({r.SINK_CARD}, {pts[0][0]:,}-{pts[-1][0]:,} tokens" +
+                     (f", held constant at {s.padded_length:,}" if extra else "") +
+                     "; 8 q / 1 kv heads of 64, the sink's column widening them to 72)")
+    elif s.attn_implementation in r.KERNEL_RATES:
         pts = r.KERNEL_RATES[s.attn_implementation]
         if extra:
             notes.append(f"{s.attn_implementation} kernel rate measured at {pts[0][0]:,}-{pts[-1][0]:,} tokens, "
@@ -192,7 +224,7 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
             notes.append("flash_attention_2 not measured: torch's flash kernel's rate used")
         if (shape.heads // s.sp_size, shape.kv_heads, shape.head_dim) != r.MEASURED_HEAD_SHAPE and s.sp_size == 1:
             notes.append(f"kernel rates measured with {r.MEASURED_HEAD_SHAPE[0]} heads of {r.MEASURED_HEAD_SHAPE[2]}")
-    if shape.head_dim != r.MEASURED_HEAD_SHAPE[2] and s.attn_implementation in r.KERNEL_RATES:
+    if shape.head_dim != r.MEASURED_HEAD_SHAPE[2] and s.attn_implementation in r.KERNEL_RATES and not sinks:
         scale = head_dim_scale(s.attn_implementation, shape.head_dim, s.padded_length, r)
         notes.append(f"attention at head_dim {shape.head_dim}: the head-dim-{r.MEASURED_HEAD_SHAPE[2]} rates x "
                      f"{scale:.2f}, the measured fwd+bwd ratio ({r.HD256_SOURCE})" if scale != 1.0 else
@@ -203,34 +235,40 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     mixed = set(shape.mixer_layers)
     attending = [i for i in range(shape.layers) if i not in mixed]
     windowed = set(shape.windowed_layers) if 0 < shape.sliding_window < s.padded_length else set()
-    if windowed:  # a sliding-window layer's kernel FLOPs stop at the window (window_share), any family
-        share = window_share(s.padded_length, shape.sliding_window, s.attention_fraction) / s.attention_fraction \
-            if s.attention_fraction > 0 else 1.0
-        weight = {i: share if i in windowed else 1.0 for i in attending}
-        forwards = run.forward_passes * sum(weight.values()) - sum(weight[i] for i in attending if i < kept)
-        backwards = sum(weight.values())
+    windowed = windowed & set(attending)
+    full = [i for i in attending if i not in windowed]
+    forwards = run.forward_passes * len(full) - sum(1 for i in full if i < kept)
+    backwards = len(full)
+    window_fwd = window_bwd = 0.0
+    if windowed and s.attn_implementation in r.KERNEL_RATES:  # the block path, whatever kernel the plan names
+        w_f, w_b, measured = windowed_seconds(shape, s, r)
+        window_fwd, window_bwd = len(windowed) * run.forward_passes * w_f, len(windowed) * w_b
+        rate = (f"at its measured rate ({r.SINK_CARD}, gpt-oss's rank shape)" if measured else
+                f"at the planned kernel's rate (the block path measured at window {r.WINDOW_BLOCK_TFLOPS[0]} only: "
+                f"an optimistic guess)")
         notes.append(f"{len(windowed)} of {shape.layers} layers attend in a {shape.sliding_window:,}-token sliding "
-                     f"window: their attention FLOPs counted within it ({share:.3g} of full causal) at the planned "
-                     f"kernel's rate (the windowed path is SDPA with block masks, not measured); their memory "
-                     f"planned as full causal attention (over-estimated)")
-    else:
-        forwards = run.forward_passes * len(attending) - sum(1 for i in attending if i < kept)
-        backwards = len(attending)
+                     f"window: timed as the block path runs them (each window of queries against 2 x window keys) "
+                     f"{rate}; their memory planned as full causal attention (over-estimated)")
     dense = dense_flops(shape, run)
-    parts = {"attention forward": forwards * fwd * accumulation,
-             "attention backward": backwards * bwd * accumulation,
+    parts = {"attention forward": (forwards * fwd + window_fwd) * accumulation,
+             "attention backward": (backwards * bwd + window_bwd) * accumulation,
              "matmuls and the rest": dense / (r.DENSE_TFLOPS * 1e12) * accumulation}
-    mixer = shape.family.mixer
+    mixer, mixer_taken = shape.family.mixer, 0.0
     if mixer is not None and mixed:
-        seconds, mixer_notes = mixer.seconds(shape.dims, run, r)
-        parts[f"{mixer.kind} kernels"] = len(mixed) * seconds * accumulation
+        seconds, mixer_notes, layer_taken = mixer.seconds(shape.dims, run, r)
+        # measured whole (its projections and elementwise work inside), or its kernels alone
+        parts[f"{mixer.kind} {'mixers (measured whole)' if layer_taken else 'kernels'}"] = \
+            len(mixed) * seconds * accumulation
         notes.extend(mixer_notes)
+        mixer_taken = len(mixed) * layer_taken  # projections the mixer's measured seconds include
     # the lean norms by kernel: the torch kernel's share is inside the dense rate, which was fitted with it
     norms = {k: norm_seconds(shape, run, k, r) for k in ("torch", s.norm_kernel)} if s.lean_norm else {}
     # the family's MLP block may time parts at their own measured rates in place of the dense rate
     taken, measured, block_notes = shape.family.mlp.time_parts(shape.dims, run, shape.layers, shape.vocab, r)
     # what the dense part holds can run no faster than its matmuls at the measured matmul rate (the floor's)
-    matmuls_alone = (dense - taken) / (r.LOSS_MATMUL_TFLOPS * 1e12) * accumulation
+    matmuls_alone = (dense - taken - mixer_taken) / (r.LOSS_MATMUL_TFLOPS * 1e12) * accumulation
+    if mixer_taken:
+        parts["matmuls and the rest"] -= mixer_taken / (r.DENSE_TFLOPS * 1e12) * accumulation
     if measured:
         parts["matmuls and the rest"] -= taken / (r.DENSE_TFLOPS * 1e12) * accumulation
         notes.extend(block_notes)
@@ -275,9 +313,9 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
 
 def step_floor(shape: ModelShape, s: Settings, parts: dict[str, float], accumulation: int = 1,
                r: Rates = H200) -> dict[str, float]:
-    """The step's floor (docs/benchmarks.md's): the attention kernels as the step runs them and a mixer's kernels
-    (Qwen3.5's DeltaNet rule and conv), both from `parts` (step_time's), plus every matmul at the measured matmul
-    rate (LOSS_MATMUL_TFLOPS): the layers' weights (sparse: the active ones) forward per pass and backward (no
+    """The step's floor (docs/benchmarks.md's): the attention kernels as the step runs them (from `parts`,
+    step_time's) and a mixer's kernels alone (Qwen3.5's DeltaNet rule and conv), plus every matmul at the measured
+    matmul rate (LOSS_MATMUL_TFLOPS): the layers' weights (sparse: the active ones) forward per pass and backward (no
     weight grads under LoRA), the lm_head's 6 FLOPs a weight in the chunked loss (4 frozen). What the predicted
     step adds over it is the elementwise work, the norms, the loss's softmax, the optimizer and the exposed
     communication."""
@@ -285,7 +323,11 @@ def step_floor(shape: ModelShape, s: Settings, parts: dict[str, float], accumula
     head = shape.vocab * shape.hidden
     flops = ((2.0 * run.forward_passes + run.backward_flops) * (shape.matmul_params - head)
              + (2.0 + run.backward_flops) * head) * run.tokens
-    kernels = {k: v for k, v in parts.items() if k.startswith("attention ") or k.endswith(" kernels")}
+    kernels = {k: v for k, v in parts.items() if k.startswith("attention ")}
+    mixer = shape.family.mixer
+    if mixer is not None and shape.mixer_layers:  # its kernels alone, whether or not the step timed it whole
+        kernels[f"{mixer.kind} kernels"] = len(set(shape.mixer_layers)) * mixer.kernel_seconds(shape.dims, run, r)[0] \
+            * accumulation
     out = {**{f"{k} s": v for k, v in kernels.items()},
            "matmuls s": flops / (r.LOSS_MATMUL_TFLOPS * 1e12) * accumulation, "matmul tflops": r.LOSS_MATMUL_TFLOPS}
     out["floor s"] = sum(kernels.values()) + out["matmuls s"]

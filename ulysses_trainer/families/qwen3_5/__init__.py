@@ -95,18 +95,40 @@ class GatedDeltaNet(TokenMixer):
                 "DeltaNet backward: conv input grad": t * self._conv(d) * e,
                 "residual-stream grad": t * d.hidden * e}
 
-    def seconds(self, d: LayerDims, run: MlpRun, rates: Any) -> tuple[float, list[str]]:
-        """The rule at its measured fla rate per token and value head (forward+backward, plus a forward per
-        further forward pass), the conv at fla's conv rate per token and channel (its forward taken as a third)."""
-        t, head = run.tokens, d.linear_k_dim * d.linear_v_dim / (128 * 128)
+    def seconds(self, d: LayerDims, run: MlpRun, rates: Any) -> tuple[float, list[str], float]:
+        """A mixer of a shape measured whole on this card (benchmarks/qwen3_5_mixer.py: projections, conv, rule,
+        gated norm, forward+backward per local token; a further forward taken as a third of that): at its rate, its
+        projections' FLOPs out of the dense rate. Else its kernels (kernel_seconds), the projections in the dense
+        FLOPs."""
+        t, extra = run.tokens, max(0.0, run.forward_passes - 1.0)
+        own = dict(getattr(rates, "MIXER_S_PER_TOKEN", ())).get(self.measured_key(d))
+        if own is not None:
+            taken = self.linear_numel(d) * t * (2.0 * run.forward_passes + run.backward_flops)
+            source = dict(rates.MIXER_SOURCES)[self.measured_key(d)]
+            return t * own * (1.0 + extra / 3.0), [
+                f"DeltaNet layers timed whole at their shape's measured rate ({source}, on an {rates.name}: one "
+                f"document a row; a recompute forward taken as a third of forward+backward)"], taken
+        seconds, notes = self.kernel_seconds(d, run, rates)
+        return seconds, notes, 0.0
+
+    def kernel_seconds(self, d: LayerDims, run: MlpRun, rates: Any) -> tuple[float, list[str]]:
+        """The rule at its measured fla rate per token and value head (forward+backward, plus a forward per further
+        forward pass), the conv at fla's conv rate per token and channel (its forward taken as a third)."""
+        t, extra = run.tokens, max(0.0, run.forward_passes - 1.0)
+        head = d.linear_k_dim * d.linear_v_dim / (128 * 128)
         fwd, fwd_bwd = rates.DELTANET_RULE_S
-        extra = max(0.0, run.forward_passes - 1.0)
         rule = t * d.linear_v_heads * head * (fwd_bwd + extra * fwd)
         conv = t * self._conv(d) * rates.DELTANET_CONV_S * (1.0 + extra / 3.0)
         cards = (getattr(rates, "DELTANET_RULE_CARD", "H200"), getattr(rates, "DELTANET_CONV_CARD", "H200"))
         on = cards[0] if cards[0] == cards[1] else f"the rule on an {cards[0]}, the conv on an {cards[1]}"
         return rule + conv, [f"DeltaNet layers timed at fla's measured rule and conv rates ({on}, one shape; the "
                              "torch kernel's rule and conv are not measured)"]
+
+    @staticmethod
+    def measured_key(d: LayerDims) -> tuple[int, int, int, int, int]:
+        """What a whole mixer's measured rate is keyed by: hidden, key heads, value heads, their widths (the time
+        per local token does not depend on sp: a rank runs its tokens' projections and its heads' whole rows)."""
+        return d.hidden, d.linear_k_heads, d.linear_v_heads, d.linear_k_dim, d.linear_v_dim
 
     @staticmethod
     def _conv(d: LayerDims) -> int:
