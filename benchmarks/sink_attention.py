@@ -15,28 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.attention_kernels import _time  # noqa: E402 — median of iters runs after one untimed call
 
 HEADS, KV_HEADS, HEAD_DIM, WINDOW = 8, 1, 64, 128
-
-
-def _time(fn, iters: int) -> float:
-    fn()  # compiles / autotunes
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
 
 
 def _loop_windowed(qa, ka, va, scale: float, window: int, n: int) -> torch.Tensor:

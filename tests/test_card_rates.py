@@ -14,6 +14,7 @@ import pytest
 from ulysses_trainer.__main__ import main as cli_main
 from ulysses_trainer.families.presets import preset_config
 from ulysses_trainer.plan import rates
+from ulysses_trainer.plan.attention_time import fastest_attention
 from ulysses_trainer.plan.card_rates import (
     COPY_GBPS,
     H100,
@@ -26,7 +27,6 @@ from ulysses_trainer.plan.card_rates import (
     rates_for,
 )
 from ulysses_trainer.plan.inputs import ModelShape
-from ulysses_trainer.plan.step_time import fastest_attention
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 YARN = ["--model_init_kwargs", '{"rope_parameters": {"rope_type": "yarn", "factor": "auto"}}']

@@ -300,8 +300,8 @@ def test_full_attention_at_head_dim_256_is_timed_at_its_measured_rate():
     from pathlib import Path
 
     from ulysses_trainer.plan import rates
+    from ulysses_trainer.plan.attention_time import attention_flops_forward, attention_seconds, head_dim_scale
     from ulysses_trainer.plan.inputs import ModelShape, Settings
-    from ulysses_trainer.plan.step_time import attention_flops_forward, attention_seconds, head_dim_scale
 
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
     assert rates.hd256_rates_from_results(results) == rates.HD256_RATES  # the table is the file's

@@ -39,7 +39,7 @@ class ModelShape:
     linear_v_dim: int = 0
     linear_conv: int = 0
     # the layers attending in a sliding window of `sliding_window` tokens (Mistral: all; Qwen2, Ministral, Gemma 3:
-    # those layer_types says); the time terms count them as the block path runs them (step_time.windowed_seconds),
+    # those layer_types says); the time terms count them as the block path runs them (attention_time.windowed_seconds),
     # the memory terms as full causal attention (an over-estimate)
     windowed_layers: tuple[int, ...] = ()
     sliding_window: int = 0

@@ -23,6 +23,7 @@ from ..vocabulary.layout import Layout, resolve_layout
 from ..vocabulary.lever_settings import AUTO_LEVERS, EVERY_LAYER, Levers, decode_levers
 from ..vocabulary.names import GIB, KEEPING_KERNELS, auto_num_tiles, choose_kernels
 from .attention_share import AttentionShare
+from .attention_time import fastest_attention
 from .card_rates import rates_for
 from .fit_search import HOST_HEADROOM, Fits, cheapest_autos, search_fits, shortfall, with_headroom
 from .inputs import ModelShape, Settings, check_settings
@@ -30,7 +31,7 @@ from .layer_terms import kept_attention_bytes_per_layer
 from .notes import WORST_CASE, decided, plan_notes  # noqa: F401 - WORST_CASE: the packing note, re-exported
 from .partitions import lora_numels
 from .rates import MEASURED_HEAD_SHAPE
-from .step_time import StepTime, fastest_attention, step_floor, step_time
+from .step_time import StepTime, step_floor, step_time
 from .types import Machine, Plan, Prediction, ZeroSettings, read_zero
 
 
