@@ -238,7 +238,6 @@ def _main(argv):
     (["--gpus", "4", "--comm", "/nonexistent/bw.json"], "no such file"),
     (["--gpus", "4", "--no_such_field", "1"], "no_such_field"),
     (["--gpus", "4", "--max_length", "512", "--warmup_length", "1024"], "--warmup_length must be between 2"),
-    (["--gpus", "4", "--host_standin"], "add --standin"),
     (["--gpus", "4", "--host_cores", "0"], "--host_cores must be >= 1, got 0"),
     (["--gpus", "4", "--layer_times", "--gradient_accumulation_steps", "2"], "add --gradient_accumulation_steps 1"),
 ])
@@ -527,6 +526,20 @@ def test_host_standin_holds_two_slots_and_counts_the_rest(tmp_path, capsys):
     assert r["host_offload_held_gb"] == pytest.approx(2 * slot)
     assert r["peak_host_job_gb"] == pytest.approx(r["peak_host_mem_gb"] + slot)
     assert "GiB of offloaded inputs counted" in capsys.readouterr().out
+
+
+def test_host_standin_times_the_step_on_a_smaller_host(tmp_path):
+    """--host_standin without --standin: a timed rehearsal (the real kernels) whose offloaded inputs share two host
+    slots; every step computes finite values from real activations, so the update runs and the time is the job's."""
+    out = tmp_path / "r.json"
+    assert _main(["--config", RECIPE, "--gpus", "2", "--max_length", "128", "--host_standin",
+                  "--model_init_kwargs", '{"num_hidden_layers": 4}', "--activation_offload", "3",
+                  "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["host_standin"] is True and r["standin"] is False and r["compute_time_real"] is True
+    assert r["offloaded_layers"] == 3 and not any(r["optimizer_update_skipped"])
+    assert r["host_offload_held_gb"] == pytest.approx(r["host_offload_counted_gb"] * 2 / 3)
+    assert all(math.isfinite(x) for x in r["losses"]) and r["compute_s"] > 0
 
 
 def test_layer_times_of_the_last_step(tmp_path, capsys):

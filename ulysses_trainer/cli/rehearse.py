@@ -71,9 +71,10 @@ def _parser() -> argparse.ArgumentParser:
                          "--attn_implementation flash_attention_4 it takes that kernel's path (every layer group "
                          "by group)")
     ap.add_argument("--host_standin", action="store_true",
-                    help="memory only, with --standin: the offloaded layer inputs share two host slots, so a host "
-                         "with less RAM than the job's rehearses the GPU side; the host share is counted (the "
-                         "result's host_offload_counted_gb and peak_host_job_gb), not held")
+                    help="the offloaded layer inputs share two host slots, so a host with less RAM than the job's "
+                         "rehearses it: the same copies both ways, each recompute from another layer's input "
+                         "(timed as the job, its values not the job's); the host share is counted (the result's "
+                         "host_offload_counted_gb and peak_host_job_gb), not held")
     ap.add_argument("--layer_times", action="store_true",
                     help="time the last step layer by layer (CUDA events at the layers' forward hooks and the "
                          "checkpointer's marks; no profiler): the JSON's layer_times and one summary line")
@@ -113,9 +114,6 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.steps < (1 if args.standin else 2):
         raise ConfigError(f"--steps must be >= 2 (the first step is a warm-up, not timed; 1 is enough with "
                           f"--standin), got {args.steps}")
-    if args.host_standin and not args.standin:
-        raise ConfigError("--host_standin overwrites offloaded layer inputs, so the step computes on garbage: "
-                          "it is for memory rehearsals only; add --standin")
     if args.gpus_per_node < 1:
         raise ConfigError(f"--gpus_per_node must be >= 1, got {args.gpus_per_node}")
     if args.host_cores is not None and args.host_cores < 1:

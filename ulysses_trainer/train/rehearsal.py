@@ -50,8 +50,9 @@ class Rehearsal:
     rank: int = 0
     steps: int = 2  # the first is a warm-up; the rest are timed (with standin, 1 is enough: memory only)
     standin: bool = False
-    # memory only: the offloaded layer inputs share HOST_STANDIN_SLOTS host slots (HostPool.held_slots), so a
-    # host smaller than the job's rehearses its GPU side; the host share is counted, not held
+    # the offloaded layer inputs share HOST_STANDIN_SLOTS host slots (HostPool.held_slots), so a host smaller than
+    # the job's rehearses it: the same copies, each recompute from another layer's input (real activations, so the
+    # kernels see the job's kind of data and the time holds; the values do not); the host share is counted
     host_standin: bool = False
     layer_times: bool = False  # the last step's seconds layer by layer (train/layer_times.py)
     gpus_per_node: int = 8
