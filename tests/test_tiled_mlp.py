@@ -12,6 +12,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 from tests.dist_utils import JOB_TIMEOUT_S, run_ranks, stock_zero3_step
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.tiled_mlp import TiledMLP
+from ulysses_trainer.parallel.sharding import mlp_output_unused
 from ulysses_trainer.vocabulary.names import auto_num_tiles
 
 
@@ -140,11 +141,9 @@ def _loss_and_grads(model, ids):
 
 @pytest.mark.parametrize("every", [1, 3])  # 3: layers 1, 2 are rebuilt by forwards whose outputs are used
 def test_recompute_skips_the_tiled_forward_and_changes_nothing(every):
-    from ulysses_trainer.levers import recompute
-
     ids = torch.randint(0, 1000, (2, 37), generator=torch.Generator().manual_seed(3))
     ref_model = _checkpointed_tiny(3, every)
-    ref_model.checkpointer.recompute_context = recompute._no_context  # the recompute runs the tiles
+    ref_model.checkpointer.recompute_skips_mlp = False  # the recompute runs the tiles
     model = _checkpointed_tiny(3, every)
     calls = {"n": 0}
     for layer in model.causal_lm.model.layers:
@@ -164,7 +163,7 @@ def test_recompute_skips_the_tiled_forward_and_changes_nothing(every):
     assert rebuilds == (2 if every == 3 else 0)  # layers 0 and 1 forward again to rebuild 1's and 2's inputs
     # forward 3 layers x 3 tiles, rebuilds 3 tiles each, backward 3 x 3; the recompute none
     assert calls["n"] == 9 + 3 * rebuilds + 9
-    assert all(not layer.mlp.output_unused for layer in model.causal_lm.model.layers)
+    assert not mlp_output_unused()  # the scope is left as it was
 
 
 def _sp2_tiled_vs_untiled(rank, world_size):

@@ -271,7 +271,7 @@ class Family:
         return tuple(n for n in self.layer_order if n not in ("attention", "mlp"))
 
     def recompute_skips_mlp(self) -> bool:
-        """Whether a checkpoint's recompute may skip a tiled MLP's forward (TiledMLP.unused_output): only where its
+        """Whether a checkpoint's recompute may skip a tiled MLP's forward (sharding.mlp_output_unused): only where its
         output feeds the residual add alone, whose backward does not read it; a norm after the MLP (Gemma 3's,
         OLMo 2's) reads it."""
         return self.mlp_output_unread and self.layer_order[-1] == "mlp"

@@ -29,7 +29,6 @@ decoder layers have no dropout, so the recompute is deterministic without it.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -42,10 +41,6 @@ from ..parallel.sharding import ShardContext, shard_in_scope, shard_scope
 from .host_pool import HostPool
 
 CheckpointFn = Callable[..., Any]
-
-
-def _no_context(layer: int) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------------------------
@@ -77,11 +72,13 @@ def _forward_state(device_type: str) -> ForwardState:
 
 
 class _AsInForward:
-    """Enter a forward's autocast contexts and its shard's scope as one."""
+    """Enter a forward's autocast contexts and its shard's scope as one; `mlp_output_unused`: a recompute whose
+    tiled MLP may skip its forward (parallel/sharding.shard_scope)."""
 
-    def __init__(self, state: ForwardState) -> None:
+    def __init__(self, state: ForwardState, mlp_output_unused: bool = False) -> None:
         autocast, shard = state
-        self.contexts = [torch.autocast(t, dtype=d, enabled=e) for t, e, d in autocast] + [shard_scope(shard)]
+        self.contexts = [torch.autocast(t, dtype=d, enabled=e) for t, e, d in autocast]
+        self.contexts.append(shard_scope(shard, mlp_output_unused))
 
     def __enter__(self) -> None:
         for c in self.contexts:
@@ -148,7 +145,7 @@ class _CheckpointFunction(torch.autograd.Function):
         args = [a.detach().requires_grad_(True) if isinstance(a, Tensor) and a.requires_grad else a
                 for a in ctx.args]
         with torch.enable_grad():
-            with _AsInForward(ctx.replay), ckpt.recompute_context(ctx.layer):
+            with _AsInForward(ctx.replay, ckpt.recompute_skips_mlp):
                 out, _ = _first(ctx.run_fn(x, *args))
             ckpt._tell(ctx.layer, "backward")
             if out.requires_grad:
@@ -173,7 +170,7 @@ class LayerRecompute:
     """
 
     def __init__(self, num_layers: int, offload_layers: Iterable[int] = (), pool: HostPool | None = None,
-                 checkpoint_every: int = 1):
+                 checkpoint_every: int = 1, recompute_skips_mlp: bool = False):
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
             raise ConfigError(f"num_layers must be an int >= 0, got {num_layers!r}")
         if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
@@ -203,9 +200,9 @@ class LayerRecompute:
         # A leaf that needs grad, passed to every call: backward then runs (and parameter gradients
         # accumulate) even when the hidden states themselves need no grad, e.g. frozen embeddings.
         self._anchor = torch.empty(0, requires_grad=True)
-        # Entered around each layer's recompute (not around rebuilds, whose outputs are used): parallelize
-        # sets it to the tiled MLP's unused_output, the recompute's output value is never read.
-        self.recompute_context: Callable[[int], contextlib.AbstractContextManager] = _no_context
+        # each layer's recompute (not the rebuilds, whose outputs are used) tells its tiled MLP that its output
+        # is never read, so the MLP skips its forward (parallelize: where the family allows it)
+        self.recompute_skips_mlp = recompute_skips_mlp
         # told (layer, "checkpoint recompute" | "backward") as backward reaches each layer: an out-of-memory error
         # names where it happened (train/out_of_memory.Where); the layer hooks run outside the checkpoint
         self.observer: Callable[[int, str], None] | None = None

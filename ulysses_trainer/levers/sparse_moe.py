@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ..errors import ConfigError
 from ..parallel.comm import all_reduce_sum_differentiable
-from ..parallel.sharding import shard_in_scope
+from ..parallel.sharding import mlp_output_unused, shard_in_scope
 from .tiled_mlp import TiledBlock
 
 
@@ -134,7 +134,7 @@ class _TiledExperts(torch.autograd.Function):
     def forward(ctx, x2d: Tensor, weights: Tensor, idx: Tensor, moe: SparseMoE) -> Tensor:
         ctx.moe = moe
         ctx.save_for_backward(x2d, weights, idx)
-        if moe.output_unused:  # a checkpoint's recompute: backward recomputes the tiles anyway
+        if mlp_output_unused():  # a checkpoint's recompute: backward recomputes the tiles anyway
             return torch.zeros_like(x2d)  # [N, H]
         out = torch.empty_like(x2d)  # [N, H]
         # Collective invariant: every rank runs exactly num_tiles tiles, empty ones included (tensor_split
@@ -189,7 +189,7 @@ class SparseMoE(TiledBlock, nn.Module):
     """Drop-in for transformers' Qwen3MoeSparseMoeBlock: the router on all rows, the experts by `num_tiles`
     sequence tiles (1: one call, no recompute of its own), the router statistics into `stats`.
 
-    unused_output (TiledBlock): inside, the experts' forward returns zeros with the same backward (a
+    Inside a recompute that skips the MLP (TiledBlock), the experts' forward returns zeros with the same backward (a
     checkpoint's recompute needs their graph, not their value). The router still runs: its weights and
     probability sums carry gradients."""
 
@@ -213,7 +213,6 @@ class SparseMoE(TiledBlock, nn.Module):
         self.num_tiles = num_tiles
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.stats = stats
-        self.output_unused = False
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -221,7 +220,7 @@ class SparseMoE(TiledBlock, nn.Module):
         shared = None if self.shared_expert is None else self.shared_expert(x2d)  # [N, H]
         router = getattr(self, self.router_name)
         logits, weights, idx = route(router, x2d, self.top_k, self.norm_topk_prob)  # [N, E], [N, k], [N, k]
-        if self.num_tiles == 1 and not self.output_unused:
+        if self.num_tiles == 1 and not mlp_output_unused():
             out = self.experts(x2d, idx, weights)  # [N, H]
         else:
             if torch.is_grad_enabled() and not x2d.requires_grad and any(p.requires_grad for p in self.parameters()):

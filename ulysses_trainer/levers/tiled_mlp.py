@@ -11,14 +11,11 @@ gradient (nothing downstream of a pad is trained or read by a real token).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from ..parallel.sharding import Spans, shard_in_scope
+from ..parallel.sharding import Spans, mlp_output_unused, shard_in_scope
 
 # `spans`: the (start, end) row ranges of [N, H] that are not pads (sharding.Spans); None: every row
 
@@ -61,7 +58,7 @@ class _TiledMLPFunction(torch.autograd.Function):
     def forward(ctx, x2d: Tensor, mlp: TiledMLP, spans: Spans | None = None) -> Tensor:
         ctx.mlp, ctx.spans = mlp, spans
         ctx.save_for_backward(x2d)
-        if mlp.output_unused:  # a checkpoint's recompute: backward recomputes the tiles anyway
+        if mlp_output_unused():  # a checkpoint's recompute: backward recomputes the tiles anyway
             return x2d.new_zeros((x2d.shape[0], mlp.down_proj.out_features))  # [N, H]
         if spans is not None:  # pads: output 0, the tiles run over the real rows only
             full = x2d.new_zeros((x2d.shape[0], mlp.down_proj.out_features))  # [N, H]
@@ -125,23 +122,13 @@ class _TiledMLPFunction(torch.autograd.Function):
 
 
 class TiledBlock:
-    """What a tiled MLP block (TiledMLP, levers/sparse_moe.SparseMoE) has beside its forward: `num_tiles` and
-    the unused_output switch, which its forward reads from `output_unused`."""
+    """What a tiled MLP block (TiledMLP, levers/sparse_moe.SparseMoE) has beside its forward: `num_tiles`. Inside
+    a checkpoint's recompute that says so (parallel/sharding.mlp_output_unused), its forward skips the tiles and
+    returns zeros with the same backward: the recompute needs the graph, not the value, which feeds only the
+    residual add, whose backward does not read it; the block's backward recomputes each tile from the saved
+    input anyway. That saves one MLP forward per layer and step."""
 
     num_tiles: int
-    output_unused: bool
-
-    @contextlib.contextmanager
-    def unused_output(self) -> Iterator[None]:
-        """Inside, forward skips the tiles and returns zeros (with the same backward): for a checkpoint's
-        recompute, which needs the graph, not the value. The value feeds only the residual add, whose
-        backward does not read it; this MLP's backward recomputes each tile from the saved input anyway.
-        Saves one MLP forward per layer and step (levers/recompute.py enters it; parallelize wires it)."""
-        self.output_unused = True
-        try:
-            yield
-        finally:
-            self.output_unused = False
 
     def extra_repr(self) -> str:
         return f"num_tiles={self.num_tiles}"
@@ -170,7 +157,6 @@ class TiledMLP(TiledBlock, nn.Module):
         for name in self.PARTS:
             setattr(self, name, getattr(mlp, name))
         self.num_tiles = num_tiles
-        self.output_unused = False  # see unused_output()
 
     def tile_forward(self, x: Tensor) -> Tensor:
         """The untiled gated MLP on some rows."""

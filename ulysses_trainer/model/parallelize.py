@@ -237,12 +237,12 @@ def _install(model: nn.Module, layers: nn.ModuleList, state: ParallelState, setu
     if setup.levers.gradient_checkpointing:
         pool = HostPool(host_memory_gb=setup.host_memory_gb, ranks_per_node=setup.ranks_per_node,
                         held_slots=setup.host_held_slots)
-        checkpointer = LayerRecompute(len(layers), [], pool)
+        # a tiled MLP's recompute needs its graph, not its output: skipped where the family allows it
+        skips = tiles > 1 and fam.recompute_skips_mlp()
+        checkpointer = LayerRecompute(len(layers), [], pool, recompute_skips_mlp=skips)
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = True  # HF decoder layers call _gradient_checkpointing_func
             layer._gradient_checkpointing_func = checkpointer.for_layer(i)
-        if tiles > 1 and fam.recompute_skips_mlp():  # the recompute needs the tiled MLP's graph, not its output
-            checkpointer.recompute_context = lambda i: layers[i].mlp.unused_output()
     # 6. the stash for kept attention outputs (only a recompute can reuse them: checked in _check)
     if setup.attention_stash:  # decided once (vocabulary/lever_settings.Levers.attention_stash)
         attention.stash = AttentionStash()

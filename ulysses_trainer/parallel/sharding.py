@@ -86,15 +86,27 @@ class ShardContext:
                             self.seq_len, self.start)
 
 
-# the shard whose layers run now: for the blocks that transformers' layers call with the hidden states alone
-_IN_SCOPE: ContextVar[ShardContext | None] = ContextVar("ulysses_trainer_shard", default=None)
+@dataclass(frozen=True)
+class _Scope:
+    """What the blocks that transformers' layers call with the hidden states alone (the tiled MLP, the sparse
+    block) read of the call they run in: the shard, and whether it is a checkpoint's recompute whose MLP output
+    is never read (its value feeds only the residual add; the block's backward recomputes its tiles anyway)."""
+
+    shard: ShardContext | None = None
+    mlp_output_unused: bool = False
+
+
+# the one channel past transformers' layers: set by SequenceParallelCausalLM around its decoder and by the layer
+# recompute (levers/recompute.py) around each layer it runs again; per thread (a ContextVar)
+_IN_SCOPE: ContextVar[_Scope | None] = ContextVar("ulysses_trainer_shard", default=None)
 
 
 @contextlib.contextmanager
-def shard_scope(context: ShardContext | None) -> Iterator[None]:
-    """Inside, `shard_in_scope()` is `context`: SequenceParallelCausalLM enters it around its decoder, the layer
-    recompute (levers/recompute.py) re-enters the one its forward ran under. Per thread (a ContextVar)."""
-    token = _IN_SCOPE.set(context)
+def shard_scope(context: ShardContext | None, mlp_output_unused: bool = False) -> Iterator[None]:
+    """Inside, `shard_in_scope()` is `context` and `mlp_output_unused()` the flag: SequenceParallelCausalLM enters
+    it around its decoder; the layer recompute re-enters the shard its forward ran under, the flag set where the
+    family lets the recompute skip a tiled MLP's forward (rebuilds, whose outputs are used, leave it off)."""
+    token = _IN_SCOPE.set(_Scope(context, mlp_output_unused))
     try:
         yield
     finally:
@@ -103,7 +115,14 @@ def shard_scope(context: ShardContext | None) -> Iterator[None]:
 
 def shard_in_scope() -> ShardContext | None:
     """The context of the shard whose layers run now (None outside the model's calls)."""
-    return _IN_SCOPE.get()
+    scope = _IN_SCOPE.get()
+    return None if scope is None else scope.shard
+
+
+def mlp_output_unused() -> bool:
+    """Whether this is a checkpoint's recompute that needs a tiled MLP's graph, not its value (shard_scope)."""
+    scope = _IN_SCOPE.get()
+    return scope is not None and scope.mlp_output_unused
 
 
 @dataclass

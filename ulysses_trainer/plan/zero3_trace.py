@@ -58,7 +58,7 @@ def module_trace(shape: ModelShape, gradient_checkpointing: bool = True, checkpo
     tiled = tiled_mlp > 1  # levers/tiled_mlp.py: forward runs the tiles; backward re-runs each before its backward
     at = lambda i, names: [(i, n) for n in names]  # noqa: E731
     forward = lambda i: at(i, attns[i] + mlp * tiled_mlp)  # noqa: E731
-    # a checkpoint's recompute skips a tiled MLP's forward (TiledMLP.unused_output) where the family allows it: its
+    # a checkpoint's recompute skips a tiled MLP's forward (sharding.mlp_output_unused) where the family allows: its
     # backward recomputes
     skip = tiled and shape.family.recompute_skips_mlp()
     recompute = lambda i: at(i, attns[i] + ([] if skip else mlp * tiled_mlp))  # noqa: E731

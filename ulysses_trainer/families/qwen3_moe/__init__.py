@@ -43,7 +43,7 @@ def experts_calls(run: MlpRun) -> float:
     """One layer's sparse block in one micro-step, in measured block calls (forward + backward at the step's tile
     count). Untiled, a call is 6 FLOPs per active parameter and row and each further forward adds 2 of them;
     tiled, a call is 8 (its forward runs without a graph, its backward recomputes each tile) and a checkpoint's
-    recompute skips the experts (SparseMoE.unused_output), while checkpoint_every's rebuilds run them."""
+    recompute skips the experts (parallel/sharding.mlp_output_unused), while checkpoint_every's rebuilds run them."""
     fp = run.forward_passes
     if run.levers.tiled_mlp == 1:
         return (2.0 * fp + 4.0) / 6.0
