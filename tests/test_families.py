@@ -14,6 +14,7 @@ from ulysses_trainer.plan.counts import layer_param_numels, num_active_params, n
 from ulysses_trainer.plan.inputs import ModelShape, Settings, mlp_run
 from ulysses_trainer.plan.layer_terms import layer_forward_saved, mlp_backward_extra
 from ulysses_trainer.plan.zero3_trace import forward_order, gathers_per_micro_step, module_trace
+from ulysses_trainer.vocabulary.layout import Layout
 
 
 @pytest.mark.parametrize("name,total,active", [
@@ -70,13 +71,13 @@ def test_sparse_trace_runs_the_router_once_and_the_experts_per_tile():
 
 def test_sparse_memory_terms_scale_with_top_k_and_tiles():
     shape = ModelShape.preset("qwen3-30b-a3b")
-    s = Settings(max_length=1048576, sp_size=8).with_levers(tiled_mlp=1)
+    s = Settings(max_length=1048576, layout=Layout(8, 8)).with_levers(tiled_mlp=1)
     saved = layer_forward_saved(shape, s)
     t = 131072
     assert saved["experts: permuted token buffer (top_k x t rows)"] == 8 * t * 2048 * 2
     assert saved["experts: intermediates of the top_k x t routed rows (gate_up, act, product)"] == 4 * 8 * t * 768 * 2
     assert "MLP intermediates (gate, act, up, product)" not in saved
-    tiled = Settings(max_length=1048576, sp_size=8).with_levers(tiled_mlp=8)
+    tiled = Settings(max_length=1048576, layout=Layout(8, 8)).with_levers(tiled_mlp=8)
     assert sum(layer_forward_saved(shape, tiled).values()) < sum(saved.values())
     assert sum(mlp_backward_extra(shape, tiled).values()) < sum(mlp_backward_extra(shape, s).values())
     batched = layer_forward_saved(shape, Settings(max_length=131072, experts_implementation="batched_mm"))

@@ -20,6 +20,7 @@ import torch
 
 from tests.sp_rank import trainer_path_matches
 from tests.test_qwen3_5 import assert_equal, batch, build, lora_model, reference, sp_run
+from ulysses_trainer.vocabulary.layout import Layout
 
 PRESET = "tiny-gemma3"
 # sp 1, 2, 4; packed documents: one inside a window (9 tokens), one across windows and the rank boundary (50), one
@@ -164,7 +165,7 @@ def test_gemma_3_27b_counts_what_transformers_builds_and_plans_at_1m_on_8_gpus(c
     assert data["fits"] and data["estimate"]["parameters"] == built
     assert any("52 of 62 layers attend in a 1,024-token sliding window: timed as the block path runs them"
                in n for n in data["plan"]["notes"])
-    s = Settings(max_length=1_048_576, sp_size=8, attn_implementation="flash_attention_4")
+    s = Settings(max_length=1_048_576, layout=Layout(8, 8), attn_implementation="flash_attention_4")
     windowed = step_time(shape, s, shape.num_params).parts
     full = step_time(replace(shape, windowed_layers=(), sliding_window=0), s, shape.num_params).parts
     for part in ("attention forward", "attention backward"):  # 10 global layers + 52 at 4 x 1024 / 1M of full

@@ -17,6 +17,7 @@ from ulysses_trainer.model.parallelize import ParallelizeConfig, parallelize
 from ulysses_trainer.plan.inputs import ModelShape
 from ulysses_trainer.plan.resolve import resolve_plan
 from ulysses_trainer.plan.types import Machine
+from ulysses_trainer.vocabulary.layout import Layout
 from ulysses_trainer.vocabulary.lever_settings import TRUE_TILES, decode_levers
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ulysses_trainer"
@@ -180,7 +181,8 @@ def test_the_mlp_terms_and_the_comm_jobs_read_the_plans_lever_record():
     from ulysses_trainer.plan.inputs import Settings, mlp_run
 
     shape = ModelShape.preset("qwen3-8b")
-    s = Settings(max_length=65_536, sp_size=2).with_levers(checkpoint_every=3, tiled_mlp=8, activation_offload=2)
+    s = Settings(max_length=65_536, layout=Layout(2, 2)).with_levers(checkpoint_every=3, tiled_mlp=8,
+                                                                     activation_offload=2)
     run, job = mlp_run(shape, s), Job.of(s)
     assert run.levers == job.levers == s.levers
     assert (run.levers.tiled_mlp, run.levers.gradient_checkpointing, job.levers.checkpoint_every) == (8, True, 3)

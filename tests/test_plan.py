@@ -19,6 +19,7 @@ from ulysses_trainer.plan.calibration import compare, load_calibration, load_mea
 from ulysses_trainer.plan.inputs import ModelShape, Settings
 from ulysses_trainer.plan.longest_fit import Hardware, choose_settings, largest_max_length
 from ulysses_trainer.plan.memory import estimate
+from ulysses_trainer.vocabulary.layout import Layout
 from ulysses_trainer.vocabulary.names import GIB
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +40,7 @@ def test_parameter_count_qwen3_8b():
 
 
 def test_model_states_qwen3_8b_zero3_8_ranks():
-    s = Settings(max_length=8192, sp_size=8)
+    s = Settings(max_length=8192, layout=Layout(8, 8))
     # every 8B tensor divides by 8, so each rank holds exactly N/8 elements
     assert M.weights_bytes(Q8, s) == 2 * N_8B // 8 == 2_047_683_840
     assert M.gradients_bytes(Q8, s) == 2 * N_8B // 8
@@ -53,14 +54,14 @@ def test_model_states_qwen3_8b_zero3_8_ranks():
 
 def test_zero3_partition_pads_each_tensor():
     tiny = ModelShape.preset("tiny")
-    s = Settings(max_length=64, sp_size=1, dp_size=3)  # world 3: tensors that 3 does not divide are padded
+    s = Settings(max_length=64, layout=Layout(3, 1))  # world 3: tensors that 3 does not divide are padded
     want = sum(-(-n // 3) for n in counts.param_numels(tiny))
     assert want > counts.num_params(tiny) / 3
     assert M.weights_bytes(tiny, s) == 2 * want
 
 
 def test_checkpoints_1m_tokens_sp8():
-    s = Settings(max_length=1_048_576, sp_size=8)
+    s = Settings(max_length=1_048_576, layout=Layout(8, 8))
     assert inputs.local_tokens(s) == 131_072
     assert M.checkpoint_bytes_per_layer(Q8, s) == 131_072 * 4096 * 2 == GIB
     assert M.checkpoints_gpu_bytes(Q8, s) == 36 * GIB
@@ -83,7 +84,7 @@ def test_pinned_power_of_two_rounding_reproduces_the_448k_host_story():
 
 def test_loss_terms_by_hand():
     t, h, c = 131_072, 4096, 256
-    s = Settings(max_length=1_048_576, sp_size=8)
+    s = Settings(max_length=1_048_576, layout=Layout(8, 8))
     # hidden grad (bf16) + fp32 lm_head grad + the larger of: one chunk's fp32 logits next to the bf16
     # dlogits of 8 chunks, or the final bf16 [V, H] weight grad
     assert L.chunked_loss_bytes(Q8, s) == t * h * 2 + V * h * 4 + max(c * V * 4 + 8 * c * V * 2, V * h * 2)
@@ -127,7 +128,7 @@ def test_layer_terms_by_hand():
     assert sum(extra.values()) == t * h * 2 + 6 * r * i * 2 + 2 * r * h * 2
     # sp 8 > 8 KV heads? no: 8 divides 8, no replication; sp 16 on a 32q/8kv model replicates KV twice
     assert inputs.kv_repeat(Q4, 8) == 1 and inputs.kv_repeat(Q4, 16) == 2
-    sp16 = Settings(max_length=16 * 4096, sp_size=16)
+    sp16 = Settings(max_length=16 * 4096, layout=Layout(16, 16))
     saved = layer_terms.layer_forward_saved(Q4, sp16)
     assert saved["attention q, k, v (after rope / all-to-all)"] == 4096 * (q + 2 * 2 * k) * 2
 
@@ -144,7 +145,7 @@ def test_tiling_lowers_the_layer_working_set_and_offload_lowers_the_peak():
 
 
 def test_estimate_adds_up():
-    e = estimate(Q8, Settings(max_length=1_048_576, sp_size=8).with_levers(tiled_mlp=8, activation_offload=3))
+    e = estimate(Q8, Settings(max_length=1_048_576, layout=Layout(8, 8)).with_levers(tiled_mlp=8, activation_offload=3))
     counted = sum(t.gpu for t in e.terms if e.counts(t) and t.phase != "overhead")
     assert counted == e.gpu_peak
     assert e.peak_phase == max(("layer_backward", "loss"), key=lambda p: e.phases[p])
@@ -164,7 +165,7 @@ def test_bad_settings_are_config_errors():
     from ulysses_trainer.errors import ConfigError
 
     with pytest.raises(ConfigError, match="query heads"):
-        estimate(Q8, Settings(max_length=4096, sp_size=3))
+        estimate(Q8, Settings(max_length=4096, layout=Layout(3, 3)))
     with pytest.raises(ConfigError, match="activation_offload"):
         estimate(Q8, Settings(max_length=4096).with_levers(activation_offload=37))
 
@@ -173,7 +174,7 @@ def test_bad_settings_are_config_errors():
 
 
 def test_search_no_levers_when_memory_is_ample():
-    c = choose_settings(Q8, Settings(max_length=32_768, sp_size=8), Hardware(8, 141, 2000))
+    c = choose_settings(Q8, Settings(max_length=32_768, layout=Layout(8, 8)), Hardware(8, 141, 2000))
     assert c.fits
     lv = c.settings.levers
     assert (lv.activation_offload, lv.tiled_mlp, lv.optimizer_offload) == (0, 1, False)
@@ -181,10 +182,10 @@ def test_search_no_levers_when_memory_is_ample():
 
 def test_search_offloads_when_tight_and_picks_the_fewest():
     hw = Hardware(8, 76, 1000)
-    c = choose_settings(Q8, Settings(max_length=1_048_576, sp_size=8, lean_norm=False), hw)  # HF's norms: tight
+    c = choose_settings(Q8, Settings(max_length=1_048_576, layout=Layout(8, 8), lean_norm=False), hw)  # HF norms: tight
     s, lv = c.settings, c.settings.levers
     assert c.fits and lv.activation_offload > 0 and not lv.optimizer_offload
-    lean = choose_settings(Q8, Settings(max_length=1_048_576, sp_size=8), hw)  # lean norms: no offload needed
+    lean = choose_settings(Q8, Settings(max_length=1_048_576, layout=Layout(8, 8)), hw)  # lean norms: no offload needed
     assert lean.fits and lean.settings.levers.activation_offload == 0 and lean.estimate.gpu_peak < c.estimate.gpu_peak
     fits = lambda **kw: estimate(Q8, s.with_levers(**kw)).fits(hw.gpu_memory_gb, hw.host_memory_gb)  # noqa: E731
     assert not fits(activation_offload=lv.activation_offload - 1, tiled_mlp=64)  # one fewer never fits
@@ -192,14 +193,14 @@ def test_search_offloads_when_tight_and_picks_the_fewest():
 
 
 def test_search_uses_optimizer_offload_only_when_needed_and_reports_no_fit():
-    tight = choose_settings(Q8, Settings(max_length=65_536, sp_size=1), Hardware(1, 80, 500))
+    tight = choose_settings(Q8, Settings(max_length=65_536), Hardware(1, 80, 500))
     assert tight.fits and tight.settings.levers.optimizer_offload  # 16 bytes x 8.2B params alone exceed 80 GiB
-    fixed = choose_settings(Q8, Settings(max_length=65_536, sp_size=1), Hardware(1, 80, 500), optimizer_offload=False)
+    fixed = choose_settings(Q8, Settings(max_length=65_536), Hardware(1, 80, 500), optimizer_offload=False)
     assert not fixed.fits
 
 
 def test_largest_max_length_monotone_in_gpu_memory():
-    base = Settings(max_length=1024, sp_size=8)
+    base = Settings(max_length=1024, layout=Layout(8, 8))
     found = [largest_max_length(Q8, base, Hardware(8, gb, 1000))[0] for gb in (40, 60, 80, 100, 141)]
     assert all(a <= b for a, b in zip(found, found[1:])) and found[0] < found[-1]
     assert all(n % 8192 == 0 for n in found)
@@ -406,7 +407,7 @@ def test_grouped_attention_and_kept_outputs_by_hand():
     full = attention_backward_extra(Q4, replace(s, grouped_attention=False))
     assert full["attention backward: fp32 dq accumulator + row sums"] == t * Q4.q_width * 4 + t * Q4.heads * 4
     # 8B at sp=8: one KV head per rank, nothing kept: the all-heads kernel (F.sdpa), not the group path
-    assert key not in attention_backward_extra(Q8, Settings(max_length=t * 8, sp_size=8))
+    assert key not in attention_backward_extra(Q8, Settings(max_length=t * 8, layout=Layout(8, 8)))
     assert unattributed_bytes(Q4, s) == 0 and unattributed_bytes(Q4, replace(s, lean_norm=False)) == 8 * t * Q4.hidden
     # kept attention outputs: all 36 held at the top layer's backward but its own (now its saved output)
     per = t * Q4.q_width * 2 + t * Q4.heads * 4
@@ -427,7 +428,7 @@ def test_attention_path_at_sp8_one_kv_head_per_rank():
     t = 131_072
     u, rows = t * 4096 * 2, t * 32 * 4  # rows: fp32 row sums (LSE-sized) of the 32 heads' worth
     # the variants ran one step each: no ZeRO-3 trace yet (zero3_trace false)
-    s = Settings(max_length=8 * t, sp_size=8, attn_implementation="standin_memory_only",
+    s = Settings(max_length=8 * t, layout=Layout(8, 8), attn_implementation="standin_memory_only",
                  zero3_trace=False).with_levers(tiled_mlp=12)
     full, grouped = attention_backward_extra(Q8, s), attention_backward_extra(Q8, s, keeps_output=True)
     # both: d(out) (the all-to-all's result; its send buffer and o_proj's input grad are freed) 1, the
@@ -469,7 +470,7 @@ def test_zero3_holds_max_live_parameters_from_the_second_step():
     from ulysses_trainer.plan.inputs import Zero3Knobs
     from ulysses_trainer.plan.layer_terms import layer_gathered_params_bytes
 
-    s = Settings(max_length=131_072, sp_size=2).with_levers(tiled_mlp=5, keep_attention_outputs=36)
+    s = Settings(max_length=131_072, layout=Layout(2, 2)).with_levers(tiled_mlp=5, keep_attention_outputs=36)
     steady, first = layer_gathered_params_bytes(Q4, s), layer_gathered_params_bytes(Q4, replace(s, zero3_trace=False))
     assert steady - first == 1_000_000_000 * 2 - (sum(layer_param_numels(Q4)) + int(0.9 * Q4.hidden**2)) * 2
     assert estimate(Q4, s).gpu_peak - estimate(Q4, replace(s, zero3_trace=False)).gpu_peak == steady - first
@@ -536,7 +537,7 @@ def test_the_fa4_stand_in_is_planned_as_flash_attention_4():
 
     moe = ModelShape.from_config(preset_config("qwen3-30b-a3b"))
     for shape in (Q8, moe):
-        s = Settings(max_length=4_194_304, sp_size=8).with_levers(tiled_mlp=32, checkpoint_every=2,
+        s = Settings(max_length=4_194_304, layout=Layout(8, 8)).with_levers(tiled_mlp=32, checkpoint_every=2,
                                                                   activation_offload=18)
         fa4, twin, plain = (estimate(shape, replace(s, attn_implementation=k))
                              for k in ("flash_attention_4", STANDIN_FA4,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from tests.sp_rank import sp_steps, summed_grads
 from ulysses_trainer.errors import ConfigError
+from ulysses_trainer.vocabulary.layout import Layout
 
 VOCAB = 503
 IGNORE = -100
@@ -160,10 +161,10 @@ def test_sp_sizes_the_deltanet_heads_refuse():
     from ulysses_trainer.plan.inputs import ModelShape, Settings, check_settings
 
     shape = ModelShape.preset("qwen3.5-27b")  # 24 q / 4 kv heads; DeltaNet 16 key / 48 value heads
-    check_settings(shape, Settings(max_length=1024, sp_size=8))  # 8 > 4 KV heads: replicated
+    check_settings(shape, Settings(max_length=1024, layout=Layout(8, 8)))  # 8 > 4 KV heads: replicated
     with pytest.raises(ConfigError, match=r"sp_size=3 does not divide the model's 16 linear-attention .*"
                                           r"sp_size values that work for this model: \[1, 2, 4, 8\]"):
-        check_settings(shape, Settings(max_length=1024, sp_size=3))
+        check_settings(shape, Settings(max_length=1024, layout=Layout(3, 3)))
 
 
 def test_presets_count_the_published_sizes():
@@ -308,7 +309,7 @@ def test_full_attention_at_head_dim_256_is_timed_at_its_measured_rate():
     shape = ModelShape.preset("qwen3.5-27b")
     for kernel, pts in rates.HD256_RATES.items():
         for length, tflops in pts:
-            s = Settings(max_length=length, sp_size=8, attn_implementation=kernel,
+            s = Settings(max_length=length, layout=Layout(8, 8), attn_implementation=kernel,
                          deltanet_kernel="fla").with_levers(tiled_mlp=16)
             fwd, bwd = attention_seconds(shape, s)[:2]
             assert 3.5 * attention_flops_forward(shape, s) / (fwd + bwd) / 1e12 == pytest.approx(tflops, rel=1e-6)
@@ -328,7 +329,7 @@ def test_the_plan_times_and_sizes_deltanet_layers_by_their_own_terms():
     assert rates.deltanet_rates_from_results(results) == (rates.DELTANET_RULE_S, rates.DELTANET_RULE_PEAK_BYTES,
                                                           rates.DELTANET_CONV_S)  # the table is the file's
     shape = ModelShape.preset("qwen3.5-27b")  # 48 DeltaNet + 16 full-attention layers
-    s = Settings(max_length=1048576, sp_size=8, attn_implementation="sdpa",
+    s = Settings(max_length=1048576, layout=Layout(8, 8), attn_implementation="sdpa",
                  deltanet_kernel="fla").with_levers(tiled_mlp=16)
     st = step_time(shape, s, shape.num_params)
     every = step_time(shape.__class__(**{**_fields(shape), "mixer_layers": ()}), s, shape.num_params)
@@ -356,7 +357,7 @@ def test_the_floor_and_the_all_to_alls_count_the_deltanet_layers():
     from ulysses_trainer.plan.step_time import step_floor, step_time
 
     shape = ModelShape.preset("qwen3.5-27b")
-    s = Settings(max_length=1048576, sp_size=8, attn_implementation="sdpa",
+    s = Settings(max_length=1048576, layout=Layout(8, 8), attn_implementation="sdpa",
                  deltanet_kernel="fla").with_levers(tiled_mlp=16)
     st = step_time(shape, s, shape.num_params)
     floor = step_floor(shape, s, st.parts)
@@ -467,7 +468,7 @@ def test_zero3_gathered_layer_params_are_the_binding_layer_kinds():
     term = "ZeRO-3 gathered layer params + grads"
     for sp_size, binds, own, below in ((1, "linear_attention backward", deltanet, deltanet),
                                   (8, "attention backward", attention, deltanet)):
-        s = Settings(max_length=131072, sp_size=sp_size, zero3_trace=False,
+        s = Settings(max_length=131072, layout=Layout(sp_size, sp_size), zero3_trace=False,
                      deltanet_kernel="fla").with_levers(tiled_mlp=16)
         est = estimate(shape, s)
         assert backward_peak_layer(shape, s) == 63  # the top layer, a full-attention one

@@ -17,6 +17,7 @@ from ulysses_trainer.plan.collectives import EVERY_LAYER, Collective, Job, step_
 from ulysses_trainer.plan.comm_model import A2A_STALL_S_PER_GB, Overlap, estimate, load_bandwidth, wire_bytes
 from ulysses_trainer.plan.counts import param_numels
 from ulysses_trainer.plan.inputs import ModelShape, Settings
+from ulysses_trainer.vocabulary.layout import Layout
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = str(ROOT / "launch/recipes/cpu_default.yaml")
@@ -151,7 +152,8 @@ def test_a_plans_job_counts_with_the_plans_own_lever_record():
     # Job.of reads the settings' lever record (Settings.levers, what Plan.levers is made of), not copies of it:
     # thinning and tiles chosen by the plan reach the counts, and a record with an auto lever left is refused
     s = ModelShape.preset("qwen3-8b")
-    run = Settings(max_length=262_144, sp_size=4).with_levers(checkpoint_every=2, tiled_mlp=12, activation_offload=3)
+    run = Settings(max_length=262_144, layout=Layout(4, 4)).with_levers(checkpoint_every=2, tiled_mlp=12,
+                                                                        activation_offload=3)
     job = Job.of(run)
     assert job.levers == run.levers
     assert (job.levers.checkpoint_every, job.levers.tiled_mlp, job.levers.activation_offload) == (2, 12, 3)

@@ -31,6 +31,7 @@ from ulysses_trainer.plan.step_time import (
     step_time,
 )
 from ulysses_trainer.plan.types import Machine, ZeroSettings
+from ulysses_trainer.vocabulary.layout import Layout
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "launch" / "recipes").glob("*.yaml"))
@@ -297,7 +298,7 @@ def test_the_measured_step_is_the_steady_one_not_the_warm_up():
 
 
 def test_step_time_says_where_it_extrapolates():
-    s = Settings(max_length=1_048_576, sp_size=8, attn_implementation="flash_attention_2")
+    s = Settings(max_length=1_048_576, layout=Layout(8, 8), attn_implementation="flash_attention_2")
     notes = " ".join(step_time(ModelShape.preset("qwen3-8b"), s, 8_000_000_000).extrapolated)
     assert "held constant at 1,048,576" in notes and "flash_attention_2 not measured" in notes
     assert "communication modelled" in notes and "rates of an H200 assumed" in notes

@@ -18,6 +18,7 @@ from ulysses_trainer.ds_config import load_ds_config
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.plan.inputs import Settings
 from ulysses_trainer.plan.types import read_zero
+from ulysses_trainer.vocabulary.layout import Layout
 from ulysses_trainer.zero_json import DEEPSPEED_TOP_LEVEL, DEEPSPEED_ZERO_DEFAULTS
 
 ZERO3 = json.loads((REPO_ROOT / "ds_configs" / "zero3.json").read_text())
@@ -211,7 +212,7 @@ def test_the_rehearsal_times_communication_with_the_plans_sizes():
 
     zero = read_zero({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 12345,
                                             "reduce_bucket_size": "auto"}})
-    run = Settings(max_length=64, sp_size=2, bf16=False, zero3=zero.by_placement[False])
+    run = Settings(max_length=64, layout=Layout(2, 2), bf16=False, zero3=zero.by_placement[False])
     plan = SimpleNamespace(cfg=TrainConfig(), resolved=SimpleNamespace(run=run))
     job = comm_job(plan, gpus_per_node=8, levers=run.levers)
     assert comm_job(plan, gpus_per_node=8, levers=replace(run.levers, tiled_mlp=7)).levers.tiled_mlp == 7

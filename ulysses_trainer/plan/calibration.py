@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..vocabulary.layout import Layout
 from ..vocabulary.lever_settings import LEVER_FIELDS
 from ..vocabulary.names import DEFAULT_SUB_GROUP_SIZE, GIB, PLANNED_KERNELS, STANDIN, STANDINS, auto_num_tiles
 from .inputs import ModelShape, Settings, Zero3Knobs
@@ -47,13 +48,15 @@ class Measurement:
 def settings_from_dict(d: dict[str, Any]) -> Settings:
     """Settings from JSON, the levers under their own names (Settings.flat's keys; unknown keys are an error, so a
     typo cannot silently change a prediction)."""
-    known = ({f.name for f in fields(Settings)} - {"levers"}) | set(LEVER_FIELDS)
+    known = ({f.name for f in fields(Settings)} - {"levers", "layout"}) | {"sp_size", "dp_size"} | set(LEVER_FIELDS)
     bad = sorted(set(d) - known)
     if bad:
         raise ConfigError(f"calibration settings have unknown keys {bad}; known: {sorted(known)}")
     d = dict(d)
     if isinstance(d.get("zero3"), dict):
         d["zero3"] = Zero3Knobs(**d["zero3"])
+    sp, dp = d.pop("sp_size", 1), d.pop("dp_size", 1)
+    d["layout"] = Layout(sp * dp, sp)
     return Settings(**{k: v for k, v in d.items() if k not in LEVER_FIELDS}).with_levers(
         **{k: v for k, v in d.items() if k in LEVER_FIELDS})
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from ..errors import ConfigError
 from ..families import MlpRun
-from ..vocabulary.layout import check_heads, padded_length
+from ..vocabulary.layout import Layout, check_heads, padded_length
 from ..vocabulary.layout import kv_repeat as layout_kv_repeat
 from ..vocabulary.lever_settings import EVERY_LAYER, Levers
 from ..vocabulary.names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS
@@ -50,8 +50,7 @@ class Settings:
     one lever record (vocabulary/lever_settings.Levers), decided."""
 
     max_length: int
-    sp_size: int = 1
-    dp_size: int = 1
+    layout: Layout = Layout(1, 1)  # the ranks: dp groups of sp (vocabulary/layout.resolve_layout decides it)
     micro_batch: int = 1
     bf16: bool = True
     zero_stage: Literal[0, 3] = 3  # 0: plain torch (no sharding; used for the HF / ALST baselines)
@@ -103,8 +102,16 @@ class Settings:
                              f"got {self.levers}")
 
     @property
+    def sp_size(self) -> int:
+        return self.layout.sp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp_size
+
+    @property
     def world_size(self) -> int:
-        return self.sp_size * self.dp_size
+        return self.layout.world_size
 
     @property
     def act_bytes(self) -> int:
@@ -133,7 +140,9 @@ class Settings:
         written them (MemoryEstimate.to_dict, the replan's line)."""
         out: dict[str, Any] = {}
         for name, value in self.__dict__.items():
-            if name != "levers":
+            if name == "layout":  # under the config's names
+                out["sp_size"], out["dp_size"] = value.sp_size, value.dp_size
+            elif name != "levers":
                 out[name] = value
             for lever in _LEVERS_AFTER.get(name, ()):
                 out[lever] = getattr(self.levers, lever)

@@ -91,7 +91,7 @@ def search_plan(cfg: Any, shape: ModelShape, machine: Machine, zero: ZeroSetting
         fastest = fastest_attention(shape, cfg.max_length, layout.sp_size, machine.kernels,
                                     rates_for(machine.gpu_name, machine.gpu_memory_gb)[0])
         kernels = replace(kernels, attn_implementation=fastest or kernels.attn_implementation)
-    base = Settings(max_length=cfg.max_length, sp_size=layout.sp_size, dp_size=layout.dp_size,
+    base = Settings(max_length=cfg.max_length, layout=layout,
                     micro_batch=cfg.per_device_train_batch_size, bf16=bf16,
                     levers=replace(EVERY_LAYER, gradient_checkpointing=cfg.gradient_checkpointing),
                     loss_type=cfg.loss_type,
