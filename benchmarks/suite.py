@@ -232,6 +232,13 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
                                 "host RAM", [
         _rehearse("qwen3_5_27b_8gpu_1m", "--config", Q35_27B, "--gpus", "8", "--host_memory_gb", "560",
                   "--warmup_length", "8192")]),
+    "rehearse_qwen3_5_27b_1m_nodes": ("rank 0 of Qwen3.5-27B at 1,048,576 tokens on 8 GPUs (sp=8) of a node with "
+                                      "1 TB, then 2 TB of host RAM and 128 cores, timed; the offloaded inputs share "
+                                      "two host slots (--host_standin), so a machine with less RAM than the rank's "
+                                      "share runs it (needs fla-core)", [
+        _rehearse(f"qwen3_5_27b_8gpu_1m_{gb}gb_{CARD}", "--config", Q35_27B, "--gpus", "8", "--host_memory_gb", gb,
+                  "--host_cores", "128", "--host_standin", "--warmup_length", "8192", "--norm_kernel", "triton",
+                  "--attn_implementation", "sdpa") for gb in ("1000", "2000")]),
     "rehearse_qwen3_5_35b_1m": ("rank 0 of Qwen3.5-35B-A3B at 1,048,576 tokens on 8 GPUs (sp=8) on one GPU; the "
                                 "node's host RAM", [
         _rehearse("qwen3_5_35b_a3b_8gpu_1m", "--config", Q35_35B, "--gpus", "8", "--host_memory_gb", "560",

@@ -72,8 +72,7 @@ def _forward_state(device_type: str) -> ForwardState:
 
 
 class _AsInForward:
-    """Enter a forward's autocast contexts and its shard's scope as one; `mlp_output_unused`: a recompute whose
-    tiled MLP may skip its forward (parallel/sharding.shard_scope)."""
+    """Enter a forward's autocast contexts and its shard's scope (parallel/sharding.shard_scope) as one."""
 
     def __init__(self, state: ForwardState, mlp_output_unused: bool = False) -> None:
         autocast, shard = state
@@ -200,8 +199,8 @@ class LayerRecompute:
         # A leaf that needs grad, passed to every call: backward then runs (and parameter gradients
         # accumulate) even when the hidden states themselves need no grad, e.g. frozen embeddings.
         self._anchor = torch.empty(0, requires_grad=True)
-        # each layer's recompute (not the rebuilds, whose outputs are used) tells its tiled MLP that its output
-        # is never read, so the MLP skips its forward (parallelize: where the family allows it)
+        # a layer's recompute (not a rebuild, whose output is used) tells its tiled MLP that its output goes
+        # unread: the MLP skips its forward (parallelize sets it where the family allows)
         self.recompute_skips_mlp = recompute_skips_mlp
         # told (layer, "checkpoint recompute" | "backward") as backward reaches each layer: an out-of-memory error
         # names where it happened (train/out_of_memory.Where); the layer hooks run outside the checkpoint
