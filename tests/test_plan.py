@@ -166,6 +166,8 @@ def test_bad_settings_are_config_errors():
 
     with pytest.raises(ConfigError, match="query heads"):
         estimate(Q8, Settings(max_length=4096, layout=Layout(3, 3)))
+    with pytest.raises(ConfigError, match="sp_size must divide the world size"):  # a Layout resolve_layout refuses
+        estimate(Q8, Settings(max_length=4096, layout=Layout(12, 8)))
     with pytest.raises(ConfigError, match="activation_offload"):
         estimate(Q8, Settings(max_length=4096).with_levers(activation_offload=37))
 

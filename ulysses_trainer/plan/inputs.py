@@ -161,7 +161,8 @@ def check_settings(shape: ModelShape, s: Settings) -> None:
             raise ConfigError(msg)
 
     need(s.max_length >= 2, f"max_length must be >= 2 tokens, got {s.max_length}")
-    need(s.sp_size >= 1 and s.dp_size >= 1, f"sp_size and dp must be >= 1, got sp_size={s.sp_size}, dp={s.dp_size}")
+    need(s.sp_size >= 1 and s.dp_size >= 1 and s.world_size == s.sp_size * s.dp_size,
+         f"sp_size must divide the world size, both >= 1: got sp_size={s.sp_size}, world {s.world_size}")
     mixer = shape.family.mixer
     check_heads(s.sp_size, shape.heads, shape.kv_heads,
                 mixer.sp_heads(shape.dims) if mixer is not None and shape.mixer_layers else ())
