@@ -129,3 +129,27 @@ def test_keeps_one_layer_input_in_k():
         finally:
             _wire(model, None)
     assert held[1] - held[3] == (6 - 2) * 2 * 21 * 64 * 4  # 4 fewer [b, s, h] fp32 layer inputs
+
+
+@pytest.mark.parametrize("every", [2, 3, 5])
+def test_each_layer_runs_the_forwards_the_plan_counts(tiny, every):
+    """The planner's per-layer forward count (plan/inputs.layer_forward_passes: a block's top is not rebuilt)
+    is what the recompute runs: hooks count each layer's attention forwards through a real backward."""
+    from ulysses_trainer.plan.inputs import ModelShape, Settings, forward_passes, layer_forward_passes
+
+    model, ids, _ = tiny
+    counts = [0] * N
+    hooks = [layer.self_attn.register_forward_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
+             for i, layer in enumerate(model.model.layers)]
+    ckpt = LayerRecompute(N, [], HostPool(host_memory_gb=1.0), checkpoint_every=every)
+    _wire(model, ckpt)
+    try:
+        _loss_and_grads(model, ids)
+    finally:
+        _wire(model, None)
+        for h in hooks:
+            h.remove()
+    shape = ModelShape.from_config(model.config)
+    s = Settings(max_length=ids.shape[1]).with_levers(gradient_checkpointing=True, checkpoint_every=every)
+    assert counts == [layer_forward_passes(shape, s, i) for i in range(N)]
+    assert sum(counts) / N == pytest.approx(forward_passes(shape, s))  # the dense terms' average agrees

@@ -19,6 +19,7 @@ from ulysses_trainer.plan.memory import estimate
 from ulysses_trainer.plan.resolve import WORST_CASE, resolve_plan
 from ulysses_trainer.plan.step_time import step_time
 from ulysses_trainer.plan.types import Machine, ZeroSettings
+from ulysses_trainer.vocabulary.layout import Layout
 
 ROOT = Path(__file__).resolve().parent.parent
 Q4 = ModelShape.preset("qwen3-4b")
@@ -159,3 +160,22 @@ def test_the_replan_after_the_engine_keeps_the_datas_attention(monkeypatch, caps
     assert lines[1].startswith("plan with the free GPU memory measured: ") and lines[1].endswith("d2 on every rank")
     report_replan(first, first, None, "d1")
     assert said() == []
+
+
+def test_a_hybrids_full_layers_are_block_tops_under_checkpoint_every_2():
+    """Qwen3.5-27B attends in layers 3, 7, ..., 63: under checkpoint_every 2 each is its block's top, never
+    rebuilt, so its attention runs forward twice as under checkpoint_every 1 (not the layers' average 2.5), while
+    the DeltaNet layers 0 and 2 of every 4 run a third forward. checkpoint_every 3 rebuilds some full layers."""
+    shape = ModelShape.preset("qwen3.5-27b")
+    base = Settings(max_length=1048576, layout=Layout(8, 8), attn_implementation="sdpa", deltanet_kernel="fla")
+
+    def parts(every: int) -> dict[str, float]:
+        s = base.with_levers(gradient_checkpointing=True, checkpoint_every=every, keep_attention_outputs=0)
+        return step_time(shape, s, shape.num_params, gpu_name="NVIDIA H100 80GB HBM3").parts
+
+    one, two, three = parts(1), parts(2), parts(3)
+    assert two["attention forward"] == pytest.approx(one["attention forward"], rel=1e-12)
+    assert two["attention backward"] == pytest.approx(one["attention backward"], rel=1e-12)
+    assert three["attention forward"] == pytest.approx(one["attention forward"] * 42 / 32)  # 10 of 16 rebuilt
+    mixer = next(k for k in one if k.startswith("linear_attention"))
+    assert two[mixer] > one[mixer]  # 32 of the 48 DeltaNet layers are rebuilt

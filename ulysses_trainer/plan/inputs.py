@@ -16,8 +16,8 @@ from ..vocabulary.lever_settings import EVERY_LAYER, Levers
 from ..vocabulary.names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS
 from .model_shape import ModelShape
 
-__all__ = ["ModelShape", "Settings", "Zero3Knobs", "check_settings", "forward_passes", "kv_repeat", "local_tokens",
-           "mlp_run", "saved_layer_count"]
+__all__ = ["ModelShape", "Settings", "Zero3Knobs", "check_settings", "forward_passes", "kv_repeat",
+           "layer_forward_passes", "local_tokens", "mean_forward_passes", "mlp_run", "saved_layer_count"]
 
 
 @dataclass(frozen=True)
@@ -204,8 +204,28 @@ def forward_passes(shape: ModelShape, s: Settings) -> float:
     if not s.levers.gradient_checkpointing:
         return 1.0
     c = s.levers.checkpoint_every
-    rebuilt = shape.layers - -(-shape.layers // c)  # layers that are not block starts
+    rebuilt = shape.layers - -(-shape.layers // c)  # layers that are not block tops
     return 2.0 + rebuilt / shape.layers
+
+
+def layer_forward_passes(shape: ModelShape, s: Settings, layer: int) -> int:
+    """Forwards of decoder layer `layer` in one micro-step: 1, plus its recompute with checkpointing, plus one
+    rebuild unless it is its block's top (levers/recompute.py: the backward of a block's top re-runs the layers
+    below it in the block once, no graph). Which layers are tops matters where only some layers attend: Qwen3.5's
+    full layers (every 4th, indices 3 mod 4) are all tops under checkpoint_every 2, so they run 2 forwards, not
+    the average's 2.5."""
+    if not s.levers.gradient_checkpointing:
+        return 1
+    c = s.levers.checkpoint_every
+    top = min(layer - layer % c + c, shape.layers) - 1
+    return 2 + int(layer != top)
+
+
+def mean_forward_passes(shape: ModelShape, s: Settings, layers: list[int]) -> float:
+    """The mean of layer_forward_passes over `layers` (forward_passes where there are none)."""
+    if not layers:
+        return forward_passes(shape, s)
+    return sum(layer_forward_passes(shape, s, i) for i in layers) / len(layers)
 
 
 def mlp_run(shape: ModelShape, s: Settings) -> MlpRun:

@@ -36,12 +36,12 @@ The model predicts a warm step: the first step also compiles and autotunes kerne
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..families import MlpRun
 from .attention_time import attention_seconds, head_dim_scale, sinks_measured, windowed_seconds
 from .card_rates import H200, Rates, rates_for
-from .inputs import ModelShape, Settings, mlp_run
+from .inputs import ModelShape, Settings, layer_forward_passes, mean_forward_passes, mlp_run
 
 # Below this the fixed costs of a step that the model leaves out (kernel launches, Python, DeepSpeed's
 # per-parameter bookkeeping) dominate: a tiny model's 0.003 s prediction measures 0.1 s
@@ -144,12 +144,14 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
     windowed = set(shape.windowed_layers) if 0 < shape.sliding_window < s.padded_length else set()
     windowed = windowed & set(attending)
     full = [i for i in attending if i not in windowed]
-    forwards = run.forward_passes * len(full) - sum(1 for i in full if i < kept)
+    # each layer's own count: under checkpoint_every a block's top is not rebuilt (plan/inputs.layer_forward_passes)
+    forwards = sum(layer_forward_passes(shape, s, i) for i in full) - sum(1 for i in full if i < kept)
     backwards = len(full)
     window_fwd = window_bwd = 0.0
     if windowed and s.attn_implementation in r.KERNEL_RATES:  # the block path, whatever kernel the plan names
         w_f, w_b, measured = windowed_seconds(shape, s, r)
-        window_fwd, window_bwd = len(windowed) * run.forward_passes * w_f, len(windowed) * w_b
+        window_fwd = sum(layer_forward_passes(shape, s, i) for i in windowed) * w_f
+        window_bwd = len(windowed) * w_b
         rate = (f"at its measured rate ({r.SINK_CARD}, gpt-oss's rank shape)" if measured else
                 f"at the planned kernel's rate (the block path measured at window {r.WINDOW_BLOCK_TFLOPS[0]} only: "
                 f"an optimistic guess)")
@@ -162,7 +164,8 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
              "matmuls and the rest": dense / (r.DENSE_TFLOPS * 1e12) * accumulation}
     mixer, mixer_taken = shape.family.mixer, 0.0
     if mixer is not None and mixed:
-        seconds, mixer_notes, layer_taken = mixer.seconds(shape.dims, run, r)
+        mixer_run = replace(run, forward_passes=mean_forward_passes(shape, s, sorted(mixed)))
+        seconds, mixer_notes, layer_taken = mixer.seconds(shape.dims, mixer_run, r)
         # measured whole (its projections and elementwise work inside), or its kernels alone
         parts[f"{mixer.kind} {'mixers (measured whole)' if layer_taken else 'kernels'}"] = \
             len(mixed) * seconds * accumulation
@@ -184,7 +187,8 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
         parts["matmuls and the rest"] -= norms["torch"] * accumulation
         parts[f"RMSNorms ({s.norm_kernel})"] = norms[s.norm_kernel] * accumulation
     if shape.family.fused_rope:  # the dense rate was fitted with HF's rotate_half inside it: swap in the kernel's
-        half, fused = (rope_seconds(shape, run, k, len(attending), r) for k in ("torch", "triton"))
+        rope_run = replace(run, forward_passes=mean_forward_passes(shape, s, attending))
+        half, fused = (rope_seconds(shape, rope_run, k, len(attending), r) for k in ("torch", "triton"))
         parts["matmuls and the rest"] -= half * accumulation
         parts["RoPE (triton)"] = fused * accumulation
     if parts["matmuls and the rest"] < matmuls_alone:  # a narrow model (hidden 2048): more norm than matmul time
@@ -233,8 +237,9 @@ def step_floor(shape: ModelShape, s: Settings, parts: dict[str, float], accumula
     kernels = {k: v for k, v in parts.items() if k.startswith("attention ")}
     mixer = shape.family.mixer
     if mixer is not None and shape.mixer_layers:  # its kernels alone, whether or not the step timed it whole
-        kernels[f"{mixer.kind} kernels"] = len(set(shape.mixer_layers)) * mixer.kernel_seconds(shape.dims, run, r)[0] \
-            * accumulation
+        mixed = sorted(set(shape.mixer_layers))
+        mixer_run = replace(run, forward_passes=mean_forward_passes(shape, s, mixed))
+        kernels[f"{mixer.kind} kernels"] = len(mixed) * mixer.kernel_seconds(shape.dims, mixer_run, r)[0] * accumulation
     out = {**{f"{k} s": v for k, v in kernels.items()},
            "matmuls s": flops / (r.LOSS_MATMUL_TFLOPS * 1e12) * accumulation, "matmul tflops": r.LOSS_MATMUL_TFLOPS}
     out["floor s"] = sum(kernels.values()) + out["matmuls s"]
