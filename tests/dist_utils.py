@@ -98,12 +98,16 @@ def unverified(args: list[str]) -> list[str]:
 
 def train_command(num_gpus: int, args: list[str]) -> list[str]:
     """The real `deepspeed --num_gpus N launch/train.py ...` command, on a free master port (verify_sp: unverified)."""
+    import shutil
     import sys
     from pathlib import Path
 
     deepspeed = Path(sys.executable).with_name("deepspeed")
-    return [str(deepspeed) if deepspeed.exists() else "deepspeed", "--master_port", str(free_port()),
-            "--num_gpus", str(num_gpus), "launch/train.py", *unverified(args)]
+    found = str(deepspeed) if deepspeed.exists() else shutil.which("deepspeed")
+    # a DeepSpeed installed without its scripts on PATH (pip --target): the module the command runs
+    launcher = [found] if found else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    return [*launcher, "--master_port", str(free_port()), "--num_gpus", str(num_gpus), "launch/train.py",
+            *unverified(args)]
 
 
 STARTED: list[subprocess.Popen] = []  # jobs start_job began; conftest's reaper kills what a test left running
