@@ -17,6 +17,7 @@ from tests.test_offload import (
 from ulysses_trainer.errors import ConfigError
 from ulysses_trainer.levers.host_pool import HostPool
 from ulysses_trainer.levers.recompute import LayerRecompute
+from ulysses_trainer.plan.inputs import ModelShape, Settings, forward_passes, layer_forward_passes
 
 N = 5  # odd: the last block is short
 
@@ -135,8 +136,6 @@ def test_keeps_one_layer_input_in_k():
 def test_each_layer_runs_the_forwards_the_plan_counts(tiny, every):
     """The planner's per-layer forward count (plan/inputs.layer_forward_passes: a block's top is not rebuilt)
     is what the recompute runs: hooks count each layer's attention forwards through a real backward."""
-    from ulysses_trainer.plan.inputs import ModelShape, Settings, forward_passes, layer_forward_passes
-
     model, ids, _ = tiny
     counts = [0] * N
     hooks = [layer.self_attn.register_forward_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))

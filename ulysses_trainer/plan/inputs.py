@@ -5,6 +5,7 @@ in plan/partitions.py). plan/memory.py turns them into terms.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -17,7 +18,7 @@ from ..vocabulary.names import DEFAULT_SUB_GROUP_SIZE, PLANNED_KERNELS
 from .model_shape import ModelShape
 
 __all__ = ["ModelShape", "Settings", "Zero3Knobs", "check_settings", "forward_passes", "kv_repeat",
-           "layer_forward_passes", "local_tokens", "mean_forward_passes", "mlp_run", "saved_layer_count"]
+           "layer_forward_passes", "local_tokens", "mlp_run", "saved_layer_count"]
 
 
 @dataclass(frozen=True)
@@ -221,18 +222,14 @@ def layer_forward_passes(shape: ModelShape, s: Settings, layer: int) -> int:
     return 2 + int(layer != top)
 
 
-def mean_forward_passes(shape: ModelShape, s: Settings, layers: list[int]) -> float:
-    """The mean of layer_forward_passes over `layers` (forward_passes where there are none)."""
-    if not layers:
-        return forward_passes(shape, s)
-    return sum(layer_forward_passes(shape, s, i) for i in layers) / len(layers)
-
-
-def mlp_run(shape: ModelShape, s: Settings) -> MlpRun:
-    """What the family's MLP block terms read of these settings (families/base.MlpRun)."""
-    return MlpRun(tokens=s.local_tokens, act_bytes=s.act_bytes, levers=s.levers,
-                  forward_passes=forward_passes(shape, s), experts_implementation=s.experts_implementation,
-                  lean_norm=s.lean_norm, weights_frozen=s.trainable_numels is not None)
+def mlp_run(shape: ModelShape, s: Settings, layers: Collection[int] = ()) -> MlpRun:
+    """What the family's MLP block terms read of these settings (families/base.MlpRun); with `layers`, their
+    mean forwards (layer_forward_passes) instead of every layer's."""
+    passes = (sum(layer_forward_passes(shape, s, i) for i in layers) / len(layers) if layers else
+              forward_passes(shape, s))
+    return MlpRun(tokens=s.local_tokens, act_bytes=s.act_bytes, levers=s.levers, forward_passes=passes,
+                  experts_implementation=s.experts_implementation, lean_norm=s.lean_norm,
+                  weights_frozen=s.trainable_numels is not None)
 
 
 def kv_repeat(shape: ModelShape, sp_size: int) -> int:

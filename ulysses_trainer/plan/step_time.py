@@ -36,12 +36,12 @@ The model predicts a warm step: the first step also compiles and autotunes kerne
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..families import MlpRun
 from .attention_time import attention_seconds, head_dim_scale, sinks_measured, windowed_seconds
 from .card_rates import H200, Rates, rates_for
-from .inputs import ModelShape, Settings, layer_forward_passes, mean_forward_passes, mlp_run
+from .inputs import ModelShape, Settings, layer_forward_passes, mlp_run
 
 # Below this the fixed costs of a step that the model leaves out (kernel launches, Python, DeepSpeed's
 # per-parameter bookkeeping) dominate: a tiny model's 0.003 s prediction measures 0.1 s
@@ -164,8 +164,7 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
              "matmuls and the rest": dense / (r.DENSE_TFLOPS * 1e12) * accumulation}
     mixer, mixer_taken = shape.family.mixer, 0.0
     if mixer is not None and mixed:
-        mixer_run = replace(run, forward_passes=mean_forward_passes(shape, s, sorted(mixed)))
-        seconds, mixer_notes, layer_taken = mixer.seconds(shape.dims, mixer_run, r)
+        seconds, mixer_notes, layer_taken = mixer.seconds(shape.dims, mlp_run(shape, s, mixed), r)
         # measured whole (its projections and elementwise work inside), or its kernels alone
         parts[f"{mixer.kind} {'mixers (measured whole)' if layer_taken else 'kernels'}"] = \
             len(mixed) * seconds * accumulation
@@ -187,7 +186,7 @@ def step_time(shape: ModelShape, s: Settings, num_params: int, *, accumulation: 
         parts["matmuls and the rest"] -= norms["torch"] * accumulation
         parts[f"RMSNorms ({s.norm_kernel})"] = norms[s.norm_kernel] * accumulation
     if shape.family.fused_rope:  # the dense rate was fitted with HF's rotate_half inside it: swap in the kernel's
-        rope_run = replace(run, forward_passes=mean_forward_passes(shape, s, attending))
+        rope_run = mlp_run(shape, s, attending)
         half, fused = (rope_seconds(shape, rope_run, k, len(attending), r) for k in ("torch", "triton"))
         parts["matmuls and the rest"] -= half * accumulation
         parts["RoPE (triton)"] = fused * accumulation
@@ -237,9 +236,9 @@ def step_floor(shape: ModelShape, s: Settings, parts: dict[str, float], accumula
     kernels = {k: v for k, v in parts.items() if k.startswith("attention ")}
     mixer = shape.family.mixer
     if mixer is not None and shape.mixer_layers:  # its kernels alone, whether or not the step timed it whole
-        mixed = sorted(set(shape.mixer_layers))
-        mixer_run = replace(run, forward_passes=mean_forward_passes(shape, s, mixed))
-        kernels[f"{mixer.kind} kernels"] = len(mixed) * mixer.kernel_seconds(shape.dims, mixer_run, r)[0] * accumulation
+        mixed = set(shape.mixer_layers)
+        seconds, _ = mixer.kernel_seconds(shape.dims, mlp_run(shape, s, mixed), r)
+        kernels[f"{mixer.kind} kernels"] = len(mixed) * seconds * accumulation
     out = {**{f"{k} s": v for k, v in kernels.items()},
            "matmuls s": flops / (r.LOSS_MATMUL_TFLOPS * 1e12) * accumulation, "matmul tflops": r.LOSS_MATMUL_TFLOPS}
     out["floor s"] = sum(kernels.values()) + out["matmuls s"]
