@@ -102,7 +102,8 @@ def test_qwen3_5_35b_plans_its_h100_rehearsal():
     doc = json.loads((RESULTS / "rehearsal/rehearse_qwen3_5_35b_a3b_8gpu_1m_steps3_h100.json").read_text())
     plan = _plan_json(["plan", "--config", "launch/recipes/qwen3_5_35b_a3b_8gpu_1m.yaml", "--gpus", "8", "--gpu",
                        "h100", "--host_memory_gb", "2000", "--host_cores", "128", "--attn_implementation",
-                       doc["attention_kernel"], "--deltanet_kernel", "fla", "--norm_kernel", "triton", "--json"])
+                       doc["attention_kernel"], "--deltanet_kernel", "fla", "--norm_kernel", "triton", "--tiled_mlp",
+                       str(doc["mlp_tiles"]), "--json"])  # at the tiles it ran (tests/test_resolve.py: auto's)
     assert plan["activation_offload"] == doc["offloaded_layers"] and plan["tiled_mlp"] == doc["mlp_tiles"]
     measured = doc["compute_s"] + doc["comm_s_estimate"]
     assert abs(plan["predicted_step_s"] / measured - 1) <= 0.05, (plan["predicted_step_s"], measured)
@@ -115,8 +116,8 @@ def test_gpt_oss_20b_plans_its_rehearsal():
     doc = json.loads((RESULTS / "rehearsal/rehearse_gpt_oss_20b_8gpu_1m_h100.json").read_text())
     args = ["plan", "--model", "gpt-oss-20b", "--max_length", str(doc["max_length"]), "--gpus", str(doc["world_size"]),
             "--gpu", "h100", "--host_memory_gb", "2000", "--host_cores", "128", *YARN, "--attn_implementation",
-            doc["attention_kernel"], "--norm_kernel", "triton", "--json"]
-    plan = _plan_json(args)
+            doc["attention_kernel"], "--norm_kernel", "triton", "--tiled_mlp", str(doc["mlp_tiles"]), "--json"]
+    plan = _plan_json(args)  # at the tiles it ran: auto now times fewer too (tests/test_resolve.py)
     assert plan["activation_offload"] == doc["offloaded_layers"] and plan["tiled_mlp"] == doc["mlp_tiles"]
     measured = doc["compute_s"] + doc["comm_s_estimate"]
     assert abs(plan["predicted_step_s"] / measured - 1) <= 0.05, (plan["predicted_step_s"], measured)

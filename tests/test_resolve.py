@@ -3,6 +3,8 @@ every `auto` is decided there (the fastest predicted step that fits), and the dr
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 from dataclasses import replace
@@ -32,6 +34,7 @@ from ulysses_trainer.plan.step_time import (
 )
 from ulysses_trainer.plan.types import Machine, ZeroSettings
 from ulysses_trainer.vocabulary.layout import Layout
+from ulysses_trainer.vocabulary.names import default_mlp_tiles
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "launch" / "recipes").glob("*.yaml"))
@@ -158,6 +161,28 @@ def test_auto_chooses_the_fastest_plan_that_fits_not_the_first():
     with pytest.raises(ConfigError, match="optimizer_offload true but the ZeRO JSON has no offload_optimizer"):
         resolve_plan(TrainConfig(model_name_or_path="qwen3-4b", max_length=262144, optimizer_offload=True), Q4,
                      Machine(gpus=1, **H200), ZeroSettings(optimizer_offload=False))
+
+
+def _recipe_plan(recipe: str, *extra: str) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli_main(["plan", "--config", str(ROOT / "launch" / "recipes" / recipe), "--gpu", "h100",
+                         "--host_memory_gb", "2000", "--host_cores", "128", *extra, "--json"]) == 0
+    return json.loads(out.getvalue())["plan"]
+
+
+def test_a_sparse_block_takes_fewer_tiles_than_the_rule_where_the_step_is_faster():
+    """The tile rule is a memory rule: a sparse block's measured rate falls with its tiles (grouped_mm at 1 and 4
+    tiles on the card), so where fewer tiles fit, `auto` times them and takes them when the step is faster; a dense
+    MLP, whose time does not depend on its tiles, keeps the rule's count."""
+    shape = ModelShape.preset("qwen3.5-35b-a3b")
+    rule = default_mlp_tiles(1_048_576 // 8, shape.mlp_row_width)
+    auto = _recipe_plan("qwen3_5_35b_a3b_8gpu_1m.yaml")
+    at_rule = _recipe_plan("qwen3_5_35b_a3b_8gpu_1m.yaml", "--tiled_mlp", str(rule))
+    assert auto["fits"] and auto["tiled_mlp"] < rule and auto["predicted_step_s"] < at_rule["predicted_step_s"]
+    dense = ModelShape.preset("qwen3-8b")
+    assert _recipe_plan("reference_8gpu_1m.yaml")["tiled_mlp"] == default_mlp_tiles(1_048_576 // 8,
+                                                                                    dense.mlp_row_width)
 
 
 def test_the_ds_config_gets_the_plans_optimizer_placement():

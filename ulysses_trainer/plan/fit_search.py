@@ -6,8 +6,9 @@ layer inputs, the kept attention outputs; a lever the user fixed takes only its 
 (`Search.est`, `Search.fits`): GPU need and host RAM per host against the budgets; the closest miss is kept.
 
 - `search_fits` then `Fits.fastest` (what the plan runs; plan/resolve.py decodes the levers and calls it): at
-  the first checkpoint_every where anything fits, per placement the first tile count where anything fits, the
-  settings with the shortest predicted step (the search is memory only; the step time chooses among what it found).
+  the first checkpoint_every where anything fits, per placement the first tile count where anything fits (and,
+  where that is the shape rule's, the fewer counts under it that fit), the settings with the shortest predicted
+  step (the search is memory only; the step time chooses among what it found).
 - `cheapest_autos` (the CPU run, no GPU budget): every auto at its cheapest value.
 - `cheapest_fit` (memory only; plan/longest_fit.py bisects the length over it): the first settings that fit in
   the cost order: the smallest checkpoint_every, then Adam on the GPU, then the fewest offloaded inputs, then
@@ -96,6 +97,19 @@ class Search:
 
     def top_tiles(self) -> int:
         return max(1, min(MAX_TILES, self.base.local_tokens))
+
+    def tiles_under_rule(self) -> list[int]:
+        """The tile counts under the shape rule worth timing where the rule's count fits (halving down to untiled):
+        fewer tiles cost memory, not time, except where a block's measured rate falls with its tiles (a sparse
+        block: families/qwen3_moe.experts_rate); `Fits.fastest` takes one only when the step time says faster."""
+        if self.fixed.tiled_mlp is not None:
+            return []
+        rule = min(default_mlp_tiles(self.base.local_tokens, self.shape.mlp_row_width), self.top_tiles())
+        out, t = [], rule
+        while t > 1:
+            t //= 2
+            out.append(t)
+        return out
 
     def tile_ladder(self, *, every_count: bool) -> list[int]:
         """The tile counts to try, ascending. every_count False: the shape rule (`default_mlp_tiles`), more only
@@ -247,6 +261,8 @@ def search_fits(shape: ModelShape, base: Settings, fixed: Levers, keep_max: int,
             for tiles in ladder:
                 here = _timed_candidates(sr, r, tiles, keep_max)
                 if here:
+                    if tiles == ladder[0]:  # the rule's count fits: fewer are timed after it (a tie keeps the rule)
+                        here += [e for t in sr.tiles_under_rule() for e in _timed_candidates(sr, r, t, keep_max)]
                     found[r.opt] = here
                     break
         if found:
