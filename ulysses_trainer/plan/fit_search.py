@@ -98,18 +98,12 @@ class Search:
     def top_tiles(self) -> int:
         return max(1, min(MAX_TILES, self.base.local_tokens))
 
-    def tiles_under_rule(self) -> list[int]:
-        """The tile counts under the shape rule worth timing where the rule's count fits (halving down to untiled):
-        fewer tiles cost memory, not time, except where a block's measured rate falls with its tiles (a sparse
-        block: families/qwen3_moe.experts_rate); `Fits.fastest` takes one only when the step time says faster."""
-        if self.fixed.tiled_mlp is not None:
-            return []
-        rule = min(default_mlp_tiles(self.base.local_tokens, self.shape.mlp_row_width), self.top_tiles())
-        out, t = [], rule
-        while t > 1:
-            t //= 2
-            out.append(t)
-        return out
+    def tiles_under(self, rule: int) -> list[int]:
+        """The tile counts under the shape rule's `rule` worth timing where it fits (halving down to untiled; none
+        where the user fixed the tiles): fewer tiles cost memory, not time, except where a block's measured rate
+        falls with its tiles (a sparse block: families/qwen3_moe.experts_rate); `Fits.fastest` takes one only when
+        the step time says faster."""
+        return [] if self.fixed.tiled_mlp is not None else [rule >> k for k in range(1, rule.bit_length())]
 
     def tile_ladder(self, *, every_count: bool) -> list[int]:
         """The tile counts to try, ascending. every_count False: the shape rule (`default_mlp_tiles`), more only
@@ -262,7 +256,7 @@ def search_fits(shape: ModelShape, base: Settings, fixed: Levers, keep_max: int,
                 here = _timed_candidates(sr, r, tiles, keep_max)
                 if here:
                     if tiles == ladder[0]:  # the rule's count fits: fewer are timed after it (a tie keeps the rule)
-                        here += [e for t in sr.tiles_under_rule() for e in _timed_candidates(sr, r, t, keep_max)]
+                        here += [e for t in sr.tiles_under(tiles) for e in _timed_candidates(sr, r, t, keep_max)]
                     found[r.opt] = here
                     break
         if found:
