@@ -26,6 +26,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 from benchmarks.long_context import _init_dist, _plan_ours, _policy  # noqa: E402
 from benchmarks.systems import SYSTEMS  # noqa: E402
 from ulysses_trainer.families.presets import preset_config  # noqa: E402
+from ulysses_trainer.levers import rope  # noqa: E402
 from ulysses_trainer.model.load import build_model  # noqa: E402
 
 BUCKETS = (  # first match wins; names lower-cased
@@ -99,6 +100,10 @@ def main() -> None:
     ap.add_argument("--keep-attention-outputs", default="false")
     ap.add_argument("--kernel", default="sdpa", help="attention kernel: sdpa / flash_attention_4")
     ap.add_argument("--tiled-mlp", default="auto", help="false / true / auto / a tile count")
+    ap.add_argument("--norm-kernel", default="auto", help="the lean RMSNorms' kernel: auto / triton / torch")
+    ap.add_argument("--rope", default="auto", choices=("auto", "torch"),
+                    help="torch: HF's rotate_half ops in place of the Triton RoPE kernel (how the H200's dense "
+                         "rate was profiled, before that kernel existed)")
     ap.add_argument("--layers", type=int, default=None,
                     help="decoder layers (default: the preset's); per-layer time scales to the full model")
     ap.add_argument("--out", required=True)
@@ -117,8 +122,10 @@ def main() -> None:
     with torch.device(device):
         model = build_model(config, dtype, seed=0)
     keep = _policy(args.keep_attention_outputs)
+    if args.rope == "torch":  # apply_rope reads the module's rope_kernel_for at each call
+        rope.rope_kernel_for = lambda q: "torch"
     net = SYSTEMS["ours"](model, args.kernel, args.length, offload, under_zero3=False, keep_attention_outputs=keep,
-                          tiled_mlp=_policy(args.tiled_mlp))
+                          tiled_mlp=_policy(args.tiled_mlp), norm_kernel=args.norm_kernel)
     if cuda:
         _plan_ours(net, config, args.length, args.kernel, model=args.model, offload=offload, keep=keep)
     L = args.length
@@ -140,6 +147,7 @@ def main() -> None:
     result = {"model": args.model, "length": L, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "offload": args.offload, "keep_attention_outputs": keep,
               "kernel": net.sp_model.attention.kernel, "tiled_mlp": args.tiled_mlp,
+              "norm_kernel": args.norm_kernel, "rope": args.rope,
               "layers": config.num_hidden_layers, "full_model_layers": full_layers,
               "wall_s_profiled": wall, "device_busy_s": busy_seconds(prof.events()) if cuda else None,
               **summarize(prof.events(), "cuda" if cuda else "cpu")}

@@ -23,14 +23,14 @@ from ulysses_trainer.parallel.state import single_process_state
 class OursLoss(nn.Module):
     def __init__(self, model, kernel: str, seq_len: int, offload, under_zero3: bool = True,
                  lean_norm: bool = True, checkpoint_every: int = 1, keep_attention_outputs=False,
-                 tiled_mlp="auto"):
+                 tiled_mlp="auto", norm_kernel: str = "auto"):
         super().__init__()
         from ulysses_trainer.model.parallelize import ParallelizeConfig, parallelize
 
         self.sp_model = parallelize(model, single_process_state(), ParallelizeConfig(
             attn_implementation=kernel, tiled_mlp=tiled_mlp, gradient_checkpointing=True,
             activation_offload=offload, local_seq_len=seq_len, lean_norm=lean_norm,
-            checkpoint_every=checkpoint_every, keep_attention_outputs=keep_attention_outputs))
+            checkpoint_every=checkpoint_every, keep_attention_outputs=keep_attention_outputs, norm_kernel=norm_kernel))
 
     def forward(self, input_ids, position_ids):
         shard = shard_batch(input_ids, position_ids=position_ids, sp_size=1, sp_rank=0)

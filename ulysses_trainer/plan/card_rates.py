@@ -2,11 +2,11 @@
 that card's files in benchmarks/results/ by a test (tests/test_card_rates.py), and the rule that picks one.
 
 Torch-free. The H200's tables are plan/rates.py's constants. The H100's come from its own runs of
-`benchmarks/suite.py card_rates` (files named *_h100*); what was not measured on it is the H200's, listed in
-`borrowed` so the plan says so: the dense rate (fitted on H200 runs of Qwen3-4B; the H100's dense plans held within
-3% with it: the reference rehearsal 237.4 s measured vs 241.5 planned, the one-GPU 256K recipe 141.3 vs 145.4) and
-the chunked loss's rates. Field names are plan/rates.py's constant names: the families read a table as they read
-that module (`rates.EXPERTS_TFLOPS`).
+`benchmarks/suite.py card_rates` (files named *_h100*) and of `benchmarks/profile_step.py` (the dense rate and the
+chunked loss's rates: the H200's profiles of Qwen3-4B at 262,144 tokens, 1 and 8 layers, run again on it with the
+kernels they ran then). What a card does not measure it takes from the H200, listed in `borrowed` so the plan says
+so (the H100 borrows nothing). Field names are plan/rates.py's constant names: the families read a table as they
+read that module (`rates.EXPERTS_TFLOPS`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ SINK_SOURCES = ("sink_attention/sink_attention_sdpa_h100.json", "sink_attention/
 SINK_RATES_H100 = {"flash_attention_4": ((131072, 423.75, 413.35),),
                    "sdpa": ((131072, 327.16, 274.23), (1048576, 282.66, 281.06))}
 WINDOW_BLOCK_TFLOPS_H100 = (128, 30.86, 19.93)  # window, fwd, bwd: 1M tokens, masked SDPA on gathered key blocks
+# benchmarks/profile_step.py on the H100: the H200's LOSS_SOURCES runs (Qwen3-4B, 262,144 tokens, 1 and 8 layers,
+# cuDNN, offload and kept outputs) with the torch norms and HF's RoPE ops they ran (`--norm-kernel torch --rope
+# torch`): the chunked loss's rates as rates.loss_rates_from_results reads them, the dense rate as the H200's
+# scaled by the 8-layer runs' kernel seconds outside attention (rates.dense_rate_from_results)
+H100_PROFILE_SOURCES = ("profile_262144_l1_offtrue_tiledauto_torch_norms_rope_h100.json",
+                        "profile_262144_l8_offtrue_tiledauto_torch_norms_rope_h100.json")
 # one device-to-device copy of 1 GiB (data_dependence_*.json "copy_d2d"): H100 1451 GB/s, H200 2012 GB/s; the
 # fused GPU Adam is memory-bound, so the H200's effective bandwidth scales by their ratio
 COPY_GBPS = {"h100": 1451.41, "h200": 2012.26}
@@ -150,7 +156,11 @@ H100 = Rates(
     # deltanet_kernels/mixer_35b_a3b_sp8_h100.json: Qwen3.5-35B-A3B's mixer of one sp=8 rank, 0.260 s fwd+bwd at 1M
     MIXER_SOURCES=(((2048, 16, 32, 128, 128), "deltanet_kernels/mixer_35b_a3b_sp8_h100.json"),),
     MIXER_S_PER_TOKEN=(((2048, 16, 32, 128, 128), 1.9871e-06),),
-    borrowed=("the dense rate", "the chunked loss's rates"),
+    # H100_PROFILE_SOURCES: outside attention the 8-layer run took 7.66 s of kernels against the H200's 7.07 (its
+    # matmuls 3.08 s on both, its elementwise work slower); the lm_head's matmuls at 743.6 TFLOP/s (H200: 775.9)
+    DENSE_TFLOPS=346.9,
+    LOSS_MATMUL_TFLOPS=743.6,
+    LOSS_S_PER_LOGIT=3.1284e-11,
 )
 
 TABLES: dict[str, Rates] = {"h200": H200, "h100": H100}

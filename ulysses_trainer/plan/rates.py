@@ -165,11 +165,12 @@ def experts_rates_from_results(results_dir: str | Path,
     return {k: tuple(sorted(v)) for k, v in out.items()}
 
 
-def loss_rates_from_results(results_dir: str | Path) -> tuple[float, float]:
+def loss_rates_from_results(results_dir: str | Path, sources: tuple[str, str] = LOSS_SOURCES
+                            ) -> tuple[float, float]:
     """(LOSS_MATMUL_TFLOPS, LOSS_S_PER_LOGIT) rebuilt from the 1- and 8-layer profiles: the once-per-step kernel
     time is the 1-layer run's minus one layer's (the runs' difference / 7); its matmuls are the lm_head's
     6 V H t FLOPs, the rest (elementwise, reductions, copies) is divided by the t x V logits."""
-    one, eight = (json.loads((Path(results_dir) / n).read_text()) for n in LOSS_SOURCES)
+    one, eight = (json.loads((Path(results_dir) / n).read_text()) for n in sources)
     assert one["model"] == eight["model"] == "qwen3-4b" and one["length"] == eight["length"]
     per = eight["layers"] - one["layers"]
 
@@ -180,6 +181,19 @@ def loss_rates_from_results(results_dir: str | Path) -> tuple[float, float]:
     vocab, hidden, t = 151936, 2560, one["length"]  # Qwen3-4B
     rest = sum(fixed(b) for b in one["seconds_by_bucket"] if b != "matmul" and not b.startswith("attention"))
     return round(6.0 * vocab * hidden * t / fixed("matmul") / 1e12, 1), float(f"{rest / (t * vocab):.5g}")
+
+
+def _outside_attention_s(profile: dict) -> float:
+    """A profile's kernel seconds outside attention: matmuls, elementwise, reductions, copies."""
+    return sum(s for b, s in profile["seconds_by_bucket"].items() if not b.startswith("attention"))
+
+
+def dense_rate_from_results(results_dir: str | Path, sources: tuple[str, str]) -> float:
+    """A card's DENSE_TFLOPS from the H200's: the 8-layer profile of LOSS_SOURCES run on both cards, the H200's
+    rate scaled by how much faster the card ran its kernels outside attention (the FLOPs are the same run's)."""
+    h200, card = (json.loads((Path(results_dir) / n).read_text()) for n in (LOSS_SOURCES[1], sources[1]))
+    assert (h200["model"], h200["length"], h200["layers"]) == (card["model"], card["length"], card["layers"])
+    return round(DENSE_TFLOPS * _outside_attention_s(h200) / _outside_attention_s(card), 1)
 
 
 def deltanet_rule_rates_from_results(results_dir: str | Path,
