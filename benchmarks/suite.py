@@ -274,8 +274,9 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
                    "(plan/rates.py's tables for that card are rebuilt from them): attention at head_dim 128 (32/8 "
                    "heads, 32K-256K; 1M at 4/1 with a bf16 matmul), flash-attn-4's tile gain at 256K and 1M, the "
                    "RMSNorm and RoPE kernels, a Qwen3-30B-A3B sparse block, Gated DeltaNet's rule and conv and "
-                   "attention at head_dim 256 (needs flash-attn-4 and fla-core for their rows), and DeepSpeed's CPU "
-                   "Adam on the host's cores", [
+                   "attention at head_dim 256 (needs flash-attn-4 and fla-core for their rows), DeepSpeed's CPU "
+                   "Adam on the host's cores, and the Qwen3-4B profiles at 1 and 8 layers the dense and chunked-loss "
+                   "rates come from", [
         (KERNELS, "--lengths", "32768,65536,131072,262144", "--iters", "2", "--kernels",
          "sdpa_cudnn,sdpa_flash_expanded_kv,ours_grouped_cudnn,ours_grouped_fa4",
          "--out", f"attention_kernels_{CARD}.json"),
@@ -288,7 +289,11 @@ CASES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
         ("benchmarks/moe_experts.py", "--impls", "eager,grouped_mm", "--out", f"moe_experts_{CARD}.json"),
         ("benchmarks/deltanet_kernels.py", f"{OUT}/deltanet_{CARD}.json", "--cases", "delta_rule,conv,attention_hd256",
          "--lengths", "1048576"),
-        ("benchmarks/cpu_adam.py", "--cores", "16,8,4", "--out", f"cpu_adam_{CARD}.json")]),
+        ("benchmarks/cpu_adam.py", "--cores", "16,8,4", "--out", f"cpu_adam_{CARD}.json"),
+        *(("benchmarks/profile_step.py", "--model", "qwen3-4b", "--length", "262144", "--offload", "true",
+           "--keep-attention-outputs", "true", "--tiled-mlp", "auto", "--kernel", "sdpa", "--norm-kernel", "torch",
+           "--rope", "torch", "--layers", str(n),
+           "--out", f"profile_262144_l{n}_offtrue_tiledauto_torch_norms_rope_{CARD}.json") for n in (1, 8))]),
     "profile_qwen3_5_35b_kernels": ("Qwen3.5-35B-A3B's recipe at 4 of its 40 layers under torch.profiler, once with "
                                     "cuDNN and once with flash-attn-4 for its head_dim-256 full-attention layer, the "
                                     "full run's levers otherwise (needs fla-core and flash-attn-4)", [
