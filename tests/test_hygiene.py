@@ -45,6 +45,16 @@ def test_ignore_index_is_defined_once():
     assert [str(d) for d in defs] == ["ulysses_trainer/parallel/sharding.py"]
 
 
+def test_the_shard_scope_is_the_packages_one_context_variable():
+    """The blocks transformers' layers call with the hidden states alone read the shard from one scope
+    (parallel/sharding.shard_scope, docs/design.md says why): no other module keeps a ContextVar, and only
+    sharding.py touches the variable itself (the rest read shard_in_scope / mlp_output_unused)."""
+    holders = [str(p.relative_to(ROOT)) for p, text in _sources("ulysses_trainer") if "ContextVar" in text]
+    assert holders == ["ulysses_trainer/parallel/sharding.py"], holders
+    readers = [str(p.relative_to(ROOT)) for p, text in _sources("ulysses_trainer", "benchmarks") if "_IN_SCOPE" in text]
+    assert readers == ["ulysses_trainer/parallel/sharding.py"], readers
+
+
 def test_gib_is_defined_once():
     defs = [f"{p.relative_to(ROOT)}:{n}" for p, text in _sources("ulysses_trainer", "benchmarks", "tests")
             for n, line in enumerate(text.splitlines(), 1) if re.match(r"GIB\s*=", line)]
