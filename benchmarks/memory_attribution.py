@@ -157,9 +157,8 @@ def analyse(trace, start, unit):
         "sdpa_node_bwd": lambda fr: any(f["name"].startswith("OP[") and "ScaledDotProduct" in f["name"]
                                         and "Backward" in f["name"] for f in fr),
         "tiled_mlp_bwd": lambda fr: _has(fr, "levers/tiled_mlp.py", {"backward"}),
-        # a Gated DeltaNet layer's rule backward (fla's chunked kernels, or the torch rule's autograd nodes)
-        "deltanet_rule_bwd": lambda fr: any("fla/ops/" in f["filename"] and "backward" in f["name"] for f in fr)
-        or _has(fr, "qwen3_5/deltanet_kernels.py", {"backward"}),
+        # a Gated DeltaNet layer's rule backward in fla's chunked kernels (the torch rule is plain autograd ops)
+        "deltanet_rule_bwd": lambda fr: any("fla/ops/" in f["filename"] and "backward" in f["name"] for f in fr),
     }
     for name, pred in cats.items():
         idx = [i for i in allocs if pred(trace[i].get("frames", []))]
