@@ -158,7 +158,7 @@ def analyse(trace, start, unit):
                                         and "Backward" in f["name"] for f in fr),
         "tiled_mlp_bwd": lambda fr: _has(fr, "levers/tiled_mlp.py", {"backward"}),
         # a Gated DeltaNet layer's rule backward in fla's chunked kernels (the torch rule is plain autograd ops)
-        "deltanet_rule_bwd": lambda fr: any("fla/ops/" in f["filename"] and "backward" in f["name"] for f in fr),
+        "deltanet_rule_bwd": lambda fr: _has(fr, "fla/ops/", {"backward"}),
     }
     for name, pred in cats.items():
         idx = [i for i in allocs if pred(trace[i].get("frames", []))]
