@@ -141,6 +141,19 @@ def test_qwen3_5_27b_plans_its_h100_node_rehearsals(host_gb):
     assert plan["predicted_gpu_required_gb"] >= doc["peak_gpu_reserved_gb"]
 
 
+def test_auto_times_the_checkpoint_every_after_the_first_that_fits():
+    """Qwen3.5-27B at 1M on 8 H200s of a 560 GB node: every layer's input kept (the first checkpoint_every that
+    fits) leaves room for 51 attention outputs; every second layer's (its cheap DeltaNet layers rebuilt) for all
+    64, a shorter step by the plan, which auto takes (it stopped at the first that fit)."""
+    args = ["plan", "--config", "launch/recipes/qwen3_5_27b_8gpu_1m.yaml", "--gpus", "8", "--gpu", "h200",
+            "--host_memory_gb", "560", "--host_cores", "128", "--attn_implementation", "sdpa", "--deltanet_kernel",
+            "fla", "--norm_kernel", "triton", "--json"]
+    auto, every_layer = _plan_json(args), _plan_json([*args, "--checkpoint_every", "1"])
+    assert (auto["checkpoint_every"], every_layer["checkpoint_every"]) == (2, 1)
+    assert auto["keep_attention_outputs"] > every_layer["keep_attention_outputs"]
+    assert auto["predicted_step_s"] < every_layer["predicted_step_s"]
+
+
 def test_gpt_oss_20b_plans_its_rehearsal():
     """The plan for the kernels gpt-oss-20b's 1M rehearsal ran (rank 0 of sp=8 on an H100, cuDNN, the Triton norms)
     within 5% of what it measured; it was 44% under when its sink layers took the head-dim-128 rates."""
