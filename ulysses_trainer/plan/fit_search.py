@@ -252,7 +252,7 @@ def search_fits(shape: ModelShape, base: Settings, fixed: Levers, keep_max: int,
     sr = Search(shape, base, fixed, gpu_gb, host_gb, knobs)
     ladder = sr.tile_ladder(every_count=False)
     found: dict[bool, list[MemoryEstimate]] = {}
-    first = None  # the first checkpoint_every where anything fits
+    fitted_before = False  # something fit at an earlier checkpoint_every: this one is the last timed
     for rungs in sr.rungs():
         for r in rungs:
             for tiles in ladder:
@@ -262,10 +262,9 @@ def search_fits(shape: ModelShape, base: Settings, fixed: Levers, keep_max: int,
                         here += [e for t in sr.tiles_under(tiles) for e in _timed_candidates(sr, r, t, keep_max)]
                     found.setdefault(r.opt, []).extend(here)
                     break
-        if found and first is not None:
+        if fitted_before:
             break
-        if found:  # the next checkpoint_every is timed too: where a rebuild is cheap (a DeltaNet layer's), what
-            first = rungs[0].every  # it frees room to keep can make the step shorter
+        fitted_before = bool(found)  # the next is timed too: a cheap rebuild (a DeltaNet layer's) may buy a faster step
     return Fits(found, sr.closest)
 
 
